@@ -1,0 +1,54 @@
+// plm: the driver. It starts MPI and Kokkos, hands the subcommand its arguments, and turns a
+// plm::Error into one of the two fatal paths (collective: clean finalize; one rank: abort).
+#include "cli/args.hpp"
+#include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "dist/runtime.hpp"
+
+#include <cstdio>
+#include <cstring>
+#include <exception>
+#include <string>
+#include <vector>
+
+namespace {
+
+void printUsage() {
+  std::printf(
+      "plm: trains protein language models (ESM-2 and MoE variants) on CPUs and GPUs.\n\n"
+      "usage: plm <command> [options]    plm <command> --help    plm --version\n\ncommands:\n");
+  for (const auto& c : plm::cli::commands()) std::printf("  %-10s %s\n", c.name, c.summary);
+  std::printf("\nSee README.md and doc/ for the input deck reference and examples.\n");
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  plm::dist::Runtime runtime(argc, argv);
+  try {
+    std::vector<std::string> args(argv + 1, argv + argc);
+    if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
+      if (plm::dist::worldRank() == 0) printUsage();
+      return args.empty() ? 2 : 0;
+    }
+    if (args[0] == "--version" || args[0] == "version") {
+      std::string text = plm::cli::versionText();
+      if (plm::dist::worldRank() == 0) std::fputs(text.c_str(), stdout);
+      return 0;
+    }
+    for (const auto& c : plm::cli::commands()) {
+      if (args[0] == c.name) return c.run(std::vector<std::string>(args.begin() + 1, args.end()));
+    }
+    std::vector<std::string> names;
+    for (const auto& c : plm::cli::commands()) names.push_back(c.name);
+    std::string hint = plm::cli::closest(args[0], names);
+    throw plm::collectiveError("unknown command `" + args[0] + "`" +
+                               (hint.empty() ? "" : " (did you mean `" + hint + "`?)") +
+                               "; `plm --help` lists the commands");
+  } catch (const plm::Error& e) {
+    if (e.collective()) plm::fatalAll(e.what());
+    plm::fatalOne(e.what());
+  } catch (const std::exception& e) {
+    plm::fatalOne(std::string("internal error: ") + e.what());
+  }
+}

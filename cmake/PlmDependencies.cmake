@@ -1,0 +1,64 @@
+# Finds every dependency plm builds on and says clearly what is missing.
+# Debian bookworm's Trilinos 13.2 packages on the CPU; a CUDA build of the same source
+# (../shared/GPU.md, scripts/build-deps-cuda.sh) on GPU machines, via CMAKE_PREFIX_PATH.
+
+find_package(MPI REQUIRED COMPONENTS C CXX)
+
+find_package(Kokkos REQUIRED)
+find_package(KokkosKernels REQUIRED)
+find_package(Teuchos REQUIRED)
+
+# Trilinos' TriBITS-installed configs export library names and include dirs rather than
+# complete imported targets; gather them into one interface target.
+add_library(plm_trilinos INTERFACE)
+target_include_directories(plm_trilinos SYSTEM INTERFACE
+  ${Kokkos_INCLUDE_DIRS} ${KokkosKernels_INCLUDE_DIRS} ${Teuchos_INCLUDE_DIRS}
+  ${Kokkos_TPL_INCLUDE_DIRS} ${KokkosKernels_TPL_INCLUDE_DIRS})
+target_link_directories(plm_trilinos INTERFACE ${Kokkos_LIBRARY_DIRS} ${Teuchos_LIBRARY_DIRS})
+target_link_libraries(plm_trilinos INTERFACE
+  ${Teuchos_LIBRARIES} ${KokkosKernels_LIBRARIES} ${Kokkos_LIBRARIES}
+  ${KokkosKernels_TPL_LIBRARIES} ${Kokkos_TPL_LIBRARIES} ${Teuchos_TPL_LIBRARIES})
+
+# Which Kokkos backends: read them from the installed KokkosCore_config.h.
+find_file(PLM_KOKKOS_CONFIG_H KokkosCore_config.h PATHS ${Kokkos_INCLUDE_DIRS} NO_DEFAULT_PATH)
+if(NOT PLM_KOKKOS_CONFIG_H)
+  message(FATAL_ERROR "plm: found Kokkos at ${Kokkos_DIR} but not its KokkosCore_config.h in ${Kokkos_INCLUDE_DIRS}")
+endif()
+file(READ ${PLM_KOKKOS_CONFIG_H} _plm_kokkos_cfg)
+set(PLM_HAVE_CUDA OFF)
+if(_plm_kokkos_cfg MATCHES "#define KOKKOS_ENABLE_CUDA[ \n]")
+  set(PLM_HAVE_CUDA ON)
+endif()
+message(STATUS "plm: Kokkos ${Kokkos_VERSION} at ${Kokkos_DIR}, CUDA backend: ${PLM_HAVE_CUDA}")
+
+# HDF5 must be the parallel build: checkpoints and datasets are written collectively.
+set(HDF5_PREFER_PARALLEL TRUE)
+find_package(HDF5 REQUIRED COMPONENTS C)
+if(NOT HDF5_IS_PARALLEL)
+  message(FATAL_ERROR
+    "plm: the HDF5 found (${HDF5_C_INCLUDE_DIRS}) is the serial build. plm writes datasets and "
+    "checkpoints collectively and needs parallel HDF5. On Debian install libhdf5-openmpi-dev; "
+    "elsewhere point HDF5_ROOT at an MPI-enabled HDF5.")
+endif()
+
+find_package(ZLIB REQUIRED)
+
+if(PLM_HAVE_CUDA OR PLM_CHECK_CUDA_SOURCES)
+  find_package(CUDAToolkit REQUIRED)
+  find_library(PLM_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/lib/x86_64-linux-gnu)
+  find_path(PLM_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/include)
+  if(NOT PLM_NCCL_LIBRARY OR NOT PLM_NCCL_INCLUDE_DIR)
+    message(FATAL_ERROR "plm: CUDA is enabled but NCCL was not found; set PLM_NCCL_LIBRARY and PLM_NCCL_INCLUDE_DIR")
+  endif()
+endif()
+
+if(PLM_ENABLE_TESTS)
+  find_package(GTest REQUIRED)
+endif()
+
+# Git revision, for `plm --version` and checkpoints.
+execute_process(COMMAND git rev-parse --short=12 HEAD WORKING_DIRECTORY ${CMAKE_SOURCE_DIR}
+  OUTPUT_VARIABLE PLM_GIT_REVISION OUTPUT_STRIP_TRAILING_WHITESPACE ERROR_QUIET)
+if(NOT PLM_GIT_REVISION)
+  set(PLM_GIT_REVISION "unknown")
+endif()

@@ -1,0 +1,124 @@
+#include "cli/args.hpp"
+
+#include "core/error.hpp"
+
+#include <algorithm>
+#include <sstream>
+
+namespace plm::cli {
+
+std::string Args::get(const std::string& name, const std::string& fallback) const {
+  auto it = values_member.find(name);
+  if (it == values_member.end() || it->second.empty()) return fallback;
+  return it->second.back();
+}
+
+std::vector<std::string> Args::all(const std::string& name) const {
+  auto it = values_member.find(name);
+  return it == values_member.end() ? std::vector<std::string>{} : it->second;
+}
+
+Parser::Parser(std::string command, std::string usage, std::string description)
+    : command_member(std::move(command)),
+      usage_member(std::move(usage)),
+      description_member(std::move(description)) {
+  option({"help", "", "print this help and exit"});
+}
+
+Parser& Parser::option(OptionSpec spec) {
+  options_member.push_back(std::move(spec));
+  return *this;
+}
+
+Args Parser::parse(const std::vector<std::string>& argv) const {
+  Args args;
+  for (size_t i = 0; i < argv.size(); ++i) {
+    const std::string& a = argv[i];
+    if (a.size() < 3 || a.compare(0, 2, "--") != 0) {
+      args.positional_member.push_back(a);
+      continue;
+    }
+    std::string name = a.substr(2), value;
+    bool inline_value = false;
+    if (auto eq = name.find('='); eq != std::string::npos) {
+      value = name.substr(eq + 1);
+      name = name.substr(0, eq);
+      inline_value = true;
+    }
+    auto spec = std::find_if(options_member.begin(), options_member.end(),
+                             [&](const OptionSpec& o) { return o.name == name; });
+    if (spec == options_member.end()) {
+      std::vector<std::string> names;
+      for (const auto& o : options_member) names.push_back(o.name);
+      std::string hint = closest(name, names);
+      throw collectiveError(command_member + ": unknown option --" + name +
+                            (hint.empty() ? "" : " (did you mean --" + hint + "?)") +
+                            "; see `" + command_member + " --help`");
+    }
+    if (spec->value_name.empty()) {
+      if (inline_value)
+        throw collectiveError(command_member + ": option --" + name + " takes no value");
+      args.values_member[name].push_back("");
+      continue;
+    }
+    if (!inline_value) {
+      if (i + 1 >= argv.size())
+        throw collectiveError(command_member + ": option --" + name + " needs a value (" +
+                              spec->value_name + ")");
+      value = argv[++i];
+    }
+    auto& slot = args.values_member[name];
+    if (!slot.empty() && !spec->repeated)
+      throw collectiveError(command_member + ": option --" + name + " given more than once");
+    slot.push_back(value);
+  }
+  return args;
+}
+
+std::string Parser::help() const {
+  std::ostringstream os;
+  os << "usage: " << usage_member << "\n\n" << description_member << "\n\noptions:\n";
+  for (const auto& o : options_member) {
+    std::string left = "  --" + o.name + (o.value_name.empty() ? "" : " " + o.value_name);
+    os << left;
+    if (left.size() < 30) os << std::string(30 - left.size(), ' ');
+    else os << "\n" << std::string(30, ' ');
+    os << o.help << (o.repeated ? " (repeatable)" : "") << "\n";
+  }
+  return os.str();
+}
+
+namespace {
+size_t editDistance(const std::string& a, const std::string& b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diag = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      size_t up = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
+      diag = up;
+    }
+  }
+  return row[b.size()];
+}
+}  // namespace
+
+std::string closest(const std::string& word, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_distance = std::max<size_t>(3, word.size() / 2) + 1;
+  for (const auto& c : candidates) {
+    size_t d = editDistance(word, c);
+    // A candidate that contains the word (or vice versa) counts as close.
+    if (c.find(word) != std::string::npos || word.find(c) != std::string::npos)
+      d = std::min(d, size_t(1));
+    if (d < best_distance) {
+      best_distance = d;
+      best = c;
+    }
+  }
+  return best;
+}
+
+}  // namespace plm::cli

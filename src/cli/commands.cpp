@@ -1,0 +1,64 @@
+#include "cli/commands.hpp"
+
+#include "core/log.hpp"
+#include "dist/runtime.hpp"
+#include "plm/plm_config.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <hdf5.h>
+
+#include <cstdio>
+#include <sstream>
+
+#if PLM_HAVE_CUDA
+#include <cuda_runtime.h>
+#include <nccl.h>
+#endif
+
+namespace plm::cli {
+
+const std::vector<Command>& commands() {
+  static const std::vector<Command> table = {
+      {"prep", "FASTA (plain or gzip) to a packed parallel-HDF5 dataset", runPrep},
+      {"train", "train a model from an input deck", runTrain},
+      {"eval", "evaluate a checkpoint on a dataset (loss, perplexity)", runEval},
+      {"embed", "per-sequence embeddings (and logits) for a FASTA file", runEmbed},
+      {"convert", "Hugging Face ESM-2 safetensors to a plm checkpoint and back", runConvert},
+      {"bench", "benchmarks of plm's kernels, data path and training step", runBench},
+      {"deck", "print the default deck or check a deck", runDeck},
+  };
+  return table;
+}
+
+std::string versionText() {
+  std::ostringstream os;
+  os << "plm " << PLM_VERSION_STRING << " (git " << PLM_GIT_REVISION << ", " << PLM_BUILD_TYPE
+     << ", " << PLM_CXX_COMPILER << ")\n";
+  os << "Kokkos " << KOKKOS_VERSION / 10000 << "." << (KOKKOS_VERSION / 100) % 100 << "."
+     << KOKKOS_VERSION % 100 << ", default execution space " << Kokkos::DefaultExecutionSpace::name()
+     << "\n";
+  os << "MPI: " << dist::mpiVersion() << "\n";
+  unsigned major = 0, minor = 0, release = 0;
+  H5get_libversion(&major, &minor, &release);
+  os << "HDF5 " << major << "." << minor << "." << release << " (parallel)\n";
+#if PLM_HAVE_CUDA
+  int runtime = 0, driver = 0;
+  cudaRuntimeGetVersion(&runtime);
+  cudaDriverGetVersion(&driver);
+  int nccl = 0;
+  ncclGetVersion(&nccl);
+  os << "CUDA runtime " << runtime / 1000 << "." << (runtime % 1000) / 10 << ", driver "
+     << driver / 1000 << "." << (driver % 1000) / 10 << "; NCCL " << nccl / 10000 << "."
+     << (nccl / 100) % 100 << "." << nccl % 100 << "\n";
+#else
+  os << "CUDA: not enabled in this build\n";
+#endif
+  return os.str();
+}
+
+int notBuiltYet(const char* command, const char* what_comes) {
+  log::info("plm %s: not built yet. %s", command, what_comes);
+  return 2;
+}
+
+}  // namespace plm::cli

@@ -1,0 +1,61 @@
+#include "core/log.hpp"
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+namespace plm::log {
+
+namespace {
+int rank_state = 0;
+bool all_ranks_state = false;
+Level level_state = Level::info;
+
+void emit(FILE* stream, const char* tag, const char* format, va_list args, bool force) {
+  if (!force && !all_ranks_state && rank_state != 0) return;
+  if (all_ranks_state || force) std::fprintf(stream, "[rank %d] ", rank_state);
+  if (tag) std::fputs(tag, stream);
+  std::vfprintf(stream, format, args);
+  std::fputc('\n', stream);
+  std::fflush(stream);
+}
+}  // namespace
+
+void configure(int rank, bool all_ranks, Level level) {
+  rank_state = rank;
+  const char* env = std::getenv("PLM_LOG_ALL_RANKS");
+  all_ranks_state = all_ranks || (env && std::strcmp(env, "0") != 0 && *env);
+  level_state = level;
+}
+bool allRanks() { return all_ranks_state; }
+int rank() { return rank_state; }
+
+void info(const char* format, ...) {
+  if (level_state > Level::info) return;
+  va_list args;
+  va_start(args, format);
+  emit(stdout, nullptr, format, args, false);
+  va_end(args);
+}
+void debug(const char* format, ...) {
+  if (level_state > Level::debug) return;
+  va_list args;
+  va_start(args, format);
+  emit(stdout, "debug: ", format, args, false);
+  va_end(args);
+}
+void warn(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  emit(stderr, "warning: ", format, args, false);
+  va_end(args);
+}
+void every(const char* format, ...) {
+  va_list args;
+  va_start(args, format);
+  emit(stdout, nullptr, format, args, true);
+  va_end(args);
+}
+
+}  // namespace plm::log

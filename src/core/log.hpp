@@ -1,0 +1,24 @@
+// Logging: rank 0 by default, every rank (prefixed with its rank) when the user asks
+// (`PLM_LOG_ALL_RANKS=1` or `--log-all-ranks`).
+#pragma once
+
+#include <string>
+
+namespace plm::log {
+
+enum class Level { debug = 0, info = 1, warn = 2 };
+
+/// \brief Set once by the driver after MPI is up.
+void configure(int rank, bool all_ranks, Level level = Level::info);
+bool allRanks();
+int rank();
+
+/// \brief printf-style message to stdout (info/debug) or stderr (warn), flushed.
+void info(const char* format, ...) __attribute__((format(printf, 1, 2)));
+void debug(const char* format, ...) __attribute__((format(printf, 1, 2)));
+void warn(const char* format, ...) __attribute__((format(printf, 1, 2)));
+
+/// \brief Printed by every rank regardless of the all-ranks switch (prefixed with the rank).
+void every(const char* format, ...) __attribute__((format(printf, 1, 2)));
+
+}  // namespace plm::log

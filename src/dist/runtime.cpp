@@ -1,0 +1,97 @@
+#include "dist/runtime.hpp"
+
+#include "core/error.hpp"
+#include "core/log.hpp"
+
+#include <Kokkos_Core.hpp>
+
+#include <cstdint>
+#include <cstdlib>
+#include <string>
+
+namespace plm::dist {
+
+namespace {
+int local_rank_state = 0;
+int local_size_state = 1;
+}  // namespace
+
+Runtime::Runtime(int& argc, char**& argv) {
+  int provided = 0;
+  PLM_CHECK_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided));
+  MPI_Comm local;
+  PLM_CHECK_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local));
+  PLM_CHECK_MPI(MPI_Comm_rank(local, &local_rank_state));
+  PLM_CHECK_MPI(MPI_Comm_size(local, &local_size_state));
+  PLM_CHECK_MPI(MPI_Comm_free(&local));
+  log::configure(worldRank(), false);
+
+  int device = -1;
+#if defined(KOKKOS_ENABLE_CUDA)
+  // Spread ranks over the devices this process sees (one per rank when CUDA_VISIBLE_DEVICES
+  // is set per rank by the job script).
+  int count = 0;
+  if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) device = local_rank_state % count;
+#endif
+#if KOKKOS_VERSION >= 30700
+  Kokkos::InitializationSettings settings;
+  if (device >= 0) settings.set_device_id(device);
+  Kokkos::initialize(settings);
+#else
+  Kokkos::InitArguments args;
+  args.device_id = device;
+  Kokkos::initialize(args);
+#endif
+}
+
+Runtime::~Runtime() {
+  if (Kokkos::is_initialized()) Kokkos::finalize();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (!finalized) MPI_Finalize();
+}
+
+int worldRank() {
+  int rank = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  return rank;
+}
+
+int worldSize() {
+  int size = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &size);
+  return size;
+}
+
+int localRank() { return local_rank_state; }
+int localSize() { return local_size_state; }
+
+std::string mpiVersion() {
+  char buffer[MPI_MAX_LIBRARY_VERSION_STRING];
+  int length = 0;
+  MPI_Get_library_version(buffer, &length);
+  std::string s(buffer, length);
+  auto cut = s.find_first_of(",\n");
+  return cut == std::string::npos ? s : s.substr(0, cut);
+}
+
+bool allTrue(bool ok, MPI_Comm comm) {
+  int local = ok ? 1 : 0, global = 0;
+  PLM_CHECK_MPI(MPI_Allreduce(&local, &global, 1, MPI_INT, MPI_MIN, comm));
+  return global == 1;
+}
+
+template <>
+MPI_Datatype mpiType<float>() { return MPI_FLOAT; }
+template <>
+MPI_Datatype mpiType<double>() { return MPI_DOUBLE; }
+template <>
+MPI_Datatype mpiType<std::int32_t>() { return MPI_INT32_T; }
+template <>
+MPI_Datatype mpiType<std::int64_t>() { return MPI_INT64_T; }
+template <>
+MPI_Datatype mpiType<std::uint8_t>() { return MPI_UINT8_T; }
+template <>
+MPI_Datatype mpiType<std::uint64_t>() { return MPI_UINT64_T; }
+
+}  // namespace plm::dist

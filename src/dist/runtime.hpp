@@ -1,0 +1,36 @@
+// MPI and Kokkos start-up for the node layout: one MPI rank per GPU (or per CPU process),
+// the GPU chosen from the node-local rank.
+#pragma once
+
+#include <mpi.h>
+
+#include <string>
+
+namespace plm::dist {
+
+/// \brief Initialises MPI (MPI_THREAD_FUNNELED) and Kokkos, and finalises both in reverse.
+/// On a CUDA build each rank takes device `local_rank % device_count`.
+class Runtime {
+ public:
+  Runtime(int& argc, char**& argv);
+  ~Runtime();
+  Runtime(const Runtime&) = delete;
+  Runtime& operator=(const Runtime&) = delete;
+};
+
+int worldRank();
+int worldSize();
+/// \brief Rank within this node (MPI_COMM_TYPE_SHARED split).
+int localRank();
+int localSize();
+
+/// \brief A one-line description of MPI (library version) for `plm --version`.
+std::string mpiVersion();
+
+/// \brief True if every rank passes `ok`; used to turn a local check into a collective decision.
+bool allTrue(bool ok, MPI_Comm comm = MPI_COMM_WORLD);
+
+template <class T>
+MPI_Datatype mpiType();
+
+}  // namespace plm::dist
