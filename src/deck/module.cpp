@@ -1,2 +1,0 @@
-// placeholder so the module library exists until its first source lands; delete when adding one.
-namespace plm::deck {}
