@@ -1,0 +1,122 @@
+#include "train/step.hpp"
+
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "dist/allreduce.hpp"
+
+namespace plm::train {
+
+namespace {
+
+// Local counts only; the caller reduces.
+BatchStats localCounts(const std::vector<data::MicroBatch>& local) {
+  BatchStats s;
+  for (const auto& mb : local) {
+    s.masked += mb.num_masked;
+    s.tokens += mb.numTokens();
+    s.sequences += mb.numSequences();
+    for (std::int32_t q = 0; q < mb.numSequences(); ++q) {
+      const double len = static_cast<double>(mb.cu_seqlens(q + 1) - mb.cu_seqlens(q));
+      s.sum_sq_seqlen += len * len;
+    }
+  }
+  return s;
+}
+
+void reduce(BatchStats& s, MPI_Comm comm) {
+  std::vector<std::int64_t> counts = {s.masked, s.tokens, s.sequences};
+  dist::allreduceSum(counts, comm);
+  std::vector<double> sums = {s.loss_sum, s.sum_sq_seqlen};
+  dist::allreduceSum(sums, comm);
+  s.masked = counts[0];
+  s.tokens = counts[1];
+  s.sequences = counts[2];
+  s.loss_sum = sums[0];
+  s.sum_sq_seqlen = sums[1];
+}
+
+}  // namespace
+
+BatchStats countBatch(const std::vector<data::MicroBatch>& local, MPI_Comm comm) {
+  BatchStats s = localCounts(local);
+  reduce(s, comm);
+  return s;
+}
+
+template <class P>
+BatchStats accumulateGradients(const ExecSpace& space, model::Esm2<P>& model,
+                               const std::vector<data::MicroBatch>& local, MPI_Comm comm) {
+  Kokkos::Profiling::pushRegion("plm::train::accumulateGradients");
+  BatchStats s = localCounts(local);
+  std::int64_t global_masked = dist::allreduceSum(s.masked, comm);
+  model.zeroGradients();
+  const double grad_scale = global_masked > 0 ? 1.0 / static_cast<double>(global_masked) : 0.0;
+  for (const auto& mb : local) s.loss_sum += model.forwardBackward(mb, grad_scale);
+  dist::allreduceSum(space, model.gradients(), comm);
+  reduce(s, comm);
+  Kokkos::Profiling::popRegion();
+  return s;
+}
+
+template <class P>
+StepStats trainStep(const ExecSpace& space, model::Esm2<P>& model, AdamW<P>& optimizer,
+                    const std::vector<data::MicroBatch>& local, double lr, double clip_norm,
+                    MPI_Comm comm) {
+  StepStats st;
+  static_cast<BatchStats&>(st) = accumulateGradients(space, model, local, comm);
+  st.lr = lr;
+  if (st.masked == 0) {
+    // Possible only with tiny batches and a low mask_prob; an update from a zero gradient would
+    // still move the weights (decay, momentum), so the step is skipped instead.
+    st.applied = false;
+    log::warn("train: a global batch had no masked token; the optimizer step is skipped");
+    return st;
+  }
+  Kokkos::Profiling::pushRegion("plm::train::optimizerStep");
+  View1<P> grads = model.gradients();
+  optimizer.maskGradients(space, grads);
+  st.grad_norm = globalNorm(space, grads);
+  st.clip_factor = clipFactor(st.grad_norm, clip_norm);
+  optimizer.step(space, grads, lr, st.clip_factor);
+  space.fence();
+  Kokkos::Profiling::popRegion();
+  return st;
+}
+
+template <class P>
+BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& model, data::Loader& loader,
+                    std::int64_t max_steps, MPI_Comm comm) {
+  Kokkos::Profiling::pushRegion("plm::train::evaluate");
+  loader.seek(data::Cursor{});
+  BatchStats s;
+  // No collective inside the loop: ranks may reach the end of the pass one call apart.
+  for (std::int64_t step = 0; max_steps <= 0 || step < max_steps; ++step) {
+    std::vector<data::MicroBatch> local = loader.nextStep();
+    if (local.empty()) break;
+    BatchStats c = localCounts(local);
+    s.masked += c.masked;
+    s.tokens += c.tokens;
+    s.sequences += c.sequences;
+    s.sum_sq_seqlen += c.sum_sq_seqlen;
+    for (const auto& mb : local) s.loss_sum += model.forward(mb);
+  }
+  space.fence();
+  reduce(s, comm);
+  Kokkos::Profiling::popRegion();
+  return s;
+}
+
+#define PLM_TRAIN_INSTANTIATE(P)                                                              \
+  template BatchStats accumulateGradients<P>(const ExecSpace&, model::Esm2<P>&,               \
+                                             const std::vector<data::MicroBatch>&, MPI_Comm); \
+  template StepStats trainStep<P>(const ExecSpace&, model::Esm2<P>&, AdamW<P>&,               \
+                                  const std::vector<data::MicroBatch>&, double, double,       \
+                                  MPI_Comm);                                                  \
+  template BatchStats evaluate<P>(const ExecSpace&, model::Esm2<P>&, data::Loader&,           \
+                                  std::int64_t, MPI_Comm);
+
+PLM_TRAIN_INSTANTIATE(float)
+PLM_TRAIN_INSTANTIATE(double)
+#undef PLM_TRAIN_INSTANTIATE
+
+}  // namespace plm::train
