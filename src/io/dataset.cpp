@@ -1,0 +1,277 @@
+#include "io/dataset.hpp"
+
+#include "core/error.hpp"
+#include "data/batch.hpp"
+#include "io/hdf5.hpp"
+
+#include <algorithm>
+#include <cstdlib>
+#include <numeric>
+
+namespace plm::io {
+
+const std::vector<std::string>& vocabularyTokens() {
+  static const std::vector<std::string> tokens = [] {
+    std::vector<std::string> t = {"<cls>", "<pad>", "<eos>", "<unk>"};
+    for (const char* c = data::vocab::letters; *c; ++c) t.emplace_back(1, *c);
+    t.insert(t.end(), {".", "-", "<null_1>", "<mask>"});
+    return t;
+  }();
+  return tokens;
+}
+
+void checkResidueIds(const std::string& path, std::int64_t sequence, const std::uint8_t* tokens,
+                     std::int64_t n) {
+  for (std::int64_t k = 0; k < n; ++k) {
+    if (tokens[k] < data::vocab::first_residue || tokens[k] > data::vocab::last_residue)
+      throw Error("dataset `" + path + "`: sequence " + std::to_string(sequence) + " holds token id " +
+                  std::to_string(int(tokens[k])) + " at residue " + std::to_string(k) +
+                  ", outside the residue ids " + std::to_string(data::vocab::first_residue) + ".." +
+                  std::to_string(data::vocab::last_residue) +
+                  "; the file is corrupt or was not written by plm prep: rerun plm prep");
+  }
+}
+
+namespace {
+
+// Collective writes are split into rounds of at most this many rows per rank so that no MPI-IO
+// call moves more than 2 GiB (a limit of several MPI-IO implementations).
+constexpr std::int64_t max_rows_per_write = std::int64_t(1) << 28;
+
+// Test hook (doc/data.md): PLM_TEST_FAIL_AFTER_BYTES=N stops a dataset write, on every rank
+// at the same round, once N token bytes are in the file, as a kill would.
+std::int64_t failAfterBytes() {
+  const char* value = std::getenv("PLM_TEST_FAIL_AFTER_BYTES");
+  return value && *value ? std::atoll(value) : -1;
+}
+
+template <class T>
+void writeInRounds(hid_t dataset, MPI_Comm comm, std::int64_t start, std::int64_t count, const T* data,
+                   std::int64_t fail_after_bytes = -1) {
+  std::int64_t rounds = (count + max_rows_per_write - 1) / max_rows_per_write, max_rounds = 0;
+  PLM_CHECK_MPI(MPI_Allreduce(&rounds, &max_rounds, 1, MPI_INT64_T, MPI_MAX, comm));
+  max_rounds = std::max<std::int64_t>(max_rounds, 1);
+  std::int64_t written = 0;
+  for (std::int64_t round = 0; round < max_rounds; ++round) {
+    std::int64_t n = std::min(max_rows_per_write, count - written);
+    h5::writeRows<T>(dataset, start + written, n, data + written);
+    written += n;
+    if (fail_after_bytes >= 0) {
+      std::int64_t global = 0, local = written * std::int64_t(sizeof(T));
+      PLM_CHECK_MPI(MPI_Allreduce(&local, &global, 1, MPI_INT64_T, MPI_SUM, comm));
+      if (global >= fail_after_bytes)
+        throw Error("PLM_TEST_FAIL_AFTER_BYTES: dataset write stopped after " + std::to_string(global) +
+                        " token bytes (test hook)",
+                    true);
+    }
+  }
+}
+
+std::string describe(const std::string& path) { return "dataset `" + path + "`"; }
+
+}  // namespace
+
+void writeDataset(const std::string& path, MPI_Comm comm, const SequenceShard& local,
+                  const DatasetMetadata& metadata) {
+  const std::int64_t local_sequences = std::int64_t(local.lengths.size());
+  const std::int64_t local_residues = std::int64_t(local.tokens.size());
+  PLM_REQUIRE(std::int64_t(local.ids.size()) == local_sequences, "writeDataset: one id per sequence");
+  PLM_REQUIRE(std::accumulate(local.lengths.begin(), local.lengths.end(), std::int64_t(0)) == local_residues,
+              "writeDataset: lengths must add up to the tokens");
+  int rank = 0, world = 1;
+  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
+
+  std::int64_t counts[2] = {local_sequences, local_residues}, starts[2] = {0, 0}, totals[2] = {0, 0};
+  PLM_CHECK_MPI(MPI_Exscan(counts, starts, 2, MPI_INT64_T, MPI_SUM, comm));
+  if (rank == 0) starts[0] = starts[1] = 0;  // MPI_Exscan leaves rank 0's result undefined
+  PLM_CHECK_MPI(MPI_Allreduce(counts, totals, 2, MPI_INT64_T, MPI_SUM, comm));
+  const std::int64_t n = totals[0], residues = totals[1];
+
+  h5::Hid file = h5::createFile(path, comm);
+  {
+    h5::Hid tokens = h5::createDataset<std::uint8_t>(file, "tokens", {residues});
+    writeInRounds<std::uint8_t>(tokens, comm, starts[1], local_residues, local.tokens.data(), failAfterBytes());
+  }
+  {
+    // Rank r writes offsets[start_r, start_r + n_r); the last rank adds offsets[n] = R.
+    std::vector<std::int64_t> offsets(local_sequences + 1);
+    offsets[0] = starts[1];
+    for (std::int64_t i = 0; i < local_sequences; ++i) offsets[i + 1] = offsets[i] + local.lengths[i];
+    std::int64_t rows = local_sequences + (rank == world - 1 ? 1 : 0);
+    h5::Hid dataset = h5::createDataset<std::int64_t>(file, "offsets", {n + 1});
+    writeInRounds<std::int64_t>(dataset, comm, starts[0], rows, offsets.data());
+  }
+  h5::writeStrings(file, "ids", comm, n, starts[0], local.ids);
+
+  std::vector<std::string> source_paths;
+  std::vector<std::int64_t> source_sizes, source_crcs;
+  for (const auto& s : metadata.sources) {
+    source_paths.push_back(s.path);
+    source_sizes.push_back(s.size);
+    source_crcs.push_back(std::int64_t(s.crc32));
+  }
+  h5::writeAttribute(file, "vocabulary", vocabularyTokens());
+  h5::writeAttribute(file, "num_sequences", n);
+  h5::writeAttribute(file, "num_residues", residues);
+  h5::writeAttribute(file, "split", metadata.split);
+  h5::writeAttribute(file, "split_rule", metadata.split_rule);
+  h5::writeAttribute(file, "valid_fraction", metadata.valid_fraction);
+  h5::writeAttribute(file, "duplicates_removed", metadata.duplicates_removed);
+  h5::writeAttribute(file, "skipped_records", metadata.skipped_records);
+  h5::writeAttribute(file, "source_files", source_paths);
+  h5::writeAttribute(file, "source_sizes", source_sizes);
+  h5::writeAttribute(file, "source_crc32", source_crcs);
+  h5::writeAttribute(file, "command_line", metadata.command_line);
+  h5::writeAttribute(file, "plm_version", metadata.plm_version);
+  h5::writeAttribute(file, "created_utc", metadata.created_utc);
+  h5::writeAttribute(file, "format_version", dataset_format_version);
+  h5::writeAttribute(file, "format", std::string(dataset_format));  // last: marks the file complete
+  PLM_CHECK_H5(H5Fflush(file, H5F_SCOPE_GLOBAL));
+}
+
+struct DatasetReader::Impl {
+  std::string path;
+  h5::Hid file, tokens;
+  DatasetMetadata metadata;
+  std::vector<std::int64_t> offsets;  // (n+1)
+  std::int64_t tokens_address = -1;
+};
+
+DatasetReader::DatasetReader(const std::string& path) : impl_member(std::make_unique<Impl>()) {
+  Impl& d = *impl_member;
+  d.path = path;
+  const std::string where = describe(path);
+  if (H5Fis_hdf5(path.c_str()) <= 0) {
+    H5Eclear2(H5E_DEFAULT);
+    h5::openFileSerial(path);  // throws the "does not exist" message when that is the reason
+    throw Error(where + " is not a readable HDF5 file (truncated, or not HDF5?); rerun plm prep");
+  }
+  d.file = h5::openFileSerial(path);
+  if (!h5::hasAttribute(d.file, "format"))
+    throw Error(where + " has no `format` attribute: it is not a plm dataset, or a plm prep that "
+                "wrote it was interrupted; rerun plm prep");
+  auto& m = d.metadata;
+  m.format = h5::readStringAttribute(d.file, "format");
+  if (m.format != dataset_format)
+    throw Error(where + " has format `" + m.format + "`, expected `" + dataset_format + "`; rerun plm prep");
+  m.format_version = h5::readIntAttribute(d.file, "format_version");
+  if (m.format_version != dataset_format_version)
+    throw Error(where + " has format version " + std::to_string(m.format_version) + "; this plm reads version " +
+                std::to_string(dataset_format_version) + ": rerun plm prep with this plm");
+  if (h5::readStringArrayAttribute(d.file, "vocabulary") != vocabularyTokens())
+    throw Error(where + " uses a different token vocabulary than ESM-2's; rerun plm prep");
+  m.num_sequences = h5::readIntAttribute(d.file, "num_sequences");
+  m.num_residues = h5::readIntAttribute(d.file, "num_residues");
+  auto optionalString = [&](const char* name) {
+    return h5::hasAttribute(d.file, name) ? h5::readStringAttribute(d.file, name) : std::string();
+  };
+  auto optionalInt = [&](const char* name) {
+    return h5::hasAttribute(d.file, name) ? h5::readIntAttribute(d.file, name) : std::int64_t(0);
+  };
+  m.split = optionalString("split");
+  m.split_rule = optionalString("split_rule");
+  m.command_line = optionalString("command_line");
+  m.plm_version = optionalString("plm_version");
+  m.created_utc = optionalString("created_utc");
+  m.duplicates_removed = optionalInt("duplicates_removed");
+  m.skipped_records = optionalInt("skipped_records");
+  if (h5::hasAttribute(d.file, "valid_fraction")) m.valid_fraction = h5::readDoubleAttribute(d.file, "valid_fraction");
+  if (h5::hasAttribute(d.file, "source_files")) {
+    auto paths = h5::readStringArrayAttribute(d.file, "source_files");
+    auto sizes = h5::readIntArrayAttribute(d.file, "source_sizes");
+    auto crcs = h5::readIntArrayAttribute(d.file, "source_crc32");
+    for (size_t i = 0; i < paths.size(); ++i)
+      m.sources.push_back({paths[i], i < sizes.size() ? sizes[i] : 0,
+                           i < crcs.size() ? std::uint32_t(crcs[i]) : 0u});
+  }
+
+  const std::int64_t n = m.num_sequences, residues = m.num_residues;
+  if (n < 0 || residues < 0) throw Error(where + " has negative sequence or residue counts; rerun plm prep");
+  d.tokens = h5::openDataset(d.file, "tokens");
+  h5::Hid offsets = h5::openDataset(d.file, "offsets");
+  auto tokens_shape = h5::datasetShape(d.tokens);
+  auto offsets_shape = h5::datasetShape(offsets);
+  if (tokens_shape != std::vector<std::int64_t>{residues})
+    throw Error(where + ": /tokens does not have num_residues = " + std::to_string(residues) + " elements; rerun plm prep");
+  if (offsets_shape != std::vector<std::int64_t>{n + 1})
+    throw Error(where + ": /offsets does not have num_sequences + 1 = " + std::to_string(n + 1) +
+                " elements; rerun plm prep");
+  {
+    h5::Hid type(PLM_CHECK_H5(H5Dget_type(d.tokens)));
+    if (H5Tget_class(type) != H5T_INTEGER || H5Tget_size(type) != 1)
+      throw Error(where + ": /tokens is not an 8-bit integer dataset; rerun plm prep");
+  }
+  if (h5::exists(d.file, "ids") && h5::datasetShape(h5::openDataset(d.file, "ids")) != std::vector<std::int64_t>{n})
+    throw Error(where + ": /ids does not have num_sequences = " + std::to_string(n) + " elements; rerun plm prep");
+
+  d.offsets.resize(n + 1);
+  h5::readRows<std::int64_t>(offsets, 0, n + 1, d.offsets.data(), true);
+  if (d.offsets[0] != 0)
+    throw Error(where + ": /offsets[0] is " + std::to_string(d.offsets[0]) + ", not 0; rerun plm prep");
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (d.offsets[i + 1] < d.offsets[i])
+      throw Error(where + ": /offsets decreases at sequence " + std::to_string(i) + " (" +
+                  std::to_string(d.offsets[i]) + " then " + std::to_string(d.offsets[i + 1]) +
+                  "); the file is corrupt: rerun plm prep");
+  }
+  if (d.offsets[n] != residues)
+    throw Error(where + ": /offsets ends at " + std::to_string(d.offsets[n]) + " but /tokens holds " +
+                std::to_string(residues) + " residues; the file is corrupt: rerun plm prep");
+
+  h5::Hid plist(PLM_CHECK_H5(H5Dget_create_plist(d.tokens)));
+  if (H5Pget_layout(plist) == H5D_CONTIGUOUS && residues > 0) {
+    haddr_t address = H5Dget_offset(d.tokens);
+    if (address != HADDR_UNDEF) d.tokens_address = std::int64_t(address);
+  }
+  H5Eclear2(H5E_DEFAULT);
+}
+
+DatasetReader::~DatasetReader() = default;
+DatasetReader::DatasetReader(DatasetReader&&) noexcept = default;
+DatasetReader& DatasetReader::operator=(DatasetReader&&) noexcept = default;
+
+const std::string& DatasetReader::path() const { return impl_member->path; }
+std::int64_t DatasetReader::numSequences() const { return impl_member->metadata.num_sequences; }
+std::int64_t DatasetReader::numResidues() const { return impl_member->metadata.num_residues; }
+const std::vector<std::int64_t>& DatasetReader::offsets() const { return impl_member->offsets; }
+const DatasetMetadata& DatasetReader::metadata() const { return impl_member->metadata; }
+std::int64_t DatasetReader::tokensFileAddress() const { return impl_member->tokens_address; }
+
+std::vector<std::uint8_t> DatasetReader::readTokens(std::int64_t first, std::int64_t count) const {
+  const Impl& d = *impl_member;
+  if (first < 0 || count < 0 || first + count > numSequences())
+    throw Error(describe(d.path) + ": sequences [" + std::to_string(first) + ", " + std::to_string(first + count) +
+                ") requested, the dataset has " + std::to_string(numSequences()));
+  const std::int64_t begin = d.offsets[first], end = d.offsets[first + count];
+  std::vector<std::uint8_t> out(end - begin);
+  h5::readRows<std::uint8_t>(d.tokens, begin, end - begin, out.data(), true);
+  for (std::int64_t i = first; i < first + count; ++i)
+    checkResidueIds(d.path, i, out.data() + (d.offsets[i] - begin), d.offsets[i + 1] - d.offsets[i]);
+  return out;
+}
+
+std::vector<std::string> DatasetReader::readIds(std::int64_t first, std::int64_t count) const {
+  return h5::readStrings(impl_member->file, "ids", first, count);
+}
+
+std::string DatasetReader::sequenceString(std::int64_t i) const {
+  auto tokens = readTokens(i, 1);
+  std::string out(tokens.size(), '?');
+  for (size_t k = 0; k < tokens.size(); ++k) out[k] = data::vocab::letters[tokens[k] - data::vocab::first_residue];
+  return out;
+}
+
+void DatasetReader::validateTokens() const {
+  const auto& offsets = impl_member->offsets;
+  const std::int64_t n = numSequences(), block_residues = std::int64_t(1) << 26;
+  std::int64_t first = 0;
+  while (first < n) {
+    std::int64_t last = first + 1;
+    while (last < n && offsets[last + 1] - offsets[first] <= block_residues) ++last;
+    readTokens(first, last - first);
+    first = last;
+  }
+}
+
+}  // namespace plm::io
