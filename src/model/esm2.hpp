@@ -34,8 +34,10 @@ struct Esm2Config {
 
   int headDim() const { return hidden / heads; }
   std::int64_t numParameters() const;  // unique parameters (decoder tied to the embedding)
-  /// \brief Training FLOPs per token (forward + backward) for sequences of mean squared length
-  /// `mean_sq_seqlen / mean_seqlen` (doc/flops.md gives the formula).
+  /// \brief Model FLOPs per trained token (forward + backward, recomputation not counted):
+  /// 6 * (matmul weights incl. the tied decoder) + 12 * layers * hidden * S, where
+  /// S = sum_s len_s^2 / sum_s len_s is the token-weighted mean sequence length of the packed
+  /// batches (doc/model.md derives it).
   double trainFlopsPerToken(double mean_seqlen_weighted) const;
   /// \brief Throws a collective plm::Error if the shape is invalid (hidden % heads, even
   /// head_dim, positive sizes).
@@ -85,8 +87,13 @@ class Esm2 {
   /// sum (not the mean), so the trainer can normalise by the global masked-token count.
   double forwardBackward(const data::MicroBatch& batch, double grad_scale);
 
-  /// \brief Forward only; returns the sum of masked-token cross-entropy.
+  /// \brief Forward only; returns the sum of masked-token cross-entropy.  Logits and hidden
+  /// states requested in `outputs` are fresh allocations the caller owns.
   double forward(const data::MicroBatch& batch, ForwardOutputs<T>* outputs = nullptr);
+
+  /// \brief Bytes of the activation workspace now allocated (it grows to the largest
+  /// micro-batch seen and is reused).
+  std::int64_t workspaceBytes() const;
 
  private:
   struct Impl;
