@@ -1,7 +1,42 @@
+// `plm train DECK [--set section.key=value]...`: resolves the deck and hands it to the trainer.
+#include "cli/args.hpp"
 #include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "deck/deck.hpp"
+#include "dist/runtime.hpp"
+#include "train/trainer.hpp"
+
+#include <cstdio>
 
 namespace plm::cli {
 
-int runTrain(const Argv& /*args*/) { return notBuiltYet("train", "Training arrives with the ESM-2 training issue."); }
+namespace {
+Parser trainParser() {
+  Parser p("plm train", "plm train DECK [--set section.key=value]...",
+           "Trains the model the deck describes (doc/training.md): data-parallel over the MPI "
+           "ranks, logging every train.log_every steps to the console and "
+           "<train.run_dir>/metrics.jsonl, validating every train.eval_every steps. The "
+           "resolved deck is written to <train.run_dir>/deck.yaml.");
+  p.option({"set", "SECTION.KEY=VALUE", "override a deck key, e.g. --set train.steps=100", true});
+  return p;
+}
+}  // namespace
+
+int runTrain(const Argv& argv) {
+  Parser parser = trainParser();
+  Args args = parser.parse(argv);
+  if (args.has("help")) {
+    if (dist::worldRank() == 0) std::fputs(parser.help().c_str(), stdout);
+    return 0;
+  }
+  if (args.positional().size() != 1)
+    throw collectiveError("plm train: give exactly one deck file; see `plm train --help`");
+  auto deck = deck::load(args.positional()[0], args.all("set"));
+  log::configure(dist::worldRank(), deck->sublist("train").get<bool>("log_all_ranks") || log::allRanks());
+  train::Trainer trainer(deck);
+  trainer.run();
+  return 0;
+}
 
 }  // namespace plm::cli

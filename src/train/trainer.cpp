@@ -1,0 +1,296 @@
+#include "train/trainer.hpp"
+
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "deck/deck.hpp"
+#include "dist/allreduce.hpp"
+
+#include <Teuchos_Array.hpp>
+
+#include <chrono>
+#include <cmath>
+#include <filesystem>
+
+namespace plm::train {
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+const Teuchos::ParameterList& section(const Teuchos::ParameterList& deck, const char* name) {
+  if (!deck.isSublist(name))
+    throw collectiveError(std::string("deck: section `") + name +
+                          "` missing; load decks through deck::load/resolve");
+  return deck.sublist(name);
+}
+
+}  // namespace
+
+model::Esm2Config modelConfigFromDeck(const Teuchos::ParameterList& deck) {
+  const auto& m = section(deck, "model");
+  const std::string preset = m.get<std::string>("preset");
+  model::Esm2Config config;
+  const int layers = m.get<int>("layers"), hidden = m.get<int>("hidden");
+  const int heads = m.get<int>("heads"), ffn = m.get<int>("ffn");
+  if (preset == "custom") {
+    if (layers <= 0 || hidden <= 0 || heads <= 0)
+      throw collectiveError(
+          "model.preset: custom needs model.layers, model.hidden and model.heads set (> 0); "
+          "model.ffn defaults to 4*hidden");
+    config.num_layers = layers;
+    config.hidden = hidden;
+    config.heads = heads;
+    config.ffn = ffn > 0 ? ffn : 4 * hidden;
+  } else {
+    config = model::Esm2Config::preset(preset);
+    if (layers > 0) config.num_layers = layers;
+    if (hidden > 0) config.hidden = hidden;
+    if (heads > 0) config.heads = heads;
+    if (ffn > 0) config.ffn = ffn;
+    else if (hidden > 0) config.ffn = 4 * hidden;
+  }
+  config.recompute = m.get<bool>("recompute");
+  config.validate();
+  return config;
+}
+
+data::LoaderOptions evalLoaderOptions(const Teuchos::ParameterList& deck, const std::string& path,
+                                      int rank, int world) {
+  const auto& d = section(deck, "data");
+  data::LoaderOptions vo;
+  vo.path = path;
+  vo.micro_batch_tokens = d.get<int>("micro_batch_tokens");
+  vo.micro_batches_per_step = world;
+  vo.seed = static_cast<std::uint64_t>(d.get<int>("seed"));
+  vo.mask_prob = d.get<double>("mask_prob");
+  vo.max_seq_len = d.get<int>("max_seq_len");
+  vo.rank = rank;
+  vo.world = world;
+  vo.prefetch = 1;
+  vo.shuffle = false;
+  vo.single_pass = true;
+  return vo;
+}
+
+std::int64_t evalMaxSteps(const Teuchos::ParameterList& deck, int world) {
+  const auto& d = section(deck, "data");
+  const std::int64_t valid_tokens = d.get<int>("valid_tokens");
+  const std::int64_t per_step = static_cast<std::int64_t>(d.get<int>("micro_batch_tokens")) * world;
+  return valid_tokens > 0 ? (valid_tokens + per_step - 1) / per_step : 0;
+}
+
+Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
+    : deck_member(deck), comm_member(comm) {
+  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank_member));
+  PLM_CHECK_MPI(MPI_Comm_size(comm, &world_member));
+  const auto& d = section(*deck, "data");
+  const auto& o = section(*deck, "optimizer");
+  const auto& s = section(*deck, "schedule");
+  const auto& t = section(*deck, "train");
+  const auto& c = section(*deck, "checkpoint");
+
+  const std::string precision = t.get<std::string>("precision");
+  if (precision != "fp32" && !std::is_same_v<param_t, float>)
+    throw collectiveError("train.precision: " + precision + " is not available in this build");
+  if (precision == "bf16" && std::is_same_v<param_t, float>)
+    throw collectiveError(
+        "train.precision: bf16 needs the GPU build (the CPU build computes in fp32); "
+        "set train.precision: fp32");
+
+  model::Esm2Config config = modelConfigFromDeck(*deck);
+  model_member = std::make_unique<model::Esm2<param_t>>(config);
+  state_member.init_seed = static_cast<std::uint64_t>(t.get<int>("seed"));
+  state_member.data_seed = static_cast<std::uint64_t>(d.get<int>("seed"));
+  model_member->initialize(state_member.init_seed);
+
+  AdamWOptions adam;
+  const auto betas = o.get<Teuchos::Array<double>>("betas");
+  if (betas.size() != 2) throw collectiveError("optimizer.betas: give two values [beta1, beta2]");
+  adam.beta1 = betas[0];
+  adam.beta2 = betas[1];
+  adam.eps = o.get<double>("eps");
+  adam.weight_decay = o.get<double>("weight_decay");
+  clip_norm_member = o.get<double>("clip_grad_norm");
+  optimizer_member = std::make_unique<AdamW<param_t>>(
+      model_member->parameters(), model_member->tensors(), adam,
+      esm2FrozenRanges(model_member->tensors(), config.hidden));
+
+  total_steps_member = t.get<int>("steps");
+  log_every_member = std::max(1, t.get<int>("log_every"));
+  eval_every_member = t.get<int>("eval_every");
+  checkpoint_every_member = c.get<int>("every");
+  run_dir_member = t.get<std::string>("run_dir");
+  peak_member = peakTflopsPerDevice(t.get<double>("peak_tflops"), precision);
+
+  schedule_member.peak_lr = o.get<double>("lr");
+  schedule_member.warmup_steps = s.get<int>("warmup_steps");
+  schedule_member.decay = parseDecay(s.get<std::string>("decay"));
+  schedule_member.final_lr_ratio = s.get<double>("final_lr_ratio");
+  const int decay_steps = s.get<int>("decay_steps");
+  schedule_member.decay_steps = decay_steps > 0 ? decay_steps : total_steps_member;
+
+  data::LoaderOptions lo;
+  lo.path = d.get<std::string>("train");
+  lo.micro_batch_tokens = d.get<int>("micro_batch_tokens");
+  lo.micro_batches_per_step =
+      data::microBatchesPerStep(d.get<int>("tokens_per_batch"), lo.micro_batch_tokens, world_member);
+  lo.seed = state_member.data_seed;
+  lo.mask_prob = d.get<double>("mask_prob");
+  lo.max_seq_len = d.get<int>("max_seq_len");
+  lo.rank = rank_member;
+  lo.world = world_member;
+  lo.prefetch = d.get<int>("prefetch");
+  train_loader_member = std::make_unique<data::Loader>(lo);
+
+  const std::string valid = d.get<std::string>("valid");
+  if (!valid.empty()) {
+    valid_loader_member = std::make_unique<data::Loader>(
+        evalLoaderOptions(*deck, valid, rank_member, world_member));
+    valid_max_steps_member = evalMaxSteps(*deck, world_member);
+  }
+
+  log::info("model: ESM-2 %d layers, hidden %d, %d heads, ffn %d: %lld parameters%s",
+            config.num_layers, config.hidden, config.heads, config.ffn,
+            static_cast<long long>(config.numParameters()),
+            config.recompute ? " (activation recomputation)" : "");
+  log::info("data: %s, %lld sequences, %lld residues; %lld micro-batches of <= %lld tokens per "
+            "step over %d rank(s)",
+            lo.path.c_str(), static_cast<long long>(train_loader_member->numSequences()),
+            static_cast<long long>(train_loader_member->numResidues()),
+            static_cast<long long>(lo.micro_batches_per_step),
+            static_cast<long long>(lo.micro_batch_tokens), world_member);
+  log::info("peak for MFU: %.4g TFLOP/s per rank (%s)", peak_member.tflops,
+            peak_member.source.c_str());
+}
+
+Trainer::~Trainer() = default;
+
+void Trainer::restore(const TrainState& state) {
+  state_member = state;
+  train_loader_member->seek(state.cursor);
+  optimizer_member->setStepCount(state.step);
+}
+
+BatchStats Trainer::validate() {
+  if (!valid_loader_member) return BatchStats{};
+  return evaluate(ExecSpace(), *model_member, *valid_loader_member, valid_max_steps_member,
+                  comm_member);
+}
+
+void Trainer::run() {
+  if (rank_member == 0) {
+    std::error_code ec;
+    std::filesystem::create_directories(run_dir_member, ec);
+    if (ec)
+      throw Error("cannot create train.run_dir `" + run_dir_member + "`: " + ec.message());
+    deck::writeResolved(*deck_member, run_dir_member + "/deck.yaml");
+    metrics_member.open(run_dir_member + "/metrics.jsonl");
+  }
+  PLM_CHECK_MPI(MPI_Barrier(comm_member));
+  if (hooks_member.on_start) hooks_member.on_start(*this);
+
+  const ExecSpace space;
+  if (state_member.step >= total_steps_member)
+    log::info("train: already at step %lld of %lld; nothing to do",
+              static_cast<long long>(state_member.step),
+              static_cast<long long>(total_steps_member));
+  interval_member = Interval{};
+  double t0 = now();
+  while (state_member.step < total_steps_member) {
+    const std::int64_t step = state_member.step + 1;
+    std::vector<data::MicroBatch> local = train_loader_member->nextStep();
+    const double lr = learningRate(schedule_member, step);
+    StepStats st = trainStep(space, *model_member, *optimizer_member, local, lr,
+                             clip_norm_member, comm_member);
+    const double t1 = now();
+    if (!std::isfinite(st.loss_sum))
+      throw collectiveError("train: the loss is not finite at step " + std::to_string(step) +
+                            " (lr " + std::to_string(lr) +
+                            "); lower optimizer.lr or raise schedule.warmup_steps");
+    state_member.step = step;
+    state_member.tokens_seen += st.tokens;
+    state_member.cursor = train_loader_member->cursor();
+
+    interval_member.steps += 1;
+    interval_member.tokens += st.tokens;
+    interval_member.masked += st.masked;
+    interval_member.loss_sum += st.loss_sum;
+    interval_member.flops +=
+        model_member->config().trainFlopsPerToken(st.weightedSeqlen()) * static_cast<double>(st.tokens);
+    interval_member.seconds += t1 - t0;
+    train_seconds_member += t1 - t0;
+    steps_this_run_member += 1;
+    if (hooks_member.on_step) hooks_member.on_step(*this, st);
+
+    const bool last = step == total_steps_member;
+    if (step % log_every_member == 0 || last) {
+      logStep(st, interval_member.seconds);
+      interval_member = Interval{};
+    }
+    if (valid_loader_member && ((eval_every_member > 0 && step % eval_every_member == 0) || last)) {
+      const double e0 = now();
+      BatchStats v = validate();
+      logEval(v, now() - e0);
+    }
+    if (hooks_member.on_save && ((checkpoint_every_member > 0 && step % checkpoint_every_member == 0) || last))
+      hooks_member.on_save(*this, last);
+    t0 = now();  // evaluation and checkpoint time stay out of tokens/s
+  }
+}
+
+void Trainer::logStep(const StepStats& last, double seconds) {
+  const Interval& in = interval_member;
+  const double loss = in.masked > 0 ? in.loss_sum / static_cast<double>(in.masked) : 0.0;
+  const double tokens_per_s = seconds > 0 ? static_cast<double>(in.tokens) / seconds : 0.0;
+  const double tflops = seconds > 0 ? in.flops / seconds / 1e12 : 0.0;
+  const double mfu = peak_member.tflops > 0 ? tflops / (peak_member.tflops * world_member) : 0.0;
+  const double mem = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
+  const double per_step = steps_this_run_member > 0 ? train_seconds_member / steps_this_run_member : 0;
+  const double eta = per_step * static_cast<double>(total_steps_member - state_member.step);
+  if (rank_member != 0) return;
+  log::info("step %lld/%lld | loss %.4f | ppl %.3f | lr %.3e | grad-norm %.3f | %.0f tok/s | "
+            "%.4g TFLOP/s | MFU %.2f%% | mem %s | ETA %s",
+            static_cast<long long>(state_member.step), static_cast<long long>(total_steps_member),
+            loss, std::exp(loss), last.lr, last.grad_norm, tokens_per_s, tflops, 100.0 * mfu,
+            formatBytes(mem).c_str(), formatDuration(eta).c_str());
+  io::json::Value r = io::json::Value::object();
+  r.set("kind", "train");
+  r.set("step", state_member.step);
+  r.set("loss", loss);
+  r.set("ppl", std::exp(loss));
+  r.set("lr", last.lr);
+  r.set("grad_norm", last.grad_norm);
+  r.set("clip_factor", last.clip_factor);
+  r.set("tokens", state_member.tokens_seen);
+  r.set("interval_tokens", in.tokens);
+  r.set("masked_tokens", in.masked);
+  r.set("tokens_per_s", tokens_per_s);
+  r.set("tflops", tflops);
+  r.set("mfu", mfu);
+  r.set("mem_bytes", mem);
+  r.set("elapsed_s", train_seconds_member);
+  r.set("eta_s", eta);
+  metrics_member.write(r);
+}
+
+void Trainer::logEval(const BatchStats& v, double seconds) {
+  if (rank_member != 0) return;
+  log::info("eval step %lld | valid loss %.4f | valid ppl %.3f | %lld tokens, %lld masked, %.1fs",
+            static_cast<long long>(state_member.step), v.loss(), v.perplexity(),
+            static_cast<long long>(v.tokens), static_cast<long long>(v.masked), seconds);
+  io::json::Value r = io::json::Value::object();
+  r.set("kind", "eval");
+  r.set("step", state_member.step);
+  r.set("valid_loss", v.loss());
+  r.set("valid_ppl", v.perplexity());
+  r.set("valid_tokens", v.tokens);
+  r.set("valid_masked", v.masked);
+  r.set("tokens", state_member.tokens_seen);
+  r.set("eval_s", seconds);
+  metrics_member.write(r);
+}
+
+}  // namespace plm::train

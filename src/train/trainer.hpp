@@ -1,0 +1,130 @@
+// The training driver behind `plm train`: builds the model, optimizer and loaders from a
+// resolved deck, runs the optimizer steps, evaluates, logs and calls the checkpoint hooks.
+//
+// Design choice: the trainer owns no checkpoint format.  Everything a checkpoint needs is
+// reachable from it (model(), optimizer() moments and master, state() with the loader cursor),
+// and two hooks mark where the checkpoint module plugs in: on_start (restore, before the first
+// step) and on_save (every checkpoint.every steps and after the last step).  Resuming is
+// restore(state) plus loading the tensors; the loop then continues from state().step + 1.
+#pragma once
+
+#include "core/types.hpp"
+#include "data/loader.hpp"
+#include "model/esm2.hpp"
+#include "train/adamw.hpp"
+#include "train/metrics.hpp"
+#include "train/schedule.hpp"
+#include "train/step.hpp"
+
+#include <Teuchos_ParameterList.hpp>
+#include <Teuchos_RCP.hpp>
+#include <mpi.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+namespace plm::train {
+
+/// Where training stands; what a checkpoint's /state holds besides the tensors.
+struct TrainState {
+  std::int64_t step = 0;         // optimizer steps completed
+  std::int64_t tokens_seen = 0;  // global tokens consumed (<cls>/<eos> included)
+  data::Cursor cursor;           // train loader position of the next step
+  std::uint64_t init_seed = 1;   // train.seed (model initialization)
+  std::uint64_t data_seed = 1;   // data.seed (order, crops, masking)
+};
+
+/// \brief The ESM-2 shape a deck's model section asks for: the preset, with any nonzero explicit
+/// size overriding it ("custom": all four sizes explicit).  Validated (collective plm::Error).
+model::Esm2Config modelConfigFromDeck(const Teuchos::ParameterList& deck);
+
+/// \brief Loader options for one evaluation pass over `path` with the deck's data section:
+/// single pass, unshuffled, one micro-batch per rank per loader step, epoch-0 masking.
+data::LoaderOptions evalLoaderOptions(const Teuchos::ParameterList& deck, const std::string& path,
+                                      int rank, int world);
+/// \brief Loader steps of an evaluation pass allowed by data.valid_tokens (0 = the whole pass):
+/// ceil(valid_tokens / (micro_batch_tokens * world)), so at most about valid_tokens tokens.
+std::int64_t evalMaxSteps(const Teuchos::ParameterList& deck, int world);
+
+class Trainer {
+ public:
+  using Hook = std::function<void(Trainer&)>;
+  /// `final_save` is true for the save after the last step.
+  using SaveHook = std::function<void(Trainer&, bool final_save)>;
+  using StepHook = std::function<void(Trainer&, const StepStats&)>;
+  struct Hooks {
+    Hook on_start;      // after construction, before the first step: restore a checkpoint here
+    SaveHook on_save;   // after step s when checkpoint.every divides s, and after the last step
+    StepHook on_step;   // after every optimizer step (tests, tools)
+  };
+
+  /// \brief Builds everything from a resolved deck (deck::load / deck::resolve).  `comm` is the
+  /// data-parallel group; the model is initialized from train.seed.
+  explicit Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck,
+                   MPI_Comm comm = MPI_COMM_WORLD);
+  ~Trainer();
+  Trainer(const Trainer&) = delete;
+  Trainer& operator=(const Trainer&) = delete;
+
+  void setHooks(Hooks hooks) { hooks_member = std::move(hooks); }
+
+  /// \brief Runs steps state().step + 1 .. train.steps: logs every log_every steps, validates
+  /// every eval_every steps and at the end, calls on_save every checkpoint.every steps and at
+  /// the end.  Rank 0 writes <run_dir>/deck.yaml and appends to <run_dir>/metrics.jsonl.
+  void run();
+
+  /// \brief Validation loss over data.valid (at most data.valid_tokens tokens; deterministic
+  /// masking).  Collective.  Returns zero counts when the deck has no validation set.
+  BatchStats validate();
+
+  /// \brief Sets the state after a restore and moves the train loader to state.cursor; the
+  /// optimizer's step count (bias correction) becomes state.step.
+  void restore(const TrainState& state);
+
+  model::Esm2<param_t>& model() { return *model_member; }
+  AdamW<param_t>& optimizer() { return *optimizer_member; }
+  data::Loader& trainLoader() { return *train_loader_member; }
+  const TrainState& state() const { return state_member; }
+  const Teuchos::ParameterList& deck() const { return *deck_member; }
+  MPI_Comm comm() const { return comm_member; }
+  int rank() const { return rank_member; }
+  int world() const { return world_member; }
+  std::int64_t totalSteps() const { return total_steps_member; }
+  std::int64_t checkpointEvery() const { return checkpoint_every_member; }
+  const std::string& runDir() const { return run_dir_member; }
+  const ScheduleOptions& schedule() const { return schedule_member; }
+
+ private:
+  void logStep(const StepStats& last, double interval_seconds);
+  void logEval(const BatchStats& valid, double seconds);
+
+  Teuchos::RCP<const Teuchos::ParameterList> deck_member;
+  MPI_Comm comm_member;
+  int rank_member = 0, world_member = 1;
+  std::unique_ptr<model::Esm2<param_t>> model_member;
+  std::unique_ptr<AdamW<param_t>> optimizer_member;
+  std::unique_ptr<data::Loader> train_loader_member;
+  std::unique_ptr<data::Loader> valid_loader_member;  // null without a validation set
+  std::int64_t valid_max_steps_member = 0;             // 0 = the whole validation pass
+  ScheduleOptions schedule_member;
+  double clip_norm_member = 1.0;
+  std::int64_t total_steps_member = 0, log_every_member = 10, eval_every_member = 0;
+  std::int64_t checkpoint_every_member = 0;
+  std::string run_dir_member;
+  PeakFlops peak_member;
+  TrainState state_member;
+  Hooks hooks_member;
+  MetricsLog metrics_member;
+
+  // Running sums over the current log interval.
+  struct Interval {
+    std::int64_t steps = 0, tokens = 0, masked = 0;
+    double loss_sum = 0.0, flops = 0.0, seconds = 0.0;
+  } interval_member;
+  double train_seconds_member = 0.0;   // optimizer-step time of this run (no evaluation)
+  std::int64_t steps_this_run_member = 0;
+};
+
+}  // namespace plm::train
