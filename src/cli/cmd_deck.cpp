@@ -1,7 +1,57 @@
+// `plm deck`: the schema's three printed forms (commented defaults, Markdown reference) and a
+// checker that prints a deck resolved, so a user can see exactly what `plm train` would run.
+#include "cli/args.hpp"
 #include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "deck/deck.hpp"
+#include "dist/runtime.hpp"
+
+#include <cstdio>
 
 namespace plm::cli {
 
-int runDeck(const Argv& /*args*/) { return notBuiltYet("deck", "Deck handling arrives with the foundation issue."); }
+namespace {
+Parser deckParser() {
+  Parser p("plm deck", "plm deck --defaults | --markdown | --check DECK [--set section.key=value]...",
+           "Prints the complete default deck with a comment per key (--defaults), the deck "
+           "reference in Markdown that doc/deck.md holds (--markdown), or checks a YAML/XML deck "
+           "and prints it resolved, defaults filled in (--check; exit 1 with one message if it "
+           "is invalid).");
+  p.option({"defaults", "", "print every key with its default and documentation"});
+  p.option({"markdown", "", "print the deck reference (doc/deck.md) in Markdown"});
+  p.option({"check", "DECK", "validate DECK (.yaml, .yml or .xml) and print it resolved"});
+  p.option({"set", "SECTION.KEY=VALUE", "override a key of the checked deck", true});
+  return p;
+}
+
+void print(const std::string& text) {
+  if (dist::worldRank() == 0) std::fputs(text.c_str(), stdout);
+}
+}  // namespace
+
+int runDeck(const Argv& argv) {
+  Parser parser = deckParser();
+  Args args = parser.parse(argv);
+  if (args.has("help")) {
+    print(parser.help());
+    return 0;
+  }
+  int modes = int(args.has("defaults")) + int(args.has("markdown")) + int(args.has("check"));
+  if (modes != 1 || !args.positional().empty())
+    throw collectiveError("plm deck: give exactly one of --defaults, --markdown or --check DECK; "
+                          "see `plm deck --help`");
+  if (args.has("set") && !args.has("check"))
+    throw collectiveError("plm deck: --set applies to --check DECK");
+  if (args.has("defaults")) {
+    print(deck::defaultsYaml());
+  } else if (args.has("markdown")) {
+    print(deck::referenceMarkdown());
+  } else {
+    auto resolved = deck::load(args.get("check"), args.all("set"));
+    print("# " + args.get("check") + ": valid; resolved with every default filled in\n" +
+          deck::toYaml(*resolved));
+  }
+  return 0;
+}
 
 }  // namespace plm::cli

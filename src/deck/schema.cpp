@@ -1,0 +1,349 @@
+// The deck schema: every key plm reads from an input deck, its type, default, allowed values and
+// documentation. Adding a key here is the whole job: validation, `plm deck --defaults`, the
+// resolved deck in the run directory and doc/deck.md all follow from this table.
+#include "deck/deck.hpp"
+#include "deck/detail/keys.hpp"
+
+#include <Teuchos_StandardParameterEntryValidators.hpp>
+
+#include <cmath>
+#include <sstream>
+
+namespace plm::deck {
+
+namespace detail {
+
+namespace {
+Range atLeast(double x) { return Range{x, std::numeric_limits<double>::infinity(), false, false}; }
+Range above(double x) { return Range{x, std::numeric_limits<double>::infinity(), true, false}; }
+Range interval(double lo, double hi, bool lo_open, bool hi_open) {
+  return Range{lo, hi, lo_open, hi_open};
+}
+Range any() { return Range{}; }
+
+std::string number(double x) {
+  std::ostringstream os;
+  os << x;
+  return os.str();
+}
+}  // namespace
+
+bool Range::contains(double x) const {
+  if (std::isnan(x)) return false;
+  if (min_open ? !(x > min) : !(x >= min)) return false;
+  if (max_open ? !(x < max) : !(x <= max)) return false;
+  return true;
+}
+
+std::string Range::describe() const {
+  bool has_min = min > -std::numeric_limits<double>::infinity();
+  bool has_max = max < std::numeric_limits<double>::infinity();
+  if (has_min && has_max)
+    return std::string("in ") + (min_open ? "(" : "[") + number(min) + ", " + number(max) +
+           (max_open ? ")" : "]");
+  if (has_min) return (min_open ? "> " : ">= ") + number(min);
+  if (has_max) return (max_open ? "< " : "<= ") + number(max);
+  return "any";
+}
+
+const char* kindName(Kind kind) {
+  switch (kind) {
+    case Kind::integer: return "int";
+    case Kind::real: return "real";
+    case Kind::boolean: return "bool";
+    case Kind::text: return "string";
+    case Kind::real_pair: return "[real, real]";
+  }
+  return "?";
+}
+
+const std::vector<SectionSpec>& sections() {
+  static const std::vector<SectionSpec> table = {
+      {"model", "The network: an ESM-2 size by name, or explicit sizes with `preset: custom`."},
+      {"data", "Datasets written by `plm prep`, batching and masking."},
+      {"optimizer", "AdamW (decoupled weight decay) with global gradient-norm clipping."},
+      {"schedule", "Learning rate: linear warm-up, then decay to a fraction of optimizer.lr."},
+      {"train", "The training run: length, logging, evaluation, precision, run directory."},
+      {"checkpoint", "Checkpoints (one HDF5 file each) and resuming."},
+  };
+  return table;
+}
+
+const std::vector<KeySpec>& keys() {
+  using K = Kind;
+  static const std::vector<KeySpec> table = {
+      // model
+      {"model", "preset", K::text, "esm2_8m",
+       "ESM-2 size (8M to 15B parameters, layers/hidden/heads/ffn as published), or custom to "
+       "give layers, hidden, heads and ffn explicitly.",
+       any(), {"esm2_8m", "esm2_35m", "esm2_150m", "esm2_650m", "esm2_3b", "esm2_15b", "custom"}},
+      {"model", "layers", K::integer, "0",
+       "Transformer blocks; 0 = the preset's. Required with preset custom.", atLeast(0), {}},
+      {"model", "hidden", K::integer, "0",
+       "Model width; 0 = the preset's. Must be a multiple of heads with an even head size "
+       "(rotary embeddings rotate pairs).",
+       atLeast(0), {}},
+      {"model", "heads", K::integer, "0", "Attention heads; 0 = the preset's.", atLeast(0), {}},
+      {"model", "ffn", K::integer, "0",
+       "Feed-forward width (ESM-2 uses 4 x hidden); 0 = the preset's.", atLeast(0), {}},
+      {"model", "recompute", K::boolean, "false",
+       "Recompute each block's activations in the backward pass instead of keeping them: less "
+       "memory for more compute.",
+       any(), {}},
+      // data
+      {"data", "train", K::text, "data/train.h5",
+       "Training set written by `plm prep` (parallel HDF5).", any(), {}, true},
+      {"data", "valid", K::text, "data/valid.h5",
+       "Validation set written by `plm prep`; \"\" = no validation.", any(), {}},
+      {"data", "tokens_per_batch", K::integer, "16384",
+       "Tokens per optimizer step over all ranks (ESM-2 used about 2M); a step accumulates "
+       "gradients over tokens_per_batch / micro_batch_tokens packed micro-batches.",
+       atLeast(1024), {}},
+      {"data", "micro_batch_tokens", K::integer, "8192",
+       "Token budget of one packed micro-batch (whole sequences, no padding); bounds activation "
+       "memory.",
+       atLeast(1024), {}},
+      {"data", "seed", K::integer, "1",
+       "Seed of the data order (a new permutation each epoch) and of the masking.", atLeast(0), {}},
+      {"data", "mask_prob", K::real, "0.15",
+       "Fraction of residues selected for the masked-LM loss (of those 80% become <mask>, 10% a "
+       "random residue, 10% stay).",
+       interval(0, 1, true, true), {}},
+      {"data", "max_seq_len", K::integer, "1024",
+       "Longest sequence in tokens, <cls> and <eos> included; longer ones are cropped to a random "
+       "window. ESM-2's position limit is 1024.",
+       interval(16, 1024, false, false), {}},
+      {"data", "prefetch", K::integer, "2",
+       "Batches prepared ahead of the training step (0 = none).", atLeast(0), {}},
+      {"data", "valid_tokens", K::integer, "0",
+       "At most this many validation tokens per evaluation (0 = the whole validation set).",
+       atLeast(0), {}},
+      // optimizer
+      {"optimizer", "lr", K::real, "4.0e-4",
+       "Peak learning rate (ESM-2: 4e-4, 1.6e-4 for 15B).", above(0), {}},
+      {"optimizer", "betas", K::real_pair, "[0.9, 0.98]", "AdamW beta1 and beta2.",
+       interval(0, 1, false, true), {}},
+      {"optimizer", "eps", K::real, "1.0e-8", "AdamW epsilon.", above(0), {}},
+      {"optimizer", "weight_decay", K::real, "0.01",
+       "Decoupled weight decay (not applied to biases, LayerNorm and embeddings).", atLeast(0), {}},
+      {"optimizer", "clip_grad_norm", K::real, "1.0",
+       "Clip the global gradient L2 norm to this value (0 = no clipping).", atLeast(0), {}},
+      // schedule
+      {"schedule", "warmup_steps", K::integer, "2000",
+       "Steps of linear warm-up from 0 to optimizer.lr.", atLeast(0), {}},
+      {"schedule", "decay", K::text, "linear",
+       "Shape after warm-up: linear or cosine down to final_lr_ratio x lr at decay_steps, or "
+       "constant.",
+       any(), {"linear", "cosine", "constant"}},
+      {"schedule", "final_lr_ratio", K::real, "0.1",
+       "Learning rate at the end of the decay as a fraction of optimizer.lr (ESM-2: 0.1).",
+       interval(0, 1, false, false), {}},
+      {"schedule", "decay_steps", K::integer, "0",
+       "Step at which the decay reaches its end (0 = train.steps); the rate stays there after.",
+       atLeast(0), {}},
+      // train
+      {"train", "steps", K::integer, "1000", "Optimizer steps (ESM-2: 500k).", atLeast(1), {}},
+      {"train", "log_every", K::integer, "10",
+       "Log loss, learning rate, gradient norm and throughput every this many steps.", atLeast(1),
+       {}},
+      {"train", "eval_every", K::integer, "200",
+       "Evaluate on data.valid every this many steps (0 = never).", atLeast(0), {}},
+      {"train", "precision", K::text, "fp32",
+       "Arithmetic of the training step: fp32, or bf16 (bfloat16 compute, fp32 master weights).",
+       any(), {"fp32", "bf16"}},
+      {"train", "run_dir", K::text, "run",
+       "Directory for the training log, metrics and the resolved deck (deck.yaml).", any(), {},
+       true},
+      {"train", "seed", K::integer, "1", "Seed of the model initialisation.", atLeast(0), {}},
+      {"train", "peak_tflops", K::real, "0",
+       "Peak TFLOP/s of one device, for the MFU figure (0 = plm's table of known devices).",
+       atLeast(0), {}},
+      {"train", "log_all_ranks", K::boolean, "false",
+       "Every rank logs, prefixed with its rank (same as the --log-all-ranks option).", any(), {}},
+      // checkpoint
+      {"checkpoint", "dir", K::text, "run/ckpt", "Directory of the checkpoint files.", any(), {},
+       true},
+      {"checkpoint", "every", K::integer, "200",
+       "Write a checkpoint every this many steps (0 = never).", atLeast(0), {}},
+      {"checkpoint", "keep", K::integer, "3",
+       "How many of the newest checkpoints to keep; older ones are deleted.", atLeast(1), {}},
+      {"checkpoint", "resume", K::text, "auto",
+       "auto = continue from the newest checkpoint in dir if there is one, none = start fresh, "
+       "anything else = the path of the checkpoint to continue from.",
+       any(), {}, true},
+  };
+  return table;
+}
+
+const SectionSpec* findSection(const std::string& name) {
+  for (const auto& s : sections())
+    if (s.name == name) return &s;
+  return nullptr;
+}
+
+const KeySpec* findKey(const std::string& section, const std::string& name) {
+  for (const auto& k : keys())
+    if (k.section == section && k.name == name) return &k;
+  return nullptr;
+}
+
+const std::vector<std::string>& rules() {
+  static const std::vector<std::string> table = {
+      "model.preset custom needs layers, hidden, heads and ffn (all >= 1).",
+      "hidden must be a multiple of heads, and the head size hidden / heads must be even.",
+      "data.tokens_per_batch >= data.micro_batch_tokens >= data.max_seq_len.",
+      "schedule.decay_steps is 0 or >= schedule.warmup_steps.",
+  };
+  return table;
+}
+
+bool presetShape(const std::string& name, PresetShape& shape) {
+  struct Named {
+    const char* name;
+    PresetShape shape;
+  };
+  static const Named table[] = {
+      {"esm2_8m", {6, 320, 20, 1280}},      {"esm2_35m", {12, 480, 20, 1920}},
+      {"esm2_150m", {30, 640, 20, 2560}},   {"esm2_650m", {33, 1280, 20, 5120}},
+      {"esm2_3b", {36, 2560, 40, 10240}},   {"esm2_15b", {48, 5120, 40, 20480}},
+  };
+  for (const auto& n : table)
+    if (name == n.name) {
+      shape = n.shape;
+      return true;
+    }
+  return false;
+}
+
+}  // namespace detail
+
+using detail::keys;
+using detail::sections;
+
+Teuchos::RCP<const Teuchos::ParameterList> schema() {
+  static Teuchos::RCP<const Teuchos::ParameterList> built = [] {
+    auto list = Teuchos::rcp(new Teuchos::ParameterList("plm deck"));
+    for (const auto& s : sections()) list->sublist(s.name, false, s.doc);
+    for (const auto& k : keys()) {
+      auto& section = list->sublist(k.section);
+      detail::setFromText(section, k, k.default_text, "schema");
+      if (!k.choices.empty()) {
+        Teuchos::Array<std::string> values(k.choices.begin(), k.choices.end());
+        section.getEntry(k.name).setValidator(
+            Teuchos::rcp(new Teuchos::StringValidator(values)));
+      }
+    }
+    return Teuchos::RCP<const Teuchos::ParameterList>(list);
+  }();
+  return built;
+}
+
+namespace {
+
+std::string allowed(const detail::KeySpec& k) {
+  if (!k.choices.empty()) {
+    std::string s = "one of ";
+    for (size_t i = 0; i < k.choices.size(); ++i) s += (i ? ", " : "") + k.choices[i];
+    return s;
+  }
+  if (k.kind == detail::Kind::real_pair) return "each " + k.range.describe();
+  if (k.range.bounded()) return k.range.describe();
+  if (k.nonempty) return "not empty";
+  return "";
+}
+
+/// Comment lines of at most `width` columns, each starting with `indent` + "# ".
+std::string comment(const std::string& text, const std::string& indent, size_t width = 100) {
+  std::istringstream words(text);
+  std::string word, line, out;
+  while (words >> word) {
+    if (!line.empty() && indent.size() + 2 + line.size() + 1 + word.size() > width) {
+      out += indent + "# " + line + "\n";
+      line.clear();
+    }
+    line += (line.empty() ? "" : " ") + word;
+  }
+  if (!line.empty()) out += indent + "# " + line + "\n";
+  return out;
+}
+
+std::string markdownCell(std::string s) {
+  std::string out;
+  for (char c : s) out += (c == '|') ? std::string("\\|") : std::string(1, c);
+  return out;
+}
+
+std::string shownDefault(const detail::KeySpec& k) {
+  return k.default_text.empty() ? std::string("\"\"") : k.default_text;
+}
+
+}  // namespace
+
+std::string defaultsYaml() {
+  std::ostringstream os;
+  os << "# plm input deck: every key at its default value (`plm deck --defaults`).\n"
+        "# A deck is YAML (.yaml, .yml) or Teuchos XML (.xml). Leave out any key to take its\n"
+        "# default; override one on the command line with --set section.key=value.\n"
+        "# doc/deck.md is the full reference, including the rules between keys.\n";
+  for (const auto& s : sections()) {
+    os << "\n" << comment(s.doc, "") << s.name << ":\n";
+    for (const auto& k : keys()) {
+      if (k.section != s.name) continue;
+      std::string a = allowed(k);
+      os << comment(k.doc + (a.empty() ? "" : " Allowed: " + a + "."), "  ");
+      os << "  " << k.name << ": " << (k.default_text.empty() ? "\"\"" : k.default_text) << "\n";
+    }
+  }
+  return os.str();
+}
+
+std::string referenceMarkdown() {
+  std::ostringstream os;
+  os << "# Input deck reference\n\n"
+        "<!-- Generated from src/deck/schema.cpp by `plm deck --markdown`; the test "
+        "test_deck (DeckDocs.ReferenceIsUpToDate) fails when this file and the schema differ. "
+        "Regenerate with: build/plm deck --markdown > doc/deck.md -->\n\n"
+        "A deck is a Teuchos ParameterList written as plain YAML (`.yaml`, `.yml`) or Teuchos "
+        "XML (`.xml`): one section per heading below, each a map of keys. Every key is optional "
+        "and takes the default shown; an unknown key, a value of the wrong type or one outside "
+        "the allowed range is an error that names the key and what is allowed. Integers are "
+        "accepted where a real is expected.\n\n"
+        "```yaml\n"
+        "model:      { preset: esm2_8m }\n"
+        "data:       { train: data/train.h5, valid: data/valid.h5, tokens_per_batch: 16384 }\n"
+        "optimizer:  { lr: 4.0e-4, betas: [0.9, 0.98], weight_decay: 0.01 }\n"
+        "schedule:   { warmup_steps: 2000, decay: linear, final_lr_ratio: 0.1 }\n"
+        "train:      { steps: 1000, eval_every: 200, run_dir: run }\n"
+        "checkpoint: { dir: run/ckpt, every: 200, keep: 3, resume: auto }\n"
+        "```\n\n"
+        "- `plm deck --defaults` prints a complete deck with every default and its documentation.\n"
+        "- `plm deck --check DECK [--set section.key=value]...` validates a deck and prints it "
+        "resolved (defaults filled in).\n"
+        "- `plm train DECK --set optimizer.lr=1e-4` overrides any key from the command line, "
+        "with the same validation; the resolved deck is written to `<train.run_dir>/deck.yaml`.\n"
+        "- In XML, each key is `<Parameter name=\"lr\" type=\"double\" value=\"4e-4\"/>` inside "
+        "`<ParameterList name=\"optimizer\">`; the value is read as the key's type below.\n";
+  for (const auto& s : sections()) {
+    os << "\n## `" << s.name << "`\n\n" << s.doc << "\n\n";
+    os << "| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n";
+    for (const auto& k : keys()) {
+      if (k.section != s.name) continue;
+      os << "| `" << k.name << "` | " << markdownCell(detail::kindName(k.kind)) << " | `"
+         << shownDefault(k) << "` | " << markdownCell(allowed(k)) << " | " << markdownCell(k.doc)
+         << " |\n";
+    }
+  }
+  os << "\n## Rules between keys\n\n";
+  for (const auto& r : detail::rules()) os << "- " << r << "\n";
+  os << "\n## Model presets\n\n| preset | layers | hidden | heads | ffn | head size |\n"
+        "|---|---|---|---|---|---|\n";
+  for (const auto& name : detail::findKey("model", "preset")->choices) {
+    detail::PresetShape p{};
+    if (!detail::presetShape(name, p)) continue;
+    os << "| `" << name << "` | " << p.layers << " | " << p.hidden << " | " << p.heads << " | "
+       << p.ffn << " | " << p.hidden / p.heads << " |\n";
+  }
+  return os.str();
+}
+
+}  // namespace plm::deck
