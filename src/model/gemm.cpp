@@ -11,12 +11,14 @@
 namespace plm::model {
 namespace {
 
+// Exactly the view types KokkosBlas::gemm forwards to its implementation, so the TPL table
+// lookup below is the one the call makes.
+using HostDevice = Kokkos::Device<HostExec, HostSpace>;
 template <class T>
-using ColMajor = Kokkos::View<T**, Kokkos::LayoutLeft, HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-
+using ColMajor = Kokkos::View<T**, Kokkos::LayoutLeft, HostDevice, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 template <class T>
 using ConstColMajor =
-    Kokkos::View<const T**, Kokkos::LayoutLeft, HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+    Kokkos::View<const T**, Kokkos::LayoutLeft, HostDevice, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
 template <class T>
 constexpr bool vendorBlas() {
