@@ -1,0 +1,165 @@
+// plm model file: config attributes + /model/<HF name> tensors written by row ranges.
+#include "io/model_file.hpp"
+
+#include "core/error.hpp"
+
+#include <set>
+
+namespace plm::io {
+
+namespace {
+
+std::string shapeText(const std::vector<std::int64_t>& shape) {
+  std::string s = "(";
+  for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + ")";
+}
+
+std::vector<std::string> groupMembers(hid_t group) {
+  H5G_info_t info;
+  PLM_CHECK_H5(H5Gget_info(group, &info));
+  std::vector<std::string> names;
+  for (hsize_t i = 0; i < info.nlinks; ++i) {
+    ssize_t length = PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT));
+    std::string name(std::size_t(length) + 1, '\0');
+    PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(), name.size(), H5P_DEFAULT));
+    name.resize(std::size_t(length));
+    names.push_back(name);
+  }
+  return names;
+}
+
+int commRank(MPI_Comm comm) {
+  int rank = 0;
+  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  return rank;
+}
+
+int commSize(MPI_Comm comm) {
+  int size = 1;
+  PLM_CHECK_MPI(MPI_Comm_size(comm, &size));
+  return size;
+}
+
+}  // namespace
+
+void writeConfigAttributes(hid_t location, const model::Esm2Config& config) {
+  h5::writeAttribute(location, "format", std::string(model_format));
+  h5::writeAttribute(location, "format_version", model_format_version);
+  h5::writeAttribute(location, "architecture", std::string("EsmForMaskedLM"));
+  h5::writeAttribute(location, "num_layers", std::int64_t(config.num_layers));
+  h5::writeAttribute(location, "hidden", std::int64_t(config.hidden));
+  h5::writeAttribute(location, "heads", std::int64_t(config.heads));
+  h5::writeAttribute(location, "ffn", std::int64_t(config.ffn));
+  h5::writeAttribute(location, "vocab", std::int64_t(config.vocab));
+  h5::writeAttribute(location, "max_positions", std::int64_t(config.max_positions));
+  h5::writeAttribute(location, "layer_norm_eps", config.layer_norm_eps);
+  h5::writeAttribute(location, "token_dropout", std::int64_t(config.token_dropout ? 1 : 0));
+}
+
+void writeExtraAttributes(hid_t location, const ModelAttributes& extra) {
+  for (const auto& [key, value] : extra.strings) h5::writeAttribute(location, key, value);
+  for (const auto& [key, value] : extra.integers) h5::writeAttribute(location, key, value);
+  for (const auto& [key, value] : extra.numbers) h5::writeAttribute(location, key, value);
+}
+
+model::Esm2Config readConfigAttributes(hid_t location, const std::string& path) {
+  if (!h5::hasAttribute(location, "format") || h5::readStringAttribute(location, "format") != model_format)
+    throw Error("`" + path + "` is not a plm model file (no attribute format = \"" + model_format +
+                "\"); convert a Hugging Face model with `plm convert --from-hf DIR --out FILE.h5`");
+  const std::int64_t version = h5::readIntAttribute(location, "format_version");
+  if (version > model_format_version)
+    throw Error("`" + path + "` has model format version " + std::to_string(version) + ", newer than this plm (" +
+                std::to_string(model_format_version) + "); use a newer plm");
+  model::Esm2Config config;
+  auto readInt = [&](const char* name) {
+    if (!h5::hasAttribute(location, name))
+      throw Error("`" + path + "` lacks the model attribute `" + name + "` (incomplete or damaged file)");
+    return static_cast<int>(h5::readIntAttribute(location, name));
+  };
+  config.num_layers = readInt("num_layers");
+  config.hidden = readInt("hidden");
+  config.heads = readInt("heads");
+  config.ffn = readInt("ffn");
+  config.vocab = readInt("vocab");
+  config.max_positions = readInt("max_positions");
+  config.token_dropout = readInt("token_dropout") != 0;
+  config.layer_norm_eps = h5::readDoubleAttribute(location, "layer_norm_eps");
+  return config;
+}
+
+std::pair<std::int64_t, std::int64_t> rowRange(std::int64_t rows, int rank, int world) {
+  return {rows * rank / world, rows * (rank + 1) / world};
+}
+
+void writeTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
+                      const std::vector<model::TensorInfo>& tensors, const float* values) {
+  const int rank = commRank(comm), world = commSize(comm);
+  h5::Hid g = h5::exists(file, group) ? h5::Hid(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)))
+                                      : h5::createGroup(file, group);
+  for (const auto& t : tensors) {
+    h5::Hid dataset = h5::createDataset<float>(g, t.name, t.shape);
+    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    const std::int64_t row_size = rows ? t.size / rows : 0;
+    auto [first, last] = rowRange(rows, rank, world);
+    h5::writeRows<float>(dataset, first, last - first, values + t.offset + first * row_size);
+  }
+}
+
+void readTensorGroup(hid_t file, MPI_Comm /*comm*/, const std::string& group,
+                     const std::vector<model::TensorInfo>& tensors, float* values, const std::string& path) {
+  if (!h5::exists(file, group)) throw Error("`" + path + "` has no group /" + group + " (not a plm model file?)");
+  h5::Hid g(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)));
+  std::set<std::string> known;
+  for (const auto& t : tensors) {
+    known.insert(t.name);
+    if (!h5::exists(g, t.name))
+      throw Error("`" + path + "` lacks /" + group + "/" + t.name +
+                  "; the file was written for another model configuration or is incomplete");
+    h5::Hid dataset = h5::openDataset(g, t.name);
+    auto shape = h5::datasetShape(dataset);
+    if (shape != t.shape)
+      throw Error("`" + path + "`: /" + group + "/" + t.name + " has shape " + shapeText(shape) + ", the model expects " +
+                  shapeText(t.shape));
+  }
+  for (const auto& name : groupMembers(g))
+    if (!known.count(name))
+      throw Error("`" + path + "`: /" + group + "/" + name +
+                  " is not a parameter of this model (another architecture or configuration?)");
+  for (const auto& t : tensors) {
+    h5::Hid dataset = h5::openDataset(g, t.name);
+    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    h5::readRows<float>(dataset, 0, rows, values + t.offset);
+  }
+}
+
+void writeModelFile(const std::string& path, MPI_Comm comm, const model::Esm2Config& config,
+                    const std::vector<model::TensorInfo>& tensors, const float* values, const ModelAttributes& extra) {
+  h5::Hid file = h5::createFile(path, comm);
+  writeConfigAttributes(file, config);
+  writeExtraAttributes(file, extra);
+  writeTensorGroup(file, comm, "model", tensors, values);
+}
+
+model::Esm2Config readModelConfig(const std::string& path) {
+  h5::Hid file = h5::openFileSerial(path);
+  return readConfigAttributes(file, path);
+}
+
+void readModelValues(const std::string& path, MPI_Comm comm, const model::Esm2Config& config,
+                     const std::vector<model::TensorInfo>& tensors, float* values) {
+  h5::Hid file = h5::openFile(path, comm);
+  model::Esm2Config stored = readConfigAttributes(file, path);
+  if (stored.num_layers != config.num_layers || stored.hidden != config.hidden || stored.heads != config.heads ||
+      stored.ffn != config.ffn || stored.vocab != config.vocab)
+    throw Error("`" + path + "` holds a model with layers " + std::to_string(stored.num_layers) + ", hidden " +
+                std::to_string(stored.hidden) + ", heads " + std::to_string(stored.heads) + ", ffn " +
+                std::to_string(stored.ffn) + ", vocab " + std::to_string(stored.vocab) +
+                "; the model being loaded has layers " + std::to_string(config.num_layers) + ", hidden " +
+                std::to_string(config.hidden) + ", heads " + std::to_string(config.heads) + ", ffn " +
+                std::to_string(config.ffn) + ", vocab " + std::to_string(config.vocab) +
+                " (build the model from readModelConfig(file))");
+  readTensorGroup(file, comm, "model", tensors, values, path);
+}
+
+}  // namespace plm::io
