@@ -1,0 +1,50 @@
+// `plm prep`: FASTA files to DIR/train.h5 and DIR/valid.h5, in parallel over MPI ranks.
+//
+// Pipeline (doc/data.md "prep"): every rank parses its byte range of the inputs (io/fasta.hpp)
+// -> line numbers made absolute by an exclusive scan -> the invalid-input policy is applied
+// collectively (error: the first problem in input order is every rank's error) -> each record's
+// 128-bit content hash goes to the rank that owns that hash (MPI_Alltoallv), which keeps the
+// first occurrence in input order and answers keep/drop -> the split is a function of the hash
+// (or of the file, with --valid) -> collective writes to hidden temporary files, renamed when
+// both are complete. Output order is input order, so the files do not depend on the rank count.
+#pragma once
+
+#include "io/fasta.hpp"
+
+#include <mpi.h>
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace plm::data {
+
+struct PrepOptions {
+  std::vector<std::string> inputs;        // FASTA files, plain or gzip (detected by content)
+  std::vector<std::string> valid_inputs;  // --valid: these files are the validation set
+  std::string out_dir;
+  double valid_fraction = 0.01;           // used when valid_inputs is empty; 0 = no valid.h5
+  io::fasta::Policy on_invalid = io::fasta::Policy::error;
+  std::string command_line;               // recorded in the files
+  double progress_seconds = 10;           // rank 0 logs progress this often (0 = never)
+};
+
+struct PrepReport {
+  std::int64_t input_bytes = 0;      // bytes of the input files as stored
+  std::int64_t fasta_bytes = 0;      // bytes of FASTA text parsed (after inflating gzip)
+  std::int64_t records = 0;          // valid records read
+  std::int64_t duplicates = 0;       // records dropped as exact duplicates
+  std::int64_t skipped = 0;          // invalid records skipped (--on-invalid skip)
+  std::array<std::int64_t, io::fasta::num_problems> skipped_by_problem{};
+  std::int64_t train_sequences = 0, train_residues = 0;
+  std::int64_t valid_sequences = 0, valid_residues = 0;
+  std::vector<std::string> outputs;  // files written
+  double seconds = 0;
+};
+
+/// \brief Collective over `comm`. Throws a collective plm::Error for bad input under
+/// Policy::error (the first problem in input order: "file:line: what; what to do").
+PrepReport prepare(const PrepOptions& options, MPI_Comm comm);
+
+}  // namespace plm::data
