@@ -14,8 +14,8 @@
 #include <Teuchos_YamlParameterListCoreHelpers.hpp>
 
 #include <algorithm>
-#include <cerrno>
 #include <cctype>
+#include <cerrno>
 #include <climits>
 #include <cmath>
 #include <cstdio>
@@ -153,8 +153,8 @@ bool parseBool(const std::string& text, bool& out) {
 /// "[0.9, 0.98]", "{0.9, 0.98}" (Teuchos' array text) or "0.9,0.98".
 bool parseRealList(const std::string& text, std::vector<double>& out) {
   std::string t = trim(text);
-  if (t.size() >= 2 && ((t.front() == '[' && t.back() == ']') ||
-                        (t.front() == '{' && t.back() == '}')))
+  if (t.size() >= 2 &&
+      ((t.front() == '[' && t.back() == ']') || (t.front() == '{' && t.back() == '}')))
     t = t.substr(1, t.size() - 2);
   out.clear();
   if (trim(t).empty()) return true;
@@ -177,8 +177,8 @@ bool needsQuotes(const std::string& s) {
   double r = 0;
   bool b = false;
   std::string l = lower(s);
-  return parseReal(s, r) || parseBool(s, b) || l == "null" || l == "y" || l == "n" ||
-         l == ".nan" || l == ".inf" || l == "-.inf" || s.front() == '-';
+  return parseReal(s, r) || parseBool(s, b) || l == "null" || l == "y" || l == "n" || l == ".nan" ||
+         l == ".inf" || l == "-.inf" || s.front() == '-';
 }
 
 std::string yamlString(const std::string& s) {
@@ -188,8 +188,7 @@ std::string yamlString(const std::string& s) {
   return out + "'";
 }
 
-template <class T, class F>
-std::string showArray(const Teuchos::Array<T>& a, F show) {
+template <class T, class F> std::string showArray(const Teuchos::Array<T>& a, F show) {
   std::string s = "[";
   for (int i = 0; i < a.size(); ++i) s += (i ? ", " : "") + show(a[i]);
   return s + "]";
@@ -262,13 +261,16 @@ void setValue(Teuchos::ParameterList& section, const KeySpec& k, const Teuchos::
   switch (k.kind) {
     case Kind::integer: {
       long long v = 0;
-      if (raw.type() == typeid(int)) v = Teuchos::any_cast<int>(raw);
-      else if (raw.type() == typeid(long long)) v = Teuchos::any_cast<long long>(raw);
+      if (raw.type() == typeid(int))
+        v = Teuchos::any_cast<int>(raw);
+      else if (raw.type() == typeid(long long))
+        v = Teuchos::any_cast<long long>(raw);
       else if (raw.type() == typeid(double)) {
         double r = Teuchos::any_cast<double>(raw);
         if (r != std::floor(r) || std::fabs(r) > 9.0e18) wrongType(k, shown, source);
         v = static_cast<long long>(r);
-      } else if (!is_text || !parseInteger(text, v)) wrongType(k, shown, source);
+      } else if (!is_text || !parseInteger(text, v))
+        wrongType(k, shown, source);
       checkRange(k, static_cast<double>(v), shown, source);
       if (v > INT_MAX || v < INT_MIN) badValue(k, shown, source, "is too large for an int");
       section.set(k.name, static_cast<int>(v), k.doc);
@@ -276,10 +278,14 @@ void setValue(Teuchos::ParameterList& section, const KeySpec& k, const Teuchos::
     }
     case Kind::real: {
       double v = 0;
-      if (raw.type() == typeid(int)) v = Teuchos::any_cast<int>(raw);
-      else if (raw.type() == typeid(long long)) v = static_cast<double>(Teuchos::any_cast<long long>(raw));
-      else if (raw.type() == typeid(double)) v = Teuchos::any_cast<double>(raw);
-      else if (!is_text || !parseReal(text, v)) wrongType(k, shown, source);
+      if (raw.type() == typeid(int))
+        v = Teuchos::any_cast<int>(raw);
+      else if (raw.type() == typeid(long long))
+        v = static_cast<double>(Teuchos::any_cast<long long>(raw));
+      else if (raw.type() == typeid(double))
+        v = Teuchos::any_cast<double>(raw);
+      else if (!is_text || !parseReal(text, v))
+        wrongType(k, shown, source);
       if (!std::isfinite(v)) badValue(k, shown, source, "is not finite");
       checkRange(k, v, shown, source);
       section.set(k.name, v, k.doc);
@@ -287,16 +293,21 @@ void setValue(Teuchos::ParameterList& section, const KeySpec& k, const Teuchos::
     }
     case Kind::boolean: {
       bool v = false;
-      if (raw.type() == typeid(bool)) v = Teuchos::any_cast<bool>(raw);
-      else if (!is_text || !parseBool(text, v)) wrongType(k, shown, source);
+      if (raw.type() == typeid(bool))
+        v = Teuchos::any_cast<bool>(raw);
+      else if (!is_text || !parseBool(text, v))
+        wrongType(k, shown, source);
       section.set(k.name, v, k.doc);
       return;
     }
     case Kind::text: {
       std::string v;
-      if (is_text) v = text;
-      else if (raw.type() == typeid(int) || raw.type() == typeid(long long)) v = shown;
-      else wrongType(k, shown, source);
+      if (is_text)
+        v = text;
+      else if (raw.type() == typeid(int) || raw.type() == typeid(long long))
+        v = shown;
+      else
+        wrongType(k, shown, source);
       if (!k.choices.empty() &&
           std::find(k.choices.begin(), k.choices.end(), v) == k.choices.end()) {
         std::string hint = closest(v, k.choices);
@@ -353,10 +364,10 @@ void setValue(Teuchos::ParameterList& section, const KeySpec& k, const Teuchos::
   std::string elsewhere;
   for (const auto& k : keys())
     if (k.name == name && k.section != section) elsewhere = k.section + "." + k.name;
-  std::string suggestion = !elsewhere.empty() ? " (it belongs in another section: `" +
-                                                   elsewhere + "`)"
-                           : !hint.empty()    ? " (did you mean `" + hint + "`?)"
-                                              : "";
+  std::string suggestion = !elsewhere.empty()
+                               ? " (it belongs in another section: `" + elsewhere + "`)"
+                           : !hint.empty() ? " (did you mean `" + hint + "`?)"
+                                           : "";
   throw collectiveError(source + ": unknown key `" + name + "` in section `" + section + "`" +
                         suggestion + "; `plm deck --defaults` lists every key");
 }
@@ -381,12 +392,12 @@ void setValue(Teuchos::ParameterList& section, const KeySpec& k, const Teuchos::
         if (k.name == near) hint = k.section + "." + k.name;
   }
   std::string section_hint = hint.empty() ? closest(name, sectionNames()) : "";
-  throw collectiveError(
-      source + ": unknown key `" + name + "` at the top level; keys belong to a section" +
-      (!hint.empty() ? " (did you mean `" + hint + "`?)"
-                     : !section_hint.empty() ? " (did you mean section `" + section_hint + "`?)"
-                                             : "") +
-      "; the sections are " + joined(sectionNames()));
+  throw collectiveError(source + ": unknown key `" + name +
+                        "` at the top level; keys belong to a section" +
+                        (!hint.empty()           ? " (did you mean `" + hint + "`?)"
+                         : !section_hint.empty() ? " (did you mean section `" + section_hint + "`?)"
+                                                 : "") +
+                        "; the sections are " + joined(sectionNames()));
 }
 
 // ---- overrides and cross-key rules -------------------------------------------------------------
@@ -430,9 +441,9 @@ void checkRules(const Teuchos::ParameterList& deck, const std::string& source) {
     throw collectiveError(source + ": model.hidden = " + std::to_string(hidden) +
                           " is not a multiple of model.heads = " + std::to_string(heads) + from);
   if ((hidden / heads) % 2 != 0)
-    throw collectiveError(source + ": the head size model.hidden / model.heads = " +
-                          std::to_string(hidden) + " / " + std::to_string(heads) + " = " +
-                          std::to_string(hidden / heads) +
+    throw collectiveError(source +
+                          ": the head size model.hidden / model.heads = " + std::to_string(hidden) +
+                          " / " + std::to_string(heads) + " = " + std::to_string(hidden / heads) +
                           " is odd; rotary embeddings need an even head size" + from);
 
   const auto& data = deck.sublist("data");
@@ -472,10 +483,10 @@ Teuchos::RCP<Teuchos::ParameterList> resolveFrom(const Teuchos::ParameterList& u
       if (section.entry(kt).isList()) {
         // YAML reads `key:` with nothing after it as an empty map.
         if (section.sublist(key).numParams() == 0)
-            throw collectiveError(source + ": " + name + "." + key +
-                                  " has no value (write \"\" for an empty string)");
-        throw collectiveError(source + ": " + name + "." + key + " takes " +
-                              kindPhrase(k->kind) + ", not a map of keys");
+          throw collectiveError(source + ": " + name + "." + key +
+                                " has no value (write \"\" for an empty string)");
+        throw collectiveError(source + ": " + name + "." + key + " takes " + kindPhrase(k->kind) +
+                              ", not a map of keys");
       }
       setValue(values.sublist(name), *k, section.entry(kt).getAny(false), source);
     }
@@ -500,8 +511,7 @@ Teuchos::RCP<Teuchos::ParameterList> resolveFrom(const Teuchos::ParameterList& u
 
 std::string readText(const std::string& path) {
   FILE* f = std::fopen(path.c_str(), "rb");
-  if (!f)
-    throw collectiveError("deck " + path + ": cannot open it (" + std::strerror(errno) + ")");
+  if (!f) throw collectiveError("deck " + path + ": cannot open it (" + std::strerror(errno) + ")");
   std::string text;
   char buffer[65536];
   size_t n;
@@ -638,8 +648,9 @@ Teuchos::RCP<Teuchos::ParameterList> readXmlString(const std::string& text,
                           (std::regex_search(what, m, useful) ? " (" + m.str() + ")" : ""));
   }
   if (root.isEmpty() || root.getTag() != "ParameterList")
-    throw collectiveError(source + ": an XML deck is a <ParameterList> of section "
-                                   "<ParameterList>s; found " +
+    throw collectiveError(source +
+                          ": an XML deck is a <ParameterList> of section "
+                          "<ParameterList>s; found " +
                           (root.isEmpty() ? std::string("nothing") : "<" + root.getTag() + ">"));
   auto list = Teuchos::rcp(new Teuchos::ParameterList("plm deck"));
   detail::readXmlList(root, *list, "", source);

@@ -8,7 +8,8 @@
 // Validation is plm's own rather than Teuchos' validateParameters(): a user who mistypes a key
 // gets one line naming the key, its section and the closest valid name, never Teuchos text.
 //
-// Types of a resolved deck, for code that reads it (`deck->sublist("optimizer").get<double>("lr")`):
+// Types of a resolved deck, for code that reads it
+// (`deck->sublist("optimizer").get<double>("lr")`):
 //   int, double, bool, std::string, and Teuchos::Array<double> (optimizer.betas).
 #pragma once
 

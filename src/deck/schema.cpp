@@ -71,6 +71,8 @@ const std::vector<SectionSpec>& sections() {
 
 const std::vector<KeySpec>& keys() {
   using K = Kind;
+  // One key per entry (clang-format would put every field on its own line).
+  // clang-format off
   static const std::vector<KeySpec> table = {
       // model
       {"model", "preset", K::text, "esm2_8m",
@@ -172,6 +174,7 @@ const std::vector<KeySpec>& keys() {
        "anything else = the path of the checkpoint to continue from.",
        any(), {}, true},
   };
+  // clang-format on
   return table;
 }
 
@@ -203,9 +206,9 @@ bool presetShape(const std::string& name, PresetShape& shape) {
     PresetShape shape;
   };
   static const Named table[] = {
-      {"esm2_8m", {6, 320, 20, 1280}},      {"esm2_35m", {12, 480, 20, 1920}},
-      {"esm2_150m", {30, 640, 20, 2560}},   {"esm2_650m", {33, 1280, 20, 5120}},
-      {"esm2_3b", {36, 2560, 40, 10240}},   {"esm2_15b", {48, 5120, 40, 20480}},
+      {"esm2_8m", {6, 320, 20, 1280}},    {"esm2_35m", {12, 480, 20, 1920}},
+      {"esm2_150m", {30, 640, 20, 2560}}, {"esm2_650m", {33, 1280, 20, 5120}},
+      {"esm2_3b", {36, 2560, 40, 10240}}, {"esm2_15b", {48, 5120, 40, 20480}},
   };
   for (const auto& n : table)
     if (name == n.name) {
@@ -229,8 +232,7 @@ Teuchos::RCP<const Teuchos::ParameterList> schema() {
       detail::setFromText(section, k, k.default_text, "schema");
       if (!k.choices.empty()) {
         Teuchos::Array<std::string> values(k.choices.begin(), k.choices.end());
-        section.getEntry(k.name).setValidator(
-            Teuchos::rcp(new Teuchos::StringValidator(values)));
+        section.getEntry(k.name).setValidator(Teuchos::rcp(new Teuchos::StringValidator(values)));
       }
     }
     return Teuchos::RCP<const Teuchos::ParameterList>(list);

@@ -44,8 +44,9 @@ std::string yamlError(const std::string& yaml, const std::vector<std::string>& o
   return errorOf([&] { resolveYaml(yaml, overrides); });
 }
 
-#define EXPECT_HAS(text, part) \
-  EXPECT_NE(std::string(text).find(part), std::string::npos) << "missing `" << (part) << "` in: " << (text)
+#define EXPECT_HAS(text, part)                               \
+  EXPECT_NE(std::string(text).find(part), std::string::npos) \
+      << "missing `" << (part) << "` in: " << (text)
 
 std::string writeTemp(const std::string& name, const std::string& text) {
   fs::path p = fs::path(testing::TempDir()) / name;
@@ -165,10 +166,12 @@ TEST(DeckValidation, OutOfRangeNamesTheRange) {
     const char* expected;
   };
   for (const Case& c : {
-           Case{"optimizer: { lr: -1.0e-3 }", "optimizer.lr = -0.001 is out of range (allowed: > 0)"},
+           Case{"optimizer: { lr: -1.0e-3 }",
+                "optimizer.lr = -0.001 is out of range (allowed: > 0)"},
            Case{"optimizer: { lr: 0 }", "optimizer.lr = 0 is out of range (allowed: > 0)"},
            Case{"optimizer: { betas: [0.9, 1.0] }", "allowed: two numbers, each in [0, 1)"},
-           Case{"data: { mask_prob: 1.0 }", "data.mask_prob = 1.0 is out of range (allowed: in (0, 1))"},
+           Case{"data: { mask_prob: 1.0 }",
+                "data.mask_prob = 1.0 is out of range (allowed: in (0, 1))"},
            Case{"data: { micro_batch_tokens: 512 }", "(allowed: >= 1024)"},
            Case{"data: { max_seq_len: 2048 }", "(allowed: in [16, 1024])"},
            Case{"train: { steps: 0 }", "train.steps = 0 is out of range (allowed: >= 1)"},
@@ -229,7 +232,8 @@ TEST(DeckValidation, CrossKeyRules) {
   m = yamlError("schedule: { warmup_steps: 100, decay_steps: 50 }\n");
   EXPECT_HAS(m, "schedule.decay_steps = 50");
 
-  auto deck = resolveYaml("model: { preset: custom, layers: 4, hidden: 128, heads: 4, ffn: 512 }\n");
+  auto deck =
+      resolveYaml("model: { preset: custom, layers: 4, hidden: 128, heads: 4, ffn: 512 }\n");
   EXPECT_EQ(deck->sublist("model").get<int>("hidden"), 128);
 }
 
@@ -288,20 +292,21 @@ TEST(DeckFiles, XmlValuesAreCheckedByTheKeyType) {
   const std::string head = "<ParameterList name=\"plm\"><ParameterList name=\"model\">";
   const std::string tail = "</ParameterList></ParameterList>";
   auto xml = [&](const std::string& body) { return head + body + tail; };
-  auto list = plm::deck::readXmlString(
-      xml("<Parameter name=\"layers\" type=\"int\" value=\"4\"/>"));
+  auto list =
+      plm::deck::readXmlString(xml("<Parameter name=\"layers\" type=\"int\" value=\"4\"/>"));
   EXPECT_EQ(plm::deck::resolve(*list)->sublist("model").get<int>("layers"), 4);
 
   // Teuchos itself would read this as 0; a deck error names it.
   std::string m = errorOf([&] {
-    plm::deck::resolve(*plm::deck::readXmlString(
-        xml("<Parameter name=\"layers\" type=\"int\" value=\"abc\"/>")));
+    plm::deck::resolve(
+        *plm::deck::readXmlString(xml("<Parameter name=\"layers\" type=\"int\" value=\"abc\"/>")));
   });
   EXPECT_HAS(m, "model.layers = abc is not an integer");
 
   m = errorOf([&] {
-    plm::deck::readXmlString(xml("<Parameter name=\"layers\" type=\"int\" value=\"4\"/>"
-                                 "<Parameter name=\"layers\" type=\"int\" value=\"5\"/>"));
+    plm::deck::readXmlString(
+        xml("<Parameter name=\"layers\" type=\"int\" value=\"4\"/>"
+            "<Parameter name=\"layers\" type=\"int\" value=\"5\"/>"));
   });
   EXPECT_HAS(m, "`model.layers` appears twice");
 
@@ -310,7 +315,8 @@ TEST(DeckFiles, XmlValuesAreCheckedByTheKeyType) {
 }
 
 TEST(DeckFiles, SyntaxErrorsAndFileProblemsAreOneLine) {
-  std::string m = errorOf([] { plm::deck::readYamlString("model: { preset: esm2_8m\ndata: {}\n"); });
+  std::string m =
+      errorOf([] { plm::deck::readYamlString("model: { preset: esm2_8m\ndata: {}\n"); });
   EXPECT_HAS(m, "YAML syntax error");
   EXPECT_HAS(m, "line ");
 

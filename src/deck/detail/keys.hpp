@@ -18,8 +18,10 @@ struct Range {
   double max = std::numeric_limits<double>::infinity();
   bool min_open = false;  // true: min itself is not allowed
   bool max_open = false;
-  bool bounded() const { return min > -std::numeric_limits<double>::infinity() ||
-                                max < std::numeric_limits<double>::infinity(); }
+  bool bounded() const {
+    return min > -std::numeric_limits<double>::infinity() ||
+           max < std::numeric_limits<double>::infinity();
+  }
   bool contains(double x) const;
   /// "> 0", ">= 1024", "in (0, 1)", "in [0, 1)".
   std::string describe() const;
@@ -29,7 +31,7 @@ struct KeySpec {
   std::string section;
   std::string name;
   Kind kind;
-  std::string default_text;          // parsed with the key's own parser, printed as written
+  std::string default_text;  // parsed with the key's own parser, printed as written
   std::string doc;
   Range range;                       // integer, real, and each element of real_pair
   std::vector<std::string> choices;  // text keys with a closed set of values

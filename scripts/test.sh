@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Builds plm and runs the whole test suite on a fresh Debian bookworm machine:
+# system packages, configure (build/), build, ctest. Exits with ctest's status.
+# Environment: BUILD_DIR (default build), JOBS (default: all cores), CTEST_ARGS (e.g. "-L unit").
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+build_dir=${BUILD_DIR:-build}
+jobs=${JOBS:-$(nproc)}
+
+bash scripts/setup-debian.sh
+
+echo "== configure ($build_dir)"
+cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release
+
+echo "== build (-j$jobs)"
+cmake --build "$build_dir" -j "$jobs"
+
+echo "== test"
+# MPI tests start several ranks per core and may run as root (CI containers).
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_MCA_rmaps_base_oversubscribe=1
+cd "$build_dir"
+status=0
+# shellcheck disable=SC2086
+ctest --output-on-failure ${CTEST_ARGS:-} || status=$?
+exit $status
