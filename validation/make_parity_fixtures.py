@@ -184,17 +184,19 @@ def build(name, out_dir):
     path = os.path.join(out_dir, f"esm_parity_{name}.h5")
     with h5py.File(path, "w") as f:
         a = f.attrs
-        a["script"] = "validation/make_parity_fixtures.py"
-        a["transformers_version"] = str(transformers.__version__)
-        a["torch_version"] = str(torch.__version__)
-        a["python_version"] = platform.python_version()
+        # Strings as fixed-length ASCII (np.bytes_): h5py's default variable-length UTF-8 strings
+        # do not convert to the C-string type plm's HDF5 helpers read.
+        a["script"] = np.bytes_("validation/make_parity_fixtures.py")
+        a["transformers_version"] = np.bytes_(str(transformers.__version__))
+        a["torch_version"] = np.bytes_(str(torch.__version__))
+        a["python_version"] = np.bytes_(platform.python_version())
         a["seed"] = seed
         a["num_layers"], a["hidden"], a["heads"], a["ffn"] = layers, hidden, heads, ffn
         a["vocab"] = VOCAB
         a["max_positions"] = config.max_position_embeddings
         a["layer_norm_eps"] = config.layer_norm_eps
         a["token_dropout"] = 1
-        a["reference_dtype"] = "float64"
+        a["reference_dtype"] = np.bytes_("float64")
         a["loss"] = float(out.loss.item())
         a["num_masked"] = num_masked
         z = {}  # contiguous: for tensors this small, chunk indexes cost more than gzip saves
