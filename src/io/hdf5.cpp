@@ -90,7 +90,12 @@ Hid openFile(const std::string& path, MPI_Comm comm, bool writable) {
   struct stat info;
   if (stat(path.c_str(), &info) != 0)
     throw Error("file `" + path + "` does not exist (" + std::strerror(errno) + ")");
-  if (H5Fis_accessible(path.c_str(), H5P_DEFAULT) <= 0) {
+#if H5_VERSION_GE(1, 12, 0)
+  const htri_t readable = H5Fis_accessible(path.c_str(), H5P_DEFAULT);
+#else
+  const htri_t readable = H5Fis_hdf5(path.c_str());  // HDF5 1.10 (Debian 12) has no H5Fis_accessible
+#endif
+  if (readable <= 0) {
     H5Eclear2(H5E_DEFAULT);
     throw Error("`" + path + "` is not a readable HDF5 file (truncated or not HDF5?)");
   }
