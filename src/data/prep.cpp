@@ -211,7 +211,7 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   for (const auto& s : segments) {
     auto stats = io::fasta::parseSegment(s, options.on_invalid, parsed, progress);
     newlines[s.file] += stats.newlines_in_range;
-    fasta_bytes += s.gzip ? stats.bytes_inflated : stats.bytes_read;
+    fasta_bytes += s.gzip ? stats.bytes_inflated : s.end - s.begin;
     if (parsed.stopped) break;
   }
 

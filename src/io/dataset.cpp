@@ -5,6 +5,9 @@
 #include "io/hdf5.hpp"
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <unistd.h>
 #include <cstdlib>
 #include <numeric>
 
@@ -68,6 +71,21 @@ void writeInRounds(hid_t dataset, MPI_Comm comm, std::int64_t start, std::int64_
 }
 
 std::string describe(const std::string& path) { return "dataset `" + path + "`"; }
+
+// Probing a file that may not be HDF5 is expected to fail: keep HDF5 from printing its error
+// stack to stderr meanwhile (the plm::Error says what is wrong).
+class QuietHdf5 {
+ public:
+  QuietHdf5() {
+    H5Eget_auto2(H5E_DEFAULT, &function_member, &data_member);
+    H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  }
+  ~QuietHdf5() { H5Eset_auto2(H5E_DEFAULT, function_member, data_member); }
+
+ private:
+  H5E_auto2_t function_member = nullptr;
+  void* data_member = nullptr;
+};
 
 }  // namespace
 
@@ -142,12 +160,21 @@ DatasetReader::DatasetReader(const std::string& path) : impl_member(std::make_un
   Impl& d = *impl_member;
   d.path = path;
   const std::string where = describe(path);
-  if (H5Fis_hdf5(path.c_str()) <= 0) {
-    H5Eclear2(H5E_DEFAULT);
-    h5::openFileSerial(path);  // throws the "does not exist" message when that is the reason
-    throw Error(where + " is not a readable HDF5 file (truncated, or not HDF5?); rerun plm prep");
+  {
+    QuietHdf5 quiet;
+    if (access(path.c_str(), F_OK) != 0)
+      throw Error(where + " does not exist (" + std::strerror(errno) + "); run plm prep to make it");
+    if (H5Fis_hdf5(path.c_str()) <= 0) {
+      H5Eclear2(H5E_DEFAULT);
+      throw Error(where + " is not a readable HDF5 file (truncated, or not HDF5?); rerun plm prep");
+    }
+    hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
+    if (file < 0) {
+      H5Eclear2(H5E_DEFAULT);
+      throw Error(where + " is not a readable HDF5 file (truncated or damaged); rerun plm prep");
+    }
+    d.file = h5::Hid(file);
   }
-  d.file = h5::openFileSerial(path);
   if (!h5::hasAttribute(d.file, "format"))
     throw Error(where + " has no `format` attribute: it is not a plm dataset, or a plm prep that "
                 "wrote it was interrupted; rerun plm prep");

@@ -6,6 +6,7 @@
 #include <zlib.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <fcntl.h>
 #include <unistd.h>
@@ -338,7 +339,11 @@ SegmentStats parseGzip(const Segment& s, Policy policy, Parsed& out,
     return !out.stopped;
   };
   LineSplitter<decltype(handle)> splitter(0, handle);
-  std::vector<char> input(size_t(1) << 20), output(read_block);
+  // The compressed bytes fed per call set the granularity at which ranks share a gzip file.
+  // PLM_PREP_GZIP_CHUNK (bytes) overrides it so that tests can split small files.
+  size_t chunk = size_t(1) << 20;
+  if (const char* knob = std::getenv("PLM_PREP_GZIP_CHUNK")) chunk = std::max<size_t>(64, size_t(std::atoll(knob)));
+  std::vector<char> input(chunk), output(read_block);
   std::int64_t read_position = 0;  // compressed bytes read from the file
   bool eof = false, go = true;
   while (go) {
@@ -357,7 +362,7 @@ SegmentStats parseGzip(const Segment& s, Policy policy, Parsed& out,
     z.avail_out = uInt(output.size());
     int rc = inflate(&z, Z_NO_FLUSH);
     size_t produced = output.size() - z.avail_out;
-    stats.bytes_inflated += std::int64_t(produced);
+    if (tag >= s.begin && tag < s.end) stats.bytes_inflated += std::int64_t(produced);
     if (produced) go = splitter.feed(output.data(), produced, tag);
     if (!go) break;
     if (rc == Z_STREAM_END) {

@@ -69,7 +69,7 @@ struct Parsed {
 struct SegmentStats {
   std::int64_t newlines_in_range = 0;  // '\n' bytes in [begin, end) (plain files)
   std::int64_t bytes_read = 0;         // bytes read from disk
-  std::int64_t bytes_inflated = 0;     // decompressed bytes (gzip)
+  std::int64_t bytes_inflated = 0;     // decompressed bytes this rank owns (gzip)
 };
 
 /// \brief Issues kept per rank (all are counted).
