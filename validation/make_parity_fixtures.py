@@ -3,7 +3,8 @@
 
 Builds small random `transformers.EsmForMaskedLM` models exactly as ANCHORS.md §1 defines ESM-2
 (33-token vocabulary, rotary, token dropout, pre-LN, no emb_layer_norm_before), runs them in
-float64 on a padded batch with an attention mask, and records what plm must reproduce on the
+float64 (with the two float32 internals of transformers raised to float64, see
+float64_internals) on a padded batch with an attention mask, and records what plm must reproduce on the
 same batch in its packed (THD) form:
 
   attributes on `/`: script, transformers_version, torch_version, python_version, seed,
@@ -29,6 +30,7 @@ Requires: validation/requirements.txt (torch, transformers, h5py).
 import argparse
 import os
 import platform
+import types
 import sys
 
 import h5py
@@ -36,6 +38,7 @@ import numpy as np
 import torch
 import transformers
 from transformers import EsmConfig, EsmForMaskedLM
+from transformers.models.esm import modeling_esm
 
 # ANCHORS.md §1 vocabulary.
 CLS, PAD, EOS, MASK = 0, 1, 2, 32
@@ -84,6 +87,42 @@ def randomize(model, generator):
                 p.copy_(0.3 * noise)
             else:  # Linear weights (out, in): keep activations O(1)
                 p.copy_(noise * (1.0 / np.sqrt(p.shape[1])))
+
+
+STOCK_APPLY_ROTARY = modeling_esm.apply_rotary_pos_emb
+
+
+def float64_internals(model):
+    """transformers computes three small things in float32 even in a float64 model: the rotary
+    cos/sin table, the rotation itself (apply_rotary_pos_emb casts q and k to float32) and token
+    dropout's mask ratio. Patch them to float64 (same formulas) so the
+    reference is float64 throughout and plm's double build can be held to ~1e-12. build() checks
+    that the patched model agrees with the unpatched one to float32 rounding."""
+
+    def rotary(self, x, position_ids, layer_type=None):
+        dim = self.config.hidden_size // self.config.num_attention_heads
+        inv_freq = 1.0 / (10000.0 ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+        freqs = position_ids[..., None].to(torch.float64) * inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    def embeddings(self, input_ids=None, attention_mask=None, position_ids=None, inputs_embeds=None, **kwargs):
+        assert self.token_dropout and self.layer_norm is None and attention_mask is not None
+        x = self.word_embeddings(input_ids)
+        is_mask = input_ids == self.mask_token_id
+        x = x.masked_fill(is_mask.unsqueeze(-1), 0.0)
+        ratio = is_mask.sum(-1).to(torch.float64) / attention_mask.sum(-1).to(torch.float64)
+        x = x * (1 - 0.15 * 0.8) / (1 - ratio)[:, None, None]
+        return x * attention_mask.unsqueeze(-1).to(x.dtype)
+
+    def apply_rotary(q, k, cos, sin, unsqueeze_dim=1):
+        cos, sin = cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim)
+        rotate = modeling_esm.rotate_half
+        return q * cos + rotate(q) * sin, k * cos + rotate(k) * sin
+
+    modeling_esm.apply_rotary_pos_emb = apply_rotary
+    model.esm.rotary_embeddings.forward = types.MethodType(rotary, model.esm.rotary_embeddings)
+    model.esm.embeddings.forward = types.MethodType(embeddings, model.esm.embeddings)
 
 
 def make_batch(residue_counts, rng):
@@ -146,6 +185,7 @@ def run(model, seqs, labels=None):
 
 
 def build(name, out_dir):
+    modeling_esm.apply_rotary_pos_emb = STOCK_APPLY_ROTARY
     layers, hidden, heads, ffn, residue_counts, seed = SHAPES[name]
     torch.manual_seed(seed)
     generator = torch.Generator().manual_seed(seed)
@@ -158,8 +198,14 @@ def build(name, out_dir):
     clean, corrupted, labels = make_batch(residue_counts, rng)
     cu_seqlens = np.concatenate([[0], np.cumsum([len(s) for s in clean])]).astype(np.int32)
 
+    with torch.no_grad():
+        stock = run(model, corrupted, labels)
+    float64_internals(model)
+
     # Masked batch: logits, loss and every gradient.
     out = run(model, corrupted, labels)
+    stock_difference = ((out.logits - stock.logits).abs().max() / stock.logits.abs().max()).item()
+    assert stock_difference < 1e-6, f"float64 patches changed the logits by {stock_difference}"
     model.zero_grad()
     out.loss.backward()
     params = {n: p for n, p in model.named_parameters() if not n.startswith("esm.contact_head.")}
@@ -198,6 +244,8 @@ def build(name, out_dir):
         a["token_dropout"] = 1
         a["reference_dtype"] = np.bytes_("float64")
         a["loss"] = float(out.loss.item())
+        a["float64_patches"] = np.bytes_("rotary table, rotation and token-dropout ratio in float64 (see float64_internals)")
+        a["stock_logits_difference"] = stock_difference
         a["num_masked"] = num_masked
         z = {}  # contiguous: for tensors this small, chunk indexes cost more than gzip saves
         for n, p in params.items():

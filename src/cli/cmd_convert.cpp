@@ -1,7 +1,76 @@
+// `plm convert`: a Hugging Face EsmForMaskedLM directory to a plm model file and back
+// (io/hf_esm.hpp; doc/interop.md).  Every rank reads the same inputs, so a bad input is the
+// same error everywhere and ends the job cleanly (collective).
+#include "cli/args.hpp"
 #include "cli/commands.hpp"
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "io/hf_esm.hpp"
+
+#include <mpi.h>
+
+#include <cstdio>
 
 namespace plm::cli {
 
-int runConvert(const Argv& /*args*/) { return notBuiltYet("convert", "Hugging Face conversion arrives with the ESM-2 training issue."); }
+namespace {
+
+Parser convertParser() {
+  Parser p("plm convert", "plm convert --from-hf HF_DIR --out MODEL.h5\nplm convert --to-hf MODEL.h5 --out DIR",
+           "Converts a Hugging Face transformers EsmForMaskedLM directory (config.json + "
+           "model.safetensors or a sharded model.safetensors.index.json; F32, BF16 or F16) into a "
+           "plm model file (HDF5: config attributes + /model/<Hugging Face name>, fp32), or a plm "
+           "model file or checkpoint back into a directory that "
+           "EsmForMaskedLM.from_pretrained(DIR) loads (config.json + F32 model.safetensors). "
+           "doc/interop.md lists what is supported.");
+  p.option({"from-hf", "HF_DIR", "read a transformers EsmForMaskedLM directory"});
+  p.option({"to-hf", "MODEL.h5", "read a plm model file or checkpoint"});
+  p.option({"out", "PATH", "the plm model file (--from-hf) or the output directory (--to-hf)"});
+  return p;
+}
+
+std::string join(const std::vector<std::string>& items, const char* separator) {
+  std::string out;
+  for (const auto& s : items) out += (out.empty() ? "" : separator) + s;
+  return out;
+}
+
+}  // namespace
+
+int runConvert(const Argv& argv) {
+  Parser parser = convertParser();
+  Args args = parser.parse(argv);
+  if (args.has("help")) {
+    int rank = 0;
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+    if (rank == 0) std::fputs(parser.help().c_str(), stdout);
+    return 0;
+  }
+  if (args.has("from-hf") == args.has("to-hf") || !args.has("out") || !args.positional().empty())
+    throw collectiveError(
+        "plm convert: give exactly one of --from-hf HF_DIR or --to-hf MODEL.h5, and --out; see "
+        "`plm convert --help`");
+  const std::string out = args.get("out");
+  io::hf::ConvertSummary summary;
+  try {
+    if (args.has("from-hf")) {
+      summary = io::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD);
+    } else {
+      summary = io::hf::convertToHf(args.get("to-hf"), out, MPI_COMM_WORLD);
+    }
+  } catch (const Error& e) {
+    // Every rank reads the same files, so every rank fails the same way.
+    throw collectiveError(std::string("plm convert: ") + e.what());
+  }
+  for (const auto& w : summary.warnings) log::warn("plm convert: %s", w.c_str());
+  for (const auto& s : summary.skipped) log::info("plm convert: not converted: %s", s.c_str());
+  const auto& c = summary.config;
+  log::info("plm convert: %s -> %s: ESM-2 with %d layers, hidden %d, %d heads, ffn %d, %lld parameters%s%s",
+            args.has("from-hf") ? args.get("from-hf").c_str() : args.get("to-hf").c_str(), out.c_str(),
+            c.num_layers, c.hidden, c.heads, c.ffn, static_cast<long long>(summary.num_parameters),
+            summary.source_dtypes.empty() ? "" : ", read as ",
+            join(summary.source_dtypes, "+").c_str());
+  return 0;
+}
 
 }  // namespace plm::cli
