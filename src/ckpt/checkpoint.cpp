@@ -1,0 +1,476 @@
+// Checkpoint files: atomic collective save, header, checked load, listing and pruning.
+#include "ckpt/checkpoint.hpp"
+
+#include "ckpt/detail/agree.hpp"
+#include "core/log.hpp"
+#include "deck/deck.hpp"
+#include "io/hdf5.hpp"
+#include "io/model_file.hpp"
+#include "plm/plm_config.hpp"
+
+#include <Kokkos_Core.hpp>
+#include <zlib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <ctime>
+#include <fcntl.h>
+#include <filesystem>
+#include <sys/stat.h>
+#include <type_traits>
+#include <unistd.h>
+
+namespace plm::ckpt {
+
+static_assert(std::is_same_v<master_t, float>,
+              "checkpoints store master weights and moments as fp32 (io::writeTensorGroup)");
+
+namespace fs = std::filesystem;
+namespace h5 = io::h5;
+
+namespace {
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
+int commRank(MPI_Comm comm) {
+  int r = 0;
+  PLM_CHECK_MPI(MPI_Comm_rank(comm, &r));
+  return r;
+}
+
+int commSize(MPI_Comm comm) {
+  int s = 1;
+  PLM_CHECK_MPI(MPI_Comm_size(comm, &s));
+  return s;
+}
+
+std::string utcNow() {
+  std::time_t t = std::time(nullptr);
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buffer[32];
+  std::strftime(buffer, sizeof buffer, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buffer;
+}
+
+std::string broadcastString(std::string value, MPI_Comm comm) {
+  long long length = static_cast<long long>(value.size());
+  PLM_CHECK_MPI(MPI_Bcast(&length, 1, MPI_LONG_LONG, 0, comm));
+  value.resize(static_cast<std::size_t>(length));
+  if (length > 0) PLM_CHECK_MPI(MPI_Bcast(value.data(), int(length), MPI_CHAR, 0, comm));
+  return value;
+}
+
+// The fault hook behind the crash tests: PLM_CKPT_FAIL_AT=<step>:<phase> makes every rank
+// _exit(86) at that point of the save of that step, as a kill would (nothing flushed, no
+// destructors).  Phases: model (after /model), optimizer (after /optimizer/exp_avg), flush
+// (file complete and flushed, not yet renamed).
+void failPoint(std::int64_t step, const char* phase) {
+  static const char* spec = std::getenv("PLM_CKPT_FAIL_AT");
+  if (!spec || !*spec) return;
+  const std::string want = std::to_string(step) + ":" + phase;
+  if (want != spec) return;
+  std::fprintf(stderr, "plm: PLM_CKPT_FAIL_AT=%s: exiting in the middle of a checkpoint save\n", spec);
+  std::fflush(stderr);
+  ::_exit(86);
+}
+
+// CRC-32 of every tensor of a flat buffer, each rank summing only its own rows (io::rowRange)
+// and the pieces joined in rank order, so the result is that of the whole tensor's bytes on
+// any rank count.
+std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tensors, const float* values,
+                                     MPI_Comm comm) {
+  const int rank = commRank(comm), world = commSize(comm);
+  const std::size_t n = tensors.size();
+  std::vector<std::uint64_t> local(2 * n), all(2 * n * std::size_t(world));
+  for (std::size_t i = 0; i < n; ++i) {
+    const auto& t = tensors[i];
+    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    const std::int64_t row_size = rows ? t.size / rows : 0;
+    auto [first, last] = io::rowRange(rows, rank, world);
+    const auto* bytes = reinterpret_cast<const Bytef*>(values + t.offset + first * row_size);
+    const std::uint64_t length = std::uint64_t((last - first) * row_size) * sizeof(float);
+    local[2 * i] = crc32_z(crc32_z(0L, Z_NULL, 0), bytes, length);
+    local[2 * i + 1] = length;
+  }
+  PLM_CHECK_MPI(MPI_Allgather(local.data(), int(2 * n), MPI_UINT64_T, all.data(), int(2 * n), MPI_UINT64_T, comm));
+  std::vector<std::uint32_t> out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    uLong crc = uLong(all[2 * i]);
+    for (int r = 1; r < world; ++r) {
+      const std::size_t at = 2 * n * std::size_t(r) + 2 * i;
+      crc = crc32_combine64(crc, uLong(all[at]), z_off64_t(all[at + 1]));
+    }
+    out[i] = std::uint32_t(crc);
+  }
+  return out;
+}
+
+void writeGroup(hid_t file, MPI_Comm comm, const std::string& group,
+                const std::vector<model::TensorInfo>& tensors, const float* values) {
+  io::writeTensorGroup(file, comm, group, tensors, values);
+  const auto crcs = checksums(tensors, values, comm);
+  h5::Hid g(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)));
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    h5::Hid dataset = h5::openDataset(g, tensors[i].name);
+    h5::writeAttribute(dataset, "crc32", std::int64_t(crcs[i]));
+  }
+}
+
+// Reads `group` whole on every rank; CorruptCheckpoint if any tensor's bytes do not match its
+// stored CRC.
+void readGroup(hid_t file, MPI_Comm comm, const std::string& group, const std::vector<model::TensorInfo>& tensors,
+               float* values, const std::string& path) {
+  std::vector<std::int64_t> stored(tensors.size());
+  detail::agree(comm, [&] {
+    try {
+      io::readTensorGroup(file, comm, group, tensors, values, path);
+      h5::Hid g(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)));
+      for (std::size_t i = 0; i < tensors.size(); ++i) {
+        h5::Hid dataset = h5::openDataset(g, tensors[i].name);
+        if (!h5::hasAttribute(dataset, "crc32"))
+          throw CorruptCheckpoint("checkpoint `" + path + "`: /" + group + "/" + tensors[i].name +
+                                  " has no crc32 attribute (incomplete file or not written by plm)");
+        stored[i] = h5::readIntAttribute(dataset, "crc32");
+      }
+    } catch (const CorruptCheckpoint&) {
+      throw;
+    } catch (const std::exception& e) {
+      throw CorruptCheckpoint("checkpoint `" + path + "` cannot be read: " + e.what());
+    }
+  });
+  const auto crcs = checksums(tensors, values, comm);
+  for (std::size_t i = 0; i < tensors.size(); ++i)
+    if (std::int64_t(crcs[i]) != stored[i])
+      throw CorruptCheckpoint("checkpoint `" + path + "` is damaged: /" + group + "/" + tensors[i].name +
+                                  " does not match its checksum (crc32 " + std::to_string(stored[i]) + " stored, " +
+                                  std::to_string(crcs[i]) + " read)",
+                              true);
+}
+
+void fsyncPath(const std::string& path, bool directory) {
+  const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+  PLM_CHECK_SYS(fd >= 0, ("open " + path).c_str());
+  const int status = ::fsync(fd);
+  const int saved = errno;
+  ::close(fd);
+  errno = saved;
+  PLM_CHECK_SYS(status == 0, ("fsync " + path).c_str());
+}
+
+std::vector<std::string> removeFiles(const std::vector<std::string>& paths, const char* what) {
+  std::vector<std::string> removed;
+  for (const auto& p : paths) {
+    std::error_code ec;
+    if (fs::remove(p, ec)) {
+      removed.push_back(p);
+    } else if (ec) {
+      log::warn("checkpoint: cannot remove %s %s: %s", what, p.c_str(), ec.message().c_str());
+    }
+  }
+  return removed;
+}
+
+std::vector<std::string> broadcastList(std::vector<std::string> list, MPI_Comm comm) {
+  std::string joined;
+  for (const auto& s : list) joined += s + '\n';
+  joined = broadcastString(joined, comm);
+  list.clear();
+  std::size_t at = 0;
+  while (at < joined.size()) {
+    const std::size_t end = joined.find('\n', at);
+    list.push_back(joined.substr(at, end - at));
+    at = end + 1;
+  }
+  return list;
+}
+
+}  // namespace
+
+std::string fileName(std::int64_t step) {
+  char buffer[40];
+  std::snprintf(buffer, sizeof buffer, "step_%06lld.h5", static_cast<long long>(step));
+  return buffer;
+}
+
+std::int64_t stepOfFileName(const std::string& name) {
+  const std::string prefix = "step_", suffix = ".h5";
+  if (name.size() < prefix.size() + 6 + suffix.size() || name.compare(0, prefix.size(), prefix) != 0 ||
+      name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
+    return -1;
+  const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  if (digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+    return -1;
+  return std::stoll(digits);
+}
+
+std::vector<Listed> listCheckpoints(const std::string& dir) {
+  std::vector<Listed> out;
+  std::error_code ec;
+  if (!fs::is_directory(dir, ec)) return out;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    if (!entry.is_regular_file(ec)) continue;
+    const std::int64_t step = stepOfFileName(entry.path().filename().string());
+    if (step >= 0) out.push_back({entry.path().string(), step});
+  }
+  std::sort(out.begin(), out.end(), [](const Listed& a, const Listed& b) { return a.step < b.step; });
+  return out;
+}
+
+SaveReport save(train::Trainer& trainer, const std::string& dir) {
+  const MPI_Comm comm = trainer.comm();
+  const int rank = commRank(comm), world = commSize(comm);
+  const double t0 = now();
+  detail::agree(comm, [&] {
+    if (rank != 0) return;
+    std::error_code ec;
+    fs::create_directories(dir, ec);
+    if (ec) throw Error("checkpoint.dir `" + dir + "` cannot be created: " + ec.message());
+  });
+
+  const train::TrainState& state = trainer.state();
+  SaveReport report;
+  report.path = (fs::path(dir) / fileName(state.step)).string();
+  const std::string temporary = report.path + ".tmp";
+  auto& optimizer = trainer.optimizer();
+  auto& model = trainer.model();
+  const auto& tensors = model.tensors();
+
+  // The only pass over the state besides the write itself: on the CPU these mirrors are the
+  // optimizer's own buffers; on a GPU, one device-to-host copy each.
+  auto master = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.master());
+  auto exp_avg = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.expAvg());
+  auto exp_avg_sq = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.expAvgSq());
+  const double t1 = now();
+  report.copy_seconds = t1 - t0;
+
+  const std::string created = broadcastString(rank == 0 ? utcNow() : std::string(), comm);
+  auto& loader = trainer.trainLoader();
+  {
+    h5::Hid file = h5::createFile(temporary, comm);
+    io::writeConfigAttributes(file, model.config());
+    io::ModelAttributes extra;
+    extra.strings["plm_version"] = PLM_VERSION_STRING;
+    extra.strings["source"] = "plm train checkpoint";
+    extra.integers["step"] = state.step;
+    extra.integers["tokens_seen"] = state.tokens_seen;
+    io::writeExtraAttributes(file, extra);
+
+    writeGroup(file, comm, "model", tensors, master.data());
+    failPoint(state.step, "model");
+    {
+      h5::Hid g = h5::createGroup(file, "optimizer");
+      const auto& o = optimizer.options();
+      h5::writeAttribute(g, "name", std::string("AdamW"));
+      h5::writeAttribute(g, "step", optimizer.stepCount());
+      h5::writeAttribute(g, "beta1", o.beta1);
+      h5::writeAttribute(g, "beta2", o.beta2);
+      h5::writeAttribute(g, "eps", o.eps);
+      h5::writeAttribute(g, "weight_decay", o.weight_decay);
+    }
+    writeGroup(file, comm, "optimizer/exp_avg", tensors, exp_avg.data());
+    failPoint(state.step, "optimizer");
+    writeGroup(file, comm, "optimizer/exp_avg_sq", tensors, exp_avg_sq.data());
+    h5::createGroup(file, "scaling");
+
+    h5::Hid s = h5::createGroup(file, "state");
+    h5::writeAttribute(s, "format_version", checkpoint_format_version);
+    h5::writeAttribute(s, "step", state.step);
+    h5::writeAttribute(s, "tokens_seen", state.tokens_seen);
+    h5::writeAttribute(s, "cursor_epoch", state.cursor.epoch);
+    h5::writeAttribute(s, "cursor_position", state.cursor.position);
+    h5::writeAttribute(s, "init_seed", std::int64_t(state.init_seed));
+    h5::writeAttribute(s, "data_seed", std::int64_t(state.data_seed));
+    h5::writeAttribute(s, "world_size", std::int64_t(world));
+    h5::writeAttribute(s, "micro_batches_per_step", loader.options().micro_batches_per_step);
+    h5::writeAttribute(s, "dataset_path", loader.options().path);
+    h5::writeAttribute(s, "dataset_sequences", loader.numSequences());
+    h5::writeAttribute(s, "dataset_residues", loader.numResidues());
+    h5::writeAttribute(s, "deck", deck::toYaml(trainer.deck()));
+    h5::writeAttribute(s, "plm_version", std::string(PLM_VERSION_STRING));
+    h5::writeAttribute(s, "git_revision", std::string(PLM_GIT_REVISION));
+    h5::writeAttribute(s, "created_utc", created);
+    // Last: a file without it was cut short and is never loaded.
+    h5::writeAttribute(s, "format", std::string(checkpoint_format));
+    report.write_seconds = now() - t1;
+    PLM_CHECK_H5(H5Fflush(file, H5F_SCOPE_GLOBAL));
+    failPoint(state.step, "flush");
+  }
+  PLM_CHECK_MPI(MPI_Barrier(comm));  // every rank has closed the file
+  std::int64_t bytes = 0;
+  detail::agree(comm, [&] {
+    if (rank != 0) return;
+    fsyncPath(temporary, false);
+    PLM_CHECK_SYS(std::rename(temporary.c_str(), report.path.c_str()) == 0,
+                  ("rename " + temporary + " -> " + report.path).c_str());
+    fsyncPath(dir, true);
+    struct stat info;
+    PLM_CHECK_SYS(::stat(report.path.c_str(), &info) == 0, ("stat " + report.path).c_str());
+    bytes = info.st_size;
+  });
+  PLM_CHECK_MPI(MPI_Bcast(&bytes, 1, MPI_INT64_T, 0, comm));
+  report.bytes = bytes;
+  const double t2 = now();
+  report.seconds = t2 - t0;
+  report.sync_seconds = t2 - t1 - report.write_seconds;
+  return report;
+}
+
+std::vector<std::string> prune(const std::string& dir, int keep, MPI_Comm comm) {
+  std::vector<std::string> removed;
+  if (keep <= 0) return removed;
+  if (commRank(comm) == 0) {
+    auto listed = listCheckpoints(dir);
+    std::vector<std::string> victims;
+    for (std::size_t i = 0; i + std::size_t(keep) < listed.size(); ++i) victims.push_back(listed[i].path);
+    removed = removeFiles(victims, "old checkpoint");
+    if (!removed.empty()) fsyncPath(dir, true);
+  }
+  return broadcastList(removed, comm);
+}
+
+std::vector<std::string> removeTemporaries(const std::string& dir, MPI_Comm comm) {
+  std::vector<std::string> removed;
+  if (commRank(comm) == 0) {
+    std::vector<std::string> victims;
+    std::error_code ec;
+    if (fs::is_directory(dir, ec))
+      for (const auto& entry : fs::directory_iterator(dir, ec)) {
+        const std::string name = entry.path().filename().string();
+        const std::string suffix = ".tmp";
+        if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+            stepOfFileName(name.substr(0, name.size() - suffix.size())) >= 0)
+          victims.push_back(entry.path().string());
+      }
+    removed = removeFiles(victims, "interrupted checkpoint");
+  }
+  return broadcastList(removed, comm);
+}
+
+namespace {
+struct NewerFormat : Error {
+  using Error::Error;
+};
+}  // namespace
+
+Header readHeader(const std::string& path) {
+  Header h;
+  h.path = path;
+  try {
+    h5::Hid file = h5::openFileSerial(path);
+    if (!h5::exists(file, "state"))
+      throw CorruptCheckpoint("`" + path + "` is not a plm checkpoint (no /state group)");
+    h5::Hid s(PLM_CHECK_H5(H5Gopen2(file, "state", H5P_DEFAULT)));
+    if (!h5::hasAttribute(s, "format"))
+      throw CorruptCheckpoint("checkpoint `" + path + "` is incomplete (its save was interrupted: /state has no "
+                              "`format` attribute)");
+    const std::string format = h5::readStringAttribute(s, "format");
+    if (format != checkpoint_format)
+      throw CorruptCheckpoint("`" + path + "` is not a plm checkpoint (/state format is \"" + format + "\")");
+    h.format_version = h5::readIntAttribute(s, "format_version");
+    if (h.format_version > checkpoint_format_version)
+      throw NewerFormat("checkpoint `" + path + "` has format version " + std::to_string(h.format_version) +
+                  ", newer than this plm understands (" + std::to_string(checkpoint_format_version) +
+                  "); resume it with a newer plm");
+    h.config = io::readConfigAttributes(file, path);
+    h.state.step = h5::readIntAttribute(s, "step");
+    h.state.tokens_seen = h5::readIntAttribute(s, "tokens_seen");
+    h.state.cursor.epoch = h5::readIntAttribute(s, "cursor_epoch");
+    h.state.cursor.position = h5::readIntAttribute(s, "cursor_position");
+    h.state.init_seed = std::uint64_t(h5::readIntAttribute(s, "init_seed"));
+    h.state.data_seed = std::uint64_t(h5::readIntAttribute(s, "data_seed"));
+    h.world_size = h5::readIntAttribute(s, "world_size");
+    h.micro_batches_per_step = h5::readIntAttribute(s, "micro_batches_per_step");
+    h.dataset_path = h5::readStringAttribute(s, "dataset_path");
+    h.dataset_sequences = h5::readIntAttribute(s, "dataset_sequences");
+    h.dataset_residues = h5::readIntAttribute(s, "dataset_residues");
+    h.deck_yaml = h5::readStringAttribute(s, "deck");
+    h.plm_version = h5::readStringAttribute(s, "plm_version");
+    h.git_revision = h5::readStringAttribute(s, "git_revision");
+    h.created_utc = h5::readStringAttribute(s, "created_utc");
+    if (!h5::exists(file, "optimizer/exp_avg") || !h5::exists(file, "optimizer/exp_avg_sq") ||
+        !h5::exists(file, "model"))
+      throw CorruptCheckpoint("checkpoint `" + path + "` lacks /model or /optimizer/exp_avg(_sq)");
+    h5::Hid o(PLM_CHECK_H5(H5Gopen2(file, "optimizer", H5P_DEFAULT)));
+    h.optimizer_step = h5::readIntAttribute(o, "step");
+  } catch (const CorruptCheckpoint&) {
+    throw;
+  } catch (const NewerFormat&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw CorruptCheckpoint("checkpoint `" + path + "` is unreadable (truncated or damaged?): " + e.what());
+  }
+  return h;
+}
+
+Header load(train::Trainer& trainer, const std::string& path) {
+  const MPI_Comm comm = trainer.comm();
+  Header header;
+  detail::agree(comm, [&] { header = readHeader(path); });
+
+  DeckChanges changes;
+  const auto reasons = incompatibilities(header, trainer, &changes);
+  if (!reasons.empty()) {
+    std::string message = "checkpoint `" + path + "` (step " + std::to_string(header.state.step) +
+                          ") does not fit this run:";
+    for (const auto& r : reasons) message += "\n  - " + r;
+    message +=
+        "\nRestore those settings (the checkpoint's deck is its /state `deck` attribute; "
+        "validation/ckpt_ls.py --deck prints it), or start a new run with checkpoint.resume: none "
+        "or another checkpoint.dir.";
+    throw collectiveError(message);
+  }
+
+  auto& optimizer = trainer.optimizer();
+  const auto& tensors = trainer.model().tensors();
+  const std::size_t n = optimizer.master().extent(0);
+  std::vector<float> master(n), exp_avg(n), exp_avg_sq(n);
+  h5::Hid file;
+  detail::agree(comm, [&] {
+    try {
+      file = h5::openFile(path, comm);
+    } catch (const std::exception& e) {
+      throw CorruptCheckpoint("checkpoint `" + path + "` cannot be opened: " + e.what());
+    }
+  });
+  readGroup(file, comm, "model", tensors, master.data(), path);
+  readGroup(file, comm, "optimizer/exp_avg", tensors, exp_avg.data(), path);
+  readGroup(file, comm, "optimizer/exp_avg_sq", tensors, exp_avg_sq.data(), path);
+  file.reset();
+
+  // Everything checked: only now does the trainer change.
+  auto put = [](const View1<master_t>& target, const std::vector<float>& values) {
+    auto host = Kokkos::create_mirror_view(Kokkos::HostSpace(), target);
+    std::memcpy(host.data(), values.data(), values.size() * sizeof(float));
+    Kokkos::deep_copy(target, host);
+  };
+  put(optimizer.master(), master);
+  put(optimizer.expAvg(), exp_avg);
+  put(optimizer.expAvgSq(), exp_avg_sq);
+  if (!optimizer.mastersAlias()) optimizer.syncParameters(ExecSpace());
+  Kokkos::fence();
+  trainer.restore(header.state);
+  optimizer.setStepCount(header.optimizer_step);
+
+  for (const auto& c : changes.harmless)
+    log::info("checkpoint: deck change allowed: %s: %s -> %s", c.key.c_str(), c.stored.c_str(), c.current.c_str());
+  for (const auto& c : changes.training)
+    log::warn("checkpoint: deck change allowed, but training continues differently from the original run: "
+              "%s: %s -> %s",
+              c.key.c_str(), c.stored.c_str(), c.current.c_str());
+  const std::int64_t mbps = trainer.trainLoader().options().micro_batches_per_step;
+  if (mbps != header.micro_batches_per_step)
+    log::warn("checkpoint: a step now takes %lld micro-batches instead of %lld (data.tokens_per_batch / "
+              "micro_batch_tokens rounded up to a multiple of %d ranks): the data order continues, but each "
+              "step is larger than in the original run",
+              static_cast<long long>(mbps), static_cast<long long>(header.micro_batches_per_step),
+              trainer.world());
+  return header;
+}
+
+}  // namespace plm::ckpt
