@@ -3,8 +3,10 @@
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
+#include "core/log.hpp"
 #include "dist/runtime.hpp"
 
+#include <algorithm>
 #include <cstdio>
 #include <cstring>
 #include <exception>
@@ -16,7 +18,10 @@ namespace {
 void printUsage() {
   std::printf(
       "plm: trains protein language models (ESM-2 and MoE variants) on CPUs and GPUs.\n\n"
-      "usage: plm <command> [options]    plm <command> --help    plm --version\n\ncommands:\n");
+      "usage: plm <command> [options]    plm <command> --help    plm --version\n\n"
+      "global options (anywhere on the line):\n"
+      "  --log-all-ranks  every MPI rank logs, prefixed with its rank (default: rank 0 only;\n"
+      "                   also PLM_LOG_ALL_RANKS=1)\n\ncommands:\n");
   for (const auto& c : plm::cli::commands()) std::printf("  %-10s %s\n", c.name, c.summary);
   std::printf("\nSee README.md and doc/ for the input deck reference and examples.\n");
 }
@@ -27,6 +32,12 @@ int main(int argc, char** argv) {
   plm::dist::Runtime runtime(argc, argv);
   try {
     std::vector<std::string> args(argv + 1, argv + argc);
+    // A global switch: taken out before the subcommand parses its own options.
+    auto log_all = std::remove(args.begin(), args.end(), std::string("--log-all-ranks"));
+    if (log_all != args.end()) {
+      args.erase(log_all, args.end());
+      plm::log::configure(plm::dist::worldRank(), true);
+    }
     if (args.empty() || args[0] == "--help" || args[0] == "-h" || args[0] == "help") {
       if (plm::dist::worldRank() == 0) printUsage();
       return args.empty() ? 2 : 0;

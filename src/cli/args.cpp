@@ -52,8 +52,8 @@ Args Parser::parse(const std::vector<std::string>& argv) const {
       for (const auto& o : options_member) names.push_back(o.name);
       std::string hint = closest(name, names);
       throw collectiveError(command_member + ": unknown option --" + name +
-                            (hint.empty() ? "" : " (did you mean --" + hint + "?)") +
-                            "; see `" + command_member + " --help`");
+                            (hint.empty() ? "" : " (did you mean --" + hint + "?)") + "; see `" +
+                            command_member + " --help`");
     }
     if (spec->value_name.empty()) {
       if (inline_value)
@@ -75,15 +75,45 @@ Args Parser::parse(const std::vector<std::string>& argv) const {
   return args;
 }
 
+namespace {
+/// `text` broken at spaces into lines of at most `width` columns; lines after the first start
+/// with `indent` spaces. Newlines in `text` are kept.
+std::string wrap(const std::string& text, size_t width, size_t indent) {
+  std::string out;
+  std::istringstream paragraphs(text);
+  std::string paragraph;
+  bool first_line = true;
+  while (std::getline(paragraphs, paragraph)) {
+    std::istringstream words(paragraph);
+    std::string word, line;
+    auto flush = [&] {
+      out += (first_line ? "" : "\n" + std::string(indent, ' ')) + line;
+      first_line = false;
+      line.clear();
+    };
+    while (words >> word) {
+      if (!line.empty() && indent + line.size() + 1 + word.size() > width) flush();
+      line += (line.empty() ? "" : " ") + word;
+    }
+    flush();
+  }
+  return out;
+}
+}  // namespace
+
 std::string Parser::help() const {
+  constexpr size_t width = 100, column = 30;
   std::ostringstream os;
-  os << "usage: " << usage_member << "\n\n" << description_member << "\n\noptions:\n";
+  os << "usage: " << usage_member << "\n\n"
+     << wrap(description_member, width, 0) << "\n\noptions:\n";
   for (const auto& o : options_member) {
     std::string left = "  --" + o.name + (o.value_name.empty() ? "" : " " + o.value_name);
     os << left;
-    if (left.size() < 30) os << std::string(30 - left.size(), ' ');
-    else os << "\n" << std::string(30, ' ');
-    os << o.help << (o.repeated ? " (repeatable)" : "") << "\n";
+    if (left.size() < column)
+      os << std::string(column - left.size(), ' ');
+    else
+      os << "\n" << std::string(column, ' ');
+    os << wrap(o.help + (o.repeated ? " (repeatable)" : ""), width, column) << "\n";
   }
   return os.str();
 }

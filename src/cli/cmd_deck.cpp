@@ -3,6 +3,7 @@
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
+#include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
 
@@ -12,7 +13,8 @@ namespace plm::cli {
 
 namespace {
 Parser deckParser() {
-  Parser p("plm deck", "plm deck --defaults | --markdown | --check DECK [--set section.key=value]...",
+  Parser p("plm deck",
+           "plm deck --defaults | --markdown | --check DECK [--set section.key=value]...",
            "Prints the complete default deck with a comment per key (--defaults), the deck "
            "reference in Markdown that doc/deck.md holds (--markdown), or checks a YAML/XML deck "
            "and prints it resolved, defaults filled in (--check; exit 1 with one message if it "
@@ -38,8 +40,9 @@ int runDeck(const Argv& argv) {
   }
   int modes = int(args.has("defaults")) + int(args.has("markdown")) + int(args.has("check"));
   if (modes != 1 || !args.positional().empty())
-    throw collectiveError("plm deck: give exactly one of --defaults, --markdown or --check DECK; "
-                          "see `plm deck --help`");
+    throw collectiveError(
+        "plm deck: give exactly one of --defaults, --markdown or --check DECK; "
+        "see `plm deck --help`");
   if (args.has("set") && !args.has("check"))
     throw collectiveError("plm deck: --set applies to --check DECK");
   if (args.has("defaults")) {
@@ -48,8 +51,8 @@ int runDeck(const Argv& argv) {
     print(deck::referenceMarkdown());
   } else {
     auto resolved = deck::load(args.get("check"), args.all("set"));
-    print("# " + args.get("check") + ": valid; resolved with every default filled in\n" +
-          deck::toYaml(*resolved));
+    log::info("# %s: valid; resolved with every default filled in", args.get("check").c_str());
+    print(deck::toYaml(*resolved));
   }
   return 0;
 }

@@ -81,6 +81,14 @@ std::string joined(const std::vector<std::string>& items) {
   return s;
 }
 
+/// "a", "a and b", "a, b and c".
+std::string joinedAnd(const std::vector<std::string>& items) {
+  std::string s;
+  for (size_t i = 0; i < items.size(); ++i)
+    s += (i == 0 ? "" : i + 1 == items.size() ? " and " : ", ") + items[i];
+  return s;
+}
+
 std::vector<std::string> sectionNames() {
   std::vector<std::string> names;
   for (const auto& s : sections()) names.push_back(s.name);
@@ -433,7 +441,7 @@ void checkRules(const Teuchos::ParameterList& deck, const std::string& source) {
   (void)layers;
   (void)ffn;
   if (!missing.empty())
-    throw collectiveError(source + ": model.preset custom needs " + joined(missing) +
+    throw collectiveError(source + ": model.preset custom needs " + joinedAnd(missing) +
                           " (ESM-2 uses ffn = 4 x hidden and head size hidden / heads of 16 to "
                           "128)");
   const std::string from = custom ? "" : " (from preset " + preset + " unless set)";

@@ -214,6 +214,8 @@ TEST(DeckValidation, IntegersAreAcceptedForReals) {
 TEST(DeckValidation, CrossKeyRules) {
   std::string m = yamlError("model: { preset: custom, layers: 4, hidden: 128, heads: 4 }\n");
   EXPECT_HAS(m, "model.preset custom needs model.ffn");
+  m = yamlError("model: { preset: custom, layers: 4, hidden: 128 }\n");
+  EXPECT_HAS(m, "model.preset custom needs model.heads and model.ffn");
 
   m = yamlError("model: { preset: custom, layers: 4, hidden: 130, heads: 4, ffn: 512 }\n");
   EXPECT_HAS(m, "model.hidden = 130 is not a multiple of model.heads = 4");

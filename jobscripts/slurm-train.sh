@@ -1,0 +1,38 @@
+#!/bin/bash
+# plm train on N nodes x G GPUs under Slurm: one MPI rank per GPU, each rank sees only its own
+# GPU (CUDA_VISIBLE_DEVICES from its node-local rank). Gradients are averaged with NCCL.
+#
+#   sbatch --nodes=4 --ntasks-per-node=4 --gpus-per-node=4 jobscripts/slurm-train.sh \
+#          inputs/esm2_650m.yaml --set train.steps=100000
+#
+# Arguments: the deck, then any `--set section.key=value` overrides. The run directory is the
+# deck's train.run_dir (runs/esm2_650m for inputs/esm2_650m.yaml); a resubmitted job resumes from
+# its newest checkpoint (checkpoint.resume: auto).
+#SBATCH --job-name=plm-train
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=4          # = GPUs per node: one rank per GPU
+#SBATCH --gpus-per-node=4
+#SBATCH --cpus-per-task=16           # cores per rank: data loading and host work
+#SBATCH --time=24:00:00
+#SBATCH --output=plm-train-%j.out
+set -euo pipefail
+
+deck=${1:?usage: sbatch jobscripts/slurm-train.sh DECK [--set section.key=value]...}
+shift
+plm=${PLM:-$SLURM_SUBMIT_DIR/build/plm}   # a CUDA build of plm (doc/ and ../shared/GPU.md)
+
+# NVLink multicast (NVLS) stays off: plm's all-reduces do not need it, and on shared hosts a
+# program that uses it can take the GPUs out of service for everyone.
+export NCCL_NVLS_ENABLE=0
+# Host threads per rank (Kokkos host space, OpenBLAS) match the cores Slurm gave the rank.
+export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}
+export OPENBLAS_NUM_THREADS=1
+
+cd "$SLURM_SUBMIT_DIR"
+echo "plm: $SLURM_JOB_NUM_NODES nodes x $SLURM_NTASKS_PER_NODE GPUs = $SLURM_NTASKS ranks, deck $deck"
+"$plm" --version
+
+# srun starts one task per GPU; each task keeps only the GPU of its node-local rank.
+srun --kill-on-bad-exit=1 --cpu-bind=cores \
+  bash -c 'export CUDA_VISIBLE_DEVICES=$SLURM_LOCALID; exec "$@"' plm-rank \
+  "$plm" train "$deck" "$@"
