@@ -19,6 +19,14 @@ target_link_libraries(plm_trilinos INTERFACE
   ${Teuchos_LIBRARIES} ${KokkosKernels_LIBRARIES} ${Kokkos_LIBRARIES}
   ${KokkosKernels_TPL_LIBRARIES} ${Kokkos_TPL_LIBRARIES} ${Teuchos_TPL_LIBRARIES})
 
+# Kokkos' own compile options (with CUDA: -expt-extended-lambda -arch=sm_90 for nvcc_wrapper).
+if(TARGET Kokkos::kokkos)
+  get_target_property(_plm_kokkos_opts Kokkos::kokkos INTERFACE_COMPILE_OPTIONS)
+  if(_plm_kokkos_opts)
+    target_compile_options(plm_trilinos INTERFACE ${_plm_kokkos_opts})
+  endif()
+endif()
+
 # Which Kokkos backends: read them from the installed KokkosCore_config.h.
 find_file(PLM_KOKKOS_CONFIG_H KokkosCore_config.h PATHS ${Kokkos_INCLUDE_DIRS} NO_DEFAULT_PATH)
 if(NOT PLM_KOKKOS_CONFIG_H)
@@ -30,6 +38,17 @@ if(_plm_kokkos_cfg MATCHES "#define KOKKOS_ENABLE_CUDA[ \n]")
   set(PLM_HAVE_CUDA ON)
 endif()
 message(STATUS "plm: Kokkos ${Kokkos_VERSION} at ${Kokkos_DIR}, CUDA backend: ${PLM_HAVE_CUDA}")
+
+# A CUDA Kokkos is compiled through Kokkos' nvcc_wrapper, which the MPI wrapper calls only while
+# OMPI_CXX names it.  That variable is read at every compile and link, not only at configure
+# time, so remember the configure-time value and pass it to each compile and link.
+if(PLM_HAVE_CUDA AND DEFINED ENV{OMPI_CXX})
+  set(PLM_OMPI_CXX "$ENV{OMPI_CXX}" CACHE FILEPATH "OMPI_CXX for every compile and link (nvcc_wrapper)")
+endif()
+if(PLM_HAVE_CUDA AND PLM_OMPI_CXX)
+  set(CMAKE_CXX_COMPILER_LAUNCHER ${CMAKE_COMMAND} -E env OMPI_CXX=${PLM_OMPI_CXX})
+  set(CMAKE_CXX_LINKER_LAUNCHER ${CMAKE_COMMAND} -E env OMPI_CXX=${PLM_OMPI_CXX})
+endif()
 
 # HDF5 must be the parallel build: checkpoints and datasets are written collectively.
 set(HDF5_PREFER_PARALLEL TRUE)

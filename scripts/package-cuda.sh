@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Collects a CUDA build for a GPU machine that has CUDA, NCCL and OpenMPI but not plm's other
+# libraries: the plm binary, the GPU test and benchmark binaries, and every shared library they
+# need that is not the C/C++ runtime, CUDA, NCCL or MPI (parallel HDF5 and what it links), into
+# one folder.  Run there with LD_LIBRARY_PATH=<folder>/lib:/usr/local/cuda/lib64 (see
+# validation/gpu_run.sh).
+#
+# Usage: scripts/package-cuda.sh [BUILD_DIR] [OUT_DIR]   (defaults build-cuda, build-cuda/pkg)
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+build=${1:-$repo/build-cuda}
+out=${2:-$build/pkg}
+rm -rf "$out"
+mkdir -p "$out/bin" "$out/lib"
+
+bins=()
+[[ -x "$build/plm" ]] && bins+=("$build/plm")
+while IFS= read -r f; do bins+=("$f"); done < <(find "$build/test" "$build/bench" -maxdepth 3 -type f -executable \
+  \( -name 'test_gpu_*' -o -name 'bench_gpu*' -o -name 'test_model*' -o -name 'test_*esm*' \) 2>/dev/null | sort)
+for b in "${bins[@]}"; do cp "$b" "$out/bin/"; strip --strip-debug "$out/bin/$(basename "$b")" 2>/dev/null || true; done
+
+# Left to the GPU machine: glibc and the compiler runtime, CUDA, NCCL, MPI and what MPI links.
+skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libresolv\.|libgcc_s\.|libstdc\+\+\.|libcuda|libcudart|libcublas|libnccl|libmpi|libopen-rte|libopen-pal|libhwloc|libevent|libudev)'
+for b in "${bins[@]}"; do
+  ldd "$b" | awk '/=> \// {print $1, $3}'
+done | sort -u | while read -r name path; do
+  if [[ ! "$name" =~ $skip ]]; then cp -L "$path" "$out/lib/$name"; fi
+done
+echo "package-cuda: $(ls "$out/bin" | wc -l) binaries, $(ls "$out/lib" | wc -l) libraries, $(du -sh "$out" | cut -f1) in $out"

@@ -1,0 +1,54 @@
+// Varlen (THD) flash attention, forward and backward, on the tensor cores (mma.sync bf16).
+//
+// Design: tokens of all sequences are packed into one stream; sequence s owns tokens
+// [cu_seqlens[s], cu_seqlens[s+1]) and attends to itself only (non-causal).  Q, K, V, O and
+// their gradients are bf16 (T, H, D) rows with a row stride, so they can live inside a fused
+// QKV buffer; the softmax statistics are fp32 and the T x T score matrix never exists.
+// ESM-2 scales q by D^-1/2 before rotary, so the model passes softmax_scale = 1.
+// Forward: one CTA per (64-query block, head, sequence), online softmax over 64-key blocks
+// (double-buffered cp.async).  Backward runs two kernels instead of FA2's atomics: one per key
+// block (dK, dV; recomputes P^T from the saved log-sum-exp) and one per query block (dQ;
+// recomputes P and dP).  That is 7 matrix products instead of 5, traded for no fp32 atomics, no
+// dQ accumulation buffer and no shared-memory transposes.  head_dim 64 and 128.
+#pragma once
+
+#include "gpu/device.hpp"
+
+#include <cstdint>
+
+namespace plm::gpu {
+
+struct FlashParams {
+  const bf16* q = nullptr;  // (T, H, D), row stride q_stride elements
+  const bf16* k = nullptr;
+  const bf16* v = nullptr;
+  std::int64_t q_stride = 0, k_stride = 0, v_stride = 0;
+  bf16* o = nullptr;  // (T, H, D), forward output
+  std::int64_t o_stride = 0;
+  float* lse = nullptr;  // (T, H) natural-log log-sum-exp of the scaled scores, forward output
+  const std::int32_t* cu_seqlens = nullptr;  // device, (num_seqs + 1)
+  int num_seqs = 0;
+  int max_seqlen = 0;
+  std::int64_t total_tokens = 0;
+  int heads = 0;
+  int head_dim = 0;  // 64 or 128
+  float softmax_scale = 1.0f;
+
+  // Backward only.
+  const bf16* dout = nullptr;  // (T, H, D)
+  std::int64_t dout_stride = 0;
+  bf16* dq = nullptr;  // (T, H, D), written
+  bf16* dk = nullptr;
+  bf16* dv = nullptr;
+  std::int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
+  float* delta = nullptr;  // (T, H) scratch: rowsum(dO * O)
+};
+
+/// \brief O = softmax(scale Q K^T) V per sequence, and its log-sum-exp.  Throws plm::Error for an
+/// unsupported head_dim.
+void flashAttentionForward(Stream stream, const FlashParams& p);
+
+/// \brief dQ, dK, dV (written, not accumulated) from dO, with Q, K, V, O and lse of the forward.
+void flashAttentionBackward(Stream stream, const FlashParams& p);
+
+}  // namespace plm::gpu

@@ -1,0 +1,393 @@
+// Fused memory-bound kernels (see fused.hpp).  Row kernels give one warp to a row and read it
+// with bf16x2 loads; statistics and reductions are fp32, loss sums double.
+#include "gpu/fused.hpp"
+
+#include "core/error.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+
+namespace plm::gpu {
+
+namespace {
+
+using bfloat = __nv_bfloat16;
+
+__device__ __forceinline__ float warpSum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+__device__ __forceinline__ float warpMax(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+
+__device__ __forceinline__ float2 load2(const bf16* p, std::int64_t i) {
+  return __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(p)[i]);
+}
+__device__ __forceinline__ void store2(bf16* p, std::int64_t i, float a, float b) {
+  reinterpret_cast<__nv_bfloat162*>(p)[i] = __floats2bfloat162_rn(a, b);
+}
+
+unsigned blocksFor(std::int64_t work, int per_block) {
+  return static_cast<unsigned>((work + per_block - 1) / per_block);
+}
+
+// --------------------------------------------------------------------------------------------
+// LayerNorm
+
+__global__ void layerNormForwardKernel(const bf16* x, const bf16* gamma, const bf16* beta, bf16* y,
+                                       float* mean, float* rstd, std::int64_t rows, int cols,
+                                       float eps) {
+  std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+  int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const bf16* xr = x + row * cols;
+  int pairs = cols / 2;
+  float s = 0.0f;
+  for (int i = lane; i < pairs; i += 32) {
+    float2 v = load2(xr, i);
+    s += v.x + v.y;
+  }
+  float mu = warpSum(s) / cols;
+  float ss = 0.0f;
+  for (int i = lane; i < pairs; i += 32) {
+    float2 v = load2(xr, i);
+    ss += (v.x - mu) * (v.x - mu) + (v.y - mu) * (v.y - mu);
+  }
+  float rs = rsqrtf(warpSum(ss) / cols + eps);
+  bf16* yr = y + row * cols;
+  for (int i = lane; i < pairs; i += 32) {
+    float2 v = load2(xr, i), gm = load2(gamma, i), bt = load2(beta, i);
+    store2(yr, i, (v.x - mu) * rs * gm.x + bt.x, (v.y - mu) * rs * gm.y + bt.y);
+  }
+  if (lane == 0) {
+    mean[row] = mu;
+    rstd[row] = rs;
+  }
+}
+
+// Each block handles a strided set of rows, one warp at a time, and sums dgamma/dbeta for its
+// rows in shared memory before one atomic add per column.
+__global__ void layerNormBackwardKernel(const bf16* dy, const bf16* x, const bf16* gamma,
+                                        const float* mean, const float* rstd, bf16* dx,
+                                        float* dgamma, float* dbeta, std::int64_t rows, int cols) {
+  extern __shared__ float acc[];  // (2, cols)
+  for (int i = threadIdx.x; i < 2 * cols; i += blockDim.x) acc[i] = 0.0f;
+  __syncthreads();
+  int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  int pairs = cols / 2;
+  for (std::int64_t row = blockIdx.x * static_cast<std::int64_t>(warps) + warp; row < rows;
+       row += static_cast<std::int64_t>(gridDim.x) * warps) {
+    const bf16* xr = x + row * cols;
+    const bf16* dyr = dy + row * cols;
+    float mu = mean[row], rs = rstd[row];
+    float a = 0.0f, b = 0.0f;  // sum(dy*gamma), sum(dy*gamma*xhat)
+    for (int i = lane; i < pairs; i += 32) {
+      float2 v = load2(xr, i), d = load2(dyr, i), gm = load2(gamma, i);
+      float h0 = (v.x - mu) * rs, h1 = (v.y - mu) * rs;
+      a += d.x * gm.x + d.y * gm.y;
+      b += d.x * gm.x * h0 + d.y * gm.y * h1;
+      atomicAdd(&acc[2 * i], d.x * h0);
+      atomicAdd(&acc[2 * i + 1], d.y * h1);
+      atomicAdd(&acc[cols + 2 * i], d.x);
+      atomicAdd(&acc[cols + 2 * i + 1], d.y);
+    }
+    a = warpSum(a) / cols;
+    b = warpSum(b) / cols;
+    bf16* dxr = dx + row * cols;
+    for (int i = lane; i < pairs; i += 32) {
+      float2 v = load2(xr, i), d = load2(dyr, i), gm = load2(gamma, i);
+      float h0 = (v.x - mu) * rs, h1 = (v.y - mu) * rs;
+      store2(dxr, i, rs * (d.x * gm.x - a - h0 * b), rs * (d.y * gm.y - a - h1 * b));
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < cols; i += blockDim.x) {
+    atomicAdd(&dgamma[i], acc[i]);
+    atomicAdd(&dbeta[i], acc[cols + i]);
+  }
+}
+
+// --------------------------------------------------------------------------------------------
+// Rotary
+
+__device__ __forceinline__ int sequenceOf(const std::int32_t* cu, int num_seqs, std::int64_t t) {
+  int lo = 0, hi = num_seqs;  // cu[lo] <= t < cu[hi]
+  while (hi - lo > 1) {
+    int mid = (lo + hi) / 2;
+    if (cu[mid] <= t)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  return lo;
+}
+
+__global__ void rotaryKernel(bf16* q, std::int64_t q_stride, bf16* k, std::int64_t k_stride,
+                             const std::int32_t* cu, int num_seqs, std::int64_t tokens, int heads,
+                             int head_dim, float sign) {
+  int half = head_dim / 2;
+  std::int64_t idx = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  std::int64_t per_token = static_cast<std::int64_t>(heads) * half;
+  if (idx >= tokens * per_token) return;
+  std::int64_t t = idx / per_token;
+  int rem = static_cast<int>(idx % per_token);
+  int h = rem / half, i = rem % half;
+  int pos = static_cast<int>(t - cu[sequenceOf(cu, num_seqs, t)]);
+  // Hugging Face: inv_freq = 1 / 10000^(2i/D) in fp32, angle = pos * inv_freq.
+  float inv_freq = 1.0f / powf(10000.0f, static_cast<float>(2 * i) / head_dim);
+  float angle = static_cast<float>(pos) * inv_freq;
+  float c, s;
+  sincosf(angle, &s, &c);
+  s *= sign;
+  bfloat* rows[2] = {reinterpret_cast<bfloat*>(q) + t * q_stride + h * head_dim,
+                     reinterpret_cast<bfloat*>(k) + t * k_stride + h * head_dim};
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    float x1 = __bfloat162float(rows[r][i]), x2 = __bfloat162float(rows[r][i + half]);
+    rows[r][i] = __float2bfloat16(x1 * c - x2 * s);
+    rows[r][i + half] = __float2bfloat16(x2 * c + x1 * s);
+  }
+}
+
+// --------------------------------------------------------------------------------------------
+// Embedding with token dropout
+
+__device__ float tokenDropoutScale(const std::uint8_t* ids, std::int64_t start, int len,
+                                   int mask_id, bool token_dropout, int* shared_count) {
+  if (!token_dropout) return 1.0f;
+  if (threadIdx.x == 0) *shared_count = 0;
+  __syncthreads();
+  int count = 0;
+  for (int i = threadIdx.x; i < len; i += blockDim.x) count += ids[start + i] == mask_id;
+  atomicAdd(shared_count, count);
+  __syncthreads();
+  float observed = static_cast<float>(*shared_count) / static_cast<float>(len);
+  return (1.0f - 0.15f * 0.8f) / (1.0f - observed);
+}
+
+__global__ void embeddingForwardKernel(const std::uint8_t* ids, const bf16* weight, bf16* out,
+                                       const std::int32_t* cu, int cols, int mask_id,
+                                       bool token_dropout) {
+  __shared__ int count;
+  int s = blockIdx.x;
+  std::int64_t start = cu[s];
+  int len = cu[s + 1] - cu[s];
+  float scale = tokenDropoutScale(ids, start, len, mask_id, token_dropout, &count);
+  int pairs = cols / 2;
+  for (std::int64_t i = threadIdx.x; i < static_cast<std::int64_t>(len) * pairs; i += blockDim.x) {
+    std::int64_t t = start + i / pairs;
+    int c = static_cast<int>(i % pairs);
+    int id = ids[t];
+    float2 w = load2(weight + static_cast<std::int64_t>(id) * cols, c);
+    float f = (token_dropout && id == mask_id) ? 0.0f : scale;
+    store2(out + t * cols, c, w.x * f, w.y * f);
+  }
+}
+
+// Block = (sequence, 128-column chunk); shared (vocab, 128) accumulator, one column per thread.
+__global__ void embeddingBackwardKernel(const std::uint8_t* ids, const bf16* dout, float* dweight,
+                                        const std::int32_t* cu, int vocab, int cols, int mask_id,
+                                        bool token_dropout) {
+  extern __shared__ float acc[];  // (vocab, 128)
+  __shared__ int count;
+  int s = blockIdx.x;
+  std::int64_t start = cu[s];
+  int len = cu[s + 1] - cu[s];
+  float scale = tokenDropoutScale(ids, start, len, mask_id, token_dropout, &count);
+  for (int i = threadIdx.x; i < vocab * 128; i += blockDim.x) acc[i] = 0.0f;
+  __syncthreads();
+  int c = blockIdx.y * 128 + threadIdx.x;
+  if (c < cols) {
+    for (int i = 0; i < len; ++i) {
+      int id = ids[start + i];
+      if (token_dropout && id == mask_id) continue;
+      acc[id * 128 + threadIdx.x] +=
+          scale * __bfloat162float(reinterpret_cast<const bfloat*>(dout)[(start + i) * cols + c]);
+    }
+  }
+  __syncthreads();
+  if (c < cols)
+    for (int v = 0; v < vocab; ++v)
+      if (acc[v * 128 + threadIdx.x] != 0.0f)
+        atomicAdd(&dweight[static_cast<std::int64_t>(v) * cols + c], acc[v * 128 + threadIdx.x]);
+}
+
+// --------------------------------------------------------------------------------------------
+// Cross-entropy
+
+__global__ void crossEntropyKernel(const float* logits, const std::int32_t* labels, bf16* dlogits,
+                                   double* loss_sum, std::int64_t rows, int vocab,
+                                   float grad_scale) {
+  std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32;
+  int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const float* lr = logits + row * vocab;
+  bfloat* dr = reinterpret_cast<bfloat*>(dlogits) + row * vocab;
+  int label = labels[row];
+  if (label < 0) {
+    for (int i = lane; i < vocab; i += 32) dr[i] = __float2bfloat16(0.0f);
+    return;
+  }
+  float mx = -INFINITY;
+  for (int i = lane; i < vocab; i += 32) mx = fmaxf(mx, lr[i]);
+  mx = warpMax(mx);
+  float se = 0.0f;
+  for (int i = lane; i < vocab; i += 32) se += expf(lr[i] - mx);
+  se = warpSum(se);
+  float lse = mx + logf(se);
+  for (int i = lane; i < vocab; i += 32) {
+    float p = expf(lr[i] - lse);
+    dr[i] = __float2bfloat16(grad_scale * (p - (i == label ? 1.0f : 0.0f)));
+  }
+  if (lane == 0) atomicAdd(loss_sum, static_cast<double>(lse - lr[label]));
+}
+
+__global__ void sumSquaresKernel(const float* x, std::int64_t n, double* out) {
+  float s = 0.0f;
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x)
+    s += x[i] * x[i];
+  s = warpSum(s);
+  __shared__ float partial[32];
+  if ((threadIdx.x & 31) == 0) partial[threadIdx.x / 32] = s;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    float v = threadIdx.x < blockDim.x / 32 ? partial[threadIdx.x] : 0.0f;
+    v = warpSum(v);
+    if (threadIdx.x == 0) atomicAdd(out, static_cast<double>(v));
+  }
+}
+
+// --------------------------------------------------------------------------------------------
+// AdamW
+
+__global__ void adamwKernel(float* master, const float* grad, float* m, float* v, bf16* param,
+                            std::int64_t n, const std::int64_t* seg, const std::uint8_t* decay,
+                            int num_segments, AdamWParams p) {
+  float scale = p.grad_scale;
+  if (p.max_norm > 0.0f && p.grad_sumsq != nullptr) {
+    float norm = static_cast<float>(sqrt(*p.grad_sumsq)) * p.grad_scale;
+    if (norm > p.max_norm) scale *= p.max_norm / (norm + 1e-6f);
+  }
+  float bc1 = 1.0f - powf(p.beta1, static_cast<float>(p.step));
+  float bc2 = 1.0f - powf(p.beta2, static_cast<float>(p.step));
+  float step_size = p.lr / bc1;
+  float inv_sqrt_bc2 = rsqrtf(bc2);
+  for (std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; i < n;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    int lo = 0, hi = num_segments;  // seg[lo] <= i < seg[hi]
+    while (hi - lo > 1) {
+      int mid = (lo + hi) / 2;
+      if (seg[mid] <= i)
+        lo = mid;
+      else
+        hi = mid;
+    }
+    float g = grad[i] * scale;
+    float w = master[i];
+    if (decay[lo]) w -= p.lr * p.weight_decay * w;  // decoupled decay (torch.optim.AdamW)
+    float mi = p.beta1 * m[i] + (1.0f - p.beta1) * g;
+    float vi = p.beta2 * v[i] + (1.0f - p.beta2) * g * g;
+    w -= step_size * mi / (sqrtf(vi) * inv_sqrt_bc2 + p.eps);
+    m[i] = mi;
+    v[i] = vi;
+    master[i] = w;
+    reinterpret_cast<bfloat*>(param)[i] = __float2bfloat16(w);
+  }
+}
+
+int gridCap(std::int64_t blocks) {
+  return static_cast<int>(std::min<std::int64_t>(blocks, 132 * 16));
+}
+
+}  // namespace
+
+void layerNormForward(Stream stream, const bf16* x, const bf16* gamma, const bf16* beta, bf16* y,
+                      float* mean, float* rstd, std::int64_t rows, int cols, float eps) {
+  if (rows == 0) return;
+  PLM_REQUIRE(cols % 2 == 0, "plm::gpu::layerNormForward: cols must be even");
+  layerNormForwardKernel<<<blocksFor(rows, 8), 256, 0, stream>>>(x, gamma, beta, y, mean, rstd,
+                                                                 rows, cols, eps);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void layerNormBackward(Stream stream, const bf16* dy, const bf16* x, const bf16* gamma,
+                       const float* mean, const float* rstd, bf16* dx, float* dgamma,
+                       float* dbeta, std::int64_t rows, int cols) {
+  if (rows == 0) return;
+  PLM_REQUIRE(cols % 2 == 0, "plm::gpu::layerNormBackward: cols must be even");
+  int smem = 2 * cols * static_cast<int>(sizeof(float));
+  if (smem > 48 * 1024)
+    PLM_CHECK_CUDA(cudaFuncSetAttribute(layerNormBackwardKernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  int blocks = static_cast<int>(std::min<std::int64_t>(blocksFor(rows, 8 * 16), 132 * 4));
+  layerNormBackwardKernel<<<blocks, 256, smem, stream>>>(dy, x, gamma, mean, rstd, dx, dgamma,
+                                                         dbeta, rows, cols);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void rotary(Stream stream, bf16* q, std::int64_t q_stride, bf16* k, std::int64_t k_stride,
+            const std::int32_t* cu_seqlens, int num_seqs, std::int64_t tokens, int heads,
+            int head_dim, bool inverse) {
+  std::int64_t work = tokens * heads * (head_dim / 2);
+  if (work == 0) return;
+  rotaryKernel<<<blocksFor(work, 256), 256, 0, stream>>>(q, q_stride, k, k_stride, cu_seqlens,
+                                                         num_seqs, tokens, heads, head_dim,
+                                                         inverse ? -1.0f : 1.0f);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight, bf16* out,
+                      const std::int32_t* cu_seqlens, int num_seqs, int cols, int mask_id,
+                      bool token_dropout) {
+  if (num_seqs == 0) return;
+  PLM_REQUIRE(cols % 2 == 0, "plm::gpu::embeddingForward: cols must be even");
+  embeddingForwardKernel<<<num_seqs, 256, 0, stream>>>(ids, weight, out, cu_seqlens, cols, mask_id,
+                                                       token_dropout);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void embeddingBackward(Stream stream, const std::uint8_t* ids, const bf16* dout, float* dweight,
+                       const std::int32_t* cu_seqlens, int num_seqs, int vocab, int cols,
+                       int mask_id, bool token_dropout) {
+  if (num_seqs == 0) return;
+  int smem = vocab * 128 * static_cast<int>(sizeof(float));
+  if (smem > 48 * 1024)
+    PLM_CHECK_CUDA(cudaFuncSetAttribute(embeddingBackwardKernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  dim3 grid(num_seqs, (cols + 127) / 128);
+  embeddingBackwardKernel<<<grid, 128, smem, stream>>>(ids, dout, dweight, cu_seqlens, vocab,
+                                                       cols, mask_id, token_dropout);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void crossEntropy(Stream stream, const float* logits, const std::int32_t* labels, bf16* dlogits,
+                  double* loss_sum, std::int64_t rows, int vocab, float grad_scale) {
+  if (rows == 0) return;
+  crossEntropyKernel<<<blocksFor(rows, 8), 256, 0, stream>>>(logits, labels, dlogits, loss_sum,
+                                                             rows, vocab, grad_scale);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void sumSquares(Stream stream, const float* x, std::int64_t n, double* out) {
+  if (n == 0) return;
+  sumSquaresKernel<<<gridCap(blocksFor(n, 256)), 256, 0, stream>>>(x, n, out);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void adamwStep(Stream stream, float* master, const float* grad, float* m, float* v,
+               bf16* param_bf16, std::int64_t n, const std::int64_t* seg_offsets,
+               const std::uint8_t* seg_decay, int num_segments, const AdamWParams& p) {
+  if (n == 0) return;
+  adamwKernel<<<gridCap(blocksFor(n, 256)), 256, 0, stream>>>(
+      master, grad, m, v, param_bf16, n, seg_offsets, seg_decay, num_segments, p);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace plm::gpu

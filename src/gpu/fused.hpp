@@ -1,0 +1,66 @@
+// Fused memory-bound kernels of the ESM-2 training step on CUDA.
+//
+// Design: each kernel reads its inputs once and writes its outputs once (bf16 activations, fp32
+// statistics and parameter gradients); parameter gradients accumulate (+=) like the portable
+// model's, activation gradients are written (=).  Sequence-aware kernels (rotary positions,
+// token dropout) take the packed batch's cu_seqlens on the device.
+#pragma once
+
+#include "gpu/device.hpp"
+
+#include <cstdint>
+
+namespace plm::gpu {
+
+/// \brief y = (x - mean) * rstd * gamma + beta per row of x (rows, cols); saves mean and rstd
+/// (fp32, (rows)) for the backward pass.  cols even.
+void layerNormForward(Stream stream, const bf16* x, const bf16* gamma, const bf16* beta, bf16* y,
+                      float* mean, float* rstd, std::int64_t rows, int cols, float eps);
+
+/// \brief dx (written) and dgamma, dbeta (fp32, accumulated) from dy.
+void layerNormBackward(Stream stream, const bf16* dy, const bf16* x, const bf16* gamma,
+                       const float* mean, const float* rstd, bf16* dx, float* dgamma,
+                       float* dbeta, std::int64_t rows, int cols);
+
+/// \brief ESM-2 rotary embedding, in place on q and k (T, H, D) (row strides in elements);
+/// positions restart at every sequence.  `inverse` applies the transpose (backward pass).
+void rotary(Stream stream, bf16* q, std::int64_t q_stride, bf16* k, std::int64_t k_stride,
+            const std::int32_t* cu_seqlens, int num_seqs, std::int64_t tokens, int heads,
+            int head_dim, bool inverse);
+
+/// \brief out[t] = W[ids[t]] * scale(seq) with ESM-2 token dropout: <mask> rows are zero and the
+/// rest are scaled by (1 - 0.15 * 0.8) / (1 - masked fraction of the sequence).
+void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight, bf16* out,
+                      const std::int32_t* cu_seqlens, int num_seqs, int cols, int mask_id,
+                      bool token_dropout);
+
+/// \brief dW[ids[t]] += scale(seq) * dout[t] (fp32 dW, (vocab, cols)), <mask> rows excluded.
+void embeddingBackward(Stream stream, const std::uint8_t* ids, const bf16* dout, float* dweight,
+                       const std::int32_t* cu_seqlens, int num_seqs, int vocab, int cols,
+                       int mask_id, bool token_dropout);
+
+/// \brief Softmax cross-entropy over rows of logits (rows, vocab) fp32 with labels (-100 =
+/// ignore): adds the loss sum to *loss_sum (device double) and writes
+/// dlogits = grad_scale * (softmax - onehot) (0 on ignored rows) as bf16, in one pass.
+void crossEntropy(Stream stream, const float* logits, const std::int32_t* labels, bf16* dlogits,
+                  double* loss_sum, std::int64_t rows, int vocab, float grad_scale);
+
+/// \brief sum of squares of x (fp32, n) added to *out (device double).
+void sumSquares(Stream stream, const float* x, std::int64_t n, double* out);
+
+struct AdamWParams {
+  float lr = 0, beta1 = 0.9f, beta2 = 0.98f, eps = 1e-8f, weight_decay = 0;
+  int step = 1;             // 1-based, for the bias corrections
+  float grad_scale = 1.0f;  // gradients are multiplied by this first (1 / masked tokens)
+  float max_norm = 0.0f;    // clip the scaled gradient's global norm to this (0 = off)
+  const double* grad_sumsq = nullptr;  // device: sum of squares of the unscaled gradient
+};
+
+/// \brief One AdamW step over the flat parameter buffer (n): fp32 master, m, v updated in
+/// place, bf16 compute copy written.  Tensors [seg_offsets[i], seg_offsets[i+1]) are decayed
+/// when seg_decay[i] (device arrays, num_segments + 1 offsets).
+void adamwStep(Stream stream, float* master, const float* grad, float* m, float* v,
+               bf16* param_bf16, std::int64_t n, const std::int64_t* seg_offsets,
+               const std::uint8_t* seg_decay, int num_segments, const AdamWParams& p);
+
+}  // namespace plm::gpu

@@ -1,0 +1,214 @@
+// Fused kernels against host double references: LayerNorm forward/backward, rotary (and its
+// inverse), embedding with token dropout (forward/backward), cross-entropy, gradient norm and
+// AdamW.
+#include "gpu/fused.hpp"
+#include "gpu_test_util.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+
+namespace plm::gpu {
+namespace {
+
+using test::Bf16Tensor;
+using test::DeviceBuffer;
+
+TEST(FusedKernels, LayerNormForwardBackward) {
+  const std::int64_t rows = 333;
+  const int cols = 320;
+  Bf16Tensor x(test::randomNormal(rows * cols, 1, 2.0f));
+  auto g0 = test::randomNormal(cols, 2);
+  for (auto& g : g0) g += 1.0f;
+  Bf16Tensor gamma(g0), beta(test::randomNormal(cols, 3)), dy(test::randomNormal(rows * cols, 4));
+  DeviceBuffer<std::uint16_t> y(rows * cols), dx(rows * cols);
+  DeviceBuffer<float> mean(rows), rstd(rows);
+  std::vector<float> dg0 = test::randomNormal(cols, 5), db0 = test::randomNormal(cols, 6);
+  DeviceBuffer<float> dgamma(dg0), dbeta(db0);
+  y.poison();
+  dx.poison();
+  layerNormForward(nullptr, x.get(), gamma.get(), beta.get(), reinterpret_cast<bf16*>(y.get()),
+                   mean.get(), rstd.get(), rows, cols, 1e-5f);
+  layerNormBackward(nullptr, dy.get(), x.get(), gamma.get(), mean.get(), rstd.get(),
+                    reinterpret_cast<bf16*>(dx.get()), dgamma.get(), dbeta.get(), rows, cols);
+
+  std::vector<double> y_ref(rows * cols), dx_ref(rows * cols), dg_ref(dg0.begin(), dg0.end()),
+      db_ref(db0.begin(), db0.end());
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double mu = 0, var = 0;
+    for (int c = 0; c < cols; ++c) mu += x.values[r * cols + c];
+    mu /= cols;
+    for (int c = 0; c < cols; ++c) var += std::pow(x.values[r * cols + c] - mu, 2);
+    double rs = 1.0 / std::sqrt(var / cols + 1e-5);
+    double a = 0, b = 0;
+    for (int c = 0; c < cols; ++c) {
+      double h = (x.values[r * cols + c] - mu) * rs, d = dy.values[r * cols + c];
+      y_ref[r * cols + c] = h * gamma.values[c] + beta.values[c];
+      a += d * gamma.values[c];
+      b += d * gamma.values[c] * h;
+      dg_ref[c] += d * h;
+      db_ref[c] += d;
+    }
+    a /= cols;
+    b /= cols;
+    for (int c = 0; c < cols; ++c) {
+      double h = (x.values[r * cols + c] - mu) * rs;
+      dx_ref[r * cols + c] = rs * (dy.values[r * cols + c] * gamma.values[c] - a - h * b);
+    }
+  }
+  EXPECT_LT(test::relError(test::downloadBf16(y), y_ref), 1e-2);
+  EXPECT_LT(test::relError(test::downloadBf16(dx), dx_ref), 1e-2);
+  EXPECT_LT(test::relError(dgamma.download(), dg_ref), 1e-4);
+  EXPECT_LT(test::relError(dbeta.download(), db_ref), 1e-4);
+}
+
+TEST(FusedKernels, RotaryPositionsRestartPerSequenceAndInverseUndoes) {
+  std::vector<std::int32_t> cu{0, 1, 300, 317, 1341};
+  const std::int64_t tokens = cu.back();
+  const int heads = 2, dim = 64;
+  const std::int64_t stride = 3 * heads * dim;  // q and k inside a QKV row
+  std::vector<float> qkv0 = test::randomNormal(tokens * stride, 7);
+  Bf16Tensor qkv(qkv0);
+  DeviceBuffer<std::int32_t> cu_dev(cu);
+  bf16* q = qkv.get();
+  bf16* k = qkv.get() + heads * dim;
+  rotary(nullptr, q, stride, k, stride, cu_dev.get(), 4, tokens, heads, dim, false);
+  auto out = test::downloadBf16(qkv.device);
+  std::vector<double> ref(qkv.values.begin(), qkv.values.end());
+  for (std::size_t s = 0; s + 1 < cu.size(); ++s)
+    for (int t = cu[s]; t < cu[s + 1]; ++t)
+      for (int which = 0; which < 2; ++which)
+        for (int h = 0; h < heads; ++h)
+          for (int i = 0; i < dim / 2; ++i) {
+            double inv_freq = 1.0 / std::pow(10000.0, 2.0 * i / dim);
+            double ang = (t - cu[s]) * inv_freq;
+            std::int64_t base = t * stride + which * heads * dim + h * dim;
+            double x1 = qkv.values[base + i], x2 = qkv.values[base + i + dim / 2];
+            ref[base + i] = x1 * std::cos(ang) - x2 * std::sin(ang);
+            ref[base + i + dim / 2] = x2 * std::cos(ang) + x1 * std::sin(ang);
+          }
+  EXPECT_LT(test::relError(out, ref), 1e-2);
+  // V (the third block of each row) is untouched.
+  for (std::int64_t t = 0; t < tokens; ++t)
+    for (int i = 0; i < heads * dim; ++i)
+      ASSERT_EQ(out[t * stride + 2 * heads * dim + i], qkv.values[t * stride + 2 * heads * dim + i]);
+  rotary(nullptr, q, stride, k, stride, cu_dev.get(), 4, tokens, heads, dim, true);
+  EXPECT_LT(test::relError(test::downloadBf16(qkv.device), qkv.values), 1.5e-2);
+}
+
+TEST(FusedKernels, EmbeddingTokenDropoutForwardBackward) {
+  const int vocab = 33, cols = 320, mask = 32;
+  std::vector<std::int32_t> cu{0, 5, 6, 400, 1000};
+  const std::int64_t tokens = cu.back();
+  std::mt19937 rng(9);
+  std::vector<std::uint8_t> ids(tokens);
+  for (auto& id : ids) id = static_cast<std::uint8_t>(rng() % 100 < 15 ? mask : 4 + rng() % 20);
+  ids[5] = 7;  // a length-1 sequence without a mask token
+  Bf16Tensor w(test::randomNormal(vocab * cols, 10)), dout(test::randomNormal(tokens * cols, 11));
+  DeviceBuffer<std::uint8_t> ids_dev(ids);
+  DeviceBuffer<std::int32_t> cu_dev(cu);
+  DeviceBuffer<std::uint16_t> out(tokens * cols);
+  std::vector<float> dw0 = test::randomNormal(vocab * cols, 12);
+  DeviceBuffer<float> dw(dw0);
+  out.poison();
+  embeddingForward(nullptr, ids_dev.get(), w.get(), reinterpret_cast<bf16*>(out.get()), cu_dev.get(),
+                   4, cols, mask, true);
+  embeddingBackward(nullptr, ids_dev.get(), dout.get(), dw.get(), cu_dev.get(), 4, vocab, cols, mask,
+                    true);
+  std::vector<double> out_ref(tokens * cols), dw_ref(dw0.begin(), dw0.end());
+  for (std::size_t s = 0; s + 1 < cu.size(); ++s) {
+    int len = cu[s + 1] - cu[s], nmask = 0;
+    for (int t = cu[s]; t < cu[s + 1]; ++t) nmask += ids[t] == mask;
+    double scale = (1.0 - 0.12) / (1.0 - double(nmask) / len);
+    for (int t = cu[s]; t < cu[s + 1]; ++t)
+      for (int c = 0; c < cols; ++c) {
+        bool m = ids[t] == mask;
+        out_ref[t * cols + c] = m ? 0.0 : w.values[ids[t] * cols + c] * scale;
+        if (!m) dw_ref[ids[t] * cols + c] += scale * dout.values[t * cols + c];
+      }
+  }
+  EXPECT_LT(test::relError(test::downloadBf16(out), out_ref), 1e-2);
+  EXPECT_LT(test::relError(dw.download(), dw_ref), 1e-5);
+}
+
+TEST(FusedKernels, CrossEntropyLossAndGradient) {
+  const std::int64_t rows = 1000;
+  const int vocab = 33;
+  std::vector<float> logits = test::randomNormal(rows * vocab, 13, 3.0f);
+  std::vector<std::int32_t> labels(rows);
+  std::mt19937 rng(14);
+  for (auto& l : labels) l = rng() % 4 == 0 ? static_cast<std::int32_t>(rng() % vocab) : -100;
+  DeviceBuffer<float> logits_dev(logits);
+  DeviceBuffer<std::int32_t> labels_dev(labels);
+  DeviceBuffer<std::uint16_t> dlogits(rows * vocab);
+  DeviceBuffer<double> loss(std::vector<double>{0.5});
+  dlogits.poison();
+  const float grad_scale = 0.01f;
+  crossEntropy(nullptr, logits_dev.get(), labels_dev.get(), reinterpret_cast<bf16*>(dlogits.get()),
+               loss.get(), rows, vocab, grad_scale);
+  double loss_ref = 0.5;
+  std::vector<double> d_ref(rows * vocab, 0.0);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    if (labels[r] < 0) continue;
+    double mx = -1e300, se = 0;
+    for (int i = 0; i < vocab; ++i) mx = std::max(mx, double(logits[r * vocab + i]));
+    for (int i = 0; i < vocab; ++i) se += std::exp(logits[r * vocab + i] - mx);
+    double lse = mx + std::log(se);
+    loss_ref += lse - logits[r * vocab + labels[r]];
+    for (int i = 0; i < vocab; ++i)
+      d_ref[r * vocab + i] = grad_scale * (std::exp(logits[r * vocab + i] - lse) - (i == labels[r]));
+  }
+  EXPECT_NEAR(loss.download()[0], loss_ref, 1e-5 * std::abs(loss_ref));
+  EXPECT_LT(test::relError(test::downloadBf16(dlogits), d_ref), 1e-2);
+}
+
+TEST(FusedKernels, AdamWWithClippingAndDecayMask) {
+  const std::int64_t n = 100003;
+  std::vector<std::int64_t> seg{0, 1000, 1001, 50000, n};
+  std::vector<std::uint8_t> decay{1, 0, 1, 0};
+  auto w0 = test::randomNormal(n, 15), g0 = test::randomNormal(n, 16, 5.0f);
+  auto m0 = test::randomNormal(n, 17, 0.1f), v0 = test::randomNormal(n, 18, 0.1f);
+  for (auto& x : v0) x = x * x;
+  DeviceBuffer<float> w(w0), g(g0), m(m0), v(v0);
+  DeviceBuffer<std::uint16_t> wb(n);
+  DeviceBuffer<std::int64_t> seg_dev(seg);
+  DeviceBuffer<std::uint8_t> decay_dev(decay);
+  DeviceBuffer<double> sumsq(std::vector<double>{0.0});
+  wb.poison();
+  sumSquares(nullptr, g.get(), n, sumsq.get());
+  AdamWParams p;
+  p.lr = 1e-3f;
+  p.weight_decay = 0.01f;
+  p.step = 3;
+  p.grad_scale = 0.5f;
+  p.max_norm = 1.0f;
+  p.grad_sumsq = sumsq.get();
+  adamwStep(nullptr, w.get(), g.get(), m.get(), v.get(), reinterpret_cast<bf16*>(wb.get()), n,
+            seg_dev.get(), decay_dev.get(), 4, p);
+  double ss = 0;
+  for (float x : g0) ss += double(x) * x;
+  EXPECT_NEAR(sumsq.download()[0], ss, 1e-5 * ss);
+  double norm = std::sqrt(ss) * p.grad_scale;
+  double scale = p.grad_scale * (norm > p.max_norm ? p.max_norm / (norm + 1e-6) : 1.0);
+  std::vector<double> w_ref(n), m_ref(n), v_ref(n);
+  double bc1 = 1 - std::pow(0.9, 3), bc2 = 1 - std::pow(0.98, 3);
+  for (std::int64_t i = 0; i < n; ++i) {
+    int s = 0;
+    while (seg[s + 1] <= i) ++s;
+    double gi = g0[i] * scale, wi = w0[i];
+    if (decay[s]) wi -= 1e-3 * 0.01 * wi;
+    m_ref[i] = 0.9 * m0[i] + 0.1 * gi;
+    v_ref[i] = 0.98 * v0[i] + 0.02 * gi * gi;
+    w_ref[i] = wi - 1e-3 / bc1 * m_ref[i] / (std::sqrt(v_ref[i] / bc2) + 1e-8);
+  }
+  auto w_out = w.download();
+  double max_diff = 0;
+  for (std::int64_t i = 0; i < n; ++i) max_diff = std::max(max_diff, std::abs(w_out[i] - w_ref[i]));
+  EXPECT_LT(max_diff, 1e-6);
+  EXPECT_LT(test::relError(m.download(), m_ref), 1e-5);
+  EXPECT_LT(test::relError(v.download(), v_ref), 1e-5);
+  EXPECT_LT(test::relError(test::downloadBf16(wb), w_ref), 1e-2);
+}
+
+}  // namespace
+}  // namespace plm::gpu
