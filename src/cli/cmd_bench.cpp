@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <ctime>
 #include <string>
 #include <unistd.h>
 
@@ -43,15 +44,23 @@ std::string makeTemporaryDirectory() {
 // required: the rate is steady after the first step).
 struct LoaderRate {
   double tokens_per_second = 0;
+  double tokens_per_cpu_second = 0;  // CPU time of the whole process (prefetch thread included)
   std::int64_t tokens = 0, steps = 0;
   double seconds = 0;
 };
+
+double cpuSeconds() {
+  timespec t;
+  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
+  return double(t.tv_sec) + 1e-9 * double(t.tv_nsec);
+}
 
 LoaderRate measureLoader(data::LoaderOptions options, double seconds) {
   data::Loader loader(options);
   LoaderRate rate;
   loader.nextStep();  // warm-up: file open, page cache, first prefetch
   auto start = Clock::now();
+  const double cpu_start = cpuSeconds();
   while (true) {
     auto step = loader.nextStep();
     for (const auto& mb : step) rate.tokens += mb.numTokens();
@@ -60,6 +69,7 @@ LoaderRate measureLoader(data::LoaderOptions options, double seconds) {
     if (rate.seconds >= seconds) break;
   }
   rate.tokens_per_second = double(rate.tokens) / rate.seconds;
+  rate.tokens_per_cpu_second = double(rate.tokens) / (cpuSeconds() - cpu_start);
   return rate;
 }
 
@@ -92,11 +102,15 @@ int benchData(const Argv& argv) {
   prep.progress_seconds = 0;
   prep.command_line = "plm bench data";
   MPI_Barrier(MPI_COMM_WORLD);
+  const double prep_cpu_start = cpuSeconds();
   auto report = data::prepare(prep, MPI_COMM_WORLD);
+  double prep_cpu = cpuSeconds() - prep_cpu_start, prep_cpu_total = 0;
+  MPI_Allreduce(&prep_cpu, &prep_cpu_total, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
   log::info("bench data: prep of %lld records (%.2f MB of FASTA, %.2f MB as stored) on %d rank(s): %.3f s, "
-            "%.1f MB/s of FASTA, %.1f MB/s as stored",
+            "%.1f MB/s of FASTA, %.1f MB/s as stored; %.2f CPU s over all ranks (%.1f MB of FASTA per CPU s)",
             static_cast<long long>(report.records), report.fasta_bytes / 1e6, report.input_bytes / 1e6, world,
-            report.seconds, report.fasta_bytes / 1e6 / report.seconds, report.input_bytes / 1e6 / report.seconds);
+            report.seconds, report.fasta_bytes / 1e6 / report.seconds, report.input_bytes / 1e6 / report.seconds,
+            prep_cpu_total, report.fasta_bytes / 1e6 / prep_cpu_total);
 
   data::LoaderOptions options;
   options.path = dir + "/train.h5";
@@ -107,13 +121,14 @@ int benchData(const Argv& argv) {
   for (int prefetch : {2, 0}) {
     options.prefetch = prefetch;
     auto rate = measureLoader(options, seconds);
-    double slowest = 0, sum = 0;
+    double slowest = 0, sum = 0, per_cpu = 0;
     MPI_Allreduce(&rate.tokens_per_second, &slowest, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
     MPI_Allreduce(&rate.tokens_per_second, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Allreduce(&rate.tokens_per_cpu_second, &per_cpu, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     log::info("bench data: loader (micro_batch_tokens %lld, prefetch %d): %.3g tokens/s per rank (slowest rank "
-              "%.3g), %.3g tokens/s over %d rank(s); rank 0: %lld steps, %lld tokens in %.2f s",
+              "%.3g), %.3g tokens/s over %d rank(s), %.3g tokens per CPU s; rank 0: %lld steps, %lld tokens in %.2f s",
               static_cast<long long>(options.micro_batch_tokens), prefetch, sum / world, slowest, sum, world,
-              static_cast<long long>(rate.steps), static_cast<long long>(rate.tokens), rate.seconds);
+              per_cpu / world, static_cast<long long>(rate.steps), static_cast<long long>(rate.tokens), rate.seconds);
   }
   MPI_Barrier(MPI_COMM_WORLD);
   if (temporary && rank == 0) {
