@@ -1,0 +1,106 @@
+#!/usr/bin/env python3
+"""List a plm checkpoint (or plm model file) with h5py alone, without plm.
+
+    python3 validation/ckpt_ls.py CHECKPOINT.h5            groups, tensors (shape, dtype), attributes
+    python3 validation/ckpt_ls.py --verify CHECKPOINT.h5   also recompute every tensor's crc32
+    python3 validation/ckpt_ls.py --deck CHECKPOINT.h5     print the resolved deck it was trained with
+
+The layout is described in doc/checkpoints.md.  Exit status: 0 fine, 1 a check failed
+(--verify: a checksum differs, a group is missing or the save was never completed),
+2 usage, 77 h5py is not installed (the ctest treats that as skipped).
+"""
+import argparse
+import sys
+import zlib
+
+try:
+    import h5py
+    import numpy as np
+except ImportError as e:  # pragma: no cover
+    print(f"ckpt_ls.py: needs h5py and numpy ({e}); pip install h5py", file=sys.stderr)
+    sys.exit(77)
+
+
+def text(value):
+    if isinstance(value, bytes):
+        return value.decode("utf-8", "replace")
+    if isinstance(value, np.ndarray):
+        return "[" + ", ".join(text(v) for v in value.tolist()) + "]"
+    return str(value)
+
+
+def attributes(obj, indent, skip=()):
+    for key in sorted(obj.attrs):
+        if key in skip:
+            continue
+        value = text(obj.attrs[key])
+        if "\n" in value:
+            value = f"<{value.count(chr(10))} lines; --deck prints it>"
+        print(f"{indent}@{key} = {value}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("file")
+    parser.add_argument("--verify", action="store_true", help="recompute the crc32 of every tensor")
+    parser.add_argument("--deck", action="store_true", help="print the stored resolved deck and exit")
+    args = parser.parse_args()
+
+    problems = []
+    with h5py.File(args.file, "r") as f:
+        if args.deck:
+            if "state" not in f or "deck" not in f["state"].attrs:
+                print(f"{args.file}: no /state deck attribute (not a plm checkpoint)", file=sys.stderr)
+                return 1
+            print(text(f["state"].attrs["deck"]), end="")
+            return 0
+
+        print(f"{args.file}")
+        attributes(f, "  ")
+        state = f.get("state")
+        if state is None:
+            print("  (no /state: a plm model file, not a checkpoint)")
+        elif state.attrs.get("format") is None:
+            problems.append("/state has no `format` attribute: the save was interrupted")
+        total_bytes = 0
+
+        def visit(name, obj):
+            nonlocal total_bytes
+            depth = name.count("/") + 1
+            indent = "  " * depth
+            if isinstance(obj, h5py.Group):
+                print(f"{indent}/{name}/")
+                attributes(obj, indent + "  ")
+                return
+            total_bytes += obj.size * obj.dtype.itemsize
+            line = f"{indent}/{name}  {obj.dtype} {tuple(obj.shape)}"
+            if args.verify and "crc32" in obj.attrs:
+                data = np.ascontiguousarray(obj[...], dtype=obj.dtype.newbyteorder("<"))
+                crc = zlib.crc32(data.tobytes()) & 0xFFFFFFFF
+                stored = int(obj.attrs["crc32"])
+                ok = crc == stored
+                line += "  crc32 ok" if ok else f"  crc32 MISMATCH (stored {stored}, computed {crc})"
+                if not ok:
+                    problems.append(f"/{name}: checksum mismatch")
+            elif args.verify and name.split("/")[0] in ("model", "optimizer"):
+                problems.append(f"/{name}: no crc32 attribute")
+            print(line)
+
+        f.visititems(visit)
+        if state is not None:
+            for group in ("model", "optimizer/exp_avg", "optimizer/exp_avg_sq", "scaling"):
+                if group not in f:
+                    problems.append(f"/{group} is missing")
+            if "model" in f and "optimizer/exp_avg" in f and set(f["model"]) != set(f["optimizer/exp_avg"]):
+                problems.append("/model and /optimizer/exp_avg hold different tensor names")
+        print(f"  tensor data: {total_bytes / 1e6:.1f} MB")
+
+    for p in problems:
+        print(f"PROBLEM: {p}", file=sys.stderr)
+    if args.verify and not problems:
+        print("verify: every tensor matches its crc32")
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
