@@ -95,8 +95,12 @@ class Esm2 {
   /// micro-batch seen and is reused).
   std::int64_t workspaceBytes() const;
 
- private:
+ public:
+  // Public only because nvcc refuses extended __host__ __device__ lambdas (KOKKOS_LAMBDA) inside
+  // a private nested class; Impl is defined in esm2.cpp and is not an interface.
   struct Impl;
+
+ private:
   Impl* impl_member;
 };
 

@@ -16,13 +16,30 @@
 
 namespace plm::model::math {
 
+KOKKOS_INLINE_FUNCTION std::int32_t floatBits(float x) {
+  std::int32_t bits;
+  std::memcpy(&bits, &x, sizeof(bits));
+  return bits;
+}
+
+KOKKOS_INLINE_FUNCTION float bitsFloat(std::int32_t bits) {
+  float x;
+  std::memcpy(&x, &bits, sizeof(x));
+  return x;
+}
+
 KOKKOS_INLINE_FUNCTION float exp(float x) {
   // Cephes expf: x = n ln2 + r with |r| <= ln2/2, degree-5 polynomial for e^r, 2^n built in
-  // the exponent bits.  Rounding by the 1.5*2^23 trick avoids floorf, which SSE2 cannot
-  // vectorize.  Inputs below -87 return ~1e-38 (a softmax weight of zero for every purpose).
-  x = x < -87.0f ? -87.0f : (x > 88.0f ? 88.0f : x);
+  // the exponent bits.  The clamp to [-87, 88] and the rounding (1.5*2^23 trick) use integer
+  // and arithmetic operations only: float compares may trap, which stops GCC from vectorizing
+  // without -fno-trapping-math.  Inputs below -87 return ~1e-38, a softmax weight of zero.
+  std::int32_t bits = floatBits(x);
+  const std::int32_t magnitude = bits & 0x7fffffff;
+  const std::int32_t limit = bits < 0 ? 0x42AE0000 /* 87.0f */ : 0x42B00000 /* 88.0f */;
+  bits = magnitude > limit ? ((bits & static_cast<std::int32_t>(0x80000000u)) | limit) : bits;
+  x = bitsFloat(bits);
   const float round_magic = 12582912.0f;
-  float n = (x * 1.44269504088896341f + round_magic) - round_magic;
+  const float n = (x * 1.44269504088896341f + round_magic) - round_magic;
   float r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
   const float r2 = r * r;
@@ -33,17 +50,16 @@ KOKKOS_INLINE_FUNCTION float exp(float x) {
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r2 + r + 1.0f;
-  const std::int32_t bits = (static_cast<std::int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof(scale));
-  return p * scale;
+  return p * bitsFloat((static_cast<std::int32_t>(n) + 127) << 23);
 }
 
 KOKKOS_INLINE_FUNCTION double exp(double x) { return Kokkos::Experimental::exp(x); }
 
 KOKKOS_INLINE_FUNCTION float erf(float x) {
-  // Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7), odd extension for x < 0.
-  const float ax = x < 0.0f ? -x : x;
+  // Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7) on |x|, sign restored from the bits (no
+  // float compares, see exp).
+  const std::int32_t bits = floatBits(x);
+  const float ax = bitsFloat(bits & 0x7fffffff);
   const float t = 1.0f / (1.0f + 0.3275911f * ax);
   float y = 1.061405429f;
   y = y * t - 1.453152027f;
@@ -51,7 +67,7 @@ KOKKOS_INLINE_FUNCTION float erf(float x) {
   y = y * t - 0.284496736f;
   y = y * t + 0.254829592f;
   y = 1.0f - y * t * exp(-ax * ax);
-  return x < 0.0f ? -y : y;
+  return bitsFloat(floatBits(y) | (bits & static_cast<std::int32_t>(0x80000000u)));
 }
 
 KOKKOS_INLINE_FUNCTION double erf(double x) { return Kokkos::Experimental::erf(x); }
