@@ -2,7 +2,7 @@
 //
 // Sequences are concatenated into one token stream with no padding; sequence s occupies
 // tokens [cu_seqlens[s], cu_seqlens[s+1]) and is `<cls>` + residues + `<eos>` (a cropped
-// sequence keeps its window's boundary tokens only where the window touches the ends).
+// sequence is its random residue window, wrapped in `<cls>`/`<eos>` like any other; doc/data.md).
 // Attention never crosses a boundary; rotary positions and token dropout restart per sequence.
 #pragma once
 

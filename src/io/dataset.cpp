@@ -38,8 +38,8 @@ void checkResidueIds(const std::string& path, std::int64_t sequence, const std::
 namespace {
 
 // Collective writes are split into rounds of at most this many rows per rank so that no MPI-IO
-// call moves more than 2 GiB (a limit of several MPI-IO implementations).
-constexpr std::int64_t max_rows_per_write = std::int64_t(1) << 28;
+// call moves 2 GiB or more (a limit of several MPI-IO implementations): 8-byte rows make 1 GiB.
+constexpr std::int64_t max_rows_per_write = std::int64_t(1) << 27;
 
 // Test hook (doc/data.md): PLM_TEST_FAIL_AFTER_BYTES=N stops a dataset write, on every rank
 // at the same round, once N token bytes are in the file, as a kill would.
