@@ -58,6 +58,7 @@ class Checkpoint : public ::testing::Test {
     trainTiny(dir, "base", 3, 3);  // checkpoint of step 3 at dir/base/ckpt/step_000003.h5
     good = dir + "/base/ckpt/step_000003.h5";
   }
+  static void TearDownTestSuite() { plm::test::removeSharedDir(MPI_COMM_WORLD, dir); }
   static std::string dir, good;
 };
 std::string Checkpoint::dir, Checkpoint::good;
@@ -300,7 +301,8 @@ TEST(DeckChanges, SortedIntoRefusedTrainingHarmless) {
 
 TEST(Metrics, TruncatedAfterTheCheckpointStep) {
   if (plm::dist::worldRank() != 0) return;
-  const std::string path = plm::test::sharedTempDir(MPI_COMM_SELF, "metrics") + "/metrics.jsonl";
+  const std::string scratch = plm::test::sharedTempDir(MPI_COMM_SELF, "metrics");
+  const std::string path = scratch + "/metrics.jsonl";
   std::ofstream(path) << "{\"kind\":\"train\",\"step\":1,\"loss\":3.5}\n"
                       << "{\"kind\":\"eval\",\"step\":2,\"valid_loss\":3.4}\n"
                       << "{\"kind\":\"train\",\"step\":2,\"loss\":3.4}\n"
@@ -312,6 +314,7 @@ TEST(Metrics, TruncatedAfterTheCheckpointStep) {
   EXPECT_EQ(text, "{\"kind\":\"train\",\"step\":1,\"loss\":3.5}\n{\"kind\":\"eval\",\"step\":2,\"valid_loss\":3.4}\n"
                   "{\"kind\":\"train\",\"step\":2,\"loss\":3.4}\n");
   EXPECT_EQ(plm::ckpt::truncateMetrics(path, 2), 0);
+  plm::test::removeSharedDir(MPI_COMM_SELF, scratch);
 }
 
 }  // namespace

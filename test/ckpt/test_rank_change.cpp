@@ -77,6 +77,7 @@ TEST(RankChange, ResumesOnAnyRankCount) {
     }
     EXPECT_EQ(cursor, reference_cursor) << run;
   }
+  plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 
 }  // namespace

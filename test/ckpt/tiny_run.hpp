@@ -45,6 +45,15 @@ inline std::string sharedTempDir(MPI_Comm comm, const std::string& tag) {
   return path;
 }
 
+/// Removes a sharedTempDir once every rank is done with it.
+inline void removeSharedDir(MPI_Comm comm, const std::string& path) {
+  MPI_Barrier(comm);
+  if (commRank(comm) == 0 && !path.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(path, ec);
+  }
+}
+
 /// Writes `count` random proteins (10..50 residues, seeded) as a plm dataset at `path` (rank 0).
 inline void writeTinyDataset(const std::string& path, int count, std::uint64_t seed, MPI_Comm comm) {
   if (commRank(comm) == 0) {
