@@ -81,6 +81,7 @@ int runPrep(const Argv& argv) {
     log::info("plm prep: valid: %lld sequences, %lld residues", static_cast<long long>(report.valid_sequences),
               static_cast<long long>(report.valid_residues));
   for (const auto& path : report.outputs) log::info("plm prep: wrote %s", path.c_str());
+  if (report.train_sequences == 0) log::warn("plm prep: the training set is empty: nothing to train on");
   return 0;
 }
 

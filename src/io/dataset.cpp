@@ -53,7 +53,7 @@ void writeInRounds(hid_t dataset, MPI_Comm comm, std::int64_t start, std::int64_
                    std::int64_t fail_after_bytes = -1) {
   std::int64_t rounds = (count + max_rows_per_write - 1) / max_rows_per_write, max_rounds = 0;
   PLM_CHECK_MPI(MPI_Allreduce(&rounds, &max_rounds, 1, MPI_INT64_T, MPI_MAX, comm));
-  max_rounds = std::max<std::int64_t>(max_rounds, 1);
+  // An empty dataset has no storage to write to (HDF5 refuses even an empty collective write).
   std::int64_t written = 0;
   for (std::int64_t round = 0; round < max_rounds; ++round) {
     std::int64_t n = std::min(max_rows_per_write, count - written);
@@ -120,7 +120,15 @@ void writeDataset(const std::string& path, MPI_Comm comm, const SequenceShard& l
     h5::Hid dataset = h5::createDataset<std::int64_t>(file, "offsets", {n + 1});
     writeInRounds<std::int64_t>(dataset, comm, starts[0], rows, offsets.data());
   }
-  h5::writeStrings(file, "ids", comm, n, starts[0], local.ids);
+  if (n > 0) {
+    h5::writeStrings(file, "ids", comm, n, starts[0], local.ids);
+  } else {  // nothing to write; the (empty) dataset still exists
+    h5::Hid type(PLM_CHECK_H5(H5Tcopy(H5T_C_S1)));
+    PLM_CHECK_H5(H5Tset_size(type, 1));
+    hsize_t dims = 0;
+    h5::Hid space(PLM_CHECK_H5(H5Screate_simple(1, &dims, nullptr)));
+    h5::Hid ids(PLM_CHECK_H5(H5Dcreate2(file, "ids", type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)));
+  }
 
   std::vector<std::string> source_paths;
   std::vector<std::int64_t> source_sizes, source_crcs;

@@ -289,3 +289,18 @@ TEST(Prep, MissingInputIsACollectiveErrorNamingTheFile) {
   std::string message = prepError(options({dir / "nope.fasta"}, dir / "out"));
   EXPECT_NE(message.find("nope.fasta"), std::string::npos) << message;
 }
+
+TEST(Prep, EmptyInputGivesEmptyButValidFiles) {
+  TempDir dir;
+  writeFile(dir / "empty.fasta", "");
+  writeFile(dir / "one.fasta", ">only\nMKV\n");
+  auto report = data::prepare(options({dir / "empty.fasta", dir / "one.fasta"}, dir / "out", 0.5), MPI_COMM_WORLD);
+  EXPECT_EQ(report.records, 1);
+  io::DatasetReader train(dir / "out/train.h5"), valid(dir / "out/valid.h5");
+  EXPECT_EQ(train.numSequences() + valid.numSequences(), 1);
+  const auto& empty = train.numSequences() == 0 ? train : valid;
+  EXPECT_EQ(empty.numResidues(), 0);
+  EXPECT_EQ(empty.offsets(), std::vector<std::int64_t>{0});
+  EXPECT_TRUE(empty.readIds(0, 0).empty());
+  empty.validateTokens();
+}
