@@ -54,10 +54,11 @@ constexpr int kCols = 8;  // micro-kernel columns of C
 
 KOKKOS_INLINE_FUNCTION int roundUp(int x, int m) { return (x + m - 1) / m * m; }
 
-/// C[0:4][0:8] (=, or += when accumulate) sum_k A[0:4][k] B[k][0:8]; row-major with leading
-/// dimensions lda, ldb, ldc.
+/// C[0:4][0:8] (=, or += when accumulate) sum_k A[0:4][k] B[k][0:8]; A(i, k) is
+/// a[i * sa + k * sk] (sk = 1 row-major, sa = 1 a transposed operand), B and C row-major with
+/// leading dimensions ldb, ldc.
 template <class T>
-KOKKOS_INLINE_FUNCTION void microKernel(int depth, const T* KOKKOS_RESTRICT a, int lda,
+KOKKOS_INLINE_FUNCTION void microKernel(int depth, const T* KOKKOS_RESTRICT a, int sa, int sk,
                                         const T* KOKKOS_RESTRICT b, int ldb, T* KOKKOS_RESTRICT c,
                                         int ldc, bool accumulate) {
   T acc[kRows][kCols];
@@ -66,7 +67,7 @@ KOKKOS_INLINE_FUNCTION void microKernel(int depth, const T* KOKKOS_RESTRICT a, i
   for (int k = 0; k < depth; ++k) {
     const T* KOKKOS_RESTRICT bk = b + k * ldb;
     for (int i = 0; i < kRows; ++i) {
-      const T ai = a[i * lda + k];
+      const T ai = a[i * sa + k * sk];
       for (int u = 0; u < kCols; ++u) acc[i][u] += ai * bk[u];
     }
   }
@@ -80,7 +81,7 @@ KOKKOS_INLINE_FUNCTION void microKernel(int depth, const T* KOKKOS_RESTRICT a, i
 using Float4 = float __attribute__((vector_size(16)));
 
 template <>
-inline void microKernel<float>(int depth, const float* KOKKOS_RESTRICT a, int lda,
+inline void microKernel<float>(int depth, const float* KOKKOS_RESTRICT a, int sa, int sk,
                                const float* KOKKOS_RESTRICT b, int ldb, float* KOKKOS_RESTRICT c,
                                int ldc, bool accumulate) {
   Float4 acc[kRows][2];
@@ -96,7 +97,7 @@ inline void microKernel<float>(int depth, const float* KOKKOS_RESTRICT a, int ld
     __builtin_memcpy(&b0, b + k * ldb, sizeof(Float4));
     __builtin_memcpy(&b1, b + k * ldb + 4, sizeof(Float4));
     for (int i = 0; i < kRows; ++i) {
-      const float ai = a[i * lda + k];
+      const float ai = a[i * sa + k * sk];
       acc[i][0] += ai * b0;
       acc[i][1] += ai * b1;
     }
@@ -108,13 +109,14 @@ inline void microKernel<float>(int depth, const float* KOKKOS_RESTRICT a, int ld
 
 /// C (rows x cols) (+)= A (rows x depth) B (depth x cols), on whole 4x8 blocks: A needs
 /// roundUp(rows, 4) readable rows, B and C roundUp(cols, 8) readable columns (zero padding).
+/// A(i, k) = a[i * sa + k * sk].
 template <class T>
 KOKKOS_INLINE_FUNCTION void teamGemm(const Member& team, int rows, int cols, int depth, const T* a,
-                                     int lda, const T* b, int ldb, T* c, int ldc, bool accumulate) {
+                                     int sa, int sk, const T* b, int ldb, T* c, int ldc, bool accumulate) {
   const int row_blocks = (rows + kRows - 1) / kRows, col_blocks = (cols + kCols - 1) / kCols;
   Kokkos::parallel_for(Kokkos::TeamThreadRange(team, row_blocks * col_blocks), [&](const int idx) {
     const int i = idx / col_blocks, j = idx % col_blocks;
-    microKernel(depth, a + i * kRows * lda, lda, b + j * kCols, ldb, c + i * kRows * ldc + j * kCols, ldc,
+    microKernel(depth, a + i * kRows * sa, sa, sk, b + j * kCols, ldb, c + i * kRows * ldc + j * kCols, ldc,
                 accumulate);
   });
 }
@@ -199,7 +201,7 @@ void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>&
           stage(team, k, k0, nk, hd, d, static_cast<T*>(nullptr), 0, 0, kt, bkp);
           stage(team, v, k0, nk, hd, d, vs, bkp, dp, static_cast<T*>(nullptr), 0);
           team.team_barrier();
-          teamGemm(team, nq, nk, d, qs, d, kt, bkp, sc, bkp, false);
+          teamGemm(team, nq, nk, d, qs, d, 1, kt, bkp, sc, bkp, false);
           team.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
             T* srow = sc + r * bkp;
@@ -212,7 +214,7 @@ void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>&
             for (int c = 0; c < dp; ++c) acc[r * dp + c] *= corr;
           });
           team.team_barrier();
-          teamGemm(team, nq, d, nk, sc, bkp, vs, dp, acc, dp, true);
+          teamGemm(team, nq, d, nk, sc, bkp, 1, vs, dp, acc, dp, true);
         }
         team.team_barrier();
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
@@ -244,36 +246,42 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
         }
       });
 
-  // Pass 1: one team per (key tile, head) accumulates dK and dV over the sequence's query
-  // tiles, working on transposed scores (keys as rows).
-  {
-    auto list = tileList(cu_seqlens, bk);
-    const int n_tiles = static_cast<int>(list.extent(0));
-    if (n_tiles == 0) return;
-    const size_t scratch = Scratch<T>::shmem_size(bkp * d) * 2 + Scratch<T>::shmem_size(d * bqp) * 2 +
-                           Scratch<T>::shmem_size(bqp * dp) * 2 + Scratch<T>::shmem_size(bqp) * 2 +
-                           Scratch<T>::shmem_size(bkp * bqp) * 2 + Scratch<T>::shmem_size(bkp * dp) * 2;
-    Policy policy(space, n_tiles * heads, Kokkos::AUTO);
-    policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
-    Kokkos::parallel_for(
-        "plm::model::attention_backward_dkdv", policy, KOKKOS_LAMBDA(const Member& team) {
-          const int tile = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
-          const int s0 = list(tile, 0), s1 = list(tile, 1), k0 = list(tile, 2);
+  // One team per (sequence, head): the outer loop runs over key tiles (accumulating dK, dV in
+  // scratch), the inner loop over query tiles; each (query tile, key tile) pair also yields
+  // dS K, added to this sequence's rows of dq, which no other team touches.  So dQ needs no
+  // atomics and no second pass, and the order of additions is fixed.
+  const int n = static_cast<int>(cu_seqlens.extent(0)) - 1;
+  if (n <= 0) return;
+  const size_t scratch = Scratch<T>::shmem_size(bkp * dp) * 2 + Scratch<T>::shmem_size(d * bqp) * 2 +
+                         Scratch<T>::shmem_size(bqp * dp) * 3 + Scratch<T>::shmem_size(bqp) * 2 +
+                         Scratch<T>::shmem_size(bkp * bqp) * 2 + Scratch<T>::shmem_size(bkp * dp) * 2;
+  Policy policy(space, n * heads, Kokkos::AUTO);
+  policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
+  Kokkos::parallel_for(
+      "plm::model::attention_backward", policy, KOKKOS_LAMBDA(const Member& team) {
+        const int seq = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
+        const int s0 = cu_seqlens(seq), s1 = cu_seqlens(seq + 1);
+        T* ks = Scratch<T>(team.team_scratch(0), bkp * dp).data();      // (bkp, dp)
+        T* vs = Scratch<T>(team.team_scratch(0), bkp * dp).data();      // (bkp, dp)
+        T* qt = Scratch<T>(team.team_scratch(0), d * bqp).data();       // (d, bqp)
+        T* dot = Scratch<T>(team.team_scratch(0), d * bqp).data();      // (d, bqp)
+        T* qs = Scratch<T>(team.team_scratch(0), bqp * dp).data();      // (bqp, dp)
+        T* dos = Scratch<T>(team.team_scratch(0), bqp * dp).data();     // (bqp, dp)
+        T* dq_t = Scratch<T>(team.team_scratch(0), bqp * dp).data();    // (bqp, dp) dS K of one pair
+        T* lse_s = Scratch<T>(team.team_scratch(0), bqp).data();        // (bqp)
+        T* delta_s = Scratch<T>(team.team_scratch(0), bqp).data();      // (bqp)
+        T* pt = Scratch<T>(team.team_scratch(0), bkp * bqp).data();     // (bkp, bqp) P^T
+        T* dst = Scratch<T>(team.team_scratch(0), bkp * bqp).data();    // (bkp, bqp) dS^T
+        T* dk_acc = Scratch<T>(team.team_scratch(0), bkp * dp).data();  // (bkp, dp)
+        T* dv_acc = Scratch<T>(team.team_scratch(0), bkp * dp).data();  // (bkp, dp)
+        Kokkos::parallel_for(Kokkos::TeamThreadRange(team, s1 - s0), [&](const int r) {
+          for (int c = 0; c < d; ++c) dq(s0 + r, hd + c) = 0;
+        });
+        for (int k0 = s0; k0 < s1; k0 += bk) {
           const int nk = s1 - k0 < bk ? s1 - k0 : bk;
-          T* ks = Scratch<T>(team.team_scratch(0), bkp * d).data();      // (bkp, d)
-          T* vs = Scratch<T>(team.team_scratch(0), bkp * d).data();      // (bkp, d)
-          T* qt = Scratch<T>(team.team_scratch(0), d * bqp).data();      // (d, bqp)
-          T* dot = Scratch<T>(team.team_scratch(0), d * bqp).data();     // (d, bqp)
-          T* qs = Scratch<T>(team.team_scratch(0), bqp * dp).data();     // (bqp, dp)
-          T* dos = Scratch<T>(team.team_scratch(0), bqp * dp).data();    // (bqp, dp)
-          T* lse_s = Scratch<T>(team.team_scratch(0), bqp).data();       // (bqp)
-          T* delta_s = Scratch<T>(team.team_scratch(0), bqp).data();     // (bqp)
-          T* pt = Scratch<T>(team.team_scratch(0), bkp * bqp).data();    // (bkp, bqp) P^T
-          T* dst = Scratch<T>(team.team_scratch(0), bkp * bqp).data();   // (bkp, bqp) dS^T
-          T* dk_acc = Scratch<T>(team.team_scratch(0), bkp * dp).data(); // (bkp, dp)
-          T* dv_acc = Scratch<T>(team.team_scratch(0), bkp * dp).data(); // (bkp, dp)
-          stage(team, k, k0, nk, hd, d, ks, bkp, d, static_cast<T*>(nullptr), 0);
-          stage(team, v, k0, nk, hd, d, vs, bkp, d, static_cast<T*>(nullptr), 0);
+          team.team_barrier();
+          stage(team, k, k0, nk, hd, d, ks, bkp, dp, static_cast<T*>(nullptr), 0);
+          stage(team, v, k0, nk, hd, d, vs, bkp, dp, static_cast<T*>(nullptr), 0);
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, bkp * dp), [&](const int i) {
             dk_acc[i] = 0;
             dv_acc[i] = 0;
@@ -288,8 +296,8 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
               delta_s[r] = delta(q0 + r, h);
             });
             team.team_barrier();
-            teamGemm(team, nk, nq, d, ks, d, qt, bqp, pt, bqp, false);   // S^T = K Q^T
-            teamGemm(team, nk, nq, d, vs, d, dot, bqp, dst, bqp, false); // dP^T = V dO^T
+            teamGemm(team, nk, nq, d, ks, dp, 1, qt, bqp, pt, bqp, false);   // S^T = K Q^T
+            teamGemm(team, nk, nq, d, vs, dp, 1, dot, bqp, dst, bqp, false); // dP^T = V dO^T
             team.team_barrier();
             Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nk), [&](const int j) {
               T* KOKKOS_RESTRICT prow = pt + j * bqp;
@@ -301,8 +309,13 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
               }
             });
             team.team_barrier();
-            teamGemm(team, nk, d, nq, pt, bqp, dos, dp, dv_acc, dp, true);   // dV += P^T dO
-            teamGemm(team, nk, d, nq, dst, bqp, qs, dp, dk_acc, dp, true);   // dK += dS^T Q
+            teamGemm(team, nk, d, nq, pt, bqp, 1, dos, dp, dv_acc, dp, true);   // dV += P^T dO
+            teamGemm(team, nk, d, nq, dst, bqp, 1, qs, dp, dk_acc, dp, true);   // dK += dS^T Q
+            teamGemm(team, nq, d, nk, dst, 1, bqp, ks, dp, dq_t, dp, false);    // dS K
+            team.team_barrier();
+            Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
+              for (int c = 0; c < d; ++c) dq(q0 + r, hd + c) += dq_t[r * dp + c];
+            });
           }
           team.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nk), [&](const int j) {
@@ -311,58 +324,8 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
               dv(k0 + j, hd + c) = dv_acc[j * dp + c];
             }
           });
-        });
-  }
-
-  // Pass 2: one team per (query tile, head) accumulates dQ over the sequence's key tiles.
-  {
-    auto list = tileList(cu_seqlens, bq);
-    const int n_tiles = static_cast<int>(list.extent(0));
-    const size_t scratch = Scratch<T>::shmem_size(bqp * d) * 2 + Scratch<T>::shmem_size(d * bkp) * 2 +
-                           Scratch<T>::shmem_size(bkp * dp) + Scratch<T>::shmem_size(bqp * bkp) * 2 +
-                           Scratch<T>::shmem_size(bqp * dp);
-    Policy policy(space, n_tiles * heads, Kokkos::AUTO);
-    policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
-    Kokkos::parallel_for(
-        "plm::model::attention_backward_dq", policy, KOKKOS_LAMBDA(const Member& team) {
-          const int tile = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
-          const int s0 = list(tile, 0), s1 = list(tile, 1), q0 = list(tile, 2);
-          const int nq = s1 - q0 < bq ? s1 - q0 : bq;
-          T* qs = Scratch<T>(team.team_scratch(0), bqp * d).data();      // (bqp, d)
-          T* dos = Scratch<T>(team.team_scratch(0), bqp * d).data();     // (bqp, d)
-          T* kt = Scratch<T>(team.team_scratch(0), d * bkp).data();      // (d, bkp)
-          T* vt = Scratch<T>(team.team_scratch(0), d * bkp).data();      // (d, bkp)
-          T* ks = Scratch<T>(team.team_scratch(0), bkp * dp).data();     // (bkp, dp)
-          T* sc = Scratch<T>(team.team_scratch(0), bqp * bkp).data();    // (bqp, bkp) P
-          T* dsc = Scratch<T>(team.team_scratch(0), bqp * bkp).data();   // (bqp, bkp) dS
-          T* dq_acc = Scratch<T>(team.team_scratch(0), bqp * dp).data(); // (bqp, dp)
-          stage(team, q, q0, nq, hd, d, qs, bqp, d, static_cast<T*>(nullptr), 0);
-          stage(team, dout, q0, nq, hd, d, dos, bqp, d, static_cast<T*>(nullptr), 0);
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, bqp * dp), [&](const int i) { dq_acc[i] = 0; });
-          for (int k0 = s0; k0 < s1; k0 += bk) {
-            const int nk = s1 - k0 < bk ? s1 - k0 : bk;
-            team.team_barrier();
-            stage(team, k, k0, nk, hd, d, ks, bkp, dp, kt, bkp);
-            stage(team, v, k0, nk, hd, d, static_cast<T*>(nullptr), 0, 0, vt, bkp);
-            team.team_barrier();
-            teamGemm(team, nq, nk, d, qs, d, kt, bkp, sc, bkp, false);   // S = Q K^T
-            teamGemm(team, nq, nk, d, dos, d, vt, bkp, dsc, bkp, false); // dP = dO V^T
-            team.team_barrier();
-            Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
-              T* KOKKOS_RESTRICT srow = sc + r * bkp;
-              T* KOKKOS_RESTRICT dsrow = dsc + r * bkp;
-              const T lse_r = lse(q0 + r, h), delta_r = delta(q0 + r, h);
-              for (int j = 0; j < nk; ++j) dsrow[j] = math::exp(srow[j] - lse_r) * (dsrow[j] - delta_r);
-            });
-            team.team_barrier();
-            teamGemm(team, nq, d, nk, dsc, bkp, ks, dp, dq_acc, dp, true);  // dQ += dS K
-          }
-          team.team_barrier();
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
-            for (int c = 0; c < d; ++c) dq(q0 + r, hd + c) = dq_acc[r * dp + c];
-          });
-        });
-  }
+        }
+      });
 }
 
 namespace {
