@@ -73,6 +73,8 @@ int runPrep(const Argv& argv) {
   log::info("plm prep: %lld records read (%.1f MB of FASTA from %.1f MB of input) in %.2f s: %.1f MB/s of FASTA on %d rank(s)",
             static_cast<long long>(report.records), report.fasta_bytes / 1e6, report.input_bytes / 1e6, report.seconds,
             report.fasta_bytes / 1e6 / report.seconds, world);
+  log::info("plm prep: rank 0 spent %.2f s parsing, %.2f s on duplicates and the split, %.2f s on checksums and writing",
+            report.parse_seconds, report.dedup_seconds, report.write_seconds);
   log::info("plm prep: %lld exact duplicates removed, %lld invalid records skipped",
             static_cast<long long>(report.duplicates), static_cast<long long>(report.skipped));
   log::info("plm prep: train: %lld sequences, %lld residues%s", static_cast<long long>(report.train_sequences),

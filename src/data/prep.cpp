@@ -215,6 +215,15 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
     if (parsed.stopped) break;
   }
 
+  auto phase_start = Clock::now();
+  auto lap = [&phase_start] {
+    auto now = Clock::now();
+    double seconds = std::chrono::duration<double>(now - phase_start).count();
+    phase_start = now;
+    return seconds;
+  };
+  report.parse_seconds = std::chrono::duration<double>(phase_start - start_time).count();
+
   // 2. Absolute line numbers: lines before this rank's part of each plain file.
   std::vector<std::int64_t> line_base(num_files, 0);
   PLM_CHECK_MPI(MPI_Exscan(newlines.data(), line_base.data(), num_files, MPI_INT64_T, MPI_SUM, comm));
@@ -290,6 +299,8 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   report.duplicates = global[1];
   report.fasta_bytes = global[2];
 
+  report.dedup_seconds = lap();
+
   // 6. Checksums of the inputs: CRC-32 of each rank's byte range, combined in rank order.
   std::vector<std::uint32_t> crcs(size_t(num_files) * world, 0), my_crcs(num_files, 0);
   for (const auto& s : segments) my_crcs[s.file] = io::fasta::fileCrc32(s.path, s.begin, s.end);
@@ -361,6 +372,7 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
     if (!write_valid) removeQuietly(dir + "/valid.h5");  // a stale split from an earlier run
   }
   PLM_CHECK_MPI(MPI_Barrier(comm));
+  report.write_seconds = lap();
   for (const auto& out : outputs) report.outputs.push_back(dir + "/" + out.name + ".h5");
 
   std::int64_t sizes[4] = {std::int64_t(train.lengths.size()), std::int64_t(train.tokens.size()),

@@ -41,6 +41,7 @@ struct PrepReport {
   std::int64_t valid_sequences = 0, valid_residues = 0;
   std::vector<std::string> outputs;  // files written
   double seconds = 0;
+  double parse_seconds = 0, dedup_seconds = 0, write_seconds = 0;  // rank 0's phases
 };
 
 /// \brief Collective over `comm`. Throws a collective plm::Error for bad input under

@@ -123,16 +123,21 @@ class RecordBuilder {
       return;
     }
     if (bad_member) return;
+    // Residues are written through a pointer into room made for the whole line (the hot loop).
     auto& tokens = out_member.tokens;
+    const size_t base = tokens.size();
+    tokens.resize(base + n);
+    std::uint8_t* out = tokens.data() + base;
+    size_t m = 0;
     for (size_t k = 0; k < n; ++k) {
-      unsigned char c = static_cast<unsigned char>(p[k]);
-      int id = id_table.id[c];
+      const unsigned char c = static_cast<unsigned char>(p[k]);
+      const int id = id_table.id[c];
       if (id > 0) {
         if (star_line_member >= 0) {
           markBad(star_line_member, star_column_member, '*', " ('*' may only end a sequence)");
-          return;
+          break;
         }
-        tokens.push_back(static_cast<std::uint8_t>(id));
+        out[m++] = static_cast<std::uint8_t>(id);
       } else if (id < 0) {
         if (c == '*' && star_line_member < 0) {
           star_line_member = line;
@@ -141,9 +146,10 @@ class RecordBuilder {
         }
         markBad(line, std::int64_t(k) + 1, c,
                 c == '-' || c == '.' ? " (an alignment gap: give unaligned sequences)" : "");
-        return;
+        break;
       }
     }
+    tokens.resize(base + m);
   }
 
   // The input ended (or was cut): close the record in progress.
