@@ -11,7 +11,12 @@
 #include "core/error.hpp"
 #include "model/math.hpp"
 
+#include <type_traits>
 #include <vector>
+
+#if defined(__GNUC__) && !defined(__CUDACC__) && defined(__x86_64__)
+#include <immintrin.h>
+#endif
 
 namespace plm::model {
 namespace {
@@ -107,13 +112,50 @@ inline void microKernel<float>(int depth, const float* KOKKOS_RESTRICT a, int sa
 }
 #endif
 
-/// C (rows x cols) (+)= A (rows x depth) B (depth x cols), on whole 4x8 blocks: A needs
-/// roundUp(rows, 4) readable rows, B and C roundUp(cols, 8) readable columns (zero padding).
+#if defined(__GNUC__) && !defined(__CUDACC__) && defined(__x86_64__)
+#define PLM_MODEL_ATTENTION_AVX2 1
+/// The 8x8 AVX2+FMA variant (8 ymm accumulators), compiled for that target alone and chosen at
+/// run time, so the binary still runs on any x86-64: about 2x the SSE2 kernel's rate.
+__attribute__((target("avx2,fma"), noinline)) void microKernel8x8Avx2(
+    int depth, const float* KOKKOS_RESTRICT a, int sa, int sk, const float* KOKKOS_RESTRICT b, int ldb,
+    float* KOKKOS_RESTRICT c, int ldc, bool accumulate) {
+  __m256 acc[8];
+  for (int i = 0; i < 8; ++i) acc[i] = accumulate ? _mm256_loadu_ps(c + i * ldc) : _mm256_setzero_ps();
+  for (int k = 0; k < depth; ++k) {
+    const __m256 bk = _mm256_loadu_ps(b + k * ldb);
+    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a[i * sa + k * sk]), bk, acc[i]);
+  }
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(c + i * ldc, acc[i]);
+}
+
+inline bool haveAvx2() {
+  static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  return have;
+}
+#endif
+
+/// C (rows x cols) (+)= A (rows x depth) B (depth x cols), on whole blocks of 4 (or 8) rows and
+/// 8 columns: A needs roundUp(rows, 8) readable rows, B and C roundUp(cols, 8) readable
+/// columns (zero padding; every scratch tile is allocated in multiples of 8).
 /// A(i, k) = a[i * sa + k * sk].
 template <class T>
 KOKKOS_INLINE_FUNCTION void teamGemm(const Member& team, int rows, int cols, int depth, const T* a,
                                      int sa, int sk, const T* b, int ldb, T* c, int ldc, bool accumulate) {
-  const int row_blocks = (rows + kRows - 1) / kRows, col_blocks = (cols + kCols - 1) / kCols;
+  const int col_blocks = (cols + kCols - 1) / kCols;
+#ifdef PLM_MODEL_ATTENTION_AVX2
+  if constexpr (std::is_same_v<T, float>) {
+    if (haveAvx2()) {
+      const int row_blocks = (rows + 7) / 8;
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, row_blocks * col_blocks), [&](const int idx) {
+        const int i = idx / col_blocks, j = idx % col_blocks;
+        microKernel8x8Avx2(depth, a + i * 8 * sa, sa, sk, b + j * kCols, ldb, c + i * 8 * ldc + j * kCols, ldc,
+                           accumulate);
+      });
+      return;
+    }
+  }
+#endif
+  const int row_blocks = (rows + kRows - 1) / kRows;
   Kokkos::parallel_for(Kokkos::TeamThreadRange(team, row_blocks * col_blocks), [&](const int idx) {
     const int i = idx / col_blocks, j = idx % col_blocks;
     microKernel(depth, a + i * kRows * sa, sa, sk, b + j * kCols, ldb, c + i * kRows * ldc + j * kCols, ldc,
