@@ -122,7 +122,17 @@ struct Loader::Impl {
   bool stop = false;
   std::thread worker;
 
-  explicit Impl(const LoaderOptions& o) : options(o), reader(o.path) {}
+  explicit Impl(const LoaderOptions& o) : options(o), reader(open(o.path)) {}
+
+  // Every rank opens the same file and validates it the same way, so a bad header is every
+  // rank's error: collective, so that the job ends with one message instead of N aborts.
+  static io::DatasetReader open(const std::string& path) {
+    try {
+      return io::DatasetReader(path);
+    } catch (const Error& e) {
+      throw collectiveError(std::string("data loader: ") + e.what());
+    }
+  }
 
   std::int64_t length(std::int64_t i) const { return reader.offsets()[i + 1] - reader.offsets()[i]; }
 
