@@ -537,6 +537,7 @@ void Esm2<T>::zeroGradients() {
 
 template <class T>
 double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale) {
+  if (batch.numTokens() == 0) return 0.0;  // a rank with no micro-batch this step
   Kokkos::Profiling::pushRegion("plm::model::forwardBackward");
   auto& im = *impl_member;
   im.prepare(batch, false, true);
@@ -549,8 +550,13 @@ double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale
 
 template <class T>
 double Esm2<T>::forward(const data::MicroBatch& batch, ForwardOutputs<T>* outputs) {
-  Kokkos::Profiling::pushRegion("plm::model::forward");
   auto& im = *impl_member;
+  if (batch.numTokens() == 0) {
+    if (outputs && outputs->want_logits) outputs->logits = View2<T>("plm::model::logits", 0, im.config.vocab);
+    if (outputs && outputs->want_hidden) outputs->hidden = View2<T>("plm::model::hidden", 0, im.config.hidden);
+    return 0.0;
+  }
+  Kokkos::Profiling::pushRegion("plm::model::forward");
   const bool all_rows = outputs && outputs->want_logits;
   im.prepare(batch, all_rows, false);
   const double loss = im.forwardPass(false, 1.0);

@@ -85,6 +85,7 @@ class Esm2 {
   /// \brief Forward and backward over one packed micro-batch. Accumulates
   /// grad_scale * d(sum of masked-token cross-entropy)/dparams into gradients() and returns that
   /// sum (not the mean), so the trainer can normalise by the global masked-token count.
+  /// An empty micro-batch (no tokens) returns 0 and changes nothing.
   double forwardBackward(const data::MicroBatch& batch, double grad_scale);
 
   /// \brief Forward only; returns the sum of masked-token cross-entropy.  Logits and hidden

@@ -294,6 +294,19 @@ TEST(ModelEsm2, LogitsGiveTheReturnedLoss) {
   for (std::int64_t t = 0; t < batch.numTokens(); ++t) EXPECT_NEAR(l2[t * 33 + 5] - logits[t * 33 + 5], 1.0, 1e-12);
 }
 
+TEST(ModelEsm2, EmptyBatchIsANoOp) {
+  Esm2<double> model(tinyConfig());
+  randomizeParameters(model, 12);
+  model.zeroGradients();
+  data::MicroBatch empty;
+  EXPECT_EQ(model.forwardBackward(empty, 1.0), 0.0);
+  for (double g : toHost(model.gradients())) ASSERT_EQ(g, 0.0);
+  ForwardOutputs<double> out;
+  out.want_logits = true;
+  EXPECT_EQ(model.forward(empty, &out), 0.0);
+  EXPECT_EQ(out.logits.extent(0), 0u);
+}
+
 TEST(ModelEsm2, RejectsBadBatches) {
   Esm2<float> model(tinyConfig());
   model.initialize(1);
