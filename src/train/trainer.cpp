@@ -4,6 +4,9 @@
 #include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "dist/allreduce.hpp"
+#include "io/model_file.hpp"
+#include "train/blas_threads.hpp"
+#include "dist/runtime.hpp"
 
 #include <Teuchos_Array.hpp>
 
@@ -100,6 +103,7 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
         "train.precision: bf16 needs the GPU build (the CPU build computes in fp32); "
         "set train.precision: fp32");
 
+  const int blas_threads = limitBlasThreadsPerRank(dist::localSize());
   model::Esm2Config config = modelConfigFromDeck(*deck);
   model_member = std::make_unique<model::Esm2<param_t>>(config);
   state_member.init_seed = static_cast<std::uint64_t>(t.get<int>("seed"));
@@ -162,6 +166,10 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
             static_cast<long long>(train_loader_member->numResidues()),
             static_cast<long long>(lo.micro_batches_per_step),
             static_cast<long long>(lo.micro_batch_tokens), world_member);
+  if (blas_threads > 0)
+    log::info("OpenBLAS: %d thread(s) per rank (%d rank(s) on this node; set OPENBLAS_NUM_THREADS "
+              "to override)",
+              blas_threads, dist::localSize());
   log::info("peak for MFU: %.4g TFLOP/s per rank (%s)", peak_member.tflops,
             peak_member.source.c_str());
 }
@@ -239,6 +247,20 @@ void Trainer::run() {
       hooks_member.on_save(*this, last);
     t0 = now();  // evaluation and checkpoint time stay out of tokens/s
   }
+  writeFinalModel();
+}
+
+void Trainer::writeFinalModel() {
+  // The trained weights as a plm model file (what `plm eval --model`, `plm embed` and
+  // `plm convert --to-hf` read), independent of the checkpoint module's schedule.
+  const std::string path = run_dir_member + "/model.h5";
+  io::ModelAttributes extra;
+  extra.integers["step"] = state_member.step;
+  extra.integers["tokens_seen"] = state_member.tokens_seen;
+  extra.strings["source"] = "plm train";
+  io::writeModelFile(path, comm_member, *model_member, extra);
+  log::info("train: wrote the model after step %lld to %s",
+            static_cast<long long>(state_member.step), path.c_str());
 }
 
 void Trainer::logStep(const StepStats& last, double seconds) {

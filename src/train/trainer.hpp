@@ -72,7 +72,8 @@ class Trainer {
 
   /// \brief Runs steps state().step + 1 .. train.steps: logs every log_every steps, validates
   /// every eval_every steps and at the end, calls on_save every checkpoint.every steps and at
-  /// the end.  Rank 0 writes <run_dir>/deck.yaml and appends to <run_dir>/metrics.jsonl.
+  /// the end.  Rank 0 writes <run_dir>/deck.yaml and appends to <run_dir>/metrics.jsonl; at the
+  /// end the model is written to <run_dir>/model.h5 (a plm model file, io/model_file.hpp).
   void run();
 
   /// \brief Validation loss over data.valid (at most data.valid_tokens tokens; deterministic
@@ -99,6 +100,7 @@ class Trainer {
  private:
   void logStep(const StepStats& last, double interval_seconds);
   void logEval(const BatchStats& valid, double seconds);
+  void writeFinalModel();
 
   Teuchos::RCP<const Teuchos::ParameterList> deck_member;
   MPI_Comm comm_member;
