@@ -10,12 +10,12 @@
 
 #include <mpi.h>
 
+#include <unistd.h>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <string>
-#include <unistd.h>
 
 namespace plm::cli {
 
@@ -30,7 +30,8 @@ std::string makeTemporaryDirectory() {
   if (rank == 0) {
     const char* base = std::getenv("TMPDIR");
     std::string pattern = std::string(base && *base ? base : "/tmp") + "/plm-bench-data-XXXXXX";
-    if (!mkdtemp(pattern.data())) throw Error("plm bench data: cannot create a temporary directory");
+    if (!mkdtemp(pattern.data()))
+      throw Error("plm bench data: cannot create a temporary directory");
     dir = pattern;
   }
   int size = int(dir.size());
@@ -74,12 +75,14 @@ LoaderRate measureLoader(data::LoaderOptions options, double seconds) {
 }
 
 int benchData(const Argv& argv) {
-  Parser p("plm bench data", "plm bench data --fasta FILE... [--out DIR] [--seconds S] [--micro-batch-tokens T]",
+  Parser p("plm bench data",
+           "plm bench data --fasta FILE... [--out DIR] [--seconds S] [--micro-batch-tokens T]",
            "Prepares the FASTA files with `plm prep` (reporting MB/s of FASTA) and then streams "
            "the training set through the loader on every rank (reporting tokens/s per rank, with "
            "the prefetch thread and without it). Run under mpiexec for the parallel figures.");
   p.option({"fasta", "FILE", "FASTA input, plain or gzip", true});
-  p.option({"out", "DIR", "where to write the dataset (default: a temporary directory, removed after)"});
+  p.option(
+      {"out", "DIR", "where to write the dataset (default: a temporary directory, removed after)"});
   p.option({"seconds", "S", "seconds per loader measurement (default 5)"});
   p.option({"micro-batch-tokens", "T", "loader packing budget (default 8192)"});
   Args args = p.parse(argv);
@@ -106,11 +109,15 @@ int benchData(const Argv& argv) {
   auto report = data::prepare(prep, MPI_COMM_WORLD);
   double prep_cpu = cpuSeconds() - prep_cpu_start, prep_cpu_total = 0;
   MPI_Allreduce(&prep_cpu, &prep_cpu_total, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-  log::info("bench data: prep of %lld records (%.2f MB of FASTA, %.2f MB as stored) on %d rank(s): %.3f s, "
-            "%.1f MB/s of FASTA, %.1f MB/s as stored; %.2f CPU s over all ranks (%.1f MB of FASTA per CPU s)",
-            static_cast<long long>(report.records), report.fasta_bytes / 1e6, report.input_bytes / 1e6, world,
-            report.seconds, report.fasta_bytes / 1e6 / report.seconds, report.input_bytes / 1e6 / report.seconds,
-            prep_cpu_total, report.fasta_bytes / 1e6 / prep_cpu_total);
+  log::info(
+      "bench data: prep of %lld records (%.2f MB of FASTA, %.2f MB as stored) on %d rank(s): %.3f "
+      "s, "
+      "%.1f MB/s of FASTA, %.1f MB/s as stored; %.2f CPU s over all ranks (%.1f MB of FASTA per "
+      "CPU s)",
+      static_cast<long long>(report.records), report.fasta_bytes / 1e6, report.input_bytes / 1e6,
+      world, report.seconds, report.fasta_bytes / 1e6 / report.seconds,
+      report.input_bytes / 1e6 / report.seconds, prep_cpu_total,
+      report.fasta_bytes / 1e6 / prep_cpu_total);
 
   data::LoaderOptions options;
   options.path = dir + "/train.h5";
@@ -125,10 +132,14 @@ int benchData(const Argv& argv) {
     MPI_Allreduce(&rate.tokens_per_second, &slowest, 1, MPI_DOUBLE, MPI_MIN, MPI_COMM_WORLD);
     MPI_Allreduce(&rate.tokens_per_second, &sum, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
     MPI_Allreduce(&rate.tokens_per_cpu_second, &per_cpu, 1, MPI_DOUBLE, MPI_SUM, MPI_COMM_WORLD);
-    log::info("bench data: loader (micro_batch_tokens %lld, prefetch %d): %.3g tokens/s per rank (slowest rank "
-              "%.3g), %.3g tokens/s over %d rank(s), %.3g tokens per CPU s; rank 0: %lld steps, %lld tokens in %.2f s",
-              static_cast<long long>(options.micro_batch_tokens), prefetch, sum / world, slowest, sum, world,
-              per_cpu / world, static_cast<long long>(rate.steps), static_cast<long long>(rate.tokens), rate.seconds);
+    log::info(
+        "bench data: loader (micro_batch_tokens %lld, prefetch %d): %.3g tokens/s per rank "
+        "(slowest rank "
+        "%.3g), %.3g tokens/s over %d rank(s), %.3g tokens per CPU s; rank 0: %lld steps, %lld "
+        "tokens in %.2f s",
+        static_cast<long long>(options.micro_batch_tokens), prefetch, sum / world, slowest, sum,
+        world, per_cpu / world, static_cast<long long>(rate.steps),
+        static_cast<long long>(rate.tokens), rate.seconds);
   }
   MPI_Barrier(MPI_COMM_WORLD);
   if (temporary && rank == 0) {
@@ -157,7 +168,8 @@ int runBench(const Argv& argv) {
   }
   for (const auto& kind : kinds)
     if (argv[0] == kind.name) return kind.run(Argv(argv.begin() + 1, argv.end()));
-  return notBuiltYet(("bench " + argv[0]).c_str(), "This benchmark kind has not landed yet (available: data).");
+  return notBuiltYet(("bench " + argv[0]).c_str(),
+                     "This benchmark kind has not landed yet (available: data).");
 }
 
 }  // namespace plm::cli

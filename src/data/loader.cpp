@@ -4,19 +4,20 @@
 #include "data/random.hpp"
 #include "io/dataset.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
 #include <algorithm>
 #include <condition_variable>
 #include <cstring>
 #include <deque>
 #include <exception>
-#include <fcntl.h>
 #include <mutex>
 #include <thread>
-#include <unistd.h>
 
 namespace plm::data {
 
-std::int64_t microBatchesPerStep(std::int64_t tokens_per_batch, std::int64_t micro_batch_tokens, int world) {
+std::int64_t microBatchesPerStep(std::int64_t tokens_per_batch, std::int64_t micro_batch_tokens,
+                                 int world) {
   PLM_REQUIRE(tokens_per_batch > 0 && micro_batch_tokens > 0 && world > 0,
               "microBatchesPerStep: token budgets and world size must be positive");
   std::int64_t m = (tokens_per_batch + micro_batch_tokens - 1) / micro_batch_tokens;
@@ -35,7 +36,8 @@ class Permutation {
     while ((std::uint64_t(1) << bits) < n_member) bits += 2;
     half_member = bits / 2;
     mask_member = (std::uint64_t(1) << half_member) - 1;
-    for (int r = 0; r < 4; ++r) keys_member[r] = random::keyed(seed, std::uint64_t(epoch), random::permute, r);
+    for (int r = 0; r < 4; ++r)
+      keys_member[r] = random::keyed(seed, std::uint64_t(epoch), random::permute, r);
   }
   std::int64_t operator()(std::int64_t position) const {
     std::uint64_t x = std::uint64_t(position);
@@ -82,16 +84,19 @@ struct HostBatch {
 struct Step {
   std::vector<HostBatch> batches;  // this rank's
   Cursor after;
-  bool end = false;                // single_pass: nothing was left
+  bool end = false;  // single_pass: nothing was left
   std::exception_ptr error;
 };
 
 MicroBatch toMicroBatch(const HostBatch& h) {
   MicroBatch mb;
   const size_t t = h.tokens.size(), s = h.cu_seqlens.size();
-  mb.tokens = HostView1<token_t>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::data::tokens"), t);
-  mb.labels = HostView1<std::int32_t>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::data::labels"), t);
-  mb.cu_seqlens = HostView1<seqlen_t>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::data::cu_seqlens"), s);
+  mb.tokens =
+      HostView1<token_t>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::data::tokens"), t);
+  mb.labels = HostView1<std::int32_t>(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::data::labels"), t);
+  mb.cu_seqlens = HostView1<seqlen_t>(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::data::cu_seqlens"), s);
   std::memcpy(mb.tokens.data(), h.tokens.data(), t * sizeof(token_t));
   std::memcpy(mb.labels.data(), h.labels.data(), t * sizeof(std::int32_t));
   std::memcpy(mb.cu_seqlens.data(), h.cu_seqlens.data(), s * sizeof(seqlen_t));
@@ -111,8 +116,8 @@ struct Loader::Impl {
   std::int64_t window = 0;  // residues kept per sequence
 
   // Producer side (the prefetch thread, or the caller when prefetch == 0).
-  Cursor next;              // where planning continues
-  bool finished = false;    // single_pass reached its end
+  Cursor next;            // where planning continues
+  bool finished = false;  // single_pass reached its end
 
   // Consumer side.
   Cursor current;
@@ -134,7 +139,9 @@ struct Loader::Impl {
     }
   }
 
-  std::int64_t length(std::int64_t i) const { return reader.offsets()[i + 1] - reader.offsets()[i]; }
+  std::int64_t length(std::int64_t i) const {
+    return reader.offsets()[i + 1] - reader.offsets()[i];
+  }
 
   // The global plan of the next step, advancing `next`.
   std::vector<PlannedBatch> plan() {
@@ -157,9 +164,9 @@ struct Loader::Impl {
         if (!batch.pieces.empty() && tokens + kept + 2 > budget) break;
         std::int64_t start = 0;
         if (kept < full)
-          start = std::int64_t(random::below(
-              random::keyed(options.seed, std::uint64_t(batch.epoch), std::uint64_t(index), random::crop),
-              std::uint64_t(full - kept + 1)));
+          start = std::int64_t(random::below(random::keyed(options.seed, std::uint64_t(batch.epoch),
+                                                           std::uint64_t(index), random::crop),
+                                             std::uint64_t(full - kept + 1)));
         batch.pieces.push_back({index, start, kept});
         tokens += kept + 2;
         ++next.position;
@@ -178,7 +185,8 @@ struct Loader::Impl {
         ssize_t r = ::pread(fd, out + got, want - got, tokens_address + first + std::int64_t(got));
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0)
-          throw Error("dataset `" + options.path + "`: cannot read sequence " + std::to_string(piece.index) + " (" +
+          throw Error("dataset `" + options.path + "`: cannot read sequence " +
+                      std::to_string(piece.index) + " (" +
                       (r < 0 ? std::strerror(errno) : "file shorter than its header says") + ")");
         got += size_t(r);
       }
@@ -203,8 +211,8 @@ struct Loader::Impl {
       token_t* residues = h.tokens.data() + at + 1;
       std::int32_t* labels = h.labels.data() + at + 1;
       readResidues(p, residues);
-      const std::uint64_t base = random::keyed(options.seed, std::uint64_t(mask_epoch), std::uint64_t(p.index),
-                                               random::select);
+      const std::uint64_t base = random::keyed(options.seed, std::uint64_t(mask_epoch),
+                                               std::uint64_t(p.index), random::select);
       for (std::int64_t k = 0; k < p.length; ++k) {
         // Keyed by the residue's position in the whole sequence, so a crop does not change it.
         const std::uint64_t draw = random::mix64(base ^ random::mix64(std::uint64_t(p.start + k)));
@@ -218,7 +226,9 @@ struct Loader::Impl {
           residues[k] = vocab::mask;
         } else if (how < 0.9) {
           const int choices = vocab::last_standard_aa - vocab::first_residue + 1;
-          residues[k] = token_t(vocab::first_residue + int(random::below(random::mix64(corrupt ^ random::replace), choices)));
+          residues[k] =
+              token_t(vocab::first_residue +
+                      int(random::below(random::mix64(corrupt ^ random::replace), choices)));
         }
       }
       h.tokens[at + 1 + p.length] = vocab::eos;
@@ -300,20 +310,26 @@ Loader::Loader(const LoaderOptions& options) : impl_member(std::make_unique<Impl
   const auto& o = d.options;
   const std::string where = "data loader (`" + o.path + "`): ";
   if (o.micro_batch_tokens < 3)
-    throw collectiveError(where + "micro_batch_tokens must be at least 3 (<cls>, a residue, <eos>), got " +
+    throw collectiveError(where +
+                          "micro_batch_tokens must be at least 3 (<cls>, a residue, <eos>), got " +
                           std::to_string(o.micro_batch_tokens));
   if (o.max_seq_len < 3)
-    throw collectiveError(where + "max_seq_len must be at least 3, got " + std::to_string(o.max_seq_len));
+    throw collectiveError(where + "max_seq_len must be at least 3, got " +
+                          std::to_string(o.max_seq_len));
   if (o.world < 1 || o.rank < 0 || o.rank >= o.world)
-    throw collectiveError(where + "rank " + std::to_string(o.rank) + " is outside world size " + std::to_string(o.world));
+    throw collectiveError(where + "rank " + std::to_string(o.rank) + " is outside world size " +
+                          std::to_string(o.world));
   if (o.micro_batches_per_step < 1 || o.micro_batches_per_step % o.world != 0)
-    throw collectiveError(where + "micro_batches_per_step (" + std::to_string(o.micro_batches_per_step) +
-                          ") must be a positive multiple of the number of ranks (" + std::to_string(o.world) +
-                          ") so that every rank gets the same number of micro-batches; use microBatchesPerStep()");
+    throw collectiveError(
+        where + "micro_batches_per_step (" + std::to_string(o.micro_batches_per_step) +
+        ") must be a positive multiple of the number of ranks (" + std::to_string(o.world) +
+        ") so that every rank gets the same number of micro-batches; use microBatchesPerStep()");
   if (!(o.mask_prob >= 0 && o.mask_prob <= 1))
-    throw collectiveError(where + "mask_prob must be in [0, 1], got " + std::to_string(o.mask_prob));
+    throw collectiveError(where + "mask_prob must be in [0, 1], got " +
+                          std::to_string(o.mask_prob));
   d.n = d.reader.numSequences();
-  if (d.n == 0) throw collectiveError(where + "the dataset holds no sequences; check the plm prep output");
+  if (d.n == 0)
+    throw collectiveError(where + "the dataset holds no sequences; check the plm prep output");
   d.window = std::min<std::int64_t>(o.max_seq_len, o.micro_batch_tokens) - 2;
   d.tokens_address = d.reader.tokensFileAddress();
   if (d.tokens_address >= 0) {
@@ -344,9 +360,10 @@ Cursor Loader::cursor() const { return impl_member->current; }
 void Loader::seek(const Cursor& cursor) {
   Impl& d = *impl_member;
   if (cursor.epoch < 0 || cursor.position < 0 || cursor.position > d.n)
-    throw collectiveError("data loader (`" + d.options.path + "`): cursor (epoch " + std::to_string(cursor.epoch) +
-                          ", position " + std::to_string(cursor.position) + ") does not fit a dataset of " +
-                          std::to_string(d.n) + " sequences; was the checkpoint made with another dataset?");
+    throw collectiveError(
+        "data loader (`" + d.options.path + "`): cursor (epoch " + std::to_string(cursor.epoch) +
+        ", position " + std::to_string(cursor.position) + ") does not fit a dataset of " +
+        std::to_string(d.n) + " sequences; was the checkpoint made with another dataset?");
   d.stopWorker();
   Cursor c = cursor;
   if (!d.options.single_pass && c.position == d.n) c = {c.epoch + 1, 0};

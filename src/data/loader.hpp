@@ -44,16 +44,16 @@ inline bool operator==(const Cursor& a, const Cursor& b) {
 inline bool operator!=(const Cursor& a, const Cursor& b) { return !(a == b); }
 
 struct LoaderOptions {
-  std::string path;                          // a dataset written by `plm prep`
-  std::int64_t micro_batch_tokens = 8192;    // packing budget of one micro-batch (>= 3)
-  std::int64_t micro_batches_per_step = 2;   // global micro-batches per step; a multiple of world
+  std::string path;                         // a dataset written by `plm prep`
+  std::int64_t micro_batch_tokens = 8192;   // packing budget of one micro-batch (>= 3)
+  std::int64_t micro_batches_per_step = 2;  // global micro-batches per step; a multiple of world
   std::uint64_t seed = 1;
   double mask_prob = 0.15;
-  int max_seq_len = 1024;                    // tokens per sequence, <cls> and <eos> included
+  int max_seq_len = 1024;  // tokens per sequence, <cls> and <eos> included
   int rank = 0, world = 1;
-  int prefetch = 2;                          // steps prepared ahead by the background thread
-  bool shuffle = true;                       // false: visit 0..n-1 every epoch
-  bool single_pass = false;                  // one unshuffled pass, masking of epoch 0, then end
+  int prefetch = 2;          // steps prepared ahead by the background thread
+  bool shuffle = true;       // false: visit 0..n-1 every epoch
+  bool single_pass = false;  // one unshuffled pass, masking of epoch 0, then end
 };
 
 /// \brief The global micro-batches per step for a global token budget: ceil(tokens_per_batch /

@@ -8,12 +8,12 @@
 
 #include <zlib.h>
 
+#include <sys/stat.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <ctime>
 #include <numeric>
-#include <sys/stat.h>
 
 namespace plm::data {
 
@@ -37,9 +37,10 @@ std::vector<InputFile> describeInputs(const PrepOptions& options) {
   auto add = [&](const std::string& path, bool valid) {
     struct stat info;
     if (stat(path.c_str(), &info) != 0)
-      throw collectiveError("plm prep: input `" + path + "` cannot be read (" + std::strerror(errno) +
-                            "); check the path");
-    if (!S_ISREG(info.st_mode)) throw collectiveError("plm prep: input `" + path + "` is not a regular file");
+      throw collectiveError("plm prep: input `" + path + "` cannot be read (" +
+                            std::strerror(errno) + "); check the path");
+    if (!S_ISREG(info.st_mode))
+      throw collectiveError("plm prep: input `" + path + "` is not a regular file");
     InputFile f{path, std::int64_t(info.st_size), false, valid};
     if (FILE* stream = std::fopen(path.c_str(), "rb")) {
       unsigned char magic[2] = {0, 0};
@@ -65,8 +66,11 @@ std::vector<Segment> segmentsOf(const std::vector<InputFile>& files, int rank, i
   std::vector<Segment> segments;
   std::int64_t file_start = 0;
   for (size_t i = 0; i < files.size(); ++i) {
-    const std::int64_t b = std::max(begin, file_start), e = std::min(end, file_start + files[i].size);
-    if (b < e) segments.push_back({int(i), files[i].path, files[i].gzip, files[i].size, b - file_start, e - file_start});
+    const std::int64_t b = std::max(begin, file_start),
+                       e = std::min(end, file_start + files[i].size);
+    if (b < e)
+      segments.push_back(
+          {int(i), files[i].path, files[i].gzip, files[i].size, b - file_start, e - file_start});
     file_start += files[i].size;
   }
   return segments;
@@ -98,7 +102,8 @@ std::vector<std::string> allgatherStrings(const std::vector<std::string>& local,
   PLM_CHECK_MPI(MPI_Allgather(&size, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm));
   for (int r = 1; r < world; ++r) displs[r] = displs[r - 1] + sizes[r - 1];
   std::string all(size_t(displs[world - 1] + sizes[world - 1]), '\0');
-  PLM_CHECK_MPI(MPI_Allgatherv(packed.data(), size, MPI_CHAR, all.data(), sizes.data(), displs.data(), MPI_CHAR, comm));
+  PLM_CHECK_MPI(MPI_Allgatherv(packed.data(), size, MPI_CHAR, all.data(), sizes.data(),
+                               displs.data(), MPI_CHAR, comm));
   std::vector<std::string> out;
   size_t start = 0;
   for (size_t k = 0; k < all.size(); ++k) {
@@ -117,7 +122,8 @@ std::vector<char> findFirstOccurrences(const std::vector<random::Hash128>& hashe
   int world = 1;
   PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
   const size_t n = hashes.size();
-  std::vector<int> send_counts(world, 0), send_displs(world, 0), recv_counts(world), recv_displs(world, 0);
+  std::vector<int> send_counts(world, 0), send_displs(world, 0), recv_counts(world),
+      recv_displs(world, 0);
   std::vector<int> owner(n);
   for (size_t i = 0; i < n; ++i) {
     owner[i] = int(hashes[i].hi % std::uint64_t(world));
@@ -144,9 +150,9 @@ std::vector<char> findFirstOccurrences(const std::vector<random::Hash128>& hashe
     for (auto& x : v) x *= 3;
     return v;
   };
-  PLM_CHECK_MPI(MPI_Alltoallv(send.data(), times3(send_counts).data(), times3(send_displs).data(), MPI_UINT64_T,
-                              recv.data(), times3(recv_counts).data(), times3(recv_displs).data(), MPI_UINT64_T,
-                              comm));
+  PLM_CHECK_MPI(MPI_Alltoallv(send.data(), times3(send_counts).data(), times3(send_displs).data(),
+                              MPI_UINT64_T, recv.data(), times3(recv_counts).data(),
+                              times3(recv_displs).data(), MPI_UINT64_T, comm));
   std::vector<size_t> sorted(received);
   std::iota(sorted.begin(), sorted.end(), size_t(0));
   std::sort(sorted.begin(), sorted.end(), [&](size_t a, size_t b) {
@@ -157,12 +163,14 @@ std::vector<char> findFirstOccurrences(const std::vector<random::Hash128>& hashe
   std::vector<char> keep_received(received, 0);
   for (size_t k = 0; k < received; ++k) {
     size_t i = sorted[k];
-    bool first = k == 0 || recv[3 * i] != recv[3 * sorted[k - 1]] || recv[3 * i + 1] != recv[3 * sorted[k - 1] + 1];
+    bool first = k == 0 || recv[3 * i] != recv[3 * sorted[k - 1]] ||
+                 recv[3 * i + 1] != recv[3 * sorted[k - 1] + 1];
     keep_received[i] = first ? 1 : 0;
   }
   std::vector<char> keep_sent(n);
-  PLM_CHECK_MPI(MPI_Alltoallv(keep_received.data(), recv_counts.data(), recv_displs.data(), MPI_CHAR,
-                              keep_sent.data(), send_counts.data(), send_displs.data(), MPI_CHAR, comm));
+  PLM_CHECK_MPI(MPI_Alltoallv(keep_received.data(), recv_counts.data(), recv_displs.data(),
+                              MPI_CHAR, keep_sent.data(), send_counts.data(), send_displs.data(),
+                              MPI_CHAR, comm));
   std::vector<char> keep(n);
   for (size_t i = 0; i < n; ++i) keep[i] = keep_sent[slot[i]];
   return keep;
@@ -177,10 +185,12 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   int rank = 0, world = 1;
   PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
   PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
-  if (options.inputs.empty()) throw collectiveError("plm prep: no FASTA input given; usage: plm prep INPUT... --out DIR");
+  if (options.inputs.empty())
+    throw collectiveError("plm prep: no FASTA input given; usage: plm prep INPUT... --out DIR");
   if (options.out_dir.empty()) throw collectiveError("plm prep: --out DIR is required");
   if (!(options.valid_fraction >= 0 && options.valid_fraction < 1))
-    throw collectiveError("plm prep: --valid-fraction must be in [0, 1), got " + std::to_string(options.valid_fraction));
+    throw collectiveError("plm prep: --valid-fraction must be in [0, 1), got " +
+                          std::to_string(options.valid_fraction));
 
   const auto files = describeInputs(options);
   const int num_files = int(files.size());
@@ -204,9 +214,12 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
     if (std::chrono::duration<double>(now - last_report).count() < options.progress_seconds) return;
     last_report = now;
     double seconds = std::chrono::duration<double>(now - start_time).count();
-    log::info("plm prep: rank 0 has read %.0f%% of its share; %.1f MB/s per rank, about %.1f MB/s over %d ranks",
-              100.0 * double(std::min(bytes_done, my_bytes)) / double(std::max<std::int64_t>(my_bytes, 1)),
-              double(bytes_done) / seconds / 1e6, double(bytes_done) / seconds / 1e6 * world, world);
+    log::info(
+        "plm prep: rank 0 has read %.0f%% of its share; %.1f MB/s per rank, about %.1f MB/s over "
+        "%d ranks",
+        100.0 * double(std::min(bytes_done, my_bytes)) /
+            double(std::max<std::int64_t>(my_bytes, 1)),
+        double(bytes_done) / seconds / 1e6, double(bytes_done) / seconds / 1e6 * world, world);
   };
   for (const auto& s : segments) {
     auto stats = io::fasta::parseSegment(s, options.on_invalid, parsed, progress);
@@ -226,15 +239,16 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
 
   // 2. Absolute line numbers: lines before this rank's part of each plain file.
   std::vector<std::int64_t> line_base(num_files, 0);
-  PLM_CHECK_MPI(MPI_Exscan(newlines.data(), line_base.data(), num_files, MPI_INT64_T, MPI_SUM, comm));
+  PLM_CHECK_MPI(
+      MPI_Exscan(newlines.data(), line_base.data(), num_files, MPI_INT64_T, MPI_SUM, comm));
   if (rank == 0) std::fill(line_base.begin(), line_base.end(), 0);
   for (auto& issue : parsed.issues) {
     if (issue.line_is_local) issue.line += line_base[issue.file] + 1;
     issue.line_is_local = false;
   }
   std::array<std::int64_t, io::fasta::num_problems> counts{};
-  PLM_CHECK_MPI(MPI_Allreduce(parsed.issue_counts.data(), counts.data(), io::fasta::num_problems, MPI_INT64_T,
-                              MPI_SUM, comm));
+  PLM_CHECK_MPI(MPI_Allreduce(parsed.issue_counts.data(), counts.data(), io::fasta::num_problems,
+                              MPI_INT64_T, MPI_SUM, comm));
   std::int64_t total_issues = std::accumulate(counts.begin(), counts.end(), std::int64_t(0));
 
   // 3. The invalid-input policy, decided together.
@@ -247,15 +261,19 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
     }
     auto all = allgatherStrings(lines, comm);
     std::sort(all.begin(), all.end());
-    if (options.on_invalid == Policy::error) throw collectiveError("plm prep: " + all.front().substr(28));
+    if (options.on_invalid == Policy::error)
+      throw collectiveError("plm prep: " + all.front().substr(28));
     if (rank == 0) {
       for (const auto& line : all) log::warn("plm prep: skipped: %s", line.substr(28).c_str());
       std::string summary;
       for (int p = 0; p < io::fasta::num_problems; ++p)
-        if (counts[p]) summary += std::string(summary.empty() ? "" : ", ") + std::to_string(counts[p]) + " " +
-                                  io::fasta::problemName(io::fasta::Problem(p));
-      log::warn("plm prep: skipped %lld invalid record(s) (%s)%s", static_cast<long long>(total_issues),
-                summary.c_str(), all.size() < size_t(total_issues) ? "; the first of each rank are listed above" : "");
+        if (counts[p])
+          summary += std::string(summary.empty() ? "" : ", ") + std::to_string(counts[p]) + " " +
+                     io::fasta::problemName(io::fasta::Problem(p));
+      log::warn(
+          "plm prep: skipped %lld invalid record(s) (%s)%s", static_cast<long long>(total_issues),
+          summary.c_str(),
+          all.size() < size_t(total_issues) ? "; the first of each rank are listed above" : "");
     }
   }
   report.skipped = total_issues;
@@ -283,7 +301,8 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
         bool is_valid = by_file ? files[parsed.order[i] >> 44].valid
                                 : random::splitDraw(hashes[i]) < options.valid_fraction;
         auto& shard = is_valid ? valid : train;
-        shard.tokens.insert(shard.tokens.end(), parsed.tokens.begin() + offset, parsed.tokens.begin() + offset + length);
+        shard.tokens.insert(shard.tokens.end(), parsed.tokens.begin() + offset,
+                            parsed.tokens.begin() + offset + length);
         shard.lengths.push_back(length);
         shard.ids.push_back(std::move(parsed.ids[i]));
       }
@@ -291,8 +310,12 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
     }
     parsed = Parsed();  // release the parse buffers before writing
   }
-  std::int64_t local[6] = {std::int64_t(n), std::int64_t(n) - std::int64_t(std::count(keep.begin(), keep.end(), 1)),
-                           fasta_bytes, 0, 0, 0};
+  std::int64_t local[6] = {std::int64_t(n),
+                           std::int64_t(n) - std::int64_t(std::count(keep.begin(), keep.end(), 1)),
+                           fasta_bytes,
+                           0,
+                           0,
+                           0};
   std::int64_t global[6] = {0, 0, 0, 0, 0, 0};
   PLM_CHECK_MPI(MPI_Allreduce(local, global, 3, MPI_INT64_T, MPI_SUM, comm));
   report.records = global[0];
@@ -304,7 +327,8 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   // 6. Checksums of the inputs: CRC-32 of each rank's byte range, combined in rank order.
   std::vector<std::uint32_t> crcs(size_t(num_files) * world, 0), my_crcs(num_files, 0);
   for (const auto& s : segments) my_crcs[s.file] = io::fasta::fileCrc32(s.path, s.begin, s.end);
-  PLM_CHECK_MPI(MPI_Allgather(my_crcs.data(), num_files, MPI_UINT32_T, crcs.data(), num_files, MPI_UINT32_T, comm));
+  PLM_CHECK_MPI(MPI_Allgather(my_crcs.data(), num_files, MPI_UINT32_T, crcs.data(), num_files,
+                              MPI_UINT32_T, comm));
   io::DatasetMetadata metadata;
   for (int f = 0; f < num_files; ++f) {
     uLong crc = crc32(0L, Z_NULL, 0);
@@ -321,9 +345,10 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   metadata.plm_version = std::string(PLM_VERSION_STRING) + " (git " + PLM_GIT_REVISION + ")";
   metadata.created_utc = broadcastString(rank == 0 ? utcNow() : std::string(), 0, comm);
   const std::string hash_rule = "h = plm-hash128 v1 of the residue ids (doc/data.md)";
-  const std::string rule = by_file ? "valid = the records of the --valid files; exact duplicates removed, a copy in "
-                                     "the --valid files wins"
-                                   : "valid iff unit(keyed(h.lo, h.hi, 6)) < valid_fraction; " + hash_rule;
+  const std::string rule =
+      by_file ? "valid = the records of the --valid files; exact duplicates removed, a copy in "
+                "the --valid files wins"
+              : "valid iff unit(keyed(h.lo, h.hi, 6)) < valid_fraction; " + hash_rule;
 
   // 7. Write both splits under temporary names, then rename.
   const std::string dir = options.out_dir;

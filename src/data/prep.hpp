@@ -24,18 +24,18 @@ struct PrepOptions {
   std::vector<std::string> inputs;        // FASTA files, plain or gzip (detected by content)
   std::vector<std::string> valid_inputs;  // --valid: these files are the validation set
   std::string out_dir;
-  double valid_fraction = 0.01;           // used when valid_inputs is empty; 0 = no valid.h5
+  double valid_fraction = 0.01;  // used when valid_inputs is empty; 0 = no valid.h5
   io::fasta::Policy on_invalid = io::fasta::Policy::error;
-  std::string command_line;               // recorded in the files
-  double progress_seconds = 10;           // rank 0 logs progress this often (0 = never)
+  std::string command_line;      // recorded in the files
+  double progress_seconds = 10;  // rank 0 logs progress this often (0 = never)
 };
 
 struct PrepReport {
-  std::int64_t input_bytes = 0;      // bytes of the input files as stored
-  std::int64_t fasta_bytes = 0;      // bytes of FASTA text parsed (after inflating gzip)
-  std::int64_t records = 0;          // valid records read
-  std::int64_t duplicates = 0;       // records dropped as exact duplicates
-  std::int64_t skipped = 0;          // invalid records skipped (--on-invalid skip)
+  std::int64_t input_bytes = 0;  // bytes of the input files as stored
+  std::int64_t fasta_bytes = 0;  // bytes of FASTA text parsed (after inflating gzip)
+  std::int64_t records = 0;      // valid records read
+  std::int64_t duplicates = 0;   // records dropped as exact duplicates
+  std::int64_t skipped = 0;      // invalid records skipped (--on-invalid skip)
   std::array<std::int64_t, io::fasta::num_problems> skipped_by_problem{};
   std::int64_t train_sequences = 0, train_residues = 0;
   std::int64_t valid_sequences = 0, valid_residues = 0;

@@ -22,8 +22,8 @@ inline std::uint64_t mix64(std::uint64_t z) {
 }
 
 /// \brief A 64-bit random word keyed by up to five counters.
-inline std::uint64_t keyed(std::uint64_t a, std::uint64_t b = 0, std::uint64_t c = 0, std::uint64_t d = 0,
-                           std::uint64_t e = 0) {
+inline std::uint64_t keyed(std::uint64_t a, std::uint64_t b = 0, std::uint64_t c = 0,
+                           std::uint64_t d = 0, std::uint64_t e = 0) {
   std::uint64_t h = mix64(a);
   h = mix64(h ^ b);
   h = mix64(h ^ c);
@@ -40,7 +40,14 @@ inline std::uint64_t below(std::uint64_t word, std::uint64_t n) {
 }
 
 /// Purposes, so that draws for different decisions never share a key.
-enum Purpose : std::uint64_t { permute = 1, crop = 2, select = 3, corrupt = 4, replace = 5, split = 6 };
+enum Purpose : std::uint64_t {
+  permute = 1,
+  crop = 2,
+  select = 3,
+  corrupt = 4,
+  replace = 5,
+  split = 6
+};
 
 /// \brief 128-bit content hash of a byte string ("plm-hash128 v1", doc/data.md): two 64-bit
 /// lanes absorb the bytes in 8-byte little-endian words (the tail zero-padded) with different

@@ -4,11 +4,11 @@
 #include "data/batch.hpp"
 #include "io/hdf5.hpp"
 
+#include <unistd.h>
 #include <algorithm>
 #include <cerrno>
-#include <cstring>
-#include <unistd.h>
 #include <cstdlib>
+#include <cstring>
 #include <numeric>
 
 namespace plm::io {
@@ -27,9 +27,10 @@ void checkResidueIds(const std::string& path, std::int64_t sequence, const std::
                      std::int64_t n) {
   for (std::int64_t k = 0; k < n; ++k) {
     if (tokens[k] < data::vocab::first_residue || tokens[k] > data::vocab::last_residue)
-      throw Error("dataset `" + path + "`: sequence " + std::to_string(sequence) + " holds token id " +
-                  std::to_string(int(tokens[k])) + " at residue " + std::to_string(k) +
-                  ", outside the residue ids " + std::to_string(data::vocab::first_residue) + ".." +
+      throw Error("dataset `" + path + "`: sequence " + std::to_string(sequence) +
+                  " holds token id " + std::to_string(int(tokens[k])) + " at residue " +
+                  std::to_string(k) + ", outside the residue ids " +
+                  std::to_string(data::vocab::first_residue) + ".." +
                   std::to_string(data::vocab::last_residue) +
                   "; the file is corrupt or was not written by plm prep: rerun plm prep");
   }
@@ -48,9 +49,9 @@ std::int64_t failAfterBytes() {
   return value && *value ? std::atoll(value) : -1;
 }
 
-template <class T>
-void writeInRounds(hid_t dataset, MPI_Comm comm, std::int64_t start, std::int64_t count, const T* data,
-                   std::int64_t fail_after_bytes = -1) {
+template <class T> void writeInRounds(hid_t dataset, MPI_Comm comm, std::int64_t start,
+                                      std::int64_t count, const T* data,
+                                      std::int64_t fail_after_bytes = -1) {
   std::int64_t rounds = (count + max_rows_per_write - 1) / max_rows_per_write, max_rounds = 0;
   PLM_CHECK_MPI(MPI_Allreduce(&rounds, &max_rounds, 1, MPI_INT64_T, MPI_MAX, comm));
   // An empty dataset has no storage to write to (HDF5 refuses even an empty collective write).
@@ -63,8 +64,8 @@ void writeInRounds(hid_t dataset, MPI_Comm comm, std::int64_t start, std::int64_
       std::int64_t global = 0, local = written * std::int64_t(sizeof(T));
       PLM_CHECK_MPI(MPI_Allreduce(&local, &global, 1, MPI_INT64_T, MPI_SUM, comm));
       if (global >= fail_after_bytes)
-        throw Error("PLM_TEST_FAIL_AFTER_BYTES: dataset write stopped after " + std::to_string(global) +
-                        " token bytes (test hook)",
+        throw Error("PLM_TEST_FAIL_AFTER_BYTES: dataset write stopped after " +
+                        std::to_string(global) + " token bytes (test hook)",
                     true);
     }
   }
@@ -93,14 +94,17 @@ void writeDataset(const std::string& path, MPI_Comm comm, const SequenceShard& l
                   const DatasetMetadata& metadata) {
   const std::int64_t local_sequences = std::int64_t(local.lengths.size());
   const std::int64_t local_residues = std::int64_t(local.tokens.size());
-  PLM_REQUIRE(std::int64_t(local.ids.size()) == local_sequences, "writeDataset: one id per sequence");
-  PLM_REQUIRE(std::accumulate(local.lengths.begin(), local.lengths.end(), std::int64_t(0)) == local_residues,
+  PLM_REQUIRE(std::int64_t(local.ids.size()) == local_sequences,
+              "writeDataset: one id per sequence");
+  PLM_REQUIRE(std::accumulate(local.lengths.begin(), local.lengths.end(), std::int64_t(0)) ==
+                  local_residues,
               "writeDataset: lengths must add up to the tokens");
   int rank = 0, world = 1;
   PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
   PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
 
-  std::int64_t counts[2] = {local_sequences, local_residues}, starts[2] = {0, 0}, totals[2] = {0, 0};
+  std::int64_t counts[2] = {local_sequences, local_residues}, starts[2] = {0, 0},
+               totals[2] = {0, 0};
   PLM_CHECK_MPI(MPI_Exscan(counts, starts, 2, MPI_INT64_T, MPI_SUM, comm));
   if (rank == 0) starts[0] = starts[1] = 0;  // MPI_Exscan leaves rank 0's result undefined
   PLM_CHECK_MPI(MPI_Allreduce(counts, totals, 2, MPI_INT64_T, MPI_SUM, comm));
@@ -109,13 +113,15 @@ void writeDataset(const std::string& path, MPI_Comm comm, const SequenceShard& l
   h5::Hid file = h5::createFile(path, comm);
   {
     h5::Hid tokens = h5::createDataset<std::uint8_t>(file, "tokens", {residues});
-    writeInRounds<std::uint8_t>(tokens, comm, starts[1], local_residues, local.tokens.data(), failAfterBytes());
+    writeInRounds<std::uint8_t>(tokens, comm, starts[1], local_residues, local.tokens.data(),
+                                failAfterBytes());
   }
   {
     // Rank r writes offsets[start_r, start_r + n_r); the last rank adds offsets[n] = R.
     std::vector<std::int64_t> offsets(local_sequences + 1);
     offsets[0] = starts[1];
-    for (std::int64_t i = 0; i < local_sequences; ++i) offsets[i + 1] = offsets[i] + local.lengths[i];
+    for (std::int64_t i = 0; i < local_sequences; ++i)
+      offsets[i + 1] = offsets[i] + local.lengths[i];
     std::int64_t rows = local_sequences + (rank == world - 1 ? 1 : 0);
     h5::Hid dataset = h5::createDataset<std::int64_t>(file, "offsets", {n + 1});
     writeInRounds<std::int64_t>(dataset, comm, starts[0], rows, offsets.data());
@@ -127,7 +133,8 @@ void writeDataset(const std::string& path, MPI_Comm comm, const SequenceShard& l
     PLM_CHECK_H5(H5Tset_size(type, 1));
     hsize_t dims = 0;
     h5::Hid space(PLM_CHECK_H5(H5Screate_simple(1, &dims, nullptr)));
-    h5::Hid ids(PLM_CHECK_H5(H5Dcreate2(file, "ids", type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)));
+    h5::Hid ids(
+        PLM_CHECK_H5(H5Dcreate2(file, "ids", type, space, H5P_DEFAULT, H5P_DEFAULT, H5P_DEFAULT)));
   }
 
   std::vector<std::string> source_paths;
@@ -171,7 +178,8 @@ DatasetReader::DatasetReader(const std::string& path) : impl_member(std::make_un
   {
     QuietHdf5 quiet;
     if (access(path.c_str(), F_OK) != 0)
-      throw Error(where + " does not exist (" + std::strerror(errno) + "); run plm prep to make it");
+      throw Error(where + " does not exist (" + std::strerror(errno) +
+                  "); run plm prep to make it");
     if (H5Fis_hdf5(path.c_str()) <= 0) {
       H5Eclear2(H5E_DEFAULT);
       throw Error(where + " is not a readable HDF5 file (truncated, or not HDF5?); rerun plm prep");
@@ -184,16 +192,19 @@ DatasetReader::DatasetReader(const std::string& path) : impl_member(std::make_un
     d.file = h5::Hid(file);
   }
   if (!h5::hasAttribute(d.file, "format"))
-    throw Error(where + " has no `format` attribute: it is not a plm dataset, or a plm prep that "
+    throw Error(where +
+                " has no `format` attribute: it is not a plm dataset, or a plm prep that "
                 "wrote it was interrupted; rerun plm prep");
   auto& m = d.metadata;
   m.format = h5::readStringAttribute(d.file, "format");
   if (m.format != dataset_format)
-    throw Error(where + " has format `" + m.format + "`, expected `" + dataset_format + "`; rerun plm prep");
+    throw Error(where + " has format `" + m.format + "`, expected `" + dataset_format +
+                "`; rerun plm prep");
   m.format_version = h5::readIntAttribute(d.file, "format_version");
   if (m.format_version != dataset_format_version)
-    throw Error(where + " has format version " + std::to_string(m.format_version) + "; this plm reads version " +
-                std::to_string(dataset_format_version) + ": rerun plm prep with this plm");
+    throw Error(where + " has format version " + std::to_string(m.format_version) +
+                "; this plm reads version " + std::to_string(dataset_format_version) +
+                ": rerun plm prep with this plm");
   if (h5::readStringArrayAttribute(d.file, "vocabulary") != vocabularyTokens())
     throw Error(where + " uses a different token vocabulary than ESM-2's; rerun plm prep");
   m.num_sequences = h5::readIntAttribute(d.file, "num_sequences");
@@ -211,7 +222,8 @@ DatasetReader::DatasetReader(const std::string& path) : impl_member(std::make_un
   m.created_utc = optionalString("created_utc");
   m.duplicates_removed = optionalInt("duplicates_removed");
   m.skipped_records = optionalInt("skipped_records");
-  if (h5::hasAttribute(d.file, "valid_fraction")) m.valid_fraction = h5::readDoubleAttribute(d.file, "valid_fraction");
+  if (h5::hasAttribute(d.file, "valid_fraction"))
+    m.valid_fraction = h5::readDoubleAttribute(d.file, "valid_fraction");
   if (h5::hasAttribute(d.file, "source_files")) {
     auto paths = h5::readStringArrayAttribute(d.file, "source_files");
     auto sizes = h5::readIntArrayAttribute(d.file, "source_sizes");
@@ -222,13 +234,15 @@ DatasetReader::DatasetReader(const std::string& path) : impl_member(std::make_un
   }
 
   const std::int64_t n = m.num_sequences, residues = m.num_residues;
-  if (n < 0 || residues < 0) throw Error(where + " has negative sequence or residue counts; rerun plm prep");
+  if (n < 0 || residues < 0)
+    throw Error(where + " has negative sequence or residue counts; rerun plm prep");
   d.tokens = h5::openDataset(d.file, "tokens");
   h5::Hid offsets = h5::openDataset(d.file, "offsets");
   auto tokens_shape = h5::datasetShape(d.tokens);
   auto offsets_shape = h5::datasetShape(offsets);
   if (tokens_shape != std::vector<std::int64_t>{residues})
-    throw Error(where + ": /tokens does not have num_residues = " + std::to_string(residues) + " elements; rerun plm prep");
+    throw Error(where + ": /tokens does not have num_residues = " + std::to_string(residues) +
+                " elements; rerun plm prep");
   if (offsets_shape != std::vector<std::int64_t>{n + 1})
     throw Error(where + ": /offsets does not have num_sequences + 1 = " + std::to_string(n + 1) +
                 " elements; rerun plm prep");
@@ -237,13 +251,16 @@ DatasetReader::DatasetReader(const std::string& path) : impl_member(std::make_un
     if (H5Tget_class(type) != H5T_INTEGER || H5Tget_size(type) != 1)
       throw Error(where + ": /tokens is not an 8-bit integer dataset; rerun plm prep");
   }
-  if (h5::exists(d.file, "ids") && h5::datasetShape(h5::openDataset(d.file, "ids")) != std::vector<std::int64_t>{n})
-    throw Error(where + ": /ids does not have num_sequences = " + std::to_string(n) + " elements; rerun plm prep");
+  if (h5::exists(d.file, "ids") &&
+      h5::datasetShape(h5::openDataset(d.file, "ids")) != std::vector<std::int64_t>{n})
+    throw Error(where + ": /ids does not have num_sequences = " + std::to_string(n) +
+                " elements; rerun plm prep");
 
   d.offsets.resize(n + 1);
   h5::readRows<std::int64_t>(offsets, 0, n + 1, d.offsets.data(), true);
   if (d.offsets[0] != 0)
-    throw Error(where + ": /offsets[0] is " + std::to_string(d.offsets[0]) + ", not 0; rerun plm prep");
+    throw Error(where + ": /offsets[0] is " + std::to_string(d.offsets[0]) +
+                ", not 0; rerun plm prep");
   for (std::int64_t i = 0; i < n; ++i) {
     if (d.offsets[i + 1] < d.offsets[i])
       throw Error(where + ": /offsets decreases at sequence " + std::to_string(i) + " (" +
@@ -251,8 +268,9 @@ DatasetReader::DatasetReader(const std::string& path) : impl_member(std::make_un
                   "); the file is corrupt: rerun plm prep");
   }
   if (d.offsets[n] != residues)
-    throw Error(where + ": /offsets ends at " + std::to_string(d.offsets[n]) + " but /tokens holds " +
-                std::to_string(residues) + " residues; the file is corrupt: rerun plm prep");
+    throw Error(where + ": /offsets ends at " + std::to_string(d.offsets[n]) +
+                " but /tokens holds " + std::to_string(residues) +
+                " residues; the file is corrupt: rerun plm prep");
 
   h5::Hid plist(PLM_CHECK_H5(H5Dget_create_plist(d.tokens)));
   if (H5Pget_layout(plist) == H5D_CONTIGUOUS && residues > 0) {
@@ -276,13 +294,15 @@ std::int64_t DatasetReader::tokensFileAddress() const { return impl_member->toke
 std::vector<std::uint8_t> DatasetReader::readTokens(std::int64_t first, std::int64_t count) const {
   const Impl& d = *impl_member;
   if (first < 0 || count < 0 || first + count > numSequences())
-    throw Error(describe(d.path) + ": sequences [" + std::to_string(first) + ", " + std::to_string(first + count) +
-                ") requested, the dataset has " + std::to_string(numSequences()));
+    throw Error(describe(d.path) + ": sequences [" + std::to_string(first) + ", " +
+                std::to_string(first + count) + ") requested, the dataset has " +
+                std::to_string(numSequences()));
   const std::int64_t begin = d.offsets[first], end = d.offsets[first + count];
   std::vector<std::uint8_t> out(end - begin);
   h5::readRows<std::uint8_t>(d.tokens, begin, end - begin, out.data(), true);
   for (std::int64_t i = first; i < first + count; ++i)
-    checkResidueIds(d.path, i, out.data() + (d.offsets[i] - begin), d.offsets[i + 1] - d.offsets[i]);
+    checkResidueIds(d.path, i, out.data() + (d.offsets[i] - begin),
+                    d.offsets[i + 1] - d.offsets[i]);
   return out;
 }
 
@@ -293,7 +313,8 @@ std::vector<std::string> DatasetReader::readIds(std::int64_t first, std::int64_t
 std::string DatasetReader::sequenceString(std::int64_t i) const {
   auto tokens = readTokens(i, 1);
   std::string out(tokens.size(), '?');
-  for (size_t k = 0; k < tokens.size(); ++k) out[k] = data::vocab::letters[tokens[k] - data::vocab::first_residue];
+  for (size_t k = 0; k < tokens.size(); ++k)
+    out[k] = data::vocab::letters[tokens[k] - data::vocab::first_residue];
   return out;
 }
 

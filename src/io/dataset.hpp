@@ -29,14 +29,14 @@ const std::vector<std::string>& vocabularyTokens();
 
 struct SourceFile {
   std::string path;
-  std::int64_t size = 0;     // bytes on disk (compressed size for .gz)
-  std::uint32_t crc32 = 0;   // zlib CRC-32 of the file's bytes as stored
+  std::int64_t size = 0;    // bytes on disk (compressed size for .gz)
+  std::uint32_t crc32 = 0;  // zlib CRC-32 of the file's bytes as stored
 };
 
 /// \brief Everything in the file's attributes except the counts, which the writer derives.
 struct DatasetMetadata {
-  std::string split;                 // "train" or "valid"
-  std::string split_rule;            // how sequences were assigned to this split
+  std::string split;       // "train" or "valid"
+  std::string split_rule;  // how sequences were assigned to this split
   double valid_fraction = 0;
   std::int64_t duplicates_removed = 0;
   std::int64_t skipped_records = 0;
@@ -52,9 +52,9 @@ struct DatasetMetadata {
 
 /// \brief One rank's consecutive run of sequences, in output order.
 struct SequenceShard {
-  std::vector<std::uint8_t> tokens;    // residue ids of all sequences, concatenated
-  std::vector<std::int64_t> lengths;   // residues per sequence
-  std::vector<std::string> ids;        // one per sequence
+  std::vector<std::uint8_t> tokens;   // residue ids of all sequences, concatenated
+  std::vector<std::int64_t> lengths;  // residues per sequence
+  std::vector<std::string> ids;       // one per sequence
 };
 
 /// \brief Collective over `comm`: writes `path` with rank r's shard after those of ranks < r.

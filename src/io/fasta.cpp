@@ -5,11 +5,11 @@
 
 #include <zlib.h>
 
+#include <fcntl.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cstdlib>
 #include <cstring>
-#include <fcntl.h>
-#include <unistd.h>
 
 namespace plm::io::fasta {
 
@@ -50,7 +50,8 @@ class InputFile {
   explicit InputFile(const std::string& path) : path_member(path) {
     fd_member = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
     if (fd_member < 0)
-      throw Error("cannot open FASTA input `" + path + "`: " + std::strerror(errno) + "; check the path");
+      throw Error("cannot open FASTA input `" + path + "`: " + std::strerror(errno) +
+                  "; check the path");
   }
   ~InputFile() {
     if (fd_member >= 0) ::close(fd_member);
@@ -84,8 +85,12 @@ std::string printable(unsigned char c) {
 // Turns lines into records under the invalid-input policy.
 class RecordBuilder {
  public:
-  RecordBuilder(const Segment& segment, Policy policy, Parsed& out, bool local_lines, bool owns_start)
-      : segment_member(segment), policy_member(policy), out_member(out), local_lines_member(local_lines),
+  RecordBuilder(const Segment& segment, Policy policy, Parsed& out, bool local_lines,
+                bool owns_start)
+      : segment_member(segment),
+        policy_member(policy),
+        out_member(out),
+        local_lines_member(local_lines),
         owning_member(owns_start) {}
 
   bool owning() const { return owning_member; }
@@ -115,7 +120,8 @@ class RecordBuilder {
         if (id_table.id[static_cast<unsigned char>(p[k])] != 0) {
           orphan_run_member = true;
           issue(Problem::sequence_before_header, line,
-                "sequence data before the first '>' header line (is this a FASTA file?); add a header "
+                "sequence data before the first '>' header line (is this a FASTA file?); add a "
+                "header "
                 "line, or pass --on-invalid skip to drop these lines");
           return;
         }
@@ -168,10 +174,11 @@ class RecordBuilder {
   void markBad(std::int64_t line, std::int64_t column, unsigned char c, const char* note) {
     bad_member = true;
     bad_line_member = line;
-    bad_detail_member = "record `" + record_id_member + "` has the character " + printable(c) + " at column " +
-                        std::to_string(column) + ", which is not an amino-acid letter of the ESM-2 alphabet (" +
-                        data::vocab::letters + ", either case, one optional final '*')" + note +
-                        "; fix or remove the record, or pass --on-invalid skip to drop such records";
+    bad_detail_member =
+        "record `" + record_id_member + "` has the character " + printable(c) + " at column " +
+        std::to_string(column) + ", which is not an amino-acid letter of the ESM-2 alphabet (" +
+        data::vocab::letters + ", either case, one optional final '*')" + note +
+        "; fix or remove the record, or pass --on-invalid skip to drop such records";
   }
 
   void closeRecord() {
@@ -191,13 +198,15 @@ class RecordBuilder {
     }
     out_member.lengths.push_back(std::int64_t(tokens.size() - record_start_member));
     out_member.ids.push_back(record_id_member);
-    out_member.order.push_back((std::uint64_t(segment_member.file) << 44) | std::uint64_t(record_position_member));
+    out_member.order.push_back((std::uint64_t(segment_member.file) << 44) |
+                               std::uint64_t(record_position_member));
   }
 
   void issue(Problem problem, std::int64_t line, const std::string& detail) {
     ++out_member.issue_counts[int(problem)];
     if (out_member.issues.size() < max_kept_issues)
-      out_member.issues.push_back({problem, segment_member.file, line, local_lines_member, segment_member.path, detail});
+      out_member.issues.push_back(
+          {problem, segment_member.file, line, local_lines_member, segment_member.path, detail});
     if (policy_member == Policy::error) out_member.stopped = true;
   }
 
@@ -205,8 +214,8 @@ class RecordBuilder {
   Policy policy_member;
   Parsed& out_member;
   bool local_lines_member;
-  bool owning_member;             // the current line belongs to this rank
-  bool orphan_run_member = false; // a run of sequence lines before any header was reported
+  bool owning_member;              // the current line belongs to this rank
+  bool orphan_run_member = false;  // a run of sequence lines before any header was reported
   bool in_record_member = false;
   bool bad_member = false;
   std::int64_t bad_line_member = 0;
@@ -220,8 +229,7 @@ class RecordBuilder {
 // Splits a byte stream into lines, carrying a partial line across blocks. Calls
 // handle(line, length, line_start_position, line_start_tag, line_index) for every line;
 // handle returns false to stop.
-template <class Handle>
-class LineSplitter {
+template <class Handle> class LineSplitter {
  public:
   LineSplitter(std::int64_t first_position, Handle handle)
       : next_position_member(first_position), handle_member(std::move(handle)) {}
@@ -286,7 +294,8 @@ SegmentStats parsePlain(const Segment& s, Policy policy, Parsed& out,
     skip_partial = previous != '\n';
   }
   RecordBuilder builder(s, policy, out, /*local_lines=*/true, /*owns_start=*/s.begin == 0);
-  auto handle = [&](const char* line, size_t n, std::int64_t position, std::int64_t, std::int64_t index) {
+  auto handle = [&](const char* line, size_t n, std::int64_t position, std::int64_t,
+                    std::int64_t index) {
     if (skip_partial) {  // the tail of the previous rank's line
       skip_partial = false;
       return true;
@@ -306,7 +315,9 @@ SegmentStats parsePlain(const Segment& s, Policy policy, Parsed& out,
   std::int64_t position = s.begin;
   bool go = true;
   while (go && position < s.file_size) {
-    size_t n = file.read(buffer.data(), size_t(std::min<std::int64_t>(read_block, s.file_size - position)), position);
+    size_t n =
+        file.read(buffer.data(), size_t(std::min<std::int64_t>(read_block, s.file_size - position)),
+                  position);
     if (n == 0) break;
     stats.bytes_read += std::int64_t(n);
     if (position < s.end) {
@@ -334,7 +345,8 @@ SegmentStats parseGzip(const Segment& s, Policy policy, Parsed& out,
   } closer{&z};
 
   RecordBuilder builder(s, policy, out, /*local_lines=*/false, /*owns_start=*/s.begin == 0);
-  auto handle = [&](const char* line, size_t n, std::int64_t position, std::int64_t tag, std::int64_t index) {
+  auto handle = [&](const char* line, size_t n, std::int64_t position, std::int64_t tag,
+                    std::int64_t index) {
     if (n > 0 && line[0] == '>') {
       if (tag >= s.end) return false;
       builder.header(line, n, index + 1, position, tag >= s.begin);
@@ -348,7 +360,8 @@ SegmentStats parseGzip(const Segment& s, Policy policy, Parsed& out,
   // The compressed bytes fed per call set the granularity at which ranks share a gzip file.
   // PLM_PREP_GZIP_CHUNK (bytes) overrides it so that tests can split small files.
   size_t chunk = size_t(1) << 20;
-  if (const char* knob = std::getenv("PLM_PREP_GZIP_CHUNK")) chunk = std::max<size_t>(64, size_t(std::atoll(knob)));
+  if (const char* knob = std::getenv("PLM_PREP_GZIP_CHUNK"))
+    chunk = std::max<size_t>(64, size_t(std::atoll(knob)));
   std::vector<char> input(chunk), output(read_block);
   std::int64_t read_position = 0;  // compressed bytes read from the file
   bool eof = false, go = true;
@@ -363,7 +376,8 @@ SegmentStats parseGzip(const Segment& s, Policy policy, Parsed& out,
       z.avail_in = uInt(n);
     }
     // The compressed position that owns this call's output: bytes consumed before the call.
-    std::int64_t tag = std::min<std::int64_t>(read_position - std::int64_t(z.avail_in), s.file_size - 1);
+    std::int64_t tag =
+        std::min<std::int64_t>(read_position - std::int64_t(z.avail_in), s.file_size - 1);
     z.next_out = reinterpret_cast<Bytef*>(output.data());
     z.avail_out = uInt(output.size());
     int rc = inflate(&z, Z_NO_FLUSH);
@@ -393,15 +407,18 @@ SegmentStats parseGzip(const Segment& s, Policy policy, Parsed& out,
     splitter.finish();
     std::int64_t line = splitter.lines();
     if (rc == Z_BUF_ERROR) {
-      builder.streamError(Problem::truncated_gzip, line,
-                          "the gzip stream ends early, after this line (the file is truncated: an interrupted "
-                          "download or copy?); re-download or recompress it, or pass --on-invalid skip to keep "
-                          "the complete records before the cut");
+      builder.streamError(
+          Problem::truncated_gzip, line,
+          "the gzip stream ends early, after this line (the file is truncated: an interrupted "
+          "download or copy?); re-download or recompress it, or pass --on-invalid skip to keep "
+          "the complete records before the cut");
     } else {
-      builder.streamError(Problem::corrupt_gzip, line,
-                          std::string("the gzip data is damaged after this line (zlib: ") + (z.msg ? z.msg : "error") +
-                              "); re-download or recompress the file, or pass --on-invalid skip to keep the "
-                              "complete records before the damage");
+      builder.streamError(
+          Problem::corrupt_gzip, line,
+          std::string("the gzip data is damaged after this line (zlib: ") +
+              (z.msg ? z.msg : "error") +
+              "); re-download or recompress the file, or pass --on-invalid skip to keep the "
+              "complete records before the damage");
     }
     builder.finish();
     return stats;
@@ -417,7 +434,8 @@ int residueId(unsigned char c) { return id_table.id[c]; }
 SegmentStats parseSegment(const Segment& segment, Policy policy, Parsed& out,
                           const std::function<void(std::int64_t)>& progress) {
   if (segment.begin >= segment.end) return {};
-  return segment.gzip ? parseGzip(segment, policy, out, progress) : parsePlain(segment, policy, out, progress);
+  return segment.gzip ? parseGzip(segment, policy, out, progress)
+                      : parsePlain(segment, policy, out, progress);
 }
 
 std::uint32_t fileCrc32(const std::string& path, std::int64_t begin, std::int64_t end) {
@@ -426,8 +444,10 @@ std::uint32_t fileCrc32(const std::string& path, std::int64_t begin, std::int64_
   InputFile file(path);
   std::vector<char> buffer(read_block);
   for (std::int64_t position = begin; position < end;) {
-    size_t n = file.read(buffer.data(), size_t(std::min<std::int64_t>(read_block, end - position)), position);
-    if (n == 0) throw Error("`" + path + "` is shorter than expected (was it modified during plm prep?)");
+    size_t n = file.read(buffer.data(), size_t(std::min<std::int64_t>(read_block, end - position)),
+                         position);
+    if (n == 0)
+      throw Error("`" + path + "` is shorter than expected (was it modified during plm prep?)");
     crc = crc32(crc, reinterpret_cast<const Bytef*>(buffer.data()), uInt(n));
     position += std::int64_t(n);
   }

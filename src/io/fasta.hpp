@@ -40,29 +40,29 @@ struct Issue {
   std::int64_t line = 0;
   bool line_is_local = false;
   std::string path;
-  std::string detail;   // what is wrong and what to do, without the "path:line: " prefix
+  std::string detail;  // what is wrong and what to do, without the "path:line: " prefix
   /// \brief "path:line: detail".
   std::string message() const;
 };
 
 /// \brief The part of one input file a rank owns.
 struct Segment {
-  int file = 0;                // index among the inputs (orders records across files)
+  int file = 0;  // index among the inputs (orders records across files)
   std::string path;
   bool gzip = false;
-  std::int64_t file_size = 0;  // bytes on disk
+  std::int64_t file_size = 0;       // bytes on disk
   std::int64_t begin = 0, end = 0;  // owned bytes of the file as stored (compressed for gzip)
 };
 
 /// \brief Everything one rank parsed, in input order.
 struct Parsed {
-  std::vector<std::uint8_t> tokens;        // residue ids, all records concatenated
-  std::vector<std::int64_t> lengths;       // (n) residues per record
-  std::vector<std::string> ids;            // (n) first word of the header
-  std::vector<std::uint64_t> order;        // (n) (file << 44) | byte position of the header
-  std::vector<Issue> issues;               // the first few issues, in input order
+  std::vector<std::uint8_t> tokens;   // residue ids, all records concatenated
+  std::vector<std::int64_t> lengths;  // (n) residues per record
+  std::vector<std::string> ids;       // (n) first word of the header
+  std::vector<std::uint64_t> order;   // (n) (file << 44) | byte position of the header
+  std::vector<Issue> issues;          // the first few issues, in input order
   std::array<std::int64_t, num_problems> issue_counts{};
-  bool stopped = false;                    // Policy::error met an issue: parsing ended there
+  bool stopped = false;  // Policy::error met an issue: parsing ended there
 };
 
 /// \brief Totals of one segment for the caller's bookkeeping.

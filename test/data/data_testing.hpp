@@ -9,12 +9,12 @@
 #include <mpi.h>
 #include <zlib.h>
 
+#include <unistd.h>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <random>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 namespace plm::testing {
@@ -80,7 +80,8 @@ inline bool fileExists(const std::string& path) { return access(path.c_str(), F_
 inline std::string randomProtein(std::mt19937_64& rng, int length) {
   const std::string standard = "LAGVSERTIDPKQNFYMHWC", rare = "XBUZO";
   std::string s(size_t(length), 'A');
-  for (auto& c : s) c = rng() % 50 == 0 ? rare[rng() % rare.size()] : standard[rng() % standard.size()];
+  for (auto& c : s)
+    c = rng() % 50 == 0 ? rare[rng() % rare.size()] : standard[rng() % standard.size()];
   return s;
 }
 
@@ -117,10 +118,12 @@ inline std::string fastaText(const std::vector<Record>& records, std::mt19937_64
   return text;
 }
 
-inline std::vector<Record> randomRecords(std::mt19937_64& rng, int n, const std::string& prefix, int max_length = 700) {
+inline std::vector<Record> randomRecords(std::mt19937_64& rng, int n, const std::string& prefix,
+                                         int max_length = 700) {
   std::vector<Record> out;
   for (int i = 0; i < n; ++i)
-    out.push_back({prefix + std::to_string(i), randomProtein(rng, 1 + int(rng() % std::uint64_t(max_length)))});
+    out.push_back({prefix + std::to_string(i),
+                   randomProtein(rng, 1 + int(rng() % std::uint64_t(max_length)))});
   return out;
 }
 

@@ -32,7 +32,8 @@ class LoaderTest : public ::testing::Test {
     dir = new TempDir();
     std::mt19937_64 rng(21);
     auto records = randomRecords(rng, 300, "s", 200);
-    for (int i = 0; i < 12; ++i) records.push_back({"long" + std::to_string(i), randomProtein(rng, 300 + 40 * i)});
+    for (int i = 0; i < 12; ++i)
+      records.push_back({"long" + std::to_string(i), randomProtein(rng, 300 + 40 * i)});
     std::shuffle(records.begin(), records.end(), rng);
     writeFile(*dir / "in.fasta", fastaText(records, rng));
     data::PrepOptions o;
@@ -43,7 +44,8 @@ class LoaderTest : public ::testing::Test {
     data::prepare(o, MPI_COMM_WORLD);
     io::DatasetReader reader(*dir / "train.h5");
     sequences = new std::vector<std::string>();
-    for (std::int64_t i = 0; i < reader.numSequences(); ++i) sequences->push_back(reader.sequenceString(i));
+    for (std::int64_t i = 0; i < reader.numSequences(); ++i)
+      sequences->push_back(reader.sequenceString(i));
   }
   static void TearDownTestSuite() {
     delete sequences;
@@ -88,7 +90,9 @@ std::string original(const MicroBatch& mb, int s) {
   std::string out;
   for (int t = mb.cu_seqlens(s) + 1; t < mb.cu_seqlens(s + 1) - 1; ++t) {
     int id = mb.labels(t) != vocab::ignore_label ? mb.labels(t) : mb.tokens(t);
-    out += id >= vocab::first_residue && id <= vocab::last_residue ? vocab::letters[id - vocab::first_residue] : '?';
+    out += id >= vocab::first_residue && id <= vocab::last_residue
+               ? vocab::letters[id - vocab::first_residue]
+               : '?';
   }
   return out;
 }
@@ -105,7 +109,8 @@ TEST_F(LoaderTest, StreamIsTheOneRankStreamDealtOutByRank) {
     ASSERT_EQ(all.size(), 4u);
     ASSERT_EQ(local.size(), size_t(4 / world()));
     for (size_t k = 0; k < local.size(); ++k)
-      EXPECT_EQ(flatten(local[k]), flatten(all[k * world() + rank()])) << "step " << step << " micro-batch " << k;
+      EXPECT_EQ(flatten(local[k]), flatten(all[k * world() + rank()]))
+          << "step " << step << " micro-batch " << k;
     EXPECT_EQ(mine.cursor(), reference.cursor());
   }
   EXPECT_GE(reference.cursor().epoch, 1);
@@ -119,7 +124,8 @@ TEST_F(LoaderTest, MicroBatchesArePackedWithinBudgetAndEachEpochHoldsEverySequen
   int cropped = 0, expected_cropped = 0;
   const std::int64_t window = 126;
   std::set<std::string> all(sequences->begin(), sequences->end());
-  for (const auto& s : *sequences) (std::int64_t(s.size()) <= window ? (expected_whole.insert(s), 0) : ++expected_cropped);
+  for (const auto& s : *sequences)
+    (std::int64_t(s.size()) <= window ? (expected_whole.insert(s), 0) : ++expected_cropped);
   int steps = 0;
   while (loader.cursor() != Cursor{1, 0}) {
     ASSERT_LT(++steps, 10000);
@@ -143,13 +149,16 @@ TEST_F(LoaderTest, MicroBatchesArePackedWithinBudgetAndEachEpochHoldsEverySequen
         } else {
           ++cropped;
           ASSERT_EQ(std::int64_t(residues.size()), window);
-          bool inside = std::any_of(sequences->begin(), sequences->end(),
-                                    [&](const std::string& q) { return q.size() > size_t(window) && q.find(residues) != std::string::npos; });
+          bool inside =
+              std::any_of(sequences->begin(), sequences->end(), [&](const std::string& q) {
+                return q.size() > size_t(window) && q.find(residues) != std::string::npos;
+              });
           EXPECT_TRUE(inside) << "a cropped window that is no window of a long sequence";
         }
       }
       EXPECT_EQ(mb.max_seqlen, longest);
-      // The packing is greedy: the next sequence of the order did not fit (except at the epoch end).
+      // The packing is greedy: the next sequence of the order did not fit (except at the epoch
+      // end).
     }
   }
   EXPECT_EQ(whole, expected_whole);
@@ -186,7 +195,8 @@ TEST_F(LoaderTest, SeekToACursorReproducesTheStream) {
 
 TEST_F(LoaderTest, MaskingSelects15PercentOfResiduesSplit80_10_10) {
   Loader loader(base());
-  std::int64_t residues = 0, selected = 0, masked = 0, replaced = 0, kept = 0, specials_selected = 0;
+  std::int64_t residues = 0, selected = 0, masked = 0, replaced = 0, kept = 0,
+               specials_selected = 0;
   for (int step = 0; step < 120; ++step) {
     for (const auto& mb : loader.nextStep()) {
       std::int64_t count = 0;
@@ -248,8 +258,10 @@ TEST_F(LoaderTest, SinglePassVisitsEverySequenceInOrderWithFixedMaskingThenEnds)
     auto local = mine.nextStep();
     ASSERT_EQ(all.size(), repeat.size());
     for (size_t k = 0; k < all.size(); ++k) EXPECT_EQ(flatten(all[k]), flatten(repeat[k]));
-    for (size_t k = 0; k < local.size(); ++k) EXPECT_EQ(flatten(local[k]), flatten(all[k * world() + rank()]));
-    EXPECT_EQ(local.size(), all.size() / size_t(world()) + (size_t(rank()) < all.size() % size_t(world()) ? 1 : 0));
+    for (size_t k = 0; k < local.size(); ++k)
+      EXPECT_EQ(flatten(local[k]), flatten(all[k * world() + rank()]));
+    EXPECT_EQ(local.size(), all.size() / size_t(world()) +
+                                (size_t(rank()) < all.size() % size_t(world()) ? 1 : 0));
     if (all.empty()) break;
     for (const auto& mb : all)
       for (int s = 0; s < mb.numSequences(); ++s) visited.push_back(original(mb, s));
@@ -277,7 +289,8 @@ TEST_F(LoaderTest, BadOptionsAreRefusedWithAMessage) {
     Loader loader(o);
     ADD_FAILURE() << "accepted 2 micro-batches per step on 4 ranks";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("multiple of the number of ranks"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("multiple of the number of ranks"), std::string::npos)
+        << e.what();
   }
   EXPECT_EQ(data::microBatchesPerStep(16384, 8192, 4), 4);
   EXPECT_EQ(data::microBatchesPerStep(16384, 8192, 1), 2);
@@ -301,8 +314,7 @@ void corruptCopy(const std::string& from, const std::string& path, Change change
   MPI_Barrier(MPI_COMM_WORLD);
 }
 
-template <class T>
-void rewrite(hid_t file, const char* name, std::int64_t index, T value) {
+template <class T> void rewrite(hid_t file, const char* name, std::int64_t index, T value) {
   hid_t dataset = H5Dopen2(file, name, H5P_DEFAULT);
   hsize_t start = hsize_t(index), count = 1;
   hid_t space = H5Dget_space(dataset);
@@ -337,14 +349,17 @@ TEST_F(LoaderTest, CorruptDatasetsAreRefusedWithWhatIsWrong) {
     std::string message;
   };
   const std::vector<Case> cases = {
-      {"version", [](hid_t f) { io::h5::writeAttribute(f, "format_version", std::int64_t(99)); }, false,
-       "has format version 99"},
-      {"format", [](hid_t f) { io::h5::writeAttribute(f, "format", std::string("something")); }, false,
-       "has format `something`"},
+      {"version", [](hid_t f) { io::h5::writeAttribute(f, "format_version", std::int64_t(99)); },
+       false, "has format version 99"},
+      {"format", [](hid_t f) { io::h5::writeAttribute(f, "format", std::string("something")); },
+       false, "has format `something`"},
       {"unfinished", [](hid_t f) { H5Adelete(f, "format"); }, false, "was interrupted"},
-      {"offsets", [](hid_t f) { rewrite<std::int64_t>(f, "offsets", 7, 1); }, false, "/offsets decreases at sequence"},
-      {"end", [](hid_t f) { rewrite<std::int64_t>(f, "offsets", 0, 3); }, false, "/offsets[0] is 3"},
-      {"token", [](hid_t f) { rewrite<std::uint8_t>(f, "tokens", 100, 40); }, true, "holds token id 40"},
+      {"offsets", [](hid_t f) { rewrite<std::int64_t>(f, "offsets", 7, 1); }, false,
+       "/offsets decreases at sequence"},
+      {"end", [](hid_t f) { rewrite<std::int64_t>(f, "offsets", 0, 3); }, false,
+       "/offsets[0] is 3"},
+      {"token", [](hid_t f) { rewrite<std::uint8_t>(f, "tokens", 100, 40); }, true,
+       "holds token id 40"},
       {"count", [](hid_t f) { io::h5::writeAttribute(f, "num_sequences", std::int64_t(5)); }, false,
        "/offsets does not have num_sequences + 1"},
   };
@@ -374,7 +389,8 @@ TEST_F(LoaderTest, CorruptDatasetsAreRefusedWithWhatIsWrong) {
   MPI_Barrier(MPI_COMM_WORLD);
   LoaderOptions o = distributed();
   o.path = cut;
-  EXPECT_NE(loaderError(o, false).find("is not a readable HDF5 file"), std::string::npos) << loaderError(o, false);
+  EXPECT_NE(loaderError(o, false).find("is not a readable HDF5 file"), std::string::npos)
+      << loaderError(o, false);
   o.path = *dir / "missing.h5";
   EXPECT_NE(loaderError(o, false).find("does not exist"), std::string::npos);
 }

@@ -19,7 +19,8 @@ using io::fasta::Problem;
 
 namespace {
 
-data::PrepOptions options(const std::vector<std::string>& inputs, const std::string& out, double fraction = 0) {
+data::PrepOptions options(const std::vector<std::string>& inputs, const std::string& out,
+                          double fraction = 0) {
   data::PrepOptions o;
   o.inputs = inputs;
   o.out_dir = out;
@@ -33,7 +34,8 @@ std::vector<Record> readDataset(const std::string& path) {
   io::DatasetReader reader(path);
   std::vector<Record> out;
   auto ids = reader.readIds(0, reader.numSequences());
-  for (std::int64_t i = 0; i < reader.numSequences(); ++i) out.push_back({ids[i], reader.sequenceString(i)});
+  for (std::int64_t i = 0; i < reader.numSequences(); ++i)
+    out.push_back({ids[i], reader.sequenceString(i)});
   return out;
 }
 
@@ -67,7 +69,8 @@ TEST(Prep, RoundTripIsExactForPlainAndGzipAtAnyRankCount) {
   auto second = randomRecords(rng, 120, "g");
   writeFile(dir / "a.fasta", fastaText(first, rng));
   writeFile(dir / "b.fa.gz", fastaText(second, rng), true);
-  auto report = data::prepare(options({dir / "a.fasta", dir / "b.fa.gz"}, dir / "out"), MPI_COMM_WORLD);
+  auto report =
+      data::prepare(options({dir / "a.fasta", dir / "b.fa.gz"}, dir / "out"), MPI_COMM_WORLD);
   EXPECT_EQ(report.records, 270);
   EXPECT_EQ(report.duplicates, 0);
   EXPECT_EQ(report.skipped, 0);
@@ -86,7 +89,8 @@ TEST(Prep, RoundTripIsExactForPlainAndGzipAtAnyRankCount) {
   EXPECT_EQ(m.sources.size(), 2u);
   const std::string bytes = readFile(dir / "b.fa.gz");
   EXPECT_EQ(m.sources[1].size, std::int64_t(bytes.size()));
-  EXPECT_EQ(m.sources[1].crc32, std::uint32_t(crc32(0, reinterpret_cast<const Bytef*>(bytes.data()), uInt(bytes.size()))));
+  EXPECT_EQ(m.sources[1].crc32, std::uint32_t(crc32(0, reinterpret_cast<const Bytef*>(bytes.data()),
+                                                    uInt(bytes.size()))));
   EXPECT_EQ(m.command_line, "test");
   reader.validateTokens();
 }
@@ -107,21 +111,25 @@ TEST(Prep, EdgeFormattingWithoutFinalNewlineAndComments) {
 // 4 ranks the problem lies in another rank's range and its line number must be made absolute.
 struct InvalidCase {
   const char* name;
-  std::string bad;        // FASTA text of the bad part
-  int bad_line;           // line within `bad` that the message names (1-based)
+  std::string bad;  // FASTA text of the bad part
+  int bad_line;     // line within `bad` that the message names (1-based)
   Problem problem;
-  std::string message;    // expected text after "file:line: "
+  std::string message;  // expected text after "file:line: "
 };
 
 TEST(Prep, EveryInvalidInputCaseHasItsMessageUnderBothPolicies) {
   const std::vector<InvalidCase> cases = {
-      {"empty", ">empty1 nothing here\n", 1, Problem::empty_sequence, "record `empty1` has no residues; remove it"},
+      {"empty", ">empty1 nothing here\n", 1, Problem::empty_sequence,
+       "record `empty1` has no residues; remove it"},
       {"character", ">bad1\nACDEF\nGHJKL\n", 3, Problem::invalid_character,
        "record `bad1` has the character 'J' at column 3, which is not an amino-acid letter"},
-      {"star", ">bad2\nAC*DE\n", 2, Problem::invalid_character, "record `bad2` has the character '*' at column 3"},
+      {"star", ">bad2\nAC*DE\n", 2, Problem::invalid_character,
+       "record `bad2` has the character '*' at column 3"},
       {"gap", ">bad3\nAC-DE\n", 2, Problem::invalid_character,
-       "record `bad3` has the character '-' at column 3, which is not an amino-acid letter of the ESM-2 "
-       "alphabet (LAGVSERTIDPKQNFYMHWCXBUZO, either case, one optional final '*') (an alignment gap: give "
+       "record `bad3` has the character '-' at column 3, which is not an amino-acid letter of the "
+       "ESM-2 "
+       "alphabet (LAGVSERTIDPKQNFYMHWCXBUZO, either case, one optional final '*') (an alignment "
+       "gap: give "
        "unaligned sequences)"},
   };
   for (const auto& c : cases) {
@@ -135,8 +143,10 @@ TEST(Prep, EveryInvalidInputCaseHasItsMessageUnderBothPolicies) {
     const int line = linesIn(head) + c.bad_line;
     auto o = options({dir / "in.fasta"}, dir / "out");
     std::string message = prepError(o);
-    const std::string expected = "plm prep: " + (dir / "in.fasta") + ":" + std::to_string(line) + ": " + c.message;
-    EXPECT_EQ(message.rfind(expected, 0), 0u) << message << "\nexpected to start with\n" << expected;
+    const std::string expected =
+        "plm prep: " + (dir / "in.fasta") + ":" + std::to_string(line) + ": " + c.message;
+    EXPECT_EQ(message.rfind(expected, 0), 0u) << message << "\nexpected to start with\n"
+                                              << expected;
     EXPECT_NE(message.find("--on-invalid skip"), std::string::npos) << message;
     EXPECT_FALSE(fileExists(dir / "out/train.h5"));
 
@@ -155,7 +165,8 @@ TEST(Prep, SequenceBeforeHeaderIsReportedAtItsLine) {
   TempDir dir;
   writeFile(dir / "in.fasta", "\nMKV\nLL\n>a\nAC\n");
   std::string message = prepError(options({dir / "in.fasta"}, dir / "out"));
-  EXPECT_NE(message.find(dir / "in.fasta:2: sequence data before the first '>' header line"), std::string::npos)
+  EXPECT_NE(message.find(dir / "in.fasta:2: sequence data before the first '>' header line"),
+            std::string::npos)
       << message;
   auto o = options({dir / "in.fasta"}, dir / "out");
   o.on_invalid = Policy::skip;
@@ -203,7 +214,8 @@ TEST(Prep, ExactDuplicatesAreRemovedAcrossFilesKeepingTheFirst) {
   for (const auto* list : {&a, &b})
     for (const auto& r : *list)
       if (seen.insert(r.residues).second) expected.push_back(r);
-  auto report = data::prepare(options({dir / "a.fasta", dir / "b.fasta"}, dir / "out"), MPI_COMM_WORLD);
+  auto report =
+      data::prepare(options({dir / "a.fasta", dir / "b.fasta"}, dir / "out"), MPI_COMM_WORLD);
   EXPECT_EQ(report.duplicates, std::int64_t(200 - expected.size()));
   auto got = readDataset(dir / "out/train.h5");
   ASSERT_EQ(got.size(), expected.size());
@@ -211,7 +223,8 @@ TEST(Prep, ExactDuplicatesAreRemovedAcrossFilesKeepingTheFirst) {
     EXPECT_EQ(got[i].id, expected[i].id);
     EXPECT_EQ(got[i].residues, expected[i].residues);
   }
-  EXPECT_EQ(io::DatasetReader(dir / "out/train.h5").metadata().duplicates_removed, report.duplicates);
+  EXPECT_EQ(io::DatasetReader(dir / "out/train.h5").metadata().duplicates_removed,
+            report.duplicates);
 }
 
 TEST(Prep, SplitIsAFunctionOfContentNotOfRankCountOrInputOrder) {
@@ -225,8 +238,10 @@ TEST(Prep, SplitIsAFunctionOfContentNotOfRankCountOrInputOrder) {
   for (const auto* list : {&a, &b})
     for (const auto& r : *list) {
       std::vector<std::uint8_t> ids;
-      for (char c : r.residues) ids.push_back(std::uint8_t(io::fasta::residueId(static_cast<unsigned char>(c))));
-      bool valid = data::random::splitDraw(data::random::contentHash(ids.data(), ids.size())) < fraction;
+      for (char c : r.residues)
+        ids.push_back(std::uint8_t(io::fasta::residueId(static_cast<unsigned char>(c))));
+      bool valid =
+          data::random::splitDraw(data::random::contentHash(ids.data(), ids.size())) < fraction;
       (valid ? expected_valid : expected_train).insert(r.residues);
     }
   ASSERT_GT(expected_valid.size(), 60u);
@@ -294,7 +309,8 @@ TEST(Prep, EmptyInputGivesEmptyButValidFiles) {
   TempDir dir;
   writeFile(dir / "empty.fasta", "");
   writeFile(dir / "one.fasta", ">only\nMKV\n");
-  auto report = data::prepare(options({dir / "empty.fasta", dir / "one.fasta"}, dir / "out", 0.5), MPI_COMM_WORLD);
+  auto report = data::prepare(options({dir / "empty.fasta", dir / "one.fasta"}, dir / "out", 0.5),
+                              MPI_COMM_WORLD);
   EXPECT_EQ(report.records, 1);
   io::DatasetReader train(dir / "out/train.h5"), valid(dir / "out/valid.h5");
   EXPECT_EQ(train.numSequences() + valid.numSequences(), 1);

@@ -6,12 +6,12 @@
 #include <gtest/gtest.h>
 #include <zlib.h>
 
+#include <unistd.h>
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 using namespace plm::io::fasta;
@@ -19,7 +19,8 @@ using namespace plm::io::fasta;
 namespace {
 
 const std::string text =
-    ">a one\nACDEFGHIKL\nMNPQRSTVWY\n\n>b\r\nxbuzo*\r\n>c empty\n>d\nAC\nDE\nFG\n;comment\n>e\nAJC\n"
+    ">a one\nACDEFGHIKL\nMNPQRSTVWY\n\n>b\r\nxbuzo*\r\n>c "
+    "empty\n>d\nAC\nDE\nFG\n;comment\n>e\nAJC\n"
     ">f\nmkv\n>g\nACD*EF\n>h last\nWWWW";
 
 std::string temporary(const std::string& name) {
@@ -33,12 +34,14 @@ struct Result {
   std::vector<std::uint64_t> order;
   std::vector<std::pair<int, std::int64_t>> problems;  // (problem, absolute line)
   bool operator==(const Result& o) const {
-    return ids == o.ids && lengths == o.lengths && tokens == o.tokens && order == o.order && problems == o.problems;
+    return ids == o.ids && lengths == o.lengths && tokens == o.tokens && order == o.order &&
+           problems == o.problems;
   }
 };
 
 // Parses `path` as consecutive segments cut at `cuts`, fixing local lines the way prep does.
-Result parseCut(const std::string& path, bool gzip, std::int64_t size, const std::vector<std::int64_t>& cuts) {
+Result parseCut(const std::string& path, bool gzip, std::int64_t size,
+                const std::vector<std::int64_t>& cuts) {
   Parsed parsed;
   std::vector<std::int64_t> bounds = {0};
   bounds.insert(bounds.end(), cuts.begin(), cuts.end());
@@ -73,9 +76,10 @@ TEST(Fasta, WholeFileRecordsAndProblems) {
   EXPECT_EQ(whole.ids, (std::vector<std::string>{"a", "b", "d", "f", "h"}));
   EXPECT_EQ(whole.lengths, (std::vector<std::int64_t>{20, 5, 6, 3, 4}));
   // c is empty (line 7), e has 'J' (line 14), g has an inner '*' (line 18).
-  EXPECT_EQ(whole.problems, (std::vector<std::pair<int, std::int64_t>>{
-                                {int(Problem::empty_sequence), 7}, {int(Problem::invalid_character), 14},
-                                {int(Problem::invalid_character), 18}}));
+  EXPECT_EQ(whole.problems,
+            (std::vector<std::pair<int, std::int64_t>>{{int(Problem::empty_sequence), 7},
+                                                       {int(Problem::invalid_character), 14},
+                                                       {int(Problem::invalid_character), 18}}));
   EXPECT_EQ(residueId('l'), 4);
   EXPECT_EQ(residueId('O'), 28);
   EXPECT_EQ(residueId('\r'), 0);
@@ -91,7 +95,8 @@ TEST(Fasta, EveryCutOfAPlainFileGivesTheWholeFileResult) {
   for (std::int64_t a = 1; a < size; ++a) {
     ASSERT_TRUE(parseCut(path, false, size, {a}) == whole) << "cut at " << a;
     std::int64_t b = std::min(size - 1, a + 1 + a % 13);
-    if (b > a) ASSERT_TRUE(parseCut(path, false, size, {a, b}) == whole) << "cuts at " << a << ", " << b;
+    if (b > a)
+      ASSERT_TRUE(parseCut(path, false, size, {a, b}) == whole) << "cuts at " << a << ", " << b;
   }
   std::remove(path.c_str());
 }
@@ -110,8 +115,10 @@ TEST(Fasta, EveryCutOfAGzipFileGivesTheWholeFileResult) {
   EXPECT_EQ(whole.ids.size(), 25u);
   ASSERT_EQ(whole.problems.size(), 15u);
   const std::int64_t lines_per_copy = std::count(text.begin(), text.end(), '\n') + 1;
-  EXPECT_EQ(whole.problems.back().second, 4 * lines_per_copy + 18);  // line numbers run on through the file
-  for (std::int64_t a = 1; a < size; a += 7) ASSERT_TRUE(parseCut(path, true, size, {a}) == whole) << "cut at " << a;
+  EXPECT_EQ(whole.problems.back().second,
+            4 * lines_per_copy + 18);  // line numbers run on through the file
+  for (std::int64_t a = 1; a < size; a += 7)
+    ASSERT_TRUE(parseCut(path, true, size, {a}) == whole) << "cut at " << a;
   unsetenv("PLM_PREP_GZIP_CHUNK");
   std::remove(path.c_str());
 }

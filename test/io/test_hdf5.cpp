@@ -8,12 +8,12 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <unistd.h>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <numeric>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 using namespace plm;
@@ -34,7 +34,8 @@ int world() {
 
 std::string sharedPath(const std::string& name) {
   char buffer[256] = {0};
-  if (rank() == 0) std::snprintf(buffer, sizeof buffer, "/tmp/plm-test-hdf5-%d-%s", int(getpid()), name.c_str());
+  if (rank() == 0)
+    std::snprintf(buffer, sizeof buffer, "/tmp/plm-test-hdf5-%d-%s", int(getpid()), name.c_str());
   MPI_Bcast(buffer, sizeof buffer, MPI_CHAR, 0, MPI_COMM_WORLD);
   return buffer;
 }
@@ -116,7 +117,8 @@ TEST(Hdf5, EveryAttributeKindRoundTrips) {
   EXPECT_EQ(h5::readStringAttribute(file, "empty_text"), "");
   EXPECT_EQ(h5::readIntAttribute(file, "int"), 7);
   EXPECT_EQ(h5::readDoubleAttribute(file, "real"), 0.1);
-  EXPECT_EQ(h5::readIntArrayAttribute(file, "ints"), (std::vector<std::int64_t>{1, 2, 3000000000000}));
+  EXPECT_EQ(h5::readIntArrayAttribute(file, "ints"),
+            (std::vector<std::int64_t>{1, 2, 3000000000000}));
   EXPECT_TRUE(h5::readIntArrayAttribute(file, "no_ints").empty());
   EXPECT_EQ(h5::readDoubleArrayAttribute(file, "reals"), (std::vector<double>{0.9, 0.98}));
   EXPECT_EQ(h5::readStringArrayAttribute(file, "strings"),
@@ -124,7 +126,8 @@ TEST(Hdf5, EveryAttributeKindRoundTrips) {
   EXPECT_TRUE(h5::hasAttribute(file, "int"));
   EXPECT_FALSE(h5::hasAttribute(file, "nope"));
   EXPECT_THROW(h5::readIntAttribute(file, "nope"), Error);
-  EXPECT_EQ(h5::readStringAttribute(h5::Hid(H5Gopen2(file, "a/b/c", H5P_DEFAULT)), "where"), "nested");
+  EXPECT_EQ(h5::readStringAttribute(h5::Hid(H5Gopen2(file, "a/b/c", H5P_DEFAULT)), "where"),
+            "nested");
   file = h5::Hid();
   MPI_Barrier(MPI_COMM_WORLD);
   if (rank() == 0) std::remove(path.c_str());
@@ -132,7 +135,10 @@ TEST(Hdf5, EveryAttributeKindRoundTrips) {
 
 TEST(Hdf5, StringRowsFromEveryRankRoundTrip) {
   const std::string path = sharedPath("strings.h5");
-  auto text = [](std::int64_t row) { return row % 3 == 0 ? std::string() : "id_" + std::string(size_t(row % 7), 'x') + std::to_string(row); };
+  auto text = [](std::int64_t row) {
+    return row % 3 == 0 ? std::string()
+                        : "id_" + std::string(size_t(row % 7), 'x') + std::to_string(row);
+  };
   const std::int64_t total = startOf(world()), mine = rowsOf(rank()), start = startOf(rank());
   {
     h5::Hid file = h5::createFile(path, MPI_COMM_WORLD);
@@ -166,7 +172,8 @@ TEST(Hdf5, MissingAndForeignFilesGetAMessage) {
     h5::openFile(foreign, MPI_COMM_WORLD);
     ADD_FAILURE() << "opened a text file as HDF5";
   } catch (const Error& e) {
-    EXPECT_NE(std::string(e.what()).find("not a readable HDF5 file"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("not a readable HDF5 file"), std::string::npos)
+        << e.what();
   }
   MPI_Barrier(MPI_COMM_WORLD);
   if (rank() == 0) std::remove(foreign.c_str());
