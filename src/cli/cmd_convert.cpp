@@ -16,7 +16,8 @@ namespace plm::cli {
 namespace {
 
 Parser convertParser() {
-  Parser p("plm convert", "plm convert --from-hf HF_DIR --out MODEL.h5\nplm convert --to-hf MODEL.h5 --out DIR",
+  Parser p("plm convert",
+           "plm convert --from-hf HF_DIR --out MODEL.h5\nplm convert --to-hf MODEL.h5 --out DIR",
            "Converts a Hugging Face transformers EsmForMaskedLM directory (config.json + "
            "model.safetensors or a sharded model.safetensors.index.json; F32, BF16 or F16) into a "
            "plm model file (HDF5: config attributes + /model/<Hugging Face name>, fp32), or a plm "
@@ -65,11 +66,12 @@ int runConvert(const Argv& argv) {
   for (const auto& w : summary.warnings) log::warn("plm convert: %s", w.c_str());
   for (const auto& s : summary.skipped) log::info("plm convert: not converted: %s", s.c_str());
   const auto& c = summary.config;
-  log::info("plm convert: %s -> %s: ESM-2 with %d layers, hidden %d, %d heads, ffn %d, %lld parameters%s%s",
-            args.has("from-hf") ? args.get("from-hf").c_str() : args.get("to-hf").c_str(), out.c_str(),
-            c.num_layers, c.hidden, c.heads, c.ffn, static_cast<long long>(summary.num_parameters),
-            summary.source_dtypes.empty() ? "" : ", read as ",
-            join(summary.source_dtypes, "+").c_str());
+  log::info(
+      "plm convert: %s -> %s: ESM-2 with %d layers, hidden %d, %d heads, ffn %d, %lld "
+      "parameters%s%s",
+      args.has("from-hf") ? args.get("from-hf").c_str() : args.get("to-hf").c_str(), out.c_str(),
+      c.num_layers, c.hidden, c.heads, c.ffn, static_cast<long long>(summary.num_parameters),
+      summary.source_dtypes.empty() ? "" : ", read as ", join(summary.source_dtypes, "+").c_str());
   return 0;
 }
 

@@ -25,8 +25,9 @@ namespace {
 // The ESM-2 vocabulary in id order (ANCHORS.md §1), as config.json's optional vocab_list has it.
 const std::vector<std::string>& esmVocabulary() {
   static const std::vector<std::string> tokens = {
-      "<cls>", "<pad>", "<eos>", "<unk>", "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q",
-      "N",     "F",     "Y",     "M",     "H", "W", "C", "X", "B", "U", "Z", "O", ".", "-", "<null_1>", "<mask>"};
+      "<cls>", "<pad>", "<eos>", "<unk>", "L", "A", "G", "V", "S", "E",        "R",
+      "T",     "I",     "D",     "P",     "K", "Q", "N", "F", "Y", "M",        "H",
+      "W",     "C",     "X",     "B",     "U", "Z", "O", ".", "-", "<null_1>", "<mask>"};
   return tokens;
 }
 
@@ -49,7 +50,8 @@ std::string shapeText(const std::vector<std::int64_t>& shape) {
 // transformers 5 saves the LayerNorms named "LayerNorm" under their legacy (BERT/TF) names.
 std::string canonicalName(const std::string& name) {
   auto replaceSuffix = [&](const std::string& from, const std::string& to) -> std::string {
-    if (name.size() >= from.size() && name.compare(name.size() - from.size(), from.size(), from) == 0)
+    if (name.size() >= from.size() &&
+        name.compare(name.size() - from.size(), from.size(), from) == 0)
       return name.substr(0, name.size() - from.size()) + to;
     return "";
   };
@@ -61,10 +63,13 @@ std::string canonicalName(const std::string& name) {
 }
 
 bool endsWith(const std::string& s, const std::string& suffix) {
-  return s.size() >= suffix.size() && s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
+  return s.size() >= suffix.size() &&
+         s.compare(s.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-bool startsWith(const std::string& s, const std::string& prefix) { return s.compare(0, prefix.size(), prefix) == 0; }
+bool startsWith(const std::string& s, const std::string& prefix) {
+  return s.compare(0, prefix.size(), prefix) == 0;
+}
 
 int commRank(MPI_Comm comm) {
   int rank = 0;
@@ -75,7 +80,8 @@ int commRank(MPI_Comm comm) {
 // The safetensors files of a model directory and which file holds each tensor.
 struct WeightFiles {
   std::vector<std::unique_ptr<safetensors::Reader>> readers;
-  std::map<std::string, std::pair<std::size_t, std::string>> where;  // canonical name -> (reader, stored name)
+  std::map<std::string, std::pair<std::size_t, std::string>>
+      where;  // canonical name -> (reader, stored name)
 };
 
 WeightFiles openWeights(const fs::path& dir) {
@@ -86,7 +92,8 @@ WeightFiles openWeights(const fs::path& dir) {
     for (const auto& t : w.readers.back()->tensors()) {
       const std::string name = canonicalName(t.name);
       if (w.where.count(name))
-        throw Error("`" + file.string() + "`: tensor \"" + t.name + "\" appears twice in the model directory");
+        throw Error("`" + file.string() + "`: tensor \"" + t.name +
+                    "\" appears twice in the model directory");
       w.where[name] = {index, t.name};
     }
   };
@@ -101,16 +108,20 @@ WeightFiles openWeights(const fs::path& dir) {
     std::set<std::string> files;
     for (const auto& [name, file] : root.at("weight_map").members()) {
       (void)name;
-      if (!file.isString()) throw Error("`" + index.string() + "`: weight_map values must be file names");
+      if (!file.isString())
+        throw Error("`" + index.string() + "`: weight_map values must be file names");
       files.insert(file.asString());
     }
     for (const auto& file : files) addReader(dir / file);
   } else if (fs::exists(dir / "pytorch_model.bin")) {
-    throw Error("`" + dir.string() +
-                "` has only pytorch_model.bin (a Python pickle), which plm does not read; re-save it as "
-                "safetensors with transformers: EsmForMaskedLM.from_pretrained(DIR).save_pretrained(NEW_DIR)");
+    throw Error(
+        "`" + dir.string() +
+        "` has only pytorch_model.bin (a Python pickle), which plm does not read; re-save it as "
+        "safetensors with transformers: "
+        "EsmForMaskedLM.from_pretrained(DIR).save_pretrained(NEW_DIR)");
   } else {
-    throw Error("`" + dir.string() + "` has neither model.safetensors nor model.safetensors.index.json");
+    throw Error("`" + dir.string() +
+                "` has neither model.safetensors nor model.safetensors.index.json");
   }
   return w;
 }
@@ -160,7 +171,8 @@ std::vector<model::TensorInfo> esmTensors(const model::Esm2Config& c) {
   return t;
 }
 
-model::Esm2Config configFromJson(const json::Value& j, const std::string& source, std::vector<std::string>* warnings) {
+model::Esm2Config configFromJson(const json::Value& j, const std::string& source,
+                                 std::vector<std::string>* warnings) {
   if (!j.isObject()) throw Error(source + ": config.json is not a JSON object");
   auto unsupported = [&](const std::string& key, const std::string& found, const std::string& why) {
     return Error(source + ": " + key + " = " + found + " is not supported: " + why);
@@ -168,8 +180,10 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
   auto text = [](const json::Value& v) { return json::write(v); };
   auto isSet = [&](const char* key) { return j.has(key) && !j.at(key).isNull(); };
 
-  if (!j.has("model_type") || !j.at("model_type").isString() || j.at("model_type").asString() != "esm")
-    throw Error(source + ": model_type is " + (j.has("model_type") ? text(j.at("model_type")) : "missing") +
+  if (!j.has("model_type") || !j.at("model_type").isString() ||
+      j.at("model_type").asString() != "esm")
+    throw Error(source + ": model_type is " +
+                (j.has("model_type") ? text(j.at("model_type")) : "missing") +
                 "; plm converts Hugging Face ESM models (model_type \"esm\", EsmForMaskedLM)");
   if (isSet("architectures")) {
     bool masked_lm = false;
@@ -188,20 +202,25 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
     throw unsupported("is_decoder", "true", "ESM-2 is a bidirectional encoder");
   if (isSet("add_cross_attention") && j.at("add_cross_attention").asBool())
     throw unsupported("add_cross_attention", "true", "ESM-2 has no cross-attention");
-  const std::string position = isSet("position_embedding_type") ? j.at("position_embedding_type").asString() : "absolute";
+  const std::string position =
+      isSet("position_embedding_type") ? j.at("position_embedding_type").asString() : "absolute";
   if (position != "rotary")
     throw unsupported("position_embedding_type", "\"" + position + "\"",
                       "plm implements ESM-2's rotary positions (absolute positions are ESM-1b)");
   if (isSet("emb_layer_norm_before") && j.at("emb_layer_norm_before").asBool())
-    throw unsupported("emb_layer_norm_before", "true", "ESM-2 has no LayerNorm before the encoder (that is ESM-1b)");
+    throw unsupported("emb_layer_norm_before", "true",
+                      "ESM-2 has no LayerNorm before the encoder (that is ESM-1b)");
   if (isSet("hidden_act") && j.at("hidden_act").asString() != "gelu")
-    throw unsupported("hidden_act", text(j.at("hidden_act")), "ESM-2 uses the exact (erf) GELU, \"gelu\"");
+    throw unsupported("hidden_act", text(j.at("hidden_act")),
+                      "ESM-2 uses the exact (erf) GELU, \"gelu\"");
   if (isSet("tie_word_embeddings") && !j.at("tie_word_embeddings").asBool())
-    throw unsupported("tie_word_embeddings", "false", "plm ties the LM decoder to the word embedding, as ESM-2 does");
+    throw unsupported("tie_word_embeddings", "false",
+                      "plm ties the LM decoder to the word embedding, as ESM-2 does");
   if (isSet("rope_theta") && j.at("rope_theta").asDouble() != 10000.0)
     throw unsupported("rope_theta", text(j.at("rope_theta")), "ESM-2's rotary base is 10000");
   if (isSet("rope_scaling"))
-    throw unsupported("rope_scaling", text(j.at("rope_scaling")), "ESM-2 uses unscaled rotary positions");
+    throw unsupported("rope_scaling", text(j.at("rope_scaling")),
+                      "ESM-2 uses unscaled rotary positions");
 
   auto positiveInt = [&](const char* key) {
     if (!j.has(key)) throw Error(source + ": " + key + " is missing");
@@ -213,7 +232,8 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
   model::Esm2Config c;
   c.vocab = positiveInt("vocab_size");
   if (c.vocab != 33)
-    throw unsupported("vocab_size", std::to_string(c.vocab), "ESM-2's vocabulary has 33 tokens (ANCHORS.md)");
+    throw unsupported("vocab_size", std::to_string(c.vocab),
+                      "ESM-2's vocabulary has 33 tokens (ANCHORS.md)");
   if (isSet("pad_token_id") && j.at("pad_token_id").asInt() != 1)
     throw unsupported("pad_token_id", text(j.at("pad_token_id")), "ESM-2's <pad> is token 1");
   if (isSet("mask_token_id") && j.at("mask_token_id").asInt() != 32)
@@ -223,17 +243,22 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
     bool same = list.size() == esmVocabulary().size();
     for (std::size_t i = 0; same && i < list.size(); ++i)
       same = list[i].isString() && list[i].asString() == esmVocabulary()[i];
-    if (!same) throw unsupported("vocab_list", "(a custom vocabulary)", "plm uses the ESM-2 vocabulary in its order");
+    if (!same)
+      throw unsupported("vocab_list", "(a custom vocabulary)",
+                        "plm uses the ESM-2 vocabulary in its order");
   }
   c.num_layers = positiveInt("num_hidden_layers");
   c.hidden = positiveInt("hidden_size");
   c.heads = positiveInt("num_attention_heads");
   c.ffn = positiveInt("intermediate_size");
-  c.max_positions = j.has("max_position_embeddings") ? positiveInt("max_position_embeddings") : 1026;
+  c.max_positions =
+      j.has("max_position_embeddings") ? positiveInt("max_position_embeddings") : 1026;
   if (c.hidden % c.heads != 0 || (c.hidden / c.heads) % 2 != 0)
-    throw Error(source + ": hidden_size " + std::to_string(c.hidden) + " must be a multiple of num_attention_heads " +
-                std::to_string(c.heads) + " with an even head size (rotary)");
-  c.layer_norm_eps = isSet("layer_norm_eps") ? j.at("layer_norm_eps").asDouble() : 1e-12;  // EsmConfig's default
+    throw Error(source + ": hidden_size " + std::to_string(c.hidden) +
+                " must be a multiple of num_attention_heads " + std::to_string(c.heads) +
+                " with an even head size (rotary)");
+  c.layer_norm_eps =
+      isSet("layer_norm_eps") ? j.at("layer_norm_eps").asDouble() : 1e-12;  // EsmConfig's default
   if (!(c.layer_norm_eps > 0)) throw Error(source + ": layer_norm_eps must be positive");
   // EsmConfig defaults token_dropout to false; ESM-2 checkpoints set it true.
   c.token_dropout = isSet("token_dropout") ? j.at("token_dropout").asBool() : false;
@@ -243,7 +268,8 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
                           " ignored: plm has no dropout (ESM-2 trains without it)");
   }
   if (!c.token_dropout && warnings)
-    warnings->push_back("token_dropout is false: plm will not rescale embeddings around <mask> tokens");
+    warnings->push_back(
+        "token_dropout is false: plm will not rescale embeddings around <mask> tokens");
   return c;
 }
 
@@ -282,11 +308,13 @@ json::Value configToJson(const model::Esm2Config& c) {
 ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm) {
   const fs::path dir(hf_dir);
   if (!fs::is_directory(dir))
-    throw Error("`" + hf_dir + "` is not a directory; --from-hf takes a transformers model directory "
+    throw Error("`" + hf_dir +
+                "` is not a directory; --from-hf takes a transformers model directory "
                 "(config.json + model.safetensors)");
   const fs::path config_path = dir / "config.json";
   if (!fs::exists(config_path))
-    throw Error("`" + config_path.string() + "` not found; --from-hf takes a transformers model directory "
+    throw Error("`" + config_path.string() +
+                "` not found; --from-hf takes a transformers model directory "
                 "(config.json + model.safetensors)");
   ConvertSummary summary;
   summary.config = configFromJson(json::parse(readText(config_path.string()), config_path.string()),
@@ -310,12 +338,13 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
   std::set<std::string> dtypes, used;
   for (const auto& t : tensors) {
     if (!weights.where.count(t.name))
-      throw Error("`" + hf_dir + "` lacks the tensor \"" + t.name + "\" that an EsmForMaskedLM with " +
-                  std::to_string(summary.config.num_layers) + " layers has (incomplete or another architecture)");
+      throw Error("`" + hf_dir + "` lacks the tensor \"" + t.name +
+                  "\" that an EsmForMaskedLM with " + std::to_string(summary.config.num_layers) +
+                  " layers has (incomplete or another architecture)");
     const auto& e = entry(t.name);
     if (e.shape != t.shape)
-      throw Error(describe(t.name) + " has shape " + shapeText(e.shape) + " but config.json implies " +
-                  shapeText(t.shape));
+      throw Error(describe(t.name) + " has shape " + shapeText(e.shape) +
+                  " but config.json implies " + shapeText(t.shape));
     auto data = read(t.name);
     std::copy(data.begin(), data.end(), values.begin() + t.offset);
     dtypes.insert(e.dtype);
@@ -333,10 +362,13 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
       auto decoder = read(name);
       if (entry(name).shape != embedding.shape ||
           !std::equal(decoder.begin(), decoder.end(), values.begin() + embedding.offset))
-        throw Error(describe(name) + " differs from esm.embeddings.word_embeddings.weight; plm ties the decoder "
+        throw Error(describe(name) +
+                    " differs from esm.embeddings.word_embeddings.weight; plm ties the decoder "
                     "to the embedding as ESM-2 does, so an untied model is not supported");
-      summary.skipped.push_back(name + " (tied to esm.embeddings.word_embeddings.weight, identical)");
-    } else if (endsWith(name, "rotary_embeddings.inv_freq") || name == "esm.embeddings.position_ids") {
+      summary.skipped.push_back(name +
+                                " (tied to esm.embeddings.word_embeddings.weight, identical)");
+    } else if (endsWith(name, "rotary_embeddings.inv_freq") ||
+               name == "esm.embeddings.position_ids") {
       summary.skipped.push_back(name + " (buffer plm computes itself)");
     } else if (startsWith(name, "esm.contact_head.")) {
       model::TensorInfo info;
@@ -347,14 +379,16 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
       auto data = read(name);
       extra_values.insert(extra_values.end(), data.begin(), data.end());
       extra_tensors.push_back(info);
-      summary.skipped.push_back(name + " (contact head, unused by plm; kept in /" + extra_group + " for --to-hf)");
+      summary.skipped.push_back(name + " (contact head, unused by plm; kept in /" + extra_group +
+                                " for --to-hf)");
     } else {
       unknown.push_back(location.second);
     }
   }
   if (!unknown.empty()) {
     std::string list;
-    for (std::size_t i = 0; i < unknown.size() && i < 5; ++i) list += (i ? ", " : "") + ("\"" + unknown[i] + "\"");
+    for (std::size_t i = 0; i < unknown.size() && i < 5; ++i)
+      list += (i ? ", " : "") + ("\"" + unknown[i] + "\"");
     if (unknown.size() > 5) list += ", ... (" + std::to_string(unknown.size()) + " in all)";
     throw Error("`" + hf_dir + "` holds tensors that EsmForMaskedLM does not have: " + list +
                 "; plm converts plain ESM-2 masked language models only");
@@ -373,11 +407,13 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
   writeConfigAttributes(file, summary.config);
   writeExtraAttributes(file, attributes);
   writeTensorGroup(file, comm, "model", tensors, values.data());
-  if (!extra_tensors.empty()) writeTensorGroup(file, comm, extra_group, extra_tensors, extra_values.data());
+  if (!extra_tensors.empty())
+    writeTensorGroup(file, comm, extra_group, extra_tensors, extra_values.data());
   return summary;
 }
 
-ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir, MPI_Comm comm) {
+ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir,
+                           MPI_Comm comm) {
   ConvertSummary summary;
   summary.config = readModelConfig(model_file);
   const auto tensors = esmTensors(summary.config);
@@ -394,9 +430,11 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
       H5G_info_t info;
       PLM_CHECK_H5(H5Gget_info(group, &info));
       for (hsize_t i = 0; i < info.nlinks; ++i) {
-        ssize_t length = PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT));
+        ssize_t length = PLM_CHECK_H5(
+            H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT));
         std::string name(std::size_t(length) + 1, '\0');
-        PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(), name.size(), H5P_DEFAULT));
+        PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(),
+                                        name.size(), H5P_DEFAULT));
         name.resize(std::size_t(length));
         h5::Hid dataset = h5::openDataset(group, name);
         safetensors::TensorOut t;
@@ -425,7 +463,8 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
   }
   std::vector<safetensors::TensorOut> out;
   for (const auto& t : tensors) out.push_back({t.name, t.shape, values.data() + t.offset});
-  out.push_back({"lm_head.decoder.weight", tensors.front().shape, values.data() + tensors.front().offset});
+  out.push_back(
+      {"lm_head.decoder.weight", tensors.front().shape, values.data() + tensors.front().offset});
   for (auto& [t, data] : extras) {
     t.data = data.data();
     out.push_back(t);

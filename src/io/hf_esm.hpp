@@ -53,6 +53,7 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
 /// \brief Collective over `comm`: reads the plm model file (or checkpoint) `model_file` and
 /// writes `out_dir`/config.json and `out_dir`/model.safetensors (F32, lm_head.decoder.weight
 /// as a copy of the embedding) from rank 0, creating `out_dir` if needed.
-ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir, MPI_Comm comm);
+ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir,
+                           MPI_Comm comm);
 
 }  // namespace plm::io::hf

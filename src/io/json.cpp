@@ -22,7 +22,8 @@ constexpr int max_depth = 256;
 
 class Parser {
  public:
-  Parser(const std::string& text, const std::string& source) : text_member(text), source_member(source) {}
+  Parser(const std::string& text, const std::string& source)
+      : text_member(text), source_member(source) {}
 
   Value document() {
     skipSpace();
@@ -59,8 +60,10 @@ class Parser {
   void skipSpace() {
     while (!atEnd()) {
       char c = text_member[pos_member];
-      if (c == ' ' || c == '\t' || c == '\n' || c == '\r') ++pos_member;
-      else break;
+      if (c == ' ' || c == '\t' || c == '\n' || c == '\r')
+        ++pos_member;
+      else
+        break;
     }
   }
 
@@ -73,7 +76,8 @@ class Parser {
   void literal(const char* word) {
     std::size_t start = pos_member;
     for (const char* p = word; *p; ++p) {
-      if (atEnd() || text_member[pos_member] != *p) failAt("invalid literal (expected `" + std::string(word) + "`)", start);
+      if (atEnd() || text_member[pos_member] != *p)
+        failAt("invalid literal (expected `" + std::string(word) + "`)", start);
       ++pos_member;
     }
   }
@@ -152,10 +156,14 @@ class Parser {
       if (atEnd()) fail("unexpected end of input in a \\u escape");
       char c = text_member[pos_member++];
       code <<= 4;
-      if (c >= '0' && c <= '9') code |= unsigned(c - '0');
-      else if (c >= 'a' && c <= 'f') code |= unsigned(c - 'a' + 10);
-      else if (c >= 'A' && c <= 'F') code |= unsigned(c - 'A' + 10);
-      else failAt("invalid hex digit in a \\u escape", pos_member - 1);
+      if (c >= '0' && c <= '9')
+        code |= unsigned(c - '0');
+      else if (c >= 'a' && c <= 'f')
+        code |= unsigned(c - 'a' + 10);
+      else if (c >= 'A' && c <= 'F')
+        code |= unsigned(c - 'A' + 10);
+      else
+        failAt("invalid hex digit in a \\u escape", pos_member - 1);
     }
     return code;
   }
@@ -184,10 +192,20 @@ class Parser {
     unsigned char lead = static_cast<unsigned char>(text_member[pos_member]);
     int extra;
     unsigned code, min_code;
-    if (lead >= 0xC2 && lead <= 0xDF) { extra = 1; code = lead & 0x1F; min_code = 0x80; }
-    else if (lead >= 0xE0 && lead <= 0xEF) { extra = 2; code = lead & 0x0F; min_code = 0x800; }
-    else if (lead >= 0xF0 && lead <= 0xF4) { extra = 3; code = lead & 0x07; min_code = 0x10000; }
-    else failAt("invalid UTF-8 in a string", start);
+    if (lead >= 0xC2 && lead <= 0xDF) {
+      extra = 1;
+      code = lead & 0x1F;
+      min_code = 0x80;
+    } else if (lead >= 0xE0 && lead <= 0xEF) {
+      extra = 2;
+      code = lead & 0x0F;
+      min_code = 0x800;
+    } else if (lead >= 0xF0 && lead <= 0xF4) {
+      extra = 3;
+      code = lead & 0x07;
+      min_code = 0x10000;
+    } else
+      failAt("invalid UTF-8 in a string", start);
     ++pos_member;
     for (int i = 0; i < extra; ++i) {
       if (atEnd()) failAt("truncated UTF-8 sequence in a string", start);
@@ -237,14 +255,16 @@ class Parser {
         case 'u': {
           std::size_t escape_at = pos_member - 2;
           unsigned code = hex4();
-          if (code >= 0xDC00 && code <= 0xDFFF) failAt("lone low surrogate in a \\u escape", escape_at);
+          if (code >= 0xDC00 && code <= 0xDFFF)
+            failAt("lone low surrogate in a \\u escape", escape_at);
           if (code >= 0xD800 && code <= 0xDBFF) {
             if (pos_member + 1 >= text_member.size() || text_member[pos_member] != '\\' ||
                 text_member[pos_member + 1] != 'u')
               failAt("high surrogate not followed by a low surrogate", escape_at);
             pos_member += 2;
             unsigned low = hex4();
-            if (low < 0xDC00 || low > 0xDFFF) failAt("high surrogate not followed by a low surrogate", escape_at);
+            if (low < 0xDC00 || low > 0xDFFF)
+              failAt("high surrogate not followed by a low surrogate", escape_at);
             code = 0x10000 + ((code - 0xD800) << 10) + (low - 0xDC00);
           }
           appendUtf8(out, code);
@@ -271,14 +291,16 @@ class Parser {
     if (!atEnd() && peek() == '.') {
       integral = false;
       ++pos_member;
-      if (atEnd() || !(peek() >= '0' && peek() <= '9')) failAt("digit expected after `.` in a number", start);
+      if (atEnd() || !(peek() >= '0' && peek() <= '9'))
+        failAt("digit expected after `.` in a number", start);
       while (!atEnd() && peek() >= '0' && peek() <= '9') ++pos_member;
     }
     if (!atEnd() && (peek() == 'e' || peek() == 'E')) {
       integral = false;
       ++pos_member;
       if (!atEnd() && (peek() == '+' || peek() == '-')) ++pos_member;
-      if (atEnd() || !(peek() >= '0' && peek() <= '9')) failAt("digit expected in a number's exponent", start);
+      if (atEnd() || !(peek() >= '0' && peek() <= '9'))
+        failAt("digit expected in a number's exponent", start);
       while (!atEnd() && peek() >= '0' && peek() <= '9') ++pos_member;
     }
     std::string token = text_member.substr(start, pos_member - start);
@@ -286,7 +308,8 @@ class Parser {
       errno = 0;
       char* end = nullptr;
       long long i = std::strtoll(token.c_str(), &end, 10);
-      if (errno == 0 && end == token.c_str() + token.size()) return Value(static_cast<std::int64_t>(i));
+      if (errno == 0 && end == token.c_str() + token.size())
+        return Value(static_cast<std::int64_t>(i));
       // Too large for int64: keep it as a double like every other JSON reader.
     }
     errno = 0;

@@ -30,8 +30,16 @@ class Value {
   Value(const char* s) : kind_member(Kind::string), string_member(s) {}
   Value(std::string s) : kind_member(Kind::string), string_member(std::move(s)) {}
 
-  static Value array() { Value v; v.kind_member = Kind::array; return v; }
-  static Value object() { Value v; v.kind_member = Kind::object; return v; }
+  static Value array() {
+    Value v;
+    v.kind_member = Kind::array;
+    return v;
+  }
+  static Value object() {
+    Value v;
+    v.kind_member = Kind::object;
+    return v;
+  }
 
   Kind kind() const { return kind_member; }
   bool isNull() const { return kind_member == Kind::null; }
@@ -47,7 +55,7 @@ class Value {
   std::int64_t asInt() const;  // integers only (a number like 2.0 is not accepted)
   double asDouble() const;     // integers or numbers
   const std::string& asString() const;
-  const std::vector<Value>& items() const;                          // array elements
+  const std::vector<Value>& items() const;                            // array elements
   const std::vector<std::pair<std::string, Value>>& members() const;  // object members, in order
 
   /// Object access.

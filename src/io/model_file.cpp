@@ -20,9 +20,11 @@ std::vector<std::string> groupMembers(hid_t group) {
   PLM_CHECK_H5(H5Gget_info(group, &info));
   std::vector<std::string> names;
   for (hsize_t i = 0; i < info.nlinks; ++i) {
-    ssize_t length = PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT));
+    ssize_t length = PLM_CHECK_H5(
+        H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT));
     std::string name(std::size_t(length) + 1, '\0');
-    PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(), name.size(), H5P_DEFAULT));
+    PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(),
+                                    name.size(), H5P_DEFAULT));
     name.resize(std::size_t(length));
     names.push_back(name);
   }
@@ -64,17 +66,20 @@ void writeExtraAttributes(hid_t location, const ModelAttributes& extra) {
 }
 
 model::Esm2Config readConfigAttributes(hid_t location, const std::string& path) {
-  if (!h5::hasAttribute(location, "format") || h5::readStringAttribute(location, "format") != model_format)
+  if (!h5::hasAttribute(location, "format") ||
+      h5::readStringAttribute(location, "format") != model_format)
     throw Error("`" + path + "` is not a plm model file (no attribute format = \"" + model_format +
                 "\"); convert a Hugging Face model with `plm convert --from-hf DIR --out FILE.h5`");
   const std::int64_t version = h5::readIntAttribute(location, "format_version");
   if (version > model_format_version)
-    throw Error("`" + path + "` has model format version " + std::to_string(version) + ", newer than this plm (" +
-                std::to_string(model_format_version) + "); use a newer plm");
+    throw Error("`" + path + "` has model format version " + std::to_string(version) +
+                ", newer than this plm (" + std::to_string(model_format_version) +
+                "); use a newer plm");
   model::Esm2Config config;
   auto readInt = [&](const char* name) {
     if (!h5::hasAttribute(location, name))
-      throw Error("`" + path + "` lacks the model attribute `" + name + "` (incomplete or damaged file)");
+      throw Error("`" + path + "` lacks the model attribute `" + name +
+                  "` (incomplete or damaged file)");
     return static_cast<int>(h5::readIntAttribute(location, name));
   };
   config.num_layers = readInt("num_layers");
@@ -95,8 +100,9 @@ std::pair<std::int64_t, std::int64_t> rowRange(std::int64_t rows, int rank, int 
 void writeTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
                       const std::vector<model::TensorInfo>& tensors, const float* values) {
   const int rank = commRank(comm), world = commSize(comm);
-  h5::Hid g = h5::exists(file, group) ? h5::Hid(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)))
-                                      : h5::createGroup(file, group);
+  h5::Hid g = h5::exists(file, group)
+                  ? h5::Hid(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)))
+                  : h5::createGroup(file, group);
   for (const auto& t : tensors) {
     h5::Hid dataset = h5::createDataset<float>(g, t.name, t.shape);
     const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
@@ -107,8 +113,10 @@ void writeTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
 }
 
 void readTensorGroup(hid_t file, MPI_Comm /*comm*/, const std::string& group,
-                     const std::vector<model::TensorInfo>& tensors, float* values, const std::string& path) {
-  if (!h5::exists(file, group)) throw Error("`" + path + "` has no group /" + group + " (not a plm model file?)");
+                     const std::vector<model::TensorInfo>& tensors, float* values,
+                     const std::string& path) {
+  if (!h5::exists(file, group))
+    throw Error("`" + path + "` has no group /" + group + " (not a plm model file?)");
   h5::Hid g(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)));
   std::set<std::string> known;
   for (const auto& t : tensors) {
@@ -119,8 +127,8 @@ void readTensorGroup(hid_t file, MPI_Comm /*comm*/, const std::string& group,
     h5::Hid dataset = h5::openDataset(g, t.name);
     auto shape = h5::datasetShape(dataset);
     if (shape != t.shape)
-      throw Error("`" + path + "`: /" + group + "/" + t.name + " has shape " + shapeText(shape) + ", the model expects " +
-                  shapeText(t.shape));
+      throw Error("`" + path + "`: /" + group + "/" + t.name + " has shape " + shapeText(shape) +
+                  ", the model expects " + shapeText(t.shape));
   }
   for (const auto& name : groupMembers(g))
     if (!known.count(name))
@@ -134,7 +142,8 @@ void readTensorGroup(hid_t file, MPI_Comm /*comm*/, const std::string& group,
 }
 
 void writeModelFile(const std::string& path, MPI_Comm comm, const model::Esm2Config& config,
-                    const std::vector<model::TensorInfo>& tensors, const float* values, const ModelAttributes& extra) {
+                    const std::vector<model::TensorInfo>& tensors, const float* values,
+                    const ModelAttributes& extra) {
   h5::Hid file = h5::createFile(path, comm);
   writeConfigAttributes(file, config);
   writeExtraAttributes(file, extra);
@@ -150,14 +159,15 @@ void readModelValues(const std::string& path, MPI_Comm comm, const model::Esm2Co
                      const std::vector<model::TensorInfo>& tensors, float* values) {
   h5::Hid file = h5::openFile(path, comm);
   model::Esm2Config stored = readConfigAttributes(file, path);
-  if (stored.num_layers != config.num_layers || stored.hidden != config.hidden || stored.heads != config.heads ||
-      stored.ffn != config.ffn || stored.vocab != config.vocab)
-    throw Error("`" + path + "` holds a model with layers " + std::to_string(stored.num_layers) + ", hidden " +
-                std::to_string(stored.hidden) + ", heads " + std::to_string(stored.heads) + ", ffn " +
-                std::to_string(stored.ffn) + ", vocab " + std::to_string(stored.vocab) +
-                "; the model being loaded has layers " + std::to_string(config.num_layers) + ", hidden " +
-                std::to_string(config.hidden) + ", heads " + std::to_string(config.heads) + ", ffn " +
-                std::to_string(config.ffn) + ", vocab " + std::to_string(config.vocab) +
+  if (stored.num_layers != config.num_layers || stored.hidden != config.hidden ||
+      stored.heads != config.heads || stored.ffn != config.ffn || stored.vocab != config.vocab)
+    throw Error("`" + path + "` holds a model with layers " + std::to_string(stored.num_layers) +
+                ", hidden " + std::to_string(stored.hidden) + ", heads " +
+                std::to_string(stored.heads) + ", ffn " + std::to_string(stored.ffn) + ", vocab " +
+                std::to_string(stored.vocab) + "; the model being loaded has layers " +
+                std::to_string(config.num_layers) + ", hidden " + std::to_string(config.hidden) +
+                ", heads " + std::to_string(config.heads) + ", ffn " + std::to_string(config.ffn) +
+                ", vocab " + std::to_string(config.vocab) +
                 " (build the model from readModelConfig(file))");
   readTensorGroup(file, comm, "model", tensors, values, path);
 }

@@ -20,8 +20,8 @@
 #include "io/hdf5.hpp"
 #include "model/esm2.hpp"
 
-#include <Kokkos_Core.hpp>
 #include <mpi.h>
+#include <Kokkos_Core.hpp>
 
 #include <cstdint>
 #include <map>
@@ -60,7 +60,8 @@ void writeTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
 /// buffer `values`. Throws plm::Error if a tensor is missing, has another shape, or the group
 /// holds a tensor not in `tensors`. `path` is only used in messages.
 void readTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
-                     const std::vector<model::TensorInfo>& tensors, float* values, const std::string& path);
+                     const std::vector<model::TensorInfo>& tensors, float* values,
+                     const std::string& path);
 
 /// \brief Collective over `comm`: creates `path` and writes config attributes, `extra` and
 /// /model from the flat fp32 buffer `values` (host memory, laid out as `tensors`).
@@ -79,8 +80,8 @@ void readModelValues(const std::string& path, MPI_Comm comm, const model::Esm2Co
                      const std::vector<model::TensorInfo>& tensors, float* values);
 
 /// \brief Collective: writes `model`'s parameters (any scalar T, stored as fp32) to `path`.
-template <class Model>
-void writeModelFile(const std::string& path, MPI_Comm comm, Model& model, const ModelAttributes& extra = {}) {
+template <class Model> void writeModelFile(const std::string& path, MPI_Comm comm, Model& model,
+                                           const ModelAttributes& extra = {}) {
   auto device = model.parameters();
   auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), device);
   std::vector<float> values(host.extent(0));
@@ -90,8 +91,7 @@ void writeModelFile(const std::string& path, MPI_Comm comm, Model& model, const 
 
 /// \brief Collective: loads /model of `path` into `model`'s parameters (checked by name and
 /// shape against model.tensors()).
-template <class Model>
-void readModelInto(const std::string& path, MPI_Comm comm, Model& model) {
+template <class Model> void readModelInto(const std::string& path, MPI_Comm comm, Model& model) {
   auto device = model.parameters();
   std::vector<float> values(device.extent(0));
   readModelValues(path, comm, model.config(), model.tensors(), values.data());

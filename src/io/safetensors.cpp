@@ -5,13 +5,13 @@
 #include "core/error.hpp"
 #include "io/json.hpp"
 
+#include <sys/stat.h>
 #include <algorithm>
 #include <cerrno>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <memory>
-#include <sys/stat.h>
 
 namespace plm::io::safetensors {
 
@@ -39,12 +39,13 @@ File openForRead(const std::string& path) {
   return f;
 }
 
-void readAt(std::FILE* f, const std::string& path, std::int64_t offset, void* out, std::size_t bytes) {
+void readAt(std::FILE* f, const std::string& path, std::int64_t offset, void* out,
+            std::size_t bytes) {
   if (fseeko(f, static_cast<off_t>(offset), SEEK_SET) != 0)
     throw Error("cannot seek in `" + path + "`: " + std::strerror(errno));
   if (bytes && std::fread(out, 1, bytes, f) != bytes)
-    throw Error("`" + path + "` is truncated: could not read " + std::to_string(bytes) + " bytes at offset " +
-                std::to_string(offset));
+    throw Error("`" + path + "` is truncated: could not read " + std::to_string(bytes) +
+                " bytes at offset " + std::to_string(offset));
 }
 
 }  // namespace
@@ -57,9 +58,9 @@ std::int64_t TensorEntry::numel() const {
 
 int dtypeSize(const std::string& dtype) {
   static const std::map<std::string, int> sizes = {
-      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1}, {"I16", 2},
-      {"U16", 2},  {"F16", 2}, {"BF16", 2}, {"I32", 4},     {"U32", 4},     {"F32", 4},
-      {"I64", 8},  {"U64", 8}, {"F64", 8}};
+      {"BOOL", 1}, {"U8", 1},  {"I8", 1},  {"F8_E4M3", 1}, {"F8_E5M2", 1},
+      {"I16", 2},  {"U16", 2}, {"F16", 2}, {"BF16", 2},    {"I32", 4},
+      {"U32", 4},  {"F32", 4}, {"I64", 8}, {"U64", 8},     {"F64", 8}};
   auto it = sizes.find(dtype);
   return it == sizes.end() ? 0 : it->second;
 }
@@ -119,9 +120,11 @@ Reader::Reader(const std::string& path) : path_member(path) {
   readAt(f.get(), path, 0, length_bytes, 8);
   std::uint64_t header_length = 0;
   for (int i = 7; i >= 0; --i) header_length = (header_length << 8) | length_bytes[i];
-  if (header_length > std::uint64_t(max_header_bytes) || std::int64_t(header_length) > file_size - 8)
-    throw Error("`" + path + "` is not a valid safetensors file: header length " + std::to_string(header_length) +
-                " exceeds the file size " + std::to_string(file_size) + " (truncated or not safetensors)");
+  if (header_length > std::uint64_t(max_header_bytes) ||
+      std::int64_t(header_length) > file_size - 8)
+    throw Error("`" + path + "` is not a valid safetensors file: header length " +
+                std::to_string(header_length) + " exceeds the file size " +
+                std::to_string(file_size) + " (truncated or not safetensors)");
   std::string header(header_length, '\0');
   readAt(f.get(), path, 8, header.data(), header.size());
   data_start_member = 8 + std::int64_t(header_length);
@@ -147,7 +150,8 @@ Reader::Reader(const std::string& path) : path_member(path) {
       }
       continue;
     }
-    if (!entry.isObject() || !entry.has("dtype") || !entry.has("shape") || !entry.has("data_offsets"))
+    if (!entry.isObject() || !entry.has("dtype") || !entry.has("shape") ||
+        !entry.has("data_offsets"))
       throw bad(name, "needs \"dtype\", \"shape\" and \"data_offsets\"");
     TensorEntry t;
     t.name = name;
@@ -158,9 +162,11 @@ Reader::Reader(const std::string& path) : path_member(path) {
     if (!entry.at("shape").isArray()) throw bad(name, "has a shape that is not an array");
     std::int64_t numel = 1;
     for (const auto& d : entry.at("shape").items()) {
-      if (!d.isInteger() || d.asInt() < 0) throw bad(name, "has a shape entry that is not a non-negative integer");
+      if (!d.isInteger() || d.asInt() < 0)
+        throw bad(name, "has a shape entry that is not a non-negative integer");
       t.shape.push_back(d.asInt());
-      if (d.asInt() != 0 && numel > (std::int64_t(1) << 56) / d.asInt()) throw bad(name, "has an absurdly large shape");
+      if (d.asInt() != 0 && numel > (std::int64_t(1) << 56) / d.asInt())
+        throw bad(name, "has an absurdly large shape");
       numel *= d.asInt();
     }
     const auto& offsets = entry.at("data_offsets");
@@ -171,11 +177,11 @@ Reader::Reader(const std::string& path) : path_member(path) {
     t.end = offsets.items()[1].asInt();
     if (t.begin < 0 || t.end < t.begin) throw bad(name, "has an invalid byte range");
     if (t.end - t.begin != numel * element)
-      throw bad(name, "has " + std::to_string(t.end - t.begin) + " bytes but its shape and dtype need " +
-                          std::to_string(numel * element));
+      throw bad(name, "has " + std::to_string(t.end - t.begin) +
+                          " bytes but its shape and dtype need " + std::to_string(numel * element));
     if (t.end > data_bytes)
-      throw bad(name, "ends at byte " + std::to_string(t.end) + " of a data section of " + std::to_string(data_bytes) +
-                          " bytes: the file is truncated");
+      throw bad(name, "ends at byte " + std::to_string(t.end) + " of a data section of " +
+                          std::to_string(data_bytes) + " bytes: the file is truncated");
     index_member[name] = tensors_member.size();
     tensors_member.push_back(std::move(t));
   }
@@ -188,13 +194,15 @@ Reader::Reader(const std::string& path) : path_member(path) {
   std::int64_t expected = 0;
   for (const auto* t : sorted) {
     if (t->begin != expected)
-      throw Error("`" + path + "`: safetensors tensor \"" + t->name + "\" starts at byte " + std::to_string(t->begin) +
-                  ", expected " + std::to_string(expected) + " (overlapping or gapped data)");
+      throw Error("`" + path + "`: safetensors tensor \"" + t->name + "\" starts at byte " +
+                  std::to_string(t->begin) + ", expected " + std::to_string(expected) +
+                  " (overlapping or gapped data)");
     expected = t->end;
   }
   if (expected != data_bytes)
     throw Error("`" + path + "`: safetensors data section has " + std::to_string(data_bytes) +
-                " bytes but the tensors cover " + std::to_string(expected) + " (trailing bytes or corrupt header)");
+                " bytes but the tensors cover " + std::to_string(expected) +
+                " (trailing bytes or corrupt header)");
 }
 
 bool Reader::has(const std::string& name) const { return index_member.count(name) > 0; }
@@ -252,7 +260,8 @@ void write(const std::string& path, const std::vector<TensorOut>& tensors,
   std::int64_t offset = 0;
   for (const auto& t : tensors) {
     if (t.name == "__metadata__" || header.has(t.name))
-      throw Error("safetensors write `" + path + "`: duplicate or reserved tensor name \"" + t.name + "\"");
+      throw Error("safetensors write `" + path + "`: duplicate or reserved tensor name \"" +
+                  t.name + "\"");
     std::int64_t numel = 1;
     json::Value shape = json::Value::array();
     for (auto d : t.shape) {
@@ -288,7 +297,8 @@ void write(const std::string& path, const std::vector<TensorOut>& tensors,
     for (auto d : t.shape) numel *= d;
     put(t.data, std::size_t(numel) * sizeof(float));
   }
-  if (std::fclose(f.release()) != 0) throw Error("closing `" + path + "` failed: " + std::strerror(errno));
+  if (std::fclose(f.release()) != 0)
+    throw Error("closing `" + path + "` failed: " + std::strerror(errno));
 }
 
 }  // namespace plm::io::safetensors

@@ -21,7 +21,7 @@ namespace plm::io::safetensors {
 /// \brief One tensor of a safetensors file, as its header describes it.
 struct TensorEntry {
   std::string name;
-  std::string dtype;                // "F32", "BF16", "F16", "F64", "I64", ... (as in the file)
+  std::string dtype;  // "F32", "BF16", "F16", "F64", "I64", ... (as in the file)
   std::vector<std::int64_t> shape;
   std::int64_t begin = 0, end = 0;  // byte range within the data section
   std::int64_t numel() const;

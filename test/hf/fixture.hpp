@@ -30,7 +30,9 @@ struct Fixture {
 
 inline std::string fixtureDir() { return std::string(PLM_TEST_DATA_DIR) + "/../fixtures"; }
 inline std::vector<std::string> fixtureNames() { return {"small", "multihead"}; }
-inline std::string fixturePath(const std::string& name) { return fixtureDir() + "/esm_parity_" + name + ".h5"; }
+inline std::string fixturePath(const std::string& name) {
+  return fixtureDir() + "/esm_parity_" + name + ".h5";
+}
 
 namespace detail {
 inline std::vector<std::string> children(hid_t group) {
@@ -39,14 +41,15 @@ inline std::vector<std::string> children(hid_t group) {
   std::vector<std::string> names;
   for (hsize_t i = 0; i < info.nlinks; ++i) {
     char buffer[512];
-    H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, buffer, sizeof buffer, H5P_DEFAULT);
+    H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, buffer, sizeof buffer,
+                       H5P_DEFAULT);
     names.emplace_back(buffer);
   }
   return names;
 }
 
-template <class T>
-std::vector<T> readAll(hid_t file, const std::string& path, std::vector<std::int64_t>* shape = nullptr) {
+template <class T> std::vector<T> readAll(hid_t file, const std::string& path,
+                                          std::vector<std::int64_t>* shape = nullptr) {
   io::h5::Hid dataset = io::h5::openDataset(file, path);
   auto dims = io::h5::datasetShape(dataset);
   std::int64_t n = 1;
@@ -82,7 +85,8 @@ inline Fixture readFixture(const std::string& path) {
   for (const char* group : {"params", "grads"}) {
     io::h5::Hid g(H5Gopen2(file, group, H5P_DEFAULT));
     auto& target = std::string(group) == "params" ? f.params : f.grads;
-    for (const auto& name : detail::children(g)) target[name] = detail::readArray(file, std::string(group) + "/" + name);
+    for (const auto& name : detail::children(g))
+      target[name] = detail::readArray(file, std::string(group) + "/" + name);
   }
   f.tokens = detail::readAll<std::int32_t>(file, "batch/tokens");
   f.labels = detail::readAll<std::int32_t>(file, "batch/labels");

@@ -11,12 +11,12 @@
 #include <gtest/gtest.h>
 #include <mpi.h>
 
+#include <unistd.h>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <random>
-#include <unistd.h>
 
 namespace fs = std::filesystem;
 namespace io = plm::io;
@@ -119,14 +119,20 @@ std::vector<HfTensor> fixtureTensors(const plm::test::Fixture& f, const std::str
   out.push_back({"esm.contact_head.regression.bias", dtype, {1}, {round(-0.5)}});
   const int half = f.config.hidden / f.config.heads / 2;
   for (int l = 0; l < f.config.num_layers; ++l) {
-    HfTensor inv{"esm.encoder.layer." + std::to_string(l) + ".attention.self.rotary_embeddings.inv_freq", "F32", {half}, {}};
-    for (int i = 0; i < half; ++i) inv.values.push_back(float(std::pow(10000.0, -2.0 * i / (2 * half))));
+    HfTensor inv{
+        "esm.encoder.layer." + std::to_string(l) + ".attention.self.rotary_embeddings.inv_freq",
+        "F32",
+        {half},
+        {}};
+    for (int i = 0; i < half; ++i)
+      inv.values.push_back(float(std::pow(10000.0, -2.0 * i / (2 * half))));
     out.push_back(inv);
   }
   return out;
 }
 
-void writeHfDir(const fs::path& dir, const Esm2Config& config, const std::vector<HfTensor>& tensors) {
+void writeHfDir(const fs::path& dir, const Esm2Config& config,
+                const std::vector<HfTensor>& tensors) {
   fs::create_directories(dir);
   writeText(dir / "config.json", json::write(io::hf::configToJson(config), 2));
   writeSafetensors(dir / "model.safetensors", tensors);
@@ -162,7 +168,8 @@ TEST(Convert, TensorTableMatchesTransformers) {
       EXPECT_EQ(t.offset, offset);
       offset += t.size;
       // AdamW decays Linear weights only (ANCHORS.md: not biases, LayerNorm, embeddings).
-      const bool linear_weight = t.shape.size() == 2 && t.name.find("embeddings") == std::string::npos;
+      const bool linear_weight =
+          t.shape.size() == 2 && t.name.find("embeddings") == std::string::npos;
       EXPECT_EQ(t.weight_decay, linear_weight) << t.name;
     }
   }
@@ -223,8 +230,10 @@ TEST(Convert, ConfigJsonRoundTripAndFacebookConfig) {
   json::Value classifier = json::Value::array();
   classifier.push("EsmForSequenceClassification");
   std::vector<Case> cases = {
-      {"architectures", classifier, "architectures = [EsmForSequenceClassification] is not supported"},
-      {"position_embedding_type", "absolute", "position_embedding_type = \"absolute\" is not supported"},
+      {"architectures", classifier,
+       "architectures = [EsmForSequenceClassification] is not supported"},
+      {"position_embedding_type", "absolute",
+       "position_embedding_type = \"absolute\" is not supported"},
       {"emb_layer_norm_before", true, "emb_layer_norm_before = true is not supported"},
       {"vocab_size", 35, "vocab_size = 35 is not supported"},
       {"is_folding_model", true, "ESMFold"},
@@ -236,7 +245,8 @@ TEST(Convert, ConfigJsonRoundTripAndFacebookConfig) {
       {"mask_token_id", 31, "mask_token_id"},
   };
   for (const auto& c2 : cases) {
-    std::string message = errorOf([&] { io::hf::configFromJson(edited(c2.key, c2.value), "dir/config.json"); });
+    std::string message =
+        errorOf([&] { io::hf::configFromJson(edited(c2.key, c2.value), "dir/config.json"); });
     EXPECT_NE(message.find(c2.words), std::string::npos) << c2.key << ": " << message;
     EXPECT_NE(message.find("dir/config.json"), std::string::npos) << message;
   }
@@ -248,22 +258,26 @@ TEST(Convert, F32RoundTripIsExact) {
     auto hf = fixtureTensors(f, "F32");
     // transformers 5 writes the "LayerNorm" modules under their legacy names gamma/beta.
     for (auto& t : hf) {
-      if (t.name == "esm.encoder.layer.0.LayerNorm.weight") t.name = "esm.encoder.layer.0.LayerNorm.gamma";
-      if (t.name == "esm.encoder.layer.0.attention.LayerNorm.bias") t.name = "esm.encoder.layer.0.attention.LayerNorm.beta";
+      if (t.name == "esm.encoder.layer.0.LayerNorm.weight")
+        t.name = "esm.encoder.layer.0.LayerNorm.gamma";
+      if (t.name == "esm.encoder.layer.0.attention.LayerNorm.bias")
+        t.name = "esm.encoder.layer.0.attention.LayerNorm.beta";
     }
     const fs::path dir = scratch(name + "_hf");
     writeHfDir(dir, f.config, hf);
     const std::string file1 = scratch(name + "_1.h5").string();
     auto summary = io::hf::convertFromHf(dir.string(), file1, MPI_COMM_WORLD);
     EXPECT_EQ(summary.source_dtypes, (std::vector<std::string>{"F32"}));
-    EXPECT_EQ(summary.skipped.size(), 3u + f.config.num_layers);  // decoder, contact head x2, inv_freq per layer
+    EXPECT_EQ(summary.skipped.size(),
+              3u + f.config.num_layers);  // decoder, contact head x2, inv_freq per layer
 
     // plm file == fixture parameters in fp32, by name.
     auto values = readModel(file1, f.config);
     for (const auto& t : io::hf::esmTensors(f.config)) {
       const auto& want = f.params.at(t.name).values;
       for (std::int64_t i = 0; i < t.size; ++i)
-        ASSERT_EQ(values[std::size_t(t.offset + i)], float(want[std::size_t(i)])) << t.name << "[" << i << "]";
+        ASSERT_EQ(values[std::size_t(t.offset + i)], float(want[std::size_t(i)]))
+            << t.name << "[" << i << "]";
     }
 
     // plm -> HF: every tensor bit-identical, decoder = embedding, contact head given back.
@@ -273,19 +287,23 @@ TEST(Convert, F32RoundTripIsExact) {
     for (const auto& t : hf) {
       if (t.name.find("inv_freq") != std::string::npos) continue;
       std::string stored = t.name;
-      if (stored.size() > 6 && stored.substr(stored.size() - 6) == ".gamma") stored = stored.substr(0, stored.size() - 6) + ".weight";
-      if (stored.size() > 5 && stored.substr(stored.size() - 5) == ".beta") stored = stored.substr(0, stored.size() - 5) + ".bias";
+      if (stored.size() > 6 && stored.substr(stored.size() - 6) == ".gamma")
+        stored = stored.substr(0, stored.size() - 6) + ".weight";
+      if (stored.size() > 5 && stored.substr(stored.size() - 5) == ".beta")
+        stored = stored.substr(0, stored.size() - 5) + ".bias";
       ASSERT_TRUE(reader.has(stored)) << stored;
       EXPECT_EQ(reader.tensor(stored).shape, t.shape) << stored;
       EXPECT_EQ(reader.tensor(stored).dtype, "F32");
       EXPECT_EQ(reader.readFloat(stored), t.values) << stored;
     }
-    EXPECT_EQ(reader.readFloat("lm_head.decoder.weight"), reader.readFloat("esm.embeddings.word_embeddings.weight"));
-    auto config = io::hf::configFromJson(json::parse([&] {
-                                           std::ifstream in(out / "config.json");
-                                           return std::string(std::istreambuf_iterator<char>(in), {});
-                                         }()),
-                                         "config.json");
+    EXPECT_EQ(reader.readFloat("lm_head.decoder.weight"),
+              reader.readFloat("esm.embeddings.word_embeddings.weight"));
+    auto config =
+        io::hf::configFromJson(json::parse([&] {
+                                 std::ifstream in(out / "config.json");
+                                 return std::string(std::istreambuf_iterator<char>(in), {});
+                               }()),
+                               "config.json");
     EXPECT_EQ(config.num_layers, f.config.num_layers);
     EXPECT_EQ(config.heads, f.config.heads);
     EXPECT_EQ(config.layer_norm_eps, f.config.layer_norm_eps);
@@ -308,7 +326,8 @@ TEST(Convert, Bf16F16AndShardedSources) {
   writeHfDir(dir, f.config, bf16);
   const std::string file = scratch("bf16.h5").string();
   auto summary = io::hf::convertFromHf(dir.string(), file, MPI_COMM_WORLD);
-  EXPECT_EQ(summary.source_dtypes, (std::vector<std::string>{"BF16"}));  // of the parameters (inv_freq is F32)
+  EXPECT_EQ(summary.source_dtypes,
+            (std::vector<std::string>{"BF16"}));  // of the parameters (inv_freq is F32)
   auto values = readModel(file, f.config);
   for (const auto& t : tensors) {
     const auto& want = f.params.at(t.name).values;
@@ -325,7 +344,8 @@ TEST(Convert, Bf16F16AndShardedSources) {
   for (const auto& t : tensors) {
     HfTensor h{t.name, "F16", t.shape, {}};
     for (std::int64_t i = 0; i < t.size; ++i)
-      h.values.push_back(st::f16ToFloat(std::uint16_t((sign(rng) << 15) | (exponent(rng) << 10) | mantissa(rng))));
+      h.values.push_back(
+          st::f16ToFloat(std::uint16_t((sign(rng) << 15) | (exponent(rng) << 10) | mantissa(rng))));
     f16.push_back(h);
   }
   const fs::path sharded = scratch("sharded");
@@ -336,7 +356,8 @@ TEST(Convert, Bf16F16AndShardedSources) {
   writeSafetensors(sharded / "model-00002-of-00002.safetensors", {f16.begin() + half, f16.end()});
   json::Value index = json::Value::object(), map = json::Value::object();
   for (std::size_t i = 0; i < f16.size(); ++i)
-    map.set(f16[i].name, i < half ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors");
+    map.set(f16[i].name,
+            i < half ? "model-00001-of-00002.safetensors" : "model-00002-of-00002.safetensors");
   index.set("metadata", json::Value::object());
   index.set("weight_map", map);
   writeText(sharded / "model.safetensors.index.json", json::write(index));
@@ -346,7 +367,8 @@ TEST(Convert, Bf16F16AndShardedSources) {
   values = readModel(file16, f.config);
   for (std::size_t k = 0; k < tensors.size(); ++k)
     for (std::int64_t i = 0; i < tensors[k].size; ++i)
-      ASSERT_EQ(values[std::size_t(tensors[k].offset + i)], f16[k].values[std::size_t(i)]) << tensors[k].name;
+      ASSERT_EQ(values[std::size_t(tensors[k].offset + i)], f16[k].values[std::size_t(i)])
+          << tensors[k].name;
   fs::remove_all(scratch("").parent_path());
 }
 
@@ -358,7 +380,8 @@ TEST(Convert, BadInputsSayWhatIsWrong) {
   };
   auto base = fixtureTensors(f, "F32");
   auto expect = [](const std::string& message, const std::string& words) {
-    EXPECT_NE(message.find(words), std::string::npos) << "expected \"" << words << "\" in: " << message;
+    EXPECT_NE(message.find(words), std::string::npos)
+        << "expected \"" << words << "\" in: " << message;
   };
 
   expect(convert(scratch("nothing_here")), "is not a directory");
@@ -390,7 +413,8 @@ TEST(Convert, BadInputsSayWhatIsWrong) {
   auto unknown = base;
   unknown.push_back({"classifier.dense.weight", "F32", {2, 2}, {1, 2, 3, 4}});
   writeHfDir(dir, f.config, unknown);
-  expect(convert(dir), "\"classifier.dense.weight\"; plm converts plain ESM-2 masked language models only");
+  expect(convert(dir),
+         "\"classifier.dense.weight\"; plm converts plain ESM-2 masked language models only");
 
   dir = scratch("untied");
   auto untied = base;
@@ -410,7 +434,10 @@ TEST(Convert, BadInputsSayWhatIsWrong) {
   expect(convert(dir), "config.json: expected a string key at line 1");
 
   // --to-hf from something that is not a plm model file.
-  expect(errorOf([&] { io::hf::convertToHf(plm::test::fixturePath("small"), scratch("x").string(), MPI_COMM_WORLD); }),
+  expect(errorOf([&] {
+           io::hf::convertToHf(plm::test::fixturePath("small"), scratch("x").string(),
+                               MPI_COMM_WORLD);
+         }),
          "is not a plm model file");
   fs::remove_all(scratch("").parent_path());
 }

@@ -25,7 +25,8 @@ std::string errorOf(const std::string& text) {
 }  // namespace
 
 TEST(Json, ParsesEveryKind) {
-  auto v = json::parse(R"( {"a": [1, -2, 3.5, -0.25e2, true, false, null], "b": {"c": "x"}, "": 0} )");
+  auto v =
+      json::parse(R"( {"a": [1, -2, 3.5, -0.25e2, true, false, null], "b": {"c": "x"}, "": 0} )");
   ASSERT_TRUE(v.isObject());
   const auto& a = v.at("a").items();
   ASSERT_EQ(a.size(), 7u);
@@ -60,19 +61,51 @@ TEST(Json, StringEscapesAndUtf8) {
   EXPECT_EQ(json::parse(R"("a\"b\\c\/d\b\f\n\r\t")").asString(), "a\"b\\c/d\b\f\n\r\t");
   EXPECT_EQ(json::parse(R"("\u00e9")").asString(), "\xC3\xA9");
   EXPECT_EQ(json::parse(R"("\u20AC")").asString(), "\xE2\x82\xAC");
-  EXPECT_EQ(json::parse(R"("\ud83d\ude00")").asString(), "\xF0\x9F\x98\x80");  // U+1F600 via a surrogate pair
-  EXPECT_EQ(json::parse("\"\xF0\x9F\x98\x80\"").asString(), "\xF0\x9F\x98\x80");  // raw UTF-8 passes through
+  EXPECT_EQ(json::parse(R"("\ud83d\ude00")").asString(),
+            "\xF0\x9F\x98\x80");  // U+1F600 via a surrogate pair
+  EXPECT_EQ(json::parse("\"\xF0\x9F\x98\x80\"").asString(),
+            "\xF0\x9F\x98\x80");  // raw UTF-8 passes through
   EXPECT_EQ(json::parse(R"("\u0000")").asString(), std::string(1, '\0'));
 }
 
 TEST(Json, RejectsWhatRfc8259Rejects) {
   const char* bad[] = {
-      "",             "   ",            "[1,]",           "{\"a\":1,}",    "01",        "-01",
-      "1.",           ".5",             "+1",             "1e",            "1e+",       "[1 2]",
-      "{'a':1}",      "{a:1}",          "\"\\x\"",        "\"a\nb\"",      "\"\\ud800\"", "\"\\udc00\"",
-      "\"\\ud800x\"", "{\"a\":1,\"a\":2}", "nul",          "tru",           "[1]x",      "// c\n1",
-      "[",            "{\"a\"}",        "{\"a\" 1}",      "\"abc",         "\"\xff\"",  "\"\xC3\"",
-      "\"\xC0\xAF\"", "\"\xED\xA0\x80\"", "NaN",          "Infinity",      "1e999",     "\"\\u12G4\"",
+      "",
+      "   ",
+      "[1,]",
+      "{\"a\":1,}",
+      "01",
+      "-01",
+      "1.",
+      ".5",
+      "+1",
+      "1e",
+      "1e+",
+      "[1 2]",
+      "{'a':1}",
+      "{a:1}",
+      "\"\\x\"",
+      "\"a\nb\"",
+      "\"\\ud800\"",
+      "\"\\udc00\"",
+      "\"\\ud800x\"",
+      "{\"a\":1,\"a\":2}",
+      "nul",
+      "tru",
+      "[1]x",
+      "// c\n1",
+      "[",
+      "{\"a\"}",
+      "{\"a\" 1}",
+      "\"abc",
+      "\"\xff\"",
+      "\"\xC3\"",
+      "\"\xC0\xAF\"",
+      "\"\xED\xA0\x80\"",
+      "NaN",
+      "Infinity",
+      "1e999",
+      "\"\\u12G4\"",
   };
   for (const char* text : bad) EXPECT_FALSE(errorOf(text).empty()) << "accepted: " << text;
 }
@@ -128,7 +161,8 @@ TEST(Json, TypedAccessErrorsSayWhatWasFound) {
     v.at("a").asInt();
     FAIL();
   } catch (const plm::Error& e) {
-    EXPECT_NE(std::string(e.what()).find("is a string, expected an integer"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("is a string, expected an integer"), std::string::npos)
+        << e.what();
   }
   EXPECT_THROW(v.at("missing"), plm::Error);
   EXPECT_FALSE(v.has("missing"));

@@ -44,7 +44,8 @@ Esm2Config smallConfig() {
 // Distinct, non-trivial values so a row written to the wrong place shows.
 std::vector<float> patternValues(std::int64_t n) {
   std::vector<float> v(static_cast<std::size_t>(n));
-  for (std::int64_t i = 0; i < n; ++i) v[std::size_t(i)] = float(std::sin(0.37 * double(i)) * (1.0 + double(i) / 7.0));
+  for (std::int64_t i = 0; i < n; ++i)
+    v[std::size_t(i)] = float(std::sin(0.37 * double(i)) * (1.0 + double(i) / 7.0));
   return v;
 }
 
@@ -113,7 +114,8 @@ TEST(ModelFile, WriteReadRoundTripIsExact) {
     EXPECT_EQ(io::h5::readDoubleAttribute(file, "loss"), 2.5);
     EXPECT_EQ(io::h5::readStringAttribute(file, "architecture"), "EsmForMaskedLM");
     // Full Hugging Face shapes under /model.
-    io::h5::Hid dataset = io::h5::openDataset(file, "model/esm.encoder.layer.1.intermediate.dense.weight");
+    io::h5::Hid dataset =
+        io::h5::openDataset(file, "model/esm.encoder.layer.1.intermediate.dense.weight");
     EXPECT_EQ(io::h5::datasetShape(dataset), (std::vector<std::int64_t>{12, 8}));
   }
   removeOnRankZero(path);
@@ -130,7 +132,8 @@ TEST(ModelFile, MismatchesAreRefused) {
   // Same tensor shapes, different head count: only the config can tell.
   Esm2Config heads = config;
   heads.heads = 4;
-  std::string message = errorOf([&] { io::readModelValues(path, MPI_COMM_WORLD, heads, tensors, read.data()); });
+  std::string message =
+      errorOf([&] { io::readModelValues(path, MPI_COMM_WORLD, heads, tensors, read.data()); });
   EXPECT_NE(message.find("heads 2"), std::string::npos) << message;
 
   // A model with a tensor the file lacks.
@@ -145,13 +148,16 @@ TEST(ModelFile, MismatchesAreRefused) {
   auto fewer = tensors;
   fewer.pop_back();
   message = errorOf([&] { io::readModelValues(path, MPI_COMM_WORLD, config, fewer, read.data()); });
-  EXPECT_NE(message.find("lm_head.layer_norm.bias is not a parameter"), std::string::npos) << message;
+  EXPECT_NE(message.find("lm_head.layer_norm.bias is not a parameter"), std::string::npos)
+      << message;
 
   // Same names, different shape.
   auto reshaped = tensors;
   reshaped[0].shape = {3, 11 * 8};
-  message = errorOf([&] { io::readModelValues(path, MPI_COMM_WORLD, config, reshaped, read.data()); });
-  EXPECT_NE(message.find("has shape (33, 8), the model expects (3, 88)"), std::string::npos) << message;
+  message =
+      errorOf([&] { io::readModelValues(path, MPI_COMM_WORLD, config, reshaped, read.data()); });
+  EXPECT_NE(message.find("has shape (33, 8), the model expects (3, 88)"), std::string::npos)
+      << message;
   removeOnRankZero(path);
 }
 

@@ -24,16 +24,12 @@ struct Tolerances {
   double logits, loss, grads;
 };
 
-template <class T>
-Tolerances tolerances();
-template <>
-Tolerances tolerances<float>() { return {1e-5, 1e-5, 1e-4}; }
-template <>
-Tolerances tolerances<double>() { return {1e-12, 1e-12, 1e-11}; }
+template <class T> Tolerances tolerances();
+template <> Tolerances tolerances<float>() { return {1e-5, 1e-5, 1e-4}; }
+template <> Tolerances tolerances<double>() { return {1e-12, 1e-12, 1e-11}; }
 
 // max |a - b| / max |b|: relative to the tensor's scale, so entries near zero do not dominate.
-template <class View>
-double maxRelative(const View& got, const Array& want) {
+template <class View> double maxRelative(const View& got, const Array& want) {
   auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), got);
   EXPECT_EQ(std::size_t(host.size()), want.values.size());
   double diff = 0, scale = 0;
@@ -45,7 +41,8 @@ double maxRelative(const View& got, const Array& want) {
   return diff / scale;
 }
 
-plm::data::MicroBatch makeBatch(const std::vector<std::int32_t>& tokens, const std::vector<std::int32_t>& labels,
+plm::data::MicroBatch makeBatch(const std::vector<std::int32_t>& tokens,
+                                const std::vector<std::int32_t>& labels,
                                 const std::vector<std::int32_t>& cu_seqlens) {
   plm::data::MicroBatch b;
   b.tokens = plm::HostView1<plm::token_t>("tokens", tokens.size());
@@ -63,24 +60,24 @@ plm::data::MicroBatch makeBatch(const std::vector<std::int32_t>& tokens, const s
   return b;
 }
 
-template <class T>
-void loadParameters(plm::model::Esm2<T>& model, const Fixture& f) {
+template <class T> void loadParameters(plm::model::Esm2<T>& model, const Fixture& f) {
   const auto& tensors = model.tensors();
   std::set<std::string> names;
   auto host = Kokkos::create_mirror_view(Kokkos::HostSpace(), model.parameters());
   for (const auto& t : tensors) {
     names.insert(t.name);
-    ASSERT_TRUE(f.params.count(t.name)) << "model tensor " << t.name << " is not a transformers parameter";
+    ASSERT_TRUE(f.params.count(t.name))
+        << "model tensor " << t.name << " is not a transformers parameter";
     const Array& a = f.params.at(t.name);
     ASSERT_EQ(t.shape, a.shape) << t.name;
     for (std::int64_t i = 0; i < t.size; ++i) host(t.offset + i) = T(a.values[std::size_t(i)]);
   }
-  for (const auto& [name, a] : f.params) EXPECT_TRUE(names.count(name)) << "transformers parameter " << name << " missing in plm";
+  for (const auto& [name, a] : f.params)
+    EXPECT_TRUE(names.count(name)) << "transformers parameter " << name << " missing in plm";
   Kokkos::deep_copy(model.parameters(), host);
 }
 
-template <class T>
-void checkFixture(const std::string& name) {
+template <class T> void checkFixture(const std::string& name) {
   const Fixture f = plm::test::readFixture(plm::test::fixturePath(name));
   const Tolerances tol = tolerances<T>();
   const char* type = std::is_same<T, float>::value ? "float" : "double";
@@ -106,7 +103,8 @@ void checkFixture(const std::string& name) {
   // Backward: gradients of the mean loss (grad_scale = 1 / masked count).
   model.zeroGradients();
   const double sum_fb = model.forwardBackward(batch, 1.0 / count);
-  EXPECT_LE(std::abs(sum_fb - sum) / std::abs(sum), tol.loss) << "forwardBackward and forward disagree";
+  EXPECT_LE(std::abs(sum_fb - sum) / std::abs(sum), tol.loss)
+      << "forwardBackward and forward disagree";
   auto grads = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), model.gradients());
   double worst = 0;
   std::string worst_name;
@@ -125,16 +123,19 @@ void checkFixture(const std::string& name) {
       worst_name = t.name;
     }
   }
-  std::printf("[parity] %s %s (transformers %s): loss %.3e, logits %.3e, hidden %.3e, worst gradient %.3e (%s)\n",
-              name.c_str(), type, f.transformers_version.c_str(), loss_error, logits_error, hidden_error, worst,
-              worst_name.c_str());
+  std::printf(
+      "[parity] %s %s (transformers %s): loss %.3e, logits %.3e, hidden %.3e, worst gradient %.3e "
+      "(%s)\n",
+      name.c_str(), type, f.transformers_version.c_str(), loss_error, logits_error, hidden_error,
+      worst, worst_name.c_str());
 
   // The unmasked batch (what `plm embed` sees): logits without any <mask>.
   const auto clean = makeBatch(f.embed_tokens, {}, f.embed_cu_seqlens);
   plm::model::ForwardOutputs<T> clean_out;
   clean_out.want_logits = true;
   model.forward(clean, &clean_out);
-  EXPECT_LE(maxRelative(clean_out.logits, f.embed_logits), tol.logits) << name << " " << type << " unmasked logits";
+  EXPECT_LE(maxRelative(clean_out.logits, f.embed_logits), tol.logits)
+      << name << " " << type << " unmasked logits";
 }
 
 }  // namespace

@@ -6,13 +6,13 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
 #include <limits>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 namespace st = plm::io::safetensors;
@@ -24,7 +24,8 @@ std::string tempPath(const std::string& name) {
 }
 
 // A safetensors file built by hand: header text and data bytes exactly as given.
-void writeRawFile(const std::string& path, const std::string& header, const std::vector<unsigned char>& data) {
+void writeRawFile(const std::string& path, const std::string& header,
+                  const std::vector<unsigned char>& data) {
   std::ofstream os(path, std::ios::binary | std::ios::trunc);
   std::uint64_t n = header.size();
   for (int i = 0; i < 8; ++i) os.put(char((n >> (8 * i)) & 0xFF));
@@ -54,9 +55,12 @@ std::string errorOf(const std::string& path) {
 double f16Reference(std::uint16_t bits) {
   const int sign = bits >> 15, exponent = (bits >> 10) & 31, mantissa = bits & 1023;
   double magnitude;
-  if (exponent == 31) magnitude = mantissa ? std::numeric_limits<double>::quiet_NaN() : INFINITY;
-  else if (exponent == 0) magnitude = std::ldexp(double(mantissa), -24);
-  else magnitude = std::ldexp(1024.0 + mantissa, exponent - 25);
+  if (exponent == 31)
+    magnitude = mantissa ? std::numeric_limits<double>::quiet_NaN() : INFINITY;
+  else if (exponent == 0)
+    magnitude = std::ldexp(double(mantissa), -24);
+  else
+    magnitude = std::ldexp(1024.0 + mantissa, exponent - 25);
   return sign ? -magnitude : magnitude;
 }
 
@@ -67,7 +71,8 @@ TEST(Safetensors, Bf16KnownPatterns) {
   EXPECT_EQ(st::bf16ToFloat(0xC000), -2.0f);
   EXPECT_EQ(st::bf16ToFloat(0x4049), 3.140625f);
   EXPECT_EQ(st::bf16ToFloat(0x0001), std::ldexp(1.0f, -133));  // smallest subnormal
-  EXPECT_EQ(st::bf16ToFloat(0x7F7F), std::ldexp(255.0f, 120));  // largest finite: (2 - 2^-7) * 2^127
+  EXPECT_EQ(st::bf16ToFloat(0x7F7F),
+            std::ldexp(255.0f, 120));  // largest finite: (2 - 2^-7) * 2^127
   EXPECT_EQ(st::bf16ToFloat(0x7F80), INFINITY);
   EXPECT_EQ(st::bf16ToFloat(0xFF80), -INFINITY);
   EXPECT_TRUE(std::isnan(st::bf16ToFloat(0x7FC0)));
@@ -77,7 +82,7 @@ TEST(Safetensors, Bf16KnownPatterns) {
 TEST(Safetensors, Bf16RoundsToNearestEven) {
   auto bits = [](float f) { return st::floatToBf16(f); };
   EXPECT_EQ(bits(1.0f), 0x3F80);
-  EXPECT_EQ(bits(1.0f + std::ldexp(1.0f, -8)), 0x3F80);   // halfway, even below: down
+  EXPECT_EQ(bits(1.0f + std::ldexp(1.0f, -8)), 0x3F80);      // halfway, even below: down
   EXPECT_EQ(bits(1.0f + 3 * std::ldexp(1.0f, -8)), 0x3F82);  // halfway, odd below: up
   EXPECT_EQ(bits(1.0f + std::ldexp(1.0f, -8) + std::ldexp(1.0f, -20)), 0x3F81);  // above halfway
   EXPECT_EQ(bits(-3.140625f), 0xC049);
@@ -96,8 +101,8 @@ TEST(Safetensors, F16KnownPatterns) {
   EXPECT_EQ(st::f16ToFloat(0xC000), -2.0f);
   EXPECT_EQ(st::f16ToFloat(0x7BFF), 65504.0f);
   EXPECT_EQ(st::f16ToFloat(0x3555), 0.333251953125f);
-  EXPECT_EQ(st::f16ToFloat(0x0400), std::ldexp(1.0f, -14));  // smallest normal
-  EXPECT_EQ(st::f16ToFloat(0x0001), std::ldexp(1.0f, -24));  // smallest subnormal
+  EXPECT_EQ(st::f16ToFloat(0x0400), std::ldexp(1.0f, -14));     // smallest normal
+  EXPECT_EQ(st::f16ToFloat(0x0001), std::ldexp(1.0f, -24));     // smallest subnormal
   EXPECT_EQ(st::f16ToFloat(0x03FF), std::ldexp(1023.0f, -24));  // largest subnormal
   EXPECT_EQ(st::f16ToFloat(0x7C00), INFINITY);
   EXPECT_EQ(st::f16ToFloat(0xFC00), -INFINITY);
@@ -123,7 +128,11 @@ TEST(Safetensors, F32WriteReadRoundTrip) {
   std::vector<float> a(6), b(5), scalar{-7.25f};
   for (std::size_t i = 0; i < a.size(); ++i) a[i] = std::ldexp(float(i) - 2.5f, int(i) * 9 - 20);
   for (std::size_t i = 0; i < b.size(); ++i) b[i] = std::nextafter(float(i), 100.0f);
-  st::write(path, {{"w", {2, 3}, a.data()}, {"empty", {0, 4}, nullptr}, {"b", {5}, b.data()}, {"s", {}, scalar.data()}},
+  st::write(path,
+            {{"w", {2, 3}, a.data()},
+             {"empty", {0, 4}, nullptr},
+             {"b", {5}, b.data()},
+             {"s", {}, scalar.data()}},
             {{"format", "pt"}, {"note", "x\"y"}});
   st::Reader reader(path);
   ASSERT_EQ(reader.tensors().size(), 4u);
@@ -154,8 +163,9 @@ TEST(Safetensors, F32WriteReadRoundTrip) {
 
 TEST(Safetensors, ReadsBf16F16AndF64) {
   const std::string path = tempPath("mixed.safetensors");
-  std::vector<unsigned char> data = bytesOf16({0x3F80, 0xC049, 0x0001});  // bf16: 1, -3.140625, 2^-133
-  auto half = bytesOf16({0x3C00, 0x0001, 0xFBFF});                           // f16: 1, 2^-24, -65504
+  std::vector<unsigned char> data =
+      bytesOf16({0x3F80, 0xC049, 0x0001});          // bf16: 1, -3.140625, 2^-133
+  auto half = bytesOf16({0x3C00, 0x0001, 0xFBFF});  // f16: 1, 2^-24, -65504
   data.insert(data.end(), half.begin(), half.end());
   double d[2] = {0.1, -1e300};
   const unsigned char* p = reinterpret_cast<const unsigned char*>(d);
@@ -186,24 +196,28 @@ TEST(Safetensors, ReadsBf16F16AndF64) {
 
 TEST(Safetensors, BrokenFilesSayWhatIsWrong) {
   const std::string path = tempPath("bad.safetensors");
-  auto expectError = [&](const std::string& header, std::vector<unsigned char> data, const std::string& words) {
+  auto expectError = [&](const std::string& header, std::vector<unsigned char> data,
+                         const std::string& words) {
     writeRawFile(path, header, data);
     std::string message = errorOf(path);
-    EXPECT_NE(message.find(words), std::string::npos) << "header " << header << "\nmessage: " << message;
+    EXPECT_NE(message.find(words), std::string::npos)
+        << "header " << header << "\nmessage: " << message;
     EXPECT_NE(message.find(path), std::string::npos) << message;
   };
   std::vector<unsigned char> eight(8, 0);
   const std::string good = R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}})";
-  expectError(good, {0, 0, 0, 0}, "truncated");                 // data cut short
+  expectError(good, {0, 0, 0, 0}, "truncated");                      // data cut short
   expectError(good, std::vector<unsigned char>(12, 0), "trailing");  // extra bytes
-  expectError(R"({"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight, "shape and dtype need 12");
+  expectError(R"({"x":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", eight,
+              "shape and dtype need 12");
   expectError(R"({"x":{"dtype":"Q7","shape":[2],"data_offsets":[0,8]}})", eight, "unknown dtype");
   expectError(R"({"x":{"dtype":"F32","shape":[2]}})", eight, "data_offsets");
   expectError(R"({"x":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", eight, "non-negative");
   expectError(R"({"x":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
               R"("y":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}})",
               eight, "overlapping or gapped");
-  expectError(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},})", eight, "byte");  // bad JSON
+  expectError(R"({"x":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},})", eight,
+              "byte");  // bad JSON
   expectError(R"(["x"])", eight, "not a JSON object");
 
   // Header length beyond the file.

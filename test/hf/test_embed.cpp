@@ -1,0 +1,172 @@
+// `plm embed` against the transformers fixtures: mean-pooled embeddings and unmasked logits of
+// the fixture's sequences, at 1 and 2 ranks, with micro-batches small enough to split the input;
+// and the documented truncation of sequences longer than the model's context.
+#include "cli/commands.hpp"
+#include "data/batch.hpp"
+#include "fixture.hpp"
+#include "io/hf_esm.hpp"
+#include "io/model_file.hpp"
+
+#include <gtest/gtest.h>
+#include <mpi.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+
+namespace {
+
+int rank() {
+  int r = 0;
+  MPI_Comm_rank(MPI_COMM_WORLD, &r);
+  return r;
+}
+
+std::string tempPath(const std::string& name) {
+  int world = 1;
+  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  return "test_hf_embed_np" + std::to_string(world) + "_" + name;
+}
+
+std::string letters(const std::vector<std::int32_t>& tokens, std::int32_t begin, std::int32_t end) {
+  std::string s;
+  for (std::int32_t t = begin; t < end; ++t)
+    s += plm::data::vocab::letters[tokens[t] - plm::data::vocab::first_residue];
+  return s;
+}
+
+void writeModel(const std::string& path, const plm::test::Fixture& f,
+                const plm::model::Esm2Config& config) {
+  const auto tensors = plm::io::hf::esmTensors(config);
+  std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size));
+  for (const auto& t : tensors)
+    for (std::int64_t i = 0; i < t.size; ++i)
+      values[std::size_t(t.offset + i)] = float(f.params.at(t.name).values[std::size_t(i)]);
+  plm::io::writeModelFile(path, MPI_COMM_WORLD, config, tensors, values.data());
+}
+
+double maxRelative(const std::vector<float>& got, const std::vector<double>& want) {
+  EXPECT_EQ(got.size(), want.size());
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < std::min(got.size(), want.size()); ++i) {
+    diff = std::max(diff, std::abs(double(got[i]) - want[i]));
+    scale = std::max(scale, std::abs(want[i]));
+  }
+  return diff / scale;
+}
+
+void removeAll(const std::vector<std::string>& paths) {
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank() == 0)
+    for (const auto& p : paths) std::remove(p.c_str());
+}
+
+}  // namespace
+
+TEST(Embed, MatchesTransformers) {
+  for (const auto& name : plm::test::fixtureNames()) {
+    const auto f = plm::test::readFixture(plm::test::fixturePath(name));
+    const std::string model = tempPath(name + "_model.h5"), fasta = tempPath(name + ".fasta"),
+                      out = tempPath(name + "_out.h5");
+    const std::size_t n = f.embed_cu_seqlens.size() - 1;
+    if (rank() == 0) {
+      std::ofstream os(fasta);
+      for (std::size_t s = 0; s < n; ++s) {
+        const std::string seq =
+            letters(f.embed_tokens, f.embed_cu_seqlens[s] + 1, f.embed_cu_seqlens[s + 1] - 1);
+        const std::size_t wrap = std::min<std::size_t>(7, seq.size());  // a record over two lines
+        os << ">seq" << s << " a description\n"
+           << seq.substr(0, wrap) << "\n"
+           << seq.substr(wrap) << "\n";
+      }
+    }
+    writeModel(model, f, f.config);
+    ASSERT_EQ(plm::cli::runEmbed({"--checkpoint", model, "--fasta", fasta, "--out", out, "--logits",
+                                  "--batch-tokens", "40"}),
+              0);
+
+    auto file = plm::io::h5::openFileSerial(out);
+    std::vector<std::int64_t> shape;
+    auto embeddings = plm::test::detail::readAll<float>(file, "embeddings", &shape);
+    EXPECT_EQ(shape, (std::vector<std::int64_t>{std::int64_t(n), f.config.hidden}));
+    const double embedding_error = maxRelative(embeddings, f.embed_embeddings.values);
+    EXPECT_LE(embedding_error, 1e-5) << name;
+    auto logits = plm::test::detail::readAll<float>(file, "logits", &shape);
+    EXPECT_EQ(shape, (std::vector<std::int64_t>{std::int64_t(f.embed_tokens.size()), 33}));
+    const double logits_error = maxRelative(logits, f.embed_logits.values);
+    EXPECT_LE(logits_error, 1e-5) << name;
+    auto offsets = plm::test::detail::readAll<std::int64_t>(file, "offsets");
+    ASSERT_EQ(offsets.size(), n + 1);
+    for (std::size_t s = 0; s <= n; ++s) EXPECT_EQ(offsets[s], f.embed_cu_seqlens[s]);
+    auto ids = plm::io::h5::readStrings(file, "ids", 0, std::int64_t(n));
+    for (std::size_t s = 0; s < n; ++s) EXPECT_EQ(ids[s], "seq" + std::to_string(s));
+    auto lengths = plm::test::detail::readAll<std::int64_t>(file, "lengths");
+    for (std::size_t s = 0; s < n; ++s)
+      EXPECT_EQ(lengths[s], f.embed_cu_seqlens[s + 1] - f.embed_cu_seqlens[s] - 2);
+    if (rank() == 0)
+      std::printf(
+          "[embed] %s: embeddings %.3e, logits %.3e (max relative error vs transformers float64)\n",
+          name.c_str(), embedding_error, logits_error);
+    file = plm::io::h5::Hid();
+    removeAll({model, fasta, out});
+  }
+}
+
+TEST(Embed, LongSequencesKeepTheirFirstResidues) {
+  const auto f = plm::test::readFixture(plm::test::fixturePath("small"));
+  auto config = f.config;
+  config.max_positions = 12;  // a context of 10 residues
+  const std::string model = tempPath("trunc_model.h5"), fasta = tempPath("trunc.fasta"),
+                    out = tempPath("trunc_out.h5");
+  const std::string long_seq = "MKTAYIAKQRQISFVK";  // 16 residues
+  if (rank() == 0) {
+    std::ofstream os(fasta);
+    os << ">long\n" << long_seq << "\n>prefix\n" << long_seq.substr(0, 10) << "\n>short\nMKT\n";
+  }
+  writeModel(model, f, config);
+  ASSERT_EQ(plm::cli::runEmbed({"--checkpoint", model, "--fasta", fasta, "--out", out, "--logits"}),
+            0);
+  auto file = plm::io::h5::openFileSerial(out);
+  EXPECT_EQ(plm::io::h5::readIntAttribute(file, "num_truncated"), 1);
+  EXPECT_EQ(plm::io::h5::readIntAttribute(file, "max_residues"), 10);
+  auto lengths = plm::test::detail::readAll<std::int64_t>(file, "lengths");
+  EXPECT_EQ(lengths, (std::vector<std::int64_t>{16, 10, 3}));
+  auto offsets = plm::test::detail::readAll<std::int64_t>(file, "offsets");
+  EXPECT_EQ(offsets, (std::vector<std::int64_t>{0, 12, 24, 29}));
+  auto embeddings = plm::test::detail::readAll<float>(file, "embeddings");
+  const int h = config.hidden;
+  for (int c = 0; c < h; ++c)
+    EXPECT_EQ(embeddings[c], embeddings[h + c]) << c;  // long == its prefix
+  auto logits = plm::test::detail::readAll<float>(file, "logits");
+  for (int i = 0; i < 12 * 33; ++i) ASSERT_EQ(logits[i], logits[12 * 33 + i]) << i;
+  file = plm::io::h5::Hid();
+  removeAll({model, fasta, out});
+}
+
+TEST(Embed, BadInputsAreRefused) {
+  const std::string fasta = tempPath("bad.fasta");
+  if (rank() == 0) {
+    std::ofstream os(fasta);
+    os << ">x\nMKT\n";
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  auto message = [&](const std::vector<std::string>& argv) {
+    try {
+      plm::cli::runEmbed(argv);
+    } catch (const plm::Error& e) {
+      EXPECT_TRUE(e.collective());
+      return std::string(e.what());
+    }
+    return std::string();
+  };
+  EXPECT_NE(message({"--checkpoint", "missing.h5", "--fasta", fasta, "--out", "o.h5"})
+                .find("does not exist"),
+            std::string::npos);
+  EXPECT_NE(message({"--fasta", fasta, "--out", "o.h5"})
+                .find("--checkpoint, --fasta and --out are required"),
+            std::string::npos);
+  EXPECT_NE(message({"--checkpoint", fasta, "--fasta", fasta, "--out", "o.h5"})
+                .find("not a readable HDF5 file"),
+            std::string::npos);
+  removeAll({fasta});
+}
