@@ -1,19 +1,20 @@
 #!/usr/bin/env bash
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
-#   validation/gpu_run.sh [STAGE ...]   stages: info tests bench train hf  (default: all)
+#   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 pkg=${PLM_PKG:-$repo/build-cuda/pkg}
-out=${OUT:-$repo/out}
-mkdir -p "$out"
+final_out=${OUT:-$repo/out}
+out=$(mktemp -d /tmp/plm-gpu-run.XXXX)  # logs gather here; $OUT gets summary.txt + logs.tgz
+mkdir -p "$final_out"
 export LD_LIBRARY_PATH="$pkg/lib:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 NCCL_NVLS_ENABLE=0
 export PYTHONUNBUFFERED=1
 stages=("$@")
-[[ ${#stages[@]} -eq 0 ]] && stages=(info tests bench train hf)
+[[ ${#stages[@]} -eq 0 ]] && stages=(info tests bench parity train hf)
 summary="$out/summary.txt"
 : > "$summary"
 note() { echo "$*" | tee -a "$summary"; }
@@ -48,8 +49,24 @@ if has bench && [[ -x "$pkg/bin/bench_gpu" ]]; then
   cat "$out/bench_gpu.log" >> "$summary"
 fi
 
-if has train && [[ -x "$pkg/bin/plm" && -f "$repo/validation/gpu_train.sh" ]]; then
-  bash "$repo/validation/gpu_train.sh" "$pkg" "$out" >> "$summary" 2>&1
+if has train && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
+  # preset:tokens-per-micro-batch; PLM_TRAIN_RUNS overrides.
+  for run in ${PLM_TRAIN_RUNS:-esm2_8m:65536 esm2_8m:24576 esm2_35m:24576 esm2_150m:24576 esm2_650m:24576}; do
+    timeout 300 "$pkg/bin/bench_gpu_train" "${run%%:*}" "${run##*:}" ${PLM_TRAIN_STEPS:-20} \
+      > "$out/train_${run%%:*}_${run##*:}.log" 2>&1
+    note "bench_gpu_train $run rc=$?"
+    grep -E "RESULT|breakdown|^    |step 0|error" "$out/train_${run%%:*}_${run##*:}.log" | tee -a "$summary"
+  done
+fi
+
+if has parity && [[ -x "$pkg/bin/gpu_parity_dump" ]]; then
+  # layers hidden heads ffn: head_dim 16 (like esm2_8m) and 64 (like esm2_650m)
+  for shape in "3 160 10 640" "2 256 4 1024"; do
+    d=$(mktemp -d /tmp/plm-parity.XXXX)
+    "$pkg/bin/gpu_parity_dump" "$d" $shape > "$out/parity_dump.log" 2>&1
+    note "gpu_parity_dump $shape rc=$? $(tail -1 "$out/parity_dump.log")"
+    python3 "$repo/validation/gpu_parity_hf.py" "$d" 2>&1 | grep -v Warning | tee -a "$summary"
+  done
 fi
 
 if has hf; then
@@ -58,4 +75,6 @@ if has hf; then
   note "bench_hf rc=$?"
   tail -20 "$out/bench_hf.log" >> "$summary"
 fi
+tar czf "$final_out/logs.tgz" -C "$out" .
+cp "$summary" "$final_out/summary.txt"
 echo "==== summary"; cat "$summary"

@@ -93,14 +93,15 @@ __device__ __forceinline__ void accToA(std::uint32_t (&a)[4], const float (&acc)
   a[3] = pack(acc[2 * c + 1][2], acc[2 * c + 1][3]);
 }
 
-// ROWS x D tile of a (T, H, D) tensor into shared memory; rows at or past `valid` become zeros.
+// ROWS x D tile of a (T, H, dh) tensor into shared memory; rows at or past `valid` and columns
+// at or past the true head_dim dh (D is dh rounded up to a multiple of 16) become zeros.
 template <int ROWS, int D, int THREADS>
 __device__ __forceinline__ void loadTile(bfloat* smem, const bfloat* gmem, std::int64_t stride,
-                                         int valid) {
+                                         int valid, int dh) {
   constexpr int chunks = D / 8;
   for (int i = threadIdx.x; i < ROWS * chunks; i += THREADS) {
     int r = i / chunks, c = i % chunks;
-    bool ok = r < valid;
+    bool ok = r < valid && c * 8 < dh;
     cpAsync16(smem + r * (D + kPad) + c * 8, ok ? gmem + r * stride + c * 8 : gmem, ok);
   }
 }
@@ -110,7 +111,7 @@ __device__ __forceinline__ void loadTile(bfloat* smem, const bfloat* gmem, std::
 template <int D>
 __device__ __forceinline__ void storeRows(const float (&acc)[D / 8][4], float scale, bfloat* stage,
                                           int row0, bfloat* gmem, std::int64_t stride, int valid,
-                                          int lane) {
+                                          int dh, int lane) {
   int g = lane >> 2, t = lane & 3;
   constexpr int ld = D + kPad;
 #pragma unroll
@@ -124,7 +125,7 @@ __device__ __forceinline__ void storeRows(const float (&acc)[D / 8][4], float sc
   constexpr int chunks = D / 8;
   for (int i = lane; i < 16 * chunks; i += 32) {
     int r = i / chunks, c = i % chunks;
-    if (row0 + r < valid)
+    if (row0 + r < valid && c * 8 < dh)
       *reinterpret_cast<uint4*>(gmem + (row0 + r) * stride + c * 8) =
           *reinterpret_cast<const uint4*>(stage + (row0 + r) * ld + c * 8);
   }
@@ -158,14 +159,14 @@ __global__ void __launch_bounds__(128) flashForwardKernel(FlashParams p) {
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int g = lane >> 2, t = lane & 3;
 
-  const bfloat* qg = reinterpret_cast<const bfloat*>(p.q) + (seq.start + q0) * p.q_stride + h * D;
-  const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + seq.start * p.k_stride + h * D;
-  const bfloat* vg = reinterpret_cast<const bfloat*>(p.v) + seq.start * p.v_stride + h * D;
+  const bfloat* qg = reinterpret_cast<const bfloat*>(p.q) + (seq.start + q0) * p.q_stride + h * p.head_dim;
+  const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + seq.start * p.k_stride + h * p.head_dim;
+  const bfloat* vg = reinterpret_cast<const bfloat*>(p.v) + seq.start * p.v_stride + h * p.head_dim;
   int nblocks = (seq.len + BN - 1) / BN;
 
-  loadTile<BM, D, THREADS>(qs, qg, p.q_stride, seq.len - q0);
-  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, seq.len);
-  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, seq.len);
+  loadTile<BM, D, THREADS>(qs, qg, p.q_stride, seq.len - q0, p.head_dim);
+  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, seq.len, p.head_dim);
+  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, seq.len, p.head_dim);
   cpAsyncCommit();
 
   std::uint32_t qf[D / 16][4];
@@ -180,9 +181,9 @@ __global__ void __launch_bounds__(128) flashForwardKernel(FlashParams p) {
     if (j + 1 < nblocks) {
       int next = (j + 1) * BN;
       loadTile<BN, D, THREADS>(ks + (buf ^ 1) * BN * LD, kg + next * p.k_stride, p.k_stride,
-                               seq.len - next);
+                               seq.len - next, p.head_dim);
       loadTile<BN, D, THREADS>(vs + (buf ^ 1) * BN * LD, vg + next * p.v_stride, p.v_stride,
-                               seq.len - next);
+                               seq.len - next, p.head_dim);
       cpAsyncCommit();
       cpAsyncWait<1>();
     } else {
@@ -281,8 +282,8 @@ __global__ void __launch_bounds__(128) flashForwardKernel(FlashParams p) {
     o[nt][2] *= inv1;
     o[nt][3] *= inv1;
   }
-  bfloat* og = reinterpret_cast<bfloat*>(p.o) + (seq.start + q0) * p.o_stride + h * D;
-  storeRows<D>(o, 1.0f, qs, warp * 16, og, p.o_stride, seq.len - q0, lane);
+  bfloat* og = reinterpret_cast<bfloat*>(p.o) + (seq.start + q0) * p.o_stride + h * p.head_dim;
+  storeRows<D>(o, 1.0f, qs, warp * 16, og, p.o_stride, seq.len - q0, p.head_dim, lane);
   if (t == 0) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -306,10 +307,10 @@ __global__ void flashBackwardDeltaKernel(FlashParams p) {
   if (ok) {
     std::int64_t tok = row / p.heads;
     int h = static_cast<int>(row % p.heads);
-    const bfloat* dog = reinterpret_cast<const bfloat*>(p.dout) + tok * p.dout_stride + h * D;
-    const bfloat* og = reinterpret_cast<const bfloat*>(p.o) + tok * p.o_stride + h * D;
+    const bfloat* dog = reinterpret_cast<const bfloat*>(p.dout) + tok * p.dout_stride + h * p.head_dim;
+    const bfloat* og = reinterpret_cast<const bfloat*>(p.o) + tok * p.o_stride + h * p.head_dim;
 #pragma unroll
-    for (int c = sub; c < D / 8; c += 8) {
+    for (int c = sub; c < p.head_dim / 8; c += 8) {
       uint4 a = *reinterpret_cast<const uint4*>(dog + c * 8);
       uint4 b = *reinterpret_cast<const uint4*>(og + c * 8);
       const __nv_bfloat162* a2 = reinterpret_cast<const __nv_bfloat162*>(&a);
@@ -350,17 +351,17 @@ __global__ void __launch_bounds__(128) flashBackwardKVKernel(FlashParams p) {
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int t = lane & 3;
 
-  const bfloat* qg = reinterpret_cast<const bfloat*>(p.q) + seq.start * p.q_stride + h * D;
-  const bfloat* dog = reinterpret_cast<const bfloat*>(p.dout) + seq.start * p.dout_stride + h * D;
-  const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + (seq.start + k0) * p.k_stride + h * D;
-  const bfloat* vg = reinterpret_cast<const bfloat*>(p.v) + (seq.start + k0) * p.v_stride + h * D;
+  const bfloat* qg = reinterpret_cast<const bfloat*>(p.q) + seq.start * p.q_stride + h * p.head_dim;
+  const bfloat* dog = reinterpret_cast<const bfloat*>(p.dout) + seq.start * p.dout_stride + h * p.head_dim;
+  const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + (seq.start + k0) * p.k_stride + h * p.head_dim;
+  const bfloat* vg = reinterpret_cast<const bfloat*>(p.v) + (seq.start + k0) * p.v_stride + h * p.head_dim;
   int nblocks = (seq.len + BQ - 1) / BQ;
 
   auto loadQBlock = [&](int i, int buf) {
     int q0 = i * BQ;
-    loadTile<BQ, D, THREADS>(qs + buf * BQ * LD, qg + q0 * p.q_stride, p.q_stride, seq.len - q0);
+    loadTile<BQ, D, THREADS>(qs + buf * BQ * LD, qg + q0 * p.q_stride, p.q_stride, seq.len - q0, p.head_dim);
     loadTile<BQ, D, THREADS>(dos + buf * BQ * LD, dog + q0 * p.dout_stride, p.dout_stride,
-                             seq.len - q0);
+                             seq.len - q0, p.head_dim);
     for (int r = threadIdx.x; r < BQ; r += THREADS) {
       int q = q0 + r;
       bool ok = q < seq.len;
@@ -370,8 +371,8 @@ __global__ void __launch_bounds__(128) flashBackwardKVKernel(FlashParams p) {
     }
   };
 
-  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, seq.len - k0);
-  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, seq.len - k0);
+  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, seq.len - k0, p.head_dim);
+  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, seq.len - k0, p.head_dim);
   loadQBlock(0, 0);
   cpAsyncCommit();
 
@@ -446,10 +447,11 @@ __global__ void __launch_bounds__(128) flashBackwardKVKernel(FlashParams p) {
     __syncthreads();
   }
 
-  bfloat* dkg = reinterpret_cast<bfloat*>(p.dk) + (seq.start + k0) * p.dk_stride + h * D;
-  bfloat* dvg = reinterpret_cast<bfloat*>(p.dv) + (seq.start + k0) * p.dv_stride + h * D;
-  storeRows<D>(dk, p.softmax_scale, ks, warp * 16, dkg, p.dk_stride, seq.len - k0, lane);
-  storeRows<D>(dv, 1.0f, vs, warp * 16, dvg, p.dv_stride, seq.len - k0, lane);
+  bfloat* dkg = reinterpret_cast<bfloat*>(p.dk) + (seq.start + k0) * p.dk_stride + h * p.head_dim;
+  bfloat* dvg = reinterpret_cast<bfloat*>(p.dv) + (seq.start + k0) * p.dv_stride + h * p.head_dim;
+  storeRows<D>(dk, p.softmax_scale, ks, warp * 16, dkg, p.dk_stride, seq.len - k0, p.head_dim,
+              lane);
+  storeRows<D>(dv, 1.0f, vs, warp * 16, dvg, p.dv_stride, seq.len - k0, p.head_dim, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -472,17 +474,17 @@ __global__ void __launch_bounds__(128) flashBackwardQKernel(FlashParams p) {
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int g = lane >> 2, t = lane & 3;
 
-  const bfloat* qg = reinterpret_cast<const bfloat*>(p.q) + (seq.start + q0) * p.q_stride + h * D;
+  const bfloat* qg = reinterpret_cast<const bfloat*>(p.q) + (seq.start + q0) * p.q_stride + h * p.head_dim;
   const bfloat* dog =
-      reinterpret_cast<const bfloat*>(p.dout) + (seq.start + q0) * p.dout_stride + h * D;
-  const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + seq.start * p.k_stride + h * D;
-  const bfloat* vg = reinterpret_cast<const bfloat*>(p.v) + seq.start * p.v_stride + h * D;
+      reinterpret_cast<const bfloat*>(p.dout) + (seq.start + q0) * p.dout_stride + h * p.head_dim;
+  const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + seq.start * p.k_stride + h * p.head_dim;
+  const bfloat* vg = reinterpret_cast<const bfloat*>(p.v) + seq.start * p.v_stride + h * p.head_dim;
   int nblocks = (seq.len + BN - 1) / BN;
 
-  loadTile<BM, D, THREADS>(qs, qg, p.q_stride, seq.len - q0);
-  loadTile<BM, D, THREADS>(dos, dog, p.dout_stride, seq.len - q0);
-  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, seq.len);
-  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, seq.len);
+  loadTile<BM, D, THREADS>(qs, qg, p.q_stride, seq.len - q0, p.head_dim);
+  loadTile<BM, D, THREADS>(dos, dog, p.dout_stride, seq.len - q0, p.head_dim);
+  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, seq.len, p.head_dim);
+  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, seq.len, p.head_dim);
   cpAsyncCommit();
 
   float lse2[2], del[2];
@@ -506,9 +508,9 @@ __global__ void __launch_bounds__(128) flashBackwardQKernel(FlashParams p) {
     if (j + 1 < nblocks) {
       int next = (j + 1) * BN;
       loadTile<BN, D, THREADS>(ks + (buf ^ 1) * BN * LD, kg + next * p.k_stride, p.k_stride,
-                               seq.len - next);
+                               seq.len - next, p.head_dim);
       loadTile<BN, D, THREADS>(vs + (buf ^ 1) * BN * LD, vg + next * p.v_stride, p.v_stride,
-                               seq.len - next);
+                               seq.len - next, p.head_dim);
       cpAsyncCommit();
       cpAsyncWait<1>();
     } else {
@@ -567,8 +569,9 @@ __global__ void __launch_bounds__(128) flashBackwardQKernel(FlashParams p) {
     __syncthreads();
   }
 
-  bfloat* dqg = reinterpret_cast<bfloat*>(p.dq) + (seq.start + q0) * p.dq_stride + h * D;
-  storeRows<D>(dq, p.softmax_scale, qs, warp * 16, dqg, p.dq_stride, seq.len - q0, lane);
+  bfloat* dqg = reinterpret_cast<bfloat*>(p.dq) + (seq.start + q0) * p.dq_stride + h * p.head_dim;
+  storeRows<D>(dq, p.softmax_scale, qs, warp * 16, dqg, p.dq_stride, seq.len - q0, p.head_dim,
+              lane);
 }
 
 template <class Kernel>
@@ -580,10 +583,10 @@ void launch(Kernel kernel, dim3 grid, int smem, Stream stream, const FlashParams
 }
 
 void checkParams(const FlashParams& p) {
-  if (p.head_dim != 64 && p.head_dim != 128)
+  if (p.head_dim <= 0 || p.head_dim % 8 != 0 || p.head_dim > 128)
     throw Error("plm::gpu::flashAttention: head_dim " + std::to_string(p.head_dim) +
-                " is not supported on the GPU (64 or 128); use a model whose hidden/heads is 64 "
-                "or 128, or the portable attention path");
+                " is not supported on the GPU (a multiple of 8 up to 128); use the portable "
+                "attention path for this model");
 }
 
 template <int D>
@@ -617,7 +620,11 @@ void backwardD(Stream stream, const FlashParams& p) {
 void flashAttentionForward(Stream stream, const FlashParams& p) {
   checkParams(p);
   if (p.num_seqs == 0 || p.total_tokens == 0) return;
-  if (p.head_dim == 64)
+  if (p.head_dim <= 16)
+    forwardD<16>(stream, p);
+  else if (p.head_dim <= 32)
+    forwardD<32>(stream, p);
+  else if (p.head_dim <= 64)
     forwardD<64>(stream, p);
   else
     forwardD<128>(stream, p);
@@ -626,7 +633,11 @@ void flashAttentionForward(Stream stream, const FlashParams& p) {
 void flashAttentionBackward(Stream stream, const FlashParams& p) {
   checkParams(p);
   if (p.num_seqs == 0 || p.total_tokens == 0) return;
-  if (p.head_dim == 64)
+  if (p.head_dim <= 16)
+    backwardD<16>(stream, p);
+  else if (p.head_dim <= 32)
+    backwardD<32>(stream, p);
+  else if (p.head_dim <= 64)
     backwardD<64>(stream, p);
   else
     backwardD<128>(stream, p);

@@ -9,7 +9,9 @@
 // (double-buffered cp.async).  Backward runs two kernels instead of FA2's atomics: one per key
 // block (dK, dV; recomputes P^T from the saved log-sum-exp) and one per query block (dQ;
 // recomputes P and dP).  That is 7 matrix products instead of 5, traded for no fp32 atomics, no
-// dQ accumulation buffer and no shared-memory transposes.  head_dim 64 and 128.
+// dQ accumulation buffer and no shared-memory transposes.  head_dim: any multiple of 8 up to 128
+// (kernels exist for 16, 32, 64 and 128; a head_dim in between is zero-padded in shared memory,
+// e.g. ESM-2 35M's 24 runs as 32).
 #pragma once
 
 #include "gpu/device.hpp"
@@ -31,7 +33,7 @@ struct FlashParams {
   int max_seqlen = 0;
   std::int64_t total_tokens = 0;
   int heads = 0;
-  int head_dim = 0;  // 64 or 128
+  int head_dim = 0;  // multiple of 8, <= 128
   float softmax_scale = 1.0f;
 
   // Backward only.

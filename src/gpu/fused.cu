@@ -130,7 +130,7 @@ __device__ __forceinline__ int sequenceOf(const std::int32_t* cu, int num_seqs, 
 
 __global__ void rotaryKernel(bf16* q, std::int64_t q_stride, bf16* k, std::int64_t k_stride,
                              const std::int32_t* cu, int num_seqs, std::int64_t tokens, int heads,
-                             int head_dim, float sign) {
+                             int head_dim, float sign, float q_scale) {
   int half = head_dim / 2;
   std::int64_t idx = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   std::int64_t per_token = static_cast<std::int64_t>(heads) * half;
@@ -149,9 +149,10 @@ __global__ void rotaryKernel(bf16* q, std::int64_t q_stride, bf16* k, std::int64
                      reinterpret_cast<bfloat*>(k) + t * k_stride + h * head_dim};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
+    float f = r == 0 ? q_scale : 1.0f;
     float x1 = __bfloat162float(rows[r][i]), x2 = __bfloat162float(rows[r][i + half]);
-    rows[r][i] = __float2bfloat16(x1 * c - x2 * s);
-    rows[r][i + half] = __float2bfloat16(x2 * c + x1 * s);
+    rows[r][i] = __float2bfloat16(f * (x1 * c - x2 * s));
+    rows[r][i + half] = __float2bfloat16(f * (x2 * c + x1 * s));
   }
 }
 
@@ -171,7 +172,9 @@ __device__ float tokenDropoutScale(const std::uint8_t* ids, std::int64_t start, 
   return (1.0f - 0.15f * 0.8f) / (1.0f - observed);
 }
 
-__global__ void embeddingForwardKernel(const std::uint8_t* ids, const bf16* weight, bf16* out,
+// Block = (sequence, 128-column chunk), so short batches still fill the machine.
+template <class TOut>
+__global__ void embeddingForwardKernel(const std::uint8_t* ids, const bf16* weight, TOut* out,
                                        const std::int32_t* cu, int cols, int mask_id,
                                        bool token_dropout) {
   __shared__ int count;
@@ -179,21 +182,26 @@ __global__ void embeddingForwardKernel(const std::uint8_t* ids, const bf16* weig
   std::int64_t start = cu[s];
   int len = cu[s + 1] - cu[s];
   float scale = tokenDropoutScale(ids, start, len, mask_id, token_dropout, &count);
-  int pairs = cols / 2;
+  int pair0 = blockIdx.y * 64;
+  int pairs = min(64, cols / 2 - pair0);
   for (std::int64_t i = threadIdx.x; i < static_cast<std::int64_t>(len) * pairs; i += blockDim.x) {
     std::int64_t t = start + i / pairs;
-    int c = static_cast<int>(i % pairs);
+    int c = pair0 + static_cast<int>(i % pairs);
     int id = ids[t];
     float2 w = load2(weight + static_cast<std::int64_t>(id) * cols, c);
     float f = (token_dropout && id == mask_id) ? 0.0f : scale;
-    store2(out + t * cols, c, w.x * f, w.y * f);
+    if constexpr (sizeof(TOut) == 4) {
+      reinterpret_cast<float2*>(out + t * cols)[c] = make_float2(w.x * f, w.y * f);
+    } else {
+      store2(reinterpret_cast<bf16*>(out) + t * cols, c, w.x * f, w.y * f);
+    }
   }
 }
 
 // Block = (sequence, 128-column chunk); shared (vocab, 128) accumulator, one column per thread.
 __global__ void embeddingBackwardKernel(const std::uint8_t* ids, const bf16* dout, float* dweight,
                                         const std::int32_t* cu, int vocab, int cols, int mask_id,
-                                        bool token_dropout) {
+                                        bool token_dropout, int padding_id) {
   extern __shared__ float acc[];  // (vocab, 128)
   __shared__ int count;
   int s = blockIdx.x;
@@ -206,7 +214,7 @@ __global__ void embeddingBackwardKernel(const std::uint8_t* ids, const bf16* dou
   if (c < cols) {
     for (int i = 0; i < len; ++i) {
       int id = ids[start + i];
-      if (token_dropout && id == mask_id) continue;
+      if ((token_dropout && id == mask_id) || id == padding_id) continue;
       acc[id * 128 + threadIdx.x] +=
           scale * __bfloat162float(reinterpret_cast<const bfloat*>(dout)[(start + i) * cols + c]);
     }
@@ -223,13 +231,14 @@ __global__ void embeddingBackwardKernel(const std::uint8_t* ids, const bf16* dou
 
 __global__ void crossEntropyKernel(const float* logits, const std::int32_t* labels, bf16* dlogits,
                                    double* loss_sum, std::int64_t rows, int vocab,
-                                   float grad_scale) {
+                                   float grad_scale, int ld) {
   std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32;
   int lane = threadIdx.x & 31;
   if (row >= rows) return;
-  const float* lr = logits + row * vocab;
-  bfloat* dr = reinterpret_cast<bfloat*>(dlogits) + row * vocab;
+  const float* lr = logits + row * ld;
+  bfloat* dr = reinterpret_cast<bfloat*>(dlogits) + row * ld;
   int label = labels[row];
+  for (int i = vocab + lane; i < ld; i += 32) dr[i] = __float2bfloat16(0.0f);
   if (label < 0) {
     for (int i = lane; i < vocab; i += 32) dr[i] = __float2bfloat16(0.0f);
     return;
@@ -298,7 +307,7 @@ __global__ void adamwKernel(float* master, const float* grad, float* m, float* v
     m[i] = mi;
     v[i] = vi;
     master[i] = w;
-    reinterpret_cast<bfloat*>(param)[i] = __float2bfloat16(w);
+    if (param) reinterpret_cast<bfloat*>(param)[i] = __float2bfloat16(w);
   }
 }
 
@@ -334,12 +343,12 @@ void layerNormBackward(Stream stream, const bf16* dy, const bf16* x, const bf16*
 
 void rotary(Stream stream, bf16* q, std::int64_t q_stride, bf16* k, std::int64_t k_stride,
             const std::int32_t* cu_seqlens, int num_seqs, std::int64_t tokens, int heads,
-            int head_dim, bool inverse) {
+            int head_dim, bool inverse, float q_scale) {
   std::int64_t work = tokens * heads * (head_dim / 2);
   if (work == 0) return;
   rotaryKernel<<<blocksFor(work, 256), 256, 0, stream>>>(q, q_stride, k, k_stride, cu_seqlens,
                                                          num_seqs, tokens, heads, head_dim,
-                                                         inverse ? -1.0f : 1.0f);
+                                                         inverse ? -1.0f : 1.0f, q_scale);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -348,14 +357,26 @@ void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight
                       bool token_dropout) {
   if (num_seqs == 0) return;
   PLM_REQUIRE(cols % 2 == 0, "plm::gpu::embeddingForward: cols must be even");
-  embeddingForwardKernel<<<num_seqs, 256, 0, stream>>>(ids, weight, out, cu_seqlens, cols, mask_id,
-                                                       token_dropout);
+  dim3 grid(num_seqs, (cols / 2 + 63) / 64);
+  embeddingForwardKernel<bf16><<<grid, 256, 0, stream>>>(ids, weight, out, cu_seqlens, cols,
+                                                         mask_id, token_dropout);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight, float* out,
+                      const std::int32_t* cu_seqlens, int num_seqs, int cols, int mask_id,
+                      bool token_dropout) {
+  if (num_seqs == 0) return;
+  PLM_REQUIRE(cols % 2 == 0, "plm::gpu::embeddingForward: cols must be even");
+  dim3 grid(num_seqs, (cols / 2 + 63) / 64);
+  embeddingForwardKernel<float><<<grid, 256, 0, stream>>>(ids, weight, out, cu_seqlens, cols,
+                                                          mask_id, token_dropout);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
 void embeddingBackward(Stream stream, const std::uint8_t* ids, const bf16* dout, float* dweight,
                        const std::int32_t* cu_seqlens, int num_seqs, int vocab, int cols,
-                       int mask_id, bool token_dropout) {
+                       int mask_id, bool token_dropout, int padding_id) {
   if (num_seqs == 0) return;
   int smem = vocab * 128 * static_cast<int>(sizeof(float));
   if (smem > 48 * 1024)
@@ -363,15 +384,16 @@ void embeddingBackward(Stream stream, const std::uint8_t* ids, const bf16* dout,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid(num_seqs, (cols + 127) / 128);
   embeddingBackwardKernel<<<grid, 128, smem, stream>>>(ids, dout, dweight, cu_seqlens, vocab,
-                                                       cols, mask_id, token_dropout);
+                                                       cols, mask_id, token_dropout, padding_id);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
 void crossEntropy(Stream stream, const float* logits, const std::int32_t* labels, bf16* dlogits,
-                  double* loss_sum, std::int64_t rows, int vocab, float grad_scale) {
+                  double* loss_sum, std::int64_t rows, int vocab, float grad_scale, int ld) {
   if (rows == 0) return;
   crossEntropyKernel<<<blocksFor(rows, 8), 256, 0, stream>>>(logits, labels, dlogits, loss_sum,
-                                                             rows, vocab, grad_scale);
+                                                             rows, vocab, grad_scale,
+                                                             ld > 0 ? ld : vocab);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -23,10 +23,11 @@ void layerNormBackward(Stream stream, const bf16* dy, const bf16* x, const bf16*
                        float* dbeta, std::int64_t rows, int cols);
 
 /// \brief ESM-2 rotary embedding, in place on q and k (T, H, D) (row strides in elements);
-/// positions restart at every sequence.  `inverse` applies the transpose (backward pass).
+/// positions restart at every sequence.  q is also multiplied by q_scale (ESM-2 scales q by
+/// head_dim^-1/2 before rotating).  `inverse` applies the transpose (backward pass).
 void rotary(Stream stream, bf16* q, std::int64_t q_stride, bf16* k, std::int64_t k_stride,
             const std::int32_t* cu_seqlens, int num_seqs, std::int64_t tokens, int heads,
-            int head_dim, bool inverse);
+            int head_dim, bool inverse, float q_scale = 1.0f);
 
 /// \brief out[t] = W[ids[t]] * scale(seq) with ESM-2 token dropout: <mask> rows are zero and the
 /// rest are scaled by (1 - 0.15 * 0.8) / (1 - masked fraction of the sequence).
@@ -34,16 +35,23 @@ void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight
                       const std::int32_t* cu_seqlens, int num_seqs, int cols, int mask_id,
                       bool token_dropout);
 
-/// \brief dW[ids[t]] += scale(seq) * dout[t] (fp32 dW, (vocab, cols)), <mask> rows excluded.
+/// \brief The same into an fp32 residual stream.
+void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight, float* out,
+                      const std::int32_t* cu_seqlens, int num_seqs, int cols, int mask_id,
+                      bool token_dropout);
+
+/// \brief dW[ids[t]] += scale(seq) * dout[t] (fp32 dW, (vocab, cols)); <mask> rows and the
+/// padding row (PyTorch's padding_idx, -1 for none) receive nothing.
 void embeddingBackward(Stream stream, const std::uint8_t* ids, const bf16* dout, float* dweight,
                        const std::int32_t* cu_seqlens, int num_seqs, int vocab, int cols,
-                       int mask_id, bool token_dropout);
+                       int mask_id, bool token_dropout, int padding_id = -1);
 
-/// \brief Softmax cross-entropy over rows of logits (rows, vocab) fp32 with labels (-100 =
-/// ignore): adds the loss sum to *loss_sum (device double) and writes
-/// dlogits = grad_scale * (softmax - onehot) (0 on ignored rows) as bf16, in one pass.
+/// \brief Softmax cross-entropy over rows of logits (rows, vocab; row stride ld >= vocab) fp32
+/// with labels (-100 = ignore): adds the loss sum to *loss_sum (device double) and writes
+/// dlogits = grad_scale * (softmax - onehot) (0 on ignored rows and in columns vocab..ld-1) as
+/// bf16 with the same row stride, in one pass.  ld = 0 means vocab.
 void crossEntropy(Stream stream, const float* logits, const std::int32_t* labels, bf16* dlogits,
-                  double* loss_sum, std::int64_t rows, int vocab, float grad_scale);
+                  double* loss_sum, std::int64_t rows, int vocab, float grad_scale, int ld = 0);
 
 /// \brief sum of squares of x (fp32, n) added to *out (device double).
 void sumSquares(Stream stream, const float* x, std::int64_t n, double* out);
@@ -57,7 +65,7 @@ struct AdamWParams {
 };
 
 /// \brief One AdamW step over the flat parameter buffer (n): fp32 master, m, v updated in
-/// place, bf16 compute copy written.  Tensors [seg_offsets[i], seg_offsets[i+1]) are decayed
+/// place, bf16 compute copy written (unless param_bf16 is null).  Tensors [seg_offsets[i], seg_offsets[i+1]) are decayed
 /// when seg_decay[i] (device arrays, num_segments + 1 offsets).
 void adamwStep(Stream stream, float* master, const float* grad, float* m, float* v,
                bf16* param_bf16, std::int64_t n, const std::int64_t* seg_offsets,

@@ -31,11 +31,11 @@ cublasLtEpilogue_t ltEpilogue(Epilogue e) {
 }
 
 using PlanKey = std::tuple<bool, bool, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                           std::int64_t, std::int64_t, int, int, int, std::int64_t, bool>;
+                           std::int64_t, std::int64_t, int, int, std::int64_t, std::int64_t, bool>;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, d = nullptr;  // cuBLASLt's A, B, C=D
+  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;  // cuBLASLt's
   cublasLtMatmulAlgo_t algo{};
 };
 
@@ -50,7 +50,7 @@ struct Gemm::Impl {
   Plan& plan(const GemmArgs& g) {
     PlanKey key{g.trans_a, g.trans_b, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
                 static_cast<int>(g.d_type), static_cast<int>(g.epilogue),
-                0, g.ldaux, g.beta != 0.0f};
+                g.c ? g.ldc : -1, g.ldaux, g.beta != 0.0f};
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
 
@@ -77,6 +77,8 @@ struct Gemm::Impl {
     PLM_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, a_rows, a_cols, g.ldb));
     PLM_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, b_rows, b_cols, g.lda));
     PLM_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&p.d, cudaType(g.d_type), g.n, g.m, g.ldd));
+    PLM_CHECK_CUBLAS(
+        cublasLtMatrixLayoutCreate(&p.c, cudaType(g.d_type), g.n, g.m, g.c ? g.ldc : g.ldd));
 
     cublasLtMatmulPreference_t pref = nullptr;
     PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
@@ -84,7 +86,7 @@ struct Gemm::Impl {
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    PLM_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.d, p.d, pref, 1,
+    PLM_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref, 1,
                                                     &result, &found));
     cublasLtMatmulPreferenceDestroy(pref);
     if (found == 0)
@@ -100,6 +102,7 @@ struct Gemm::Impl {
     for (auto& [key, p] : plans) {
       cublasLtMatrixLayoutDestroy(p.a);
       cublasLtMatrixLayoutDestroy(p.b);
+      cublasLtMatrixLayoutDestroy(p.c);
       cublasLtMatrixLayoutDestroy(p.d);
       cublasLtMatmulDescDestroy(p.desc);
     }
@@ -134,7 +137,8 @@ void Gemm::run(Stream stream, const GemmArgs& g) {
         p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)));
   }
   PLM_CHECK_CUBLAS(cublasLtMatmul(impl_member->handle, p.desc, &g.alpha, g.b, p.a, g.a, p.b,
-                                  &g.beta, g.d, p.d, g.d, p.d, &p.algo, impl_member->workspace,
+                                  &g.beta, g.c ? g.c : g.d, p.c, g.d, p.d, &p.algo,
+                                  impl_member->workspace,
                                   impl_member->workspace_bytes, stream));
 }
 
@@ -180,7 +184,8 @@ __global__ void gemmReferenceKernel(GemmArgs g) {
     acc += a * b;
   }
   float v = g.alpha * acc;
-  if (g.beta != 0.0f) v += g.beta * load(g.d, g.d_type, m * g.ldd + n);
+  if (g.beta != 0.0f)
+    v += g.beta * (g.c ? load(g.c, g.d_type, m * g.ldc + n) : load(g.d, g.d_type, m * g.ldd + n));
   if (g.epilogue == Epilogue::Bias) v += load(g.bias, g.d_type, n);
   if (g.epilogue == Epilogue::BiasGeluAux) {
     v += load(g.bias, g.d_type, n);

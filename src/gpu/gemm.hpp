@@ -42,7 +42,9 @@ struct GemmArgs {
   std::int64_t ldd = 0;
   DType d_type = DType::BF16;
   float alpha = 1.0f;
-  float beta = 0.0f;  // C is D itself (in place): beta = 1 accumulates into D
+  float beta = 0.0f;  // with c == nullptr, C is D itself: beta = 1 accumulates into D
+  const void* c = nullptr;  // optional separate C (d_type, ldc): D = alpha AB + beta C
+  std::int64_t ldc = 0;
   Epilogue epilogue = Epilogue::None;
   const void* bias = nullptr;  // Bias, BiasGeluAux: d_type, length n
   void* aux = nullptr;         // BiasGeluAux (written) / DGelu (read): bf16 (M,N), ld = ldaux

@@ -181,9 +181,16 @@ TEST(FlashAttention, RandomLengths) {
   checkCase({128, 1, lengths, 37});
 }
 
+TEST(FlashAttention, SmallHeadDimsOfEsm2Presets) {
+  // esm2_8m: 16, esm2_35m: 24 (zero-padded to 32 inside), esm2_150m: 32.
+  checkCase({16, 3, {1, 130, 1024, 64}, 41});
+  checkCase({24, 2, {77, 1, 300, 1024}, 43});
+  checkCase({32, 2, {5, 640, 1}, 47});
+}
+
 TEST(FlashAttention, RejectsUnsupportedHeadDim) {
   FlashParams p;
-  p.head_dim = 80;
+  p.head_dim = 20;
   EXPECT_THROW(flashAttentionForward(nullptr, p), Error);
 }
 

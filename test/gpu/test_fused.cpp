@@ -72,7 +72,8 @@ TEST(FusedKernels, RotaryPositionsRestartPerSequenceAndInverseUndoes) {
   DeviceBuffer<std::int32_t> cu_dev(cu);
   bf16* q = qkv.get();
   bf16* k = qkv.get() + heads * dim;
-  rotary(nullptr, q, stride, k, stride, cu_dev.get(), 4, tokens, heads, dim, false);
+  const float q_scale = 0.125f;
+  rotary(nullptr, q, stride, k, stride, cu_dev.get(), 4, tokens, heads, dim, false, q_scale);
   auto out = test::downloadBf16(qkv.device);
   std::vector<double> ref(qkv.values.begin(), qkv.values.end());
   for (std::size_t s = 0; s + 1 < cu.size(); ++s)
@@ -84,15 +85,16 @@ TEST(FusedKernels, RotaryPositionsRestartPerSequenceAndInverseUndoes) {
             double ang = (t - cu[s]) * inv_freq;
             std::int64_t base = t * stride + which * heads * dim + h * dim;
             double x1 = qkv.values[base + i], x2 = qkv.values[base + i + dim / 2];
-            ref[base + i] = x1 * std::cos(ang) - x2 * std::sin(ang);
-            ref[base + i + dim / 2] = x2 * std::cos(ang) + x1 * std::sin(ang);
+            double f = which == 0 ? q_scale : 1.0;
+            ref[base + i] = f * (x1 * std::cos(ang) - x2 * std::sin(ang));
+            ref[base + i + dim / 2] = f * (x2 * std::cos(ang) + x1 * std::sin(ang));
           }
   EXPECT_LT(test::relError(out, ref), 1e-2);
   // V (the third block of each row) is untouched.
   for (std::int64_t t = 0; t < tokens; ++t)
     for (int i = 0; i < heads * dim; ++i)
       ASSERT_EQ(out[t * stride + 2 * heads * dim + i], qkv.values[t * stride + 2 * heads * dim + i]);
-  rotary(nullptr, q, stride, k, stride, cu_dev.get(), 4, tokens, heads, dim, true);
+  rotary(nullptr, q, stride, k, stride, cu_dev.get(), 4, tokens, heads, dim, true, 1.0f / q_scale);
   EXPECT_LT(test::relError(test::downloadBf16(qkv.device), qkv.values), 1.5e-2);
 }
 
@@ -103,7 +105,8 @@ TEST(FusedKernels, EmbeddingTokenDropoutForwardBackward) {
   std::mt19937 rng(9);
   std::vector<std::uint8_t> ids(tokens);
   for (auto& id : ids) id = static_cast<std::uint8_t>(rng() % 100 < 15 ? mask : 4 + rng() % 20);
-  ids[5] = 7;  // a length-1 sequence without a mask token
+  ids[5] = 7;    // a length-1 sequence without a mask token
+  ids[700] = 1;  // a padding token: embedded, but its row gets no gradient
   Bf16Tensor w(test::randomNormal(vocab * cols, 10)), dout(test::randomNormal(tokens * cols, 11));
   DeviceBuffer<std::uint8_t> ids_dev(ids);
   DeviceBuffer<std::int32_t> cu_dev(cu);
@@ -114,7 +117,7 @@ TEST(FusedKernels, EmbeddingTokenDropoutForwardBackward) {
   embeddingForward(nullptr, ids_dev.get(), w.get(), reinterpret_cast<bf16*>(out.get()), cu_dev.get(),
                    4, cols, mask, true);
   embeddingBackward(nullptr, ids_dev.get(), dout.get(), dw.get(), cu_dev.get(), 4, vocab, cols, mask,
-                    true);
+                    true, /*padding_id=*/1);
   std::vector<double> out_ref(tokens * cols), dw_ref(dw0.begin(), dw0.end());
   for (std::size_t s = 0; s + 1 < cu.size(); ++s) {
     int len = cu[s + 1] - cu[s], nmask = 0;
@@ -124,7 +127,7 @@ TEST(FusedKernels, EmbeddingTokenDropoutForwardBackward) {
       for (int c = 0; c < cols; ++c) {
         bool m = ids[t] == mask;
         out_ref[t * cols + c] = m ? 0.0 : w.values[ids[t] * cols + c] * scale;
-        if (!m) dw_ref[ids[t] * cols + c] += scale * dout.values[t * cols + c];
+        if (!m && ids[t] != 1) dw_ref[ids[t] * cols + c] += scale * dout.values[t * cols + c];
       }
   }
   EXPECT_LT(test::relError(test::downloadBf16(out), out_ref), 1e-2);
@@ -160,6 +163,34 @@ TEST(FusedKernels, CrossEntropyLossAndGradient) {
   }
   EXPECT_NEAR(loss.download()[0], loss_ref, 1e-5 * std::abs(loss_ref));
   EXPECT_LT(test::relError(test::downloadBf16(dlogits), d_ref), 1e-2);
+}
+
+TEST(FusedKernels, CrossEntropyWithRowStride) {
+  const std::int64_t rows = 50;
+  const int vocab = 33, ld = 40;
+  std::vector<float> logits = test::randomNormal(rows * ld, 19, 2.0f);
+  std::vector<std::int32_t> labels(rows);
+  for (std::int64_t r = 0; r < rows; ++r) labels[r] = static_cast<std::int32_t>((r * 7) % vocab);
+  DeviceBuffer<float> logits_dev(logits);
+  DeviceBuffer<std::int32_t> labels_dev(labels);
+  DeviceBuffer<std::uint16_t> dlogits(rows * ld);
+  DeviceBuffer<double> loss(std::vector<double>{0.0});
+  dlogits.poison();
+  crossEntropy(nullptr, logits_dev.get(), labels_dev.get(), reinterpret_cast<bf16*>(dlogits.get()),
+               loss.get(), rows, vocab, 1.0f, ld);
+  double loss_ref = 0;
+  std::vector<double> d_ref(rows * ld, 0.0);
+  for (std::int64_t r = 0; r < rows; ++r) {
+    double mx = -1e300, se = 0;
+    for (int i = 0; i < vocab; ++i) mx = std::max(mx, double(logits[r * ld + i]));
+    for (int i = 0; i < vocab; ++i) se += std::exp(logits[r * ld + i] - mx);
+    double lse = mx + std::log(se);
+    loss_ref += lse - logits[r * ld + labels[r]];
+    for (int i = 0; i < vocab; ++i)
+      d_ref[r * ld + i] = std::exp(logits[r * ld + i] - lse) - (i == labels[r]);
+  }
+  EXPECT_NEAR(loss.download()[0], loss_ref, 1e-5 * loss_ref);
+  EXPECT_LT(test::relError(test::downloadBf16(dlogits), d_ref), 1e-2);  // padding columns are 0
 }
 
 TEST(FusedKernels, AdamWWithClippingAndDecayMask) {
