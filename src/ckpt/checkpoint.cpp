@@ -19,6 +19,7 @@
 #include <ctime>
 #include <fcntl.h>
 #include <filesystem>
+#include <future>
 #include <sys/stat.h>
 #include <type_traits>
 #include <unistd.h>
@@ -80,15 +81,33 @@ void failPoint(std::int64_t step, const char* phase) {
   ::_exit(86);
 }
 
-// CRC-32 of every tensor of a flat buffer, each rank summing only its own rows (io::rowRange)
-// and the pieces joined in rank order, so the result is that of the whole tensor's bytes on
-// any rank count.
-std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tensors, const float* values,
-                                     MPI_Comm comm) {
+// Writes `group` exactly as io::writeTensorGroup lays it out (same names, full shapes, rank r
+// writing rows io::rowRange(rows, r, world)), but with independent data transfers: every rank's
+// block is one contiguous range of the file, so collective two-phase I/O buys nothing, and its
+// per-tensor synchronisation made 2-rank saves 5x slower than independent writes on the dev
+// machine (doc/performance.md).  Dataset creation stays collective, as parallel HDF5 requires.
+// TODO(io owner): an `independent` flag on io::writeTensorGroup would make this a call.
+void writeRowsIndependently(hid_t file, MPI_Comm comm, const std::string& group,
+                            const std::vector<model::TensorInfo>& tensors, const float* values) {
   const int rank = commRank(comm), world = commSize(comm);
-  const std::size_t n = tensors.size();
-  std::vector<std::uint64_t> local(2 * n), all(2 * n * std::size_t(world));
-  for (std::size_t i = 0; i < n; ++i) {
+  h5::Hid g = h5::createGroup(file, group);
+  for (const auto& t : tensors) {
+    h5::Hid dataset = h5::createDataset<float>(g, t.name, t.shape);
+    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    const std::int64_t row_size = rows ? t.size / rows : 0;
+    auto [first, last] = io::rowRange(rows, rank, world);
+    if (last > first)
+      h5::writeRows<float>(dataset, first, last - first, values + t.offset + first * row_size, /*independent=*/true);
+  }
+}
+
+// CRC-32 of this rank's rows (io::rowRange) of every tensor of a flat buffer, with their byte
+// counts: (crc, length) pairs, one per tensor.  Touches only host memory and zlib, so it may
+// run on a helper thread while HDF5 writes the same (read-only) buffer.
+std::vector<std::uint64_t> localChecksums(const std::vector<model::TensorInfo>& tensors, const float* values,
+                                          int rank, int world) {
+  std::vector<std::uint64_t> local(2 * tensors.size());
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
     const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
     const std::int64_t row_size = rows ? t.size / rows : 0;
@@ -98,6 +117,15 @@ std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tenso
     local[2 * i] = crc32_z(crc32_z(0L, Z_NULL, 0), bytes, length);
     local[2 * i + 1] = length;
   }
+  return local;
+}
+
+// Joins every rank's pieces in rank order (crc32_combine): the CRC-32 of each whole tensor,
+// identical for any rank count.
+std::vector<std::uint32_t> combineChecksums(const std::vector<std::uint64_t>& local, MPI_Comm comm) {
+  const int world = commSize(comm);
+  const std::size_t n = local.size() / 2;
+  std::vector<std::uint64_t> all(local.size() * std::size_t(world));
   PLM_CHECK_MPI(MPI_Allgather(local.data(), int(2 * n), MPI_UINT64_T, all.data(), int(2 * n), MPI_UINT64_T, comm));
   std::vector<std::uint32_t> out(n);
   for (std::size_t i = 0; i < n; ++i) {
@@ -111,10 +139,13 @@ std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tenso
   return out;
 }
 
-void writeGroup(hid_t file, MPI_Comm comm, const std::string& group,
-                const std::vector<model::TensorInfo>& tensors, const float* values) {
-  io::writeTensorGroup(file, comm, group, tensors, values);
-  const auto crcs = checksums(tensors, values, comm);
+std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tensors, const float* values,
+                                     MPI_Comm comm) {
+  return combineChecksums(localChecksums(tensors, values, commRank(comm), commSize(comm)), comm);
+}
+
+void writeChecksums(hid_t file, const std::string& group, const std::vector<model::TensorInfo>& tensors,
+                    const std::vector<std::uint32_t>& crcs) {
   h5::Hid g(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)));
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     h5::Hid dataset = h5::openDataset(g, tensors[i].name);
@@ -251,6 +282,14 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
 
   const std::string created = broadcastString(rank == 0 ? utcNow() : std::string(), comm);
   auto& loader = trainer.trainLoader();
+  // The checksums of this rank's rows are computed on a helper thread while HDF5 writes.
+  const std::vector<std::pair<std::string, const float*>> groups = {
+      {"model", master.data()}, {"optimizer/exp_avg", exp_avg.data()}, {"optimizer/exp_avg_sq", exp_avg_sq.data()}};
+  auto crc_pending = std::async(std::launch::async, [&tensors, &groups, rank, world] {
+    std::vector<std::vector<std::uint64_t>> out;
+    for (const auto& g : groups) out.push_back(localChecksums(tensors, g.second, rank, world));
+    return out;
+  });
   {
     h5::Hid file = h5::createFile(temporary, comm);
     io::writeConfigAttributes(file, model.config());
@@ -261,7 +300,7 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
     extra.integers["tokens_seen"] = state.tokens_seen;
     io::writeExtraAttributes(file, extra);
 
-    writeGroup(file, comm, "model", tensors, master.data());
+    writeRowsIndependently(file, comm, "model", tensors, master.data());
     failPoint(state.step, "model");
     {
       h5::Hid g = h5::createGroup(file, "optimizer");
@@ -273,9 +312,12 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
       h5::writeAttribute(g, "eps", o.eps);
       h5::writeAttribute(g, "weight_decay", o.weight_decay);
     }
-    writeGroup(file, comm, "optimizer/exp_avg", tensors, exp_avg.data());
+    writeRowsIndependently(file, comm, "optimizer/exp_avg", tensors, exp_avg.data());
     failPoint(state.step, "optimizer");
-    writeGroup(file, comm, "optimizer/exp_avg_sq", tensors, exp_avg_sq.data());
+    writeRowsIndependently(file, comm, "optimizer/exp_avg_sq", tensors, exp_avg_sq.data());
+    const auto local = crc_pending.get();
+    for (std::size_t g = 0; g < groups.size(); ++g)
+      writeChecksums(file, groups[g].first, tensors, combineChecksums(local[g], comm));
     h5::createGroup(file, "scaling");
 
     h5::Hid s = h5::createGroup(file, "state");
@@ -466,8 +508,8 @@ Header load(train::Trainer& trainer, const std::string& path) {
   const std::int64_t mbps = trainer.trainLoader().options().micro_batches_per_step;
   if (mbps != header.micro_batches_per_step)
     log::warn("checkpoint: a step now takes %lld micro-batches instead of %lld (data.tokens_per_batch / "
-              "micro_batch_tokens rounded up to a multiple of %d ranks): the data order continues, but each "
-              "step is larger than in the original run",
+              "data.micro_batch_tokens, rounded up to a multiple of the %d rank(s)): the data order continues, "
+              "but the steps differ from the original run's",
               static_cast<long long>(mbps), static_cast<long long>(header.micro_batches_per_step),
               trainer.world());
   return header;

@@ -22,8 +22,9 @@
 //  - Each rank writes its own rows of every tensor (io::writeTensorGroup) straight from the host
 //    view of the optimizer's buffers: on the CPU that view IS the buffer (no copy at all), on a
 //    GPU it is one device-to-host copy per buffer.  Nothing else passes over the bytes except the
-//    CRC, which each rank computes over its own rows only (crc32_combine joins them), so neither
-//    the checksum nor the file depends on the rank count.
+//    CRC, which each rank computes over its own rows only (crc32_combine joins them, so neither
+//    the checksum nor the file depends on the rank count), on a helper thread while HDF5 writes,
+//    so it adds no time when the write is the slower of the two.
 //  - Loading reads everything into host buffers and verifies every CRC before the trainer is
 //    touched: a corrupt checkpoint leaves the trainer as it was, and `resume: auto` falls back to
 //    the previous one.  Every check ends the same way on every rank (one agreed, collective
