@@ -1,4 +1,5 @@
 // `plm train DECK [--set section.key=value]...`: resolves the deck and hands it to the trainer.
+#include "ckpt/checkpoint.hpp"
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
@@ -35,6 +36,7 @@ int runTrain(const Argv& argv) {
   auto deck = deck::load(args.positional()[0], args.all("set"));
   log::configure(dist::worldRank(), deck->sublist("train").get<bool>("log_all_ranks") || log::allRanks());
   train::Trainer trainer(deck);
+  ckpt::installHooks(trainer);  // checkpoint.resume on start, checkpoint.every saves (src/ckpt)
   trainer.run();
   return 0;
 }
