@@ -32,6 +32,8 @@ const std::vector<std::string>& esmVocabulary() {
 }
 
 const char* extra_group = "hf_extra";
+// The rotary frequencies of a Hugging Face source, kept once in /hf_extra under this name.
+const char* inv_freq_name = "rotary_embeddings.inv_freq";
 
 std::string readText(const std::string& path) {
   std::ifstream in(path, std::ios::binary);
@@ -356,6 +358,16 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
   std::vector<float> extra_values;
   std::vector<std::string> unknown;
   const auto& embedding = tensors.front();
+  auto addExtra = [&](const std::string& stored_as, const std::string& name) {
+    model::TensorInfo info;
+    info.name = stored_as;
+    info.shape = entry(name).shape;
+    info.size = entry(name).numel();
+    info.offset = std::int64_t(extra_values.size());
+    auto data = read(name);
+    extra_values.insert(extra_values.end(), data.begin(), data.end());
+    extra_tensors.push_back(info);
+  };
   for (const auto& [name, location] : weights.where) {
     if (used.count(name)) continue;
     if (name == "lm_head.decoder.weight") {
@@ -367,18 +379,20 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
                     "to the embedding as ESM-2 does, so an untied model is not supported");
       summary.skipped.push_back(name +
                                 " (tied to esm.embeddings.word_embeddings.weight, identical)");
+    } else if (endsWith(name, "rotary_embeddings.inv_freq") &&
+               entry(name).shape == std::vector<std::int64_t>{summary.config.headDim() / 2} &&
+               !std::count_if(extra_tensors.begin(), extra_tensors.end(),
+                              [](const model::TensorInfo& t) { return t.name == inv_freq_name; })) {
+      // transformers uses the stored rotary frequencies rather than recomputing them, and
+      // float32 pow differs by an ulp between libraries: keep them so --to-hf is bit-exact.
+      addExtra(inv_freq_name, name);
+      summary.skipped.push_back(name + " (rotary buffer plm computes itself; kept in /" +
+                                extra_group + " for --to-hf)");
     } else if (endsWith(name, "rotary_embeddings.inv_freq") ||
                name == "esm.embeddings.position_ids") {
       summary.skipped.push_back(name + " (buffer plm computes itself)");
     } else if (startsWith(name, "esm.contact_head.")) {
-      model::TensorInfo info;
-      info.name = name;
-      info.shape = entry(name).shape;
-      info.size = entry(name).numel();
-      info.offset = std::int64_t(extra_values.size());
-      auto data = read(name);
-      extra_values.insert(extra_values.end(), data.begin(), data.end());
-      extra_tensors.push_back(info);
+      addExtra(name, name);
       summary.skipped.push_back(name + " (contact head, unused by plm; kept in /" + extra_group +
                                 " for --to-hf)");
     } else {
@@ -465,10 +479,26 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
   for (const auto& t : tensors) out.push_back({t.name, t.shape, values.data() + t.offset});
   out.push_back(
       {"lm_head.decoder.weight", tensors.front().shape, values.data() + tensors.front().offset});
+  // Rotary frequencies under the per-layer names of transformers 4 (transformers 5 maps them to
+  // its shared buffer): the source's values if it had them, else 1/10000^(2i/d) in float32.
+  const int half = summary.config.headDim() / 2;
+  std::vector<float> inv_freq(static_cast<std::size_t>(half));
+  for (int i = 0; i < half; ++i)
+    inv_freq[std::size_t(i)] =
+        1.0f / std::pow(10000.0f, float(2 * i) / float(summary.config.headDim()));
   for (auto& [t, data] : extras) {
+    if (t.name == inv_freq_name) {
+      if (data.size() == inv_freq.size()) inv_freq = data;
+      continue;
+    }
     t.data = data.data();
     out.push_back(t);
   }
+  for (int l = 0; l < summary.config.num_layers; ++l)
+    out.push_back(
+        {"esm.encoder.layer." + std::to_string(l) + ".attention.self.rotary_embeddings.inv_freq",
+         {half},
+         inv_freq.data()});
   safetensors::write((dir / "model.safetensors").string(), out);
   return summary;
 }
