@@ -296,6 +296,13 @@ TEST(Convert, F32RoundTripIsExact) {
       EXPECT_EQ(reader.tensor(stored).dtype, "F32");
       EXPECT_EQ(reader.readFloat(stored), t.values) << stored;
     }
+    // Rotary frequencies: the source's values, under every layer's name.
+    for (const auto& t : hf)
+      if (t.name.find("inv_freq") != std::string::npos)
+        for (int l = 0; l < f.config.num_layers; ++l)
+          EXPECT_EQ(reader.readFloat("esm.encoder.layer." + std::to_string(l) +
+                                     ".attention.self.rotary_embeddings.inv_freq"),
+                    t.values);
     EXPECT_EQ(reader.readFloat("lm_head.decoder.weight"),
               reader.readFloat("esm.embeddings.word_embeddings.weight"));
     auto config =
