@@ -98,7 +98,8 @@ std::pair<std::int64_t, std::int64_t> rowRange(std::int64_t rows, int rank, int 
 }
 
 void writeTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
-                      const std::vector<model::TensorInfo>& tensors, const float* values) {
+                      const std::vector<model::TensorInfo>& tensors, const float* values,
+                      bool independent) {
   const int rank = commRank(comm), world = commSize(comm);
   h5::Hid g = h5::exists(file, group)
                   ? h5::Hid(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)))
@@ -108,7 +109,9 @@ void writeTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
     const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
     const std::int64_t row_size = rows ? t.size / rows : 0;
     auto [first, last] = rowRange(rows, rank, world);
-    h5::writeRows<float>(dataset, first, last - first, values + t.offset + first * row_size);
+    if (independent && last == first) continue;  // nothing to write, no collective to join
+    h5::writeRows<float>(dataset, first, last - first, values + t.offset + first * row_size,
+                         independent);
   }
 }
 

@@ -52,10 +52,13 @@ model::Esm2Config readConfigAttributes(hid_t location, const std::string& path);
 std::pair<std::int64_t, std::int64_t> rowRange(std::int64_t rows, int rank, int world);
 
 /// \brief Collective over `comm`: creates `group`/<name> (fp32, full shape) for every tensor
-/// and writes this rank's row range of each from `values`, the full flat buffer laid out as
-/// `tensors` says (values[t.offset .. t.offset + t.size)).
+/// and writes this rank's row range (rowRange) of each from `values`, the full flat buffer laid
+/// out as `tensors` says (values[t.offset .. t.offset + t.size)).  `independent`: the data
+/// transfers are independent MPI-IO writes (dataset creation stays collective); each rank's
+/// rows are one contiguous range, so this skips collective two-phase I/O's synchronisation.
 void writeTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
-                      const std::vector<model::TensorInfo>& tensors, const float* values);
+                      const std::vector<model::TensorInfo>& tensors, const float* values,
+                      bool independent = false);
 /// \brief Collective over `comm`: every rank reads every tensor of `group` whole into the flat
 /// buffer `values`. Throws plm::Error if a tensor is missing, has another shape, or the group
 /// holds a tensor not in `tensors`. `path` is only used in messages.

@@ -121,6 +121,30 @@ TEST(ModelFile, WriteReadRoundTripIsExact) {
   removeOnRankZero(path);
 }
 
+TEST(ModelFile, IndependentWritesGiveTheSameFile) {
+  const Esm2Config config = smallConfig();
+  const auto tensors = io::hf::esmTensors(config);
+  const auto values = patternValues(tensors.back().offset + tensors.back().size);
+  const std::string path = tempPath("independent");
+  {
+    io::h5::Hid file = io::h5::createFile(path, MPI_COMM_WORLD);
+    io::writeConfigAttributes(file, config);
+    io::writeTensorGroup(file, MPI_COMM_WORLD, "model", tensors, values.data(),
+                         /*independent=*/true);
+    io::writeTensorGroup(file, MPI_COMM_WORLD, "optimizer/exp_avg", tensors, values.data(), true);
+  }
+  std::vector<float> read(values.size(), -1.0f);
+  io::readModelValues(path, MPI_COMM_WORLD, config, tensors, read.data());
+  EXPECT_EQ(read, values);
+  {
+    io::h5::Hid file = io::h5::openFile(path, MPI_COMM_WORLD);
+    std::fill(read.begin(), read.end(), -1.0f);
+    io::readTensorGroup(file, MPI_COMM_WORLD, "optimizer/exp_avg", tensors, read.data(), path);
+    EXPECT_EQ(read, values);
+  }
+  removeOnRankZero(path);
+}
+
 TEST(ModelFile, MismatchesAreRefused) {
   const Esm2Config config = smallConfig();
   const auto tensors = io::hf::esmTensors(config);
