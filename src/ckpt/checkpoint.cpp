@@ -274,11 +274,12 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
 
   // The only pass over the state besides the write itself: on the CPU these mirrors are the
   // optimizer's own buffers; on a GPU, one device-to-host copy each.
+  const double copy_start = now();
   auto master = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.master());
   auto exp_avg = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.expAvg());
   auto exp_avg_sq = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.expAvgSq());
   const double t1 = now();
-  report.copy_seconds = t1 - t0;
+  report.copy_seconds = t1 - copy_start;
 
   const std::string created = broadcastString(rank == 0 ? utcNow() : std::string(), comm);
   auto& loader = trainer.trainLoader();

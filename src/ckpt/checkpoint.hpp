@@ -80,7 +80,7 @@ struct SaveReport {
   double copy_seconds = 0;     // device -> host (0 on the CPU: the host view is the buffer)
   double write_seconds = 0;    // create, tensors, checksums, attributes
   double sync_seconds = 0;     // flush, fsync, close, rename, directory fsync
-  double seconds = 0;          // the whole save
+  double seconds = 0;          // the whole save, from the first rank arriving (includes waiting for the rest)
   double megabytesPerSecond() const { return seconds > 0 ? double(bytes) / seconds / 1e6 : 0.0; }
 };
 
