@@ -20,8 +20,15 @@
 #include "model/linear.hpp"
 #include "model/math.hpp"
 #include "model/rotary.hpp"
+#include "plm/plm_config.hpp"
+
+#if PLM_HAVE_CUDA
+#include "gpu/esm2_layout.hpp"
+#endif
 
 #include <cmath>
+#include <memory>
+#include <type_traits>
 #include <unordered_map>
 
 namespace plm::model {
@@ -152,6 +159,7 @@ struct Esm2<T>::Impl {
     std::vector<View2<T>> xs;        // (L+1) x (T, H) residual stream at block boundaries
     std::vector<LayerActs> acts;     // (L) stored, or (1) shared when recomputing / forward only
     View2<T> act;                    // (T, F) GELU output (scratch)
+    View1<T> attention_work;         // (2 T H) head-transposed copies inside attention
     View2<T> hidden;                 // (T, H) last_hidden_state
     View1<T> meanf, rstdf;           // (T)
     View2<T> hg, h1, h1g, h2;        // (M, H) head: gathered hidden, dense, GELU, LayerNorm
@@ -168,6 +176,9 @@ struct Esm2<T>::Impl {
   Esm2Config config;
   std::vector<TensorInfo> tensors;
   std::vector<InitKind> init_kinds;
+#if PLM_HAVE_CUDA
+  std::unique_ptr<gpu::Esm2Bf16> bf16;  // set by setBf16Compute(true): the GPU bf16 step
+#endif
   std::unordered_map<std::string, std::size_t> index;
   View1<T> params;  // (numParameters + alignment padding)
   View1<T> grads;   // same layout
@@ -274,6 +285,7 @@ struct Esm2<T>::Impl {
       a.pre = c.take(t, f);
     }
     w.act = c.take(t, f);
+    w.attention_work = c.take(2 * t * h);
     w.hidden = c.take(t, h);
     w.meanf = c.take(t);
     w.rstdf = c.take(t);
@@ -386,7 +398,7 @@ struct Esm2<T>::Impl {
     linearForward(space, a.ln1, lp.wk, lp.bk, T(0), a.k);
     rotaryForward(space, a.k, w.position, config.heads, cos_table, sin_table, T(1));
     linearForward(space, a.ln1, lp.wv, lp.bv, T(0), a.v);
-    attentionForward(space, a.q, a.k, a.v, w.cu, config.heads, a.o, a.lse, tiles);
+    attentionForward(space, a.q, a.k, a.v, w.cu, config.heads, a.o, a.lse, tiles, w.attention_work);
     Kokkos::deep_copy(space, a.xmid, x_in);
     linearForward(space, a.o, lp.wo, lp.bo, T(1), a.xmid);
     layerNormForward(space, a.xmid, lp.ln2_g, lp.ln2_b, eps, a.ln2, a.mean2, a.rstd2);
@@ -408,7 +420,7 @@ struct Esm2<T>::Impl {
     layerNormBackward(space, a.xmid, lp.ln2_g, a.mean2, a.rstd2, w.dln, w.dx, lg.ln2_g, lg.ln2_b);
     linearBackward(space, a.o, lp.wo, w.dx, T(0), w.dout, lg.wo, lg.bo);
     attentionBackward(space, a.q, a.k, a.v, a.o, a.lse, w.dout, w.cu, config.heads, w.delta, w.dq,
-                      w.dk, w.dv, tiles);
+                      w.dk, w.dv, tiles, w.attention_work);
     rotaryBackward(space, w.dq, w.position, config.heads, cos_table, sin_table, scale);
     rotaryBackward(space, w.dk, w.position, config.heads, cos_table, sin_table, T(1));
     linearBackward(space, a.ln1, lp.wq, w.dq, T(0), w.dln, lg.wq, lg.bq);
@@ -536,8 +548,35 @@ void Esm2<T>::zeroGradients() {
 }
 
 template <class T>
+void Esm2<T>::setBf16Compute(bool on) {
+#if PLM_HAVE_CUDA
+  if constexpr (std::is_same_v<T, float>) {
+    impl_member->bf16 =
+        on ? std::make_unique<gpu::Esm2Bf16>(gpu::esm2Shape(config()), gpu::esm2Offsets(*this))
+           : nullptr;
+    return;
+  }
+#endif
+  if (on)
+    throw collectiveError(
+        "train.precision: bf16 runs on the CUDA build only (this build computes in fp32); set "
+        "train.precision: fp32 or build with the `cuda` preset (doc/gpu.md)");
+}
+
+template <class T>
 double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale) {
   if (batch.numTokens() == 0) return 0.0;  // a rank with no micro-batch this step
+#if PLM_HAVE_CUDA
+  if constexpr (std::is_same_v<T, float>) {
+    if (impl_member->bf16) {
+      impl_member->space.fence();
+      return impl_member->bf16->forwardBackward(impl_member->space.cuda_stream(),
+                                                impl_member->params.data(),
+                                                impl_member->grads.data(), gpu::hostBatch(batch),
+                                                grad_scale);
+    }
+  }
+#endif
   Kokkos::Profiling::pushRegion("plm::model::forwardBackward");
   auto& im = *impl_member;
   im.prepare(batch, false, true);

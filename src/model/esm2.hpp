@@ -96,6 +96,11 @@ class Esm2 {
   /// micro-batch seen and is reused).
   std::int64_t workspaceBytes() const;
 
+  /// \brief train.precision bf16: forwardBackward runs in bf16 on the GPU (plm::gpu::Esm2Bf16,
+  /// doc/gpu.md) over these fp32 parameters and gradients, which stay the masters.  Only
+  /// Esm2<float> in a CUDA build; elsewhere `on` throws a collective plm::Error.
+  void setBf16Compute(bool on);
+
  public:
   // Public only because nvcc refuses extended __host__ __device__ lambdas (KOKKOS_LAMBDA) inside
   // a private nested class; Impl is defined in esm2.cpp and is not an interface.
