@@ -164,6 +164,27 @@ KOKKOS_INLINE_FUNCTION void teamGemm(const Member& team, int rows, int cols, int
 }
 
 template <class T>
+KOKKOS_INLINE_FUNCTION T rowMax(int n, const T* KOKKOS_RESTRICT x, T start) {
+  T mx = start;
+  for (int i = 0; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  return mx;
+}
+
+/// Float max through order-preserving integer keys (a float compare may trap, which keeps GCC
+/// from vectorizing; integer compares do not).
+KOKKOS_INLINE_FUNCTION std::int32_t orderKey(std::int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
+
+template <>
+KOKKOS_INLINE_FUNCTION float rowMax<float>(int n, const float* KOKKOS_RESTRICT x, float start) {
+  std::int32_t best = orderKey(math::floatBits(start));
+  for (int i = 0; i < n; ++i) {
+    const std::int32_t key = orderKey(math::floatBits(x[i]));
+    best = key > best ? key : best;
+  }
+  return math::bitsFloat(orderKey(best));
+}
+
+template <class T>
 KOKKOS_INLINE_FUNCTION T rowSum(int n, const T* KOKKOS_RESTRICT x) {
   T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int i = 0;
@@ -200,13 +221,55 @@ KOKKOS_INLINE_FUNCTION void stage(const Member& team, const View2<T>& x, int row
     });
 }
 
+/// Stages the transpose of rows [row0, row0 + n) of head columns [hd, hd + d) from a
+/// head-transposed copy xt (element (t, col) at xt[col * tokens + t]) into trans (d x ld_t, zero
+/// beyond n): contiguous copies instead of a strided transpose in every tile pair.
+template <class T>
+KOKKOS_INLINE_FUNCTION void stageTransposed(const Member& team, const T* xt, std::int64_t tokens, int row0,
+                                            int n, int hd, int d, T* trans, int ld_t) {
+  Kokkos::parallel_for(Kokkos::TeamThreadRange(team, d), [&](const int c) {
+    const T* KOKKOS_RESTRICT src = xt + (hd + c) * tokens + row0;
+    T* KOKKOS_RESTRICT dst = trans + c * ld_t;
+    int r = 0;
+    for (; r < n; ++r) dst[r] = src[r];
+    for (; r < ld_t; ++r) dst[r] = T(0);
+  });
+}
+
+/// xt[col * T + t] = x(t, col): each head's columns become contiguous rows over tokens.
+template <class T>
+void transposeColumns(const ExecSpace& space, const View2<T>& x, T* xt) {
+  const auto tokens = static_cast<std::int64_t>(x.extent(0));
+  const auto cols = static_cast<std::int64_t>(x.extent(1));
+  constexpr std::int64_t block = 32;  // tokens per thread: reads and writes both stay in cache lines
+  Kokkos::parallel_for(
+      "plm::model::attention_transpose", Kokkos::RangePolicy<ExecSpace>(space, 0, (tokens + block - 1) / block),
+      KOKKOS_LAMBDA(const std::int64_t b) {
+        const std::int64_t t1 = (b + 1) * block < tokens ? (b + 1) * block : tokens;
+        for (std::int64_t c = 0; c < cols; ++c)
+          for (std::int64_t t = b * block; t < t1; ++t) xt[c * tokens + t] = x(t, c);
+      });
+}
+
+/// Workspace of at least n elements: the caller's, or a fresh one.
+template <class T>
+View1<T> workspaceOf(const View1<T>& given, std::int64_t n) {
+  if (static_cast<std::int64_t>(given.extent(0)) >= n) return given;
+  return View1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::attention_work"), n);
+}
+
 }  // namespace
 
 template <class T>
 void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>& k,
                       const View2<T>& v, const View1<seqlen_t>& cu_seqlens, int heads,
-                      const View2<T>& out, const View2<T>& lse, AttentionTiles tiles) {
+                      const View2<T>& out, const View2<T>& lse, AttentionTiles tiles,
+                      const View1<T>& workspace) {
   checkTiles(tiles);
+  const auto tokens = static_cast<std::int64_t>(q.extent(0));
+  auto work = workspaceOf(workspace, static_cast<std::int64_t>(k.size()));
+  const T* k_t = work.data();
+  transposeColumns(space, k, work.data());
   const int d = static_cast<int>(q.extent(1)) / heads;
   const int bq = tiles.queries, bk = tiles.keys;
   const int bqp = roundUp(bq, kCols), bkp = roundUp(bk, kCols), dp = roundUp(d, kCols);
@@ -240,15 +303,14 @@ void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>&
         for (int k0 = s0; k0 < s1; k0 += bk) {
           const int nk = s1 - k0 < bk ? s1 - k0 : bk;
           team.team_barrier();
-          stage(team, k, k0, nk, hd, d, static_cast<T*>(nullptr), 0, 0, kt, bkp);
+          stageTransposed(team, k_t, tokens, k0, nk, hd, d, kt, bkp);
           stage(team, v, k0, nk, hd, d, vs, bkp, dp, static_cast<T*>(nullptr), 0);
           team.team_barrier();
           teamGemm(team, nq, nk, d, qs, d, 1, kt, bkp, sc, bkp, false);
           team.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
             T* srow = sc + r * bkp;
-            T mx = m[r];
-            for (int j = 0; j < nk; ++j) mx = srow[j] > mx ? srow[j] : mx;
+            const T mx = rowMax(nk, srow, m[r]);
             for (int j = 0; j < nk; ++j) srow[j] = math::exp(srow[j] - mx);
             const T corr = math::exp(m[r] - mx);
             l[r] = l[r] * corr + rowSum(nk, srow);
@@ -272,7 +334,7 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
                        const View2<T>& v, const View2<T>& out, const View2<T>& lse,
                        const View2<T>& dout, const View1<seqlen_t>& cu_seqlens, int heads,
                        const View2<T>& delta, const View2<T>& dq, const View2<T>& dk,
-                       const View2<T>& dv, AttentionTiles tiles) {
+                       const View2<T>& dv, AttentionTiles tiles, const View1<T>& workspace) {
   checkTiles(tiles);
   const int d = static_cast<int>(q.extent(1)) / heads;
   const int bq = tiles.queries, bk = tiles.keys;
@@ -294,6 +356,11 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
   // atomics and no second pass, and the order of additions is fixed.
   const int n = static_cast<int>(cu_seqlens.extent(0)) - 1;
   if (n <= 0) return;
+  auto work = workspaceOf(workspace, 2 * static_cast<std::int64_t>(q.size()));
+  const T* q_t = work.data();
+  const T* dout_t = work.data() + q.size();
+  transposeColumns(space, q, work.data());
+  transposeColumns(space, dout, work.data() + q.size());
   const size_t scratch = Scratch<T>::shmem_size(bkp * dp) * 2 + Scratch<T>::shmem_size(d * bqp) * 2 +
                          Scratch<T>::shmem_size(bqp * dp) * 3 + Scratch<T>::shmem_size(bqp) * 2 +
                          Scratch<T>::shmem_size(bkp * bqp) * 2 + Scratch<T>::shmem_size(bkp * dp) * 2;
@@ -331,8 +398,10 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
           for (int q0 = s0; q0 < s1; q0 += bq) {
             const int nq = s1 - q0 < bq ? s1 - q0 : bq;
             team.team_barrier();
-            stage(team, q, q0, nq, hd, d, qs, bqp, dp, qt, bqp);
-            stage(team, dout, q0, nq, hd, d, dos, bqp, dp, dot, bqp);
+            stage(team, q, q0, nq, hd, d, qs, bqp, dp, static_cast<T*>(nullptr), 0);
+            stage(team, dout, q0, nq, hd, d, dos, bqp, dp, static_cast<T*>(nullptr), 0);
+            stageTransposed(team, q_t, tokens, q0, nq, hd, d, qt, bqp);
+            stageTransposed(team, dout_t, tokens, q0, nq, hd, d, dot, bqp);
             Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
               lse_s[r] = lse(q0 + r, h);
               delta_s[r] = delta(q0 + r, h);
@@ -499,12 +568,13 @@ void attentionReferenceBackward(const ExecSpace& space, const View2<T>& q, const
 #define PLM_MODEL_ATTENTION_INSTANTIATE(T)                                                       \
   template void attentionForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,          \
                                     const View2<T>&, const View1<seqlen_t>&, int,                \
-                                    const View2<T>&, const View2<T>&, AttentionTiles);           \
+                                    const View2<T>&, const View2<T>&, AttentionTiles,            \
+                                    const View1<T>&);                                            \
   template void attentionBackward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,         \
                                      const View2<T>&, const View2<T>&, const View2<T>&,          \
                                      const View2<T>&, const View1<seqlen_t>&, int,               \
                                      const View2<T>&, const View2<T>&, const View2<T>&,          \
-                                     const View2<T>&, AttentionTiles);                           \
+                                     const View2<T>&, AttentionTiles, const View1<T>&);          \
   template void attentionReferenceForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&, \
                                              const View2<T>&, const View1<seqlen_t>&, int,       \
                                              const View2<T>&, const View2<T>&);                  \

@@ -25,19 +25,23 @@ struct AttentionTiles {
 };
 
 /// \brief out = softmax(q k^T) v per sequence and head; lse (T, heads).
-/// cu_seqlens is (n+1) on the device.
+/// cu_seqlens is (n+1) on the device.  workspace: at least T*H elements (a head-transposed copy
+/// of k); allocated here when smaller.
 template <class T>
 void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>& k,
                       const View2<T>& v, const View1<seqlen_t>& cu_seqlens, int heads,
-                      const View2<T>& out, const View2<T>& lse, AttentionTiles tiles = {});
+                      const View2<T>& out, const View2<T>& lse, AttentionTiles tiles = {},
+                      const View1<T>& workspace = View1<T>());
 
-/// \brief dq, dk, dv from dout; delta (T, heads) is workspace (it receives rowsum(dO * O)).
+/// \brief dq, dk, dv from dout; delta (T, heads) is workspace (it receives rowsum(dO * O)), as is
+/// `workspace` (at least 2*T*H elements, head-transposed q and dout; allocated here when smaller).
 template <class T>
 void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>& k,
                        const View2<T>& v, const View2<T>& out, const View2<T>& lse,
                        const View2<T>& dout, const View1<seqlen_t>& cu_seqlens, int heads,
                        const View2<T>& delta, const View2<T>& dq, const View2<T>& dk,
-                       const View2<T>& dv, AttentionTiles tiles = {});
+                       const View2<T>& dv, AttentionTiles tiles = {},
+                       const View1<T>& workspace = View1<T>());
 
 /// \brief Plain reference: materialises each sequence's score matrix.  Tests only.
 template <class T>
