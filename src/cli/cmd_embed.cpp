@@ -40,7 +40,8 @@ namespace {
 
 Parser embedParser() {
   Parser p("plm embed",
-           "plm embed --checkpoint MODEL.h5 --fasta SEQS.fasta[.gz] --out OUT.h5 [--logits]",
+           "plm embed --checkpoint MODEL.h5 --fasta SEQS.fasta[.gz] --out OUT.h5 [--logits] "
+           "[--batch-tokens N] [--on-invalid error|skip]",
            "Embeds every sequence of a FASTA file with a plm model file or checkpoint: /embeddings "
            "holds the mean of the final hidden state over each sequence's residues (<cls>/<eos> "
            "excluded); --logits adds /logits (fp32, <cls> + residues + <eos> of every sequence) "
@@ -51,6 +52,10 @@ Parser embedParser() {
   p.option({"out", "OUT.h5", "output HDF5 file"});
   p.option({"logits", "", "also write per-token logits (/logits, /offsets)"});
   p.option({"batch-tokens", "N", "tokens per micro-batch (default 16384)"});
+  p.option(
+      {"on-invalid", "error|skip",
+       "a FASTA record with a letter outside the ESM-2 alphabet or no residues: stop with its "
+       "file and line (error, the default) or leave it out of the output with a warning (skip)"});
   return p;
 }
 
@@ -61,7 +66,7 @@ struct Sequences {
   std::vector<std::uint8_t> residues;
 };
 
-Sequences readFasta(const std::string& path) {
+Sequences readFasta(const std::string& path, io::fasta::Policy policy) {
   struct stat info;
   if (stat(path.c_str(), &info) != 0)
     throw collectiveError("plm embed: FASTA file `" + path + "` does not exist");
@@ -72,10 +77,21 @@ Sequences readFasta(const std::string& path) {
   segment.begin = 0;
   segment.end = info.st_size;
   io::fasta::Parsed parsed;
-  io::fasta::parseSegment(segment, io::fasta::Policy::error, parsed);
-  if (!parsed.issues.empty())
-    throw collectiveError("plm embed: " + parsed.issues.front().message());
-  if (parsed.lengths.empty()) throw collectiveError("plm embed: `" + path + "` holds no sequences");
+  io::fasta::parseSegment(segment, policy, parsed);
+  for (auto& issue : parsed.issues) {
+    if (issue.line_is_local) issue.line += 1;  // one segment from byte 0: only 0-based -> 1-based
+    issue.line_is_local = false;
+  }
+  if (!parsed.issues.empty()) {
+    if (policy == io::fasta::Policy::error)
+      throw collectiveError("plm embed: " + parsed.issues.front().message());
+    std::int64_t total = 0;
+    for (auto c : parsed.issue_counts) total += c;
+    log::warn("plm embed: skipped %lld invalid record(s) (--on-invalid skip); the first: %s",
+              static_cast<long long>(total), parsed.issues.front().message().c_str());
+  }
+  if (parsed.lengths.empty())
+    throw collectiveError("plm embed: `" + path + "` holds no (valid) sequences");
   Sequences s;
   s.ids = std::move(parsed.ids);
   s.lengths = std::move(parsed.lengths);
@@ -134,6 +150,10 @@ int runEmbed(const Argv& argv) {
                             " must be an integer >= 3");
   }
   const bool want_logits = args.has("logits");
+  const std::string on_invalid = args.get("on-invalid", "error");
+  if (on_invalid != "error" && on_invalid != "skip")
+    throw collectiveError("plm embed: --on-invalid takes `error` or `skip`, got `" + on_invalid +
+                          "`");
   const std::string checkpoint = args.get("checkpoint");
 
   model::Esm2Config config;
@@ -148,7 +168,8 @@ int runEmbed(const Argv& argv) {
   } catch (const Error& e) {
     throw collectiveError(std::string("plm embed: ") + e.what());
   }
-  const Sequences seqs = readFasta(args.get("fasta"));
+  const Sequences seqs = readFasta(
+      args.get("fasta"), on_invalid == "skip" ? io::fasta::Policy::skip : io::fasta::Policy::error);
   const std::int64_t n = std::int64_t(seqs.lengths.size());
 
   // Residues each sequence keeps, and its rows in /logits.

@@ -168,5 +168,28 @@ TEST(Embed, BadInputsAreRefused) {
   EXPECT_NE(message({"--checkpoint", fasta, "--fasta", fasta, "--out", "o.h5"})
                 .find("not a readable HDF5 file"),
             std::string::npos);
-  removeAll({fasta});
+
+  // An invalid record: its file and line, or left out with --on-invalid skip.
+  const auto f = plm::test::readFixture(plm::test::fixturePath("small"));
+  const std::string model = tempPath("bad_model.h5"), invalid = tempPath("invalid.fasta"),
+                    out = tempPath("bad_out.h5");
+  if (rank() == 0) {
+    std::ofstream os(invalid);
+    os << ">x\nMKT\n>y\nMK1Q\n>z\nAAG\n";
+  }
+  writeModel(model, f, f.config);
+  const std::string error = message({"--checkpoint", model, "--fasta", invalid, "--out", out});
+  EXPECT_NE(error.find(invalid + ":4:"), std::string::npos) << error;
+  EXPECT_NE(
+      message({"--checkpoint", model, "--fasta", invalid, "--out", out, "--on-invalid", "maybe"})
+          .find("--on-invalid takes"),
+      std::string::npos);
+  ASSERT_EQ(plm::cli::runEmbed(
+                {"--checkpoint", model, "--fasta", invalid, "--out", out, "--on-invalid", "skip"}),
+            0);
+  {
+    auto file = plm::io::h5::openFileSerial(out);
+    EXPECT_EQ(plm::io::h5::readStrings(file, "ids", 0, 2), (std::vector<std::string>{"x", "z"}));
+  }
+  removeAll({fasta, model, invalid, out});
 }
