@@ -324,7 +324,7 @@ void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>&
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
           const T inv = T(1) / l[r];
           for (int c = 0; c < d; ++c) out(q0 + r, hd + c) = acc[r * dp + c] * inv;
-          lse(q0 + r, h) = m[r] + Kokkos::Experimental::log(l[r]);
+          lse(q0 + r, h) = m[r] + math::libm::log(l[r]);
         });
       });
 }
@@ -484,9 +484,9 @@ void referenceProbabilities(const ExecSpace& space, const View2<T>& q, const Vie
           mx = s > mx ? s : mx;
         }
         T sum = 0;
-        for (int j = s0; j < s1; ++j) sum += Kokkos::Experimental::exp(p(h, i, j - s0) - mx);
-        const T lse_i = mx + Kokkos::Experimental::log(sum);
-        for (int j = s0; j < s1; ++j) p(h, i, j - s0) = Kokkos::Experimental::exp(p(h, i, j - s0) - lse_i);
+        for (int j = s0; j < s1; ++j) sum += math::libm::exp(p(h, i, j - s0) - mx);
+        const T lse_i = mx + math::libm::log(sum);
+        for (int j = s0; j < s1; ++j) p(h, i, j - s0) = math::libm::exp(p(h, i, j - s0) - lse_i);
         lse(i, h) = lse_i;
       });
 }

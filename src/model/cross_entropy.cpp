@@ -2,6 +2,7 @@
 #include "model/cross_entropy.hpp"
 
 #include "data/batch.hpp"
+#include "model/math.hpp"
 
 namespace plm::model {
 
@@ -25,12 +26,12 @@ double crossEntropy(const ExecSpace& space, const View2<T>& logits, const View1<
         T mx = logits(i, 0);
         for (int c = 1; c < vocab; ++c) mx = logits(i, c) > mx ? logits(i, c) : mx;
         T z = 0;
-        for (int c = 0; c < vocab; ++c) z += Kokkos::Experimental::exp(logits(i, c) - mx);
-        const T lse = mx + Kokkos::Experimental::log(z);
+        for (int c = 0; c < vocab; ++c) z += math::libm::exp(logits(i, c) - mx);
+        const T lse = mx + math::libm::log(z);
         sum += static_cast<double>(lse - logits(i, label));
         if (want_grad) {
           for (int c = 0; c < vocab; ++c) {
-            const T p = Kokkos::Experimental::exp(logits(i, c) - lse);
+            const T p = math::libm::exp(logits(i, c) - lse);
             dlogits(i, c) = scale * (p - (c == label ? T(1) : T(0)));
           }
         }

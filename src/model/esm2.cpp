@@ -312,8 +312,8 @@ struct Esm2<T>::Impl {
     }
   }
 
-  /// Copies the batch to the device, checks it, and lays out the workspace.  Returns the rows
-  /// the LM head runs on (labelled rows, or all rows when all_rows).
+  /// Copies the batch to the device, checks it, lays out the workspace, and lists the rows the
+  /// LM head runs on (labelled rows, or all rows when all_rows).
   void prepare(const data::MicroBatch& batch, bool all_rows, bool backward) {
     const std::int64_t t = batch.numTokens();
     const int n = batch.numSequences();

@@ -3,6 +3,8 @@
 // rows with a large mean do not lose precision.
 #include "model/layer_norm.hpp"
 
+#include "model/math.hpp"
+
 namespace plm::model {
 
 template <class T>
@@ -22,7 +24,7 @@ void layerNormForward(const ExecSpace& space, const View2<T>& x, const View1<T>&
         const T mu = sum / T(h);
         T var = 0;
         for (int c = 0; c < h; ++c) var += (xr[c] - mu) * (xr[c] - mu);
-        const T rs = T(1) / Kokkos::Experimental::sqrt(var / T(h) + eps_t);
+        const T rs = T(1) / math::libm::sqrt(var / T(h) + eps_t);
         for (int c = 0; c < h; ++c) yr[c] = (xr[c] - mu) * rs * gamma(c) + beta(c);
         mean(i) = mu;
         rstd(i) = rs;

@@ -16,6 +16,14 @@
 
 namespace plm::model::math {
 
+// Kokkos' exact math functions moved from Kokkos::Experimental to Kokkos in 3.7 (and the old
+// names are deprecated in 4): one alias keeps the model source valid for both.
+#if KOKKOS_VERSION >= 30700
+namespace libm = ::Kokkos;
+#else
+namespace libm = ::Kokkos::Experimental;
+#endif
+
 KOKKOS_INLINE_FUNCTION std::int32_t floatBits(float x) {
   std::int32_t bits;
   std::memcpy(&bits, &x, sizeof(bits));
@@ -53,7 +61,7 @@ KOKKOS_INLINE_FUNCTION float exp(float x) {
   return p * bitsFloat((static_cast<std::int32_t>(n) + 127) << 23);
 }
 
-KOKKOS_INLINE_FUNCTION double exp(double x) { return Kokkos::Experimental::exp(x); }
+KOKKOS_INLINE_FUNCTION double exp(double x) { return libm::exp(x); }
 
 KOKKOS_INLINE_FUNCTION float erf(float x) {
   // Abramowitz & Stegun 7.1.26 (|error| <= 1.5e-7) on |x|, sign restored from the bits (no
@@ -70,7 +78,7 @@ KOKKOS_INLINE_FUNCTION float erf(float x) {
   return bitsFloat(floatBits(y) | (bits & static_cast<std::int32_t>(0x80000000u)));
 }
 
-KOKKOS_INLINE_FUNCTION double erf(double x) { return Kokkos::Experimental::erf(x); }
+KOKKOS_INLINE_FUNCTION double erf(double x) { return libm::erf(x); }
 
 /// splitmix64: a stateless hash, so element i of a tensor gets the same random number on every
 /// backend and thread count.
@@ -88,8 +96,8 @@ KOKKOS_INLINE_FUNCTION double normal(std::uint64_t seed, std::uint64_t stream, s
   const std::uint64_t b = hash64(base + 2 * index + 1);
   const double u1 = (static_cast<double>(a >> 11) + 1.0) * (1.0 / 9007199254740993.0);  // (0, 1]
   const double u2 = static_cast<double>(b >> 11) * (1.0 / 9007199254740992.0);          // [0, 1)
-  return Kokkos::Experimental::sqrt(-2.0 * Kokkos::Experimental::log(u1)) *
-         Kokkos::Experimental::cos(6.283185307179586476925 * u2);
+  return libm::sqrt(-2.0 * libm::log(u1)) *
+         libm::cos(6.283185307179586476925 * u2);
 }
 
 }  // namespace plm::model::math

@@ -1,6 +1,8 @@
 // Accumulation rule: in place (=) in both directions.
 #include "model/rotary.hpp"
 
+#include "model/math.hpp"
+
 namespace plm::model {
 
 template <class T>
@@ -12,10 +14,10 @@ void rotaryTables(const ExecSpace& space, int head_dim, const View2<T>& cos_tabl
       "plm::model::rotary_tables",
       Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0}, {positions, std::int64_t(half)}),
       KOKKOS_LAMBDA(const std::int64_t p, const std::int64_t i) {
-        const T inv_freq = T(1) / Kokkos::Experimental::pow(T(10000), T(2 * i) / T(head_dim));
+        const T inv_freq = T(1) / math::libm::pow(T(10000), T(2 * i) / T(head_dim));
         const T angle = T(p) * inv_freq;
-        cos_table(p, i) = Kokkos::Experimental::cos(angle);
-        sin_table(p, i) = Kokkos::Experimental::sin(angle);
+        cos_table(p, i) = math::libm::cos(angle);
+        sin_table(p, i) = math::libm::sin(angle);
       });
 }
 
