@@ -94,7 +94,11 @@ void compare(model::Esm2Config c, const std::vector<int>& lengths) {
   EXPECT_LT(test::relError(g2, twice), 5e-2) << "accumulation";
 }
 
-TEST(Esm2Bf16Step, MatchesFp32ModelHeadDim64) {
+// DISABLED until plm::model::Esm2<float> runs on CUDA: its portable attention asks for more team
+// scratch than a CUDA block may have (head_dim 64) and hits an illegal address (head_dim 16),
+// which poisons the CUDA context of the whole process.  Meanwhile the bf16 step is checked
+// against Hugging Face (validation/gpu_parity_hf.py, run by validation/gpu_run.sh).
+TEST(Esm2Bf16Step, DISABLED_MatchesFp32ModelHeadDim64) {
   model::Esm2Config c;
   c.num_layers = 2;
   c.hidden = 128;
@@ -103,7 +107,7 @@ TEST(Esm2Bf16Step, MatchesFp32ModelHeadDim64) {
   compare(c, {5, 130, 37, 300, 2, 64});
 }
 
-TEST(Esm2Bf16Step, MatchesFp32ModelHeadDim16) {
+TEST(Esm2Bf16Step, DISABLED_MatchesFp32ModelHeadDim16) {
   model::Esm2Config c;
   c.num_layers = 3;
   c.hidden = 64;
