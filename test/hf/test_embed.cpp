@@ -115,30 +115,30 @@ TEST(Embed, MatchesTransformers) {
 TEST(Embed, LongSequencesKeepTheirFirstResidues) {
   const auto f = plm::test::readFixture(plm::test::fixturePath("small"));
   auto config = f.config;
-  config.max_positions = 12;  // a context of 10 residues
+  config.max_positions = 12;  // 10 tokens: <cls> + 8 residues + <eos>
   const std::string model = tempPath("trunc_model.h5"), fasta = tempPath("trunc.fasta"),
                     out = tempPath("trunc_out.h5");
   const std::string long_seq = "MKTAYIAKQRQISFVK";  // 16 residues
   if (rank() == 0) {
     std::ofstream os(fasta);
-    os << ">long\n" << long_seq << "\n>prefix\n" << long_seq.substr(0, 10) << "\n>short\nMKT\n";
+    os << ">long\n" << long_seq << "\n>prefix\n" << long_seq.substr(0, 8) << "\n>short\nMKT\n";
   }
   writeModel(model, f, config);
   ASSERT_EQ(plm::cli::runEmbed({"--checkpoint", model, "--fasta", fasta, "--out", out, "--logits"}),
             0);
   auto file = plm::io::h5::openFileSerial(out);
   EXPECT_EQ(plm::io::h5::readIntAttribute(file, "num_truncated"), 1);
-  EXPECT_EQ(plm::io::h5::readIntAttribute(file, "max_residues"), 10);
+  EXPECT_EQ(plm::io::h5::readIntAttribute(file, "max_residues"), 8);
   auto lengths = plm::test::detail::readAll<std::int64_t>(file, "lengths");
-  EXPECT_EQ(lengths, (std::vector<std::int64_t>{16, 10, 3}));
+  EXPECT_EQ(lengths, (std::vector<std::int64_t>{16, 8, 3}));
   auto offsets = plm::test::detail::readAll<std::int64_t>(file, "offsets");
-  EXPECT_EQ(offsets, (std::vector<std::int64_t>{0, 12, 24, 29}));
+  EXPECT_EQ(offsets, (std::vector<std::int64_t>{0, 10, 20, 25}));
   auto embeddings = plm::test::detail::readAll<float>(file, "embeddings");
   const int h = config.hidden;
   for (int c = 0; c < h; ++c)
     EXPECT_EQ(embeddings[c], embeddings[h + c]) << c;  // long == its prefix
   auto logits = plm::test::detail::readAll<float>(file, "logits");
-  for (int i = 0; i < 12 * 33; ++i) ASSERT_EQ(logits[i], logits[12 * 33 + i]) << i;
+  for (int i = 0; i < 10 * 33; ++i) ASSERT_EQ(logits[i], logits[10 * 33 + i]) << i;
   file = plm::io::h5::Hid();
   removeAll({model, fasta, out});
 }
