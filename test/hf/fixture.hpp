@@ -4,6 +4,7 @@
 #include "io/hdf5.hpp"
 #include "model/esm2.hpp"
 
+#include <cstdlib>
 #include <map>
 #include <string>
 #include <vector>
@@ -28,7 +29,11 @@ struct Fixture {
   Array embed_logits, embed_embeddings;
 };
 
-inline std::string fixtureDir() { return std::string(PLM_TEST_DATA_DIR) + "/../fixtures"; }
+/// test/fixtures of the source tree, or $PLM_FIXTURE_DIR (a packaged test run elsewhere).
+inline std::string fixtureDir() {
+  const char* dir = std::getenv("PLM_FIXTURE_DIR");
+  return dir && *dir ? std::string(dir) : std::string(PLM_TEST_DATA_DIR) + "/../fixtures";
+}
 inline std::vector<std::string> fixtureNames() { return {"small", "multihead"}; }
 inline std::string fixturePath(const std::string& name) {
   return fixtureDir() + "/esm_parity_" + name + ".h5";
