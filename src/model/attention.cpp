@@ -132,6 +132,76 @@ inline bool haveAvx2() {
   static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   return have;
 }
+
+// exp on 8 lanes: the same Cephes polynomial as math::exp, with FMA.
+__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  const __m256 r2 = _mm256_mul_ps(r, r);
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+/// Forward softmax row step: returns the new max m, writes x = exp(x - m) and *sum = sum x.
+__attribute__((target("avx2,fma"), noinline)) float softmaxRowAvx2(int n, float* x, float m_old, float* sum) {
+  __m256 mx8 = _mm256_set1_ps(m_old);
+  int i = 0;
+  for (; i + 8 <= n; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(x + i));
+  float mx = m_old;
+  {
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, mx8);
+    for (int u = 0; u < 8; ++u) mx = lanes[u] > mx ? lanes[u] : mx;
+  }
+  for (; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
+  const __m256 m8 = _mm256_set1_ps(mx);
+  __m256 s8 = _mm256_setzero_ps();
+  i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(x + i), m8));
+    _mm256_storeu_ps(x + i, p);
+    s8 = _mm256_add_ps(s8, p);
+  }
+  float s = hsum8(s8);
+  for (; i < n; ++i) {
+    x[i] = math::exp(x[i] - mx);
+    s += x[i];
+  }
+  *sum = s;
+  return mx;
+}
+
+/// Backward element-wise step: p = exp(s - lse), ds = p (dp - delta), in place.
+__attribute__((target("avx2,fma"), noinline)) void probabilityGradAvx2(int n, float* p, float* ds, const float* lse,
+                                                                       const float* delta) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 pv = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(lse + i)));
+    _mm256_storeu_ps(p + i, pv);
+    _mm256_storeu_ps(ds + i, _mm256_mul_ps(pv, _mm256_sub_ps(_mm256_loadu_ps(ds + i), _mm256_loadu_ps(delta + i))));
+  }
+  for (; i < n; ++i) {
+    p[i] = math::exp(p[i] - lse[i]);
+    ds[i] = p[i] * (ds[i] - delta[i]);
+  }
+}
 #endif
 
 /// C (rows x cols) (+)= A (rows x depth) B (depth x cols), on whole blocks of 4 (or 8) rows and
@@ -192,6 +262,35 @@ KOKKOS_INLINE_FUNCTION T rowSum(int n, const T* KOKKOS_RESTRICT x) {
     for (int u = 0; u < 8; ++u) part[u] += x[i + u];
   for (; i < n; ++i) part[0] += x[i];
   return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
+/// Forward softmax row step: new max m = max(m_old, x), x = exp(x - m), returns m; *sum = sum x.
+template <class T>
+KOKKOS_INLINE_FUNCTION T softmaxRow(int n, T* x, T m_old, T* sum) {
+#ifdef PLM_MODEL_ATTENTION_AVX2
+  if constexpr (std::is_same_v<T, float>)
+    if (haveAvx2()) return softmaxRowAvx2(n, x, m_old, sum);
+#endif
+  const T mx = rowMax(n, x, m_old);
+  for (int j = 0; j < n; ++j) x[j] = math::exp(x[j] - mx);
+  *sum = rowSum(n, x);
+  return mx;
+}
+
+/// Backward element-wise step on a row of scores s (becoming p) and of dp (becoming ds):
+/// p = exp(s - lse), ds = p (dp - delta); lse and delta indexed like the row.
+template <class T>
+KOKKOS_INLINE_FUNCTION void probabilityGrad(int n, T* KOKKOS_RESTRICT p, T* KOKKOS_RESTRICT ds, const T* lse,
+                                            const T* delta) {
+#ifdef PLM_MODEL_ATTENTION_AVX2
+  if constexpr (std::is_same_v<T, float>)
+    if (haveAvx2()) return probabilityGradAvx2(n, p, ds, lse, delta);
+#endif
+  for (int i = 0; i < n; ++i) {
+    const T pi = math::exp(p[i] - lse[i]);
+    p[i] = pi;
+    ds[i] = pi * (ds[i] - delta[i]);
+  }
 }
 
 /// Stages rows [row0, row0 + n) of head columns [hd, hd + d) of x into scratch, row-major
@@ -310,10 +409,10 @@ void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>&
           team.team_barrier();
           Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
             T* srow = sc + r * bkp;
-            const T mx = rowMax(nk, srow, m[r]);
-            for (int j = 0; j < nk; ++j) srow[j] = math::exp(srow[j] - mx);
+            T sum = 0;
+            const T mx = softmaxRow(nk, srow, m[r], &sum);
             const T corr = math::exp(m[r] - mx);
-            l[r] = l[r] * corr + rowSum(nk, srow);
+            l[r] = l[r] * corr + sum;
             m[r] = mx;
             for (int c = 0; c < dp; ++c) acc[r * dp + c] *= corr;
           });
@@ -411,13 +510,7 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
             teamGemm(team, nk, nq, d, vs, dp, 1, dot, bqp, dst, bqp, false); // dP^T = V dO^T
             team.team_barrier();
             Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nk), [&](const int j) {
-              T* KOKKOS_RESTRICT prow = pt + j * bqp;
-              T* KOKKOS_RESTRICT dsrow = dst + j * bqp;
-              for (int r = 0; r < nq; ++r) {
-                const T p = math::exp(prow[r] - lse_s[r]);
-                prow[r] = p;
-                dsrow[r] = p * (dsrow[r] - delta_s[r]);
-              }
+              probabilityGrad(nq, pt + j * bqp, dst + j * bqp, lse_s, delta_s);
             });
             team.team_barrier();
             teamGemm(team, nk, d, nq, pt, bqp, 1, dos, dp, dv_acc, dp, true);   // dV += P^T dO
