@@ -9,14 +9,12 @@
 #include "model/attention.hpp"
 
 #include "core/error.hpp"
+#include "model/detail/avx2.hpp"
 #include "model/math.hpp"
 
 #include <type_traits>
 #include <vector>
 
-#if defined(__GNUC__) && !defined(__CUDACC__) && defined(__x86_64__)
-#include <immintrin.h>
-#endif
 
 namespace plm::model {
 namespace {
@@ -112,8 +110,11 @@ inline void microKernel<float>(int depth, const float* KOKKOS_RESTRICT a, int sa
 }
 #endif
 
-#if defined(__GNUC__) && !defined(__CUDACC__) && defined(__x86_64__)
+#ifdef PLM_MODEL_HAVE_AVX2_PATH
 #define PLM_MODEL_ATTENTION_AVX2 1
+using detail::exp8;
+using detail::haveAvx2;
+using detail::hsum8;
 /// The 8x8 AVX2+FMA variant (8 ymm accumulators), compiled for that target alone and chosen at
 /// run time, so the binary still runs on any x86-64: about 2x the SSE2 kernel's rate.
 __attribute__((target("avx2,fma"), noinline)) void microKernel8x8Avx2(
@@ -128,36 +129,8 @@ __attribute__((target("avx2,fma"), noinline)) void microKernel8x8Avx2(
   for (int i = 0; i < 8; ++i) _mm256_storeu_ps(c + i * ldc, acc[i]);
 }
 
-inline bool haveAvx2() {
-  static const bool have = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  return have;
-}
 
-// exp on 8 lanes: the same Cephes polynomial as math::exp, with FMA.
-__attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(88.0f)), _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  const __m256 r2 = _mm256_mul_ps(r, r);
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
 
-__attribute__((target("avx2,fma"))) inline float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
-}
 
 /// Forward softmax row step: returns the new max m, writes x = exp(x - m) and *sum = sum x.
 __attribute__((target("avx2,fma"), noinline)) float softmaxRowAvx2(int n, float* x, float m_old, float* sum) {
