@@ -2,6 +2,7 @@
 #include "ckpt/checkpoint.hpp"
 
 #include "ckpt/detail/agree.hpp"
+#include "ckpt/detail/rows.hpp"
 #include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "io/hdf5.hpp"
@@ -153,35 +154,56 @@ void writeChecksums(hid_t file, const std::string& group, const std::vector<mode
   }
 }
 
-// Reads `group` whole on every rank; CorruptCheckpoint if any tensor's bytes do not match its
-// stored CRC.
+// Reads `group` into `values` on every rank.  Each rank reads only its own rows (independent
+// transfers, so the file is read once whatever the rank count), checks them against the stored
+// CRC-32s (joined over ranks), and only then are the rows shared.  The group must hold exactly
+// the model's tensors at their shapes.  Any failure is a CorruptCheckpoint on every rank.
 void readGroup(hid_t file, MPI_Comm comm, const std::string& group, const std::vector<model::TensorInfo>& tensors,
                float* values, const std::string& path) {
+  const int rank = commRank(comm), world = commSize(comm);
   std::vector<std::int64_t> stored(tensors.size());
   detail::agree(comm, [&] {
     try {
-      io::readTensorGroup(file, comm, group, tensors, values, path);
+      if (!h5::exists(file, group)) throw CorruptCheckpoint("checkpoint `" + path + "` has no /" + group);
       h5::Hid g(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)));
+      H5G_info_t info;
+      PLM_CHECK_H5(H5Gget_info(g, &info));
       for (std::size_t i = 0; i < tensors.size(); ++i) {
-        h5::Hid dataset = h5::openDataset(g, tensors[i].name);
+        const auto& t = tensors[i];
+        if (!h5::exists(g, t.name))
+          throw CorruptCheckpoint("checkpoint `" + path + "` lacks /" + group + "/" + t.name);
+        h5::Hid dataset = h5::openDataset(g, t.name);
+        if (h5::datasetShape(dataset) != t.shape)
+          throw CorruptCheckpoint("checkpoint `" + path + "`: /" + group + "/" + t.name +
+                                  " does not have the shape its /model config implies");
         if (!h5::hasAttribute(dataset, "crc32"))
-          throw CorruptCheckpoint("checkpoint `" + path + "`: /" + group + "/" + tensors[i].name +
+          throw CorruptCheckpoint("checkpoint `" + path + "`: /" + group + "/" + t.name +
                                   " has no crc32 attribute (incomplete file or not written by plm)");
         stored[i] = h5::readIntAttribute(dataset, "crc32");
+        const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+        const std::int64_t row_size = rows ? t.size / rows : 0;
+        auto [first, last] = io::rowRange(rows, rank, world);
+        if (last > first)
+          h5::readRows<float>(dataset, first, last - first, values + t.offset + first * row_size,
+                              /*independent=*/true);
       }
+      if (info.nlinks != tensors.size())
+        throw CorruptCheckpoint("checkpoint `" + path + "`: /" + group + " holds " + std::to_string(info.nlinks) +
+                                " entries, the model has " + std::to_string(tensors.size()) + " tensors");
     } catch (const CorruptCheckpoint&) {
       throw;
     } catch (const std::exception& e) {
       throw CorruptCheckpoint("checkpoint `" + path + "` cannot be read: " + e.what());
     }
   });
-  const auto crcs = checksums(tensors, values, comm);
+  const auto crcs = checksums(tensors, values, comm);  // this rank's rows, joined over ranks
   for (std::size_t i = 0; i < tensors.size(); ++i)
     if (std::int64_t(crcs[i]) != stored[i])
       throw CorruptCheckpoint("checkpoint `" + path + "` is damaged: /" + group + "/" + tensors[i].name +
                                   " does not match its checksum (crc32 " + std::to_string(stored[i]) + " stored, " +
                                   std::to_string(crcs[i]) + " read)",
                               true);
+  detail::shareRows(tensors, values, comm);
 }
 
 void fsyncPath(const std::string& path, bool directory) {
@@ -222,6 +244,49 @@ std::vector<std::string> broadcastList(std::vector<std::string> list, MPI_Comm c
 }
 
 }  // namespace
+
+void detail::shareRows(const std::vector<model::TensorInfo>& tensors, float* values, MPI_Comm comm,
+                       std::int64_t batch_limit) {
+  const int rank = commRank(comm), world = commSize(comm);
+  if (world == 1) return;
+  auto rowsOf = [&](const model::TensorInfo& t, int r) {
+    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    const std::int64_t row_size = rows ? t.size / rows : 0;
+    auto [first, last] = io::rowRange(rows, r, world);
+    return std::pair{first * row_size, (last - first) * row_size};  // (element offset, count)
+  };
+  std::size_t begin = 0;
+  std::vector<float> send, receive;
+  while (begin < tensors.size()) {
+    std::size_t end = begin;
+    std::int64_t total = 0;
+    while (end < tensors.size() && (end == begin || total + tensors[end].size <= batch_limit)) total += tensors[end++].size;
+    std::vector<int> counts(world, 0), displacements(world, 0);
+    for (int r = 0; r < world; ++r) {
+      for (std::size_t i = begin; i < end; ++i) counts[r] += int(rowsOf(tensors[i], r).second);
+      if (r > 0) displacements[r] = displacements[r - 1] + counts[r - 1];
+    }
+    send.resize(std::size_t(counts[rank]));
+    std::size_t at = 0;
+    for (std::size_t i = begin; i < end; ++i) {
+      auto [offset, count] = rowsOf(tensors[i], rank);
+      std::memcpy(send.data() + at, values + tensors[i].offset + offset, std::size_t(count) * sizeof(float));
+      at += std::size_t(count);
+    }
+    receive.resize(std::size_t(total));
+    PLM_CHECK_MPI(MPI_Allgatherv(send.data(), counts[rank], MPI_FLOAT, receive.data(), counts.data(),
+                                 displacements.data(), MPI_FLOAT, comm));
+    for (int r = 0; r < world; ++r) {
+      std::size_t from = std::size_t(displacements[r]);
+      for (std::size_t i = begin; i < end; ++i) {
+        auto [offset, count] = rowsOf(tensors[i], r);
+        std::memcpy(values + tensors[i].offset + offset, receive.data() + from, std::size_t(count) * sizeof(float));
+        from += std::size_t(count);
+      }
+    }
+    begin = end;
+  }
+}
 
 std::string fileName(std::int64_t step) {
   char buffer[40];

@@ -5,6 +5,7 @@
 #include "tiny_run.hpp"
 
 #include "ckpt/checkpoint.hpp"
+#include "ckpt/detail/rows.hpp"
 #include "dist/runtime.hpp"
 #include "io/hdf5.hpp"
 #include "io/model_file.hpp"
@@ -297,6 +298,27 @@ TEST(DeckChanges, SortedIntoRefusedTrainingHarmless) {
   b = plm::deck::toYaml(*tinyDeck("/x", "r", {"schedule.decay_steps=0", "train.steps=9"}));
   EXPECT_EQ(keys(plm::ckpt::compareDecks(a, b).training), (std::vector<std::string>{"train.steps"}));
   EXPECT_TRUE(plm::ckpt::compareDecks(a, a).harmless.empty());
+}
+
+// Loading shares each rank's rows with all; batch limits small enough that every batching case
+// occurs: several tensors in one batch (a, b), a tensor larger than the limit alone (c), a tensor
+// with fewer rows than ranks (d: one row, so at 2 ranks rank 0 owns none of it).
+TEST(ShareRows, EveryRankGetsEveryRow) {
+  std::vector<plm::model::TensorInfo> tensors = {
+      {"a", {7, 3}, 0, 21}, {"b", {5}, 21, 5}, {"c", {40, 4}, 26, 160}, {"d", {1, 2}, 186, 2}};
+  const int rank = plm::dist::worldRank(), world = plm::dist::worldSize();
+  auto expected = [](std::size_t i) { return 0.5f + float(i); };
+  for (std::int64_t limit : {std::int64_t(30), std::int64_t(1) << 27}) {
+    std::vector<float> values(188, -1.0f);
+    for (const auto& t : tensors) {  // this rank's rows only, as the reads leave them
+      const std::int64_t rows = t.shape[0], row_size = t.size / rows;
+      auto [first, last] = plm::io::rowRange(rows, rank, world);
+      for (std::int64_t k = first * row_size; k < last * row_size; ++k)
+        values[std::size_t(t.offset + k)] = expected(std::size_t(t.offset + k));
+    }
+    plm::ckpt::detail::shareRows(tensors, values.data(), MPI_COMM_WORLD, limit);
+    for (std::size_t i = 0; i < values.size(); ++i) ASSERT_EQ(values[i], expected(i)) << "element " << i;
+  }
 }
 
 TEST(Metrics, TruncatedAfterTheCheckpointStep) {
