@@ -16,6 +16,16 @@ using Kokkos::Experimental::sqrt;
 #endif
 }  // namespace
 
+namespace detail {
+// A free function: CUDA extended lambdas may not live in constructors.
+template <class To, class From>
+void castCopy(const ExecSpace& space, View1<To> to, View1<From> from, const char* label) {
+  Kokkos::parallel_for(
+      label, Kokkos::RangePolicy<ExecSpace>(space, 0, to.extent(0)),
+      KOKKOS_LAMBDA(const std::int64_t i) { to(i) = static_cast<To>(from(i)); });
+}
+}  // namespace detail
+
 std::vector<FrozenRange> esm2FrozenRanges(const std::vector<model::TensorInfo>& tensors,
                                           int hidden) {
   for (const auto& t : tensors) {
@@ -57,10 +67,7 @@ AdamW<P>::AdamW(View1<P> params, const std::vector<model::TensorInfo>& tensors,
   } else {
     master_member = View1<master_t>(
         Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::train::master"), n);
-    auto master = master_member;
-    Kokkos::parallel_for(
-        "plm::train::masterFromParams", Kokkos::RangePolicy<ExecSpace>(0, n),
-        KOKKOS_LAMBDA(const std::int64_t i) { master(i) = static_cast<master_t>(params(i)); });
+    detail::castCopy(ExecSpace(), master_member, params, "plm::train::masterFromParams");
   }
   exp_avg_member = View1<master_t>("plm::train::exp_avg", n);
   exp_avg_sq_member = View1<master_t>("plm::train::exp_avg_sq", n);
@@ -136,12 +143,7 @@ void AdamW<P>::step(const ExecSpace& space, View1<P> grads, double lr, double gr
 template <class P>
 void AdamW<P>::syncParameters(const ExecSpace& space) {
   if (aliased_member) return;
-  auto master = master_member;
-  auto params = params_member;
-  Kokkos::parallel_for(
-      "plm::train::paramsFromMaster",
-      Kokkos::RangePolicy<ExecSpace>(space, 0, master.extent(0)),
-      KOKKOS_LAMBDA(const std::int64_t i) { params(i) = static_cast<P>(master(i)); });
+  detail::castCopy(space, params_member, master_member, "plm::train::paramsFromMaster");
 }
 
 template double globalNorm<float>(const ExecSpace&, View1<float>);
