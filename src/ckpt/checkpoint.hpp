@@ -19,14 +19,15 @@
 //    on every rank), closed and fsynced; only then does rank 0 rename it to step_<step>.h5 and
 //    fsync the directory.  A kill at any point leaves either no new name or a complete file, and
 //    /state's `format` attribute is written last, so a file that lacks it is never taken.
-//  - Each rank writes its own rows of every tensor (io::writeTensorGroup) straight from the host
-//    view of the optimizer's buffers: on the CPU that view IS the buffer (no copy at all), on a
+//  - Each rank writes its own rows of every tensor (the model file's layout and row split,
+//    io::rowRange; independent transfers, since a rank's rows are one contiguous range) straight
+//    from the host view of the optimizer's buffers: on the CPU that view IS the buffer (no copy at all), on a
 //    GPU it is one device-to-host copy per buffer.  Nothing else passes over the bytes except the
 //    CRC, which each rank computes over its own rows only (crc32_combine joins them, so neither
 //    the checksum nor the file depends on the rank count), on a helper thread while HDF5 writes,
 //    so it adds no time when the write is the slower of the two.
-//  - Loading reads everything into host buffers and verifies every CRC before the trainer is
-//    touched: a corrupt checkpoint leaves the trainer as it was, and `resume: auto` falls back to
+//  - Loading reads each rank's rows once, verifies their CRCs, all-gathers them into host
+//    buffers, and only then touches the trainer: a corrupt checkpoint leaves the trainer as it was, and `resume: auto` falls back to
 //    the previous one.  Every check ends the same way on every rank (one agreed, collective
 //    error), so no rank is left waiting in a collective.
 //  - What may differ between the checkpoint and the resuming run is decided key by key
