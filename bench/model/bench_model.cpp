@@ -33,7 +33,8 @@ void beginKernel(const char* name, std::uint32_t, std::uint64_t* id) {
   g_open.emplace_back(name, Clock::now());
 }
 void endKernel(std::uint64_t id) {
-  g_seconds[g_open[id].first] += std::chrono::duration<double>(Clock::now() - g_open[id].second).count();
+  g_seconds[g_open[id].first] +=
+      std::chrono::duration<double>(Clock::now() - g_open[id].second).count();
   g_open.pop_back();
 }
 void pushRegion(const char* name) {
@@ -42,12 +43,14 @@ void pushRegion(const char* name) {
 }
 void popRegion() {
   if (g_regions.back().rfind("KokkosBlas", 0) == 0)
-    g_seconds[g_regions.back()] += std::chrono::duration<double>(Clock::now() - g_region_start.back()).count();
+    g_seconds[g_regions.back()] +=
+        std::chrono::duration<double>(Clock::now() - g_region_start.back()).count();
   g_regions.pop_back();
   g_region_start.pop_back();
 }
 
-plm::data::MicroBatch syntheticBatch(std::int64_t budget, std::uint64_t seed, double& weighted_len) {
+plm::data::MicroBatch syntheticBatch(std::int64_t budget, std::uint64_t seed,
+                                     double& weighted_len) {
   using namespace plm;
   std::vector<int> lengths;
   std::int64_t total = 0;
@@ -73,7 +76,8 @@ plm::data::MicroBatch syntheticBatch(std::int64_t budget, std::uint64_t seed, do
     b.max_seqlen = std::max(b.max_seqlen, lengths[s]);
     for (int i = 0; i < lengths[s]; ++i, ++t) {
       const std::uint64_t h = model::math::hash64(seed * 7919 + t);
-      b.tokens(t) = i == 0 ? data::vocab::cls : (i == lengths[s] - 1 ? data::vocab::eos : token_t(4 + h % 20));
+      b.tokens(t) = i == 0 ? data::vocab::cls
+                           : (i == lengths[s] - 1 ? data::vocab::eos : token_t(4 + h % 20));
       b.labels(t) = data::vocab::ignore_label;
       if (i > 0 && i < lengths[s] - 1 && (h >> 32) % 100 < 15) {
         b.labels(t) = b.tokens(t);
@@ -128,19 +132,23 @@ int main(int argc, char** argv) {
   const double cpu_seconds = double(std::clock() - cpu_start) / CLOCKS_PER_SEC;
   const double tok_s = double(batch.numTokens()) * steps / seconds;
   const double flops = config.trainFlopsPerToken(weighted_len) * tok_s;
-  std::printf("model %s layers=%d hidden=%d heads=%d ffn=%d recompute=%d params=%.2fM\n", preset.c_str(),
-              config.num_layers, config.hidden, config.heads, config.ffn, int(config.recompute),
-              config.numParameters() / 1e6);
+  std::printf("model %s layers=%d hidden=%d heads=%d ffn=%d recompute=%d params=%.2fM\n",
+              preset.c_str(), config.num_layers, config.hidden, config.heads, config.ffn,
+              int(config.recompute), config.numParameters() / 1e6);
   std::printf("micro-batch %lld tokens, %d sequences, weighted mean length %.0f, %lld labelled\n",
-              (long long)batch.numTokens(), batch.numSequences(), weighted_len, (long long)batch.num_masked);
-  std::printf("forwardBackward: %.3f s/step, %.0f tokens/s, %.1f GFLOP/s (model FLOPs), loss/token %.3f, "
-              "workspace %.0f MiB\n",
-              seconds / steps, tok_s, flops / 1e9, loss / batch.num_masked, net.workspaceBytes() / 1048576.0);
+              (long long)batch.numTokens(), batch.numSequences(), weighted_len,
+              (long long)batch.num_masked);
+  std::printf(
+      "forwardBackward: %.3f s/step, %.0f tokens/s, %.1f GFLOP/s (model FLOPs), loss/token %.3f, "
+      "workspace %.0f MiB\n",
+      seconds / steps, tok_s, flops / 1e9, loss / batch.num_masked,
+      net.workspaceBytes() / 1048576.0);
   std::printf("cpu time: %.3f s/step, %.0f tokens per cpu-second\n", cpu_seconds / steps,
               double(batch.numTokens()) * steps / cpu_seconds);
   std::vector<std::pair<double, std::string>> sorted;
   for (auto& [name, sec] : g_seconds) sorted.emplace_back(sec, name);
   std::sort(sorted.rbegin(), sorted.rend());
-  for (auto& [sec, name] : sorted) std::printf("  %6.1f%%  %8.4f s/step  %s\n", 100 * sec / seconds, sec / steps, name.c_str());
+  for (auto& [sec, name] : sorted)
+    std::printf("  %6.1f%%  %8.4f s/step  %s\n", 100 * sec / seconds, sec / steps, name.c_str());
   return 0;
 }

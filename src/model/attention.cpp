@@ -15,14 +15,13 @@
 #include <type_traits>
 #include <vector>
 
-
 namespace plm::model {
 namespace {
 
 using Policy = Kokkos::TeamPolicy<ExecSpace>;
 using Member = Policy::member_type;
-template <class T>
-using Scratch = Kokkos::View<T*, ExecSpace::scratch_memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+template <class T> using Scratch =
+    Kokkos::View<T*, ExecSpace::scratch_memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
 /// (n_tiles, 3): sequence start, sequence end, tile start; tiles of `block` rows per sequence.
 Kokkos::View<int**, Kokkos::LayoutRight, MemSpace> tileList(const View1<seqlen_t>& cu_seqlens,
@@ -40,7 +39,8 @@ Kokkos::View<int**, Kokkos::LayoutRight, MemSpace> tileList(const View1<seqlen_t
   Kokkos::View<int**, Kokkos::LayoutRight, MemSpace> list(
       Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::attention_tiles"), tiles, 3);
   if (tiles > 0) {
-    Kokkos::View<const int**, Kokkos::LayoutRight, HostSpace, Kokkos::MemoryTraits<Kokkos::Unmanaged>>
+    Kokkos::View<const int**, Kokkos::LayoutRight, HostSpace,
+                 Kokkos::MemoryTraits<Kokkos::Unmanaged>>
         host(flat.data(), tiles, 3);
     Kokkos::deep_copy(list, host);
   }
@@ -83,10 +83,9 @@ KOKKOS_INLINE_FUNCTION void microKernel(int depth, const T* KOKKOS_RESTRICT a, i
 // registers (2.5x slower, measured); spelled with vector types it runs at the core's SIMD rate.
 using Float4 = float __attribute__((vector_size(16)));
 
-template <>
-inline void microKernel<float>(int depth, const float* KOKKOS_RESTRICT a, int sa, int sk,
-                               const float* KOKKOS_RESTRICT b, int ldb, float* KOKKOS_RESTRICT c,
-                               int ldc, bool accumulate) {
+template <> inline void microKernel<float>(int depth, const float* KOKKOS_RESTRICT a, int sa,
+                                           int sk, const float* KOKKOS_RESTRICT b, int ldb,
+                                           float* KOKKOS_RESTRICT c, int ldc, bool accumulate) {
   Float4 acc[kRows][2];
   for (int i = 0; i < kRows; ++i)
     for (int u = 0; u < 2; ++u) {
@@ -118,22 +117,22 @@ using detail::hsum8;
 /// The 8x8 AVX2+FMA variant (8 ymm accumulators), compiled for that target alone and chosen at
 /// run time, so the binary still runs on any x86-64: about 2x the SSE2 kernel's rate.
 __attribute__((target("avx2,fma"), noinline)) void microKernel8x8Avx2(
-    int depth, const float* KOKKOS_RESTRICT a, int sa, int sk, const float* KOKKOS_RESTRICT b, int ldb,
-    float* KOKKOS_RESTRICT c, int ldc, bool accumulate) {
+    int depth, const float* KOKKOS_RESTRICT a, int sa, int sk, const float* KOKKOS_RESTRICT b,
+    int ldb, float* KOKKOS_RESTRICT c, int ldc, bool accumulate) {
   __m256 acc[8];
-  for (int i = 0; i < 8; ++i) acc[i] = accumulate ? _mm256_loadu_ps(c + i * ldc) : _mm256_setzero_ps();
+  for (int i = 0; i < 8; ++i)
+    acc[i] = accumulate ? _mm256_loadu_ps(c + i * ldc) : _mm256_setzero_ps();
   for (int k = 0; k < depth; ++k) {
     const __m256 bk = _mm256_loadu_ps(b + k * ldb);
-    for (int i = 0; i < 8; ++i) acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a[i * sa + k * sk]), bk, acc[i]);
+    for (int i = 0; i < 8; ++i)
+      acc[i] = _mm256_fmadd_ps(_mm256_set1_ps(a[i * sa + k * sk]), bk, acc[i]);
   }
   for (int i = 0; i < 8; ++i) _mm256_storeu_ps(c + i * ldc, acc[i]);
 }
 
-
-
-
 /// Forward softmax row step: returns the new max m, writes x = exp(x - m) and *sum = sum x.
-__attribute__((target("avx2,fma"), noinline)) float softmaxRowAvx2(int n, float* x, float m_old, float* sum) {
+__attribute__((target("avx2,fma"), noinline)) float softmaxRowAvx2(int n, float* x, float m_old,
+                                                                   float* sum) {
   __m256 mx8 = _mm256_set1_ps(m_old);
   int i = 0;
   for (; i + 8 <= n; i += 8) mx8 = _mm256_max_ps(mx8, _mm256_loadu_ps(x + i));
@@ -162,13 +161,15 @@ __attribute__((target("avx2,fma"), noinline)) float softmaxRowAvx2(int n, float*
 }
 
 /// Backward element-wise step: p = exp(s - lse), ds = p (dp - delta), in place.
-__attribute__((target("avx2,fma"), noinline)) void probabilityGradAvx2(int n, float* p, float* ds, const float* lse,
+__attribute__((target("avx2,fma"), noinline)) void probabilityGradAvx2(int n, float* p, float* ds,
+                                                                       const float* lse,
                                                                        const float* delta) {
   int i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 pv = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), _mm256_loadu_ps(lse + i)));
     _mm256_storeu_ps(p + i, pv);
-    _mm256_storeu_ps(ds + i, _mm256_mul_ps(pv, _mm256_sub_ps(_mm256_loadu_ps(ds + i), _mm256_loadu_ps(delta + i))));
+    _mm256_storeu_ps(ds + i, _mm256_mul_ps(pv, _mm256_sub_ps(_mm256_loadu_ps(ds + i),
+                                                             _mm256_loadu_ps(delta + i))));
   }
   for (; i < n; ++i) {
     p[i] = math::exp(p[i] - lse[i]);
@@ -181,19 +182,21 @@ __attribute__((target("avx2,fma"), noinline)) void probabilityGradAvx2(int n, fl
 /// 8 columns: A needs roundUp(rows, 8) readable rows, B and C roundUp(cols, 8) readable
 /// columns (zero padding; every scratch tile is allocated in multiples of 8).
 /// A(i, k) = a[i * sa + k * sk].
-template <class T>
-KOKKOS_INLINE_FUNCTION void teamGemm(const Member& team, int rows, int cols, int depth, const T* a,
-                                     int sa, int sk, const T* b, int ldb, T* c, int ldc, bool accumulate) {
+template <class T> KOKKOS_INLINE_FUNCTION void teamGemm(const Member& team, int rows, int cols,
+                                                        int depth, const T* a, int sa, int sk,
+                                                        const T* b, int ldb, T* c, int ldc,
+                                                        bool accumulate) {
   const int col_blocks = (cols + kCols - 1) / kCols;
 #ifdef PLM_MODEL_ATTENTION_AVX2
   if constexpr (std::is_same_v<T, float>) {
     if (haveAvx2()) {
       const int row_blocks = (rows + 7) / 8;
-      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, row_blocks * col_blocks), [&](const int idx) {
-        const int i = idx / col_blocks, j = idx % col_blocks;
-        microKernel8x8Avx2(depth, a + i * 8 * sa, sa, sk, b + j * kCols, ldb, c + i * 8 * ldc + j * kCols, ldc,
-                           accumulate);
-      });
+      Kokkos::parallel_for(Kokkos::TeamThreadRange(team, row_blocks * col_blocks),
+                           [&](const int idx) {
+                             const int i = idx / col_blocks, j = idx % col_blocks;
+                             microKernel8x8Avx2(depth, a + i * 8 * sa, sa, sk, b + j * kCols, ldb,
+                                                c + i * 8 * ldc + j * kCols, ldc, accumulate);
+                           });
       return;
     }
   }
@@ -201,13 +204,12 @@ KOKKOS_INLINE_FUNCTION void teamGemm(const Member& team, int rows, int cols, int
   const int row_blocks = (rows + kRows - 1) / kRows;
   Kokkos::parallel_for(Kokkos::TeamThreadRange(team, row_blocks * col_blocks), [&](const int idx) {
     const int i = idx / col_blocks, j = idx % col_blocks;
-    microKernel(depth, a + i * kRows * sa, sa, sk, b + j * kCols, ldb, c + i * kRows * ldc + j * kCols, ldc,
-                accumulate);
+    microKernel(depth, a + i * kRows * sa, sa, sk, b + j * kCols, ldb,
+                c + i * kRows * ldc + j * kCols, ldc, accumulate);
   });
 }
 
-template <class T>
-KOKKOS_INLINE_FUNCTION T rowMax(int n, const T* KOKKOS_RESTRICT x, T start) {
+template <class T> KOKKOS_INLINE_FUNCTION T rowMax(int n, const T* KOKKOS_RESTRICT x, T start) {
   T mx = start;
   for (int i = 0; i < n; ++i) mx = x[i] > mx ? x[i] : mx;
   return mx;
@@ -215,7 +217,9 @@ KOKKOS_INLINE_FUNCTION T rowMax(int n, const T* KOKKOS_RESTRICT x, T start) {
 
 /// Float max through order-preserving integer keys (a float compare may trap, which keeps GCC
 /// from vectorizing; integer compares do not).
-KOKKOS_INLINE_FUNCTION std::int32_t orderKey(std::int32_t bits) { return bits ^ ((bits >> 31) & 0x7fffffff); }
+KOKKOS_INLINE_FUNCTION std::int32_t orderKey(std::int32_t bits) {
+  return bits ^ ((bits >> 31) & 0x7fffffff);
+}
 
 template <>
 KOKKOS_INLINE_FUNCTION float rowMax<float>(int n, const float* KOKKOS_RESTRICT x, float start) {
@@ -227,8 +231,7 @@ KOKKOS_INLINE_FUNCTION float rowMax<float>(int n, const float* KOKKOS_RESTRICT x
   return math::bitsFloat(orderKey(best));
 }
 
-template <class T>
-KOKKOS_INLINE_FUNCTION T rowSum(int n, const T* KOKKOS_RESTRICT x) {
+template <class T> KOKKOS_INLINE_FUNCTION T rowSum(int n, const T* KOKKOS_RESTRICT x) {
   T part[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   int i = 0;
   for (; i + 8 <= n; i += 8)
@@ -238,8 +241,7 @@ KOKKOS_INLINE_FUNCTION T rowSum(int n, const T* KOKKOS_RESTRICT x) {
 }
 
 /// Forward softmax row step: new max m = max(m_old, x), x = exp(x - m), returns m; *sum = sum x.
-template <class T>
-KOKKOS_INLINE_FUNCTION T softmaxRow(int n, T* x, T m_old, T* sum) {
+template <class T> KOKKOS_INLINE_FUNCTION T softmaxRow(int n, T* x, T m_old, T* sum) {
 #ifdef PLM_MODEL_ATTENTION_AVX2
   if constexpr (std::is_same_v<T, float>)
     if (haveAvx2()) return softmaxRowAvx2(n, x, m_old, sum);
@@ -252,9 +254,9 @@ KOKKOS_INLINE_FUNCTION T softmaxRow(int n, T* x, T m_old, T* sum) {
 
 /// Backward element-wise step on a row of scores s (becoming p) and of dp (becoming ds):
 /// p = exp(s - lse), ds = p (dp - delta); lse and delta indexed like the row.
-template <class T>
-KOKKOS_INLINE_FUNCTION void probabilityGrad(int n, T* KOKKOS_RESTRICT p, T* KOKKOS_RESTRICT ds, const T* lse,
-                                            const T* delta) {
+template <class T> KOKKOS_INLINE_FUNCTION void probabilityGrad(int n, T* KOKKOS_RESTRICT p,
+                                                               T* KOKKOS_RESTRICT ds, const T* lse,
+                                                               const T* delta) {
 #ifdef PLM_MODEL_ATTENTION_AVX2
   if constexpr (std::is_same_v<T, float>)
     if (haveAvx2()) return probabilityGradAvx2(n, p, ds, lse, delta);
@@ -269,9 +271,9 @@ KOKKOS_INLINE_FUNCTION void probabilityGrad(int n, T* KOKKOS_RESTRICT p, T* KOKK
 /// Stages rows [row0, row0 + n) of head columns [hd, hd + d) of x into scratch, row-major
 /// (rows_pad x ld, zero beyond n rows and d columns) and/or transposed (d x ld_t, zero beyond n
 /// columns).  Either destination may be null.
-template <class T>
-KOKKOS_INLINE_FUNCTION void stage(const Member& team, const View2<T>& x, int row0, int n, int hd, int d,
-                                  T* rows, int rows_pad, int ld, T* trans, int ld_t) {
+template <class T> KOKKOS_INLINE_FUNCTION void stage(const Member& team, const View2<T>& x,
+                                                     int row0, int n, int hd, int d, T* rows,
+                                                     int rows_pad, int ld, T* trans, int ld_t) {
   if (rows)
     Kokkos::parallel_for(Kokkos::TeamThreadRange(team, rows_pad), [&](const int r) {
       T* KOKKOS_RESTRICT dst = rows + r * ld;
@@ -296,9 +298,9 @@ KOKKOS_INLINE_FUNCTION void stage(const Member& team, const View2<T>& x, int row
 /// Stages the transpose of rows [row0, row0 + n) of head columns [hd, hd + d) from a
 /// head-transposed copy xt (element (t, col) at xt[col * tokens + t]) into trans (d x ld_t, zero
 /// beyond n): contiguous copies instead of a strided transpose in every tile pair.
-template <class T>
-KOKKOS_INLINE_FUNCTION void stageTransposed(const Member& team, const T* xt, std::int64_t tokens, int row0,
-                                            int n, int hd, int d, T* trans, int ld_t) {
+template <class T> KOKKOS_INLINE_FUNCTION void stageTransposed(const Member& team, const T* xt,
+                                                               std::int64_t tokens, int row0, int n,
+                                                               int hd, int d, T* trans, int ld_t) {
   Kokkos::parallel_for(Kokkos::TeamThreadRange(team, d), [&](const int c) {
     const T* KOKKOS_RESTRICT src = xt + (hd + c) * tokens + row0;
     T* KOKKOS_RESTRICT dst = trans + c * ld_t;
@@ -309,13 +311,14 @@ KOKKOS_INLINE_FUNCTION void stageTransposed(const Member& team, const T* xt, std
 }
 
 /// xt[col * T + t] = x(t, col): each head's columns become contiguous rows over tokens.
-template <class T>
-void transposeColumns(const ExecSpace& space, const View2<T>& x, T* xt) {
+template <class T> void transposeColumns(const ExecSpace& space, const View2<T>& x, T* xt) {
   const auto tokens = static_cast<std::int64_t>(x.extent(0));
   const auto cols = static_cast<std::int64_t>(x.extent(1));
-  constexpr std::int64_t block = 32;  // tokens per thread: reads and writes both stay in cache lines
+  constexpr std::int64_t block =
+      32;  // tokens per thread: reads and writes both stay in cache lines
   Kokkos::parallel_for(
-      "plm::model::attention_transpose", Kokkos::RangePolicy<ExecSpace>(space, 0, (tokens + block - 1) / block),
+      "plm::model::attention_transpose",
+      Kokkos::RangePolicy<ExecSpace>(space, 0, (tokens + block - 1) / block),
       KOKKOS_LAMBDA(const std::int64_t b) {
         const std::int64_t t1 = (b + 1) * block < tokens ? (b + 1) * block : tokens;
         for (std::int64_t c = 0; c < cols; ++c)
@@ -324,19 +327,18 @@ void transposeColumns(const ExecSpace& space, const View2<T>& x, T* xt) {
 }
 
 /// Workspace of at least n elements: the caller's, or a fresh one.
-template <class T>
-View1<T> workspaceOf(const View1<T>& given, std::int64_t n) {
+template <class T> View1<T> workspaceOf(const View1<T>& given, std::int64_t n) {
   if (static_cast<std::int64_t>(given.extent(0)) >= n) return given;
   return View1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::attention_work"), n);
 }
 
 }  // namespace
 
-template <class T>
-void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>& k,
-                      const View2<T>& v, const View1<seqlen_t>& cu_seqlens, int heads,
-                      const View2<T>& out, const View2<T>& lse, AttentionTiles tiles,
-                      const View1<T>& workspace) {
+template <class T> void attentionForward(const ExecSpace& space, const View2<T>& q,
+                                         const View2<T>& k, const View2<T>& v,
+                                         const View1<seqlen_t>& cu_seqlens, int heads,
+                                         const View2<T>& out, const View2<T>& lse,
+                                         AttentionTiles tiles, const View1<T>& workspace) {
   checkTiles(tiles);
   const auto tokens = static_cast<std::int64_t>(q.extent(0));
   auto work = workspaceOf(workspace, static_cast<std::int64_t>(k.size()));
@@ -359,13 +361,13 @@ void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>&
         const int tile = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
         const int s0 = list(tile, 0), s1 = list(tile, 1), q0 = list(tile, 2);
         const int nq = s1 - q0 < bq ? s1 - q0 : bq;
-        T* qs = Scratch<T>(team.team_scratch(0), bqp * d).data();   // (bqp, d) queries
-        T* kt = Scratch<T>(team.team_scratch(0), d * bkp).data();   // (d, bkp) keys, transposed
-        T* sc = Scratch<T>(team.team_scratch(0), bqp * bkp).data(); // (bqp, bkp) scores, then p
-        T* vs = Scratch<T>(team.team_scratch(0), bkp * dp).data();  // (bkp, dp) values
-        T* acc = Scratch<T>(team.team_scratch(0), bqp * dp).data(); // (bqp, dp) unnormalised out
-        T* m = Scratch<T>(team.team_scratch(0), bqp).data();        // (bqp) running max
-        T* l = Scratch<T>(team.team_scratch(0), bqp).data();        // (bqp) running sum
+        T* qs = Scratch<T>(team.team_scratch(0), bqp * d).data();    // (bqp, d) queries
+        T* kt = Scratch<T>(team.team_scratch(0), d * bkp).data();    // (d, bkp) keys, transposed
+        T* sc = Scratch<T>(team.team_scratch(0), bqp * bkp).data();  // (bqp, bkp) scores, then p
+        T* vs = Scratch<T>(team.team_scratch(0), bkp * dp).data();   // (bkp, dp) values
+        T* acc = Scratch<T>(team.team_scratch(0), bqp * dp).data();  // (bqp, dp) unnormalised out
+        T* m = Scratch<T>(team.team_scratch(0), bqp).data();         // (bqp) running max
+        T* l = Scratch<T>(team.team_scratch(0), bqp).data();         // (bqp) running sum
         stage(team, q, q0, nq, hd, d, qs, bqp, d, static_cast<T*>(nullptr), 0);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, bqp), [&](const int r) {
           m[r] = lowest;
@@ -433,26 +435,27 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
   const T* dout_t = work.data() + q.size();
   transposeColumns(space, q, work.data());
   transposeColumns(space, dout, work.data() + q.size());
-  const size_t scratch = Scratch<T>::shmem_size(bkp * dp) * 2 + Scratch<T>::shmem_size(d * bqp) * 2 +
-                         Scratch<T>::shmem_size(bqp * dp) * 3 + Scratch<T>::shmem_size(bqp) * 2 +
-                         Scratch<T>::shmem_size(bkp * bqp) * 2 + Scratch<T>::shmem_size(bkp * dp) * 2;
+  const size_t scratch =
+      Scratch<T>::shmem_size(bkp * dp) * 2 + Scratch<T>::shmem_size(d * bqp) * 2 +
+      Scratch<T>::shmem_size(bqp * dp) * 3 + Scratch<T>::shmem_size(bqp) * 2 +
+      Scratch<T>::shmem_size(bkp * bqp) * 2 + Scratch<T>::shmem_size(bkp * dp) * 2;
   Policy policy(space, n * heads, Kokkos::AUTO);
   policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
   Kokkos::parallel_for(
       "plm::model::attention_backward", policy, KOKKOS_LAMBDA(const Member& team) {
         const int seq = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
         const int s0 = cu_seqlens(seq), s1 = cu_seqlens(seq + 1);
-        T* ks = Scratch<T>(team.team_scratch(0), bkp * dp).data();      // (bkp, dp)
-        T* vs = Scratch<T>(team.team_scratch(0), bkp * dp).data();      // (bkp, dp)
-        T* qt = Scratch<T>(team.team_scratch(0), d * bqp).data();       // (d, bqp)
-        T* dot = Scratch<T>(team.team_scratch(0), d * bqp).data();      // (d, bqp)
-        T* qs = Scratch<T>(team.team_scratch(0), bqp * dp).data();      // (bqp, dp)
-        T* dos = Scratch<T>(team.team_scratch(0), bqp * dp).data();     // (bqp, dp)
-        T* dq_t = Scratch<T>(team.team_scratch(0), bqp * dp).data();    // (bqp, dp) dS K of one pair
-        T* lse_s = Scratch<T>(team.team_scratch(0), bqp).data();        // (bqp)
-        T* delta_s = Scratch<T>(team.team_scratch(0), bqp).data();      // (bqp)
-        T* pt = Scratch<T>(team.team_scratch(0), bkp * bqp).data();     // (bkp, bqp) P^T
-        T* dst = Scratch<T>(team.team_scratch(0), bkp * bqp).data();    // (bkp, bqp) dS^T
+        T* ks = Scratch<T>(team.team_scratch(0), bkp * dp).data();    // (bkp, dp)
+        T* vs = Scratch<T>(team.team_scratch(0), bkp * dp).data();    // (bkp, dp)
+        T* qt = Scratch<T>(team.team_scratch(0), d * bqp).data();     // (d, bqp)
+        T* dot = Scratch<T>(team.team_scratch(0), d * bqp).data();    // (d, bqp)
+        T* qs = Scratch<T>(team.team_scratch(0), bqp * dp).data();    // (bqp, dp)
+        T* dos = Scratch<T>(team.team_scratch(0), bqp * dp).data();   // (bqp, dp)
+        T* dq_t = Scratch<T>(team.team_scratch(0), bqp * dp).data();  // (bqp, dp) dS K of one pair
+        T* lse_s = Scratch<T>(team.team_scratch(0), bqp).data();      // (bqp)
+        T* delta_s = Scratch<T>(team.team_scratch(0), bqp).data();    // (bqp)
+        T* pt = Scratch<T>(team.team_scratch(0), bkp * bqp).data();   // (bkp, bqp) P^T
+        T* dst = Scratch<T>(team.team_scratch(0), bkp * bqp).data();  // (bkp, bqp) dS^T
         T* dk_acc = Scratch<T>(team.team_scratch(0), bkp * dp).data();  // (bkp, dp)
         T* dv_acc = Scratch<T>(team.team_scratch(0), bkp * dp).data();  // (bkp, dp)
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, s1 - s0), [&](const int r) {
@@ -479,16 +482,16 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
               delta_s[r] = delta(q0 + r, h);
             });
             team.team_barrier();
-            teamGemm(team, nk, nq, d, ks, dp, 1, qt, bqp, pt, bqp, false);   // S^T = K Q^T
-            teamGemm(team, nk, nq, d, vs, dp, 1, dot, bqp, dst, bqp, false); // dP^T = V dO^T
+            teamGemm(team, nk, nq, d, ks, dp, 1, qt, bqp, pt, bqp, false);    // S^T = K Q^T
+            teamGemm(team, nk, nq, d, vs, dp, 1, dot, bqp, dst, bqp, false);  // dP^T = V dO^T
             team.team_barrier();
             Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nk), [&](const int j) {
               probabilityGrad(nq, pt + j * bqp, dst + j * bqp, lse_s, delta_s);
             });
             team.team_barrier();
-            teamGemm(team, nk, d, nq, pt, bqp, 1, dos, dp, dv_acc, dp, true);   // dV += P^T dO
-            teamGemm(team, nk, d, nq, dst, bqp, 1, qs, dp, dk_acc, dp, true);   // dK += dS^T Q
-            teamGemm(team, nq, d, nk, dst, 1, bqp, ks, dp, dq_t, dp, false);    // dS K
+            teamGemm(team, nk, d, nq, pt, bqp, 1, dos, dp, dv_acc, dp, true);  // dV += P^T dO
+            teamGemm(team, nk, d, nq, dst, bqp, 1, qs, dp, dk_acc, dp, true);  // dK += dS^T Q
+            teamGemm(team, nq, d, nk, dst, 1, bqp, ks, dp, dq_t, dp, false);   // dS K
             team.team_barrier();
             Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
               for (int c = 0; c < d; ++c) dq(q0 + r, hd + c) += dq_t[r * dp + c];
@@ -512,7 +515,8 @@ template <class T>
 Kokkos::View<int**, Kokkos::LayoutRight, MemSpace> tokenBounds(const ExecSpace& space,
                                                                const View1<seqlen_t>& cu_seqlens,
                                                                std::int64_t tokens, int& max_len) {
-  Kokkos::View<int**, Kokkos::LayoutRight, MemSpace> bounds("plm::model::attention_ref_bounds", tokens, 2);
+  Kokkos::View<int**, Kokkos::LayoutRight, MemSpace> bounds("plm::model::attention_ref_bounds",
+                                                            tokens, 2);
   const int n = static_cast<int>(cu_seqlens.extent(0)) - 1;
   max_len = 0;
   if (n <= 0) return bounds;
@@ -539,7 +543,8 @@ void referenceProbabilities(const ExecSpace& space, const View2<T>& q, const Vie
   const auto tokens = static_cast<std::int64_t>(q.extent(0));
   Kokkos::parallel_for(
       "plm::model::attention_ref_scores",
-      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0}, {std::int64_t(heads), tokens}),
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0},
+                                                        {std::int64_t(heads), tokens}),
       KOKKOS_LAMBDA(const std::int64_t h, const std::int64_t i) {
         const int s0 = bounds(i, 0), s1 = bounds(i, 1);
         T mx = Kokkos::reduction_identity<T>::max();
@@ -559,10 +564,10 @@ void referenceProbabilities(const ExecSpace& space, const View2<T>& q, const Vie
 
 }  // namespace
 
-template <class T>
-void attentionReferenceForward(const ExecSpace& space, const View2<T>& q, const View2<T>& k,
-                               const View2<T>& v, const View1<seqlen_t>& cu_seqlens, int heads,
-                               const View2<T>& out, const View2<T>& lse) {
+template <class T> void attentionReferenceForward(const ExecSpace& space, const View2<T>& q,
+                                                  const View2<T>& k, const View2<T>& v,
+                                                  const View1<seqlen_t>& cu_seqlens, int heads,
+                                                  const View2<T>& out, const View2<T>& lse) {
   const auto tokens = static_cast<std::int64_t>(q.extent(0));
   const int d = static_cast<int>(q.extent(1)) / heads;
   int max_len = 0;
@@ -571,7 +576,8 @@ void attentionReferenceForward(const ExecSpace& space, const View2<T>& q, const 
   referenceProbabilities(space, q, k, bounds, heads, p, lse);
   Kokkos::parallel_for(
       "plm::model::attention_ref_forward",
-      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0}, {std::int64_t(heads), tokens}),
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0},
+                                                        {std::int64_t(heads), tokens}),
       KOKKOS_LAMBDA(const std::int64_t h, const std::int64_t i) {
         const int s0 = bounds(i, 0), s1 = bounds(i, 1);
         for (int c = 0; c < d; ++c) {
@@ -597,7 +603,8 @@ void attentionReferenceBackward(const ExecSpace& space, const View2<T>& q, const
   referenceProbabilities(space, q, k, bounds, heads, p, lse);
   Kokkos::parallel_for(
       "plm::model::attention_ref_backward_dq",
-      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0}, {std::int64_t(heads), tokens}),
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0},
+                                                        {std::int64_t(heads), tokens}),
       KOKKOS_LAMBDA(const std::int64_t h, const std::int64_t i) {
         const int s0 = bounds(i, 0), s1 = bounds(i, 1);
         T dsum = 0;
@@ -607,7 +614,8 @@ void attentionReferenceBackward(const ExecSpace& space, const View2<T>& q, const
           ds(h, i, j - s0) = dp;
           dsum += p(h, i, j - s0) * dp;
         }
-        for (int j = s0; j < s1; ++j) ds(h, i, j - s0) = p(h, i, j - s0) * (ds(h, i, j - s0) - dsum);
+        for (int j = s0; j < s1; ++j)
+          ds(h, i, j - s0) = p(h, i, j - s0) * (ds(h, i, j - s0) - dsum);
         for (int c = 0; c < d; ++c) {
           T sum = 0;
           for (int j = s0; j < s1; ++j) sum += ds(h, i, j - s0) * k(j, h * d + c);
@@ -616,7 +624,8 @@ void attentionReferenceBackward(const ExecSpace& space, const View2<T>& q, const
       });
   Kokkos::parallel_for(
       "plm::model::attention_ref_backward_dkdv",
-      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0}, {std::int64_t(heads), tokens}),
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0},
+                                                        {std::int64_t(heads), tokens}),
       KOKKOS_LAMBDA(const std::int64_t h, const std::int64_t j) {
         const int s0 = bounds(j, 0), s1 = bounds(j, 1);
         for (int c = 0; c < d; ++c) {
@@ -631,23 +640,20 @@ void attentionReferenceBackward(const ExecSpace& space, const View2<T>& q, const
       });
 }
 
-#define PLM_MODEL_ATTENTION_INSTANTIATE(T)                                                       \
-  template void attentionForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,          \
-                                    const View2<T>&, const View1<seqlen_t>&, int,                \
-                                    const View2<T>&, const View2<T>&, AttentionTiles,            \
-                                    const View1<T>&);                                            \
-  template void attentionBackward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,         \
-                                     const View2<T>&, const View2<T>&, const View2<T>&,          \
-                                     const View2<T>&, const View1<seqlen_t>&, int,               \
-                                     const View2<T>&, const View2<T>&, const View2<T>&,          \
-                                     const View2<T>&, AttentionTiles, const View1<T>&);          \
-  template void attentionReferenceForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&, \
-                                             const View2<T>&, const View1<seqlen_t>&, int,       \
-                                             const View2<T>&, const View2<T>&);                  \
-  template void attentionReferenceBackward<T>(const ExecSpace&, const View2<T>&,                 \
-                                              const View2<T>&, const View2<T>&, const View2<T>&, \
-                                              const View1<seqlen_t>&, int, const View2<T>&,      \
-                                              const View2<T>&, const View2<T>&);
+#define PLM_MODEL_ATTENTION_INSTANTIATE(T)                                                         \
+  template void attentionForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,            \
+                                    const View2<T>&, const View1<seqlen_t>&, int, const View2<T>&, \
+                                    const View2<T>&, AttentionTiles, const View1<T>&);             \
+  template void attentionBackward<T>(                                                              \
+      const ExecSpace&, const View2<T>&, const View2<T>&, const View2<T>&, const View2<T>&,        \
+      const View2<T>&, const View2<T>&, const View1<seqlen_t>&, int, const View2<T>&,              \
+      const View2<T>&, const View2<T>&, const View2<T>&, AttentionTiles, const View1<T>&);         \
+  template void attentionReferenceForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,   \
+                                             const View2<T>&, const View1<seqlen_t>&, int,         \
+                                             const View2<T>&, const View2<T>&);                    \
+  template void attentionReferenceBackward<T>(                                                     \
+      const ExecSpace&, const View2<T>&, const View2<T>&, const View2<T>&, const View2<T>&,        \
+      const View1<seqlen_t>&, int, const View2<T>&, const View2<T>&, const View2<T>&);
 
 PLM_MODEL_ATTENTION_INSTANTIATE(float)
 PLM_MODEL_ATTENTION_INSTANTIATE(double)

@@ -44,10 +44,10 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
                        const View1<T>& workspace = View1<T>());
 
 /// \brief Plain reference: materialises each sequence's score matrix.  Tests only.
-template <class T>
-void attentionReferenceForward(const ExecSpace& space, const View2<T>& q, const View2<T>& k,
-                               const View2<T>& v, const View1<seqlen_t>& cu_seqlens, int heads,
-                               const View2<T>& out, const View2<T>& lse);
+template <class T> void attentionReferenceForward(const ExecSpace& space, const View2<T>& q,
+                                                  const View2<T>& k, const View2<T>& v,
+                                                  const View1<seqlen_t>& cu_seqlens, int heads,
+                                                  const View2<T>& out, const View2<T>& lse);
 
 /// \brief Plain reference backward (D computed as sum_j P dP, not from O).  Tests only.
 template <class T>

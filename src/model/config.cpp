@@ -14,9 +14,9 @@ struct Shape {
 
 const std::map<std::string, Shape>& presets() {
   static const std::map<std::string, Shape> table = {
-      {"esm2_8m", {6, 320, 20, 1280}},      {"esm2_35m", {12, 480, 20, 1920}},
-      {"esm2_150m", {30, 640, 20, 2560}},   {"esm2_650m", {33, 1280, 20, 5120}},
-      {"esm2_3b", {36, 2560, 40, 10240}},   {"esm2_15b", {48, 5120, 40, 20480}},
+      {"esm2_8m", {6, 320, 20, 1280}},    {"esm2_35m", {12, 480, 20, 1920}},
+      {"esm2_150m", {30, 640, 20, 2560}}, {"esm2_650m", {33, 1280, 20, 5120}},
+      {"esm2_3b", {36, 2560, 40, 10240}}, {"esm2_15b", {48, 5120, 40, 20480}},
   };
   return table;
 }
@@ -57,16 +57,19 @@ double Esm2Config::trainFlopsPerToken(double mean_seqlen_weighted) const {
 
 void Esm2Config::validate() const {
   auto fail = [](const std::string& what) {
-    throw collectiveError("model: " + what + " (set model.layers/hidden/heads/ffn in the deck, or a preset)");
+    throw collectiveError("model: " + what +
+                          " (set model.layers/hidden/heads/ffn in the deck, or a preset)");
   };
   if (num_layers <= 0) fail("layers must be positive, got " + std::to_string(num_layers));
   if (hidden <= 0 || heads <= 0 || ffn <= 0)
     fail("hidden, heads and ffn must be positive, got hidden=" + std::to_string(hidden) +
          " heads=" + std::to_string(heads) + " ffn=" + std::to_string(ffn));
   if (hidden % heads != 0)
-    fail("hidden (" + std::to_string(hidden) + ") must be a multiple of heads (" + std::to_string(heads) + ")");
+    fail("hidden (" + std::to_string(hidden) + ") must be a multiple of heads (" +
+         std::to_string(heads) + ")");
   if (headDim() % 2 != 0)
-    fail("head_dim = hidden/heads = " + std::to_string(headDim()) + " must be even (rotary pairs dimensions)");
+    fail("head_dim = hidden/heads = " + std::to_string(headDim()) +
+         " must be even (rotary pairs dimensions)");
   if (vocab != 33) fail("vocab must be 33 (the ESM-2 alphabet), got " + std::to_string(vocab));
   if (max_positions <= 2) fail("max_positions must exceed 2, got " + std::to_string(max_positions));
   if (!(layer_norm_eps > 0)) fail("layer_norm_eps must be positive");

@@ -6,9 +6,9 @@
 
 namespace plm::model {
 
-template <class T>
-double crossEntropy(const ExecSpace& space, const View2<T>& logits, const View1<std::int32_t>& labels,
-                    double grad_scale, const View2<T>& dlogits) {
+template <class T> double crossEntropy(const ExecSpace& space, const View2<T>& logits,
+                                       const View1<std::int32_t>& labels, double grad_scale,
+                                       const View2<T>& dlogits) {
   const auto rows = static_cast<std::int64_t>(logits.extent(0));
   const int vocab = static_cast<int>(logits.extent(1));
   const bool want_grad = dlogits.extent(0) != 0;

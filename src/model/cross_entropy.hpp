@@ -11,8 +11,8 @@ namespace plm::model {
 
 /// \brief Returns sum over labelled rows of -log softmax(logits)[label].  logits (M, V),
 /// labels (M).  If dlogits is non-empty it receives grad_scale * d(sum)/d(logits).
-template <class T>
-double crossEntropy(const ExecSpace& space, const View2<T>& logits, const View1<std::int32_t>& labels,
-                    double grad_scale, const View2<T>& dlogits);
+template <class T> double crossEntropy(const ExecSpace& space, const View2<T>& logits,
+                                       const View1<std::int32_t>& labels, double grad_scale,
+                                       const View2<T>& dlogits);
 
 }  // namespace plm::model

@@ -3,10 +3,10 @@
 
 namespace plm::model {
 
-template <class T>
-void sequenceInfo(const ExecSpace& space, const View1<seqlen_t>& cu_seqlens,
-                  const View1<token_t>& tokens, bool token_dropout, int mask_token,
-                  const View1<seqlen_t>& position, const View1<T>& mult) {
+template <class T> void sequenceInfo(const ExecSpace& space, const View1<seqlen_t>& cu_seqlens,
+                                     const View1<token_t>& tokens, bool token_dropout,
+                                     int mask_token, const View1<seqlen_t>& position,
+                                     const View1<T>& mult) {
   const int n = static_cast<int>(cu_seqlens.extent(0)) - 1;
   if (n <= 0) return;
   Kokkos::parallel_for(
@@ -25,9 +25,9 @@ void sequenceInfo(const ExecSpace& space, const View1<seqlen_t>& cu_seqlens,
       });
 }
 
-template <class T>
-void embeddingForward(const ExecSpace& space, const View1<token_t>& tokens, const View1<T>& mult,
-                      const View2<T>& weight, const View2<T>& x) {
+template <class T> void embeddingForward(const ExecSpace& space, const View1<token_t>& tokens,
+                                         const View1<T>& mult, const View2<T>& weight,
+                                         const View2<T>& x) {
   const auto n = static_cast<std::int64_t>(x.extent(0));
   const int h = static_cast<int>(x.extent(1));
   Kokkos::parallel_for(
@@ -40,9 +40,9 @@ void embeddingForward(const ExecSpace& space, const View1<token_t>& tokens, cons
       });
 }
 
-template <class T>
-void embeddingBackward(const ExecSpace& space, const View1<token_t>& tokens, const View1<T>& mult,
-                       const View2<T>& dx, int padding_idx, const View2<T>& dweight) {
+template <class T> void embeddingBackward(const ExecSpace& space, const View1<token_t>& tokens,
+                                          const View1<T>& mult, const View2<T>& dx, int padding_idx,
+                                          const View2<T>& dweight) {
   // One thread per vocabulary row gathers its tokens in order: no atomics, deterministic.
   const int vocab = static_cast<int>(dweight.extent(0));
   const int h = static_cast<int>(dweight.extent(1));
@@ -61,7 +61,7 @@ void embeddingBackward(const ExecSpace& space, const View1<token_t>& tokens, con
       });
 }
 
-#define PLM_MODEL_EMBEDDING_INSTANTIATE(T)                                                        \
+#define PLM_MODEL_EMBEDDING_INSTANTIATE(T)                                                       \
   template void sequenceInfo<T>(const ExecSpace&, const View1<seqlen_t>&, const View1<token_t>&, \
                                 bool, int, const View1<seqlen_t>&, const View1<T>&);             \
   template void embeddingForward<T>(const ExecSpace&, const View1<token_t>&, const View1<T>&,    \

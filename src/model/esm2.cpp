@@ -45,7 +45,8 @@ std::vector<TableEntry> buildTable(const Esm2Config& c) {
   std::vector<TableEntry> table;
   std::int64_t offset = 0;
   const std::int64_t h = c.hidden, f = c.ffn, v = c.vocab;
-  auto add = [&](const std::string& name, std::vector<std::int64_t> shape, bool decay, InitKind init) {
+  auto add = [&](const std::string& name, std::vector<std::int64_t> shape, bool decay,
+                 InitKind init) {
     TensorInfo t;
     t.name = name;
     t.shape = shape;
@@ -90,8 +91,7 @@ std::int64_t bufferSize(const std::vector<TableEntry>& table) {
 }
 
 /// Carves typed views out of one grow-only arena; a first pass with base == nullptr measures.
-template <class T>
-struct Carver {
+template <class T> struct Carver {
   T* base = nullptr;
   std::int64_t used = 0;
   View2<T> take(std::int64_t rows, std::int64_t cols) {
@@ -106,8 +106,7 @@ struct Carver {
   }
 };
 
-template <class X>
-View1<X> growView(View1<X>& storage, std::int64_t n, const char* label) {
+template <class X> View1<X> growView(View1<X>& storage, std::int64_t n, const char* label) {
   if (static_cast<std::int64_t>(storage.extent(0)) < n)
     storage = View1<X>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), n);
   return View1<X>(storage.data(), n);
@@ -115,8 +114,7 @@ View1<X> growView(View1<X>& storage, std::int64_t n, const char* label) {
 
 }  // namespace
 
-template <class T>
-struct Esm2<T>::Impl {
+template <class T> struct Esm2<T>::Impl {
   struct LayerParams {
     View2<T> wq, wk, wv, wo;  // (H, H) each, (out, in)
     View1<T> bq, bk, bv, bo;  // (H) each
@@ -149,22 +147,22 @@ struct Esm2<T>::Impl {
   };
   struct Work {
     std::int64_t tokens = 0, rows = 0;
-    View1<token_t> tokens_d;         // (T)
-    View1<std::int32_t> labels_d;    // (T)
-    View1<seqlen_t> cu;              // (n+1)
-    View1<seqlen_t> position;        // (T)
-    View1<std::int64_t> head_rows;   // (M) token index of each LM-head row
-    View1<std::int32_t> head_labels; // (M)
-    View1<T> mult;                   // (T) token-dropout multiplier
-    std::vector<View2<T>> xs;        // (L+1) x (T, H) residual stream at block boundaries
-    std::vector<LayerActs> acts;     // (L) stored, or (1) shared when recomputing / forward only
-    View2<T> act;                    // (T, F) GELU output (scratch)
-    View1<T> attention_work;         // (2 T H) head-transposed copies inside attention
-    View2<T> hidden;                 // (T, H) last_hidden_state
-    View1<T> meanf, rstdf;           // (T)
-    View2<T> hg, h1, h1g, h2;        // (M, H) head: gathered hidden, dense, GELU, LayerNorm
-    View1<T> meanh, rstdh;           // (M)
-    View2<T> logits;                 // (M, V), becomes dlogits in place
+    View1<token_t> tokens_d;          // (T)
+    View1<std::int32_t> labels_d;     // (T)
+    View1<seqlen_t> cu;               // (n+1)
+    View1<seqlen_t> position;         // (T)
+    View1<std::int64_t> head_rows;    // (M) token index of each LM-head row
+    View1<std::int32_t> head_labels;  // (M)
+    View1<T> mult;                    // (T) token-dropout multiplier
+    std::vector<View2<T>> xs;         // (L+1) x (T, H) residual stream at block boundaries
+    std::vector<LayerActs> acts;      // (L) stored, or (1) shared when recomputing / forward only
+    View2<T> act;                     // (T, F) GELU output (scratch)
+    View1<T> attention_work;          // (2 T H) head-transposed copies inside attention
+    View2<T> hidden;                  // (T, H) last_hidden_state
+    View1<T> meanf, rstdf;            // (T)
+    View2<T> hg, h1, h1g, h2;         // (M, H) head: gathered hidden, dense, GELU, LayerNorm
+    View1<T> meanh, rstdh;            // (M)
+    View2<T> logits;                  // (M, V), becomes dlogits in place
     // backward only
     View2<T> dx, dln, dq, dk, dv, dout;  // (T, H)
     View2<T> delta;                      // (T, heads)
@@ -337,9 +335,12 @@ struct Esm2<T>::Impl {
     w.labels_d = growView(labels_store, t, "plm::model::labels");
     w.cu = growView(cu_store, n + 1, "plm::model::cu_seqlens");
     w.position = growView(position_store, t, "plm::model::position");
-    Kokkos::deep_copy(space, w.tokens_d, Kokkos::View<const token_t*, HostSpace>(batch.tokens.data(), t));
-    Kokkos::deep_copy(space, w.labels_d, Kokkos::View<const std::int32_t*, HostSpace>(batch.labels.data(), t));
-    Kokkos::deep_copy(space, w.cu, Kokkos::View<const seqlen_t*, HostSpace>(batch.cu_seqlens.data(), n + 1));
+    Kokkos::deep_copy(space, w.tokens_d,
+                      Kokkos::View<const token_t*, HostSpace>(batch.tokens.data(), t));
+    Kokkos::deep_copy(space, w.labels_d,
+                      Kokkos::View<const std::int32_t*, HostSpace>(batch.labels.data(), t));
+    Kokkos::deep_copy(space, w.cu,
+                      Kokkos::View<const seqlen_t*, HostSpace>(batch.cu_seqlens.data(), n + 1));
 
     // Validate ids on the device (one reduction) and count the labelled rows.
     auto tokens = w.tokens_d;
@@ -356,8 +357,9 @@ struct Esm2<T>::Impl {
         },
         bad, labelled);
     if (bad != 0)
-      throw Error("plm::model: micro-batch holds " + std::to_string(bad) +
-                  " token ids or labels outside the 33-token ESM-2 vocabulary (a data or loader bug)");
+      throw Error(
+          "plm::model: micro-batch holds " + std::to_string(bad) +
+          " token ids or labels outside the 33-token ESM-2 vocabulary (a data or loader bug)");
     const std::int64_t m = all_rows ? t : labelled;
     w.rows = m;
     w.head_rows = growView(rows_store, m, "plm::model::head_rows");
@@ -379,11 +381,13 @@ struct Esm2<T>::Impl {
     carve(measure, t, m, backward);
     if (static_cast<std::int64_t>(arena.extent(0)) < measure.used) {
       arena = View1<T>();  // free before allocating the larger arena
-      arena = View1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::workspace"), measure.used);
+      arena = View1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::workspace"),
+                       measure.used);
     }
     Carver<T> cut{arena.data(), 0};
     carve(cut, t, m, backward);
-    sequenceInfo(space, w.cu, w.tokens_d, config.token_dropout, data::vocab::mask, w.position, w.mult);
+    sequenceInfo(space, w.cu, w.tokens_d, config.token_dropout, data::vocab::mask, w.position,
+                 w.mult);
   }
 
   LayerActs& actsFor(int layer) { return w.acts[w.acts.size() == 1 ? 0 : layer]; }
@@ -435,7 +439,8 @@ struct Esm2<T>::Impl {
     const int layers = config.num_layers;
     embeddingForward(space, w.tokens_d, w.mult, p.embed, w.xs[0]);
     for (int l = 0; l < layers; ++l) layerForward(l, w.xs[l], actsFor(l), w.xs[l + 1]);
-    layerNormForward(space, w.xs[layers], p.lnf_g, p.lnf_b, config.layer_norm_eps, w.hidden, w.meanf, w.rstdf);
+    layerNormForward(space, w.xs[layers], p.lnf_g, p.lnf_b, config.layer_norm_eps, w.hidden,
+                     w.meanf, w.rstdf);
     auto rows = w.head_rows;
     auto hidden = w.hidden;
     auto hg = w.hg;
@@ -447,9 +452,11 @@ struct Esm2<T>::Impl {
         });
     linearForward(space, w.hg, p.head_w, p.head_b, T(0), w.h1);
     geluForward(space, w.h1, w.h1g);
-    layerNormForward(space, w.h1g, p.head_ln_g, p.head_ln_b, config.layer_norm_eps, w.h2, w.meanh, w.rstdh);
+    layerNormForward(space, w.h1g, p.head_ln_g, p.head_ln_b, config.layer_norm_eps, w.h2, w.meanh,
+                     w.rstdh);
     linearForward(space, w.h2, p.embed, p.head_bias, T(0), w.logits);
-    return crossEntropy(space, w.logits, w.head_labels, grad_scale, backward ? w.logits : View2<T>());
+    return crossEntropy(space, w.logits, w.head_labels, grad_scale,
+                        backward ? w.logits : View2<T>());
   }
 
   void backwardPass() {
@@ -457,7 +464,8 @@ struct Esm2<T>::Impl {
     // LM head (w.logits holds dlogits).
     linearBackward(space, w.h2, p.embed, w.logits, T(0), w.dh2, g.embed, g.head_bias);
     Kokkos::deep_copy(space, w.dh1, T(0));
-    layerNormBackward(space, w.h1g, p.head_ln_g, w.meanh, w.rstdh, w.dh2, w.dh1, g.head_ln_g, g.head_ln_b);
+    layerNormBackward(space, w.h1g, p.head_ln_g, w.meanh, w.rstdh, w.dh2, w.dh1, g.head_ln_g,
+                      g.head_ln_b);
     geluBackward(space, w.h1, w.dh1, w.dh1);
     linearBackward(space, w.hg, p.head_w, w.dh1, T(0), w.dhg, g.head_w, g.head_b);
     Kokkos::deep_copy(space, w.dhidden, T(0));
@@ -471,7 +479,8 @@ struct Esm2<T>::Impl {
           for (int c = 0; c < h; ++c) dhidden(rows(m), c) = dhg(m, c);
         });
     Kokkos::deep_copy(space, w.dx, T(0));
-    layerNormBackward(space, w.xs[layers], p.lnf_g, w.meanf, w.rstdf, w.dhidden, w.dx, g.lnf_g, g.lnf_b);
+    layerNormBackward(space, w.xs[layers], p.lnf_g, w.meanf, w.rstdf, w.dhidden, w.dx, g.lnf_g,
+                      g.lnf_b);
     for (int l = layers - 1; l >= 0; --l) {
       if (config.recompute) layerForward(l, w.xs[l], w.acts[0], w.xs[l + 1]);
       layerBackward(l, w.xs[l], actsFor(l));
@@ -480,45 +489,30 @@ struct Esm2<T>::Impl {
   }
 };
 
-template <class T>
-Esm2<T>::Esm2(const Esm2Config& config) : impl_member(new Impl(config)) {}
+template <class T> Esm2<T>::Esm2(const Esm2Config& config) : impl_member(new Impl(config)) {}
 
-template <class T>
-Esm2<T>::~Esm2() {
-  delete impl_member;
-}
+template <class T> Esm2<T>::~Esm2() { delete impl_member; }
 
-template <class T>
-const Esm2Config& Esm2<T>::config() const {
-  return impl_member->config;
-}
+template <class T> const Esm2Config& Esm2<T>::config() const { return impl_member->config; }
 
-template <class T>
-const std::vector<TensorInfo>& Esm2<T>::tensors() const {
+template <class T> const std::vector<TensorInfo>& Esm2<T>::tensors() const {
   return impl_member->tensors;
 }
 
-template <class T>
-const TensorInfo& Esm2<T>::tensor(const std::string& name) const {
+template <class T> const TensorInfo& Esm2<T>::tensor(const std::string& name) const {
   auto it = impl_member->index.find(name);
   if (it == impl_member->index.end())
     throw Error("plm::model: no parameter named '" + name +
-                "' in this ESM-2 (names are Hugging Face's, e.g. esm.encoder.layer.0.attention.self.query.weight)");
+                "' in this ESM-2 (names are Hugging Face's, e.g. "
+                "esm.encoder.layer.0.attention.self.query.weight)");
   return impl_member->tensors[it->second];
 }
 
-template <class T>
-View1<T> Esm2<T>::parameters() {
-  return impl_member->params;
-}
+template <class T> View1<T> Esm2<T>::parameters() { return impl_member->params; }
 
-template <class T>
-View1<T> Esm2<T>::gradients() {
-  return impl_member->grads;
-}
+template <class T> View1<T> Esm2<T>::gradients() { return impl_member->grads; }
 
-template <class T>
-void Esm2<T>::initialize(std::uint64_t seed) {
+template <class T> void Esm2<T>::initialize(std::uint64_t seed) {
   auto& im = *impl_member;
   Kokkos::deep_copy(im.space, im.params, T(0));  // also the alignment padding
   auto params = im.params;
@@ -531,7 +525,8 @@ void Esm2<T>::initialize(std::uint64_t seed) {
         "plm::model::initialize", Kokkos::RangePolicy<ExecSpace>(im.space, 0, t.size),
         KOKKOS_LAMBDA(const std::int64_t e) {
           T value = 0;
-          if (kind == static_cast<int>(InitKind::Normal)) value = static_cast<T>(0.02 * math::normal(seed, stream, e));
+          if (kind == static_cast<int>(InitKind::Normal))
+            value = static_cast<T>(0.02 * math::normal(seed, stream, e));
           if (kind == static_cast<int>(InitKind::One)) value = T(1);
           params(offset + e) = value;
         });
@@ -541,14 +536,12 @@ void Esm2<T>::initialize(std::uint64_t seed) {
   im.space.fence();
 }
 
-template <class T>
-void Esm2<T>::zeroGradients() {
+template <class T> void Esm2<T>::zeroGradients() {
   Kokkos::deep_copy(impl_member->space, impl_member->grads, T(0));
   impl_member->space.fence();
 }
 
-template <class T>
-void Esm2<T>::setBf16Compute(bool on) {
+template <class T> void Esm2<T>::setBf16Compute(bool on) {
 #if PLM_HAVE_CUDA
   if constexpr (std::is_same_v<T, float>) {
     impl_member->bf16 =
@@ -570,10 +563,9 @@ double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale
   if constexpr (std::is_same_v<T, float>) {
     if (impl_member->bf16) {
       impl_member->space.fence();
-      return impl_member->bf16->forwardBackward(impl_member->space.cuda_stream(),
-                                                impl_member->params.data(),
-                                                impl_member->grads.data(), gpu::hostBatch(batch),
-                                                grad_scale);
+      return impl_member->bf16->forwardBackward(
+          impl_member->space.cuda_stream(), impl_member->params.data(), impl_member->grads.data(),
+          gpu::hostBatch(batch), grad_scale);
     }
   }
 #endif
@@ -591,8 +583,10 @@ template <class T>
 double Esm2<T>::forward(const data::MicroBatch& batch, ForwardOutputs<T>* outputs) {
   auto& im = *impl_member;
   if (batch.numTokens() == 0) {
-    if (outputs && outputs->want_logits) outputs->logits = View2<T>("plm::model::logits", 0, im.config.vocab);
-    if (outputs && outputs->want_hidden) outputs->hidden = View2<T>("plm::model::hidden", 0, im.config.hidden);
+    if (outputs && outputs->want_logits)
+      outputs->logits = View2<T>("plm::model::logits", 0, im.config.vocab);
+    if (outputs && outputs->want_hidden)
+      outputs->hidden = View2<T>("plm::model::hidden", 0, im.config.hidden);
     return 0.0;
   }
   Kokkos::Profiling::pushRegion("plm::model::forward");
@@ -612,8 +606,7 @@ double Esm2<T>::forward(const data::MicroBatch& batch, ForwardOutputs<T>* output
   return loss;
 }
 
-template <class T>
-std::int64_t Esm2<T>::workspaceBytes() const {
+template <class T> std::int64_t Esm2<T>::workspaceBytes() const {
   return static_cast<std::int64_t>(impl_member->arena.extent(0) * sizeof(T));
 }
 

@@ -22,10 +22,10 @@ struct Esm2Config {
   int heads = 20;
   int ffn = 1280;
   int vocab = 33;
-  int max_positions = 1026;     // so at most 1024 tokens per sequence
+  int max_positions = 1026;  // so at most 1024 tokens per sequence
   double layer_norm_eps = 1e-5;
-  bool token_dropout = true;    // applied in training and evaluation, as Hugging Face does
-  bool recompute = false;       // recompute each layer's activations in backward
+  bool token_dropout = true;  // applied in training and evaluation, as Hugging Face does
+  bool recompute = false;     // recompute each layer's activations in backward
 
   /// \brief esm2_8m, esm2_35m, esm2_150m, esm2_650m, esm2_3b, esm2_15b; throws a collective
   /// plm::Error listing the valid names otherwise.
@@ -46,7 +46,7 @@ struct Esm2Config {
 
 /// A named tensor inside the flat parameter (and gradient) buffer.
 struct TensorInfo {
-  std::string name;                 // Hugging Face name, e.g. "esm.encoder.layer.0.attention.self.query.weight"
+  std::string name;  // Hugging Face name, e.g. "esm.encoder.layer.0.attention.self.query.weight"
   std::vector<std::int64_t> shape;  // Hugging Face shape (Linear weights are (out, in))
   std::int64_t offset = 0;          // into parameters() / gradients()
   std::int64_t size = 0;            // product of shape
@@ -54,16 +54,14 @@ struct TensorInfo {
 };
 
 /// Optional outputs of a forward pass (device views, allocated by the model).
-template <class T>
-struct ForwardOutputs {
+template <class T> struct ForwardOutputs {
   bool want_logits = false;
   bool want_hidden = false;
   View2<T> logits;  // (T, vocab) when want_logits
   View2<T> hidden;  // (T, hidden) last_hidden_state (after emb_layer_norm_after) when want_hidden
 };
 
-template <class T>
-class Esm2 {
+template <class T> class Esm2 {
  public:
   explicit Esm2(const Esm2Config& config);
   ~Esm2();

@@ -11,26 +11,30 @@ namespace plm::model {
 namespace {
 
 #ifdef PLM_MODEL_HAVE_AVX2_PATH
-__attribute__((target("avx2,fma"), noinline)) void geluRowAvx2(std::int64_t n, const float* x, float* y) {
+__attribute__((target("avx2,fma"), noinline)) void geluRowAvx2(std::int64_t n, const float* x,
+                                                               float* y) {
   std::int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256 cdf = _mm256_fmadd_ps(detail::erf8(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752440f))),
-                                       _mm256_set1_ps(0.5f), _mm256_set1_ps(0.5f));
+    const __m256 cdf =
+        _mm256_fmadd_ps(detail::erf8(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752440f))),
+                        _mm256_set1_ps(0.5f), _mm256_set1_ps(0.5f));
     _mm256_storeu_ps(y + i, _mm256_mul_ps(v, cdf));
   }
   for (; i < n; ++i) y[i] = 0.5f * x[i] * (1.0f + math::erf(x[i] * 0.70710678118654752440f));
 }
 
-__attribute__((target("avx2,fma"), noinline)) void geluGradRowAvx2(std::int64_t n, const float* x, const float* dy,
-                                                                   float* dx) {
+__attribute__((target("avx2,fma"), noinline)) void geluGradRowAvx2(std::int64_t n, const float* x,
+                                                                   const float* dy, float* dx) {
   std::int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
     const __m256 v = _mm256_loadu_ps(x + i);
-    const __m256 cdf = _mm256_fmadd_ps(detail::erf8(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752440f))),
-                                       _mm256_set1_ps(0.5f), _mm256_set1_ps(0.5f));
-    const __m256 pdf = _mm256_mul_ps(_mm256_set1_ps(0.39894228040143267794f),
-                                     detail::exp8(_mm256_mul_ps(_mm256_set1_ps(-0.5f), _mm256_mul_ps(v, v))));
+    const __m256 cdf =
+        _mm256_fmadd_ps(detail::erf8(_mm256_mul_ps(v, _mm256_set1_ps(0.70710678118654752440f))),
+                        _mm256_set1_ps(0.5f), _mm256_set1_ps(0.5f));
+    const __m256 pdf =
+        _mm256_mul_ps(_mm256_set1_ps(0.39894228040143267794f),
+                      detail::exp8(_mm256_mul_ps(_mm256_set1_ps(-0.5f), _mm256_mul_ps(v, v))));
     _mm256_storeu_ps(dx + i, _mm256_mul_ps(_mm256_loadu_ps(dy + i), _mm256_fmadd_ps(v, pdf, cdf)));
   }
   for (; i < n; ++i) {
@@ -42,8 +46,7 @@ __attribute__((target("avx2,fma"), noinline)) void geluGradRowAvx2(std::int64_t 
 }
 #endif
 
-template <class T>
-KOKKOS_INLINE_FUNCTION bool fastRow(std::int64_t n, const T* x, T* y) {
+template <class T> KOKKOS_INLINE_FUNCTION bool fastRow(std::int64_t n, const T* x, T* y) {
 #ifdef PLM_MODEL_HAVE_AVX2_PATH
   if constexpr (std::is_same_v<T, float>)
     if (detail::haveAvx2()) {
@@ -70,8 +73,7 @@ KOKKOS_INLINE_FUNCTION bool fastGradRow(std::int64_t n, const T* x, const T* dy,
 
 }  // namespace
 
-template <class T>
-void geluForward(const ExecSpace& space, const View2<T>& x, const View2<T>& y) {
+template <class T> void geluForward(const ExecSpace& space, const View2<T>& x, const View2<T>& y) {
   const auto rows = static_cast<std::int64_t>(x.extent(0));
   const auto cols = static_cast<std::int64_t>(x.extent(1));
   Kokkos::parallel_for(
@@ -87,8 +89,8 @@ void geluForward(const ExecSpace& space, const View2<T>& x, const View2<T>& y) {
       });
 }
 
-template <class T>
-void geluBackward(const ExecSpace& space, const View2<T>& x, const View2<T>& dy, const View2<T>& dx) {
+template <class T> void geluBackward(const ExecSpace& space, const View2<T>& x, const View2<T>& dy,
+                                     const View2<T>& dx) {
   const auto rows = static_cast<std::int64_t>(x.extent(0));
   const auto cols = static_cast<std::int64_t>(x.extent(1));
   Kokkos::parallel_for(
@@ -107,9 +109,9 @@ void geluBackward(const ExecSpace& space, const View2<T>& x, const View2<T>& dy,
       });
 }
 
-#define PLM_MODEL_GELU_INSTANTIATE(T)                                                         \
-  template void geluForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&);          \
-  template void geluBackward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,          \
+#define PLM_MODEL_GELU_INSTANTIATE(T)                                               \
+  template void geluForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&); \
+  template void geluBackward<T>(const ExecSpace&, const View2<T>&, const View2<T>&, \
                                 const View2<T>&);
 
 PLM_MODEL_GELU_INSTANTIATE(float)

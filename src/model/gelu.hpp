@@ -9,11 +9,10 @@
 namespace plm::model {
 
 /// \brief y = gelu(x) elementwise; x, y (R, C), may alias.
-template <class T>
-void geluForward(const ExecSpace& space, const View2<T>& x, const View2<T>& y);
+template <class T> void geluForward(const ExecSpace& space, const View2<T>& x, const View2<T>& y);
 
 /// \brief dx = dy * gelu'(x) elementwise; dx may alias dy.
-template <class T>
-void geluBackward(const ExecSpace& space, const View2<T>& x, const View2<T>& dy, const View2<T>& dx);
+template <class T> void geluBackward(const ExecSpace& space, const View2<T>& x, const View2<T>& dy,
+                                     const View2<T>& dx);
 
 }  // namespace plm::model

@@ -14,14 +14,12 @@ namespace {
 // Exactly the view types KokkosBlas::gemm forwards to its implementation, so the TPL table
 // lookup below is the one the call makes.
 using HostDevice = Kokkos::Device<HostExec, HostSpace>;
-template <class T>
-using ColMajor = Kokkos::View<T**, Kokkos::LayoutLeft, HostDevice, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
-template <class T>
-using ConstColMajor =
-    Kokkos::View<const T**, Kokkos::LayoutLeft, HostDevice, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+template <class T> using ColMajor =
+    Kokkos::View<T**, Kokkos::LayoutLeft, HostDevice, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
+template <class T> using ConstColMajor = Kokkos::View<const T**, Kokkos::LayoutLeft, HostDevice,
+                                                      Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
-template <class T>
-constexpr bool vendorBlas() {
+template <class T> constexpr bool vendorBlas() {
   if constexpr (!std::is_same_v<MemSpace, HostSpace> ||
                 !(std::is_same_v<T, float> || std::is_same_v<T, double>)) {
     return false;
@@ -31,9 +29,9 @@ constexpr bool vendorBlas() {
   }
 }
 
-template <class T>
-void checkShapes(Trans ta, Trans tb, const View2<T>& a, const View2<T>& b, const View2<T>& c,
-                 std::int64_t& m, std::int64_t& n, std::int64_t& k) {
+template <class T> void checkShapes(Trans ta, Trans tb, const View2<T>& a, const View2<T>& b,
+                                    const View2<T>& c, std::int64_t& m, std::int64_t& n,
+                                    std::int64_t& k) {
   m = static_cast<std::int64_t>(ta == Trans::N ? a.extent(0) : a.extent(1));
   k = static_cast<std::int64_t>(ta == Trans::N ? a.extent(1) : a.extent(0));
   const auto kb = static_cast<std::int64_t>(tb == Trans::N ? b.extent(0) : b.extent(1));
@@ -48,14 +46,11 @@ void checkShapes(Trans ta, Trans tb, const View2<T>& a, const View2<T>& b, const
 
 }  // namespace
 
-template <class T>
-bool gemmUsesVendorBlas() {
-  return vendorBlas<T>();
-}
+template <class T> bool gemmUsesVendorBlas() { return vendorBlas<T>(); }
 
-template <class T>
-void gemmPortable(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha,
-                  const View2<T>& a, const View2<T>& b, T beta, const View2<T>& c) {
+template <class T> void gemmPortable(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha,
+                                     const View2<T>& a, const View2<T>& b, T beta,
+                                     const View2<T>& c) {
   std::int64_t m, n, k;
   checkShapes(trans_a, trans_b, a, b, c, m, n, k);
   if (m == 0 || n == 0) return;
@@ -65,24 +60,25 @@ void gemmPortable(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha,
       Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0}, {m, n}),
       KOKKOS_LAMBDA(const std::int64_t i, const std::int64_t j) {
         T sum = 0;
-        for (std::int64_t p = 0; p < k; ++p) sum += (at ? a(p, i) : a(i, p)) * (bt ? b(j, p) : b(p, j));
+        for (std::int64_t p = 0; p < k; ++p)
+          sum += (at ? a(p, i) : a(i, p)) * (bt ? b(j, p) : b(p, j));
         c(i, j) = beta == T(0) ? alpha * sum : alpha * sum + beta * c(i, j);
       });
 }
 
-template <class T>
-void gemm(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha, const View2<T>& a,
-          const View2<T>& b, T beta, const View2<T>& c) {
+template <class T> void gemm(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha,
+                             const View2<T>& a, const View2<T>& b, T beta, const View2<T>& c) {
   if constexpr (vendorBlas<T>()) {
     std::int64_t m, n, k;
     checkShapes(trans_a, trans_b, a, b, c, m, n, k);
     if (m == 0 || n == 0) return;
     if (k == 0) {  // BLAS would leave C untouched only when beta == 1
-      Kokkos::parallel_for("plm::model::gemm_scale",
-                           Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0}, {m, n}),
-                           KOKKOS_LAMBDA(const std::int64_t i, const std::int64_t j) {
-                             c(i, j) = beta == T(0) ? T(0) : beta * c(i, j);
-                           });
+      Kokkos::parallel_for(
+          "plm::model::gemm_scale",
+          Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0}, {m, n}),
+          KOKKOS_LAMBDA(const std::int64_t i, const std::int64_t j) {
+            c(i, j) = beta == T(0) ? T(0) : beta * c(i, j);
+          });
       return;
     }
     // Row-major X (r x s) is column-major X^T (s x r) over the same memory.
@@ -99,11 +95,11 @@ void gemm(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha, const V
   }
 }
 
-#define PLM_MODEL_GEMM_INSTANTIATE(T)                                                        \
-  template void gemm<T>(const ExecSpace&, Trans, Trans, T, const View2<T>&, const View2<T>&, \
-                        T, const View2<T>&);                                                 \
-  template void gemmPortable<T>(const ExecSpace&, Trans, Trans, T, const View2<T>&,         \
-                                const View2<T>&, T, const View2<T>&);                        \
+#define PLM_MODEL_GEMM_INSTANTIATE(T)                                                           \
+  template void gemm<T>(const ExecSpace&, Trans, Trans, T, const View2<T>&, const View2<T>&, T, \
+                        const View2<T>&);                                                       \
+  template void gemmPortable<T>(const ExecSpace&, Trans, Trans, T, const View2<T>&,             \
+                                const View2<T>&, T, const View2<T>&);                           \
   template bool gemmUsesVendorBlas<T>();
 
 PLM_MODEL_GEMM_INSTANTIATE(float)

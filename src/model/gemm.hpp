@@ -17,18 +17,16 @@ enum class Trans { N, T };
 
 /// \brief C = alpha op(A) op(B) + beta C; shapes are checked (throws plm::Error on mismatch).
 /// beta == 0 overwrites C (NaNs in C do not propagate).
-template <class T>
-void gemm(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha, const View2<T>& a,
-          const View2<T>& b, T beta, const View2<T>& c);
+template <class T> void gemm(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha,
+                             const View2<T>& a, const View2<T>& b, T beta, const View2<T>& c);
 
 /// \brief The portable Kokkos path of gemm (one thread per element of C); a test reference.
-template <class T>
-void gemmPortable(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha,
-                  const View2<T>& a, const View2<T>& b, T beta, const View2<T>& c);
+template <class T> void gemmPortable(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha,
+                                     const View2<T>& a, const View2<T>& b, T beta,
+                                     const View2<T>& c);
 
 /// \brief True when gemm<T> on ExecSpace goes to the vendor BLAS (checked at compile time
 /// against Kokkos Kernels' TPL availability table).
-template <class T>
-bool gemmUsesVendorBlas();
+template <class T> bool gemmUsesVendorBlas();
 
 }  // namespace plm::model

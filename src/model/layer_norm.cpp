@@ -7,10 +7,10 @@
 
 namespace plm::model {
 
-template <class T>
-void layerNormForward(const ExecSpace& space, const View2<T>& x, const View1<T>& gamma,
-                      const View1<T>& beta, double eps, const View2<T>& y, const View1<T>& mean,
-                      const View1<T>& rstd) {
+template <class T> void layerNormForward(const ExecSpace& space, const View2<T>& x,
+                                         const View1<T>& gamma, const View1<T>& beta, double eps,
+                                         const View2<T>& y, const View1<T>& mean,
+                                         const View1<T>& rstd) {
   const auto rows = static_cast<std::int64_t>(x.extent(0));
   const int h = static_cast<int>(x.extent(1));
   const T eps_t = static_cast<T>(eps);
@@ -83,12 +83,12 @@ void layerNormBackward(const ExecSpace& space, const View2<T>& x, const View1<T>
       });
 }
 
-#define PLM_MODEL_LAYER_NORM_INSTANTIATE(T)                                                      \
-  template void layerNormForward<T>(const ExecSpace&, const View2<T>&, const View1<T>&,         \
-                                    const View1<T>&, double, const View2<T>&, const View1<T>&,  \
-                                    const View1<T>&);                                           \
-  template void layerNormBackward<T>(const ExecSpace&, const View2<T>&, const View1<T>&,        \
-                                     const View1<T>&, const View1<T>&, const View2<T>&,         \
+#define PLM_MODEL_LAYER_NORM_INSTANTIATE(T)                                                    \
+  template void layerNormForward<T>(const ExecSpace&, const View2<T>&, const View1<T>&,        \
+                                    const View1<T>&, double, const View2<T>&, const View1<T>&, \
+                                    const View1<T>&);                                          \
+  template void layerNormBackward<T>(const ExecSpace&, const View2<T>&, const View1<T>&,       \
+                                     const View1<T>&, const View1<T>&, const View2<T>&,        \
                                      const View2<T>&, const View1<T>&, const View1<T>&);
 
 PLM_MODEL_LAYER_NORM_INSTANTIATE(float)

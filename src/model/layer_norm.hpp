@@ -11,10 +11,10 @@ namespace plm::model {
 
 /// \brief y = (x - mean) * rstd * gamma + beta per row.  x, y (R, H); gamma, beta (H);
 /// mean, rstd (R) saved for the backward.
-template <class T>
-void layerNormForward(const ExecSpace& space, const View2<T>& x, const View1<T>& gamma,
-                      const View1<T>& beta, double eps, const View2<T>& y, const View1<T>& mean,
-                      const View1<T>& rstd);
+template <class T> void layerNormForward(const ExecSpace& space, const View2<T>& x,
+                                         const View1<T>& gamma, const View1<T>& beta, double eps,
+                                         const View2<T>& y, const View1<T>& mean,
+                                         const View1<T>& rstd);
 
 /// \brief dx += dL/dx, dgamma += sum_rows dy * xhat, dbeta += sum_rows dy.
 template <class T>

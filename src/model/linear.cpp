@@ -28,34 +28,33 @@ void columnSumAccumulate(const ExecSpace& space, const View2<T>& a, const View1<
       });
 }
 
-template <class T>
-void linearForward(const ExecSpace& space, const View2<T>& x, const View2<T>& w, const View1<T>& b,
-                   T beta, const View2<T>& y) {
+template <class T> void linearForward(const ExecSpace& space, const View2<T>& x, const View2<T>& w,
+                                      const View1<T>& b, T beta, const View2<T>& y) {
   const auto rows = static_cast<std::int64_t>(y.extent(0));
   const auto cols = static_cast<std::int64_t>(y.extent(1));
   Kokkos::parallel_for(
       "plm::model::linear_bias", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
       KOKKOS_LAMBDA(const std::int64_t i) {
-        for (std::int64_t j = 0; j < cols; ++j) y(i, j) = (beta == T(0) ? T(0) : beta * y(i, j)) + b(j);
+        for (std::int64_t j = 0; j < cols; ++j)
+          y(i, j) = (beta == T(0) ? T(0) : beta * y(i, j)) + b(j);
       });
   gemm(space, Trans::N, Trans::T, T(1), x, w, T(1), y);
 }
 
-template <class T>
-void linearBackward(const ExecSpace& space, const View2<T>& x, const View2<T>& w,
-                    const View2<T>& dy, T dx_beta, const View2<T>& dx, const View2<T>& dw,
-                    const View1<T>& db) {
+template <class T> void linearBackward(const ExecSpace& space, const View2<T>& x, const View2<T>& w,
+                                       const View2<T>& dy, T dx_beta, const View2<T>& dx,
+                                       const View2<T>& dw, const View1<T>& db) {
   if (dx.extent(0) != 0) gemm(space, Trans::N, Trans::N, T(1), dy, w, dx_beta, dx);
   gemm(space, Trans::T, Trans::N, T(1), dy, x, T(1), dw);
   columnSumAccumulate(space, dy, db);
 }
 
-#define PLM_MODEL_LINEAR_INSTANTIATE(T)                                                         \
-  template void linearForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,           \
-                                 const View1<T>&, T, const View2<T>&);                         \
-  template void linearBackward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,          \
-                                  const View2<T>&, T, const View2<T>&, const View2<T>&,        \
-                                  const View1<T>&);                                            \
+#define PLM_MODEL_LINEAR_INSTANTIATE(T)                                                 \
+  template void linearForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,    \
+                                 const View1<T>&, T, const View2<T>&);                  \
+  template void linearBackward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,   \
+                                  const View2<T>&, T, const View2<T>&, const View2<T>&, \
+                                  const View1<T>&);                                     \
   template void columnSumAccumulate<T>(const ExecSpace&, const View2<T>&, const View1<T>&);
 
 PLM_MODEL_LINEAR_INSTANTIATE(float)

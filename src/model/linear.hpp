@@ -10,15 +10,13 @@
 namespace plm::model {
 
 /// \brief y = beta * y + x W^T + b.  x (R, in), w (out, in), b (out), y (R, out).
-template <class T>
-void linearForward(const ExecSpace& space, const View2<T>& x, const View2<T>& w, const View1<T>& b,
-                   T beta, const View2<T>& y);
+template <class T> void linearForward(const ExecSpace& space, const View2<T>& x, const View2<T>& w,
+                                      const View1<T>& b, T beta, const View2<T>& y);
 
 /// \brief dx = dx_beta * dx + dy W (skipped if dx is empty); dw += dy^T x; db += sum_rows dy.
-template <class T>
-void linearBackward(const ExecSpace& space, const View2<T>& x, const View2<T>& w,
-                    const View2<T>& dy, T dx_beta, const View2<T>& dx, const View2<T>& dw,
-                    const View1<T>& db);
+template <class T> void linearBackward(const ExecSpace& space, const View2<T>& x, const View2<T>& w,
+                                       const View2<T>& dy, T dx_beta, const View2<T>& dx,
+                                       const View2<T>& dw, const View1<T>& db);
 
 /// \brief out(j) += sum_i a(i, j), summed in row order (deterministic).
 template <class T>

@@ -90,14 +90,14 @@ KOKKOS_INLINE_FUNCTION std::uint64_t hash64(std::uint64_t x) {
 }
 
 /// \brief Standard normal number for (seed, stream, index), by Box-Muller on two hashed uniforms.
-KOKKOS_INLINE_FUNCTION double normal(std::uint64_t seed, std::uint64_t stream, std::uint64_t index) {
+KOKKOS_INLINE_FUNCTION double normal(std::uint64_t seed, std::uint64_t stream,
+                                     std::uint64_t index) {
   const std::uint64_t base = hash64(seed ^ hash64(stream + 0x632BE59BD9B4E019ull));
   const std::uint64_t a = hash64(base + 2 * index);
   const std::uint64_t b = hash64(base + 2 * index + 1);
   const double u1 = (static_cast<double>(a >> 11) + 1.0) * (1.0 / 9007199254740993.0);  // (0, 1]
   const double u2 = static_cast<double>(b >> 11) * (1.0 / 9007199254740992.0);          // [0, 1)
-  return libm::sqrt(-2.0 * libm::log(u1)) *
-         libm::cos(6.283185307179586476925 * u2);
+  return libm::sqrt(-2.0 * libm::log(u1)) * libm::cos(6.283185307179586476925 * u2);
 }
 
 }  // namespace plm::model::math

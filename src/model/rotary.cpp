@@ -5,14 +5,14 @@
 
 namespace plm::model {
 
-template <class T>
-void rotaryTables(const ExecSpace& space, int head_dim, const View2<T>& cos_table,
-                  const View2<T>& sin_table) {
+template <class T> void rotaryTables(const ExecSpace& space, int head_dim,
+                                     const View2<T>& cos_table, const View2<T>& sin_table) {
   const auto positions = static_cast<std::int64_t>(cos_table.extent(0));
   const int half = head_dim / 2;
   Kokkos::parallel_for(
       "plm::model::rotary_tables",
-      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0}, {positions, std::int64_t(half)}),
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(space, {0, 0},
+                                                        {positions, std::int64_t(half)}),
       KOKKOS_LAMBDA(const std::int64_t p, const std::int64_t i) {
         const T inv_freq = T(1) / math::libm::pow(T(10000), T(2 * i) / T(head_dim));
         const T angle = T(p) * inv_freq;
@@ -23,10 +23,10 @@ void rotaryTables(const ExecSpace& space, int head_dim, const View2<T>& cos_tabl
 
 namespace {
 
-template <class T>
-void rotate(const char* label, const ExecSpace& space, const View2<T>& x,
-            const View1<seqlen_t>& position, int heads, const View2<T>& cos_table,
-            const View2<T>& sin_table, T scale, T direction) {
+template <class T> void rotate(const char* label, const ExecSpace& space, const View2<T>& x,
+                               const View1<seqlen_t>& position, int heads,
+                               const View2<T>& cos_table, const View2<T>& sin_table, T scale,
+                               T direction) {
   const auto tokens = static_cast<std::int64_t>(x.extent(0));
   const int head_dim = static_cast<int>(x.extent(1)) / heads;
   const int half = head_dim / 2;
@@ -52,19 +52,21 @@ void rotate(const char* label, const ExecSpace& space, const View2<T>& x,
 template <class T>
 void rotaryForward(const ExecSpace& space, const View2<T>& x, const View1<seqlen_t>& position,
                    int heads, const View2<T>& cos_table, const View2<T>& sin_table, T scale) {
-  rotate("plm::model::rotary_forward", space, x, position, heads, cos_table, sin_table, scale, T(1));
+  rotate("plm::model::rotary_forward", space, x, position, heads, cos_table, sin_table, scale,
+         T(1));
 }
 
 template <class T>
 void rotaryBackward(const ExecSpace& space, const View2<T>& dx, const View1<seqlen_t>& position,
                     int heads, const View2<T>& cos_table, const View2<T>& sin_table, T scale) {
-  rotate("plm::model::rotary_backward", space, dx, position, heads, cos_table, sin_table, scale, T(-1));
+  rotate("plm::model::rotary_backward", space, dx, position, heads, cos_table, sin_table, scale,
+         T(-1));
 }
 
-#define PLM_MODEL_ROTARY_INSTANTIATE(T)                                                         \
-  template void rotaryTables<T>(const ExecSpace&, int, const View2<T>&, const View2<T>&);       \
-  template void rotaryForward<T>(const ExecSpace&, const View2<T>&, const View1<seqlen_t>&, int, \
-                                 const View2<T>&, const View2<T>&, T);                          \
+#define PLM_MODEL_ROTARY_INSTANTIATE(T)                                                           \
+  template void rotaryTables<T>(const ExecSpace&, int, const View2<T>&, const View2<T>&);         \
+  template void rotaryForward<T>(const ExecSpace&, const View2<T>&, const View1<seqlen_t>&, int,  \
+                                 const View2<T>&, const View2<T>&, T);                            \
   template void rotaryBackward<T>(const ExecSpace&, const View2<T>&, const View1<seqlen_t>&, int, \
                                   const View2<T>&, const View2<T>&, T);
 

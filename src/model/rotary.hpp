@@ -15,9 +15,8 @@ namespace plm::model {
 
 /// \brief cos/sin tables (positions, head_dim/2), computed in T the way PyTorch does in fp32
 /// (inv_freq, then positions * inv_freq, then cos and sin).
-template <class T>
-void rotaryTables(const ExecSpace& space, int head_dim, const View2<T>& cos_table,
-                  const View2<T>& sin_table);
+template <class T> void rotaryTables(const ExecSpace& space, int head_dim,
+                                     const View2<T>& cos_table, const View2<T>& sin_table);
 
 /// \brief x = rotate(scale * x) per head; x (T, heads*head_dim), position (T).
 template <class T>

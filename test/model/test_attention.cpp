@@ -22,25 +22,28 @@ int total(const std::vector<int>& lengths) {
   return t;
 }
 
-template <class T>
-void compareFlashWithReference(const std::vector<int>& lengths, int heads, int d, AttentionTiles tiles, double tol) {
+template <class T> void compareFlashWithReference(const std::vector<int>& lengths, int heads, int d,
+                                                  AttentionTiles tiles, double tol) {
   const ExecSpace space;
   const int t = total(lengths), h = heads * d;
   auto cu = cuSeqlens(lengths);
   auto q = randomView<T>(t, h, 1, 0.7), k = randomView<T>(t, h, 2, 0.7), v = randomView<T>(t, h, 3);
   auto dout = randomView<T>(t, h, 4);
-  View2<T> out("out", t, h), lse("lse", t, heads), out_ref("out_ref", t, h), lse_ref("lse_ref", t, heads);
+  View2<T> out("out", t, h), lse("lse", t, heads), out_ref("out_ref", t, h),
+      lse_ref("lse_ref", t, heads);
   attentionForward(space, q, k, v, cu, heads, out, lse, tiles);
   attentionReferenceForward(space, q, k, v, cu, heads, out_ref, lse_ref);
   View2<T> dq("dq", t, h), dk("dk", t, h), dv("dv", t, h), delta("delta", t, heads);
   View2<T> dq_ref("dq_ref", t, h), dk_ref("dk_ref", t, h), dv_ref("dv_ref", t, h);
   attentionBackward(space, q, k, v, out, lse, dout, cu, heads, delta, dq, dk, dv, tiles);
   attentionReferenceBackward(space, q, k, v, dout, cu, heads, dq_ref, dk_ref, dv_ref);
-  const std::string where = "tiles " + std::to_string(tiles.queries) + "x" + std::to_string(tiles.keys);
+  const std::string where =
+      "tiles " + std::to_string(tiles.queries) + "x" + std::to_string(tiles.keys);
   auto expectClose = [&](const View2<T>& a, const View2<T>& b, const char* name) {
     auto x = toHost(a), y = toHost(b);
     for (std::size_t i = 0; i < x.size(); ++i)
-      ASSERT_NEAR(x[i], y[i], tol * (1 + std::abs(double(y[i])))) << name << "[" << i << "] " << where;
+      ASSERT_NEAR(x[i], y[i], tol * (1 + std::abs(double(y[i]))))
+          << name << "[" << i << "] " << where;
   };
   expectClose(out, out_ref, "out");
   expectClose(lse, lse_ref, "lse");
@@ -73,7 +76,8 @@ TEST(ModelAttention, GradientsMatchFiniteDifferences) {
   const int heads = 2, d = 4, t = total(lengths), h = heads * d;
   const AttentionTiles tiles{4, 3};
   auto cu = cuSeqlens(lengths);
-  auto q = randomView<double>(t, h, 11), k = randomView<double>(t, h, 12), v = randomView<double>(t, h, 13);
+  auto q = randomView<double>(t, h, 11), k = randomView<double>(t, h, 12),
+       v = randomView<double>(t, h, 13);
   auto r = randomView<double>(t, h, 14);
   View2<double> out("out", t, h), lse("lse", t, heads);
   auto loss = [&]() {
@@ -94,7 +98,8 @@ TEST(ModelAttention, NeverCrossesSequenceBoundaries) {
   const int heads = 2, d = 4, t = total(lengths), h = heads * d;
   const AttentionTiles tiles{4, 4};  // tiles straddle the boundaries of the packed stream
   auto cu = cuSeqlens(lengths);
-  auto q = randomView<double>(t, h, 21), k = randomView<double>(t, h, 22), v = randomView<double>(t, h, 23);
+  auto q = randomView<double>(t, h, 21), k = randomView<double>(t, h, 22),
+       v = randomView<double>(t, h, 23);
   View2<double> out1("out1", t, h), out2("out2", t, h), lse("lse", t, heads);
   attentionForward(space, q, k, v, cu, heads, out1, lse, tiles);
   // Perturb every q, k, v of the third sequence (tokens 7..13).

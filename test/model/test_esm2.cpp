@@ -30,7 +30,8 @@ TEST(ModelConfig, PresetsAndParameterCounts) {
   EXPECT_NEAR(Esm2Config::preset("esm2_650m").numParameters() / 1e6, 651, 1.0);
   EXPECT_NEAR(Esm2Config::preset("esm2_3b").numParameters() / 1e9, 2.84, 0.05);
   EXPECT_NEAR(Esm2Config::preset("esm2_15b").numParameters() / 1e9, 15.1, 0.2);
-  for (const auto& name : Esm2Config::presetNames()) EXPECT_NO_THROW(Esm2Config::preset(name).validate()) << name;
+  for (const auto& name : Esm2Config::presetNames())
+    EXPECT_NO_THROW(Esm2Config::preset(name).validate()) << name;
   EXPECT_THROW(Esm2Config::preset("esm2_7m"), Error);
   // ANCHORS.md: about 4.2 GFLOP per trained token for 650M with packed attention.
   EXPECT_NEAR(Esm2Config::preset("esm2_650m").trainFlopsPerToken(600) / 1e9, 4.2, 0.2);
@@ -66,21 +67,27 @@ TEST(ModelTensors, HuggingFaceNamesShapesOffsetsAndDecay) {
     EXPECT_GE(t.offset, end) << t.name << " overlaps the previous tensor";
     end = t.offset + t.size;
     total += t.size;
-    const bool linear_weight = t.shape.size() == 2 && t.name != "esm.embeddings.word_embeddings.weight";
+    const bool linear_weight =
+        t.shape.size() == 2 && t.name != "esm.embeddings.word_embeddings.weight";
     EXPECT_EQ(t.weight_decay, linear_weight) << t.name;
   }
   EXPECT_LE(end, static_cast<std::int64_t>(model.parameters().extent(0)));
   EXPECT_EQ(model.gradients().extent(0), model.parameters().extent(0));
   EXPECT_EQ(total, tinyConfig().numParameters());
-  for (const char* n : {"esm.embeddings.word_embeddings.weight", "esm.encoder.layer.1.attention.self.query.weight",
-                        "esm.encoder.layer.0.attention.self.key.bias", "esm.encoder.layer.0.attention.self.value.weight",
-                        "esm.encoder.layer.1.attention.output.dense.bias", "esm.encoder.layer.0.attention.LayerNorm.weight",
-                        "esm.encoder.layer.1.intermediate.dense.weight", "esm.encoder.layer.1.output.dense.weight",
-                        "esm.encoder.layer.0.LayerNorm.bias", "esm.encoder.emb_layer_norm_after.weight",
-                        "lm_head.dense.weight", "lm_head.layer_norm.bias", "lm_head.bias"})
+  for (const char* n :
+       {"esm.embeddings.word_embeddings.weight", "esm.encoder.layer.1.attention.self.query.weight",
+        "esm.encoder.layer.0.attention.self.key.bias",
+        "esm.encoder.layer.0.attention.self.value.weight",
+        "esm.encoder.layer.1.attention.output.dense.bias",
+        "esm.encoder.layer.0.attention.LayerNorm.weight",
+        "esm.encoder.layer.1.intermediate.dense.weight", "esm.encoder.layer.1.output.dense.weight",
+        "esm.encoder.layer.0.LayerNorm.bias", "esm.encoder.emb_layer_norm_after.weight",
+        "lm_head.dense.weight", "lm_head.layer_norm.bias", "lm_head.bias"})
     EXPECT_TRUE(names.count(n)) << n;
-  EXPECT_EQ(model.tensor("esm.encoder.layer.1.intermediate.dense.weight").shape, (std::vector<std::int64_t>{16, 8}));
-  EXPECT_EQ(model.tensor("esm.encoder.layer.1.output.dense.weight").shape, (std::vector<std::int64_t>{8, 16}));
+  EXPECT_EQ(model.tensor("esm.encoder.layer.1.intermediate.dense.weight").shape,
+            (std::vector<std::int64_t>{16, 8}));
+  EXPECT_EQ(model.tensor("esm.encoder.layer.1.output.dense.weight").shape,
+            (std::vector<std::int64_t>{8, 16}));
   EXPECT_EQ(model.tensor("lm_head.bias").shape, (std::vector<std::int64_t>{33}));
   EXPECT_THROW(model.tensor("lm_head.decoder.weight"), Error);  // tied to the embedding
 }
@@ -126,8 +133,7 @@ TEST(ModelInit, Statistics) {
 
 /// Random (not just initial) parameters so every path carries signal: LayerNorm gains and all
 /// biases non-trivial.
-template <class T>
-void randomizeParameters(Esm2<T>& model, std::uint64_t seed) {
+template <class T> void randomizeParameters(Esm2<T>& model, std::uint64_t seed) {
   model.initialize(seed);
   auto params = model.parameters();
   for (const auto& t : model.tensors()) {
@@ -151,8 +157,9 @@ TEST(ModelEsm2, EveryParameterGradientMatchesFiniteDifferences) {
     model.zeroGradients();
     const double loss = model.forwardBackward(batch, 1.0);
     EXPECT_NEAR(loss, model.forward(batch), 1e-12);
-    checkGradient(recompute ? "esm2 (recompute)" : "esm2", model.parameters(), model.gradients(),
-                  [&]() { return model.forward(batch); }, 1e-7, 1e-5, 100000);
+    checkGradient(
+        recompute ? "esm2 (recompute)" : "esm2", model.parameters(), model.gradients(),
+        [&]() { return model.forward(batch); }, 1e-7, 1e-5, 100000);
   }
 }
 
@@ -291,7 +298,8 @@ TEST(ModelEsm2, LogitsGiveTheReturnedLoss) {
   shifted.want_logits = true;
   model.forward(batch, &shifted);
   auto l2 = toHost(shifted.logits);
-  for (std::int64_t t = 0; t < batch.numTokens(); ++t) EXPECT_NEAR(l2[t * 33 + 5] - logits[t * 33 + 5], 1.0, 1e-12);
+  for (std::int64_t t = 0; t < batch.numTokens(); ++t)
+    EXPECT_NEAR(l2[t * 33 + 5] - logits[t * 33 + 5], 1.0, 1e-12);
 }
 
 TEST(ModelEsm2, EmptyBatchIsANoOp) {

@@ -25,8 +25,7 @@ void recordRegion(const char* name) {
   if (g_regions) g_regions->push_back(name);
 }
 
-template <class T>
-void checkGemmAgainstPortable(double tol) {
+template <class T> void checkGemmAgainstPortable(double tol) {
   const ExecSpace space;
   // (m, n, k) include 1 and a zero-sized k (C = beta C).
   const int shapes[][3] = {{5, 7, 3}, {1, 9, 4}, {13, 1, 6}, {6, 5, 0}, {33, 17, 19}};
@@ -45,7 +44,8 @@ void checkGemmAgainstPortable(double tol) {
           auto x = toHost(c1), y = toHost(c2);
           for (std::size_t i = 0; i < x.size(); ++i)
             ASSERT_NEAR(x[i], y[i], tol * (1 + std::abs(y[i])))
-                << "m=" << m << " n=" << n << " k=" << k << " ta=" << ta << " tb=" << tb << " beta=" << beta;
+                << "m=" << m << " n=" << n << " k=" << k << " ta=" << ta << " tb=" << tb
+                << " beta=" << beta;
         }
   }
 }
@@ -63,7 +63,8 @@ TEST(ModelGemm, HostPathGoesToVendorBlas) {
   std::vector<std::string> regions;
   g_regions = &regions;
   Kokkos::Tools::Experimental::set_push_region_callback(&recordRegion);
-  auto a = randomView<float>(4, 3, 1), b = randomView<float>(3, 5, 2), c = randomView<float>(4, 5, 3);
+  auto a = randomView<float>(4, 3, 1), b = randomView<float>(3, 5, 2),
+       c = randomView<float>(4, 5, 3);
   gemm(ExecSpace(), Trans::N, Trans::N, 1.0f, a, b, 0.0f, c);
   Kokkos::Tools::Experimental::set_push_region_callback(nullptr);
   g_regions = nullptr;
@@ -222,9 +223,11 @@ TEST(ModelRotary, MatchesRotateHalfFormulaAndBackwardIsTranspose) {
     for (int h = 0; h < heads; ++h)
       for (int i = 0; i < d / 2; ++i) {
         const double theta = pos_host[t] / std::pow(10000.0, 2.0 * i / d);
-        const double a = scale * x0[t * heads * d + h * d + i], b = scale * x0[t * heads * d + h * d + i + d / 2];
+        const double a = scale * x0[t * heads * d + h * d + i],
+                     b = scale * x0[t * heads * d + h * d + i + d / 2];
         EXPECT_NEAR(y[t * heads * d + h * d + i], a * std::cos(theta) - b * std::sin(theta), 1e-14);
-        EXPECT_NEAR(y[t * heads * d + h * d + i + d / 2], b * std::cos(theta) + a * std::sin(theta), 1e-14);
+        EXPECT_NEAR(y[t * heads * d + h * d + i + d / 2], b * std::cos(theta) + a * std::sin(theta),
+                    1e-14);
       }
   // <R x, r> == <x, R^T r> for the backward.
   auto xa = randomView<double>(tokens, heads * d, 42);
@@ -262,9 +265,21 @@ TEST(ModelEmbedding, TokenDropoutScalesPerSequenceAndGradientMatches) {
   auto m = toHost(mult);
   auto p = toHost(position);
   const double k = 1 - 0.15 * 0.8;
-  const std::vector<double> want = {k, k / (1 - 2.0 / 5), 0, k / (1 - 2.0 / 5), 0, k / (1 - 2.0 / 5),
-                                    k / (1 - 1.0 / 9), k / (1 - 1.0 / 9), k / (1 - 1.0 / 9), k / (1 - 1.0 / 9), 0,
-                                    k / (1 - 1.0 / 9), k / (1 - 1.0 / 9), k / (1 - 1.0 / 9), k / (1 - 1.0 / 9)};
+  const std::vector<double> want = {k,
+                                    k / (1 - 2.0 / 5),
+                                    0,
+                                    k / (1 - 2.0 / 5),
+                                    0,
+                                    k / (1 - 2.0 / 5),
+                                    k / (1 - 1.0 / 9),
+                                    k / (1 - 1.0 / 9),
+                                    k / (1 - 1.0 / 9),
+                                    k / (1 - 1.0 / 9),
+                                    0,
+                                    k / (1 - 1.0 / 9),
+                                    k / (1 - 1.0 / 9),
+                                    k / (1 - 1.0 / 9),
+                                    k / (1 - 1.0 / 9)};
   const std::vector<seqlen_t> want_pos = {0, 0, 1, 2, 3, 4, 0, 1, 2, 3, 4, 5, 6, 7, 8};
   for (int i = 0; i < t; ++i) {
     EXPECT_NEAR(m[i], want[i], 1e-15) << i;

@@ -32,7 +32,8 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
   p = _mm256_add_ps(_mm256_fmadd_ps(p, r2, r), _mm256_set1_ps(1.0f));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  const __m256i e =
+      _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
@@ -40,7 +41,8 @@ __attribute__((target("avx2,fma"))) inline __m256 exp8(__m256 x) {
 __attribute__((target("avx2,fma"))) inline __m256 erf8(__m256 x) {
   const __m256 sign = _mm256_and_ps(x, _mm256_set1_ps(-0.0f));
   const __m256 ax = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), x);
-  const __m256 t = _mm256_div_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), ax, _mm256_set1_ps(1.0f)));
+  const __m256 t = _mm256_div_ps(
+      _mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_set1_ps(0.3275911f), ax, _mm256_set1_ps(1.0f)));
   __m256 y = _mm256_set1_ps(1.061405429f);
   y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(-1.453152027f));
   y = _mm256_fmadd_ps(y, t, _mm256_set1_ps(1.421413741f));
