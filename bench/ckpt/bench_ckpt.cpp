@@ -13,15 +13,15 @@
 #include "dist/runtime.hpp"
 #include "io/dataset.hpp"
 
+#include <fcntl.h>
+#include <unistd.h>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <fcntl.h>
 #include <filesystem>
 #include <random>
 #include <sstream>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 namespace {
@@ -79,8 +79,10 @@ int main(int argc, char** argv) {
     }
     MPI_Barrier(MPI_COMM_WORLD);
     std::ostringstream y;
-    y << "model:\n  preset: " << preset << "\ndata:\n  train: " << dir << "/train.h5\n  valid: \"\"\n"
-      << "train:\n  run_dir: " << dir << "/run\ncheckpoint:\n  dir: " << dir << "/ckpt\n  resume: none\n";
+    y << "model:\n  preset: " << preset << "\ndata:\n  train: " << dir
+      << "/train.h5\n  valid: \"\"\n"
+      << "train:\n  run_dir: " << dir << "/run\ncheckpoint:\n  dir: " << dir
+      << "/ckpt\n  resume: none\n";
     auto deck = plm::deck::resolve(*plm::deck::readYamlString(y.str(), "bench deck"));
     plm::train::Trainer trainer(deck);
     Kokkos::deep_copy(trainer.optimizer().expAvg(), 1.0e-3f);
@@ -94,17 +96,19 @@ int main(int argc, char** argv) {
       plm::ckpt::load(trainer, s.path);
       const double load_s = now() - l0;
       if (rank == 0)
-        std::printf("save %d: %.1f MB in %.3f s = %.0f MB/s (host copy %.3f s, write %.3f s, flush+rename %.3f s); "
-                    "load %.3f s = %.0f MB/s\n",
-                    r + 1, double(s.bytes) / 1e6, s.seconds, s.megabytesPerSecond(), s.copy_seconds,
-                    s.write_seconds, s.sync_seconds, load_s, double(s.bytes) / load_s / 1e6);
+        std::printf(
+            "save %d: %.1f MB in %.3f s = %.0f MB/s (host copy %.3f s, write %.3f s, flush+rename "
+            "%.3f s); "
+            "load %.3f s = %.0f MB/s\n",
+            r + 1, double(s.bytes) / 1e6, s.seconds, s.megabytesPerSecond(), s.copy_seconds,
+            s.write_seconds, s.sync_seconds, load_s, double(s.bytes) / load_s / 1e6);
       std::fflush(stdout);
     }
     for (int r = 0; r < repeats; ++r) {
       const double t = rawWrite(dir, bytes, rank, world);
       if (rank == 0)
-        std::printf("raw write+fsync of the same bytes (%d file(s)): %.3f s = %.0f MB/s\n", world, t,
-                    double(bytes) / t / 1e6);
+        std::printf("raw write+fsync of the same bytes (%d file(s)): %.3f s = %.0f MB/s\n", world,
+                    t, double(bytes) / t / 1e6);
     }
     if (rank == 0) std::filesystem::remove_all(dir);
   } catch (const plm::Error& e) {

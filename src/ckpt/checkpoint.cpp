@@ -9,21 +9,21 @@
 #include "io/model_file.hpp"
 #include "plm/plm_config.hpp"
 
-#include <Kokkos_Core.hpp>
 #include <zlib.h>
+#include <Kokkos_Core.hpp>
 
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
-#include <fcntl.h>
 #include <filesystem>
 #include <future>
-#include <sys/stat.h>
 #include <type_traits>
-#include <unistd.h>
 
 namespace plm::ckpt {
 
@@ -77,7 +77,8 @@ void failPoint(std::int64_t step, const char* phase) {
   if (!spec || !*spec) return;
   const std::string want = std::to_string(step) + ":" + phase;
   if (want != spec) return;
-  std::fprintf(stderr, "plm: PLM_CKPT_FAIL_AT=%s: exiting in the middle of a checkpoint save\n", spec);
+  std::fprintf(stderr, "plm: PLM_CKPT_FAIL_AT=%s: exiting in the middle of a checkpoint save\n",
+               spec);
   std::fflush(stderr);
   ::_exit(86);
 }
@@ -98,15 +99,16 @@ void writeRowsIndependently(hid_t file, MPI_Comm comm, const std::string& group,
     const std::int64_t row_size = rows ? t.size / rows : 0;
     auto [first, last] = io::rowRange(rows, rank, world);
     if (last > first)
-      h5::writeRows<float>(dataset, first, last - first, values + t.offset + first * row_size, /*independent=*/true);
+      h5::writeRows<float>(dataset, first, last - first, values + t.offset + first * row_size,
+                           /*independent=*/true);
   }
 }
 
 // CRC-32 of this rank's rows (io::rowRange) of every tensor of a flat buffer, with their byte
 // counts: (crc, length) pairs, one per tensor.  Touches only host memory and zlib, so it may
 // run on a helper thread while HDF5 writes the same (read-only) buffer.
-std::vector<std::uint64_t> localChecksums(const std::vector<model::TensorInfo>& tensors, const float* values,
-                                          int rank, int world) {
+std::vector<std::uint64_t> localChecksums(const std::vector<model::TensorInfo>& tensors,
+                                          const float* values, int rank, int world) {
   std::vector<std::uint64_t> local(2 * tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
@@ -123,11 +125,13 @@ std::vector<std::uint64_t> localChecksums(const std::vector<model::TensorInfo>& 
 
 // Joins every rank's pieces in rank order (crc32_combine): the CRC-32 of each whole tensor,
 // identical for any rank count.
-std::vector<std::uint32_t> combineChecksums(const std::vector<std::uint64_t>& local, MPI_Comm comm) {
+std::vector<std::uint32_t> combineChecksums(const std::vector<std::uint64_t>& local,
+                                            MPI_Comm comm) {
   const int world = commSize(comm);
   const std::size_t n = local.size() / 2;
   std::vector<std::uint64_t> all(local.size() * std::size_t(world));
-  PLM_CHECK_MPI(MPI_Allgather(local.data(), int(2 * n), MPI_UINT64_T, all.data(), int(2 * n), MPI_UINT64_T, comm));
+  PLM_CHECK_MPI(MPI_Allgather(local.data(), int(2 * n), MPI_UINT64_T, all.data(), int(2 * n),
+                              MPI_UINT64_T, comm));
   std::vector<std::uint32_t> out(n);
   for (std::size_t i = 0; i < n; ++i) {
     uLong crc = uLong(all[2 * i]);
@@ -140,12 +144,13 @@ std::vector<std::uint32_t> combineChecksums(const std::vector<std::uint64_t>& lo
   return out;
 }
 
-std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tensors, const float* values,
-                                     MPI_Comm comm) {
+std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tensors,
+                                     const float* values, MPI_Comm comm) {
   return combineChecksums(localChecksums(tensors, values, commRank(comm), commSize(comm)), comm);
 }
 
-void writeChecksums(hid_t file, const std::string& group, const std::vector<model::TensorInfo>& tensors,
+void writeChecksums(hid_t file, const std::string& group,
+                    const std::vector<model::TensorInfo>& tensors,
                     const std::vector<std::uint32_t>& crcs) {
   h5::Hid g(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)));
   for (std::size_t i = 0; i < tensors.size(); ++i) {
@@ -158,13 +163,15 @@ void writeChecksums(hid_t file, const std::string& group, const std::vector<mode
 // transfers, so the file is read once whatever the rank count), checks them against the stored
 // CRC-32s (joined over ranks), and only then are the rows shared.  The group must hold exactly
 // the model's tensors at their shapes.  Any failure is a CorruptCheckpoint on every rank.
-void readGroup(hid_t file, MPI_Comm comm, const std::string& group, const std::vector<model::TensorInfo>& tensors,
-               float* values, const std::string& path) {
+void readGroup(hid_t file, MPI_Comm comm, const std::string& group,
+               const std::vector<model::TensorInfo>& tensors, float* values,
+               const std::string& path) {
   const int rank = commRank(comm), world = commSize(comm);
   std::vector<std::int64_t> stored(tensors.size());
   detail::agree(comm, [&] {
     try {
-      if (!h5::exists(file, group)) throw CorruptCheckpoint("checkpoint `" + path + "` has no /" + group);
+      if (!h5::exists(file, group))
+        throw CorruptCheckpoint("checkpoint `" + path + "` has no /" + group);
       h5::Hid g(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)));
       H5G_info_t info;
       PLM_CHECK_H5(H5Gget_info(g, &info));
@@ -177,8 +184,9 @@ void readGroup(hid_t file, MPI_Comm comm, const std::string& group, const std::v
           throw CorruptCheckpoint("checkpoint `" + path + "`: /" + group + "/" + t.name +
                                   " does not have the shape its /model config implies");
         if (!h5::hasAttribute(dataset, "crc32"))
-          throw CorruptCheckpoint("checkpoint `" + path + "`: /" + group + "/" + t.name +
-                                  " has no crc32 attribute (incomplete file or not written by plm)");
+          throw CorruptCheckpoint(
+              "checkpoint `" + path + "`: /" + group + "/" + t.name +
+              " has no crc32 attribute (incomplete file or not written by plm)");
         stored[i] = h5::readIntAttribute(dataset, "crc32");
         const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
         const std::int64_t row_size = rows ? t.size / rows : 0;
@@ -188,8 +196,9 @@ void readGroup(hid_t file, MPI_Comm comm, const std::string& group, const std::v
                               /*independent=*/true);
       }
       if (info.nlinks != tensors.size())
-        throw CorruptCheckpoint("checkpoint `" + path + "`: /" + group + " holds " + std::to_string(info.nlinks) +
-                                " entries, the model has " + std::to_string(tensors.size()) + " tensors");
+        throw CorruptCheckpoint("checkpoint `" + path + "`: /" + group + " holds " +
+                                std::to_string(info.nlinks) + " entries, the model has " +
+                                std::to_string(tensors.size()) + " tensors");
     } catch (const CorruptCheckpoint&) {
       throw;
     } catch (const std::exception& e) {
@@ -199,8 +208,9 @@ void readGroup(hid_t file, MPI_Comm comm, const std::string& group, const std::v
   const auto crcs = checksums(tensors, values, comm);  // this rank's rows, joined over ranks
   for (std::size_t i = 0; i < tensors.size(); ++i)
     if (std::int64_t(crcs[i]) != stored[i])
-      throw CorruptCheckpoint("checkpoint `" + path + "` is damaged: /" + group + "/" + tensors[i].name +
-                                  " does not match its checksum (crc32 " + std::to_string(stored[i]) + " stored, " +
+      throw CorruptCheckpoint("checkpoint `" + path + "` is damaged: /" + group + "/" +
+                                  tensors[i].name + " does not match its checksum (crc32 " +
+                                  std::to_string(stored[i]) + " stored, " +
                                   std::to_string(crcs[i]) + " read)",
                               true);
   detail::shareRows(tensors, values, comm);
@@ -260,7 +270,8 @@ void detail::shareRows(const std::vector<model::TensorInfo>& tensors, float* val
   while (begin < tensors.size()) {
     std::size_t end = begin;
     std::int64_t total = 0;
-    while (end < tensors.size() && (end == begin || total + tensors[end].size <= batch_limit)) total += tensors[end++].size;
+    while (end < tensors.size() && (end == begin || total + tensors[end].size <= batch_limit))
+      total += tensors[end++].size;
     std::vector<int> counts(world, 0), displacements(world, 0);
     for (int r = 0; r < world; ++r) {
       for (std::size_t i = begin; i < end; ++i) counts[r] += int(rowsOf(tensors[i], r).second);
@@ -270,17 +281,19 @@ void detail::shareRows(const std::vector<model::TensorInfo>& tensors, float* val
     std::size_t at = 0;
     for (std::size_t i = begin; i < end; ++i) {
       auto [offset, count] = rowsOf(tensors[i], rank);
-      std::memcpy(send.data() + at, values + tensors[i].offset + offset, std::size_t(count) * sizeof(float));
+      std::memcpy(send.data() + at, values + tensors[i].offset + offset,
+                  std::size_t(count) * sizeof(float));
       at += std::size_t(count);
     }
     receive.resize(std::size_t(total));
-    PLM_CHECK_MPI(MPI_Allgatherv(send.data(), counts[rank], MPI_FLOAT, receive.data(), counts.data(),
-                                 displacements.data(), MPI_FLOAT, comm));
+    PLM_CHECK_MPI(MPI_Allgatherv(send.data(), counts[rank], MPI_FLOAT, receive.data(),
+                                 counts.data(), displacements.data(), MPI_FLOAT, comm));
     for (int r = 0; r < world; ++r) {
       std::size_t from = std::size_t(displacements[r]);
       for (std::size_t i = begin; i < end; ++i) {
         auto [offset, count] = rowsOf(tensors[i], r);
-        std::memcpy(values + tensors[i].offset + offset, receive.data() + from, std::size_t(count) * sizeof(float));
+        std::memcpy(values + tensors[i].offset + offset, receive.data() + from,
+                    std::size_t(count) * sizeof(float));
         from += std::size_t(count);
       }
     }
@@ -296,11 +309,14 @@ std::string fileName(std::int64_t step) {
 
 std::int64_t stepOfFileName(const std::string& name) {
   const std::string prefix = "step_", suffix = ".h5";
-  if (name.size() < prefix.size() + 6 + suffix.size() || name.compare(0, prefix.size(), prefix) != 0 ||
+  if (name.size() < prefix.size() + 6 + suffix.size() ||
+      name.compare(0, prefix.size(), prefix) != 0 ||
       name.compare(name.size() - suffix.size(), suffix.size(), suffix) != 0)
     return -1;
-  const std::string digits = name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
-  if (digits.size() > 18 || !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
+  const std::string digits =
+      name.substr(prefix.size(), name.size() - prefix.size() - suffix.size());
+  if (digits.size() > 18 ||
+      !std::all_of(digits.begin(), digits.end(), [](char c) { return c >= '0' && c <= '9'; }))
     return -1;
   return std::stoll(digits);
 }
@@ -314,7 +330,8 @@ std::vector<Listed> listCheckpoints(const std::string& dir) {
     const std::int64_t step = stepOfFileName(entry.path().filename().string());
     if (step >= 0) out.push_back({entry.path().string(), step});
   }
-  std::sort(out.begin(), out.end(), [](const Listed& a, const Listed& b) { return a.step < b.step; });
+  std::sort(out.begin(), out.end(),
+            [](const Listed& a, const Listed& b) { return a.step < b.step; });
   return out;
 }
 
@@ -350,7 +367,9 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
   auto& loader = trainer.trainLoader();
   // The checksums of this rank's rows are computed on a helper thread while HDF5 writes.
   const std::vector<std::pair<std::string, const float*>> groups = {
-      {"model", master.data()}, {"optimizer/exp_avg", exp_avg.data()}, {"optimizer/exp_avg_sq", exp_avg_sq.data()}};
+      {"model", master.data()},
+      {"optimizer/exp_avg", exp_avg.data()},
+      {"optimizer/exp_avg_sq", exp_avg_sq.data()}};
   auto crc_pending = std::async(std::launch::async, [&tensors, &groups, rank, world] {
     std::vector<std::vector<std::uint64_t>> out;
     for (const auto& g : groups) out.push_back(localChecksums(tensors, g.second, rank, world));
@@ -435,7 +454,8 @@ std::vector<std::string> prune(const std::string& dir, int keep, MPI_Comm comm) 
   if (commRank(comm) == 0) {
     auto listed = listCheckpoints(dir);
     std::vector<std::string> victims;
-    for (std::size_t i = 0; i + std::size_t(keep) < listed.size(); ++i) victims.push_back(listed[i].path);
+    for (std::size_t i = 0; i + std::size_t(keep) < listed.size(); ++i)
+      victims.push_back(listed[i].path);
     removed = removeFiles(victims, "old checkpoint");
     if (!removed.empty()) fsyncPath(dir, true);
   }
@@ -451,7 +471,8 @@ std::vector<std::string> removeTemporaries(const std::string& dir, MPI_Comm comm
       for (const auto& entry : fs::directory_iterator(dir, ec)) {
         const std::string name = entry.path().filename().string();
         const std::string suffix = ".tmp";
-        if (name.size() > suffix.size() && name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
+        if (name.size() > suffix.size() &&
+            name.compare(name.size() - suffix.size(), suffix.size(), suffix) == 0 &&
             stepOfFileName(name.substr(0, name.size() - suffix.size())) >= 0)
           victims.push_back(entry.path().string());
       }
@@ -475,16 +496,19 @@ Header readHeader(const std::string& path) {
       throw CorruptCheckpoint("`" + path + "` is not a plm checkpoint (no /state group)");
     h5::Hid s(PLM_CHECK_H5(H5Gopen2(file, "state", H5P_DEFAULT)));
     if (!h5::hasAttribute(s, "format"))
-      throw CorruptCheckpoint("checkpoint `" + path + "` is incomplete (its save was interrupted: /state has no "
+      throw CorruptCheckpoint("checkpoint `" + path +
+                              "` is incomplete (its save was interrupted: /state has no "
                               "`format` attribute)");
     const std::string format = h5::readStringAttribute(s, "format");
     if (format != checkpoint_format)
-      throw CorruptCheckpoint("`" + path + "` is not a plm checkpoint (/state format is \"" + format + "\")");
+      throw CorruptCheckpoint("`" + path + "` is not a plm checkpoint (/state format is \"" +
+                              format + "\")");
     h.format_version = h5::readIntAttribute(s, "format_version");
     if (h.format_version > checkpoint_format_version)
-      throw NewerFormat("checkpoint `" + path + "` has format version " + std::to_string(h.format_version) +
-                  ", newer than this plm understands (" + std::to_string(checkpoint_format_version) +
-                  "); resume it with a newer plm");
+      throw NewerFormat("checkpoint `" + path + "` has format version " +
+                        std::to_string(h.format_version) + ", newer than this plm understands (" +
+                        std::to_string(checkpoint_format_version) +
+                        "); resume it with a newer plm");
     h.config = io::readConfigAttributes(file, path);
     h.state.step = h5::readIntAttribute(s, "step");
     h.state.tokens_seen = h5::readIntAttribute(s, "tokens_seen");
@@ -511,7 +535,8 @@ Header readHeader(const std::string& path) {
   } catch (const NewerFormat&) {
     throw;
   } catch (const std::exception& e) {
-    throw CorruptCheckpoint("checkpoint `" + path + "` is unreadable (truncated or damaged?): " + e.what());
+    throw CorruptCheckpoint("checkpoint `" + path +
+                            "` is unreadable (truncated or damaged?): " + e.what());
   }
   return h;
 }
@@ -566,18 +591,23 @@ Header load(train::Trainer& trainer, const std::string& path) {
   optimizer.setStepCount(header.optimizer_step);
 
   for (const auto& c : changes.harmless)
-    log::info("checkpoint: deck change allowed: %s: %s -> %s", c.key.c_str(), c.stored.c_str(), c.current.c_str());
+    log::info("checkpoint: deck change allowed: %s: %s -> %s", c.key.c_str(), c.stored.c_str(),
+              c.current.c_str());
   for (const auto& c : changes.training)
-    log::warn("checkpoint: deck change allowed, but training continues differently from the original run: "
-              "%s: %s -> %s",
-              c.key.c_str(), c.stored.c_str(), c.current.c_str());
+    log::warn(
+        "checkpoint: deck change allowed, but training continues differently from the original "
+        "run: "
+        "%s: %s -> %s",
+        c.key.c_str(), c.stored.c_str(), c.current.c_str());
   const std::int64_t mbps = trainer.trainLoader().options().micro_batches_per_step;
   if (mbps != header.micro_batches_per_step)
-    log::warn("checkpoint: a step now takes %lld micro-batches instead of %lld (data.tokens_per_batch / "
-              "data.micro_batch_tokens, rounded up to a multiple of the %d rank(s)): the data order continues, "
-              "but the steps differ from the original run's",
-              static_cast<long long>(mbps), static_cast<long long>(header.micro_batches_per_step),
-              trainer.world());
+    log::warn(
+        "checkpoint: a step now takes %lld micro-batches instead of %lld (data.tokens_per_batch / "
+        "data.micro_batch_tokens, rounded up to a multiple of the %d rank(s)): the data order "
+        "continues, "
+        "but the steps differ from the original run's",
+        static_cast<long long>(mbps), static_cast<long long>(header.micro_batches_per_step),
+        trainer.world());
   return header;
 }
 

@@ -1,8 +1,10 @@
 // Checkpoints: one parallel HDF5 file per save, atomic, checked, resumable on any rank count
 // (doc/checkpoints.md).
 //
-//   /                       the plm model file attributes (format "plm-esm2", config; io/model_file.hpp),
-//                           so a checkpoint is also a model file (`plm eval --model`, `plm convert`)
+//   /                       the plm model file attributes (format "plm-esm2", config;
+//   io/model_file.hpp),
+//                           so a checkpoint is also a model file (`plm eval --model`, `plm
+//                           convert`)
 //   /model/<HF name>        fp32 master weights at the full Hugging Face shape
 //   /optimizer              attributes: step, beta1, beta2, eps, weight_decay
 //   /optimizer/exp_avg/<HF name>, /optimizer/exp_avg_sq/<HF name>   fp32 Adam moments, same shapes
@@ -20,16 +22,17 @@
 //    fsync the directory.  A kill at any point leaves either no new name or a complete file, and
 //    /state's `format` attribute is written last, so a file that lacks it is never taken.
 //  - Each rank writes its own rows of every tensor (the model file's layout and row split,
-//    io::rowRange; independent transfers, since a rank's rows are one contiguous range) straight
-//    from the host view of the optimizer's buffers: on the CPU that view IS the buffer (no copy at all), on a
-//    GPU it is one device-to-host copy per buffer.  Nothing else passes over the bytes except the
-//    CRC, which each rank computes over its own rows only (crc32_combine joins them, so neither
-//    the checksum nor the file depends on the rank count), on a helper thread while HDF5 writes,
-//    so it adds no time when the write is the slower of the two.
+//    io::rowRange; independent transfers, since a rank's rows are one contiguous range)
+//    straight from the host view of the optimizer's buffers: on the CPU that view IS the buffer
+//    (no copy at all), on a GPU it is one device-to-host copy per buffer.  Nothing else passes
+//    over the bytes except the CRC, which each rank computes over its own rows only
+//    (crc32_combine joins them, so neither the checksum nor the file depends on the rank
+//    count), on a helper thread while HDF5 writes, so it adds no time when the write is the
+//    slower of the two.
 //  - Loading reads each rank's rows once, verifies their CRCs, all-gathers them into host
-//    buffers, and only then touches the trainer: a corrupt checkpoint leaves the trainer as it was, and `resume: auto` falls back to
-//    the previous one.  Every check ends the same way on every rank (one agreed, collective
-//    error), so no rank is left waiting in a collective.
+//    buffers, and only then touches the trainer: a corrupt checkpoint leaves the trainer as it
+//    was, and `resume: auto` falls back to the previous one.  Every check ends the same way on
+//    every rank (one agreed, collective error), so no rank is left waiting in a collective.
 //  - What may differ between the checkpoint and the resuming run is decided key by key
 //    (compareDecks): the model shape and the meaning of the data stream must match; run length,
 //    logging, evaluation, checkpoint cadence, optimizer and schedule settings may change and are
@@ -77,11 +80,12 @@ std::vector<Listed> listCheckpoints(const std::string& dir);
 /// What one save cost (identical on every rank).
 struct SaveReport {
   std::string path;
-  std::int64_t bytes = 0;      // size of the file on disk
-  double copy_seconds = 0;     // device -> host (0 on the CPU: the host view is the buffer)
-  double write_seconds = 0;    // create, tensors, checksums, attributes
-  double sync_seconds = 0;     // flush, fsync, close, rename, directory fsync
-  double seconds = 0;          // the whole save, from the first rank arriving (includes waiting for the rest)
+  std::int64_t bytes = 0;    // size of the file on disk
+  double copy_seconds = 0;   // device -> host (0 on the CPU: the host view is the buffer)
+  double write_seconds = 0;  // create, tensors, checksums, attributes
+  double sync_seconds = 0;   // flush, fsync, close, rename, directory fsync
+  double seconds =
+      0;  // the whole save, from the first rank arriving (includes waiting for the rest)
   double megabytesPerSecond() const { return seconds > 0 ? double(bytes) / seconds / 1e6 : 0.0; }
 };
 
@@ -124,9 +128,9 @@ struct DeckChange {
 
 /// The deck keys that differ, sorted into what resuming refuses and what it allows.
 struct DeckChanges {
-  std::vector<DeckChange> refused;     // would change the model or the meaning of the data stream
-  std::vector<DeckChange> training;    // allowed, but the run's optimization differs from here on
-  std::vector<DeckChange> harmless;    // allowed: length, logging, evaluation, checkpoints, paths
+  std::vector<DeckChange> refused;   // would change the model or the meaning of the data stream
+  std::vector<DeckChange> training;  // allowed, but the run's optimization differs from here on
+  std::vector<DeckChange> harmless;  // allowed: length, logging, evaluation, checkpoints, paths
 };
 
 /// \brief Compares two resolved decks in deck::toYaml form key by key.  Model keys are left to

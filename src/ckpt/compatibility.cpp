@@ -49,26 +49,29 @@ std::map<std::string, std::string> flatten(const std::string& yaml) {
 }
 
 const std::set<std::string>& refusedKeys() {
-  static const std::set<std::string> keys = {"data.seed", "data.micro_batch_tokens", "data.max_seq_len",
-                                             "data.mask_prob"};
+  static const std::set<std::string> keys = {"data.seed", "data.micro_batch_tokens",
+                                             "data.max_seq_len", "data.mask_prob"};
   return keys;
 }
 
 const std::set<std::string>& harmlessKeys() {
+  // One line per section (clang-format would align them into columns).
+  // clang-format off
   static const std::set<std::string> keys = {
       "model.preset", "model.layers", "model.hidden", "model.heads", "model.ffn", "model.recompute",
       "data.train", "data.valid", "data.prefetch", "data.valid_tokens",
       "train.steps", "train.log_every", "train.eval_every", "train.run_dir", "train.seed",
       "train.peak_tflops", "train.log_all_ranks",
       "checkpoint.dir", "checkpoint.every", "checkpoint.keep", "checkpoint.resume"};
+  // clang-format on
   return keys;
 }
 
 std::string configText(const model::Esm2Config& c) {
-  return "layers " + std::to_string(c.num_layers) + ", hidden " + std::to_string(c.hidden) + ", heads " +
-         std::to_string(c.heads) + ", ffn " + std::to_string(c.ffn) + ", vocab " + std::to_string(c.vocab) +
-         ", max_positions " + std::to_string(c.max_positions) + ", token_dropout " +
-         (c.token_dropout ? "true" : "false");
+  return "layers " + std::to_string(c.num_layers) + ", hidden " + std::to_string(c.hidden) +
+         ", heads " + std::to_string(c.heads) + ", ffn " + std::to_string(c.ffn) + ", vocab " +
+         std::to_string(c.vocab) + ", max_positions " + std::to_string(c.max_positions) +
+         ", token_dropout " + (c.token_dropout ? "true" : "false");
 }
 
 }  // namespace
@@ -83,43 +86,51 @@ DeckChanges compareDecks(const std::string& stored_yaml, const std::string& curr
     return it == m.end() ? std::string("(absent)") : it->second;
   };
   // With schedule.decay_steps 0 the decay ends at train.steps, so a new length moves the schedule.
-  const bool steps_shape_schedule =
-      valueOf(stored, "schedule.decay_steps") == "0" || valueOf(current, "schedule.decay_steps") == "0";
+  const bool steps_shape_schedule = valueOf(stored, "schedule.decay_steps") == "0" ||
+                                    valueOf(current, "schedule.decay_steps") == "0";
   DeckChanges out;
   for (const auto& k : keys) {
     DeckChange c{k, valueOf(stored, k), valueOf(current, k)};
     if (c.stored == c.current) continue;
-    if (refusedKeys().count(k)) out.refused.push_back(c);
-    else if (k == "train.steps" && steps_shape_schedule) out.training.push_back(c);
-    else if (harmlessKeys().count(k)) out.harmless.push_back(c);
-    else out.training.push_back(c);
+    if (refusedKeys().count(k))
+      out.refused.push_back(c);
+    else if (k == "train.steps" && steps_shape_schedule)
+      out.training.push_back(c);
+    else if (harmlessKeys().count(k))
+      out.harmless.push_back(c);
+    else
+      out.training.push_back(c);
   }
   return out;
 }
 
-std::vector<std::string> incompatibilities(const Header& header, train::Trainer& trainer, DeckChanges* changes) {
+std::vector<std::string> incompatibilities(const Header& header, train::Trainer& trainer,
+                                           DeckChanges* changes) {
   std::vector<std::string> reasons;
   const model::Esm2Config& mine = trainer.model().config();
   const model::Esm2Config& theirs = header.config;
-  if (mine.num_layers != theirs.num_layers || mine.hidden != theirs.hidden || mine.heads != theirs.heads ||
-      mine.ffn != theirs.ffn || mine.vocab != theirs.vocab || mine.max_positions != theirs.max_positions ||
-      mine.token_dropout != theirs.token_dropout || mine.layer_norm_eps != theirs.layer_norm_eps)
+  if (mine.num_layers != theirs.num_layers || mine.hidden != theirs.hidden ||
+      mine.heads != theirs.heads || mine.ffn != theirs.ffn || mine.vocab != theirs.vocab ||
+      mine.max_positions != theirs.max_positions || mine.token_dropout != theirs.token_dropout ||
+      mine.layer_norm_eps != theirs.layer_norm_eps)
     reasons.push_back("model: the checkpoint holds " + configText(theirs) + "; the deck asks for " +
                       configText(mine));
 
   auto& loader = trainer.trainLoader();
-  if (loader.numSequences() != header.dataset_sequences || loader.numResidues() != header.dataset_residues)
+  if (loader.numSequences() != header.dataset_sequences ||
+      loader.numResidues() != header.dataset_residues)
     reasons.push_back("data.train: the checkpoint was trained on `" + header.dataset_path + "` (" +
                       std::to_string(header.dataset_sequences) + " sequences, " +
-                      std::to_string(header.dataset_residues) + " residues); `" + loader.options().path +
-                      "` has " + std::to_string(loader.numSequences()) + " sequences, " +
-                      std::to_string(loader.numResidues()) +
+                      std::to_string(header.dataset_residues) + " residues); `" +
+                      loader.options().path + "` has " + std::to_string(loader.numSequences()) +
+                      " sequences, " + std::to_string(loader.numResidues()) +
                       " residues, so the saved data cursor would point elsewhere");
 
   DeckChanges diff = compareDecks(header.deck_yaml, deck::toYaml(trainer.deck()));
   for (const auto& c : diff.refused)
-    reasons.push_back(c.key + ": " + c.stored + " in the checkpoint, " + c.current +
-                      " now (it changes which tokens the data stream holds after the saved cursor)");
+    reasons.push_back(
+        c.key + ": " + c.stored + " in the checkpoint, " + c.current +
+        " now (it changes which tokens the data stream holds after the saved cursor)");
   if (changes) *changes = std::move(diff);
   return reasons;
 }

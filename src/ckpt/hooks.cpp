@@ -10,10 +10,10 @@
 #include "core/log.hpp"
 #include "io/json.hpp"
 
+#include <unistd.h>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
-#include <unistd.h>
 
 namespace plm::ckpt {
 
@@ -51,24 +51,29 @@ std::vector<Listed> agreedListing(const std::string& dir, MPI_Comm comm) {
 }
 
 void reportResume(train::Trainer& trainer, const Header& h) {
-  log::info("checkpoint: resumed from %s: step %lld, %lld tokens seen, data cursor (epoch %lld, position "
-            "%lld); saved by %lld rank(s), continuing on %d; written by plm %s (%s) at %s",
-            h.path.c_str(), static_cast<long long>(h.state.step), static_cast<long long>(h.state.tokens_seen),
-            static_cast<long long>(h.state.cursor.epoch), static_cast<long long>(h.state.cursor.position),
-            static_cast<long long>(h.world_size), trainer.world(), h.plm_version.c_str(), h.git_revision.c_str(),
-            h.created_utc.c_str());
+  log::info(
+      "checkpoint: resumed from %s: step %lld, %lld tokens seen, data cursor (epoch %lld, position "
+      "%lld); saved by %lld rank(s), continuing on %d; written by plm %s (%s) at %s",
+      h.path.c_str(), static_cast<long long>(h.state.step),
+      static_cast<long long>(h.state.tokens_seen), static_cast<long long>(h.state.cursor.epoch),
+      static_cast<long long>(h.state.cursor.position), static_cast<long long>(h.world_size),
+      trainer.world(), h.plm_version.c_str(), h.git_revision.c_str(), h.created_utc.c_str());
   const int log_every = std::max(1, trainer.deck().sublist("train").get<int>("log_every"));
   if (h.state.step % log_every != 0)
-    log::info("checkpoint: step %lld is not a multiple of train.log_every (%d): the first record after the "
-              "resume averages fewer steps than an uninterrupted run's",
-              static_cast<long long>(h.state.step), log_every);
+    log::info(
+        "checkpoint: step %lld is not a multiple of train.log_every (%d): the first record after "
+        "the "
+        "resume averages fewer steps than an uninterrupted run's",
+        static_cast<long long>(h.state.step), log_every);
   if (commRank(trainer.comm()) == 0) {
     const std::string metrics = trainer.runDir() + "/metrics.jsonl";
     const std::int64_t removed = truncateMetrics(metrics, h.state.step);
     if (removed > 0)
-      log::info("checkpoint: removed %lld record(s) after step %lld from %s (the interrupted run wrote them "
-                "after its last checkpoint; they are recomputed now)",
-                static_cast<long long>(removed), static_cast<long long>(h.state.step), metrics.c_str());
+      log::info(
+          "checkpoint: removed %lld record(s) after step %lld from %s (the interrupted run wrote "
+          "them "
+          "after its last checkpoint; they are recomputed now)",
+          static_cast<long long>(removed), static_cast<long long>(h.state.step), metrics.c_str());
   }
 }
 
@@ -99,7 +104,8 @@ std::int64_t truncateMetrics(const std::string& metrics, std::int64_t step) {
     at = end + 1;
   }
   if (cut == std::string::npos) return 0;
-  PLM_CHECK_SYS(::truncate(metrics.c_str(), static_cast<off_t>(cut)) == 0, ("truncate " + metrics).c_str());
+  PLM_CHECK_SYS(::truncate(metrics.c_str(), static_cast<off_t>(cut)) == 0,
+                ("truncate " + metrics).c_str());
   return removed;
 }
 
@@ -113,9 +119,11 @@ std::string resume(train::Trainer& trainer) {
   if (setting == "none") {
     const auto listed = agreedListing(dir, comm);
     if (!listed.empty())
-      log::warn("checkpoint.resume: none, but %s holds %zu checkpoint(s) up to step %lld; this run's saves "
-                "replace files of the same step and checkpoint.keep prunes all of them by step",
-                dir.c_str(), listed.size(), static_cast<long long>(listed.back().step));
+      log::warn(
+          "checkpoint.resume: none, but %s holds %zu checkpoint(s) up to step %lld; this run's "
+          "saves "
+          "replace files of the same step and checkpoint.keep prunes all of them by step",
+          dir.c_str(), listed.size(), static_cast<long long>(listed.back().step));
     else
       log::info("checkpoint: starting a new run (checkpoint.resume: none)");
     return "";
@@ -126,7 +134,8 @@ std::string resume(train::Trainer& trainer) {
       std::error_code ec;
       if (!fs::is_regular_file(setting, ec))
         throw Error("checkpoint.resume: `" + setting +
-                    "` is not a file; give an existing checkpoint, `auto` (the newest in checkpoint.dir) or "
+                    "` is not a file; give an existing checkpoint, `auto` (the newest in "
+                    "checkpoint.dir) or "
                     "`none`");
     });
     const Header h = load(trainer, setting);
@@ -166,12 +175,16 @@ train::Trainer::Hooks hooks(train::Trainer::Hooks extra) {
     if (trainer.checkpointEvery() > 0) {
       const auto& c = checkpointSection(trainer);
       const SaveReport r = save(trainer, c.get<std::string>("dir"));
-      log::info("checkpoint: step %lld saved to %s: %.1f MB in %.2f s (%.0f MB/s; host copy %.2f s, write %.2f "
-                "s, flush/rename %.2f s)",
-                static_cast<long long>(trainer.state().step), r.path.c_str(), double(r.bytes) / 1e6, r.seconds,
-                r.megabytesPerSecond(), r.copy_seconds, r.write_seconds, r.sync_seconds);
-      for (const auto& removed : prune(c.get<std::string>("dir"), c.get<int>("keep"), trainer.comm()))
-        log::info("checkpoint: removed %s (checkpoint.keep: %d)", removed.c_str(), c.get<int>("keep"));
+      log::info(
+          "checkpoint: step %lld saved to %s: %.1f MB in %.2f s (%.0f MB/s; host copy %.2f s, "
+          "write %.2f "
+          "s, flush/rename %.2f s)",
+          static_cast<long long>(trainer.state().step), r.path.c_str(), double(r.bytes) / 1e6,
+          r.seconds, r.megabytesPerSecond(), r.copy_seconds, r.write_seconds, r.sync_seconds);
+      for (const auto& removed :
+           prune(c.get<std::string>("dir"), c.get<int>("keep"), trainer.comm()))
+        log::info("checkpoint: removed %s (checkpoint.keep: %d)", removed.c_str(),
+                  c.get<int>("keep"));
     }
     if (user) user(trainer, final_save);
   };

@@ -12,10 +12,10 @@
 
 #include <gtest/gtest.h>
 
-#include <cstring>
 #include <fcntl.h>
-#include <filesystem>
 #include <unistd.h>
+#include <cstring>
+#include <filesystem>
 
 namespace {
 
@@ -91,13 +91,15 @@ TEST_F(Checkpoint, FileHoldsTheTrainersState) {
     const auto master = host(t.optimizer().master()), m = host(t.optimizer().expAvg()),
                v = host(t.optimizer().expAvgSq());
     for (const auto& [group, values] :
-         {std::pair{"model", &master}, std::pair{"optimizer/exp_avg", &m}, std::pair{"optimizer/exp_avg_sq", &v}})
+         {std::pair{"model", &master}, std::pair{"optimizer/exp_avg", &m},
+          std::pair{"optimizer/exp_avg_sq", &v}})
       for (const auto& info : t.model().tensors()) {
         h5::Hid ds = h5::openDataset(file, std::string(group) + "/" + info.name);
         ASSERT_EQ(h5::datasetShape(ds), info.shape) << info.name;
         std::vector<float> stored(info.size);
         h5::readRows<float>(ds, 0, info.shape[0], stored.data(), /*independent=*/true);
-        EXPECT_EQ(std::memcmp(stored.data(), values->data() + info.offset, info.size * sizeof(float)), 0)
+        EXPECT_EQ(
+            std::memcmp(stored.data(), values->data() + info.offset, info.size * sizeof(float)), 0)
             << group << "/" << info.name;
         EXPECT_TRUE(h5::hasAttribute(ds, "crc32"));
       }
@@ -110,7 +112,8 @@ TEST_F(Checkpoint, FileHoldsTheTrainersState) {
     EXPECT_EQ(h5::readIntAttribute(s, "cursor_position"), t.state().cursor.position);
     EXPECT_EQ(h5::readIntAttribute(s, "world_size"), plm::dist::worldSize());
     EXPECT_EQ(h5::readIntAttribute(s, "data_seed"), 7);
-    EXPECT_NE(h5::readStringAttribute(s, "deck").find("micro_batch_tokens: 1024"), std::string::npos);
+    EXPECT_NE(h5::readStringAttribute(s, "deck").find("micro_batch_tokens: 1024"),
+              std::string::npos);
     h5::Hid o(H5Gopen2(file, "optimizer", H5P_DEFAULT));
     EXPECT_EQ(h5::readIntAttribute(o, "step"), 2);
     EXPECT_EQ(plm::io::readModelConfig(report.path).hidden, 32);  // also a plm model file
@@ -207,7 +210,8 @@ TEST_F(Checkpoint, DamagedTensorBytesAreRefused) {
   } catch (const plm::ckpt::CorruptCheckpoint& e) {
     EXPECT_NE(std::string(e.what()).find("exp_avg_sq/" + name), std::string::npos) << e.what();
   }
-  EXPECT_TRUE(sameBits(before, host(t.optimizer().master()))) << "a refused load changed the trainer";
+  EXPECT_TRUE(sameBits(before, host(t.optimizer().master())))
+      << "a refused load changed the trainer";
   EXPECT_EQ(t.state().step, 0);
   // auto with nothing else usable refuses instead of silently starting over.
   plm::train::Trainer a(tinyDeck(dir, "damaged"));
@@ -230,7 +234,8 @@ TEST_F(Checkpoint, ExplicitMissingPathIsRefused) {
 }
 
 // Loads `good` into a trainer built with `overrides`; returns the refusal text ("" if accepted).
-std::string refusal(const std::string& dir, const std::string& good, std::vector<std::string> overrides) {
+std::string refusal(const std::string& dir, const std::string& good,
+                    std::vector<std::string> overrides) {
   overrides.push_back("checkpoint.resume=" + good);
   plm::train::Trainer t(tinyDeck(dir, "refuse", overrides));
   try {
@@ -271,16 +276,18 @@ TEST_F(Checkpoint, OtherDataStreamIsRefused) {
 }
 
 TEST_F(Checkpoint, SafeChangesAreAccepted) {
-  EXPECT_EQ(refusal(dir, good, {"train.steps=20", "train.log_every=5", "train.eval_every=7", "checkpoint.every=4",
-                                "checkpoint.keep=1", "optimizer.lr=1.0e-3", "schedule.warmup_steps=5",
-                                "data.tokens_per_batch=8192"}),
+  EXPECT_EQ(refusal(dir, good,
+                    {"train.steps=20", "train.log_every=5", "train.eval_every=7",
+                     "checkpoint.every=4", "checkpoint.keep=1", "optimizer.lr=1.0e-3",
+                     "schedule.warmup_steps=5", "data.tokens_per_batch=8192"}),
             "");
 }
 
 TEST(DeckChanges, SortedIntoRefusedTrainingHarmless) {
   auto a = plm::deck::toYaml(*tinyDeck("/x", "r"));
-  auto b = plm::deck::toYaml(*tinyDeck("/x", "r", {"train.steps=9", "optimizer.lr=1.0e-3", "data.seed=2",
-                                                     "checkpoint.keep=5", "data.prefetch=3"}));
+  auto b = plm::deck::toYaml(*tinyDeck("/x", "r",
+                                       {"train.steps=9", "optimizer.lr=1.0e-3", "data.seed=2",
+                                        "checkpoint.keep=5", "data.prefetch=3"}));
   const auto c = plm::ckpt::compareDecks(a, b);
   auto keys = [](const std::vector<plm::ckpt::DeckChange>& v) {
     std::vector<std::string> k;
@@ -289,14 +296,16 @@ TEST(DeckChanges, SortedIntoRefusedTrainingHarmless) {
   };
   EXPECT_EQ(keys(c.refused), (std::vector<std::string>{"data.seed"}));
   EXPECT_EQ(keys(c.training), (std::vector<std::string>{"optimizer.lr"}));
-  EXPECT_EQ(keys(c.harmless), (std::vector<std::string>{"checkpoint.keep", "data.prefetch", "train.steps"}));
+  EXPECT_EQ(keys(c.harmless),
+            (std::vector<std::string>{"checkpoint.keep", "data.prefetch", "train.steps"}));
   ASSERT_EQ(c.refused.size(), 1u);
   EXPECT_EQ(c.refused[0].stored, "7");
   EXPECT_EQ(c.refused[0].current, "2");
   // With decay_steps 0 the schedule ends at train.steps, so a new length changes training.
   a = plm::deck::toYaml(*tinyDeck("/x", "r", {"schedule.decay_steps=0"}));
   b = plm::deck::toYaml(*tinyDeck("/x", "r", {"schedule.decay_steps=0", "train.steps=9"}));
-  EXPECT_EQ(keys(plm::ckpt::compareDecks(a, b).training), (std::vector<std::string>{"train.steps"}));
+  EXPECT_EQ(keys(plm::ckpt::compareDecks(a, b).training),
+            (std::vector<std::string>{"train.steps"}));
   EXPECT_TRUE(plm::ckpt::compareDecks(a, a).harmless.empty());
 }
 
@@ -317,7 +326,8 @@ TEST(ShareRows, EveryRankGetsEveryRow) {
         values[std::size_t(t.offset + k)] = expected(std::size_t(t.offset + k));
     }
     plm::ckpt::detail::shareRows(tensors, values.data(), MPI_COMM_WORLD, limit);
-    for (std::size_t i = 0; i < values.size(); ++i) ASSERT_EQ(values[i], expected(i)) << "element " << i;
+    for (std::size_t i = 0; i < values.size(); ++i)
+      ASSERT_EQ(values[i], expected(i)) << "element " << i;
   }
 }
 
@@ -333,8 +343,10 @@ TEST(Metrics, TruncatedAfterTheCheckpointStep) {
   EXPECT_EQ(plm::ckpt::truncateMetrics(path, 2), 2);
   std::ifstream in(path);
   std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-  EXPECT_EQ(text, "{\"kind\":\"train\",\"step\":1,\"loss\":3.5}\n{\"kind\":\"eval\",\"step\":2,\"valid_loss\":3.4}\n"
-                  "{\"kind\":\"train\",\"step\":2,\"loss\":3.4}\n");
+  EXPECT_EQ(text,
+            "{\"kind\":\"train\",\"step\":1,\"loss\":3.5}\n{\"kind\":\"eval\",\"step\":2,\"valid_"
+            "loss\":3.4}\n"
+            "{\"kind\":\"train\",\"step\":2,\"loss\":3.4}\n");
   EXPECT_EQ(plm::ckpt::truncateMetrics(path, 2), 0);
   plm::test::removeSharedDir(MPI_COMM_SELF, scratch);
 }

@@ -66,7 +66,9 @@ TEST(Crash, Check) {
   plm::train::Trainer t(tinyDeck(dir, "crash", {"checkpoint.every=2"}));
   std::vector<std::int64_t> steps_run;
   plm::train::Trainer::Hooks extra;
-  extra.on_step = [&](plm::train::Trainer& tr, const plm::train::StepStats&) { steps_run.push_back(tr.state().step); };
+  extra.on_step = [&](plm::train::Trainer& tr, const plm::train::StepStats&) {
+    steps_run.push_back(tr.state().step);
+  };
   plm::ckpt::installHooks(t, extra);
   t.run();
   EXPECT_EQ(steps_run, (std::vector<std::int64_t>{3, 4, 5, 6}));

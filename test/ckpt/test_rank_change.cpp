@@ -52,14 +52,16 @@ TEST(RankChange, ResumesOnAnyRankCount) {
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "ranks");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   plm::data::Cursor reference_cursor;
-  const auto reference = train(tinyDeck(dir, "reference", {"checkpoint.every=0"}), MPI_COMM_WORLD, &reference_cursor);
+  const auto reference =
+      train(tinyDeck(dir, "reference", {"checkpoint.every=0"}), MPI_COMM_WORLD, &reference_cursor);
   ASSERT_EQ(reference.size(), 6u);
 
   for (auto [n, m] : {std::pair{2, 1}, std::pair{1, 4}, std::pair{4, 2}}) {
     const std::string run = "n" + std::to_string(n) + "m" + std::to_string(m);
     std::vector<Record> got;
     plm::data::Cursor cursor;
-    onFirstRanks(n, [&](MPI_Comm comm) { got = train(tinyDeck(dir, run, {"train.steps=3"}), comm); });
+    onFirstRanks(n,
+                 [&](MPI_Comm comm) { got = train(tinyDeck(dir, run, {"train.steps=3"}), comm); });
     const auto listed = plm::ckpt::listCheckpoints(dir + "/" + run + "/ckpt");
     ASSERT_EQ(listed.size(), 1u) << run;
     onFirstRanks(m, [&](MPI_Comm comm) {
@@ -70,8 +72,10 @@ TEST(RankChange, ResumesOnAnyRankCount) {
     ASSERT_EQ(got.size(), reference.size()) << run;
     for (std::size_t i = 0; i < got.size(); ++i) {
       EXPECT_EQ(got[i].step, reference[i].step) << run;
-      EXPECT_EQ(got[i].tokens, reference[i].tokens) << run << " step " << got[i].step << ": another batch";
-      EXPECT_EQ(got[i].masked, reference[i].masked) << run << " step " << got[i].step << ": other masks";
+      EXPECT_EQ(got[i].tokens, reference[i].tokens)
+          << run << " step " << got[i].step << ": another batch";
+      EXPECT_EQ(got[i].masked, reference[i].masked)
+          << run << " step " << got[i].step << ": other masks";
       EXPECT_LE(std::abs(got[i].loss - reference[i].loss), 1e-5 * std::abs(reference[i].loss))
           << run << " step " << got[i].step << ": " << got[i].loss << " vs " << reference[i].loss;
     }

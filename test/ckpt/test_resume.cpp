@@ -77,7 +77,9 @@ TEST_F(Resume, KilledRunContinuesBitIdentically) {
   plm::train::Trainer resumed(tinyDeck(dir, "b"));
   std::vector<std::int64_t> steps_run;
   plm::train::Trainer::Hooks extra;
-  extra.on_step = [&](plm::train::Trainer& t, const plm::train::StepStats&) { steps_run.push_back(t.state().step); };
+  extra.on_step = [&](plm::train::Trainer& t, const plm::train::StepStats&) {
+    steps_run.push_back(t.state().step);
+  };
   plm::ckpt::installHooks(resumed, extra);
   resumed.run();
   EXPECT_EQ(steps_run, (std::vector<std::int64_t>{4, 5, 6}));
@@ -103,10 +105,13 @@ TEST_F(Resume, NoneStartsFresh) {
     plm::ckpt::installHooks(c);
     c.run();
   }
-  plm::train::Trainer fresh(tinyDeck(dir, "d", {"train.steps=2", "checkpoint.resume=none", "checkpoint.every=0"}));
+  plm::train::Trainer fresh(
+      tinyDeck(dir, "d", {"train.steps=2", "checkpoint.resume=none", "checkpoint.every=0"}));
   std::vector<std::int64_t> steps_run;
   plm::train::Trainer::Hooks extra;
-  extra.on_step = [&](plm::train::Trainer& t, const plm::train::StepStats&) { steps_run.push_back(t.state().step); };
+  extra.on_step = [&](plm::train::Trainer& t, const plm::train::StepStats&) {
+    steps_run.push_back(t.state().step);
+  };
   plm::ckpt::installHooks(fresh, extra);
   fresh.run();
   EXPECT_EQ(steps_run, (std::vector<std::int64_t>{1, 2}));

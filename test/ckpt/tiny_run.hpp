@@ -34,7 +34,8 @@ inline int commRank(MPI_Comm comm) {
 inline std::string sharedTempDir(MPI_Comm comm, const std::string& tag) {
   std::string path;
   if (commRank(comm) == 0) {
-    std::string pattern = (std::filesystem::temp_directory_path() / ("plm_ckpt_" + tag + "_XXXXXX")).string();
+    std::string pattern =
+        (std::filesystem::temp_directory_path() / ("plm_ckpt_" + tag + "_XXXXXX")).string();
     if (!mkdtemp(pattern.data())) std::abort();
     path = pattern;
   }
@@ -55,7 +56,8 @@ inline void removeSharedDir(MPI_Comm comm, const std::string& path) {
 }
 
 /// Writes `count` random proteins (10..50 residues, seeded) as a plm dataset at `path` (rank 0).
-inline void writeTinyDataset(const std::string& path, int count, std::uint64_t seed, MPI_Comm comm) {
+inline void writeTinyDataset(const std::string& path, int count, std::uint64_t seed,
+                             MPI_Comm comm) {
   if (commRank(comm) == 0) {
     std::mt19937_64 gen(seed);
     std::uniform_int_distribution<int> length(10, 50), residue(4, 23);
@@ -78,16 +80,19 @@ inline void writeTinyDataset(const std::string& path, int count, std::uint64_t s
 
 /// The resolved deck of a tiny run in `dir`: data `dir`/train.h5, run dir `dir`/<run>,
 /// checkpoints in `dir`/<run>/ckpt; `overrides` as `--set` gives them.
-inline Teuchos::RCP<Teuchos::ParameterList> tinyDeck(const std::string& dir, const std::string& run,
-                                                     const std::vector<std::string>& overrides = {}) {
+inline Teuchos::RCP<Teuchos::ParameterList> tinyDeck(
+    const std::string& dir, const std::string& run,
+    const std::vector<std::string>& overrides = {}) {
   std::ostringstream y;
   y << "model:\n  preset: custom\n  layers: 2\n  hidden: 32\n  heads: 4\n  ffn: 64\n"
     << "data:\n  train: " << dir << "/train.h5\n  valid: \"\"\n  tokens_per_batch: 4096\n"
     << "  micro_batch_tokens: 1024\n  max_seq_len: 40\n  seed: 7\n  prefetch: 1\n"
     << "optimizer:\n  lr: 3.0e-3\n  clip_grad_norm: 0.5\n"
     << "schedule:\n  warmup_steps: 2\n  decay: linear\n  decay_steps: 12\n"
-    << "train:\n  steps: 6\n  log_every: 1\n  eval_every: 0\n  run_dir: " << dir << "/" << run << "\n  seed: 3\n"
-    << "checkpoint:\n  dir: " << dir << "/" << run << "/ckpt\n  every: 3\n  keep: 3\n  resume: auto\n";
+    << "train:\n  steps: 6\n  log_every: 1\n  eval_every: 0\n  run_dir: " << dir << "/" << run
+    << "\n  seed: 3\n"
+    << "checkpoint:\n  dir: " << dir << "/" << run
+    << "/ckpt\n  every: 3\n  keep: 3\n  resume: auto\n";
   return deck::resolve(*deck::readYamlString(y.str(), "tiny deck"), overrides);
 }
 

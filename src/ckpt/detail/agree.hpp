@@ -14,8 +14,7 @@
 
 namespace plm::ckpt::detail {
 
-template <class F>
-void agree(MPI_Comm comm, F&& step) {
+template <class F> void agree(MPI_Comm comm, F&& step) {
   int kind = 0;  // 0 ok, 1 corrupt checkpoint, 2 any other error
   std::string message;
   try {
