@@ -64,9 +64,10 @@ def main():
         elif state.attrs.get("format") is None:
             problems.append("/state has no `format` attribute: the save was interrupted")
         total_bytes = 0
+        verified = 0
 
         def visit(name, obj):
-            nonlocal total_bytes
+            nonlocal total_bytes, verified
             depth = name.count("/") + 1
             indent = "  " * depth
             if isinstance(obj, h5py.Group):
@@ -80,6 +81,7 @@ def main():
                 crc = zlib.crc32(data.tobytes()) & 0xFFFFFFFF
                 stored = int(obj.attrs["crc32"])
                 ok = crc == stored
+                verified += 1
                 line += "  crc32 ok" if ok else f"  crc32 MISMATCH (stored {stored}, computed {crc})"
                 if not ok:
                     problems.append(f"/{name}: checksum mismatch")
@@ -99,7 +101,7 @@ def main():
     for p in problems:
         print(f"PROBLEM: {p}", file=sys.stderr)
     if args.verify and not problems:
-        print("verify: every tensor matches its crc32")
+        print(f"verify: {verified} tensors match their crc32" if verified else "verify: no checksums (a model file)")
     return 1 if problems else 0
 
 
