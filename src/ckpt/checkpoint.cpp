@@ -83,27 +83,6 @@ void failPoint(std::int64_t step, const char* phase) {
   ::_exit(86);
 }
 
-// Writes `group` exactly as io::writeTensorGroup lays it out (same names, full shapes, rank r
-// writing rows io::rowRange(rows, r, world)), but with independent data transfers: every rank's
-// block is one contiguous range of the file, so collective two-phase I/O buys nothing, and its
-// per-tensor synchronisation made 2-rank saves 5x slower than independent writes on the dev
-// machine (doc/performance.md).  Dataset creation stays collective, as parallel HDF5 requires.
-// TODO(io owner): an `independent` flag on io::writeTensorGroup would make this a call.
-void writeRowsIndependently(hid_t file, MPI_Comm comm, const std::string& group,
-                            const std::vector<model::TensorInfo>& tensors, const float* values) {
-  const int rank = commRank(comm), world = commSize(comm);
-  h5::Hid g = h5::createGroup(file, group);
-  for (const auto& t : tensors) {
-    h5::Hid dataset = h5::createDataset<float>(g, t.name, t.shape);
-    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-    const std::int64_t row_size = rows ? t.size / rows : 0;
-    auto [first, last] = io::rowRange(rows, rank, world);
-    if (last > first)
-      h5::writeRows<float>(dataset, first, last - first, values + t.offset + first * row_size,
-                           /*independent=*/true);
-  }
-}
-
 // CRC-32 of this rank's rows (io::rowRange) of every tensor of a flat buffer, with their byte
 // counts: (crc, length) pairs, one per tensor.  Touches only host memory and zlib, so it may
 // run on a helper thread while HDF5 writes the same (read-only) buffer.
@@ -365,6 +344,10 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
 
   const std::string created = broadcastString(rank == 0 ? utcNow() : std::string(), comm);
   auto& loader = trainer.trainLoader();
+  // Independent data transfers: each rank's rows are one contiguous range of the file, so
+  // collective two-phase I/O buys nothing, and its per-tensor synchronisation made 2-rank saves
+  // 5x slower on the dev machine (doc/performance.md).
+  constexpr bool independent_transfers = true;
   // The checksums of this rank's rows are computed on a helper thread while HDF5 writes.
   const std::vector<std::pair<std::string, const float*>> groups = {
       {"model", master.data()},
@@ -385,7 +368,7 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
     extra.integers["tokens_seen"] = state.tokens_seen;
     io::writeExtraAttributes(file, extra);
 
-    writeRowsIndependently(file, comm, "model", tensors, master.data());
+    io::writeTensorGroup(file, comm, "model", tensors, master.data(), independent_transfers);
     failPoint(state.step, "model");
     {
       h5::Hid g = h5::createGroup(file, "optimizer");
@@ -397,9 +380,11 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
       h5::writeAttribute(g, "eps", o.eps);
       h5::writeAttribute(g, "weight_decay", o.weight_decay);
     }
-    writeRowsIndependently(file, comm, "optimizer/exp_avg", tensors, exp_avg.data());
+    io::writeTensorGroup(file, comm, "optimizer/exp_avg", tensors, exp_avg.data(),
+                         independent_transfers);
     failPoint(state.step, "optimizer");
-    writeRowsIndependently(file, comm, "optimizer/exp_avg_sq", tensors, exp_avg_sq.data());
+    io::writeTensorGroup(file, comm, "optimizer/exp_avg_sq", tensors, exp_avg_sq.data(),
+                         independent_transfers);
     const auto local = crc_pending.get();
     for (std::size_t g = 0; g < groups.size(); ++g)
       writeChecksums(file, groups[g].first, tensors, combineChecksums(local[g], comm));
