@@ -4,6 +4,7 @@
 #include "core/log.hpp"
 
 #include <Kokkos_Core.hpp>
+#include <hdf5.h>
 
 #include <cstdint>
 #include <cstdlib>
@@ -25,6 +26,9 @@ Runtime::Runtime(int& argc, char**& argv) {
   PLM_CHECK_MPI(MPI_Comm_size(local, &local_size_state));
   PLM_CHECK_MPI(MPI_Comm_free(&local));
   log::configure(worldRank(), false);
+  // HDF5 failures are reported through PLM_CHECK_H5 (which walks the error stack into one
+  // message); HDF5's own automatic printing would spill the raw stack onto stderr.
+  H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
 
   int device = -1;
 #if defined(KOKKOS_ENABLE_CUDA)
