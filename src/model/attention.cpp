@@ -354,20 +354,23 @@ template <class T> void attentionForward(const ExecSpace& space, const View2<T>&
                          Scratch<T>::shmem_size(bqp * bkp) + Scratch<T>::shmem_size(bkp * dp) +
                          Scratch<T>::shmem_size(bqp * dp) + Scratch<T>::shmem_size(bqp) * 2;
   Policy policy(space, n_tiles * heads, Kokkos::AUTO);
-  policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
+  // Tiles live in fast team scratch (level 0) when they fit it (always on the CPU; 48 KB of
+  // shared memory per team on CUDA), otherwise in level-1 scratch (device memory).
+  const int level = scratch <= static_cast<size_t>(Policy::scratch_size_max(0)) ? 0 : 1;
+  policy.set_scratch_size(level, Kokkos::PerTeam(scratch));
   const T lowest = Kokkos::reduction_identity<T>::max();
   Kokkos::parallel_for(
       "plm::model::attention_forward", policy, KOKKOS_LAMBDA(const Member& team) {
         const int tile = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
         const int s0 = list(tile, 0), s1 = list(tile, 1), q0 = list(tile, 2);
         const int nq = s1 - q0 < bq ? s1 - q0 : bq;
-        T* qs = Scratch<T>(team.team_scratch(0), bqp * d).data();    // (bqp, d) queries
-        T* kt = Scratch<T>(team.team_scratch(0), d * bkp).data();    // (d, bkp) keys, transposed
-        T* sc = Scratch<T>(team.team_scratch(0), bqp * bkp).data();  // (bqp, bkp) scores, then p
-        T* vs = Scratch<T>(team.team_scratch(0), bkp * dp).data();   // (bkp, dp) values
-        T* acc = Scratch<T>(team.team_scratch(0), bqp * dp).data();  // (bqp, dp) unnormalised out
-        T* m = Scratch<T>(team.team_scratch(0), bqp).data();         // (bqp) running max
-        T* l = Scratch<T>(team.team_scratch(0), bqp).data();         // (bqp) running sum
+        T* qs = Scratch<T>(team.team_scratch(level), bqp * d).data();    // (bqp, d) queries
+        T* kt = Scratch<T>(team.team_scratch(level), d * bkp).data();    // (d, bkp) keys, transposed
+        T* sc = Scratch<T>(team.team_scratch(level), bqp * bkp).data();  // (bqp, bkp) scores, then p
+        T* vs = Scratch<T>(team.team_scratch(level), bkp * dp).data();   // (bkp, dp) values
+        T* acc = Scratch<T>(team.team_scratch(level), bqp * dp).data();  // (bqp, dp) unnormalised out
+        T* m = Scratch<T>(team.team_scratch(level), bqp).data();         // (bqp) running max
+        T* l = Scratch<T>(team.team_scratch(level), bqp).data();         // (bqp) running sum
         stage(team, q, q0, nq, hd, d, qs, bqp, d, static_cast<T*>(nullptr), 0);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, bqp), [&](const int r) {
           m[r] = lowest;
@@ -440,24 +443,27 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
       Scratch<T>::shmem_size(bqp * dp) * 3 + Scratch<T>::shmem_size(bqp) * 2 +
       Scratch<T>::shmem_size(bkp * bqp) * 2 + Scratch<T>::shmem_size(bkp * dp) * 2;
   Policy policy(space, n * heads, Kokkos::AUTO);
-  policy.set_scratch_size(0, Kokkos::PerTeam(scratch));
+  // Tiles live in fast team scratch (level 0) when they fit it (always on the CPU; 48 KB of
+  // shared memory per team on CUDA), otherwise in level-1 scratch (device memory).
+  const int level = scratch <= static_cast<size_t>(Policy::scratch_size_max(0)) ? 0 : 1;
+  policy.set_scratch_size(level, Kokkos::PerTeam(scratch));
   Kokkos::parallel_for(
       "plm::model::attention_backward", policy, KOKKOS_LAMBDA(const Member& team) {
         const int seq = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
         const int s0 = cu_seqlens(seq), s1 = cu_seqlens(seq + 1);
-        T* ks = Scratch<T>(team.team_scratch(0), bkp * dp).data();    // (bkp, dp)
-        T* vs = Scratch<T>(team.team_scratch(0), bkp * dp).data();    // (bkp, dp)
-        T* qt = Scratch<T>(team.team_scratch(0), d * bqp).data();     // (d, bqp)
-        T* dot = Scratch<T>(team.team_scratch(0), d * bqp).data();    // (d, bqp)
-        T* qs = Scratch<T>(team.team_scratch(0), bqp * dp).data();    // (bqp, dp)
-        T* dos = Scratch<T>(team.team_scratch(0), bqp * dp).data();   // (bqp, dp)
-        T* dq_t = Scratch<T>(team.team_scratch(0), bqp * dp).data();  // (bqp, dp) dS K of one pair
-        T* lse_s = Scratch<T>(team.team_scratch(0), bqp).data();      // (bqp)
-        T* delta_s = Scratch<T>(team.team_scratch(0), bqp).data();    // (bqp)
-        T* pt = Scratch<T>(team.team_scratch(0), bkp * bqp).data();   // (bkp, bqp) P^T
-        T* dst = Scratch<T>(team.team_scratch(0), bkp * bqp).data();  // (bkp, bqp) dS^T
-        T* dk_acc = Scratch<T>(team.team_scratch(0), bkp * dp).data();  // (bkp, dp)
-        T* dv_acc = Scratch<T>(team.team_scratch(0), bkp * dp).data();  // (bkp, dp)
+        T* ks = Scratch<T>(team.team_scratch(level), bkp * dp).data();    // (bkp, dp)
+        T* vs = Scratch<T>(team.team_scratch(level), bkp * dp).data();    // (bkp, dp)
+        T* qt = Scratch<T>(team.team_scratch(level), d * bqp).data();     // (d, bqp)
+        T* dot = Scratch<T>(team.team_scratch(level), d * bqp).data();    // (d, bqp)
+        T* qs = Scratch<T>(team.team_scratch(level), bqp * dp).data();    // (bqp, dp)
+        T* dos = Scratch<T>(team.team_scratch(level), bqp * dp).data();   // (bqp, dp)
+        T* dq_t = Scratch<T>(team.team_scratch(level), bqp * dp).data();  // (bqp, dp) dS K of one pair
+        T* lse_s = Scratch<T>(team.team_scratch(level), bqp).data();      // (bqp)
+        T* delta_s = Scratch<T>(team.team_scratch(level), bqp).data();    // (bqp)
+        T* pt = Scratch<T>(team.team_scratch(level), bkp * bqp).data();   // (bkp, bqp) P^T
+        T* dst = Scratch<T>(team.team_scratch(level), bkp * bqp).data();  // (bkp, bqp) dS^T
+        T* dk_acc = Scratch<T>(team.team_scratch(level), bkp * dp).data();  // (bkp, dp)
+        T* dv_acc = Scratch<T>(team.team_scratch(level), bkp * dp).data();  // (bkp, dp)
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, s1 - s0), [&](const int r) {
           for (int c = 0; c < d; ++c) dq(s0 + r, hd + c) = 0;
         });
