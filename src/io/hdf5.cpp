@@ -263,6 +263,8 @@ std::string readStringAttribute(hid_t location, const std::string& name) {
     char* text = nullptr;
     Hid memory_type(PLM_CHECK_H5(H5Tcopy(H5T_C_S1)));
     PLM_CHECK_H5(H5Tset_size(memory_type, H5T_VARIABLE));
+    // h5py writes UTF-8 variable-length strings: the memory type must carry the same set.
+    PLM_CHECK_H5(H5Tset_cset(memory_type, H5Tget_cset(type)));
     PLM_CHECK_H5(H5Aread(attribute, memory_type, &text));
     std::string out = text ? text : "";
     H5free_memory(text);
@@ -312,6 +314,7 @@ std::vector<std::string> readStringArrayAttribute(hid_t location, const std::str
     std::vector<char*> texts(n, nullptr);
     Hid memory_type(PLM_CHECK_H5(H5Tcopy(H5T_C_S1)));
     PLM_CHECK_H5(H5Tset_size(memory_type, H5T_VARIABLE));
+    PLM_CHECK_H5(H5Tset_cset(memory_type, H5Tget_cset(type)));
     PLM_CHECK_H5(H5Aread(attribute, memory_type, texts.data()));
     for (char* t : texts) {
       out.emplace_back(t ? t : "");

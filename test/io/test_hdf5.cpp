@@ -178,3 +178,33 @@ TEST(Hdf5, MissingAndForeignFilesGetAMessage) {
   MPI_Barrier(MPI_COMM_WORLD);
   if (rank() == 0) std::remove(foreign.c_str());
 }
+
+// h5py writes str attributes as variable-length UTF-8; plm must read those (a user's own
+// dataset or checkpoint tooling), not only its own fixed-length ASCII.
+TEST(Hdf5, VariableLengthUtf8AttributesAsH5pyWritesThem) {
+  const std::string path = sharedPath("vlen.h5");
+  const std::string text = "prot\xc3\xa9ine";  // "protéine" in UTF-8
+  const char* texts[2] = {"<cls>", "\xce\xb1-helix"};
+  if (rank() == 0) {
+    h5::Hid file(H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, H5P_DEFAULT));
+    h5::Hid type(H5Tcopy(H5T_C_S1));
+    H5Tset_size(type, H5T_VARIABLE);
+    H5Tset_cset(type, H5T_CSET_UTF8);
+    h5::Hid scalar(H5Screate(H5S_SCALAR));
+    h5::Hid attribute(H5Acreate2(file, "name", type, scalar, H5P_DEFAULT, H5P_DEFAULT));
+    const char* pointer = text.c_str();
+    ASSERT_GE(H5Awrite(attribute, type, &pointer), 0);
+    hsize_t two = 2;
+    h5::Hid list_space(H5Screate_simple(1, &two, nullptr));
+    h5::Hid list(H5Acreate2(file, "names", type, list_space, H5P_DEFAULT, H5P_DEFAULT));
+    ASSERT_GE(H5Awrite(list, type, texts), 0);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  h5::Hid file = h5::openFile(path, MPI_COMM_WORLD);
+  EXPECT_EQ(h5::readStringAttribute(file, "name"), text);
+  EXPECT_EQ(h5::readStringArrayAttribute(file, "names"),
+            (std::vector<std::string>{texts[0], texts[1]}));
+  file = h5::Hid();
+  MPI_Barrier(MPI_COMM_WORLD);
+  if (rank() == 0) std::remove(path.c_str());
+}
