@@ -69,6 +69,18 @@ if has parity && [[ -x "$pkg/bin/gpu_parity_dump" ]]; then
   done
 fi
 
+if has e2e && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # plm train itself, bf16 on the GPU, on the mmseqs2 example proteins prepared by `plm prep`.
+  rm -rf /tmp/plm-e2e
+  timeout 300 "$pkg/bin/plm" train "$repo/inputs/esm2_8m.yaml" --set data.train="$pkg/data/train.h5" \
+    --set data.valid= --set train.steps=${PLM_E2E_STEPS:-60} --set train.log_every=10 \
+    --set schedule.warmup_steps=10 --set data.tokens_per_batch=65536 \
+    --set data.micro_batch_tokens=32768 --set checkpoint.every=0 --set checkpoint.resume=none \
+    --set train.run_dir=/tmp/plm-e2e --set checkpoint.dir=/tmp/plm-e2e/ckpt > "$out/e2e_train.log" 2>&1
+  note "plm train esm2_8m bf16 rc=$?"
+  tail -15 "$out/e2e_train.log" | tee -a "$summary"
+fi
+
 if has hf; then
   timeout 500 python3 "$repo/validation/bench_hf.py" ${PLM_HF_ARGS:-} --out "$out/bench_hf.json" \
     > "$out/bench_hf.log" 2>&1
