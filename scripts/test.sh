@@ -10,8 +10,17 @@ jobs=${JOBS:-$(nproc)}
 
 bash scripts/setup-debian.sh
 
+# Where the CUDA toolkit is present (CI has nvcc but no GPU), the CUDA sources are compiled too,
+# so GPU code cannot rot unnoticed in a CPU-only CI.
+cuda_args=()
+nvcc=$(command -v nvcc || true)
+[ -n "$nvcc" ] || { [ -x /usr/local/cuda/bin/nvcc ] && nvcc=/usr/local/cuda/bin/nvcc; }
+if [ -n "$nvcc" ] && [ "${PLM_CHECK_CUDA_SOURCES:-ON}" != OFF ]; then
+  cuda_args=(-DPLM_CHECK_CUDA_SOURCES=ON -DCMAKE_CUDA_COMPILER="$nvcc")
+fi
+
 echo "== configure ($build_dir)"
-cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release
+cmake -S . -B "$build_dir" -DCMAKE_BUILD_TYPE=Release "${cuda_args[@]}"
 
 echo "== build (-j$jobs)"
 cmake --build "$build_dir" -j "$jobs"
