@@ -33,7 +33,8 @@ double cpuMhz() {
 
 }  // namespace
 
-PeakFlops peakTflopsPerDevice(double deck_value, const std::string& precision) {
+PeakFlops peakTflopsPerDevice(double deck_value, const std::string& precision,
+                              int cores_per_rank) {
   if (deck_value > 0) return {deck_value, "train.peak_tflops"};
 #if defined(KOKKOS_ENABLE_CUDA)
   cudaDeviceProp prop;
@@ -52,9 +53,11 @@ PeakFlops peakTflopsPerDevice(double deck_value, const std::string& precision) {
   (void)precision;
   double mhz = cpuMhz();
   if (mhz <= 0) mhz = 2500.0;
-  const double tflops = 32.0 * mhz * 1e6 / 1e12;
-  char text[128];
-  std::snprintf(text, sizeof text, "CPU core: 32 fp32 FLOP/cycle x %.0f MHz (nominal)", mhz);
+  const int cores = cores_per_rank > 0 ? cores_per_rank : 1;
+  const double tflops = cores * 32.0 * mhz * 1e6 / 1e12;
+  char text[160];
+  std::snprintf(text, sizeof text, "%d CPU core(s) per rank x 32 fp32 FLOP/cycle x %.0f MHz (nominal)",
+                cores, mhz);
   return {tflops, text};
 #endif
 }

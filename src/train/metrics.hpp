@@ -22,9 +22,11 @@ struct PeakFlops {
 
 /// \brief The nominal peak per device: `deck_value` when > 0, else the built-in table for this
 /// build and `precision` ("fp32", "bf16"): H100/H200 989 TFLOP/s bf16 dense, 494.7 TF32; on the
-/// CPU one core per rank (Serial backend) at 32 fp32 FLOP/cycle (AVX2/AVX-512 FMA, 2 pipes)
-/// times the clock /proc/cpuinfo reports.
-PeakFlops peakTflopsPerDevice(double deck_value, const std::string& precision);
+/// CPU the rank's share of the node's cores (`cores_per_rank`: the Serial backend runs on one,
+/// the BLAS threads use the rest) at 32 fp32 FLOP/cycle (AVX2/AVX-512 FMA, 2 pipes) times the
+/// clock /proc/cpuinfo reports.
+PeakFlops peakTflopsPerDevice(double deck_value, const std::string& precision,
+                              int cores_per_rank = 1);
 
 /// \brief Memory in use by this rank: device memory in use on a GPU build, resident set size
 /// (/proc/self/statm) on the CPU.

@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cmath>
 #include <filesystem>
+#include <thread>
 
 namespace plm::train {
 
@@ -126,7 +127,9 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   eval_every_member = t.get<int>("eval_every");
   checkpoint_every_member = c.get<int>("every");
   run_dir_member = t.get<std::string>("run_dir");
-  peak_member = peakTflopsPerDevice(t.get<double>("peak_tflops"), precision);
+  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  peak_member = peakTflopsPerDevice(t.get<double>("peak_tflops"), precision,
+                                    std::max(1, cores / std::max(1, dist::localSize())));
 
   schedule_member.peak_lr = o.get<double>("lr");
   schedule_member.warmup_steps = s.get<int>("warmup_steps");
@@ -262,6 +265,11 @@ void Trainer::writeFinalModel() {
             static_cast<long long>(state_member.step), path.c_str());
 }
 
+namespace {
+// JSON has no inf/NaN: a diverged value (ppl = exp(large loss)) is written as null.
+io::json::Value number(double x) { return std::isfinite(x) ? io::json::Value(x) : io::json::Value(); }
+}  // namespace
+
 void Trainer::logStep(const StepStats& last, double seconds) {
   const Interval& in = interval_member;
   const double loss = in.masked > 0 ? in.loss_sum / static_cast<double>(in.masked) : 0.0;
@@ -280,10 +288,10 @@ void Trainer::logStep(const StepStats& last, double seconds) {
   io::json::Value r = io::json::Value::object();
   r.set("kind", "train");
   r.set("step", state_member.step);
-  r.set("loss", loss);
-  r.set("ppl", std::exp(loss));
+  r.set("loss", number(loss));
+  r.set("ppl", number(std::exp(loss)));
   r.set("lr", last.lr);
-  r.set("grad_norm", last.grad_norm);
+  r.set("grad_norm", number(last.grad_norm));
   r.set("clip_factor", last.clip_factor);
   r.set("tokens", state_member.tokens_seen);
   r.set("interval_tokens", in.tokens);
@@ -305,8 +313,8 @@ void Trainer::logEval(const BatchStats& v, double seconds) {
   io::json::Value r = io::json::Value::object();
   r.set("kind", "eval");
   r.set("step", state_member.step);
-  r.set("valid_loss", v.loss());
-  r.set("valid_ppl", v.perplexity());
+  r.set("valid_loss", number(v.loss()));
+  r.set("valid_ppl", number(v.perplexity()));
   r.set("valid_tokens", v.tokens);
   r.set("valid_masked", v.masked);
   r.set("tokens", state_member.tokens_seen);
