@@ -6,6 +6,11 @@
 # validation/gpu_run.sh).
 #
 # Usage: scripts/package-cuda.sh [BUILD_DIR] [OUT_DIR]   (defaults build-cuda, build-cuda/pkg)
+#
+# PLM_PKG_CTEST=1 also mirrors the whole ctest suite into OUT_DIR/tree/ (every test executable
+# at its path relative to BUILD_DIR, every CTestTestfile.cmake) and records the absolute build
+# and source directories the ctest files name (OUT_DIR/BUILD_DIR, OUT_DIR/SOURCE_DIR), so that
+# `validation/gpu_run.sh ctest` can rebuild the build tree there and run plain `ctest`.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
 build=${1:-$repo/build-cuda}
@@ -18,6 +23,23 @@ bins=()
 while IFS= read -r f; do bins+=("$f"); done < <(find "$build/test" "$build/bench" -maxdepth 3 -type f -executable \
   \( -name 'test_gpu_*' -o -name 'bench_gpu*' -o -name 'gpu_parity_dump' \) 2>/dev/null | sort)
 for b in "${bins[@]}"; do cp "$b" "$out/bin/"; strip --strip-debug "$out/bin/$(basename "$b")" 2>/dev/null || true; done
+
+if [[ "${PLM_PKG_CTEST:-0}" == 1 ]]; then
+  build=$(cd "$build" && pwd)
+  echo "$build" > "$out/BUILD_DIR"
+  sed -n 's/^CMAKE_HOME_DIRECTORY:INTERNAL=//p' "$build/CMakeCache.txt" > "$out/SOURCE_DIR"
+  while IFS= read -r f; do
+    rel=${f#"$build"/}
+    mkdir -p "$out/tree/$(dirname "$rel")"
+    cp "$f" "$out/tree/$rel"
+  done < <(find "$build" -path "$out" -prune -o -path "$build/pkg*" -prune -o -name CTestTestfile.cmake -print)
+  while IFS= read -r f; do
+    rel=${f#"$build"/}
+    mkdir -p "$out/tree/$(dirname "$rel")"
+    cp "$f" "$out/tree/$rel"; strip --strip-debug "$out/tree/$rel" 2>/dev/null || true
+    bins+=("$f")
+  done < <(find "$build/test" -type f -executable -name 'test_*' ! -name '*.sh' ! -name '*.py')
+fi
 
 # Left to the GPU machine: glibc and the compiler runtime, CUDA, NCCL, MPI and what MPI links.
 skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libresolv\.|libgcc_s\.|libstdc\+\+\.|libcuda|libcudart|libcublas|libnccl|libmpi|libopen-rte|libopen-pal|libhwloc|libevent|libudev)'

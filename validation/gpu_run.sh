@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
+#                                       and, on request: compare ctest e2e
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -29,6 +30,53 @@ if has info; then
   } 2>&1 | tee "$out/info.txt"
   missing=$(for b in "$pkg"/bin/*; do ldd "$b" | grep "not found"; done | sort -u)
   [[ -n "$missing" ]] && note "MISSING LIBRARIES: $missing"
+fi
+
+if has compare && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # inputs/cpu_gpu_compare.yaml on the GPU in bf16 and in fp32 (the portable Kokkos model on
+  # CUDA); validation/compare_losses.py compares each with the CPU run ($pkg/ref/, if packaged).
+  for prec in bf16 fp32; do
+    rm -rf "/tmp/plm-cmp-$prec"
+    start=$(date +%s)
+    timeout 240 "$pkg/bin/plm" train "$repo/inputs/cpu_gpu_compare.yaml" \
+      --set data.train="$pkg/data/train.h5" --set train.precision=$prec \
+      --set train.run_dir="/tmp/plm-cmp-$prec" --set checkpoint.dir="/tmp/plm-cmp-$prec/ckpt" \
+      > "$out/compare_$prec.log" 2>&1
+    note "plm train inputs/cpu_gpu_compare.yaml precision=$prec rc=$? $(( $(date +%s) - start ))s"
+    tail -3 "$out/compare_$prec.log" | tee -a "$summary"
+    cp "/tmp/plm-cmp-$prec/metrics.jsonl" "$final_out/metrics_gpu_$prec.jsonl" 2>/dev/null
+    if [[ -f "$pkg/ref/metrics_cpu.jsonl" ]]; then
+      tol=3e-2; [[ $prec == fp32 ]] && tol=1e-4
+      python3 "$repo/validation/compare_losses.py" "$pkg/ref/metrics_cpu.jsonl" \
+        "/tmp/plm-cmp-$prec/metrics.jsonl" --steps 50 --tol $tol > "$out/compare_$prec.txt" 2>&1
+      note "compare_losses cpu-fp32 vs gpu-$prec rc=$? $(tail -1 "$out/compare_$prec.txt")"
+    fi
+  done
+fi
+
+if has ctest && [[ -f "$pkg/BUILD_DIR" ]]; then
+  # The whole ctest suite of a build packaged with PLM_PKG_CTEST=1. Its ctest files and test
+  # binaries name the build machine's source and build directories, so those are recreated
+  # here (the source directory as a link to this checkout) and the tools they name (mpiexec,
+  # cmake, python3) are pointed at this machine's.
+  build_dir=$(cat "$pkg/BUILD_DIR"); src_dir=$(cat "$pkg/SOURCE_DIR")
+  if [[ "$src_dir" != "$repo" && ! -e "$src_dir" ]]; then
+    mkdir -p "$(dirname "$src_dir")" && ln -s "$repo" "$src_dir"
+  fi
+  if [[ "$(cd "$src_dir" 2>/dev/null && pwd -P)" != "$(cd "$repo" && pwd -P)" ]]; then
+    note "ctest: $src_dir exists and is not this checkout; not run"
+  else
+    mkdir -p "$build_dir" && cp -r "$pkg/tree/." "$build_dir/" && cp "$pkg/bin/plm" "$build_dir/plm"
+    for tool in mpiexec cmake python3; do
+      path=$(command -v $tool) || { note "ctest: no $tool here"; continue; }
+      find "$build_dir" -name CTestTestfile.cmake -exec sed -E -i "s#\"/[^\"]*/$tool\"#\"$path\"#g" {} +
+    done
+    start=$(date +%s)
+    (cd "$build_dir" && timeout ${PLM_CTEST_TIMEOUT:-420} ctest -j ${PLM_CTEST_JOBS:-12} --timeout 300 \
+      --output-on-failure ${PLM_CTEST_ARGS:-}) > "$final_out/ctest.log" 2>&1
+    note "ctest rc=$? $(( $(date +%s) - start ))s"
+    grep -E "tests passed|\*\*\*|Failed|Not Run|Timeout" "$final_out/ctest.log" | tee -a "$summary"
+  fi
 fi
 
 if has tests; then

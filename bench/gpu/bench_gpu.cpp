@@ -31,8 +31,7 @@ struct Buffer {
   explicit Buffer(std::size_t bytes) { PLM_CHECK_CUDA(cudaMalloc(&ptr, bytes ? bytes : 16)); }
   ~Buffer() { cudaFree(ptr); }
   Buffer(const Buffer&) = delete;
-  template <class T>
-  T* as() const { return static_cast<T*>(ptr); }
+  template <class T> T* as() const { return static_cast<T*>(ptr); }
 };
 
 __global__ void fillKernel(__nv_bfloat16* p, std::size_t n, float scale, unsigned seed) {
@@ -97,7 +96,8 @@ std::vector<int> drawLengths(int n, unsigned seed) {
   std::normal_distribution<double> z(0.0, 1.0);
   std::vector<int> v(n);
   for (auto& l : v)
-    l = std::clamp(static_cast<int>(std::lround(std::exp(z(rng) * 0.7 + std::log(300.0)))), 30, 1024);
+    l = std::clamp(static_cast<int>(std::lround(std::exp(z(rng) * 0.7 + std::log(300.0)))), 30,
+                   1024);
   return v;
 }
 
@@ -259,8 +259,8 @@ int main(int argc, char** argv) {
       for (auto& id : ids_h) id = rng() % 100 < 12 ? 32 : 4 + rng() % 20;
       PLM_CHECK_CUDA(cudaMemcpy(ids.ptr, ids_h.data(), tokens, cudaMemcpyHostToDevice));
       double r = medianMs([&] {
-        rotary(nullptr, qkv.as<bf16>(), 3 * C, qkv.as<bf16>() + C, 3 * C,
-               cu_dev.as<std::int32_t>(), nseq, tokens, 20, 64, false);
+        rotary(nullptr, qkv.as<bf16>(), 3 * C, qkv.as<bf16>() + C, 3 * C, cu_dev.as<std::int32_t>(),
+               nseq, tokens, 20, 64, false);
       });
       row("rotary q,k (H20 D64)", r, 0, 2.0 * 2 * tokens * C * 2);
       double e = medianMs([&] {

@@ -31,7 +31,8 @@ data::MicroBatch makeBatch(std::int64_t budget, std::mt19937_64& rng) {
   std::vector<int> lengths;
   std::int64_t total = 0;
   while (true) {
-    int l = std::clamp(static_cast<int>(std::lround(std::exp(z(rng) * 0.7 + std::log(300.0)))), 30, 1024);
+    int l = std::clamp(static_cast<int>(std::lround(std::exp(z(rng) * 0.7 + std::log(300.0)))), 30,
+                       1024);
     if (total + l > budget) break;
     lengths.push_back(l);
     total += l;
@@ -44,9 +45,9 @@ data::MicroBatch makeBatch(std::int64_t budget, std::mt19937_64& rng) {
   b.cu_seqlens(0) = 0;
   for (std::size_t s = 0; s < lengths.size(); ++s) {
     for (int i = 0; i < lengths[s]; ++i, ++t) {
-      token_t tok = i == 0 ? data::vocab::cls
-                   : i == lengths[s] - 1 ? data::vocab::eos
-                                         : static_cast<token_t>(4 + rng() % 20);
+      token_t tok = i == 0                ? data::vocab::cls
+                    : i == lengths[s] - 1 ? data::vocab::eos
+                                          : static_cast<token_t>(4 + rng() % 20);
       b.labels(t) = data::vocab::ignore_label;
       if (i > 0 && i < lengths[s] - 1 && rng() % 100 < 15) {
         b.labels(t) = tok;
@@ -113,9 +114,9 @@ int run(int argc, char** argv) {
     }
     auto t0 = Clock::now();
     PLM_CHECK_CUDA(cudaMemsetAsync(model.gradients().data(), 0, n * 4, stream));
-    double loss_sum = step.forwardBackward(stream, model.parameters().data(),
-                                           model.gradients().data(), gpu::hostBatch(b),
-                                           1.0 / b.num_masked);
+    double loss_sum =
+        step.forwardBackward(stream, model.parameters().data(), model.gradients().data(),
+                             gpu::hostBatch(b), 1.0 / b.num_masked);
     auto t1 = Clock::now();
     PLM_CHECK_CUDA(cudaMemsetAsync(sumsq, 0, 8, stream));
     gpu::sumSquares(stream, model.gradients().data(), n, sumsq);
@@ -134,7 +135,8 @@ int run(int argc, char** argv) {
     PLM_CHECK_CUDA(cudaStreamSynchronize(stream));
     auto t2 = Clock::now();
     loss = loss_sum / b.num_masked;
-    if (it < 3 || it == steps - 1) std::printf("  step %d: loss %.4f, %ld tokens\n", it, loss, long(b.numTokens()));
+    if (it < 3 || it == steps - 1)
+      std::printf("  step %d: loss %.4f, %ld tokens\n", it, loss, long(b.numTokens()));
     if (it >= warmup) {
       tokens += b.numTokens();
       flops += b.numTokens() * config.trainFlopsPerToken(sq / len);
@@ -154,21 +156,23 @@ int run(int argc, char** argv) {
   }
   double prof_total = 0;
   for (const auto& [kind, ms] : step.profile()) prof_total += ms;
-  std::printf("  breakdown of forward+backward (%s, %.0f tokens/micro-batch), ms per micro-batch:\n",
-              preset.c_str(), prof_tokens / prof_steps);
+  std::printf(
+      "  breakdown of forward+backward (%s, %.0f tokens/micro-batch), ms per micro-batch:\n",
+      preset.c_str(), prof_tokens / prof_steps);
   for (const auto& [kind, ms] : step.profile())
-    std::printf("    %-18s %8.2f ms  %5.1f%%\n", kind.c_str(), ms / prof_steps, 100 * ms / prof_total);
+    std::printf("    %-18s %8.2f ms  %5.1f%%\n", kind.c_str(), ms / prof_steps,
+                100 * ms / prof_total);
   step.setProfiling(false);
 
   std::size_t free_b = 0, total_b = 0;
   PLM_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
   const double tok_s = tokens / seconds, tflops = flops / seconds / 1e12;
-  std::printf("RESULT %s params %.1fM tokens/micro-batch %ld: %.0f tokens/s, %.1f TFLOP/s, "
-              "MFU %.1f%% of 779 / %.1f%% of 989, fwd+bwd %.1f%% of step, device memory in use "
-              "%.1f GiB, final loss %.3f\n",
-              preset.c_str(), config.numParameters() / 1e6, long(budget), tok_s, tflops,
-              100 * tflops / 779, 100 * tflops / 989, 100 * fb_seconds / seconds,
-              (total_b - free_b) / double(1 << 30), loss);
+  std::printf(
+      "RESULT %s params %.1fM tokens/micro-batch %ld: %.0f tokens/s, %.1f TFLOP/s, "
+      "MFU %.1f%% of 779 / %.1f%% of 989, fwd+bwd %.1f%% of step, device memory in use "
+      "%.1f GiB, final loss %.3f\n",
+      preset.c_str(), config.numParameters() / 1e6, long(budget), tok_s, tflops, 100 * tflops / 779,
+      100 * tflops / 989, 100 * fb_seconds / seconds, (total_b - free_b) / double(1 << 30), loss);
   cudaFree(m);
   cudaFree(v);
   cudaFree(sumsq);

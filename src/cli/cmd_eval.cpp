@@ -17,18 +17,20 @@ namespace plm::cli {
 
 namespace {
 Parser evalParser() {
-  Parser p("plm eval",
-           "plm eval DECK [--model FILE] [--data PATH] [--max-tokens N] [--set section.key=value]...",
-           "Evaluates a model on a dataset (default: data.valid of the deck) and prints the "
-           "masked-token cross-entropy and perplexity, with the deck's batching and masking "
-           "(deterministic: the epoch-0 masks of data.seed). --model takes a plm model file or "
-           "checkpoint (e.g. <train.run_dir>/model.h5 written at the end of `plm train`, or the "
-           "output of `plm convert --from-hf`); its shape overrides the deck's model section. "
-           "Without --model the deck's freshly initialised model (train.seed) is evaluated: "
-           "the untrained baseline.");
+  Parser p(
+      "plm eval",
+      "plm eval DECK [--model FILE] [--data PATH] [--max-tokens N] [--set section.key=value]...",
+      "Evaluates a model on a dataset (default: data.valid of the deck) and prints the "
+      "masked-token cross-entropy and perplexity, with the deck's batching and masking "
+      "(deterministic: the epoch-0 masks of data.seed). --model takes a plm model file or "
+      "checkpoint (e.g. <train.run_dir>/model.h5 written at the end of `plm train`, or the "
+      "output of `plm convert --from-hf`); its shape overrides the deck's model section. "
+      "Without --model the deck's freshly initialised model (train.seed) is evaluated: "
+      "the untrained baseline.");
   p.option({"model", "FILE", "plm model file or checkpoint to evaluate"});
   p.option({"data", "PATH", "dataset written by `plm prep` (default: data.valid of the deck)"});
-  p.option({"max-tokens", "N", "evaluate at most about N tokens (default: data.valid_tokens, 0 = all)"});
+  p.option(
+      {"max-tokens", "N", "evaluate at most about N tokens (default: data.valid_tokens, 0 = all)"});
   p.option({"set", "SECTION.KEY=VALUE", "override a deck key", true});
   return p;
 }
@@ -47,8 +49,7 @@ int runEval(const Argv& argv) {
   if (args.has("max-tokens")) overrides.push_back("data.valid_tokens=" + args.get("max-tokens"));
   auto deck = deck::load(args.positional()[0], overrides);
   const std::string path = args.get("data", deck->sublist("data").get<std::string>("valid"));
-  if (path.empty())
-    throw collectiveError("plm eval: the deck has no data.valid; pass --data PATH");
+  if (path.empty()) throw collectiveError("plm eval: the deck has no data.valid; pass --data PATH");
 
   const int rank = dist::worldRank(), world = dist::worldSize();
   const std::string model_path = args.get("model");
@@ -58,9 +59,10 @@ int runEval(const Argv& argv) {
   if (model_path.empty()) {
     const int seed = deck->sublist("train").get<int>("seed");
     model.initialize(static_cast<std::uint64_t>(seed));
-    log::info("eval: freshly initialised model (train.seed %d), %lld parameters: the untrained "
-              "baseline (pass --model FILE to evaluate a trained one)",
-              seed, static_cast<long long>(config.numParameters()));
+    log::info(
+        "eval: freshly initialised model (train.seed %d), %lld parameters: the untrained "
+        "baseline (pass --model FILE to evaluate a trained one)",
+        seed, static_cast<long long>(config.numParameters()));
   } else {
     io::readModelInto(model_path, MPI_COMM_WORLD, model);
     log::info("eval: model %s (%d layers, hidden %d), %lld parameters", model_path.c_str(),

@@ -34,7 +34,8 @@ int runTrain(const Argv& argv) {
   if (args.positional().size() != 1)
     throw collectiveError("plm train: give exactly one deck file; see `plm train --help`");
   auto deck = deck::load(args.positional()[0], args.all("set"));
-  log::configure(dist::worldRank(), deck->sublist("train").get<bool>("log_all_ranks") || log::allRanks());
+  log::configure(dist::worldRank(),
+                 deck->sublist("train").get<bool>("log_all_ranks") || log::allRanks());
   train::Trainer trainer(deck);
   ckpt::installHooks(trainer);  // checkpoint.resume on start, checkpoint.every saves (src/ckpt)
   trainer.run();

@@ -4,8 +4,8 @@
 #include "dist/runtime.hpp"
 #include "plm/plm_config.hpp"
 
-#include <Kokkos_Core.hpp>
 #include <hdf5.h>
+#include <Kokkos_Core.hpp>
 
 #include <cstdio>
 #include <sstream>
@@ -35,8 +35,8 @@ std::string versionText() {
   os << "plm " << PLM_VERSION_STRING << " (git " << PLM_GIT_REVISION << ", " << PLM_BUILD_TYPE
      << ", " << PLM_CXX_COMPILER << ")\n";
   os << "Kokkos " << KOKKOS_VERSION / 10000 << "." << (KOKKOS_VERSION / 100) % 100 << "."
-     << KOKKOS_VERSION % 100 << ", default execution space " << Kokkos::DefaultExecutionSpace::name()
-     << "\n";
+     << KOKKOS_VERSION % 100 << ", default execution space "
+     << Kokkos::DefaultExecutionSpace::name() << "\n";
   os << "MPI: " << dist::mpiVersion() << "\n";
   unsigned major = 0, minor = 0, release = 0;
   H5get_libversion(&major, &minor, &release);

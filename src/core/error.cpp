@@ -1,8 +1,8 @@
 #include "core/error.hpp"
 
-#include <Kokkos_Core.hpp>
 #include <hdf5.h>
 #include <mpi.h>
+#include <Kokkos_Core.hpp>
 
 #include <cstdio>
 #include <cstdlib>
@@ -61,7 +61,8 @@ void throwCallError(const char* api, const char* call, const std::string& status
 std::string mpiErrorString(int code) {
   char buffer[MPI_MAX_ERROR_STRING];
   int length = 0;
-  if (MPI_Error_string(code, buffer, &length) != MPI_SUCCESS) return "MPI error " + std::to_string(code);
+  if (MPI_Error_string(code, buffer, &length) != MPI_SUCCESS)
+    return "MPI error " + std::to_string(code);
   return std::string(buffer, length);
 }
 

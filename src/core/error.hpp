@@ -34,7 +34,8 @@ class Error : public std::runtime_error {
 /// \brief An error that every rank raises identically (e.g. deck validation).
 inline Error collectiveError(const std::string& message) { return Error(message, true); }
 
-/// \brief All ranks agree: rank 0 prints `message`, every rank finalizes Kokkos and MPI, exit(code).
+/// \brief All ranks agree: rank 0 prints `message`, every rank finalizes Kokkos and MPI,
+/// exit(code).
 [[noreturn]] void fatalAll(const std::string& message, int code = 1);
 
 /// \brief This rank alone failed: print rank and reason to stderr, MPI_Abort the job.
@@ -53,60 +54,60 @@ std::string hdf5ErrorStack();
 #define PLM_STRINGIFY(x) PLM_STRINGIFY_IMPL(x)
 
 /// Throws plm::Error naming the failed call when `cond` is false.
-#define PLM_REQUIRE(cond, message)                                      \
-  do {                                                                  \
-    if (!(cond)) throw ::plm::Error(std::string(message));              \
+#define PLM_REQUIRE(cond, message)                         \
+  do {                                                     \
+    if (!(cond)) throw ::plm::Error(std::string(message)); \
   } while (0)
 
-#define PLM_CHECK_MPI(call)                                                                 \
-  do {                                                                                      \
-    int plm_status_ = (call);                                                               \
-    if (plm_status_ != MPI_SUCCESS)                                                         \
+#define PLM_CHECK_MPI(call)                                                                   \
+  do {                                                                                        \
+    int plm_status_ = (call);                                                                 \
+    if (plm_status_ != MPI_SUCCESS)                                                           \
       ::plm::detail::throwCallError("MPI", #call, ::plm::detail::mpiErrorString(plm_status_), \
-                                    __FILE__, __LINE__);                                    \
+                                    __FILE__, __LINE__);                                      \
   } while (0)
 
 /// HDF5 calls return a negative value (herr_t or hid_t) on failure.
-#define PLM_CHECK_H5(call)                                                                 \
-  ([&]() {                                                                                 \
-    auto plm_status_ = (call);                                                             \
-    if (plm_status_ < 0)                                                                   \
-      ::plm::detail::throwCallError("HDF5", #call, ::plm::detail::hdf5ErrorStack(),        \
-                                    __FILE__, __LINE__);                                   \
-    return plm_status_;                                                                    \
+#define PLM_CHECK_H5(call)                                                                    \
+  ([&]() {                                                                                    \
+    auto plm_status_ = (call);                                                                \
+    if (plm_status_ < 0)                                                                      \
+      ::plm::detail::throwCallError("HDF5", #call, ::plm::detail::hdf5ErrorStack(), __FILE__, \
+                                    __LINE__);                                                \
+    return plm_status_;                                                                       \
   }())
 
-#define PLM_CHECK_CUDA(call)                                                                 \
-  do {                                                                                       \
-    cudaError_t plm_status_ = (call);                                                        \
-    if (plm_status_ != cudaSuccess)                                                          \
-      ::plm::detail::throwCallError("CUDA", #call,                                           \
-                                    std::string(cudaGetErrorName(plm_status_)) + ": " +      \
-                                        cudaGetErrorString(plm_status_),                     \
-                                    __FILE__, __LINE__);                                     \
+#define PLM_CHECK_CUDA(call)                                                                   \
+  do {                                                                                         \
+    cudaError_t plm_status_ = (call);                                                          \
+    if (plm_status_ != cudaSuccess)                                                            \
+      ::plm::detail::throwCallError(                                                           \
+          "CUDA", #call,                                                                       \
+          std::string(cudaGetErrorName(plm_status_)) + ": " + cudaGetErrorString(plm_status_), \
+          __FILE__, __LINE__);                                                                 \
   } while (0)
 
-#define PLM_CHECK_CUBLAS(call)                                                               \
-  do {                                                                                       \
-    cublasStatus_t plm_status_ = (call);                                                     \
-    if (plm_status_ != CUBLAS_STATUS_SUCCESS)                                                \
-      ::plm::detail::throwCallError("cuBLASLt", #call,                                       \
-                                    std::string(cublasGetStatusName(plm_status_)) + ": " +   \
-                                        cublasGetStatusString(plm_status_),                  \
-                                    __FILE__, __LINE__);                                     \
+#define PLM_CHECK_CUBLAS(call)                                                             \
+  do {                                                                                     \
+    cublasStatus_t plm_status_ = (call);                                                   \
+    if (plm_status_ != CUBLAS_STATUS_SUCCESS)                                              \
+      ::plm::detail::throwCallError("cuBLASLt", #call,                                     \
+                                    std::string(cublasGetStatusName(plm_status_)) + ": " + \
+                                        cublasGetStatusString(plm_status_),                \
+                                    __FILE__, __LINE__);                                   \
   } while (0)
 
-#define PLM_CHECK_NCCL(call)                                                                 \
-  do {                                                                                       \
-    ncclResult_t plm_status_ = (call);                                                       \
-    if (plm_status_ != ncclSuccess)                                                          \
-      ::plm::detail::throwCallError("NCCL", #call, ncclGetErrorString(plm_status_),          \
-                                    __FILE__, __LINE__);                                     \
+#define PLM_CHECK_NCCL(call)                                                                  \
+  do {                                                                                        \
+    ncclResult_t plm_status_ = (call);                                                        \
+    if (plm_status_ != ncclSuccess)                                                           \
+      ::plm::detail::throwCallError("NCCL", #call, ncclGetErrorString(plm_status_), __FILE__, \
+                                    __LINE__);                                                \
   } while (0)
 
 /// C library / file calls that return nonzero (or null) on failure and set errno.
-#define PLM_CHECK_SYS(ok_expr, what)                                                        \
-  do {                                                                                      \
-    if (!(ok_expr))                                                                         \
+#define PLM_CHECK_SYS(ok_expr, what)                                                           \
+  do {                                                                                         \
+    if (!(ok_expr))                                                                            \
       ::plm::detail::throwCallError("system", what, std::strerror(errno), __FILE__, __LINE__); \
   } while (0)

@@ -29,15 +29,10 @@ using token_t = std::uint8_t;   // ESM-2 token ids (vocabulary of 33)
 using index_t = std::int64_t;   // offsets into token streams
 using seqlen_t = std::int32_t;  // cu_seqlens entries (flash-attention convention)
 
-template <class T>
-using View1 = Kokkos::View<T*, Kokkos::LayoutRight, MemSpace>;
-template <class T>
-using View2 = Kokkos::View<T**, Kokkos::LayoutRight, MemSpace>;
-template <class T>
-using View3 = Kokkos::View<T***, Kokkos::LayoutRight, MemSpace>;
-template <class T>
-using HostView1 = Kokkos::View<T*, Kokkos::LayoutRight, HostSpace>;
-template <class T>
-using HostView2 = Kokkos::View<T**, Kokkos::LayoutRight, HostSpace>;
+template <class T> using View1 = Kokkos::View<T*, Kokkos::LayoutRight, MemSpace>;
+template <class T> using View2 = Kokkos::View<T**, Kokkos::LayoutRight, MemSpace>;
+template <class T> using View3 = Kokkos::View<T***, Kokkos::LayoutRight, MemSpace>;
+template <class T> using HostView1 = Kokkos::View<T*, Kokkos::LayoutRight, HostSpace>;
+template <class T> using HostView2 = Kokkos::View<T**, Kokkos::LayoutRight, HostSpace>;
 
 }  // namespace plm

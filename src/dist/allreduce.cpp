@@ -7,9 +7,8 @@
 
 namespace plm::dist {
 
-template <class T>
-void allreduceSum(const ExecSpace& space, View1<T> data, MPI_Comm comm,
-                  std::int64_t chunk_elements) {
+template <class T> void allreduceSum(const ExecSpace& space, View1<T> data, MPI_Comm comm,
+                                     std::int64_t chunk_elements) {
   space.fence();
   int size = 1;
   PLM_CHECK_MPI(MPI_Comm_size(comm, &size));
@@ -18,8 +17,8 @@ void allreduceSum(const ExecSpace& space, View1<T> data, MPI_Comm comm,
   const std::int64_t n = static_cast<std::int64_t>(data.extent(0));
   for (std::int64_t start = 0; start < n; start += chunk_elements) {
     const int count = static_cast<int>(std::min(chunk_elements, n - start));
-    PLM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, data.data() + start, count, mpiType<T>(), MPI_SUM,
-                                comm));
+    PLM_CHECK_MPI(
+        MPI_Allreduce(MPI_IN_PLACE, data.data() + start, count, mpiType<T>(), MPI_SUM, comm));
   }
 }
 

@@ -22,9 +22,8 @@ constexpr std::int64_t allreduce_chunk_elements = std::int64_t(1) << 24;
 
 /// \brief Sums `data` over the ranks of `comm`, in place, in chunks of `chunk_elements`.
 /// Every rank must pass a buffer of the same length.  Fences `space` first.
-template <class T>
-void allreduceSum(const ExecSpace& space, View1<T> data, MPI_Comm comm,
-                  std::int64_t chunk_elements = allreduce_chunk_elements);
+template <class T> void allreduceSum(const ExecSpace& space, View1<T> data, MPI_Comm comm,
+                                     std::int64_t chunk_elements = allreduce_chunk_elements);
 
 /// \brief Sums a few host scalars over the ranks of `comm` in one call (in place).
 void allreduceSum(std::vector<double>& values, MPI_Comm comm);

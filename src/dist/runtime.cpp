@@ -3,8 +3,8 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 
-#include <Kokkos_Core.hpp>
 #include <hdf5.h>
+#include <Kokkos_Core.hpp>
 
 #include <cstdint>
 #include <cstdlib>
@@ -21,7 +21,8 @@ Runtime::Runtime(int& argc, char**& argv) {
   int provided = 0;
   PLM_CHECK_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided));
   MPI_Comm local;
-  PLM_CHECK_MPI(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local));
+  PLM_CHECK_MPI(
+      MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local));
   PLM_CHECK_MPI(MPI_Comm_rank(local, &local_rank_state));
   PLM_CHECK_MPI(MPI_Comm_size(local, &local_size_state));
   PLM_CHECK_MPI(MPI_Comm_free(&local));
@@ -85,17 +86,11 @@ bool allTrue(bool ok, MPI_Comm comm) {
   return global == 1;
 }
 
-template <>
-MPI_Datatype mpiType<float>() { return MPI_FLOAT; }
-template <>
-MPI_Datatype mpiType<double>() { return MPI_DOUBLE; }
-template <>
-MPI_Datatype mpiType<std::int32_t>() { return MPI_INT32_T; }
-template <>
-MPI_Datatype mpiType<std::int64_t>() { return MPI_INT64_T; }
-template <>
-MPI_Datatype mpiType<std::uint8_t>() { return MPI_UINT8_T; }
-template <>
-MPI_Datatype mpiType<std::uint64_t>() { return MPI_UINT64_T; }
+template <> MPI_Datatype mpiType<float>() { return MPI_FLOAT; }
+template <> MPI_Datatype mpiType<double>() { return MPI_DOUBLE; }
+template <> MPI_Datatype mpiType<std::int32_t>() { return MPI_INT32_T; }
+template <> MPI_Datatype mpiType<std::int64_t>() { return MPI_INT64_T; }
+template <> MPI_Datatype mpiType<std::uint8_t>() { return MPI_UINT8_T; }
+template <> MPI_Datatype mpiType<std::uint64_t>() { return MPI_UINT64_T; }
 
 }  // namespace plm::dist

@@ -30,7 +30,6 @@ std::string mpiVersion();
 /// \brief True if every rank passes `ok`; used to turn a local check into a collective decision.
 bool allTrue(bool ok, MPI_Comm comm = MPI_COMM_WORLD);
 
-template <class T>
-MPI_Datatype mpiType();
+template <class T> MPI_Datatype mpiType();
 
 }  // namespace plm::dist

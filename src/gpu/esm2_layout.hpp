@@ -22,8 +22,7 @@ inline Esm2Shape esm2Shape(const model::Esm2Config& c) {
   return s;
 }
 
-template <class Model>
-Esm2Offsets esm2Offsets(const Model& model) {
+template <class Model> Esm2Offsets esm2Offsets(const Model& model) {
   auto at = [&](const std::string& name) { return model.tensor(name).offset; };
   Esm2Offsets o;
   o.embed = at("esm.embeddings.word_embeddings.weight");

@@ -30,14 +30,11 @@ __device__ __forceinline__ float warpSum(float x) {
   return x;
 }
 
-template <class T>
-__device__ __forceinline__ float2 load2(const T* p, std::int64_t i);
-template <>
-__device__ __forceinline__ float2 load2<float>(const float* p, std::int64_t i) {
+template <class T> __device__ __forceinline__ float2 load2(const T* p, std::int64_t i);
+template <> __device__ __forceinline__ float2 load2<float>(const float* p, std::int64_t i) {
   return reinterpret_cast<const float2*>(p)[i];
 }
-template <>
-__device__ __forceinline__ float2 load2<bfloat>(const bfloat* p, std::int64_t i) {
+template <> __device__ __forceinline__ float2 load2<bfloat>(const bfloat* p, std::int64_t i) {
   return __bfloat1622float2(reinterpret_cast<const __nv_bfloat162*>(p)[i]);
 }
 __device__ __forceinline__ void store2(bfloat* p, std::int64_t i, float a, float b) {
@@ -84,11 +81,10 @@ __global__ void lnForwardKernel(const TX* x, const float* gamma, const float* be
 // to gb.  A lane always owns the same column pairs (lane + 32 j), so it sums dgamma and dbeta
 // over all rows of its warp in registers (J >= pairs / 32, unrolled), then adds them once into
 // shared memory and the block once into the fp32 gradients.
-template <class TX, class TDY, int J>
-__global__ void __launch_bounds__(256) lnBackwardKernel(
-    const TDY* dy, const TX* x, const float* gamma, const float* mean, const float* rstd, float* g,
-    bfloat* gb, float* dgamma, float* dbeta, std::int64_t rows, int cols, bool residual,
-    bool accumulate) {
+template <class TX, class TDY, int J> __global__ void __launch_bounds__(256)
+    lnBackwardKernel(const TDY* dy, const TX* x, const float* gamma, const float* mean,
+                     const float* rstd, float* g, bfloat* gb, float* dgamma, float* dbeta,
+                     std::int64_t rows, int cols, bool residual, bool accumulate) {
   extern __shared__ float acc[];  // (2, cols)
   for (int i = threadIdx.x; i < 2 * cols; i += blockDim.x) acc[i] = 0.0f;
   __syncthreads();
@@ -198,7 +194,8 @@ __global__ void rotaryQKKernel(bfloat* qkv, std::int64_t stride, int k_offset,
 __global__ void packChunksKernel(const float* src, bfloat* dst, const std::int64_t* chunks) {
   std::int64_t so = chunks[3 * blockIdx.x], d = chunks[3 * blockIdx.x + 1],
                n = chunks[3 * blockIdx.x + 2];
-  for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x) dst[d + i] = __float2bfloat16(src[so + i]);
+  for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    dst[d + i] = __float2bfloat16(src[so + i]);
 }
 
 __global__ void gatherRowsKernel(const bfloat* src, const std::int32_t* rows, bfloat* dst,
@@ -226,7 +223,8 @@ __global__ void scatterRowsKernel(const bfloat* src, const std::int32_t* rows, b
 }
 
 // dx = dy * gelu_tanh'(pre), the derivative of cuBLASLt's GELU epilogue.
-__global__ void geluBackwardKernel(const bfloat* dy, const bfloat* pre, bfloat* dx, std::int64_t n) {
+__global__ void geluBackwardKernel(const bfloat* dy, const bfloat* pre, bfloat* dx,
+                                   std::int64_t n) {
   const float c = 0.7978845608028654f;
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
        i += std::int64_t(gridDim.x) * blockDim.x) {
@@ -243,7 +241,9 @@ __global__ void addKernel(float* dst, const float* src, std::int64_t n) {
     dst[i] += src[i];
 }
 
-int gridCap(std::int64_t blocks) { return static_cast<int>(std::min<std::int64_t>(blocks, 132 * 8)); }
+int gridCap(std::int64_t blocks) {
+  return static_cast<int>(std::min<std::int64_t>(blocks, 132 * 8));
+}
 
 constexpr int kLogitsLd = 40;  // vocab 33 padded to 16-byte rows
 
@@ -353,8 +353,8 @@ struct Esm2Bf16::Impl {
     constexpr std::int64_t kChunk = 16384;
     for (int i = 0; i < num_segs; ++i)
       for (std::int64_t o = 0; o < seg[3 * i + 2]; o += kChunk)
-        chunks.insert(chunks.end(), {seg[3 * i] + o, seg[3 * i + 1] + o,
-                                     std::min(kChunk, seg[3 * i + 2] - o)});
+        chunks.insert(chunks.end(),
+                      {seg[3 * i] + o, seg[3 * i + 1] + o, std::min(kChunk, seg[3 * i + 2] - o)});
     num_chunks = static_cast<int>(chunks.size() / 3);
     PLM_CHECK_CUDA(cudaMalloc(&chunks_dev, chunks.size() * sizeof(std::int64_t)));
     PLM_CHECK_CUDA(cudaMemcpy(chunks_dev, chunks.data(), chunks.size() * sizeof(std::int64_t),
@@ -485,17 +485,15 @@ struct Esm2Bf16::Impl {
   void rotaryQK(Stream st, bfloat* qkv, std::int64_t T, bool inverse, float q_scale) {
     const int Dh = s.hidden / s.heads;
     std::int64_t work = T * s.heads * (Dh / 4);
-    rotaryQKKernel<<<blocksFor(work, 256), 256, 0, st>>>(qkv, 3 * s.hidden, s.hidden, pos_d, T,
-                                                         s.heads, Dh, inverse ? -1.0f : 1.0f,
-                                                         q_scale);
+    rotaryQKKernel<<<blocksFor(work, 256), 256, 0, st>>>(
+        qkv, 3 * s.hidden, s.hidden, pos_d, T, s.heads, Dh, inverse ? -1.0f : 1.0f, q_scale);
     mark(kOther);
   }
 
-  template <class TX>
-  void lnForward(Stream st, const TX* x, const float* gamma, const float* beta, bfloat* y,
-                 float* mean, float* rstd, std::int64_t rows) {
-    lnForwardKernel<TX><<<blocksFor(rows, 8), 256, 0, st>>>(x, gamma, beta, y, mean, rstd, rows,
-                                                            s.hidden, s.eps);
+  template <class TX> void lnForward(Stream st, const TX* x, const float* gamma, const float* beta,
+                                     bfloat* y, float* mean, float* rstd, std::int64_t rows) {
+    lnForwardKernel<TX>
+        <<<blocksFor(rows, 8), 256, 0, st>>>(x, gamma, beta, y, mean, rstd, rows, s.hidden, s.eps);
     mark(kLayerNorm);
   }
 
@@ -505,13 +503,17 @@ struct Esm2Bf16::Impl {
                   std::int64_t rows, bool residual, bool accumulate) {
     const int pairs_per_lane = (s.hidden / 2 + 31) / 32;
     if (pairs_per_lane <= 4)
-      lnBackwardJ<TX, TDY, 4>(st, dy, x, gamma, mean, rstd, gres, gbf, dgamma, dbeta, rows, residual, accumulate);
+      lnBackwardJ<TX, TDY, 4>(st, dy, x, gamma, mean, rstd, gres, gbf, dgamma, dbeta, rows,
+                              residual, accumulate);
     else if (pairs_per_lane <= 10)
-      lnBackwardJ<TX, TDY, 10>(st, dy, x, gamma, mean, rstd, gres, gbf, dgamma, dbeta, rows, residual, accumulate);
+      lnBackwardJ<TX, TDY, 10>(st, dy, x, gamma, mean, rstd, gres, gbf, dgamma, dbeta, rows,
+                               residual, accumulate);
     else if (pairs_per_lane <= 20)
-      lnBackwardJ<TX, TDY, 20>(st, dy, x, gamma, mean, rstd, gres, gbf, dgamma, dbeta, rows, residual, accumulate);
+      lnBackwardJ<TX, TDY, 20>(st, dy, x, gamma, mean, rstd, gres, gbf, dgamma, dbeta, rows,
+                               residual, accumulate);
     else if (pairs_per_lane <= 40)
-      lnBackwardJ<TX, TDY, 40>(st, dy, x, gamma, mean, rstd, gres, gbf, dgamma, dbeta, rows, residual, accumulate);
+      lnBackwardJ<TX, TDY, 40>(st, dy, x, gamma, mean, rstd, gres, gbf, dgamma, dbeta, rows,
+                               residual, accumulate);
     else
       throw Error("plm::gpu::Esm2Bf16: hidden " + std::to_string(s.hidden) +
                   " is larger than the LayerNorm kernels support (5120)");
@@ -614,7 +616,7 @@ struct Esm2Bf16::Impl {
     // ---- LM head on the labelled rows, loss and dlogits
     if (M > 0) {
       gatherRowsKernel<<<gridCap(blocksFor(M * C / 8, 256)), 256, 0, st>>>(hidden, rows_d, hm, M,
-                                                                            static_cast<int>(C));
+                                                                           static_cast<int>(C));
       mark(kOther);
       mm(st, false, true, M, C, C, hm, C, wb + p_head_w, C, z, C, DType::BF16, 0.0f,
          Epilogue::BiasGeluAux, wb + p_head_b, zpre, C);
@@ -637,8 +639,8 @@ struct Esm2Bf16::Impl {
     }
     PLM_CHECK_CUDA(cudaMemsetAsync(dhidden, 0, T * C * 2, st));
     if (M > 0)
-      scatterRowsKernel<<<gridCap(blocksFor(M * C / 8, 256)), 256, 0, st>>>(dhm, rows_d, dhidden,
-                                                                             M, static_cast<int>(C));
+      scatterRowsKernel<<<gridCap(blocksFor(M * C / 8, 256)), 256, 0, st>>>(dhm, rows_d, dhidden, M,
+                                                                            static_cast<int>(C));
     mark(kOther);
     lnBackward(st, dhidden, xs[s.layers], P(off.lnf_g), meanf, rstdf, g, gb, G(off.lnf_g),
                G(off.lnf_b), T, true, false);
@@ -677,9 +679,9 @@ struct Esm2Bf16::Impl {
         std::int64_t w_off = part == 0 ? L.wq : part == 1 ? L.wk : L.wv;
         std::int64_t b_off = part == 0 ? L.bq : part == 1 ? L.bk : L.bv;
         addKernel<<<gridCap(blocksFor(C * C, 256)), 256, 0, st>>>(G(w_off), qkv_grad + part * C * C,
-                                                                   C * C);
-        addKernel<<<gridCap(blocksFor(C, 256)), 256, 0, st>>>(G(b_off), qkv_grad + 3 * C * C + part * C,
-                                                               C);
+                                                                  C * C);
+        addKernel<<<gridCap(blocksFor(C, 256)), 256, 0, st>>>(G(b_off),
+                                                              qkv_grad + 3 * C * C + part * C, C);
       }
       mark(kOther);
       mm(st, false, false, T, C, 3 * C, dqkv, 3 * C, wb + W.wqkv, C, dh, C, DType::F32);

@@ -43,8 +43,8 @@ struct Esm2Offsets {
 
 /// A packed micro-batch on the host (data::MicroBatch's arrays).
 struct HostBatch {
-  const std::uint8_t* tokens = nullptr;   // (T)
-  const std::int32_t* labels = nullptr;   // (T), -100 = not a target
+  const std::uint8_t* tokens = nullptr;      // (T)
+  const std::int32_t* labels = nullptr;      // (T), -100 = not a target
   const std::int32_t* cu_seqlens = nullptr;  // (n+1)
   std::int64_t num_tokens = 0;
   int num_seqs = 0;

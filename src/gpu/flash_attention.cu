@@ -31,12 +31,11 @@ __device__ __forceinline__ std::uint32_t smemAddr(const void* p) {
 
 __device__ __forceinline__ void cpAsync16(void* smem, const void* gmem, bool valid) {
   int src_size = valid ? 16 : 0;  // 0: fill the 16 bytes with zeros, read nothing
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smemAddr(smem)),
-               "l"(gmem), "r"(src_size));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smemAddr(smem)), "l"(gmem),
+               "r"(src_size));
 }
 __device__ __forceinline__ void cpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cpAsyncWait() {
+template <int N> __device__ __forceinline__ void cpAsyncWait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N));
 }
 
@@ -108,10 +107,10 @@ __device__ __forceinline__ void loadTile(bfloat* smem, const bfloat* gmem, std::
 
 // A warp's 16 x D accumulator (rows row0..) as bf16 rows of global memory, through its own 16
 // rows of a shared tile, with 16-byte stores.
-template <int D>
-__device__ __forceinline__ void storeRows(const float (&acc)[D / 8][4], float scale, bfloat* stage,
-                                          int row0, bfloat* gmem, std::int64_t stride, int valid,
-                                          int dh, int lane) {
+template <int D> __device__ __forceinline__ void storeRows(const float (&acc)[D / 8][4],
+                                                           float scale, bfloat* stage, int row0,
+                                                           bfloat* gmem, std::int64_t stride,
+                                                           int valid, int dh, int lane) {
   int g = lane >> 2, t = lane & 3;
   constexpr int ld = D + kPad;
 #pragma unroll
@@ -144,8 +143,7 @@ __device__ __forceinline__ SeqBlock seqOf(const std::int32_t* cu, int s) {
 // ---------------------------------------------------------------------------------------------
 // Forward: CTA = 64 queries (4 warps x 16 rows) of one head of one sequence.
 
-template <int D, int BN>
-__global__ void __launch_bounds__(128) flashForwardKernel(FlashParams p) {
+template <int D, int BN> __global__ void __launch_bounds__(128) flashForwardKernel(FlashParams p) {
   constexpr int BM = 64, LD = D + kPad, THREADS = 128;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bfloat* qs = reinterpret_cast<bfloat*>(smem_raw);  // (BM, LD)
@@ -159,7 +157,8 @@ __global__ void __launch_bounds__(128) flashForwardKernel(FlashParams p) {
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int g = lane >> 2, t = lane & 3;
 
-  const bfloat* qg = reinterpret_cast<const bfloat*>(p.q) + (seq.start + q0) * p.q_stride + h * p.head_dim;
+  const bfloat* qg =
+      reinterpret_cast<const bfloat*>(p.q) + (seq.start + q0) * p.q_stride + h * p.head_dim;
   const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + seq.start * p.k_stride + h * p.head_dim;
   const bfloat* vg = reinterpret_cast<const bfloat*>(p.v) + seq.start * p.v_stride + h * p.head_dim;
   int nblocks = (seq.len + BN - 1) / BN;
@@ -288,8 +287,7 @@ __global__ void __launch_bounds__(128) flashForwardKernel(FlashParams p) {
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       int row = q0 + warp * 16 + g + 8 * r;
-      if (row < seq.len)
-        p.lse[(seq.start + row) * p.heads + h] = (m[r] + log2f(l[r])) * kLn2;
+      if (row < seq.len) p.lse[(seq.start + row) * p.heads + h] = (m[r] + log2f(l[r])) * kLn2;
     }
   }
 }
@@ -297,8 +295,7 @@ __global__ void __launch_bounds__(128) flashForwardKernel(FlashParams p) {
 // ---------------------------------------------------------------------------------------------
 // Backward, step 0: delta = rowsum(dO * O), 8 lanes per (token, head) row.
 
-template <int D>
-__global__ void flashBackwardDeltaKernel(FlashParams p) {
+template <int D> __global__ void flashBackwardDeltaKernel(FlashParams p) {
   std::int64_t row = (blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x) >> 3;
   int sub = threadIdx.x & 7;
   std::int64_t rows = p.total_tokens * p.heads;
@@ -307,7 +304,8 @@ __global__ void flashBackwardDeltaKernel(FlashParams p) {
   if (ok) {
     std::int64_t tok = row / p.heads;
     int h = static_cast<int>(row % p.heads);
-    const bfloat* dog = reinterpret_cast<const bfloat*>(p.dout) + tok * p.dout_stride + h * p.head_dim;
+    const bfloat* dog =
+        reinterpret_cast<const bfloat*>(p.dout) + tok * p.dout_stride + h * p.head_dim;
     const bfloat* og = reinterpret_cast<const bfloat*>(p.o) + tok * p.o_stride + h * p.head_dim;
 #pragma unroll
     for (int c = sub; c < p.head_dim / 8; c += 8) {
@@ -333,16 +331,16 @@ __global__ void flashBackwardDeltaKernel(FlashParams p) {
 //   S^T = K Q^T, P^T = exp(scale S^T - lse), dV += P^T dO, dP^T = V dO^T,
 //   dS^T = P^T (dP^T - delta), dK += scale dS^T Q.
 
-template <int D, int BQ>
-__global__ void __launch_bounds__(128) flashBackwardKVKernel(FlashParams p) {
+template <int D, int BQ> __global__ void __launch_bounds__(128)
+    flashBackwardKVKernel(FlashParams p) {
   constexpr int BN = 64, LD = D + kPad, THREADS = 128;
   extern __shared__ __align__(16) unsigned char smem_raw[];
-  bfloat* ks = reinterpret_cast<bfloat*>(smem_raw);  // (BN, LD)
-  bfloat* vs = ks + BN * LD;                         // (BN, LD)
-  bfloat* qs = vs + BN * LD;                         // (2, BQ, LD)
-  bfloat* dos = qs + 2 * BQ * LD;                    // (2, BQ, LD)
+  bfloat* ks = reinterpret_cast<bfloat*>(smem_raw);           // (BN, LD)
+  bfloat* vs = ks + BN * LD;                                  // (BN, LD)
+  bfloat* qs = vs + BN * LD;                                  // (2, BQ, LD)
+  bfloat* dos = qs + 2 * BQ * LD;                             // (2, BQ, LD)
   float* lses = reinterpret_cast<float*>(dos + 2 * BQ * LD);  // (2, BQ) log2 domain
-  float* dels = lses + 2 * BQ;                                 // (2, BQ)
+  float* dels = lses + 2 * BQ;                                // (2, BQ)
 
   SeqBlock seq = seqOf(p.cu_seqlens, blockIdx.z);
   int k0 = blockIdx.x * BN;
@@ -352,14 +350,18 @@ __global__ void __launch_bounds__(128) flashBackwardKVKernel(FlashParams p) {
   int t = lane & 3;
 
   const bfloat* qg = reinterpret_cast<const bfloat*>(p.q) + seq.start * p.q_stride + h * p.head_dim;
-  const bfloat* dog = reinterpret_cast<const bfloat*>(p.dout) + seq.start * p.dout_stride + h * p.head_dim;
-  const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + (seq.start + k0) * p.k_stride + h * p.head_dim;
-  const bfloat* vg = reinterpret_cast<const bfloat*>(p.v) + (seq.start + k0) * p.v_stride + h * p.head_dim;
+  const bfloat* dog =
+      reinterpret_cast<const bfloat*>(p.dout) + seq.start * p.dout_stride + h * p.head_dim;
+  const bfloat* kg =
+      reinterpret_cast<const bfloat*>(p.k) + (seq.start + k0) * p.k_stride + h * p.head_dim;
+  const bfloat* vg =
+      reinterpret_cast<const bfloat*>(p.v) + (seq.start + k0) * p.v_stride + h * p.head_dim;
   int nblocks = (seq.len + BQ - 1) / BQ;
 
   auto loadQBlock = [&](int i, int buf) {
     int q0 = i * BQ;
-    loadTile<BQ, D, THREADS>(qs + buf * BQ * LD, qg + q0 * p.q_stride, p.q_stride, seq.len - q0, p.head_dim);
+    loadTile<BQ, D, THREADS>(qs + buf * BQ * LD, qg + q0 * p.q_stride, p.q_stride, seq.len - q0,
+                             p.head_dim);
     loadTile<BQ, D, THREADS>(dos + buf * BQ * LD, dog + q0 * p.dout_stride, p.dout_stride,
                              seq.len - q0, p.head_dim);
     for (int r = threadIdx.x; r < BQ; r += THREADS) {
@@ -450,7 +452,7 @@ __global__ void __launch_bounds__(128) flashBackwardKVKernel(FlashParams p) {
   bfloat* dkg = reinterpret_cast<bfloat*>(p.dk) + (seq.start + k0) * p.dk_stride + h * p.head_dim;
   bfloat* dvg = reinterpret_cast<bfloat*>(p.dv) + (seq.start + k0) * p.dv_stride + h * p.head_dim;
   storeRows<D>(dk, p.softmax_scale, ks, warp * 16, dkg, p.dk_stride, seq.len - k0, p.head_dim,
-              lane);
+               lane);
   storeRows<D>(dv, 1.0f, vs, warp * 16, dvg, p.dv_stride, seq.len - k0, p.head_dim, lane);
 }
 
@@ -458,8 +460,8 @@ __global__ void __launch_bounds__(128) flashBackwardKVKernel(FlashParams p) {
 // Backward, dQ: CTA = 64 queries (4 warps x 16 rows); loop over BN-key blocks.
 //   S = Q K^T, P = exp(scale S - lse), dP = dO V^T, dS = P (dP - delta), dQ += scale dS K.
 
-template <int D, int BN>
-__global__ void __launch_bounds__(128) flashBackwardQKernel(FlashParams p) {
+template <int D, int BN> __global__ void __launch_bounds__(128)
+    flashBackwardQKernel(FlashParams p) {
   constexpr int BM = 64, LD = D + kPad, THREADS = 128;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bfloat* qs = reinterpret_cast<bfloat*>(smem_raw);  // (BM, LD)
@@ -474,7 +476,8 @@ __global__ void __launch_bounds__(128) flashBackwardQKernel(FlashParams p) {
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int g = lane >> 2, t = lane & 3;
 
-  const bfloat* qg = reinterpret_cast<const bfloat*>(p.q) + (seq.start + q0) * p.q_stride + h * p.head_dim;
+  const bfloat* qg =
+      reinterpret_cast<const bfloat*>(p.q) + (seq.start + q0) * p.q_stride + h * p.head_dim;
   const bfloat* dog =
       reinterpret_cast<const bfloat*>(p.dout) + (seq.start + q0) * p.dout_stride + h * p.head_dim;
   const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + seq.start * p.k_stride + h * p.head_dim;
@@ -571,7 +574,7 @@ __global__ void __launch_bounds__(128) flashBackwardQKernel(FlashParams p) {
 
   bfloat* dqg = reinterpret_cast<bfloat*>(p.dq) + (seq.start + q0) * p.dq_stride + h * p.head_dim;
   storeRows<D>(dq, p.softmax_scale, qs, warp * 16, dqg, p.dq_stride, seq.len - q0, p.head_dim,
-              lane);
+               lane);
 }
 
 template <class Kernel>
@@ -589,16 +592,14 @@ void checkParams(const FlashParams& p) {
                 "attention path for this model");
 }
 
-template <int D>
-void forwardD(Stream stream, const FlashParams& p) {
+template <int D> void forwardD(Stream stream, const FlashParams& p) {
   constexpr int BN = 64, LD = D + kPad;
   int smem = (64 + 4 * BN) * LD * 2;
   dim3 grid((p.max_seqlen + 63) / 64, p.heads, p.num_seqs);
   launch(flashForwardKernel<D, BN>, grid, smem, stream, p);
 }
 
-template <int D>
-void backwardD(Stream stream, const FlashParams& p) {
+template <int D> void backwardD(Stream stream, const FlashParams& p) {
   constexpr int LD = D + kPad;
   std::int64_t rows = p.total_tokens * p.heads;
   flashBackwardDeltaKernel<D><<<static_cast<unsigned>((rows * 8 + 255) / 256), 256, 0, stream>>>(p);

@@ -173,10 +173,10 @@ __device__ float tokenDropoutScale(const std::uint8_t* ids, std::int64_t start, 
 }
 
 // Block = (sequence, 128-column chunk), so short batches still fill the machine.
-template <class TOut>
-__global__ void embeddingForwardKernel(const std::uint8_t* ids, const bf16* weight, TOut* out,
-                                       const std::int32_t* cu, int cols, int mask_id,
-                                       bool token_dropout) {
+template <class TOut> __global__ void embeddingForwardKernel(const std::uint8_t* ids,
+                                                             const bf16* weight, TOut* out,
+                                                             const std::int32_t* cu, int cols,
+                                                             int mask_id, bool token_dropout) {
   __shared__ int count;
   int s = blockIdx.x;
   std::int64_t start = cu[s];
@@ -230,8 +230,8 @@ __global__ void embeddingBackwardKernel(const std::uint8_t* ids, const bf16* dou
 // Cross-entropy
 
 __global__ void crossEntropyKernel(const float* logits, const std::int32_t* labels, bf16* dlogits,
-                                   double* loss_sum, std::int64_t rows, int vocab,
-                                   float grad_scale, int ld) {
+                                   double* loss_sum, std::int64_t rows, int vocab, float grad_scale,
+                                   int ld) {
   std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32;
   int lane = threadIdx.x & 31;
   if (row >= rows) return;
@@ -327,8 +327,8 @@ void layerNormForward(Stream stream, const bf16* x, const bf16* gamma, const bf1
 }
 
 void layerNormBackward(Stream stream, const bf16* dy, const bf16* x, const bf16* gamma,
-                       const float* mean, const float* rstd, bf16* dx, float* dgamma,
-                       float* dbeta, std::int64_t rows, int cols) {
+                       const float* mean, const float* rstd, bf16* dx, float* dgamma, float* dbeta,
+                       std::int64_t rows, int cols) {
   if (rows == 0) return;
   PLM_REQUIRE(cols % 2 == 0, "plm::gpu::layerNormBackward: cols must be even");
   int smem = 2 * cols * static_cast<int>(sizeof(float));
@@ -358,8 +358,8 @@ void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight
   if (num_seqs == 0) return;
   PLM_REQUIRE(cols % 2 == 0, "plm::gpu::embeddingForward: cols must be even");
   dim3 grid(num_seqs, (cols / 2 + 63) / 64);
-  embeddingForwardKernel<bf16><<<grid, 256, 0, stream>>>(ids, weight, out, cu_seqlens, cols,
-                                                         mask_id, token_dropout);
+  embeddingForwardKernel<bf16>
+      <<<grid, 256, 0, stream>>>(ids, weight, out, cu_seqlens, cols, mask_id, token_dropout);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -369,8 +369,8 @@ void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight
   if (num_seqs == 0) return;
   PLM_REQUIRE(cols % 2 == 0, "plm::gpu::embeddingForward: cols must be even");
   dim3 grid(num_seqs, (cols / 2 + 63) / 64);
-  embeddingForwardKernel<float><<<grid, 256, 0, stream>>>(ids, weight, out, cu_seqlens, cols,
-                                                          mask_id, token_dropout);
+  embeddingForwardKernel<float>
+      <<<grid, 256, 0, stream>>>(ids, weight, out, cu_seqlens, cols, mask_id, token_dropout);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -383,17 +383,16 @@ void embeddingBackward(Stream stream, const std::uint8_t* ids, const bf16* dout,
     PLM_CHECK_CUDA(cudaFuncSetAttribute(embeddingBackwardKernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   dim3 grid(num_seqs, (cols + 127) / 128);
-  embeddingBackwardKernel<<<grid, 128, smem, stream>>>(ids, dout, dweight, cu_seqlens, vocab,
-                                                       cols, mask_id, token_dropout, padding_id);
+  embeddingBackwardKernel<<<grid, 128, smem, stream>>>(ids, dout, dweight, cu_seqlens, vocab, cols,
+                                                       mask_id, token_dropout, padding_id);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
 void crossEntropy(Stream stream, const float* logits, const std::int32_t* labels, bf16* dlogits,
                   double* loss_sum, std::int64_t rows, int vocab, float grad_scale, int ld) {
   if (rows == 0) return;
-  crossEntropyKernel<<<blocksFor(rows, 8), 256, 0, stream>>>(logits, labels, dlogits, loss_sum,
-                                                             rows, vocab, grad_scale,
-                                                             ld > 0 ? ld : vocab);
+  crossEntropyKernel<<<blocksFor(rows, 8), 256, 0, stream>>>(
+      logits, labels, dlogits, loss_sum, rows, vocab, grad_scale, ld > 0 ? ld : vocab);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

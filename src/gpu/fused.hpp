@@ -19,8 +19,8 @@ void layerNormForward(Stream stream, const bf16* x, const bf16* gamma, const bf1
 
 /// \brief dx (written) and dgamma, dbeta (fp32, accumulated) from dy.
 void layerNormBackward(Stream stream, const bf16* dy, const bf16* x, const bf16* gamma,
-                       const float* mean, const float* rstd, bf16* dx, float* dgamma,
-                       float* dbeta, std::int64_t rows, int cols);
+                       const float* mean, const float* rstd, bf16* dx, float* dgamma, float* dbeta,
+                       std::int64_t rows, int cols);
 
 /// \brief ESM-2 rotary embedding, in place on q and k (T, H, D) (row strides in elements);
 /// positions restart at every sequence.  q is also multiplied by q_scale (ESM-2 scales q by
@@ -58,15 +58,15 @@ void sumSquares(Stream stream, const float* x, std::int64_t n, double* out);
 
 struct AdamWParams {
   float lr = 0, beta1 = 0.9f, beta2 = 0.98f, eps = 1e-8f, weight_decay = 0;
-  int step = 1;             // 1-based, for the bias corrections
-  float grad_scale = 1.0f;  // gradients are multiplied by this first (1 / masked tokens)
-  float max_norm = 0.0f;    // clip the scaled gradient's global norm to this (0 = off)
+  int step = 1;                        // 1-based, for the bias corrections
+  float grad_scale = 1.0f;             // gradients are multiplied by this first (1 / masked tokens)
+  float max_norm = 0.0f;               // clip the scaled gradient's global norm to this (0 = off)
   const double* grad_sumsq = nullptr;  // device: sum of squares of the unscaled gradient
 };
 
 /// \brief One AdamW step over the flat parameter buffer (n): fp32 master, m, v updated in
-/// place, bf16 compute copy written (unless param_bf16 is null).  Tensors [seg_offsets[i], seg_offsets[i+1]) are decayed
-/// when seg_decay[i] (device arrays, num_segments + 1 offsets).
+/// place, bf16 compute copy written (unless param_bf16 is null).  Tensors [seg_offsets[i],
+/// seg_offsets[i+1]) are decayed when seg_decay[i] (device arrays, num_segments + 1 offsets).
 void adamwStep(Stream stream, float* master, const float* grad, float* m, float* v,
                bf16* param_bf16, std::int64_t n, const std::int64_t* seg_offsets,
                const std::uint8_t* seg_decay, int num_segments, const AdamWParams& p);

@@ -48,9 +48,19 @@ struct Gemm::Impl {
   std::map<PlanKey, Plan> plans;
 
   Plan& plan(const GemmArgs& g) {
-    PlanKey key{g.trans_a, g.trans_b, g.m, g.n, g.k, g.lda, g.ldb, g.ldd,
-                static_cast<int>(g.d_type), static_cast<int>(g.epilogue),
-                g.c ? g.ldc : -1, g.ldaux, g.beta != 0.0f};
+    PlanKey key{g.trans_a,
+                g.trans_b,
+                g.m,
+                g.n,
+                g.k,
+                g.lda,
+                g.ldb,
+                g.ldd,
+                static_cast<int>(g.d_type),
+                static_cast<int>(g.epilogue),
+                g.c ? g.ldc : -1,
+                g.ldaux,
+                g.beta != 0.0f};
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
 
@@ -64,12 +74,12 @@ struct Gemm::Impl {
     PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_TRANSB, &op_lt_b,
                                                     sizeof(op_lt_b)));
     cublasLtEpilogue_t epi = ltEpilogue(g.epilogue);
-    PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi,
-                                                    sizeof(epi)));
+    PLM_CHECK_CUBLAS(
+        cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE, &epi, sizeof(epi)));
     if (g.epilogue == Epilogue::BiasGeluAux || g.epilogue == Epilogue::DGelu) {
       std::int64_t ld = g.ldaux;
-      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
-          p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD, &ld, sizeof(ld)));
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_LD,
+                                                      &ld, sizeof(ld)));
     }
     // Column-major layouts (rows, cols, ld) of the stored matrices.
     std::uint64_t a_rows = g.trans_b ? g.k : g.n, a_cols = g.trans_b ? g.n : g.k;
@@ -138,8 +148,7 @@ void Gemm::run(Stream stream, const GemmArgs& g) {
   }
   PLM_CHECK_CUBLAS(cublasLtMatmul(impl_member->handle, p.desc, &g.alpha, g.b, p.a, g.a, p.b,
                                   &g.beta, g.c ? g.c : g.d, p.c, g.d, p.d, &p.algo,
-                                  impl_member->workspace,
-                                  impl_member->workspace_bytes, stream));
+                                  impl_member->workspace, impl_member->workspace_bytes, stream));
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -221,6 +230,5 @@ void gemmReference(Stream stream, const GemmArgs& g) {
                         stream>>>(g);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
-
 
 }  // namespace plm::gpu

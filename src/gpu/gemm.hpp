@@ -8,9 +8,9 @@
 // over K of op(A)'s rows (cuBLASLt's BGRADB once transposed: for a Linear layer's
 // dW = dY^T X this is db = sum over tokens of dY, in fp32).  cuBLASLt 13 takes the bias in D's
 // type only and has no fp32 bias gradient next to a bf16 D, so the FFN's first bias gradient
-// comes from its weight-gradient GEMM (BGradA) rather than from DGELU_BGRAD.  Descriptors, layouts and the heuristic's choice
-// are cached per shape and epilogue; one workspace per Gemm object.  Bias gradients are
-// written (=), not accumulated.
+// comes from its weight-gradient GEMM (BGradA) rather than from DGELU_BGRAD.  Descriptors, layouts
+// and the heuristic's choice are cached per shape and epilogue; one workspace per Gemm object. Bias
+// gradients are written (=), not accumulated.
 #pragma once
 
 #include "gpu/device.hpp"
@@ -42,14 +42,14 @@ struct GemmArgs {
   std::int64_t ldd = 0;
   DType d_type = DType::BF16;
   float alpha = 1.0f;
-  float beta = 0.0f;  // with c == nullptr, C is D itself: beta = 1 accumulates into D
+  float beta = 0.0f;        // with c == nullptr, C is D itself: beta = 1 accumulates into D
   const void* c = nullptr;  // optional separate C (d_type, ldc): D = alpha AB + beta C
   std::int64_t ldc = 0;
   Epilogue epilogue = Epilogue::None;
   const void* bias = nullptr;  // Bias, BiasGeluAux: d_type, length n
   void* aux = nullptr;         // BiasGeluAux (written) / DGelu (read): bf16 (M,N), ld = ldaux
   std::int64_t ldaux = 0;
-  void* bias_grad = nullptr;   // BGradA: fp32 (M), written
+  void* bias_grad = nullptr;  // BGradA: fp32 (M), written
 };
 
 /// \brief A cuBLASLt handle, a workspace and the per-shape plan cache.  One per stream.

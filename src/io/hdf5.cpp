@@ -1,8 +1,8 @@
 #include "io/hdf5.hpp"
 
+#include <sys/stat.h>
 #include <algorithm>
 #include <cstring>
-#include <sys/stat.h>
 
 namespace plm::io::h5 {
 
@@ -52,15 +52,17 @@ std::pair<Hid, Hid> rowSelection(hid_t dataset, std::int64_t start, std::int64_t
   std::vector<hsize_t> dims(rank);
   H5Sget_simple_extent_dims(file_space, dims.data(), nullptr);
   if (rank == 0 || start < 0 || count < 0 || hsize_t(start + count) > dims[0])
-    throw Error("HDF5 row selection [" + std::to_string(start) + ", " + std::to_string(start + count) +
-                ") is outside the dataset's " + (rank ? std::to_string(dims[0]) : "0") + " rows");
+    throw Error("HDF5 row selection [" + std::to_string(start) + ", " +
+                std::to_string(start + count) + ") is outside the dataset's " +
+                (rank ? std::to_string(dims[0]) : "0") + " rows");
   std::vector<hsize_t> offset(rank, 0), extent(dims);
   offset[0] = hsize_t(start);
   extent[0] = hsize_t(count);
   if (count == 0) {
     PLM_CHECK_H5(H5Sselect_none(file_space));
   } else {
-    PLM_CHECK_H5(H5Sselect_hyperslab(file_space, H5S_SELECT_SET, offset.data(), nullptr, extent.data(), nullptr));
+    PLM_CHECK_H5(H5Sselect_hyperslab(file_space, H5S_SELECT_SET, offset.data(), nullptr,
+                                     extent.data(), nullptr));
   }
   std::vector<hsize_t> memory_dims(extent);
   if (count == 0) memory_dims[0] = 1;
@@ -93,7 +95,8 @@ Hid openFile(const std::string& path, MPI_Comm comm, bool writable) {
 #if H5_VERSION_GE(1, 12, 0)
   const htri_t readable = H5Fis_accessible(path.c_str(), H5P_DEFAULT);
 #else
-  const htri_t readable = H5Fis_hdf5(path.c_str());  // HDF5 1.10 (Debian 12) has no H5Fis_accessible
+  const htri_t readable =
+      H5Fis_hdf5(path.c_str());  // HDF5 1.10 (Debian 12) has no H5Fis_accessible
 #endif
   if (readable <= 0) {
     H5Eclear2(H5E_DEFAULT);
@@ -110,7 +113,8 @@ Hid openFileSerial(const std::string& path) {
   if (stat(path.c_str(), &info) != 0)
     throw Error("file `" + path + "` does not exist (" + std::strerror(errno) + ")");
   hid_t file = H5Fopen(path.c_str(), H5F_ACC_RDONLY, H5P_DEFAULT);
-  if (file < 0) throw Error("`" + path + "` is not a readable HDF5 file: " + detail::hdf5ErrorStack());
+  if (file < 0)
+    throw Error("`" + path + "` is not a readable HDF5 file: " + detail::hdf5ErrorStack());
   return Hid(file);
 }
 
@@ -132,9 +136,9 @@ Hid createGroup(hid_t location, const std::string& path) {
   return Hid(PLM_CHECK_H5(H5Gcreate2(location, path.c_str(), lcpl, H5P_DEFAULT, H5P_DEFAULT)));
 }
 
-template <class T>
-Hid createDataset(hid_t location, const std::string& path, const std::vector<std::int64_t>& shape,
-                  const std::vector<std::int64_t>& chunk) {
+template <class T> Hid createDataset(hid_t location, const std::string& path,
+                                     const std::vector<std::int64_t>& shape,
+                                     const std::vector<std::int64_t>& chunk) {
   std::vector<hsize_t> dims(shape.begin(), shape.end());
   Hid space(PLM_CHECK_H5(H5Screate_simple(int(dims.size()), dims.data(), nullptr)));
   Hid lcpl(PLM_CHECK_H5(H5Pcreate(H5P_LINK_CREATE)));
@@ -145,7 +149,8 @@ Hid createDataset(hid_t location, const std::string& path, const std::vector<std
     PLM_CHECK_H5(H5Pset_chunk(dcpl, int(chunk_dims.size()), chunk_dims.data()));
   }
   PLM_CHECK_H5(H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER));
-  return Hid(PLM_CHECK_H5(H5Dcreate2(location, path.c_str(), nativeType<T>(), space, lcpl, dcpl, H5P_DEFAULT)));
+  return Hid(PLM_CHECK_H5(
+      H5Dcreate2(location, path.c_str(), nativeType<T>(), space, lcpl, dcpl, H5P_DEFAULT)));
 }
 
 Hid openDataset(hid_t location, const std::string& path) {
@@ -161,12 +166,13 @@ std::vector<std::int64_t> datasetShape(hid_t dataset) {
   return std::vector<std::int64_t>(dims.begin(), dims.end());
 }
 
-template <class T>
-void writeRows(hid_t dataset, std::int64_t start, std::int64_t count, const T* data, bool independent) {
+template <class T> void writeRows(hid_t dataset, std::int64_t start, std::int64_t count,
+                                  const T* data, bool independent) {
   auto [file_space, memory_space] = rowSelection(dataset, start, count);
   Hid dxpl = transferList(independent);
   T dummy{};
-  PLM_CHECK_H5(H5Dwrite(dataset, nativeType<T>(), memory_space, file_space, dxpl, count ? data : &dummy));
+  PLM_CHECK_H5(
+      H5Dwrite(dataset, nativeType<T>(), memory_space, file_space, dxpl, count ? data : &dummy));
 }
 
 template <class T>
@@ -174,13 +180,14 @@ void readRows(hid_t dataset, std::int64_t start, std::int64_t count, T* data, bo
   auto [file_space, memory_space] = rowSelection(dataset, start, count);
   Hid dxpl = transferList(independent);
   T dummy{};
-  PLM_CHECK_H5(H5Dread(dataset, nativeType<T>(), memory_space, file_space, dxpl, count ? data : &dummy));
+  PLM_CHECK_H5(
+      H5Dread(dataset, nativeType<T>(), memory_space, file_space, dxpl, count ? data : &dummy));
 }
 
-#define PLM_H5_INSTANTIATE(T)                                                                    \
-  template Hid createDataset<T>(hid_t, const std::string&, const std::vector<std::int64_t>&,     \
-                                const std::vector<std::int64_t>&);                               \
-  template void writeRows<T>(hid_t, std::int64_t, std::int64_t, const T*, bool);                 \
+#define PLM_H5_INSTANTIATE(T)                                                                \
+  template Hid createDataset<T>(hid_t, const std::string&, const std::vector<std::int64_t>&, \
+                                const std::vector<std::int64_t>&);                           \
+  template void writeRows<T>(hid_t, std::int64_t, std::int64_t, const T*, bool);             \
   template void readRows<T>(hid_t, std::int64_t, std::int64_t, T*, bool);
 PLM_H5_INSTANTIATE(float)
 PLM_H5_INSTANTIATE(double)
@@ -195,12 +202,14 @@ PLM_H5_INSTANTIATE(std::uint64_t)
 #undef PLM_H5_INSTANTIATE
 
 namespace {
-template <class T>
-void writeArrayAttribute(hid_t location, const std::string& name, hid_t type, const T* data, size_t n) {
+template <class T> void writeArrayAttribute(hid_t location, const std::string& name, hid_t type,
+                                            const T* data, size_t n) {
   if (H5Aexists(location, name.c_str()) > 0) PLM_CHECK_H5(H5Adelete(location, name.c_str()));
   hsize_t dims = n;
-  Hid space(n == 0 ? PLM_CHECK_H5(H5Screate(H5S_NULL)) : PLM_CHECK_H5(H5Screate_simple(1, &dims, nullptr)));
-  Hid attribute(PLM_CHECK_H5(H5Acreate2(location, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT)));
+  Hid space(n == 0 ? PLM_CHECK_H5(H5Screate(H5S_NULL))
+                   : PLM_CHECK_H5(H5Screate_simple(1, &dims, nullptr)));
+  Hid attribute(
+      PLM_CHECK_H5(H5Acreate2(location, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT)));
   if (n) PLM_CHECK_H5(H5Awrite(attribute, type, data));
 }
 
@@ -208,12 +217,14 @@ template <class T>
 void writeScalarAttribute(hid_t location, const std::string& name, hid_t type, const T& value) {
   if (H5Aexists(location, name.c_str()) > 0) PLM_CHECK_H5(H5Adelete(location, name.c_str()));
   Hid space(PLM_CHECK_H5(H5Screate(H5S_SCALAR)));
-  Hid attribute(PLM_CHECK_H5(H5Acreate2(location, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT)));
+  Hid attribute(
+      PLM_CHECK_H5(H5Acreate2(location, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT)));
   PLM_CHECK_H5(H5Awrite(attribute, type, &value));
 }
 
 Hid openAttribute(hid_t location, const std::string& name) {
-  if (H5Aexists(location, name.c_str()) <= 0) throw Error("HDF5 attribute `" + name + "` is missing");
+  if (H5Aexists(location, name.c_str()) <= 0)
+    throw Error("HDF5 attribute `" + name + "` is missing");
   return Hid(PLM_CHECK_H5(H5Aopen(location, name.c_str(), H5P_DEFAULT)));
 }
 
@@ -228,7 +239,8 @@ void writeAttribute(hid_t location, const std::string& name, const std::string& 
   Hid type = stringType(value.size());
   if (H5Aexists(location, name.c_str()) > 0) PLM_CHECK_H5(H5Adelete(location, name.c_str()));
   Hid space(PLM_CHECK_H5(H5Screate(H5S_SCALAR)));
-  Hid attribute(PLM_CHECK_H5(H5Acreate2(location, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT)));
+  Hid attribute(
+      PLM_CHECK_H5(H5Acreate2(location, name.c_str(), type, space, H5P_DEFAULT, H5P_DEFAULT)));
   std::string padded = value.empty() ? std::string(1, '\0') : value;
   PLM_CHECK_H5(H5Awrite(attribute, type, padded.data()));
 }
@@ -238,27 +250,33 @@ void writeAttribute(hid_t location, const std::string& name, std::int64_t value)
 void writeAttribute(hid_t location, const std::string& name, double value) {
   writeScalarAttribute(location, name, H5T_NATIVE_DOUBLE, value);
 }
-void writeAttribute(hid_t location, const std::string& name, const std::vector<std::int64_t>& value) {
+void writeAttribute(hid_t location, const std::string& name,
+                    const std::vector<std::int64_t>& value) {
   writeArrayAttribute(location, name, H5T_NATIVE_INT64, value.data(), value.size());
 }
 void writeAttribute(hid_t location, const std::string& name, const std::vector<double>& value) {
   writeArrayAttribute(location, name, H5T_NATIVE_DOUBLE, value.data(), value.size());
 }
-void writeAttribute(hid_t location, const std::string& name, const std::vector<std::string>& value) {
+void writeAttribute(hid_t location, const std::string& name,
+                    const std::vector<std::string>& value) {
   size_t width = 1;
   for (const auto& v : value) width = std::max(width, v.size());
   std::vector<char> packed(width * value.size(), '\0');
-  for (size_t i = 0; i < value.size(); ++i) std::memcpy(packed.data() + i * width, value[i].data(), value[i].size());
+  for (size_t i = 0; i < value.size(); ++i)
+    std::memcpy(packed.data() + i * width, value[i].data(), value[i].size());
   Hid type = stringType(width);
   writeArrayAttribute(location, name, type, packed.data(), value.size());
 }
 
-bool hasAttribute(hid_t location, const std::string& name) { return H5Aexists(location, name.c_str()) > 0; }
+bool hasAttribute(hid_t location, const std::string& name) {
+  return H5Aexists(location, name.c_str()) > 0;
+}
 
 std::string readStringAttribute(hid_t location, const std::string& name) {
   Hid attribute = openAttribute(location, name);
   Hid type(PLM_CHECK_H5(H5Aget_type(attribute)));
-  if (H5Tget_class(type) != H5T_STRING) throw Error("HDF5 attribute `" + name + "` is not a string");
+  if (H5Tget_class(type) != H5T_STRING)
+    throw Error("HDF5 attribute `" + name + "` is not a string");
   if (H5Tis_variable_str(type) > 0) {
     char* text = nullptr;
     Hid memory_type(PLM_CHECK_H5(H5Tcopy(H5T_C_S1)));
@@ -335,16 +353,19 @@ std::vector<std::string> readStringArrayAttribute(hid_t location, const std::str
 void writeStrings(hid_t location, const std::string& path, MPI_Comm comm, std::int64_t global_count,
                   std::int64_t start, const std::vector<std::string>& rows) {
   std::int64_t local_width = 1, width = 1;
-  for (const auto& r : rows) local_width = std::max<std::int64_t>(local_width, std::int64_t(r.size()));
+  for (const auto& r : rows)
+    local_width = std::max<std::int64_t>(local_width, std::int64_t(r.size()));
   PLM_CHECK_MPI(MPI_Allreduce(&local_width, &width, 1, MPI_INT64_T, MPI_MAX, comm));
   Hid type = stringType(size_t(width));
   hsize_t dims = hsize_t(global_count);
   Hid space(PLM_CHECK_H5(H5Screate_simple(1, &dims, nullptr)));
   Hid lcpl(PLM_CHECK_H5(H5Pcreate(H5P_LINK_CREATE)));
   PLM_CHECK_H5(H5Pset_create_intermediate_group(lcpl, 1));
-  Hid dataset(PLM_CHECK_H5(H5Dcreate2(location, path.c_str(), type, space, lcpl, H5P_DEFAULT, H5P_DEFAULT)));
+  Hid dataset(PLM_CHECK_H5(
+      H5Dcreate2(location, path.c_str(), type, space, lcpl, H5P_DEFAULT, H5P_DEFAULT)));
   std::vector<char> packed(size_t(width) * std::max<size_t>(rows.size(), 1), '\0');
-  for (size_t i = 0; i < rows.size(); ++i) std::memcpy(packed.data() + i * width, rows[i].data(), rows[i].size());
+  for (size_t i = 0; i < rows.size(); ++i)
+    std::memcpy(packed.data() + i * width, rows[i].data(), rows[i].size());
   auto [file_space, memory_space] = rowSelection(dataset, start, std::int64_t(rows.size()));
   Hid dxpl = transferList(false);
   PLM_CHECK_H5(H5Dwrite(dataset, type, memory_space, file_space, dxpl, packed.data()));
@@ -354,8 +375,11 @@ std::vector<std::string> readStrings(hid_t location, const std::string& path, st
                                      std::int64_t count) {
   Hid dataset = openDataset(location, path);
   Hid type(PLM_CHECK_H5(H5Dget_type(dataset)));
-  if (H5Tget_class(type) != H5T_STRING) throw Error("HDF5 dataset `" + path + "` does not hold strings");
-  if (H5Tis_variable_str(type) > 0) throw Error("HDF5 dataset `" + path + "` holds variable-length strings; plm writes fixed-length ones");
+  if (H5Tget_class(type) != H5T_STRING)
+    throw Error("HDF5 dataset `" + path + "` does not hold strings");
+  if (H5Tis_variable_str(type) > 0)
+    throw Error("HDF5 dataset `" + path +
+                "` holds variable-length strings; plm writes fixed-length ones");
   size_t width = H5Tget_size(type);
   std::vector<char> buffer(width * std::max<std::int64_t>(count, 1), '\0');
   auto [file_space, memory_space] = rowSelection(dataset, start, count);

@@ -59,28 +59,27 @@ bool exists(hid_t location, const std::string& path);
 Hid createGroup(hid_t location, const std::string& path);
 
 /// \brief Create a dataset of `shape` with element type T (chunked when `chunk` is nonempty).
-template <class T>
-Hid createDataset(hid_t location, const std::string& path, const std::vector<std::int64_t>& shape,
-                  const std::vector<std::int64_t>& chunk = {});
+template <class T> Hid createDataset(hid_t location, const std::string& path,
+                                     const std::vector<std::int64_t>& shape,
+                                     const std::vector<std::int64_t>& chunk = {});
 Hid openDataset(hid_t location, const std::string& path);
 std::vector<std::int64_t> datasetShape(hid_t dataset);
 
 /// \brief Write `count` rows starting at `start` along dimension 0 of a dataset (every other
 /// dimension whole) from `data`. Collective unless `independent`. `count` may be 0 (a rank
 /// with nothing to write still takes part in a collective write).
-template <class T>
-void writeRows(hid_t dataset, std::int64_t start, std::int64_t count, const T* data,
-               bool independent = false);
+template <class T> void writeRows(hid_t dataset, std::int64_t start, std::int64_t count,
+                                  const T* data, bool independent = false);
 /// \brief Read rows [start, start+count) along dimension 0 into `data`.
-template <class T>
-void readRows(hid_t dataset, std::int64_t start, std::int64_t count, T* data,
-              bool independent = false);
+template <class T> void readRows(hid_t dataset, std::int64_t start, std::int64_t count, T* data,
+                                 bool independent = false);
 
 /// Attributes on a file, group or dataset.
 void writeAttribute(hid_t location, const std::string& name, const std::string& value);
 void writeAttribute(hid_t location, const std::string& name, std::int64_t value);
 void writeAttribute(hid_t location, const std::string& name, double value);
-void writeAttribute(hid_t location, const std::string& name, const std::vector<std::int64_t>& value);
+void writeAttribute(hid_t location, const std::string& name,
+                    const std::vector<std::int64_t>& value);
 void writeAttribute(hid_t location, const std::string& name, const std::vector<double>& value);
 void writeAttribute(hid_t location, const std::string& name, const std::vector<std::string>& value);
 bool hasAttribute(hid_t location, const std::string& name);

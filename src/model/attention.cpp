@@ -364,13 +364,15 @@ template <class T> void attentionForward(const ExecSpace& space, const View2<T>&
         const int tile = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
         const int s0 = list(tile, 0), s1 = list(tile, 1), q0 = list(tile, 2);
         const int nq = s1 - q0 < bq ? s1 - q0 : bq;
-        T* qs = Scratch<T>(team.team_scratch(level), bqp * d).data();    // (bqp, d) queries
-        T* kt = Scratch<T>(team.team_scratch(level), d * bkp).data();    // (d, bkp) keys, transposed
-        T* sc = Scratch<T>(team.team_scratch(level), bqp * bkp).data();  // (bqp, bkp) scores, then p
-        T* vs = Scratch<T>(team.team_scratch(level), bkp * dp).data();   // (bkp, dp) values
-        T* acc = Scratch<T>(team.team_scratch(level), bqp * dp).data();  // (bqp, dp) unnormalised out
-        T* m = Scratch<T>(team.team_scratch(level), bqp).data();         // (bqp) running max
-        T* l = Scratch<T>(team.team_scratch(level), bqp).data();         // (bqp) running sum
+        T* qs = Scratch<T>(team.team_scratch(level), bqp * d).data();  // (bqp, d) queries
+        T* kt = Scratch<T>(team.team_scratch(level), d * bkp).data();  // (d, bkp) keys, transposed
+        T* sc =
+            Scratch<T>(team.team_scratch(level), bqp * bkp).data();     // (bqp, bkp) scores, then p
+        T* vs = Scratch<T>(team.team_scratch(level), bkp * dp).data();  // (bkp, dp) values
+        T* acc =
+            Scratch<T>(team.team_scratch(level), bqp * dp).data();  // (bqp, dp) unnormalised out
+        T* m = Scratch<T>(team.team_scratch(level), bqp).data();    // (bqp) running max
+        T* l = Scratch<T>(team.team_scratch(level), bqp).data();    // (bqp) running sum
         stage(team, q, q0, nq, hd, d, qs, bqp, d, static_cast<T*>(nullptr), 0);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, bqp), [&](const int r) {
           m[r] = lowest;
@@ -451,17 +453,18 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
       "plm::model::attention_backward", policy, KOKKOS_LAMBDA(const Member& team) {
         const int seq = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
         const int s0 = cu_seqlens(seq), s1 = cu_seqlens(seq + 1);
-        T* ks = Scratch<T>(team.team_scratch(level), bkp * dp).data();    // (bkp, dp)
-        T* vs = Scratch<T>(team.team_scratch(level), bkp * dp).data();    // (bkp, dp)
-        T* qt = Scratch<T>(team.team_scratch(level), d * bqp).data();     // (d, bqp)
-        T* dot = Scratch<T>(team.team_scratch(level), d * bqp).data();    // (d, bqp)
-        T* qs = Scratch<T>(team.team_scratch(level), bqp * dp).data();    // (bqp, dp)
-        T* dos = Scratch<T>(team.team_scratch(level), bqp * dp).data();   // (bqp, dp)
-        T* dq_t = Scratch<T>(team.team_scratch(level), bqp * dp).data();  // (bqp, dp) dS K of one pair
-        T* lse_s = Scratch<T>(team.team_scratch(level), bqp).data();      // (bqp)
-        T* delta_s = Scratch<T>(team.team_scratch(level), bqp).data();    // (bqp)
-        T* pt = Scratch<T>(team.team_scratch(level), bkp * bqp).data();   // (bkp, bqp) P^T
-        T* dst = Scratch<T>(team.team_scratch(level), bkp * bqp).data();  // (bkp, bqp) dS^T
+        T* ks = Scratch<T>(team.team_scratch(level), bkp * dp).data();   // (bkp, dp)
+        T* vs = Scratch<T>(team.team_scratch(level), bkp * dp).data();   // (bkp, dp)
+        T* qt = Scratch<T>(team.team_scratch(level), d * bqp).data();    // (d, bqp)
+        T* dot = Scratch<T>(team.team_scratch(level), d * bqp).data();   // (d, bqp)
+        T* qs = Scratch<T>(team.team_scratch(level), bqp * dp).data();   // (bqp, dp)
+        T* dos = Scratch<T>(team.team_scratch(level), bqp * dp).data();  // (bqp, dp)
+        T* dq_t =
+            Scratch<T>(team.team_scratch(level), bqp * dp).data();    // (bqp, dp) dS K of one pair
+        T* lse_s = Scratch<T>(team.team_scratch(level), bqp).data();  // (bqp)
+        T* delta_s = Scratch<T>(team.team_scratch(level), bqp).data();      // (bqp)
+        T* pt = Scratch<T>(team.team_scratch(level), bkp * bqp).data();     // (bkp, bqp) P^T
+        T* dst = Scratch<T>(team.team_scratch(level), bkp * bqp).data();    // (bkp, bqp) dS^T
         T* dk_acc = Scratch<T>(team.team_scratch(level), bkp * dp).data();  // (bkp, dp)
         T* dv_acc = Scratch<T>(team.team_scratch(level), bkp * dp).data();  // (bkp, dp)
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, s1 - s0), [&](const int r) {

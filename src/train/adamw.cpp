@@ -30,18 +30,15 @@ std::vector<FrozenRange> esm2FrozenRanges(const std::vector<model::TensorInfo>& 
                                           int hidden) {
   for (const auto& t : tensors) {
     if (t.name == "esm.embeddings.word_embeddings.weight")
-      return {FrozenRange{t.offset + static_cast<std::int64_t>(data::vocab::pad) * hidden,
-                          hidden}};
+      return {FrozenRange{t.offset + static_cast<std::int64_t>(data::vocab::pad) * hidden, hidden}};
   }
   throw Error("AdamW: the model has no tensor esm.embeddings.word_embeddings.weight");
 }
 
-template <class G>
-double globalNorm(const ExecSpace& space, View1<G> grads) {
+template <class G> double globalNorm(const ExecSpace& space, View1<G> grads) {
   double sum = 0.0;
   Kokkos::parallel_reduce(
-      "plm::train::gradNorm",
-      Kokkos::RangePolicy<ExecSpace>(space, 0, grads.extent(0)),
+      "plm::train::gradNorm", Kokkos::RangePolicy<ExecSpace>(space, 0, grads.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t i, double& acc) {
         const double g = static_cast<double>(grads(i));
         acc += g * g;
@@ -65,8 +62,8 @@ AdamW<P>::AdamW(View1<P> params, const std::vector<model::TensorInfo>& tensors,
     master_member = params;
     aliased_member = true;
   } else {
-    master_member = View1<master_t>(
-        Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::train::master"), n);
+    master_member =
+        View1<master_t>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::train::master"), n);
     detail::castCopy(ExecSpace(), master_member, params, "plm::train::masterFromParams");
   }
   exp_avg_member = View1<master_t>("plm::train::exp_avg", n);
@@ -88,12 +85,10 @@ AdamW<P>::AdamW(View1<P> params, const std::vector<model::TensorInfo>& tensors,
   Kokkos::deep_copy(flags_member, flags);
 }
 
-template <class P>
-void AdamW<P>::maskGradients(const ExecSpace& space, View1<P> grads) const {
+template <class P> void AdamW<P>::maskGradients(const ExecSpace& space, View1<P> grads) const {
   auto flags = flags_member;
   Kokkos::parallel_for(
-      "plm::train::maskGradients",
-      Kokkos::RangePolicy<ExecSpace>(space, 0, grads.extent(0)),
+      "plm::train::maskGradients", Kokkos::RangePolicy<ExecSpace>(space, 0, grads.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t i) {
         if (flags(i) & frozen_flag) grads(i) = P(0);
       });
@@ -140,8 +135,7 @@ void AdamW<P>::step(const ExecSpace& space, View1<P> grads, double lr, double gr
   syncParameters(space);
 }
 
-template <class P>
-void AdamW<P>::syncParameters(const ExecSpace& space) {
+template <class P> void AdamW<P>::syncParameters(const ExecSpace& space) {
   if (aliased_member) return;
   detail::castCopy(space, params_member, master_member, "plm::train::paramsFromMaster");
 }

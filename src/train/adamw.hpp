@@ -42,19 +42,17 @@ std::vector<FrozenRange> esm2FrozenRanges(const std::vector<model::TensorInfo>& 
                                           int hidden);
 
 /// \brief sqrt(sum g^2) over a (local, already reduced) gradient buffer, accumulated in double.
-template <class G>
-double globalNorm(const ExecSpace& space, View1<G> grads);
+template <class G> double globalNorm(const ExecSpace& space, View1<G> grads);
 
 /// \brief The clipping factor min(1, max_norm / (norm + 1e-6)) (torch.nn.utils.clip_grad_norm_);
 /// 1 when max_norm <= 0 (clipping off).
 double clipFactor(double norm, double max_norm);
 
-template <class P>
-class AdamW {
+template <class P> class AdamW {
  public:
   /// `params`: the model's flat parameter buffer (compute precision P); `tensors` its table.
-  AdamW(View1<P> params, const std::vector<model::TensorInfo>& tensors,
-        const AdamWOptions& options, const std::vector<FrozenRange>& frozen = {});
+  AdamW(View1<P> params, const std::vector<model::TensorInfo>& tensors, const AdamWOptions& options,
+        const std::vector<FrozenRange>& frozen = {});
 
   /// \brief Zeroes the gradient of frozen elements (call before the norm).
   void maskGradients(const ExecSpace& space, View1<P> grads) const;
@@ -83,11 +81,11 @@ class AdamW {
 
  private:
   AdamWOptions options_member;
-  View1<P> params_member;                 // (N) compute parameters (the model's buffer)
-  View1<master_t> master_member;          // (N) fp32 master weights (alias of params when P == master_t)
-  View1<master_t> exp_avg_member;         // (N) first moment m
-  View1<master_t> exp_avg_sq_member;      // (N) second moment v
-  View1<std::uint8_t> flags_member;       // (N) decay_flag | frozen_flag
+  View1<P> params_member;          // (N) compute parameters (the model's buffer)
+  View1<master_t> master_member;   // (N) fp32 master weights (alias of params when P == master_t)
+  View1<master_t> exp_avg_member;  // (N) first moment m
+  View1<master_t> exp_avg_sq_member;  // (N) second moment v
+  View1<std::uint8_t> flags_member;   // (N) decay_flag | frozen_flag
   std::int64_t step_member = 0;
   bool aliased_member = false;
 };

@@ -4,11 +4,11 @@
 
 #include <Kokkos_Core.hpp>
 
+#include <unistd.h>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <sstream>
-#include <unistd.h>
 
 #if defined(KOKKOS_ENABLE_CUDA)
 #include <cuda_runtime.h>
@@ -33,8 +33,7 @@ double cpuMhz() {
 
 }  // namespace
 
-PeakFlops peakTflopsPerDevice(double deck_value, const std::string& precision,
-                              int cores_per_rank) {
+PeakFlops peakTflopsPerDevice(double deck_value, const std::string& precision, int cores_per_rank) {
   if (deck_value > 0) return {deck_value, "train.peak_tflops"};
 #if defined(KOKKOS_ENABLE_CUDA)
   cudaDeviceProp prop;
@@ -56,8 +55,8 @@ PeakFlops peakTflopsPerDevice(double deck_value, const std::string& precision,
   const int cores = cores_per_rank > 0 ? cores_per_rank : 1;
   const double tflops = cores * 32.0 * mhz * 1e6 / 1e12;
   char text[160];
-  std::snprintf(text, sizeof text, "%d CPU core(s) per rank x 32 fp32 FLOP/cycle x %.0f MHz (nominal)",
-                cores, mhz);
+  std::snprintf(text, sizeof text,
+                "%d CPU core(s) per rank x 32 fp32 FLOP/cycle x %.0f MHz (nominal)", cores, mhz);
   return {tflops, text};
 #endif
 }

@@ -16,8 +16,8 @@
 namespace plm::train {
 
 struct PeakFlops {
-  double tflops = 0.0;      // per device (per rank on the CPU)
-  std::string source;       // how it was chosen, for the log
+  double tflops = 0.0;  // per device (per rank on the CPU)
+  std::string source;   // how it was chosen, for the log
 };
 
 /// \brief The nominal peak per device: `deck_value` when > 0, else the built-in table for this

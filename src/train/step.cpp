@@ -43,9 +43,9 @@ BatchStats countBatch(const std::vector<data::MicroBatch>& local, MPI_Comm comm)
   return s;
 }
 
-template <class P>
-BatchStats accumulateGradients(const ExecSpace& space, model::Esm2<P>& model,
-                               const std::vector<data::MicroBatch>& local, MPI_Comm comm) {
+template <class P> BatchStats accumulateGradients(const ExecSpace& space, model::Esm2<P>& model,
+                                                  const std::vector<data::MicroBatch>& local,
+                                                  MPI_Comm comm) {
   Kokkos::Profiling::pushRegion("plm::train::accumulateGradients");
   BatchStats s = localCounts(local);
   std::int64_t global_masked = dist::allreduceSum(s.masked, comm);
@@ -58,10 +58,10 @@ BatchStats accumulateGradients(const ExecSpace& space, model::Esm2<P>& model,
   return s;
 }
 
-template <class P>
-StepStats trainStep(const ExecSpace& space, model::Esm2<P>& model, AdamW<P>& optimizer,
-                    const std::vector<data::MicroBatch>& local, double lr, double clip_norm,
-                    MPI_Comm comm) {
+template <class P> StepStats trainStep(const ExecSpace& space, model::Esm2<P>& model,
+                                       AdamW<P>& optimizer,
+                                       const std::vector<data::MicroBatch>& local, double lr,
+                                       double clip_norm, MPI_Comm comm) {
   StepStats st;
   static_cast<BatchStats&>(st) = accumulateGradients(space, model, local, comm);
   st.lr = lr;
@@ -83,9 +83,9 @@ StepStats trainStep(const ExecSpace& space, model::Esm2<P>& model, AdamW<P>& opt
   return st;
 }
 
-template <class P>
-BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& model, data::Loader& loader,
-                    std::int64_t max_steps, MPI_Comm comm) {
+template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& model,
+                                       data::Loader& loader, std::int64_t max_steps,
+                                       MPI_Comm comm) {
   Kokkos::Profiling::pushRegion("plm::train::evaluate");
   loader.seek(data::Cursor{});
   BatchStats s;
@@ -106,14 +106,13 @@ BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& model, data::Loader&
   return s;
 }
 
-#define PLM_TRAIN_INSTANTIATE(P)                                                              \
-  template BatchStats accumulateGradients<P>(const ExecSpace&, model::Esm2<P>&,               \
-                                             const std::vector<data::MicroBatch>&, MPI_Comm); \
-  template StepStats trainStep<P>(const ExecSpace&, model::Esm2<P>&, AdamW<P>&,               \
-                                  const std::vector<data::MicroBatch>&, double, double,       \
-                                  MPI_Comm);                                                  \
-  template BatchStats evaluate<P>(const ExecSpace&, model::Esm2<P>&, data::Loader&,           \
-                                  std::int64_t, MPI_Comm);
+#define PLM_TRAIN_INSTANTIATE(P)                                                                   \
+  template BatchStats accumulateGradients<P>(const ExecSpace&, model::Esm2<P>&,                    \
+                                             const std::vector<data::MicroBatch>&, MPI_Comm);      \
+  template StepStats trainStep<P>(const ExecSpace&, model::Esm2<P>&, AdamW<P>&,                    \
+                                  const std::vector<data::MicroBatch>&, double, double, MPI_Comm); \
+  template BatchStats evaluate<P>(const ExecSpace&, model::Esm2<P>&, data::Loader&, std::int64_t,  \
+                                  MPI_Comm);
 
 PLM_TRAIN_INSTANTIATE(float)
 PLM_TRAIN_INSTANTIATE(double)

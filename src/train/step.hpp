@@ -24,11 +24,11 @@ namespace plm::train {
 
 /// Global (all-rank) sums of one step's batch.
 struct BatchStats {
-  double loss_sum = 0.0;        // sum of masked-token cross-entropy
-  std::int64_t masked = 0;      // masked (target) tokens
-  std::int64_t tokens = 0;      // tokens, <cls>/<eos> included (packed: no padding)
+  double loss_sum = 0.0;    // sum of masked-token cross-entropy
+  std::int64_t masked = 0;  // masked (target) tokens
+  std::int64_t tokens = 0;  // tokens, <cls>/<eos> included (packed: no padding)
   std::int64_t sequences = 0;
-  double sum_sq_seqlen = 0.0;   // sum over sequences of length^2 (attention FLOPs)
+  double sum_sq_seqlen = 0.0;  // sum over sequences of length^2 (attention FLOPs)
 
   double loss() const { return masked > 0 ? loss_sum / static_cast<double>(masked) : 0.0; }
   double perplexity() const { return std::exp(loss()); }
@@ -42,7 +42,7 @@ struct StepStats : BatchStats {
   double grad_norm = 0.0;    // global norm before clipping
   double clip_factor = 1.0;  // applied to the gradient (1 = not clipped)
   double lr = 0.0;
-  bool applied = true;       // false when the global batch had no masked token
+  bool applied = true;  // false when the global batch had no masked token
 };
 
 /// \brief Sums of the local micro-batches' counts, all-reduced over `comm` (loss_sum left 0).
@@ -51,21 +51,20 @@ BatchStats countBatch(const std::vector<data::MicroBatch>& local, MPI_Comm comm)
 /// \brief Zeroes the gradients, runs forward+backward over this rank's micro-batches with
 /// grad_scale = 1/global masked count, and all-reduces gradients and loss: afterwards every
 /// rank holds the gradient of the global mean loss.
-template <class P>
-BatchStats accumulateGradients(const ExecSpace& space, model::Esm2<P>& model,
-                               const std::vector<data::MicroBatch>& local, MPI_Comm comm);
+template <class P> BatchStats accumulateGradients(const ExecSpace& space, model::Esm2<P>& model,
+                                                  const std::vector<data::MicroBatch>& local,
+                                                  MPI_Comm comm);
 
 /// \brief accumulateGradients, then the padding-row mask, global-norm clipping (`clip_norm` <= 0:
 /// off) and one AdamW update with learning rate `lr`.
-template <class P>
-StepStats trainStep(const ExecSpace& space, model::Esm2<P>& model, AdamW<P>& optimizer,
-                    const std::vector<data::MicroBatch>& local, double lr, double clip_norm,
-                    MPI_Comm comm);
+template <class P> StepStats trainStep(const ExecSpace& space, model::Esm2<P>& model,
+                                       AdamW<P>& optimizer,
+                                       const std::vector<data::MicroBatch>& local, double lr,
+                                       double clip_norm, MPI_Comm comm);
 
 /// \brief Forward-only loss over a single-pass loader (seeked to its start first), at most
 /// `max_steps` loader steps (0 = the whole pass), summed over `comm`.
-template <class P>
-BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& model, data::Loader& loader,
-                    std::int64_t max_steps, MPI_Comm comm);
+template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& model,
+                                       data::Loader& loader, std::int64_t max_steps, MPI_Comm comm);
 
 }  // namespace plm::train

@@ -4,9 +4,9 @@
 #include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "dist/allreduce.hpp"
+#include "dist/runtime.hpp"
 #include "io/model_file.hpp"
 #include "train/blas_threads.hpp"
-#include "dist/runtime.hpp"
 
 #include <Teuchos_Array.hpp>
 
@@ -20,8 +20,7 @@ namespace plm::train {
 namespace {
 
 double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 const Teuchos::ParameterList& section(const Teuchos::ParameterList& deck, const char* name) {
@@ -53,8 +52,10 @@ model::Esm2Config modelConfigFromDeck(const Teuchos::ParameterList& deck) {
     if (layers > 0) config.num_layers = layers;
     if (hidden > 0) config.hidden = hidden;
     if (heads > 0) config.heads = heads;
-    if (ffn > 0) config.ffn = ffn;
-    else if (hidden > 0) config.ffn = 4 * hidden;
+    if (ffn > 0)
+      config.ffn = ffn;
+    else if (hidden > 0)
+      config.ffn = 4 * hidden;
   }
   config.recompute = m.get<bool>("recompute");
   config.validate();
@@ -118,9 +119,9 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   adam.eps = o.get<double>("eps");
   adam.weight_decay = o.get<double>("weight_decay");
   clip_norm_member = o.get<double>("clip_grad_norm");
-  optimizer_member = std::make_unique<AdamW<param_t>>(
-      model_member->parameters(), model_member->tensors(), adam,
-      esm2FrozenRanges(model_member->tensors(), config.hidden));
+  optimizer_member =
+      std::make_unique<AdamW<param_t>>(model_member->parameters(), model_member->tensors(), adam,
+                                       esm2FrozenRanges(model_member->tensors(), config.hidden));
 
   total_steps_member = t.get<int>("steps");
   log_every_member = std::max(1, t.get<int>("log_every"));
@@ -141,8 +142,8 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   data::LoaderOptions lo;
   lo.path = d.get<std::string>("train");
   lo.micro_batch_tokens = d.get<int>("micro_batch_tokens");
-  lo.micro_batches_per_step =
-      data::microBatchesPerStep(d.get<int>("tokens_per_batch"), lo.micro_batch_tokens, world_member);
+  lo.micro_batches_per_step = data::microBatchesPerStep(d.get<int>("tokens_per_batch"),
+                                                        lo.micro_batch_tokens, world_member);
   lo.seed = state_member.data_seed;
   lo.mask_prob = d.get<double>("mask_prob");
   lo.max_seq_len = d.get<int>("max_seq_len");
@@ -153,8 +154,8 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
 
   const std::string valid = d.get<std::string>("valid");
   if (!valid.empty()) {
-    valid_loader_member = std::make_unique<data::Loader>(
-        evalLoaderOptions(*deck, valid, rank_member, world_member));
+    valid_loader_member =
+        std::make_unique<data::Loader>(evalLoaderOptions(*deck, valid, rank_member, world_member));
     valid_max_steps_member = evalMaxSteps(*deck, world_member);
   }
 
@@ -162,16 +163,18 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
             config.num_layers, config.hidden, config.heads, config.ffn,
             static_cast<long long>(config.numParameters()),
             config.recompute ? " (activation recomputation)" : "");
-  log::info("data: %s, %lld sequences, %lld residues; %lld micro-batches of <= %lld tokens per "
-            "step over %d rank(s)",
-            lo.path.c_str(), static_cast<long long>(train_loader_member->numSequences()),
-            static_cast<long long>(train_loader_member->numResidues()),
-            static_cast<long long>(lo.micro_batches_per_step),
-            static_cast<long long>(lo.micro_batch_tokens), world_member);
+  log::info(
+      "data: %s, %lld sequences, %lld residues; %lld micro-batches of <= %lld tokens per "
+      "step over %d rank(s)",
+      lo.path.c_str(), static_cast<long long>(train_loader_member->numSequences()),
+      static_cast<long long>(train_loader_member->numResidues()),
+      static_cast<long long>(lo.micro_batches_per_step),
+      static_cast<long long>(lo.micro_batch_tokens), world_member);
   if (blas_threads > 0)
-    log::info("OpenBLAS: %d thread(s) per rank (%d rank(s) on this node; set OPENBLAS_NUM_THREADS "
-              "to override)",
-              blas_threads, dist::localSize());
+    log::info(
+        "OpenBLAS: %d thread(s) per rank (%d rank(s) on this node; set OPENBLAS_NUM_THREADS "
+        "to override)",
+        blas_threads, dist::localSize());
   log::info("peak for MFU: %.4g TFLOP/s per rank (%s)", peak_member.tflops,
             peak_member.source.c_str());
 }
@@ -194,8 +197,7 @@ void Trainer::run() {
   if (rank_member == 0) {
     std::error_code ec;
     std::filesystem::create_directories(run_dir_member, ec);
-    if (ec)
-      throw Error("cannot create train.run_dir `" + run_dir_member + "`: " + ec.message());
+    if (ec) throw Error("cannot create train.run_dir `" + run_dir_member + "`: " + ec.message());
     deck::writeResolved(*deck_member, run_dir_member + "/deck.yaml");
     metrics_member.open(run_dir_member + "/metrics.jsonl");
   }
@@ -213,8 +215,8 @@ void Trainer::run() {
     const std::int64_t step = state_member.step + 1;
     std::vector<data::MicroBatch> local = train_loader_member->nextStep();
     const double lr = learningRate(schedule_member, step);
-    StepStats st = trainStep(space, *model_member, *optimizer_member, local, lr,
-                             clip_norm_member, comm_member);
+    StepStats st = trainStep(space, *model_member, *optimizer_member, local, lr, clip_norm_member,
+                             comm_member);
     const double t1 = now();
     if (!std::isfinite(st.loss_sum))
       throw collectiveError("train: the loss is not finite at step " + std::to_string(step) +
@@ -228,8 +230,8 @@ void Trainer::run() {
     interval_member.tokens += st.tokens;
     interval_member.masked += st.masked;
     interval_member.loss_sum += st.loss_sum;
-    interval_member.flops +=
-        model_member->config().trainFlopsPerToken(st.weightedSeqlen()) * static_cast<double>(st.tokens);
+    interval_member.flops += model_member->config().trainFlopsPerToken(st.weightedSeqlen()) *
+                             static_cast<double>(st.tokens);
     interval_member.seconds += t1 - t0;
     train_seconds_member += t1 - t0;
     steps_this_run_member += 1;
@@ -245,7 +247,8 @@ void Trainer::run() {
       BatchStats v = validate();
       logEval(v, now() - e0);
     }
-    if (hooks_member.on_save && ((checkpoint_every_member > 0 && step % checkpoint_every_member == 0) || last))
+    if (hooks_member.on_save &&
+        ((checkpoint_every_member > 0 && step % checkpoint_every_member == 0) || last))
       hooks_member.on_save(*this, last);
     t0 = now();  // evaluation and checkpoint time stay out of tokens/s
   }
@@ -267,7 +270,9 @@ void Trainer::writeFinalModel() {
 
 namespace {
 // JSON has no inf/NaN: a diverged value (ppl = exp(large loss)) is written as null.
-io::json::Value number(double x) { return std::isfinite(x) ? io::json::Value(x) : io::json::Value(); }
+io::json::Value number(double x) {
+  return std::isfinite(x) ? io::json::Value(x) : io::json::Value();
+}
 }  // namespace
 
 void Trainer::logStep(const StepStats& last, double seconds) {
@@ -277,14 +282,16 @@ void Trainer::logStep(const StepStats& last, double seconds) {
   const double tflops = seconds > 0 ? in.flops / seconds / 1e12 : 0.0;
   const double mfu = peak_member.tflops > 0 ? tflops / (peak_member.tflops * world_member) : 0.0;
   const double mem = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
-  const double per_step = steps_this_run_member > 0 ? train_seconds_member / steps_this_run_member : 0;
+  const double per_step =
+      steps_this_run_member > 0 ? train_seconds_member / steps_this_run_member : 0;
   const double eta = per_step * static_cast<double>(total_steps_member - state_member.step);
   if (rank_member != 0) return;
-  log::info("step %lld/%lld | loss %.4f | ppl %.3f | lr %.3e | grad-norm %.3f | %.0f tok/s | "
-            "%.4g TFLOP/s | MFU %.2f%% | mem %s | ETA %s",
-            static_cast<long long>(state_member.step), static_cast<long long>(total_steps_member),
-            loss, std::exp(loss), last.lr, last.grad_norm, tokens_per_s, tflops, 100.0 * mfu,
-            formatBytes(mem).c_str(), formatDuration(eta).c_str());
+  log::info(
+      "step %lld/%lld | loss %.4f | ppl %.3f | lr %.3e | grad-norm %.3f | %.0f tok/s | "
+      "%.4g TFLOP/s | MFU %.2f%% | mem %s | ETA %s",
+      static_cast<long long>(state_member.step), static_cast<long long>(total_steps_member), loss,
+      std::exp(loss), last.lr, last.grad_norm, tokens_per_s, tflops, 100.0 * mfu,
+      formatBytes(mem).c_str(), formatDuration(eta).c_str());
   io::json::Value r = io::json::Value::object();
   r.set("kind", "train");
   r.set("step", state_member.step);

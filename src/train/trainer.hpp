@@ -16,9 +16,9 @@
 #include "train/schedule.hpp"
 #include "train/step.hpp"
 
+#include <mpi.h>
 #include <Teuchos_ParameterList.hpp>
 #include <Teuchos_RCP.hpp>
-#include <mpi.h>
 
 #include <cstdint>
 #include <functional>
@@ -55,15 +55,14 @@ class Trainer {
   using SaveHook = std::function<void(Trainer&, bool final_save)>;
   using StepHook = std::function<void(Trainer&, const StepStats&)>;
   struct Hooks {
-    Hook on_start;      // after construction, before the first step: restore a checkpoint here
-    SaveHook on_save;   // after step s when checkpoint.every divides s, and after the last step
-    StepHook on_step;   // after every optimizer step (tests, tools)
+    Hook on_start;     // after construction, before the first step: restore a checkpoint here
+    SaveHook on_save;  // after step s when checkpoint.every divides s, and after the last step
+    StepHook on_step;  // after every optimizer step (tests, tools)
   };
 
   /// \brief Builds everything from a resolved deck (deck::load / deck::resolve).  `comm` is the
   /// data-parallel group; the model is initialized from train.seed.
-  explicit Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck,
-                   MPI_Comm comm = MPI_COMM_WORLD);
+  explicit Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm = MPI_COMM_WORLD);
   ~Trainer();
   Trainer(const Trainer&) = delete;
   Trainer& operator=(const Trainer&) = delete;
@@ -109,7 +108,7 @@ class Trainer {
   std::unique_ptr<AdamW<param_t>> optimizer_member;
   std::unique_ptr<data::Loader> train_loader_member;
   std::unique_ptr<data::Loader> valid_loader_member;  // null without a validation set
-  std::int64_t valid_max_steps_member = 0;             // 0 = the whole validation pass
+  std::int64_t valid_max_steps_member = 0;            // 0 = the whole validation pass
   ScheduleOptions schedule_member;
   double clip_norm_member = 1.0;
   std::int64_t total_steps_member = 0, log_every_member = 10, eval_every_member = 0;
@@ -125,7 +124,7 @@ class Trainer {
     std::int64_t steps = 0, tokens = 0, masked = 0;
     double loss_sum = 0.0, flops = 0.0, seconds = 0.0;
   } interval_member;
-  double train_seconds_member = 0.0;   // optimizer-step time of this run (no evaluation)
+  double train_seconds_member = 0.0;  // optimizer-step time of this run (no evaluation)
   std::int64_t steps_this_run_member = 0;
 };
 

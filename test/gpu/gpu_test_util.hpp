@@ -21,7 +21,7 @@ inline std::uint16_t toBf16Bits(float f) {
   std::uint32_t u;
   std::memcpy(&u, &f, 4);
   if ((u & 0x7fffffffu) > 0x7f800000u) return 0x7fc0;  // NaN
-  u += 0x7fffu + ((u >> 16) & 1u);                       // round to nearest even
+  u += 0x7fffu + ((u >> 16) & 1u);                     // round to nearest even
   return static_cast<std::uint16_t>(u >> 16);
 }
 inline float fromBf16Bits(std::uint16_t b) {
@@ -32,8 +32,7 @@ inline float fromBf16Bits(std::uint16_t b) {
 }
 inline float roundBf16(float f) { return fromBf16Bits(toBf16Bits(f)); }
 
-template <class T>
-class DeviceBuffer {
+template <class T> class DeviceBuffer {
  public:
   explicit DeviceBuffer(std::size_t n) : n_member(n) {
     PLM_CHECK_CUDA(cudaMalloc(&ptr_member, (n ? n : 1) * sizeof(T)));
@@ -45,12 +44,14 @@ class DeviceBuffer {
   T* get() const { return ptr_member; }
   std::size_t size() const { return n_member; }
   void upload(const std::vector<T>& host) {
-    PLM_CHECK_CUDA(cudaMemcpy(ptr_member, host.data(), n_member * sizeof(T), cudaMemcpyHostToDevice));
+    PLM_CHECK_CUDA(
+        cudaMemcpy(ptr_member, host.data(), n_member * sizeof(T), cudaMemcpyHostToDevice));
   }
   std::vector<T> download() const {
     PLM_CHECK_CUDA(cudaDeviceSynchronize());
     std::vector<T> host(n_member);
-    PLM_CHECK_CUDA(cudaMemcpy(host.data(), ptr_member, n_member * sizeof(T), cudaMemcpyDeviceToHost));
+    PLM_CHECK_CUDA(
+        cudaMemcpy(host.data(), ptr_member, n_member * sizeof(T), cudaMemcpyDeviceToHost));
     return host;
   }
   /// NaN (0xff bytes) everywhere, so unwritten outputs cannot pass.
@@ -92,8 +93,7 @@ inline std::vector<float> randomNormal(std::size_t n, std::uint64_t seed, float 
 }
 
 /// ||out - ref|| / ||ref||; +inf when out holds a NaN or infinity.
-template <class A, class B>
-double relError(const std::vector<A>& out, const std::vector<B>& ref) {
+template <class A, class B> double relError(const std::vector<A>& out, const std::vector<B>& ref) {
   double num = 0.0, den = 0.0;
   for (std::size_t i = 0; i < ref.size(); ++i) {
     double o = static_cast<double>(out[i]);

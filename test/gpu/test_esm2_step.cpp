@@ -25,9 +25,9 @@ data::MicroBatch makeBatch(const std::vector<int>& lengths, std::uint64_t seed) 
   b.cu_seqlens(0) = 0;
   for (std::size_t s = 0; s < lengths.size(); ++s) {
     for (int i = 0; i < lengths[s]; ++i, ++t) {
-      token_t tok = i == 0 ? data::vocab::cls
-                   : i == lengths[s] - 1 ? data::vocab::eos
-                                         : static_cast<token_t>(4 + rng() % 20);
+      token_t tok = i == 0                ? data::vocab::cls
+                    : i == lengths[s] - 1 ? data::vocab::eos
+                                          : static_cast<token_t>(4 + rng() % 20);
       b.labels(t) = data::vocab::ignore_label;
       if (i > 0 && i < lengths[s] - 1 && rng() % 100 < 15) {
         b.labels(t) = tok;
@@ -84,7 +84,8 @@ void compare(model::Esm2Config c, const std::vector<int>& lengths) {
     EXPECT_LT(err, 0.15) << t.name;
   }
   // A second micro-batch accumulates.
-  step.forwardBackward(stream, m.parameters().data(), m.gradients().data(), hostBatch(batch), scale);
+  step.forwardBackward(stream, m.parameters().data(), m.gradients().data(), hostBatch(batch),
+                       scale);
   auto g2 = toHost(m.gradients());
   std::vector<double> twice(g_ref.size());
   for (std::size_t i = 0; i < g_ref.size(); ++i) twice[i] = 2.0 * g_ref[i];

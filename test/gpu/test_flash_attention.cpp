@@ -39,7 +39,8 @@ Reference reference(const std::vector<std::int32_t>& cu, int heads, int dim, flo
         double mx = -1e300;
         for (int j = 0; j < len; ++j) {
           double x = 0.0;
-          for (int d = 0; d < dim; ++d) x += double(q[at(start + i, h, d)]) * k[at(start + j, h, d)];
+          for (int d = 0; d < dim; ++d)
+            x += double(q[at(start + i, h, d)]) * k[at(start + j, h, d)];
           p[i * len + j] = x * scale;
           mx = std::max(mx, p[i * len + j]);
         }
@@ -56,10 +57,12 @@ Reference reference(const std::vector<std::int32_t>& cu, int heads, int dim, flo
       for (int i = 0; i < len; ++i) {
         // delta from the rounded output the kernel saw is within bf16 noise of this one.
         double delta = 0.0;
-        for (int d = 0; d < dim; ++d) delta += double(dout[at(start + i, h, d)]) * r.o[at(start + i, h, d)];
+        for (int d = 0; d < dim; ++d)
+          delta += double(dout[at(start + i, h, d)]) * r.o[at(start + i, h, d)];
         for (int j = 0; j < len; ++j) {
           double x = 0.0;
-          for (int d = 0; d < dim; ++d) x += double(dout[at(start + i, h, d)]) * v[at(start + j, h, d)];
+          for (int d = 0; d < dim; ++d)
+            x += double(dout[at(start + i, h, d)]) * v[at(start + j, h, d)];
           dp[i * len + j] = p[i * len + j] * (x - delta);  // dS
         }
       }

@@ -93,7 +93,8 @@ TEST(FusedKernels, RotaryPositionsRestartPerSequenceAndInverseUndoes) {
   // V (the third block of each row) is untouched.
   for (std::int64_t t = 0; t < tokens; ++t)
     for (int i = 0; i < heads * dim; ++i)
-      ASSERT_EQ(out[t * stride + 2 * heads * dim + i], qkv.values[t * stride + 2 * heads * dim + i]);
+      ASSERT_EQ(out[t * stride + 2 * heads * dim + i],
+                qkv.values[t * stride + 2 * heads * dim + i]);
   rotary(nullptr, q, stride, k, stride, cu_dev.get(), 4, tokens, heads, dim, true, 1.0f / q_scale);
   EXPECT_LT(test::relError(test::downloadBf16(qkv.device), qkv.values), 1.5e-2);
 }
@@ -114,10 +115,10 @@ TEST(FusedKernels, EmbeddingTokenDropoutForwardBackward) {
   std::vector<float> dw0 = test::randomNormal(vocab * cols, 12);
   DeviceBuffer<float> dw(dw0);
   out.poison();
-  embeddingForward(nullptr, ids_dev.get(), w.get(), reinterpret_cast<bf16*>(out.get()), cu_dev.get(),
-                   4, cols, mask, true);
-  embeddingBackward(nullptr, ids_dev.get(), dout.get(), dw.get(), cu_dev.get(), 4, vocab, cols, mask,
-                    true, /*padding_id=*/1);
+  embeddingForward(nullptr, ids_dev.get(), w.get(), reinterpret_cast<bf16*>(out.get()),
+                   cu_dev.get(), 4, cols, mask, true);
+  embeddingBackward(nullptr, ids_dev.get(), dout.get(), dw.get(), cu_dev.get(), 4, vocab, cols,
+                    mask, true, /*padding_id=*/1);
   std::vector<double> out_ref(tokens * cols), dw_ref(dw0.begin(), dw0.end());
   for (std::size_t s = 0; s + 1 < cu.size(); ++s) {
     int len = cu[s + 1] - cu[s], nmask = 0;
@@ -159,7 +160,8 @@ TEST(FusedKernels, CrossEntropyLossAndGradient) {
     double lse = mx + std::log(se);
     loss_ref += lse - logits[r * vocab + labels[r]];
     for (int i = 0; i < vocab; ++i)
-      d_ref[r * vocab + i] = grad_scale * (std::exp(logits[r * vocab + i] - lse) - (i == labels[r]));
+      d_ref[r * vocab + i] =
+          grad_scale * (std::exp(logits[r * vocab + i] - lse) - (i == labels[r]));
   }
   EXPECT_NEAR(loss.download()[0], loss_ref, 1e-5 * std::abs(loss_ref));
   EXPECT_LT(test::relError(test::downloadBf16(dlogits), d_ref), 1e-2);

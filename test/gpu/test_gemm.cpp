@@ -51,7 +51,7 @@ TEST_P(GemmTest, MatchesReference) {
   g.alpha = 0.75f;
   g.epilogue = c.epilogue;
   g.bias = c.d_type == DType::F32 ? static_cast<const void*>(bias32.get())
-                                   : static_cast<const void*>(bias16.get());
+                                  : static_cast<const void*>(bias16.get());
   g.ldaux = c.n;
 
   std::int64_t bias_grad_len = c.epilogue == Epilogue::BGradA ? c.m : c.n;
@@ -96,8 +96,7 @@ TEST_P(GemmTest, MatchesReference) {
   double tol = c.d_type == DType::F32 ? 1e-4 : 1e-2;
   EXPECT_LT(test::relError(d_lt, d_ref), tol) << c.name;
   if (c.epilogue == Epilogue::BiasGeluAux) EXPECT_LT(test::relError(aux_lt, aux_ref), 1e-2);
-  if (c.epilogue == Epilogue::BGradA)
-    EXPECT_LT(test::relError(bg_lt, bg_ref), 1e-3) << c.name;
+  if (c.epilogue == Epilogue::BGradA) EXPECT_LT(test::relError(bg_lt, bg_ref), 1e-3) << c.name;
 
   // The reference itself against the host, in double, for the plain product.
   if (c.epilogue == Epilogue::None || c.epilogue == Epilogue::Bias) {
@@ -112,7 +111,9 @@ TEST_P(GemmTest, MatchesReference) {
           s += x * y;
         }
         s *= g.alpha;
-        if (c.beta != 0.0f) s += c.beta * (c.d_type == DType::F32 ? d0[i * c.n + j] : test::roundBf16(d0[i * c.n + j]));
+        if (c.beta != 0.0f)
+          s += c.beta *
+               (c.d_type == DType::F32 ? d0[i * c.n + j] : test::roundBf16(d0[i * c.n + j]));
         if (c.epilogue == Epilogue::Bias) s += bias_host[j];
         host[i * c.n + j] = s;
       }
@@ -124,9 +125,11 @@ INSTANTIATE_TEST_SUITE_P(
     Shapes, GemmTest,
     ::testing::Values(
         Case{"linear_fwd_bias", false, true, 300, 192, 136, Epilogue::Bias, DType::BF16, 0.0f},
-        Case{"ffn_up_gelu_aux", false, true, 256, 512, 128, Epilogue::BiasGeluAux, DType::BF16, 0.0f},
+        Case{"ffn_up_gelu_aux", false, true, 256, 512, 128, Epilogue::BiasGeluAux, DType::BF16,
+             0.0f},
         Case{"ffn_dgelu", false, false, 256, 512, 128, Epilogue::DGelu, DType::BF16, 0.0f},
-        Case{"weight_grad_bgrad_accumulate", true, false, 192, 136, 300, Epilogue::BGradA, DType::F32, 1.0f},
+        Case{"weight_grad_bgrad_accumulate", true, false, 192, 136, 300, Epilogue::BGradA,
+             DType::F32, 1.0f},
         Case{"plain_fp32", false, false, 64, 40, 520, Epilogue::None, DType::F32, 0.0f},
         Case{"plain_bf16_accumulate", true, true, 72, 88, 96, Epilogue::None, DType::BF16, 1.0f}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });

@@ -18,7 +18,8 @@ struct Sequence {
 
 inline Sequence randomSequence(std::mt19937_64& gen, int min_residues, int max_residues) {
   std::uniform_int_distribution<int> length(min_residues, max_residues);
-  std::uniform_int_distribution<int> residue(data::vocab::first_residue, data::vocab::last_standard_aa);
+  std::uniform_int_distribution<int> residue(data::vocab::first_residue,
+                                             data::vocab::last_standard_aa);
   std::uniform_real_distribution<double> u(0.0, 1.0);
   Sequence s;
   const int n = length(gen);
@@ -49,7 +50,8 @@ inline data::MicroBatch pack(const std::vector<Sequence>& seqs) {
   std::int64_t at = 0;
   for (std::size_t q = 0; q < seqs.size(); ++q) {
     mb.cu_seqlens(q) = static_cast<seqlen_t>(at);
-    mb.max_seqlen = std::max<std::int32_t>(mb.max_seqlen, static_cast<std::int32_t>(seqs[q].tokens.size()));
+    mb.max_seqlen =
+        std::max<std::int32_t>(mb.max_seqlen, static_cast<std::int32_t>(seqs[q].tokens.size()));
     for (std::size_t i = 0; i < seqs[q].tokens.size(); ++i, ++at) {
       mb.tokens(at) = seqs[q].tokens[i];
       mb.labels(at) = seqs[q].labels[i];

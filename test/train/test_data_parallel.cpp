@@ -55,7 +55,8 @@ TEST(Accumulation, OneMicroBatchEqualsTwoHalves) {
   EXPECT_EQ(sa.sequences, 6);
   EXPECT_NEAR(sa.loss(), sb.loss(), 1e-6 * sa.loss());
   // The mean, not the sum: forward() over the same batch divided by its masked count.
-  EXPECT_NEAR(sa.loss(), a.forward(whole) / static_cast<double>(whole.num_masked), 1e-6 * sa.loss());
+  EXPECT_NEAR(sa.loss(), a.forward(whole) / static_cast<double>(whole.num_masked),
+              1e-6 * sa.loss());
 
   auto ga = hostCopy(a.gradients()), gb = hostCopy(b.gradients());
   double max_abs = 0, max_diff = 0;
@@ -76,8 +77,9 @@ std::vector<double> train(MPI_Comm comm, int steps) {
   Esm2<float> model(tinyConfig());
   model.initialize(11);
   plm::train::AdamWOptions o;  // ESM-2 betas/eps, weight decay 0.01
-  plm::train::AdamW<float> opt(model.parameters(), model.tensors(), o,
-                               plm::train::esm2FrozenRanges(model.tensors(), model.config().hidden));
+  plm::train::AdamW<float> opt(
+      model.parameters(), model.tensors(), o,
+      plm::train::esm2FrozenRanges(model.tensors(), model.config().hidden));
   plm::train::ScheduleOptions sched;
   sched.peak_lr = 3e-3;
   sched.warmup_steps = 4;
@@ -109,13 +111,14 @@ TEST(DataParallel, LossesMatchSingleRankReference) {
     for (int s = 0; s < steps; ++s) {
       const double rel = std::abs(distributed[s] - reference[s]) / std::abs(reference[s]);
       worst = std::max(worst, rel);
-      EXPECT_LE(rel, 1e-5) << "step " << s + 1 << ": " << distributed[s] << " vs "
-                           << reference[s] << " on " << plm::dist::worldSize() << " ranks";
+      EXPECT_LE(rel, 1e-5) << "step " << s + 1 << ": " << distributed[s] << " vs " << reference[s]
+                           << " on " << plm::dist::worldSize() << " ranks";
       if (rel > 1e-5) ok = 0;
     }
-    std::printf("%d ranks vs 1: largest relative loss difference over %d steps %.3g "
-                "(loss %.4f -> %.4f)\n",
-                plm::dist::worldSize(), steps, worst, reference.front(), reference.back());
+    std::printf(
+        "%d ranks vs 1: largest relative loss difference over %d steps %.3g "
+        "(loss %.4f -> %.4f)\n",
+        plm::dist::worldSize(), steps, worst, reference.front(), reference.back());
   }
   MPI_Bcast(&ok, 1, MPI_INT, 0, MPI_COMM_WORLD);
   EXPECT_EQ(ok, 1);

@@ -35,8 +35,7 @@ std::vector<float> randomVector(std::size_t n, std::mt19937& gen, double scale) 
   return v;
 }
 
-template <class T>
-View1<T> toView(const std::vector<T>& v) {
+template <class T> View1<T> toView(const std::vector<T>& v) {
   View1<T> d("test", v.size());
   auto h = Kokkos::create_mirror_view(d);
   for (std::size_t i = 0; i < v.size(); ++i) h(i) = v[i];
@@ -44,8 +43,7 @@ View1<T> toView(const std::vector<T>& v) {
   return d;
 }
 
-template <class T>
-std::vector<T> fromView(View1<T> d) {
+template <class T> std::vector<T> fromView(View1<T> d) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
   return std::vector<T>(h.data(), h.data() + h.extent(0));
 }
@@ -150,7 +148,8 @@ TEST(Clipping, FactorInStepEqualsPrescaledGradient) {
   std::vector<TensorInfo> tensors = {info("w", 0, 64, true)};
   std::vector<float> p0 = randomVector(64, gen, 1.0);
   std::vector<float> g = randomVector(64, gen, 10.0);
-  const double factor = plm::train::clipFactor(plm::train::globalNorm(plm::ExecSpace(), toView(g)), 1.0);
+  const double factor =
+      plm::train::clipFactor(plm::train::globalNorm(plm::ExecSpace(), toView(g)), 1.0);
   ASSERT_LT(factor, 0.1);
   std::vector<float> g_scaled(g);
   for (auto& x : g_scaled) x = static_cast<float>(x * factor);

@@ -43,7 +43,8 @@ std::string sharedTempDir() {
 void writeProteins(const std::string& path, int count, std::uint64_t seed) {
   if (plm::dist::worldRank() == 0) {
     std::mt19937_64 gen(seed);
-    std::discrete_distribution<int> residue({30, 20, 12, 9, 7, 5, 4, 3, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
+    std::discrete_distribution<int> residue(
+        {30, 20, 12, 9, 7, 5, 4, 3, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
     std::uniform_int_distribution<int> length(20, 90);
     const std::vector<std::uint8_t> motif = {4, 9, 13, 7, 4, 17, 21};
     plm::io::SequenceShard shard;
@@ -145,7 +146,8 @@ TEST_F(TrainerTest, ShortRunLearnsAndWritesMetrics) {
       EXPECT_GT(tokens, previous_tokens);
       previous_step = step;
       previous_tokens = tokens;
-      EXPECT_NEAR(r.at("ppl").asDouble(), std::exp(r.at("loss").asDouble()), 1e-9 * r.at("ppl").asDouble());
+      EXPECT_NEAR(r.at("ppl").asDouble(), std::exp(r.at("loss").asDouble()),
+                  1e-9 * r.at("ppl").asDouble());
       EXPECT_GT(r.at("tokens_per_s").asDouble(), 0.0);
       EXPECT_GT(r.at("mfu").asDouble(), 0.0);
       EXPECT_GT(r.at("mem_bytes").asDouble(), 0.0);
