@@ -33,23 +33,13 @@ if [ "$ranks" -gt 1 ]; then
   plm=(mpiexec -n "$ranks" --oversubscribe --bind-to none "$build_dir/plm")
 fi
 
-# Runs one plm step; stops the quickstart with a clear message if the subcommand is a stub.
+# Runs one plm subcommand; a failure stops the quickstart, naming the step.
 step() {
-  local what=$1 next=$2
-  shift 2
-  local log
-  log=$(mktemp)
+  local what=$1
   local status=0
-  "${plm[@]}" "$@" 2>&1 | tee "$log" || status=${PIPESTATUS[0]}
-  if [ "$status" -eq 2 ] && grep -q "not built yet" "$log"; then
-    rm -f "$log"
-    say "stopped: \`plm $what\` is not built yet in this checkout."
-    echo "What comes next: $next"
-    exit 2
-  fi
-  rm -f "$log"
+  "${plm[@]}" "$@" || status=$?
   if [ "$status" -ne 0 ]; then
-    say "\`plm $what\` failed (exit status $status)"
+    say "\`plm $what\` failed (exit status $status); its message is above"
     exit "$status"
   fi
 }
@@ -58,13 +48,14 @@ if [ -f data/train.h5 ] && [ -f data/valid.h5 ]; then
   say "data/train.h5 and data/valid.h5 exist; reusing them (delete data/ to prepare again)"
 else
   say "prepare $fasta -> data/ (5% held out for validation)"
-  step prep "plm prep packs the FASTA into data/train.h5 and data/valid.h5, then plm train \
-trains $deck on them." \
-    prep "$fasta" --out data --valid-fraction 0.05
+  step prep "$fasta" --out data --valid-fraction 0.05
 fi
 
 say "train $deck on $ranks rank(s) (resumes from run/ckpt if present; delete run/ to restart)"
-step train "plm train reads $deck, trains the model on data/ and writes run/ and run/ckpt/." \
-  train "$deck"
+step train "$deck"
+
+say "validation perplexity by step (run/metrics.jsonl):"
+grep -o '"step":[0-9]*,[^}]*"valid_ppl":[0-9.e+-]*' run/metrics.jsonl |
+  sed -E 's/"step":([0-9]+),.*"valid_ppl":([0-9.e+-]+)/  step \1: \2/' || true
 
 say "done: training log and metrics in run/, resolved deck in run/deck.yaml, checkpoints in run/ckpt/"
