@@ -4,6 +4,7 @@
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "core/suggest.hpp"
 #include "dist/runtime.hpp"
 
 #include <algorithm>
@@ -52,7 +53,7 @@ int main(int argc, char** argv) {
     }
     std::vector<std::string> names;
     for (const auto& c : plm::cli::commands()) names.push_back(c.name);
-    std::string hint = plm::cli::closest(args[0], names);
+    std::string hint = plm::closestName(args[0], names);
     throw plm::collectiveError("unknown command `" + args[0] + "`" +
                                (hint.empty() ? "" : " (did you mean `" + hint + "`?)") +
                                "; `plm --help` lists the commands");

@@ -1,6 +1,7 @@
 #include "cli/args.hpp"
 
 #include "core/error.hpp"
+#include "core/suggest.hpp"
 
 #include <algorithm>
 #include <sstream>
@@ -50,7 +51,7 @@ Args Parser::parse(const std::vector<std::string>& argv) const {
     if (spec == options_member.end()) {
       std::vector<std::string> names;
       for (const auto& o : options_member) names.push_back(o.name);
-      std::string hint = closest(name, names);
+      std::string hint = closestName(name, names);
       throw collectiveError(command_member + ": unknown option --" + name +
                             (hint.empty() ? "" : " (did you mean --" + hint + "?)") + "; see `" +
                             command_member + " --help`");
@@ -116,39 +117,6 @@ std::string Parser::help() const {
     os << wrap(o.help + (o.repeated ? " (repeatable)" : ""), width, column) << "\n";
   }
   return os.str();
-}
-
-namespace {
-size_t editDistance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-}  // namespace
-
-std::string closest(const std::string& word, const std::vector<std::string>& candidates) {
-  std::string best;
-  size_t best_distance = std::max<size_t>(3, word.size() / 2) + 1;
-  for (const auto& c : candidates) {
-    size_t d = editDistance(word, c);
-    // A candidate that contains the word (or vice versa) counts as close.
-    if (c.find(word) != std::string::npos || word.find(c) != std::string::npos)
-      d = std::min(d, size_t(1));
-    if (d < best_distance) {
-      best_distance = d;
-      best = c;
-    }
-  }
-  return best;
 }
 
 }  // namespace plm::cli

@@ -48,7 +48,4 @@ class Parser {
   std::vector<OptionSpec> options_member;
 };
 
-/// \brief The closest of `candidates` to `word` by edit distance, or "" if none is close.
-std::string closest(const std::string& word, const std::vector<std::string>& candidates);
-
 }  // namespace plm::cli

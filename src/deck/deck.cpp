@@ -7,6 +7,7 @@
 #include "deck/deck.hpp"
 
 #include "core/error.hpp"
+#include "core/suggest.hpp"
 #include "deck/detail/keys.hpp"
 
 #include <Teuchos_StringInputSource.hpp>
@@ -41,38 +42,6 @@ std::string trim(const std::string& s) {
 std::string lower(std::string s) {
   for (auto& c : s) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
   return s;
-}
-
-size_t editDistance(const std::string& a, const std::string& b) {
-  std::vector<size_t> row(b.size() + 1);
-  for (size_t j = 0; j <= b.size(); ++j) row[j] = j;
-  for (size_t i = 1; i <= a.size(); ++i) {
-    size_t diag = row[0];
-    row[0] = i;
-    for (size_t j = 1; j <= b.size(); ++j) {
-      size_t up = row[j];
-      row[j] = std::min({row[j] + 1, row[j - 1] + 1, diag + (a[i - 1] == b[j - 1] ? 0 : 1)});
-      diag = up;
-    }
-  }
-  return row[b.size()];
-}
-
-/// The closest candidate by edit distance, or "" when nothing is close (same rule as
-/// plm::cli::closest, which the deck cannot link).
-std::string closest(const std::string& word, const std::vector<std::string>& candidates) {
-  std::string best;
-  size_t best_distance = std::max<size_t>(3, word.size() / 2) + 1;
-  for (const auto& c : candidates) {
-    size_t d = editDistance(lower(word), lower(c));
-    if (!word.empty() && (c.find(word) != std::string::npos || word.find(c) != std::string::npos))
-      d = std::min(d, size_t(1));
-    if (d < best_distance) {
-      best_distance = d;
-      best = c;
-    }
-  }
-  return best;
 }
 
 std::string joined(const std::vector<std::string>& items) {
@@ -318,7 +287,7 @@ void setValue(Teuchos::ParameterList& section, const KeySpec& k, const Teuchos::
         wrongType(k, shown, source);
       if (!k.choices.empty() &&
           std::find(k.choices.begin(), k.choices.end(), v) == k.choices.end()) {
-        std::string hint = closest(v, k.choices);
+        std::string hint = closestName(v, k.choices);
         badValue(k, shown, source,
                  "is not allowed" + (hint.empty() ? "" : " (did you mean `" + hint + "`?)"));
       }
@@ -360,7 +329,7 @@ void setValue(Teuchos::ParameterList& section, const KeySpec& k, const Teuchos::
 // ---- unknown names -----------------------------------------------------------------------------
 
 [[noreturn]] void unknownSection(const std::string& name, const std::string& source) {
-  std::string hint = closest(name, sectionNames());
+  std::string hint = closestName(name, sectionNames());
   throw collectiveError(source + ": unknown section `" + name + "`" +
                         (hint.empty() ? "" : " (did you mean `" + hint + "`?)") +
                         "; the sections are " + joined(sectionNames()));
@@ -368,7 +337,7 @@ void setValue(Teuchos::ParameterList& section, const KeySpec& k, const Teuchos::
 
 [[noreturn]] void unknownKey(const std::string& section, const std::string& name,
                              const std::string& source) {
-  std::string hint = closest(name, keyNames(section));
+  std::string hint = closestName(name, keyNames(section));
   std::string elsewhere;
   for (const auto& k : keys())
     if (k.name == name && k.section != section) elsewhere = k.section + "." + k.name;
@@ -394,12 +363,12 @@ void setValue(Teuchos::ParameterList& section, const KeySpec& k, const Teuchos::
   if (hint.empty()) {
     std::vector<std::string> bare;
     for (const auto& k : keys()) bare.push_back(k.name);
-    std::string near = closest(name, bare);
+    std::string near = closestName(name, bare);
     if (!near.empty())
       for (const auto& k : keys())
         if (k.name == near) hint = k.section + "." + k.name;
   }
-  std::string section_hint = hint.empty() ? closest(name, sectionNames()) : "";
+  std::string section_hint = hint.empty() ? closestName(name, sectionNames()) : "";
   throw collectiveError(source + ": unknown key `" + name +
                         "` at the top level; keys belong to a section" +
                         (!hint.empty()           ? " (did you mean `" + hint + "`?)"
