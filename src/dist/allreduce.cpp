@@ -4,6 +4,7 @@
 #include "dist/runtime.hpp"
 
 #include <algorithm>
+#include <utility>
 
 namespace plm::dist {
 
@@ -15,10 +16,27 @@ template <class T> void allreduceSum(const ExecSpace& space, View1<T> data, MPI_
   if (size == 1) return;
   PLM_REQUIRE(chunk_elements > 0, "allreduceSum: chunk_elements must be positive");
   const std::int64_t n = static_cast<std::int64_t>(data.extent(0));
+  // MPI may not read device memory (an MPI built without CUDA support faults on it), so device
+  // buffers go through one host chunk; host-accessible memory is reduced where it lies.
+  constexpr bool host_accessible =
+      Kokkos::SpaceAccessibility<Kokkos::HostSpace, typename View1<T>::memory_space>::accessible;
+  HostView1<T> staging;
+  if (!host_accessible)
+    staging = HostView1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::dist::staging"),
+                           std::min(chunk_elements, n));
   for (std::int64_t start = 0; start < n; start += chunk_elements) {
     const int count = static_cast<int>(std::min(chunk_elements, n - start));
-    PLM_CHECK_MPI(
-        MPI_Allreduce(MPI_IN_PLACE, data.data() + start, count, mpiType<T>(), MPI_SUM, comm));
+    if (host_accessible) {
+      PLM_CHECK_MPI(
+          MPI_Allreduce(MPI_IN_PLACE, data.data() + start, count, mpiType<T>(), MPI_SUM, comm));
+      continue;
+    }
+    const auto range = std::make_pair(start, start + count);
+    auto chunk = Kokkos::subview(data, range);
+    auto host = Kokkos::subview(staging, std::make_pair(std::int64_t(0), std::int64_t(count)));
+    Kokkos::deep_copy(host, chunk);
+    PLM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, host.data(), count, mpiType<T>(), MPI_SUM, comm));
+    Kokkos::deep_copy(chunk, host);
   }
 }
 

@@ -4,8 +4,9 @@
 // Design choice: gradients are reduced in place, in fixed-size chunks, so no second buffer of
 // the model's size is needed and each MPI call stays far below the int count limit.  The
 // producing execution space is fenced before MPI touches the memory.  The MPI datatype comes
-// from the element type (dist::mpiType), so a bf16/fp32 gradient role changes nothing here;
-// device buffers go to MPI directly (CUDA-aware MPI) or, on the GPU build, through NCCL.
+// from the element type (dist::mpiType), so a bf16/fp32 gradient role changes nothing here.
+// Device buffers are staged through one host chunk: MPI built without CUDA support (Debian's
+// and Ubuntu's OpenMPI) faults on device pointers; NCCL is the fast path still to come.
 #pragma once
 
 #include "core/types.hpp"
