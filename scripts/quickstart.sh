@@ -51,6 +51,9 @@ else
   step prep "$fasta" --out data --valid-fraction 0.05
 fi
 
+say "baseline: the untrained model on the validation set (what training must beat)"
+step eval "$deck"
+
 say "train $deck on $ranks rank(s) (resumes from run/ckpt if present; delete run/ to restart)"
 step train "$deck"
 
