@@ -7,6 +7,7 @@
 #include "gpu/flash_attention.hpp"
 #include "gpu/fused.hpp"
 #include "gpu/gemm.hpp"
+#include "gpu/layer_norm.hpp"
 
 #include "core/error.hpp"
 
@@ -221,24 +222,29 @@ int main(int argc, char** argv) {
     benchAttention(lengths, 16, 128, "varlen");
 
     {
-      Buffer x(T * C * 2), y(T * C * 2), dy(T * C * 2), dx(T * C * 2), gamma(C * 2), beta(C * 2),
-          mean(T * 4), rstd(T * 4), dg(C * 4), db(C * 4);
-      fill(x, T * C, 2.0f, 7);
+      // As the model calls them: fp32 residual stream in, fp32 masters for gamma/beta, bf16 dy;
+      // the backward in residual mode (fp32 gradient +=, bf16 copy written).
+      Buffer x(T * C * 4), y(T * C * 2), dy(T * C * 2), dx(T * C * 2), res(T * C * 4), gamma(C * 4),
+          beta(C * 4), mean(T * 4), rstd(T * 4), dg(C * 4), db(C * 4),
+          work(layerNormBackwardWorkspace(T, C));
+      fillF(x, T * C, 2.0f, 7);
       fill(dy, T * C, 1.0f, 8);
-      fill(gamma, C, 1.0f, 9);
-      fill(beta, C, 1.0f, 10);
+      fillF(gamma, C, 1.0f, 9);
+      fillF(beta, C, 1.0f, 10);
+      fillF(res, T * C, 1.0f, 11);
       PLM_CHECK_CUDA(cudaMemset(dg.ptr, 0, C * 4));
       PLM_CHECK_CUDA(cudaMemset(db.ptr, 0, C * 4));
       double f = medianMs([&] {
-        layerNormForward(nullptr, x.as<bf16>(), gamma.as<bf16>(), beta.as<bf16>(), y.as<bf16>(),
+        layerNormForward(nullptr, x.as<float>(), gamma.as<float>(), beta.as<float>(), y.as<bf16>(),
                          mean.as<float>(), rstd.as<float>(), T, C, 1e-5f);
       });
-      row("layernorm fwd " + std::to_string(T) + "x1280", f, 0, 2.0 * T * C * 2);
+      row("layernorm fwd " + std::to_string(T) + "x1280 (fp32 in)", f, 0, T * C * 6.0);
       double b = medianMs([&] {
-        layerNormBackward(nullptr, dy.as<bf16>(), x.as<bf16>(), gamma.as<bf16>(), mean.as<float>(),
-                          rstd.as<float>(), dx.as<bf16>(), dg.as<float>(), db.as<float>(), T, C);
+        layerNormBackward(nullptr, dy.as<bf16>(), x.as<float>(), gamma.as<float>(),
+                          mean.as<float>(), rstd.as<float>(), res.as<float>(), true, dx.as<bf16>(),
+                          dg.as<float>(), db.as<float>(), T, C, work.as<void>());
       });
-      row("layernorm bwd", b, 0, 3.0 * T * C * 2);
+      row("layernorm bwd (residual)", b, 0, T * C * 16.0);
     }
     {
       std::vector<std::int32_t> cu{0};

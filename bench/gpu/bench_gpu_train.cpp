@@ -1,16 +1,20 @@
-// End-to-end bf16 training throughput of ESM-2 on one GPU: plm::model::Esm2<float> holds the
-// fp32 master parameters and gradients, plm::gpu::Esm2Bf16 runs forward + backward in bf16, and
-// the fused AdamW (fp32 masters and moments, global-norm clipping) updates them; one optimizer
-// step per micro-batch.  Batches are packed (THD) with ESM-2-like lengths (ANCHORS.md section 6:
-// exp(N(0,1)*0.7 + ln 300) clamped to [30, 1024], specials included), 15% of residues labelled.
-// Reports real tokens/s (every token is real: no padding), model TFLOP/s, MFU against the measured
-// 779 TFLOP/s BF16 GEMM ceiling and against 989, peak device memory, and the loss.
+// End-to-end bf16 training throughput of ESM-2 on one GPU: plm::model::Esm2<float> with the bf16
+// precision policy holds the fp32 master parameters and gradients and runs forward + backward
+// through its dispatch points in bf16, and the fused AdamW (fp32 masters and moments, global-norm
+// clipping) updates them; one optimizer step per micro-batch.  Batches are packed (THD) with
+// ESM-2-like lengths (ANCHORS.md section 6: exp(N(0,1)*0.7 + ln 300) clamped to [30, 1024],
+// specials included), 15% of residues labelled. Reports real tokens/s (every token is real: no
+// padding), model TFLOP/s, MFU against the measured 779 TFLOP/s BF16 GEMM ceiling and against 989,
+// peak device memory, and the loss.
 //
-//   bench_gpu_train PRESET [tokens_per_micro_batch] [steps]
+// Also times a forward-only pass (evaluation) over the same batches.
+//
+//   bench_gpu_train PRESET [tokens_per_micro_batch] [steps] [none|layer|selective]
 #include "core/error.hpp"
+#include "data/synthetic.hpp"
 #include "dist/runtime.hpp"
-#include "gpu/esm2_layout.hpp"
 #include "gpu/fused.hpp"
+#include "model/esm2.hpp"
 
 #include <cuda_runtime.h>
 
@@ -26,42 +30,6 @@ namespace {
 
 using namespace plm;
 
-data::MicroBatch makeBatch(std::int64_t budget, std::mt19937_64& rng) {
-  std::normal_distribution<double> z(0.0, 1.0);
-  std::vector<int> lengths;
-  std::int64_t total = 0;
-  while (true) {
-    int l = std::clamp(static_cast<int>(std::lround(std::exp(z(rng) * 0.7 + std::log(300.0)))), 30,
-                       1024);
-    if (total + l > budget) break;
-    lengths.push_back(l);
-    total += l;
-  }
-  data::MicroBatch b;
-  b.tokens = HostView1<token_t>("tokens", total);
-  b.labels = HostView1<std::int32_t>("labels", total);
-  b.cu_seqlens = HostView1<seqlen_t>("cu", lengths.size() + 1);
-  std::int64_t t = 0;
-  b.cu_seqlens(0) = 0;
-  for (std::size_t s = 0; s < lengths.size(); ++s) {
-    for (int i = 0; i < lengths[s]; ++i, ++t) {
-      token_t tok = i == 0                ? data::vocab::cls
-                    : i == lengths[s] - 1 ? data::vocab::eos
-                                          : static_cast<token_t>(4 + rng() % 20);
-      b.labels(t) = data::vocab::ignore_label;
-      if (i > 0 && i < lengths[s] - 1 && rng() % 100 < 15) {
-        b.labels(t) = tok;
-        tok = rng() % 10 < 8 ? data::vocab::mask : static_cast<token_t>(4 + rng() % 20);
-        ++b.num_masked;
-      }
-      b.tokens(t) = tok;
-    }
-    b.cu_seqlens(s + 1) = static_cast<seqlen_t>(t);
-    b.max_seqlen = std::max(b.max_seqlen, lengths[s]);
-  }
-  return b;
-}
-
 int run(int argc, char** argv) {
   const std::string preset = argc > 1 ? argv[1] : "esm2_8m";
   const std::int64_t budget = argc > 2 ? std::atoll(argv[2]) : 24576;
@@ -69,9 +37,10 @@ int run(int argc, char** argv) {
   const int warmup = std::min(5, steps / 2);
 
   auto config = model::Esm2Config::preset(preset);
+  config.precision = model::Precision::Bf16;
+  if (argc > 4) config.recompute = model::parseRecompute(argv[4]);
   model::Esm2<float> model(config);
   model.initialize(1);
-  gpu::Esm2Bf16 step(gpu::esm2Shape(config), gpu::esm2Offsets(model));
   gpu::Stream stream = Kokkos::Cuda().cuda_stream();
 
   const std::int64_t n = model.parameters().extent(0);
@@ -97,9 +66,9 @@ int run(int argc, char** argv) {
   PLM_CHECK_CUDA(cudaMemcpy(seg_d, seg.data(), seg.size() * 8, cudaMemcpyHostToDevice));
   PLM_CHECK_CUDA(cudaMemcpy(decay_d, decay.data(), decay.size(), cudaMemcpyHostToDevice));
 
-  std::mt19937_64 rng(2026);
   std::vector<data::MicroBatch> batches;
-  for (int i = 0; i < 8; ++i) batches.push_back(makeBatch(budget, rng));
+  for (int i = 0; i < 8; ++i)
+    batches.push_back(data::syntheticBatch(data::esmLikeLengths(budget, 2026 + i), 2026 + i));
   Kokkos::fence();
 
   double tokens = 0, flops = 0, seconds = 0, fb_seconds = 0, loss = 0;
@@ -114,9 +83,7 @@ int run(int argc, char** argv) {
     }
     auto t0 = Clock::now();
     PLM_CHECK_CUDA(cudaMemsetAsync(model.gradients().data(), 0, n * 4, stream));
-    double loss_sum =
-        step.forwardBackward(stream, model.parameters().data(), model.gradients().data(),
-                             gpu::hostBatch(b), 1.0 / b.num_masked);
+    double loss_sum = model.forwardBackward(b, 1.0 / b.num_masked);
     auto t1 = Clock::now();
     PLM_CHECK_CUDA(cudaMemsetAsync(sumsq, 0, 8, stream));
     gpu::sumSquares(stream, model.gradients().data(), n, sumsq);
@@ -145,34 +112,53 @@ int run(int argc, char** argv) {
     }
   }
   // Where the time of one micro-batch's forward + backward goes (events after every launch).
-  step.setProfiling(true);
+  model.setProfiling(true);
   const int prof_steps = 3;
   double prof_tokens = 0;
   for (int it = 0; it < prof_steps; ++it) {
     const auto& b = batches[it % batches.size()];
     prof_tokens += b.numTokens();
-    step.forwardBackward(stream, model.parameters().data(), model.gradients().data(),
-                         gpu::hostBatch(b), 1.0 / b.num_masked);
+    model.forwardBackward(b, 1.0 / b.num_masked);
   }
+  const auto breakdown = model.profile();
   double prof_total = 0;
-  for (const auto& [kind, ms] : step.profile()) prof_total += ms;
+  for (const auto& [kind, ms] : breakdown) prof_total += ms;
   std::printf(
       "  breakdown of forward+backward (%s, %.0f tokens/micro-batch), ms per micro-batch:\n",
       preset.c_str(), prof_tokens / prof_steps);
-  for (const auto& [kind, ms] : step.profile())
+  for (const auto& [kind, ms] : breakdown)
     std::printf("    %-18s %8.2f ms  %5.1f%%\n", kind.c_str(), ms / prof_steps,
                 100 * ms / prof_total);
-  step.setProfiling(false);
+  model.setProfiling(false);
+
+  // Forward only (what validation, plm eval and plm embed run), same batches and precision.
+  double eval_tokens = 0, eval_seconds = 0;
+  model.refreshComputeWeights();
+  for (int it = 0; it < steps; ++it) {
+    const auto& b = batches[it % batches.size()];
+    auto t0 = Clock::now();
+    model.forward(b, nullptr, false);
+    auto t1 = Clock::now();
+    if (it >= warmup) {
+      eval_tokens += b.numTokens();
+      eval_seconds += std::chrono::duration<double>(t1 - t0).count();
+    }
+  }
+  std::size_t peak_free = 0, peak_total = 0;
+  PLM_CHECK_CUDA(cudaMemGetInfo(&peak_free, &peak_total));
 
   std::size_t free_b = 0, total_b = 0;
   PLM_CHECK_CUDA(cudaMemGetInfo(&free_b, &total_b));
   const double tok_s = tokens / seconds, tflops = flops / seconds / 1e12;
+  std::printf("EVAL %s recompute %s: forward-only %.0f tokens/s\n", preset.c_str(),
+              model::recomputeName(config.recompute), eval_tokens / eval_seconds);
   std::printf(
       "RESULT %s params %.1fM tokens/micro-batch %ld: %.0f tokens/s, %.1f TFLOP/s, "
       "MFU %.1f%% of 779 / %.1f%% of 989, fwd+bwd %.1f%% of step, device memory in use "
-      "%.1f GiB, final loss %.3f\n",
+      "%.1f GiB (workspace %.1f GiB, recompute %s), final loss %.3f\n",
       preset.c_str(), config.numParameters() / 1e6, long(budget), tok_s, tflops, 100 * tflops / 779,
-      100 * tflops / 989, 100 * fb_seconds / seconds, (total_b - free_b) / double(1 << 30), loss);
+      100 * tflops / 989, 100 * fb_seconds / seconds, (total_b - free_b) / double(1 << 30),
+      model.workspaceBytes() / double(1 << 30), model::recomputeName(config.recompute), loss);
   cudaFree(m);
   cudaFree(v);
   cudaFree(sumsq);

@@ -5,10 +5,9 @@
 //
 //   gpu_parity_dump DIR LAYERS HIDDEN HEADS FFN [seed]
 #include "core/error.hpp"
+#include "data/synthetic.hpp"
 #include "dist/runtime.hpp"
-#include "gpu/esm2_layout.hpp"
-
-#include <cuda_runtime.h>
+#include "model/esm2.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -37,6 +36,7 @@ int run(int argc, char** argv) {
   c.heads = std::atoi(argv[4]);
   c.ffn = std::atoi(argv[5]);
   const std::uint64_t seed = argc > 6 ? std::atoll(argv[6]) : 3;
+  c.precision = model::Precision::Bf16;
   model::Esm2<float> m(c);
   m.initialize(seed);
   {  // biases and LayerNorm parameters away from 0/1 too, so their gradients are checked.
@@ -51,40 +51,17 @@ int run(int argc, char** argv) {
   }
 
   // Packed batch: lengths 1..1024 (one of each extreme), ESM-2 tokens, 15% labelled.
-  std::vector<int> lengths{37, 1, 1024, 2, 300, 129, 64, 555};
-  std::mt19937_64 rng(seed);
-  std::vector<std::int32_t> tokens, labels, cu{0};
-  std::vector<std::uint8_t> tok8;
-  std::int64_t masked = 0;
-  for (int len : lengths) {
-    for (int i = 0; i < len; ++i) {
-      int tok = i == 0 ? 0 : i == len - 1 ? 2 : 4 + static_cast<int>(rng() % 20);
-      int lab = -100;
-      if (i > 0 && i < len - 1 && rng() % 100 < 15) {
-        lab = tok;
-        tok = rng() % 10 < 8 ? 32 : 4 + static_cast<int>(rng() % 20);
-        ++masked;
-      }
-      tokens.push_back(tok);
-      tok8.push_back(static_cast<std::uint8_t>(tok));
-      labels.push_back(lab);
-    }
-    cu.push_back(cu.back() + len);
-  }
-  gpu::HostBatch hb;
-  hb.tokens = tok8.data();
-  hb.labels = labels.data();
-  hb.cu_seqlens = cu.data();
-  hb.num_tokens = static_cast<std::int64_t>(tokens.size());
-  hb.num_seqs = static_cast<int>(lengths.size());
-  hb.max_seqlen = *std::max_element(lengths.begin(), lengths.end());
+  const std::vector<int> lengths{37, 1, 1024, 2, 300, 129, 64, 555};
+  const data::MicroBatch batch = data::syntheticBatch(lengths, seed);
+  const std::int64_t masked = batch.num_masked;
+  std::vector<std::int32_t> tokens(batch.tokens.data(), batch.tokens.data() + batch.numTokens());
+  std::vector<std::int32_t> labels(batch.labels.data(), batch.labels.data() + batch.numTokens());
+  std::vector<std::int32_t> cu(batch.cu_seqlens.data(),
+                               batch.cu_seqlens.data() + batch.numSequences() + 1);
 
   m.zeroGradients();
-  Kokkos::fence();
-  gpu::Esm2Bf16 step(gpu::esm2Shape(c), gpu::esm2Offsets(m));
   const double scale = 1.0 / static_cast<double>(masked);
-  const double loss = step.forwardBackward(Kokkos::Cuda().cuda_stream(), m.parameters().data(),
-                                           m.gradients().data(), hb, scale);
+  const double loss = m.forwardBackward(batch, scale);
   auto params = Kokkos::create_mirror_view_and_copy(HostSpace(), m.parameters());
   auto grads = Kokkos::create_mirror_view_and_copy(HostSpace(), m.gradients());
   writeFile(dir + "/params.bin", params.data(), params.extent(0) * 4);

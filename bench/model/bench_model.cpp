@@ -1,6 +1,6 @@
 // CPU throughput of Esm2<float>::forwardBackward on synthetic packed micro-batches.
 //
-//   bench_model [preset|custom] [tokens] [steps] [layers hidden heads ffn] [recompute]
+//   bench_model [preset|custom] [tokens] [steps] [layers hidden heads ffn] [none|layer|selective]
 //   bench_model esm2_8m 16384 5
 //   bench_model custom 16384 5 4 160 8 640
 //
@@ -110,7 +110,7 @@ int main(int argc, char** argv) {
   } else {
     config = model::Esm2Config::preset(preset);
   }
-  config.recompute = argc > next && std::string(argv[next]) == "recompute";
+  if (argc > next) config.recompute = model::parseRecompute(argv[next]);
   model::Esm2<float> net(config);
   net.initialize(1);
   double weighted_len = 0;
@@ -132,9 +132,9 @@ int main(int argc, char** argv) {
   const double cpu_seconds = double(std::clock() - cpu_start) / CLOCKS_PER_SEC;
   const double tok_s = double(batch.numTokens()) * steps / seconds;
   const double flops = config.trainFlopsPerToken(weighted_len) * tok_s;
-  std::printf("model %s layers=%d hidden=%d heads=%d ffn=%d recompute=%d params=%.2fM\n",
+  std::printf("model %s layers=%d hidden=%d heads=%d ffn=%d recompute=%s params=%.2fM\n",
               preset.c_str(), config.num_layers, config.hidden, config.heads, config.ffn,
-              int(config.recompute), config.numParameters() / 1e6);
+              model::recomputeName(config.recompute), config.numParameters() / 1e6);
   std::printf("micro-batch %lld tokens, %d sequences, weighted mean length %.0f, %lld labelled\n",
               (long long)batch.numTokens(), batch.numSequences(), weighted_len,
               (long long)batch.num_masked);

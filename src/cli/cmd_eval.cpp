@@ -55,6 +55,8 @@ int runEval(const Argv& argv) {
   const std::string model_path = args.get("model");
   model::Esm2Config config =
       model_path.empty() ? train::modelConfigFromDeck(*deck) : io::readModelConfig(model_path);
+  // Evaluation computes in the deck's precision (bf16 on the CUDA build runs the fast path).
+  config.precision = model::parsePrecision(deck->sublist("train").get<std::string>("precision"));
   model::Esm2<param_t> model(config);
   if (model_path.empty()) {
     const int seed = deck->sublist("train").get<int>("seed");

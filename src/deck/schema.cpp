@@ -88,10 +88,12 @@ const std::vector<KeySpec>& keys() {
       {"model", "heads", K::integer, "0", "Attention heads; 0 = the preset's.", atLeast(0), {}},
       {"model", "ffn", K::integer, "0",
        "Feed-forward width (ESM-2 uses 4 x hidden); 0 = the preset's.", atLeast(0), {}},
-      {"model", "recompute", K::boolean, "false",
-       "Recompute each block's activations in the backward pass instead of keeping them: less "
-       "memory for more compute.",
-       any(), {}},
+      {"model", "recompute", K::text, "none",
+       "Activation recomputation: none keeps every layer's activations; layer keeps only each "
+       "layer's input and reruns its forward before its backward; selective keeps the GEMM "
+       "outputs and recomputes LayerNorm and attention. Less memory for more compute; the "
+       "gradients are bitwise the same.",
+       any(), {"none", "layer", "selective"}},
       // data
       {"data", "train", K::text, "data/train.h5",
        "Training set written by `plm prep` (parallel HDF5).", any(), {}, true},

@@ -38,82 +38,6 @@ unsigned blocksFor(std::int64_t work, int per_block) {
 }
 
 // --------------------------------------------------------------------------------------------
-// LayerNorm
-
-__global__ void layerNormForwardKernel(const bf16* x, const bf16* gamma, const bf16* beta, bf16* y,
-                                       float* mean, float* rstd, std::int64_t rows, int cols,
-                                       float eps) {
-  std::int64_t row = blockIdx.x * static_cast<std::int64_t>(blockDim.x / 32) + threadIdx.x / 32;
-  int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const bf16* xr = x + row * cols;
-  int pairs = cols / 2;
-  float s = 0.0f;
-  for (int i = lane; i < pairs; i += 32) {
-    float2 v = load2(xr, i);
-    s += v.x + v.y;
-  }
-  float mu = warpSum(s) / cols;
-  float ss = 0.0f;
-  for (int i = lane; i < pairs; i += 32) {
-    float2 v = load2(xr, i);
-    ss += (v.x - mu) * (v.x - mu) + (v.y - mu) * (v.y - mu);
-  }
-  float rs = rsqrtf(warpSum(ss) / cols + eps);
-  bf16* yr = y + row * cols;
-  for (int i = lane; i < pairs; i += 32) {
-    float2 v = load2(xr, i), gm = load2(gamma, i), bt = load2(beta, i);
-    store2(yr, i, (v.x - mu) * rs * gm.x + bt.x, (v.y - mu) * rs * gm.y + bt.y);
-  }
-  if (lane == 0) {
-    mean[row] = mu;
-    rstd[row] = rs;
-  }
-}
-
-// Each block handles a strided set of rows, one warp at a time, and sums dgamma/dbeta for its
-// rows in shared memory before one atomic add per column.
-__global__ void layerNormBackwardKernel(const bf16* dy, const bf16* x, const bf16* gamma,
-                                        const float* mean, const float* rstd, bf16* dx,
-                                        float* dgamma, float* dbeta, std::int64_t rows, int cols) {
-  extern __shared__ float acc[];  // (2, cols)
-  for (int i = threadIdx.x; i < 2 * cols; i += blockDim.x) acc[i] = 0.0f;
-  __syncthreads();
-  int warps = blockDim.x / 32, warp = threadIdx.x / 32, lane = threadIdx.x & 31;
-  int pairs = cols / 2;
-  for (std::int64_t row = blockIdx.x * static_cast<std::int64_t>(warps) + warp; row < rows;
-       row += static_cast<std::int64_t>(gridDim.x) * warps) {
-    const bf16* xr = x + row * cols;
-    const bf16* dyr = dy + row * cols;
-    float mu = mean[row], rs = rstd[row];
-    float a = 0.0f, b = 0.0f;  // sum(dy*gamma), sum(dy*gamma*xhat)
-    for (int i = lane; i < pairs; i += 32) {
-      float2 v = load2(xr, i), d = load2(dyr, i), gm = load2(gamma, i);
-      float h0 = (v.x - mu) * rs, h1 = (v.y - mu) * rs;
-      a += d.x * gm.x + d.y * gm.y;
-      b += d.x * gm.x * h0 + d.y * gm.y * h1;
-      atomicAdd(&acc[2 * i], d.x * h0);
-      atomicAdd(&acc[2 * i + 1], d.y * h1);
-      atomicAdd(&acc[cols + 2 * i], d.x);
-      atomicAdd(&acc[cols + 2 * i + 1], d.y);
-    }
-    a = warpSum(a) / cols;
-    b = warpSum(b) / cols;
-    bf16* dxr = dx + row * cols;
-    for (int i = lane; i < pairs; i += 32) {
-      float2 v = load2(xr, i), d = load2(dyr, i), gm = load2(gamma, i);
-      float h0 = (v.x - mu) * rs, h1 = (v.y - mu) * rs;
-      store2(dxr, i, rs * (d.x * gm.x - a - h0 * b), rs * (d.y * gm.y - a - h1 * b));
-    }
-  }
-  __syncthreads();
-  for (int i = threadIdx.x; i < cols; i += blockDim.x) {
-    atomicAdd(&dgamma[i], acc[i]);
-    atomicAdd(&dbeta[i], acc[cols + i]);
-  }
-}
-
-// --------------------------------------------------------------------------------------------
 // Rotary
 
 __device__ __forceinline__ int sequenceOf(const std::int32_t* cu, int num_seqs, std::int64_t t) {
@@ -315,31 +239,65 @@ int gridCap(std::int64_t blocks) {
   return static_cast<int>(std::min<std::int64_t>(blocks, 132 * 16));
 }
 
+// --------------------------------------------------------------------------------------------
+// Row gather/scatter, GELU backward, adds and casts
+
+__global__ void gatherRowsKernel(const bfloat* src, const std::int32_t* rows, bfloat* dst,
+                                 std::int64_t m, int cols) {
+  int chunks = cols / 8;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < m * chunks;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    std::int64_t r = i / chunks;
+    int c = static_cast<int>(i % chunks);
+    reinterpret_cast<uint4*>(dst + r * cols)[c] =
+        reinterpret_cast<const uint4*>(src + std::int64_t(rows[r]) * cols)[c];
+  }
+}
+
+__global__ void scatterRowsKernel(const bfloat* src, const std::int32_t* rows, bfloat* dst,
+                                  std::int64_t m, int cols) {
+  int chunks = cols / 8;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < m * chunks;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    std::int64_t r = i / chunks;
+    int c = static_cast<int>(i % chunks);
+    reinterpret_cast<uint4*>(dst + std::int64_t(rows[r]) * cols)[c] =
+        reinterpret_cast<const uint4*>(src + r * cols)[c];
+  }
+}
+
+__global__ void geluTanhBackwardKernel(const bfloat* dy, const bfloat* pre, bfloat* dx,
+                                       std::int64_t n) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    float x = __bfloat162float(pre[i]);
+    float t = tanhf(c * (x + 0.044715f * x * x * x));
+    float d = 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * x * x);
+    dx[i] = __float2bfloat16(__bfloat162float(dy[i]) * d);
+  }
+}
+
+__global__ void addKernel(float* dst, const float* src, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x)
+    dst[i] += src[i];
+}
+
+__global__ void castChunksKernel(const float* src, bfloat* dst, const std::int64_t* chunks) {
+  std::int64_t so = chunks[3 * blockIdx.x], d = chunks[3 * blockIdx.x + 1],
+               n = chunks[3 * blockIdx.x + 2];
+  for (std::int64_t i = threadIdx.x; i < n; i += blockDim.x)
+    dst[d + i] = __float2bfloat16(src[so + i]);
+}
+
+__global__ void castToFloatKernel(const bfloat* src, float* dst, std::int64_t n) {
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x)
+    dst[i] = __bfloat162float(src[i]);
+}
+
 }  // namespace
-
-void layerNormForward(Stream stream, const bf16* x, const bf16* gamma, const bf16* beta, bf16* y,
-                      float* mean, float* rstd, std::int64_t rows, int cols, float eps) {
-  if (rows == 0) return;
-  PLM_REQUIRE(cols % 2 == 0, "plm::gpu::layerNormForward: cols must be even");
-  layerNormForwardKernel<<<blocksFor(rows, 8), 256, 0, stream>>>(x, gamma, beta, y, mean, rstd,
-                                                                 rows, cols, eps);
-  PLM_CHECK_CUDA(cudaGetLastError());
-}
-
-void layerNormBackward(Stream stream, const bf16* dy, const bf16* x, const bf16* gamma,
-                       const float* mean, const float* rstd, bf16* dx, float* dgamma, float* dbeta,
-                       std::int64_t rows, int cols) {
-  if (rows == 0) return;
-  PLM_REQUIRE(cols % 2 == 0, "plm::gpu::layerNormBackward: cols must be even");
-  int smem = 2 * cols * static_cast<int>(sizeof(float));
-  if (smem > 48 * 1024)
-    PLM_CHECK_CUDA(cudaFuncSetAttribute(layerNormBackwardKernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  int blocks = static_cast<int>(std::min<std::int64_t>(blocksFor(rows, 8 * 16), 132 * 4));
-  layerNormBackwardKernel<<<blocks, 256, smem, stream>>>(dy, x, gamma, mean, rstd, dx, dgamma,
-                                                         dbeta, rows, cols);
-  PLM_CHECK_CUDA(cudaGetLastError());
-}
 
 void rotary(Stream stream, bf16* q, std::int64_t q_stride, bf16* k, std::int64_t k_stride,
             const std::int32_t* cu_seqlens, int num_seqs, std::int64_t tokens, int heads,
@@ -393,6 +351,50 @@ void crossEntropy(Stream stream, const float* logits, const std::int32_t* labels
   if (rows == 0) return;
   crossEntropyKernel<<<blocksFor(rows, 8), 256, 0, stream>>>(
       logits, labels, dlogits, loss_sum, rows, vocab, grad_scale, ld > 0 ? ld : vocab);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void gatherRows(Stream stream, const bf16* src, const std::int32_t* rows, bf16* dst, std::int64_t m,
+                int cols) {
+  if (m == 0) return;
+  gatherRowsKernel<<<gridCap(blocksFor(m * cols / 8, 256)), 256, 0, stream>>>(
+      reinterpret_cast<const bfloat*>(src), rows, reinterpret_cast<bfloat*>(dst), m, cols);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void scatterRows(Stream stream, const bf16* src, const std::int32_t* rows, bf16* dst,
+                 std::int64_t m, int cols) {
+  if (m == 0) return;
+  scatterRowsKernel<<<gridCap(blocksFor(m * cols / 8, 256)), 256, 0, stream>>>(
+      reinterpret_cast<const bfloat*>(src), rows, reinterpret_cast<bfloat*>(dst), m, cols);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void geluTanhBackward(Stream stream, const bf16* dy, const bf16* pre, bf16* dx, std::int64_t n) {
+  if (n == 0) return;
+  geluTanhBackwardKernel<<<gridCap(blocksFor(n, 256)), 256, 0, stream>>>(
+      reinterpret_cast<const bfloat*>(dy), reinterpret_cast<const bfloat*>(pre),
+      reinterpret_cast<bfloat*>(dx), n);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void addInto(Stream stream, float* dst, const float* src, std::int64_t n) {
+  if (n == 0) return;
+  addKernel<<<gridCap(blocksFor(n, 256)), 256, 0, stream>>>(dst, src, n);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void castChunks(Stream stream, const float* src, bf16* dst, const std::int64_t* chunks,
+                int num_chunks) {
+  if (num_chunks == 0) return;
+  castChunksKernel<<<num_chunks, 256, 0, stream>>>(src, reinterpret_cast<bfloat*>(dst), chunks);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void castToFloat(Stream stream, const bf16* src, float* dst, std::int64_t n) {
+  if (n == 0) return;
+  castToFloatKernel<<<gridCap(blocksFor(n, 256)), 256, 0, stream>>>(
+      reinterpret_cast<const bfloat*>(src), dst, n);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -12,16 +12,6 @@
 
 namespace plm::gpu {
 
-/// \brief y = (x - mean) * rstd * gamma + beta per row of x (rows, cols); saves mean and rstd
-/// (fp32, (rows)) for the backward pass.  cols even.
-void layerNormForward(Stream stream, const bf16* x, const bf16* gamma, const bf16* beta, bf16* y,
-                      float* mean, float* rstd, std::int64_t rows, int cols, float eps);
-
-/// \brief dx (written) and dgamma, dbeta (fp32, accumulated) from dy.
-void layerNormBackward(Stream stream, const bf16* dy, const bf16* x, const bf16* gamma,
-                       const float* mean, const float* rstd, bf16* dx, float* dgamma, float* dbeta,
-                       std::int64_t rows, int cols);
-
 /// \brief ESM-2 rotary embedding, in place on q and k (T, H, D) (row strides in elements);
 /// positions restart at every sequence.  q is also multiplied by q_scale (ESM-2 scales q by
 /// head_dim^-1/2 before rotating).  `inverse` applies the transpose (backward pass).
@@ -52,6 +42,28 @@ void embeddingBackward(Stream stream, const std::uint8_t* ids, const bf16* dout,
 /// bf16 with the same row stride, in one pass.  ld = 0 means vocab.
 void crossEntropy(Stream stream, const float* logits, const std::int32_t* labels, bf16* dlogits,
                   double* loss_sum, std::int64_t rows, int vocab, float grad_scale, int ld = 0);
+
+/// \brief dst[r] = src[rows[r]] for r < m; rows of `cols` bf16 (cols a multiple of 8).
+void gatherRows(Stream stream, const bf16* src, const std::int32_t* rows, bf16* dst, std::int64_t m,
+                int cols);
+
+/// \brief dst[rows[r]] = src[r] for r < m (rows distinct; other rows of dst untouched).
+void scatterRows(Stream stream, const bf16* src, const std::int32_t* rows, bf16* dst,
+                 std::int64_t m, int cols);
+
+/// \brief dx = dy * gelu_tanh'(pre), the derivative of cuBLASLt's GELU epilogue (n elements).
+void geluTanhBackward(Stream stream, const bf16* dy, const bf16* pre, bf16* dx, std::int64_t n);
+
+/// \brief dst += src (fp32, n elements).
+void addInto(Stream stream, float* dst, const float* src, std::int64_t n);
+
+/// \brief dst (bf16) = src (fp32) over `num_chunks` chunks (src offset, dst offset, count) held
+/// on the device as 3 int64 each: one launch refreshes a packed bf16 copy of scattered tensors.
+void castChunks(Stream stream, const float* src, bf16* dst, const std::int64_t* chunks,
+                int num_chunks);
+
+/// \brief dst (fp32) = src (bf16), n elements.
+void castToFloat(Stream stream, const bf16* src, float* dst, std::int64_t n);
 
 /// \brief sum of squares of x (fp32, n) added to *out (device double).
 void sumSquares(Stream stream, const float* x, std::int64_t n, double* out);

@@ -1,30 +1,34 @@
-// Esm2<T>: parameter layout, workspace, and the forward/backward orchestration of the layers in
-// this folder (embedding, layer_norm, linear, rotary, attention, gelu, cross_entropy).
+// Esm2<T>: the tensor table, the compute copy of the parameters, the activation workspace, and
+// THE forward/backward orchestration: embedding + token dropout, L encoder layers
+// (encoder_layer.hpp), final LayerNorm, LM head on labelled rows, cross-entropy.  Every operation
+// is a dispatch point of ops.hpp, so this one sequence runs fp32 on the CPU, fp32 and bf16 on
+// CUDA (doc/architecture.md draws one step).
 //
 // Accumulation rule: gradients() accumulates (+=) until zeroGradients(); activations are written.
-// The residual-stream gradient dx is one (T, H) buffer updated in place from the loss down to
-// the embedding: each LayerNorm backward adds its branch into it.
+// The residual-stream gradient is one (T, H) buffer updated in place from the loss down to the
+// embedding: each LayerNorm backward adds its branch into it.
 // The LM head runs only on rows that carry a label (about 15% of tokens) in training; forward()
 // with want_logits runs it on every row.
-// With recompute, only each block's input (the residual stream) is kept; the backward of block l
-// first reruns its forward into one shared set of activations.  Every kernel is deterministic,
-// so the gradients are bitwise those of the stored-activation path.
+// Precision policy: under bf16 the GEMM weights are read from a packed bf16 copy of the fp32
+// masters (q/k/v stacked into one (3H, H) matrix), refreshed once per optimizer step; LayerNorm
+// parameters and the biases of fp32-output GEMMs are read from the masters.  Activations are bf16
+// except the residual stream and its gradient (fp32); statistics are fp32.
+// Recomputation (Recompute in ops.hpp) changes only what is kept; every kernel is deterministic,
+// so the gradients are bitwise those of the stored-activation path on each backend.
 #include "model/esm2.hpp"
 
 #include "core/error.hpp"
-#include "model/attention.hpp"
-#include "model/cross_entropy.hpp"
 #include "model/embedding.hpp"
-#include "model/gelu.hpp"
-#include "model/layer_norm.hpp"
-#include "model/linear.hpp"
+#include "model/encoder_layer.hpp"
 #include "model/math.hpp"
 #include "model/rotary.hpp"
 #include "plm/plm_config.hpp"
 
 #if PLM_HAVE_CUDA
-#include "gpu/esm2_layout.hpp"
+#include "gpu/fused.hpp"
 #endif
+
+#include <algorithm>
 
 #include <cmath>
 #include <memory>
@@ -90,19 +94,27 @@ std::int64_t bufferSize(const std::vector<TableEntry>& table) {
   return (last.offset + last.size + 15) / 16 * 16;
 }
 
-/// Carves typed views out of one grow-only arena; a first pass with base == nullptr measures.
-template <class T> struct Carver {
-  T* base = nullptr;
-  std::int64_t used = 0;
-  View2<T> take(std::int64_t rows, std::int64_t cols) {
-    T* p = base ? base + used : nullptr;
-    used += (rows * cols + 15) / 16 * 16;
-    return p ? View2<T>(p, rows, cols) : View2<T>();
+/// Carves typed handles out of one grow-only byte arena; a first pass with base == nullptr
+/// measures.
+struct Carver {
+  char* base = nullptr;
+  std::size_t used = 0;
+  void* take(std::size_t bytes) {
+    void* p = base ? base + used : nullptr;
+    used += (bytes + 255) / 256 * 256;
+    return p;
   }
-  View1<T> take(std::int64_t n) {
-    T* p = base ? base + used : nullptr;
-    used += (n + 15) / 16 * 16;
-    return p ? View1<T>(p, n) : View1<T>();
+  Mat mat(std::int64_t rows, std::int64_t cols, DType d, std::int64_t ld = 0) {
+    if (ld == 0) ld = cols;
+    return Mat{take(static_cast<std::size_t>(rows * ld) * sizeOf(d)), d, rows, cols, ld};
+  }
+  Vec vec(std::int64_t n, DType d) {
+    return Vec{take(static_cast<std::size_t>(n) * sizeOf(d)), d, n};
+  }
+  Qkv qkv(std::int64_t rows, std::int64_t h, DType d, bool fused) {
+    if (!fused) return Qkv{mat(rows, h, d), mat(rows, h, d), mat(rows, h, d)};
+    Mat all = mat(rows, 3 * h, d);
+    return Qkv{all.columns(0, h), all.columns(h, h), all.columns(2 * h, h)};
   }
 };
 
@@ -112,88 +124,84 @@ template <class X> View1<X> growView(View1<X>& storage, std::int64_t n, const ch
   return View1<X>(storage.data(), n);
 }
 
+constexpr int kLogitsLdBf16 = 40;  // vocab 33 padded to 16-byte bf16 rows for cuBLASLt
+
 }  // namespace
 
 template <class T> struct Esm2<T>::Impl {
-  struct LayerParams {
-    View2<T> wq, wk, wv, wo;  // (H, H) each, (out, in)
-    View1<T> bq, bk, bv, bo;  // (H) each
-    View1<T> ln1_g, ln1_b;    // (H) pre-attention LayerNorm
-    View2<T> w1;              // (F, H)
-    View1<T> b1;              // (F)
-    View2<T> w2;              // (H, F)
-    View1<T> b2;              // (H)
-    View1<T> ln2_g, ln2_b;    // (H) pre-FFN LayerNorm
-  };
-  struct Params {
-    View2<T> embed;                   // (V, H) word embedding, also the tied decoder
-    std::vector<LayerParams> layers;  // (L)
-    View1<T> lnf_g, lnf_b;            // (H) emb_layer_norm_after
-    View2<T> head_w;                  // (H, H) lm_head.dense
-    View1<T> head_b;                  // (H)
-    View1<T> head_ln_g, head_ln_b;    // (H) lm_head.layer_norm
-    View1<T> head_bias;               // (V) lm_head.bias (decoder bias)
-  };
-  struct LayerActs {
-    View2<T> ln1;           // (T, H) LN1 output
-    View1<T> mean1, rstd1;  // (T)
-    View2<T> q, k, v;       // (T, H) q scaled and rotated, k rotated
-    View2<T> o;             // (T, H) attention output before the output projection
-    View2<T> lse;           // (T, heads)
-    View2<T> xmid;          // (T, H) residual after attention
-    View2<T> ln2;           // (T, H) LN2 output
-    View1<T> mean2, rstd2;  // (T)
-    View2<T> pre;           // (T, F) FFN pre-activation
+  /// The non-layer tensors, in compute precision (weights) or the master type (gradients).
+  struct Outer {
+    Mat embed;                 // (V, H) word embedding, also the tied decoder
+    Vec lnf_g, lnf_b;          // (H) emb_layer_norm_after
+    Mat head_w;                // (H, H) lm_head.dense
+    Vec head_b;                // (H)
+    Vec head_ln_g, head_ln_b;  // (H) lm_head.layer_norm
+    Vec head_bias;             // (V) lm_head.bias (decoder bias)
   };
   struct Work {
-    std::int64_t tokens = 0, rows = 0;
-    View1<token_t> tokens_d;          // (T)
-    View1<std::int32_t> labels_d;     // (T)
-    View1<seqlen_t> cu;               // (n+1)
-    View1<seqlen_t> position;         // (T)
-    View1<std::int64_t> head_rows;    // (M) token index of each LM-head row
+    DeviceBatch batch;
+    std::int64_t rows = 0;            // LM-head rows
+    View1<std::int32_t> head_rows;    // (M) token index of each LM-head row
     View1<std::int32_t> head_labels;  // (M)
-    View1<T> mult;                    // (T) token-dropout multiplier
-    std::vector<View2<T>> xs;         // (L+1) x (T, H) residual stream at block boundaries
-    std::vector<LayerActs> acts;      // (L) stored, or (1) shared when recomputing / forward only
-    View2<T> act;                     // (T, F) GELU output (scratch)
-    View1<T> attention_work;          // (2 T H) head-transposed copies inside attention
-    View2<T> hidden;                  // (T, H) last_hidden_state
-    View1<T> meanf, rstdf;            // (T)
-    View2<T> hg, h1, h1g, h2;         // (M, H) head: gathered hidden, dense, GELU, LayerNorm
-    View1<T> meanh, rstdh;            // (M)
-    View2<T> logits;                  // (M, V), becomes dlogits in place
-    // backward only
-    View2<T> dx, dln, dq, dk, dv, dout;  // (T, H)
-    View2<T> delta;                      // (T, heads)
-    View2<T> dffn;                       // (T, F)
-    View2<T> dhidden;                    // (T, H)
-    View2<T> dh2, dh1, dhg;              // (M, H)
+    std::vector<Mat> xs;              // (L+1) x (T, H) residual stream at layer boundaries
+    std::vector<LayerActs> acts;      // (L), or (1) shared (layer recompute, forward only)
+    LayerScratch scratch;             // backward only
+    Mat hidden;                       // (T, H) last_hidden_state (compute precision)
+    Vec meanf, rstdf;                 // (T)
+    Mat hg, h1, h1g, h2;              // (M, H) head: gathered hidden, dense, GELU, LayerNorm
+    Vec meanh, rstdh;                 // (M)
+    Mat logits;                       // (M, V) master type (row stride padded under bf16)
+    Mat dlogits;                      // (M, V) compute precision (logits itself on the CPU)
+    Mat dhidden, dh2, dh1, dhg;       // backward: (T, H), (M, H) x3
   };
 
   Esm2Config config;
   std::vector<TensorInfo> tensors;
   std::vector<InitKind> init_kinds;
-#if PLM_HAVE_CUDA
-  std::unique_ptr<gpu::Esm2Bf16> bf16;  // set by setBf16Compute(true): the GPU bf16 step
-#endif
   std::unordered_map<std::string, std::size_t> index;
   View1<T> params;  // (numParameters + alignment padding)
   View1<T> grads;   // same layout
-  Params p, g;
-  AttentionTiles tiles;
+  bool bf16 = false;
+  DType master = dtypeOf<T>(), compute = dtypeOf<T>(), stats = dtypeOf<T>();
+  // bf16 policy: packed compute copy of the GEMM weights, refreshed by one cast launch over
+  // (src offset, dst offset, count) chunks.
+  View1<std::uint16_t> packed;
+  View1<std::int64_t> chunks;
+  int num_chunks = 0;
+  Outer pw, pg;  // compute weights, gradients
+  std::vector<EncoderLayer> layers;
+  OpContext ctx;
   View2<T> cos_table, sin_table;  // (positions, head_dim/2)
-  // Grow-only storage behind the workspace views.
-  View1<T> arena;
+  LayerHooks* hooks = nullptr;
+  // Grow-only storage behind the workspace handles.
+  View1<double> arena;
   View1<token_t> tokens_store;
-  View1<std::int32_t> labels_store, head_labels_store;
+  View1<std::int32_t> labels_store, head_labels_store, rows_store;
   View1<seqlen_t> cu_store, position_store;
-  View1<std::int64_t> rows_store;
+  View1<T> mult_store;
+  View1<std::int32_t> labels_d;
   Work w;
-  ExecSpace space;
 
-  explicit Impl(const Esm2Config& c) : config(c) {
+  explicit Impl(const Esm2Config& c) : config(c), ctx(ExecSpace()) {
     config.validate();
+    bf16 = config.precision == Precision::Bf16;
+    if (bf16) {
+#if PLM_HAVE_CUDA
+      if (!std::is_same_v<T, float>)
+        throw collectiveError("plm::model: bf16 compute runs on fp32 masters (Esm2<float>) only");
+      if (config.hidden % 16 != 0 || config.ffn % 16 != 0)
+        throw collectiveError("train.precision: bf16 needs model.hidden (" +
+                              std::to_string(config.hidden) + ") and model.ffn (" +
+                              std::to_string(config.ffn) +
+                              ") to be multiples of 16 (cuBLASLt alignment)");
+      compute = DType::BF16;
+      stats = DType::F32;
+#else
+      throw collectiveError(
+          "train.precision: bf16 runs on the CUDA build only (this build computes in fp32); set "
+          "train.precision: fp32 or build with the `cuda` preset (doc/gpu.md)");
+#endif
+    }
     auto table = buildTable(config);
     for (auto& e : table) {
       index[e.info.name] = tensors.size();
@@ -203,51 +211,177 @@ template <class T> struct Esm2<T>::Impl {
     const std::int64_t n = bufferSize(table);
     params = View1<T>("plm::model::parameters", n);
     grads = View1<T>("plm::model::gradients", n);
-    p = bind(params);
-    g = bind(grads);
+    bind();
   }
 
-  View2<T> view2(const View1<T>& buf, const std::string& name) {
-    const auto& t = tensors[index.at(name)];
-    return View2<T>(buf.data() + t.offset, t.shape[0], t.shape[1]);
+  const TensorInfo& info(const std::string& name) const { return tensors[index.at(name)]; }
+  Mat masterMat(const View1<T>& buf, const std::string& name) {
+    const auto& t = info(name);
+    return Mat{buf.data() + t.offset, master, t.shape[0], t.shape[1], t.shape[1]};
   }
-  View1<T> view1(const View1<T>& buf, const std::string& name) {
-    const auto& t = tensors[index.at(name)];
-    return View1<T>(buf.data() + t.offset, t.shape[0]);
+  Vec masterVec(const View1<T>& buf, const std::string& name) {
+    const auto& t = info(name);
+    return Vec{buf.data() + t.offset, master, t.shape[0]};
   }
 
-  Params bind(const View1<T>& buf) {
-    Params r;
-    r.embed = view2(buf, "esm.embeddings.word_embeddings.weight");
+  /// Lays out the packed bf16 copy (bf16 policy) and binds every handle: weights to the compute
+  /// copy or the masters, gradients to the gradient buffer.
+  void bind() {
+    std::vector<std::int64_t> seg;  // src offset, dst offset, count
+    std::int64_t dst = 0;
+    struct Pending {
+      std::string name;
+      std::int64_t at;
+    };
+    auto pack = [&](const std::string& name) {
+      const auto& t = info(name);
+      seg.insert(seg.end(), {t.offset, dst, t.size});
+      const std::int64_t at = dst;
+      dst += (t.size + 15) / 16 * 16;
+      return at;
+    };
+    // bf16 handles refer to offsets until the packed buffer exists.
+    auto weight = [&](const std::string& name) -> Mat {
+      if (!bf16) return masterMat(params, name);
+      const auto& t = info(name);
+      return Mat{reinterpret_cast<void*>(pack(name)), DType::BF16, t.shape[0], t.shape[1],
+                 t.shape[1]};
+    };
+    auto bias = [&](const std::string& name) -> Vec {  // bias of a bf16-output GEMM
+      if (!bf16) return masterVec(params, name);
+      return Vec{reinterpret_cast<void*>(pack(name)), DType::BF16, info(name).shape[0]};
+    };
+    auto stacked = [&](const std::string& p, Mat& fw, Vec& fb) {
+      const std::int64_t h = config.hidden;
+      const std::int64_t w_at = dst;  // q, k, v weights back to back: (3H, H)
+      for (const char* part : {"query", "key", "value"}) {
+        const auto& t = info(p + part + ".weight");
+        seg.insert(seg.end(), {t.offset, dst, t.size});
+        dst += t.size;
+      }
+      dst = (dst + 15) / 16 * 16;
+      const std::int64_t b_at = dst;
+      for (const char* part : {"query", "key", "value"}) {
+        const auto& t = info(p + part + ".bias");
+        seg.insert(seg.end(), {t.offset, dst, t.size});
+        dst += t.size;
+      }
+      dst = (dst + 15) / 16 * 16;
+      fw = Mat{reinterpret_cast<void*>(w_at), DType::BF16, 3 * h, h, h};
+      fb = Vec{reinterpret_cast<void*>(b_at), DType::BF16, 3 * h};
+    };
+
+    pw.embed = weight("esm.embeddings.word_embeddings.weight");
+    pg.embed = masterMat(grads, "esm.embeddings.word_embeddings.weight");
+    std::vector<AttentionWeights> aw(config.num_layers);
+    std::vector<AttentionGrads> ag(config.num_layers);
+    std::vector<DenseMlpWeights> mw(config.num_layers);
+    std::vector<DenseMlpGrads> mg(config.num_layers);
+    std::vector<LayerNormParams> ln2(config.num_layers), ln2g(config.num_layers);
     for (int l = 0; l < config.num_layers; ++l) {
       const std::string pre = "esm.encoder.layer." + std::to_string(l) + ".";
-      LayerParams lp;
-      lp.wq = view2(buf, pre + "attention.self.query.weight");
-      lp.bq = view1(buf, pre + "attention.self.query.bias");
-      lp.wk = view2(buf, pre + "attention.self.key.weight");
-      lp.bk = view1(buf, pre + "attention.self.key.bias");
-      lp.wv = view2(buf, pre + "attention.self.value.weight");
-      lp.bv = view1(buf, pre + "attention.self.value.bias");
-      lp.wo = view2(buf, pre + "attention.output.dense.weight");
-      lp.bo = view1(buf, pre + "attention.output.dense.bias");
-      lp.ln1_g = view1(buf, pre + "attention.LayerNorm.weight");
-      lp.ln1_b = view1(buf, pre + "attention.LayerNorm.bias");
-      lp.w1 = view2(buf, pre + "intermediate.dense.weight");
-      lp.b1 = view1(buf, pre + "intermediate.dense.bias");
-      lp.w2 = view2(buf, pre + "output.dense.weight");
-      lp.b2 = view1(buf, pre + "output.dense.bias");
-      lp.ln2_g = view1(buf, pre + "LayerNorm.weight");
-      lp.ln2_b = view1(buf, pre + "LayerNorm.bias");
-      r.layers.push_back(lp);
+      const std::string self = pre + "attention.self.";
+      auto& a = aw[l];
+      if (bf16) {
+        stacked(self, a.qkv.fused_w, a.qkv.fused_b);
+      } else {
+        a.qkv.wq = masterMat(params, self + "query.weight");
+        a.qkv.wk = masterMat(params, self + "key.weight");
+        a.qkv.wv = masterMat(params, self + "value.weight");
+        a.qkv.bq = masterVec(params, self + "query.bias");
+        a.qkv.bk = masterVec(params, self + "key.bias");
+        a.qkv.bv = masterVec(params, self + "value.bias");
+      }
+      a.wo = weight(pre + "attention.output.dense.weight");
+      a.bo = masterVec(params, pre + "attention.output.dense.bias");
+      a.ln_g = masterVec(params, pre + "attention.LayerNorm.weight");
+      a.ln_b = masterVec(params, pre + "attention.LayerNorm.bias");
+      auto& g = ag[l];
+      g.qkv.wq = masterMat(grads, self + "query.weight");
+      g.qkv.wk = masterMat(grads, self + "key.weight");
+      g.qkv.wv = masterMat(grads, self + "value.weight");
+      g.qkv.bq = masterVec(grads, self + "query.bias");
+      g.qkv.bk = masterVec(grads, self + "key.bias");
+      g.qkv.bv = masterVec(grads, self + "value.bias");
+      g.wo = masterMat(grads, pre + "attention.output.dense.weight");
+      g.bo = masterVec(grads, pre + "attention.output.dense.bias");
+      g.ln_g = masterVec(grads, pre + "attention.LayerNorm.weight");
+      g.ln_b = masterVec(grads, pre + "attention.LayerNorm.bias");
+      mw[l].w1 = weight(pre + "intermediate.dense.weight");
+      mw[l].b1 = bias(pre + "intermediate.dense.bias");
+      mw[l].w2 = weight(pre + "output.dense.weight");
+      mw[l].b2 = masterVec(params, pre + "output.dense.bias");
+      mg[l].w1 = masterMat(grads, pre + "intermediate.dense.weight");
+      mg[l].b1 = masterVec(grads, pre + "intermediate.dense.bias");
+      mg[l].w2 = masterMat(grads, pre + "output.dense.weight");
+      mg[l].b2 = masterVec(grads, pre + "output.dense.bias");
+      ln2[l] = {masterVec(params, pre + "LayerNorm.weight"),
+                masterVec(params, pre + "LayerNorm.bias")};
+      ln2g[l] = {masterVec(grads, pre + "LayerNorm.weight"),
+                 masterVec(grads, pre + "LayerNorm.bias")};
     }
-    r.lnf_g = view1(buf, "esm.encoder.emb_layer_norm_after.weight");
-    r.lnf_b = view1(buf, "esm.encoder.emb_layer_norm_after.bias");
-    r.head_w = view2(buf, "lm_head.dense.weight");
-    r.head_b = view1(buf, "lm_head.dense.bias");
-    r.head_ln_g = view1(buf, "lm_head.layer_norm.weight");
-    r.head_ln_b = view1(buf, "lm_head.layer_norm.bias");
-    r.head_bias = view1(buf, "lm_head.bias");
-    return r;
+    pw.head_w = weight("lm_head.dense.weight");
+    pw.head_b = bias("lm_head.dense.bias");
+    for (Outer* o : {&pw, &pg}) {
+      const View1<T>& buf = o == &pw ? params : grads;
+      o->lnf_g = masterVec(buf, "esm.encoder.emb_layer_norm_after.weight");
+      o->lnf_b = masterVec(buf, "esm.encoder.emb_layer_norm_after.bias");
+      o->head_ln_g = masterVec(buf, "lm_head.layer_norm.weight");
+      o->head_ln_b = masterVec(buf, "lm_head.layer_norm.bias");
+      o->head_bias = masterVec(buf, "lm_head.bias");
+    }
+    pg.head_w = masterMat(grads, "lm_head.dense.weight");
+    pg.head_b = masterVec(grads, "lm_head.dense.bias");
+
+    if (bf16) {
+      packed = View1<std::uint16_t>("plm::model::compute_weights", dst);
+      auto* base = reinterpret_cast<char*>(packed.data());
+      auto rebase = [&](auto& h) {
+        if (h.dtype == DType::BF16) h.data = base + 2 * reinterpret_cast<std::intptr_t>(h.data);
+      };
+      rebase(pw.embed);
+      rebase(pw.head_w);
+      rebase(pw.head_b);
+      for (int l = 0; l < config.num_layers; ++l) {
+        rebase(aw[l].qkv.fused_w);
+        rebase(aw[l].qkv.fused_b);
+        rebase(aw[l].wo);
+        rebase(mw[l].w1);
+        rebase(mw[l].b1);
+        rebase(mw[l].w2);
+      }
+      std::vector<std::int64_t> host_chunks;
+      constexpr std::int64_t kChunk = 16384;
+      for (std::size_t i = 0; i < seg.size(); i += 3)
+        for (std::int64_t o = 0; o < seg[i + 2]; o += kChunk)
+          host_chunks.insert(host_chunks.end(),
+                             {seg[i] + o, seg[i + 1] + o, std::min(kChunk, seg[i + 2] - o)});
+      num_chunks = static_cast<int>(host_chunks.size() / 3);
+      chunks = View1<std::int64_t>("plm::model::compute_chunks", host_chunks.size());
+      Kokkos::deep_copy(chunks, Kokkos::View<const std::int64_t*, HostSpace>(host_chunks.data(),
+                                                                             host_chunks.size()));
+    }
+
+    LayerShape shape;
+    shape.heads = config.heads;
+    shape.eps = config.layer_norm_eps;
+    shape.q_scale = 1.0 / std::sqrt(static_cast<double>(config.headDim()));
+    layers.clear();
+    layers.reserve(config.num_layers);
+    for (int l = 0; l < config.num_layers; ++l)
+      layers.emplace_back(shape, aw[l], ag[l], ln2[l], ln2g[l],
+                          std::make_unique<DenseMlp>(mw[l], mg[l]));
+  }
+
+  void refreshCompute() {
+    if (!bf16) return;
+#if PLM_HAVE_CUDA
+    if constexpr (std::is_same_v<T, float>) {
+      gpu::castChunks(ctx.space().cuda_stream(), params.data(),
+                      reinterpret_cast<gpu::bf16*>(packed.data()), chunks.data(), num_chunks);
+      ctx.mark(OpKind::Other);
+    }
+#endif
   }
 
   void ensureRotary(int max_len) {
@@ -256,57 +390,86 @@ template <class T> struct Esm2<T>::Impl {
     const int half = config.headDim() / 2;
     cos_table = View2<T>("plm::model::rotary_cos", positions, half);
     sin_table = View2<T>("plm::model::rotary_sin", positions, half);
-    rotaryTables(space, config.headDim(), cos_table, sin_table);
+    rotaryTables(ctx.space(), config.headDim(), cos_table, sin_table);
   }
 
-  void carve(Carver<T>& c, std::int64_t t, std::int64_t m, bool backward) {
+  LayerActs fullActs(Carver& c, std::int64_t t) {
+    const std::int64_t h = config.hidden, f = config.ffn, nh = config.heads;
+    LayerActs a;
+    a.ln1 = c.mat(t, h, compute);
+    a.mean1 = c.vec(t, stats);
+    a.rstd1 = c.vec(t, stats);
+    a.qkv = c.qkv(t, h, compute, bf16);
+    a.o = c.mat(t, h, compute);
+    a.lse = c.mat(t, nh, stats);
+    a.xmid = c.mat(t, h, master);
+    a.ln2 = c.mat(t, h, compute);
+    a.mean2 = c.vec(t, stats);
+    a.rstd2 = c.vec(t, stats);
+    a.pre = c.mat(t, f, compute);
+    a.act = c.mat(t, f, compute);
+    return a;
+  }
+
+  void carve(Carver& c, std::int64_t t, std::int64_t m, bool backward) {
     const std::int64_t h = config.hidden, f = config.ffn, nh = config.heads, v = config.vocab;
-    const int layers = config.num_layers;
-    w.mult = c.take(t);
-    w.xs.assign(layers + 1, View2<T>());
-    for (auto& x : w.xs) x = c.take(t, h);
-    const int n_acts = backward && !config.recompute ? layers : 1;
-    w.acts.assign(n_acts, LayerActs());
-    for (auto& a : w.acts) {
-      a.ln1 = c.take(t, h);
-      a.mean1 = c.take(t);
-      a.rstd1 = c.take(t);
-      a.q = c.take(t, h);
-      a.k = c.take(t, h);
-      a.v = c.take(t, h);
-      a.o = c.take(t, h);
-      a.lse = c.take(t, nh);
-      a.xmid = c.take(t, h);
-      a.ln2 = c.take(t, h);
-      a.mean2 = c.take(t);
-      a.rstd2 = c.take(t);
-      a.pre = c.take(t, f);
+    const int layers_n = config.num_layers;
+    w.batch.mult = c.vec(t, master);
+    w.xs.assign(layers_n + 1, Mat());
+    for (auto& x : w.xs) x = c.mat(t, h, master);
+    const Recompute mode = backward ? config.recompute : Recompute::Layer;
+    if (mode == Recompute::None) {
+      w.acts.clear();
+      for (int l = 0; l < layers_n; ++l) w.acts.push_back(fullActs(c, t));
+    } else if (mode == Recompute::Layer) {
+      w.acts.assign(1, fullActs(c, t));
+    } else {  // Selective: GEMM outputs per layer, the rest shared
+      LayerActs shared;
+      shared.ln1 = c.mat(t, h, compute);
+      shared.mean1 = c.vec(t, stats);
+      shared.rstd1 = c.vec(t, stats);
+      shared.o = c.mat(t, h, compute);
+      shared.lse = c.mat(t, nh, stats);
+      shared.ln2 = c.mat(t, h, compute);
+      shared.mean2 = c.vec(t, stats);
+      shared.rstd2 = c.vec(t, stats);
+      w.acts.assign(layers_n, shared);
+      for (auto& a : w.acts) {
+        a.qkv = c.qkv(t, h, compute, bf16);
+        a.xmid = c.mat(t, h, master);
+        a.pre = c.mat(t, f, compute);
+        a.act = c.mat(t, f, compute);
+      }
     }
-    w.act = c.take(t, f);
-    w.attention_work = c.take(2 * t * h);
-    w.hidden = c.take(t, h);
-    w.meanf = c.take(t);
-    w.rstdf = c.take(t);
-    w.hg = c.take(m, h);
-    w.h1 = c.take(m, h);
-    w.h1g = c.take(m, h);
-    w.h2 = c.take(m, h);
-    w.meanh = c.take(m);
-    w.rstdh = c.take(m);
-    w.logits = c.take(m, v);
+    w.hidden = c.mat(t, h, compute);
+    w.meanf = c.vec(t, stats);
+    w.rstdf = c.vec(t, stats);
+    w.hg = c.mat(m, h, compute);
+    w.h1 = c.mat(m, h, compute);
+    w.h1g = c.mat(m, h, compute);
+    w.h2 = c.mat(m, h, compute);
+    w.meanh = c.vec(m, stats);
+    w.rstdh = c.vec(m, stats);
+    w.logits = c.mat(m, v, master, bf16 ? kLogitsLdBf16 : v);
+    // The portable cross-entropy writes dlogits over the logits; the bf16 one writes a bf16 copy,
+    // also in a forward-only pass.
+    w.dlogits = bf16 ? c.mat(m, v, compute, kLogitsLdBf16) : backward ? w.logits : Mat();
+    w.scratch = LayerScratch();
+    w.dhidden = w.dh2 = w.dh1 = w.dhg = Mat();
     if (backward) {
-      w.dx = c.take(t, h);
-      w.dln = c.take(t, h);
-      w.dq = c.take(t, h);
-      w.dk = c.take(t, h);
-      w.dv = c.take(t, h);
-      w.dout = c.take(t, h);
-      w.delta = c.take(t, nh);
-      w.dffn = c.take(t, f);
-      w.dhidden = c.take(t, h);
-      w.dh2 = c.take(m, h);
-      w.dh1 = c.take(m, h);
-      w.dhg = c.take(m, h);
+      auto& s = w.scratch;
+      s.dres = c.mat(t, h, master);
+      s.dres_c = bf16 ? c.mat(t, h, compute) : s.dres;
+      s.dln = c.mat(t, h, master);
+      s.dln_c = bf16 ? c.mat(t, h, compute) : s.dln;
+      s.dout = c.mat(t, h, compute);
+      s.dqkv = c.qkv(t, h, compute, bf16);
+      s.delta = c.mat(t, nh, stats);
+      s.dffn = c.mat(t, f, compute);
+      w.dhidden = c.mat(t, h, compute);
+      w.dh2 = c.mat(m, h, compute);
+      w.dh1 = c.mat(m, h, compute);
+      w.dhg = c.mat(m, h, compute);
     }
   }
 
@@ -330,21 +493,28 @@ template <class T> struct Esm2<T>::Impl {
       max_len = std::max(max_len, len);
     }
     ensureRotary(max_len);
-    w.tokens = t;
-    w.tokens_d = growView(tokens_store, t, "plm::model::tokens");
-    w.labels_d = growView(labels_store, t, "plm::model::labels");
-    w.cu = growView(cu_store, n + 1, "plm::model::cu_seqlens");
-    w.position = growView(position_store, t, "plm::model::position");
-    Kokkos::deep_copy(space, w.tokens_d,
+    auto& b = w.batch;
+    b.tokens = t;
+    b.num_seqs = n;
+    b.max_seqlen = max_len;
+    b.token_dropout = config.token_dropout;
+    b.mask_id = data::vocab::mask;
+    b.pad_id = data::vocab::pad;
+    b.ids = growView(tokens_store, t, "plm::model::tokens");
+    labels_d = growView(labels_store, t, "plm::model::labels");
+    b.cu_seqlens = growView(cu_store, n + 1, "plm::model::cu_seqlens");
+    b.position = growView(position_store, t, "plm::model::position");
+    const auto& space = ctx.space();
+    Kokkos::deep_copy(space, b.ids,
                       Kokkos::View<const token_t*, HostSpace>(batch.tokens.data(), t));
-    Kokkos::deep_copy(space, w.labels_d,
+    Kokkos::deep_copy(space, labels_d,
                       Kokkos::View<const std::int32_t*, HostSpace>(batch.labels.data(), t));
-    Kokkos::deep_copy(space, w.cu,
+    Kokkos::deep_copy(space, b.cu_seqlens,
                       Kokkos::View<const seqlen_t*, HostSpace>(batch.cu_seqlens.data(), n + 1));
 
     // Validate ids on the device (one reduction) and count the labelled rows.
-    auto tokens = w.tokens_d;
-    auto labels = w.labels_d;
+    auto tokens = b.ids;
+    auto labels = labels_d;
     const int vocab = config.vocab;
     std::int64_t bad = 0, labelled = 0;
     Kokkos::parallel_reduce(
@@ -371,121 +541,80 @@ template <class T> struct Esm2<T>::Impl {
         KOKKOS_LAMBDA(const std::int64_t i, std::int64_t& offset, const bool final) {
           const bool take = all_rows || labels(i) != data::vocab::ignore_label;
           if (take && final) {
-            rows(offset) = i;
+            rows(offset) = static_cast<std::int32_t>(i);
             head_labels(offset) = labels(i);
           }
           offset += take ? 1 : 0;
         });
 
-    Carver<T> measure;
+    Carver measure;
     carve(measure, t, m, backward);
-    if (static_cast<std::int64_t>(arena.extent(0)) < measure.used) {
-      arena = View1<T>();  // free before allocating the larger arena
-      arena = View1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::workspace"),
-                       measure.used);
+    const std::size_t words = (measure.used + sizeof(double) - 1) / sizeof(double);
+    if (arena.extent(0) < words) {
+      arena = View1<double>();  // free before allocating the larger arena
+      arena = View1<double>(
+          Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::workspace"), words);
     }
-    Carver<T> cut{arena.data(), 0};
+    Carver cut{reinterpret_cast<char*>(arena.data()), 0};
     carve(cut, t, m, backward);
-    sequenceInfo(space, w.cu, w.tokens_d, config.token_dropout, data::vocab::mask, w.position,
-                 w.mult);
+    sequenceInfo(space, b.cu_seqlens, b.ids, config.token_dropout, data::vocab::mask, b.position,
+                 b.mult.template view<T>());
   }
 
+  const LayerActs& actsFor(int layer) const { return w.acts[w.acts.size() == 1 ? 0 : layer]; }
   LayerActs& actsFor(int layer) { return w.acts[w.acts.size() == 1 ? 0 : layer]; }
 
-  void layerForward(int layer, const View2<T>& x_in, LayerActs& a, const View2<T>& x_out) {
-    const auto& lp = p.layers[layer];
-    const T scale = T(1) / std::sqrt(T(config.headDim()));
-    const double eps = config.layer_norm_eps;
-    layerNormForward(space, x_in, lp.ln1_g, lp.ln1_b, eps, a.ln1, a.mean1, a.rstd1);
-    linearForward(space, a.ln1, lp.wq, lp.bq, T(0), a.q);
-    rotaryForward(space, a.q, w.position, config.heads, cos_table, sin_table, scale);
-    linearForward(space, a.ln1, lp.wk, lp.bk, T(0), a.k);
-    rotaryForward(space, a.k, w.position, config.heads, cos_table, sin_table, T(1));
-    linearForward(space, a.ln1, lp.wv, lp.bv, T(0), a.v);
-    attentionForward(space, a.q, a.k, a.v, w.cu, config.heads, a.o, a.lse, tiles, w.attention_work);
-    Kokkos::deep_copy(space, a.xmid, x_in);
-    linearForward(space, a.o, lp.wo, lp.bo, T(1), a.xmid);
-    layerNormForward(space, a.xmid, lp.ln2_g, lp.ln2_b, eps, a.ln2, a.mean2, a.rstd2);
-    linearForward(space, a.ln2, lp.w1, lp.b1, T(0), a.pre);
-    geluForward(space, a.pre, w.act);
-    Kokkos::deep_copy(space, x_out, a.xmid);
-    linearForward(space, w.act, lp.w2, lp.b2, T(1), x_out);
-  }
+  Mat cosMat() const { return matOf(cos_table); }
+  Mat sinMat() const { return matOf(sin_table); }
 
-  /// On entry w.dx = dL/d(block output); on exit dL/d(block input).
-  void layerBackward(int layer, const View2<T>& x_in, LayerActs& a) {
-    const auto& lp = p.layers[layer];
-    auto& lg = g.layers[layer];
-    const T scale = T(1) / std::sqrt(T(config.headDim()));
-    geluForward(space, a.pre, w.act);
-    linearBackward(space, w.act, lp.w2, w.dx, T(0), w.dffn, lg.w2, lg.b2);
-    geluBackward(space, a.pre, w.dffn, w.dffn);
-    linearBackward(space, a.ln2, lp.w1, w.dffn, T(0), w.dln, lg.w1, lg.b1);
-    layerNormBackward(space, a.xmid, lp.ln2_g, a.mean2, a.rstd2, w.dln, w.dx, lg.ln2_g, lg.ln2_b);
-    linearBackward(space, a.o, lp.wo, w.dx, T(0), w.dout, lg.wo, lg.bo);
-    attentionBackward(space, a.q, a.k, a.v, a.o, a.lse, w.dout, w.cu, config.heads, w.delta, w.dq,
-                      w.dk, w.dv, tiles, w.attention_work);
-    rotaryBackward(space, w.dq, w.position, config.heads, cos_table, sin_table, scale);
-    rotaryBackward(space, w.dk, w.position, config.heads, cos_table, sin_table, T(1));
-    linearBackward(space, a.ln1, lp.wq, w.dq, T(0), w.dln, lg.wq, lg.bq);
-    linearBackward(space, a.ln1, lp.wk, w.dk, T(1), w.dln, lg.wk, lg.bk);
-    linearBackward(space, a.ln1, lp.wv, w.dv, T(1), w.dln, lg.wv, lg.bv);
-    layerNormBackward(space, x_in, lp.ln1_g, a.mean1, a.rstd1, w.dln, w.dx, lg.ln1_g, lg.ln1_b);
-  }
-
-  /// Embedding, blocks, final LayerNorm, LM head and loss.  dlogits (scaled) replace logits in
-  /// place when backward.
-  double forwardPass(bool backward, double grad_scale) {
-    const int layers = config.num_layers;
-    embeddingForward(space, w.tokens_d, w.mult, p.embed, w.xs[0]);
-    for (int l = 0; l < layers; ++l) layerForward(l, w.xs[l], actsFor(l), w.xs[l + 1]);
-    layerNormForward(space, w.xs[layers], p.lnf_g, p.lnf_b, config.layer_norm_eps, w.hidden,
-                     w.meanf, w.rstdf);
-    auto rows = w.head_rows;
-    auto hidden = w.hidden;
-    auto hg = w.hg;
-    const int h = config.hidden;
-    Kokkos::parallel_for(
-        "plm::model::head_gather", Kokkos::RangePolicy<ExecSpace>(space, 0, w.rows),
-        KOKKOS_LAMBDA(const std::int64_t m) {
-          for (int c = 0; c < h; ++c) hg(m, c) = hidden(rows(m), c);
-        });
-    linearForward(space, w.hg, p.head_w, p.head_b, T(0), w.h1);
-    geluForward(space, w.h1, w.h1g);
-    layerNormForward(space, w.h1g, p.head_ln_g, p.head_ln_b, config.layer_norm_eps, w.h2, w.meanh,
-                     w.rstdh);
-    linearForward(space, w.h2, p.embed, p.head_bias, T(0), w.logits);
-    return crossEntropy(space, w.logits, w.head_labels, grad_scale,
-                        backward ? w.logits : View2<T>());
+  /// Embedding, layers, final LayerNorm, LM head and loss (into the context's accumulator).
+  void forwardPass(bool backward, double grad_scale) {
+    const int layers_n = config.num_layers;
+    const auto& b = w.batch;
+    embedding(ctx, b, pw.embed, w.xs[0]);
+    for (int l = 0; l < layers_n; ++l) {
+      if (hooks) hooks->beforeForward(l);
+      layers[l].forward(ctx, b, w.xs[l], w.xs[l + 1], actsFor(l), cosMat(), sinMat());
+    }
+    layerNorm(ctx, w.xs[layers_n], pw.lnf_g, pw.lnf_b, config.layer_norm_eps, w.hidden, w.meanf,
+              w.rstdf);
+    if (w.rows == 0) return;
+    gatherRows(ctx, w.hidden, w.head_rows, w.hg);
+    linearGelu(ctx, w.hg, pw.head_w, pw.head_b, w.h1, w.h1g);
+    layerNorm(ctx, w.h1g, pw.head_ln_g, pw.head_ln_b, config.layer_norm_eps, w.h2, w.meanh,
+              w.rstdh);
+    linear(ctx, w.h2, pw.embed, pw.head_bias, w.logits);
+    crossEntropy(ctx, w.logits, w.head_labels, backward ? grad_scale : 1.0, w.dlogits);
   }
 
   void backwardPass() {
-    const int layers = config.num_layers;
-    // LM head (w.logits holds dlogits).
-    linearBackward(space, w.h2, p.embed, w.logits, T(0), w.dh2, g.embed, g.head_bias);
-    Kokkos::deep_copy(space, w.dh1, T(0));
-    layerNormBackward(space, w.h1g, p.head_ln_g, w.meanh, w.rstdh, w.dh2, w.dh1, g.head_ln_g,
-                      g.head_ln_b);
-    geluBackward(space, w.h1, w.dh1, w.dh1);
-    linearBackward(space, w.hg, p.head_w, w.dh1, T(0), w.dhg, g.head_w, g.head_b);
-    Kokkos::deep_copy(space, w.dhidden, T(0));
-    auto rows = w.head_rows;
-    auto dhidden = w.dhidden;
-    auto dhg = w.dhg;
-    const int h = config.hidden;
-    Kokkos::parallel_for(
-        "plm::model::head_scatter", Kokkos::RangePolicy<ExecSpace>(space, 0, w.rows),
-        KOKKOS_LAMBDA(const std::int64_t m) {  // rows are distinct: no conflicts
-          for (int c = 0; c < h; ++c) dhidden(rows(m), c) = dhg(m, c);
-        });
-    Kokkos::deep_copy(space, w.dx, T(0));
-    layerNormBackward(space, w.xs[layers], p.lnf_g, w.meanf, w.rstdf, w.dhidden, w.dx, g.lnf_g,
-                      g.lnf_b);
-    for (int l = layers - 1; l >= 0; --l) {
-      if (config.recompute) layerForward(l, w.xs[l], w.acts[0], w.xs[l + 1]);
-      layerBackward(l, w.xs[l], actsFor(l));
+    const int layers_n = config.num_layers;
+    const auto& b = w.batch;
+    auto& s = w.scratch;
+    if (w.rows > 0) {  // LM head (w.dlogits holds dlogits)
+      linearBackward(ctx, w.h2, pw.embed, w.dlogits, w.dh2, false, pg.embed, pg.head_bias);
+      layerNormBackward(ctx, w.h1g, pw.head_ln_g, w.meanh, w.rstdh, w.dh2, Mat(), false, w.dh1,
+                        pg.head_ln_g, pg.head_ln_b);
+      geluBackward(ctx, w.h1, w.dh1, w.dh1);
+      linearBackward(ctx, w.hg, pw.head_w, w.dh1, w.dhg, false, pg.head_w, pg.head_b);
     }
-    embeddingBackward(space, w.tokens_d, w.mult, w.dx, data::vocab::pad, g.embed);
+    scatterRows(ctx, w.dhg, w.head_rows, w.dhidden);
+    layerNormBackward(ctx, w.xs[layers_n], pw.lnf_g, w.meanf, w.rstdf, w.dhidden, s.dres, false,
+                      s.dres_c, pg.lnf_g, pg.lnf_b);
+    for (int l = layers_n - 1; l >= 0; --l) {
+      if (hooks) hooks->beforeBackward(l);
+      LayerActs& a = actsFor(l);
+      if (config.recompute == Recompute::Layer) {
+        if (hooks) hooks->beforeForward(l);
+        layers[l].forward(ctx, b, w.xs[l], w.xs[l + 1], a, cosMat(), sinMat());
+      } else if (config.recompute == Recompute::Selective) {
+        layers[l].recompute(ctx, b, w.xs[l], a, Recompute::Selective, cosMat(), sinMat());
+      }
+      layers[l].backward(ctx, b, w.xs[l], a, s, cosMat(), sinMat());
+      if (hooks) hooks->afterBackward(l);
+    }
+    embeddingBackward(ctx, b, s.dres_c, pg.embed);
+    if (hooks) hooks->afterModelBackward();
   }
 };
 
@@ -514,7 +643,8 @@ template <class T> View1<T> Esm2<T>::gradients() { return impl_member->grads; }
 
 template <class T> void Esm2<T>::initialize(std::uint64_t seed) {
   auto& im = *impl_member;
-  Kokkos::deep_copy(im.space, im.params, T(0));  // also the alignment padding
+  const auto& space = im.ctx.space();
+  Kokkos::deep_copy(space, im.params, T(0));  // also the alignment padding
   auto params = im.params;
   for (std::size_t i = 0; i < im.tensors.size(); ++i) {  // over tensors, not elements
     const auto& t = im.tensors[i];
@@ -522,7 +652,7 @@ template <class T> void Esm2<T>::initialize(std::uint64_t seed) {
     const std::int64_t offset = t.offset;
     const std::uint64_t stream = i;
     Kokkos::parallel_for(
-        "plm::model::initialize", Kokkos::RangePolicy<ExecSpace>(im.space, 0, t.size),
+        "plm::model::initialize", Kokkos::RangePolicy<ExecSpace>(space, 0, t.size),
         KOKKOS_LAMBDA(const std::int64_t e) {
           T value = 0;
           if (kind == static_cast<int>(InitKind::Normal))
@@ -531,56 +661,39 @@ template <class T> void Esm2<T>::initialize(std::uint64_t seed) {
           params(offset + e) = value;
         });
   }
-  auto pad_row = Kokkos::subview(im.p.embed, static_cast<int>(data::vocab::pad), Kokkos::ALL());
-  Kokkos::deep_copy(im.space, pad_row, T(0));
-  im.space.fence();
+  const auto& embed = im.info("esm.embeddings.word_embeddings.weight");
+  auto pad_row =
+      Kokkos::subview(View2<T>(im.params.data() + embed.offset, embed.shape[0], embed.shape[1]),
+                      static_cast<int>(data::vocab::pad), Kokkos::ALL());
+  Kokkos::deep_copy(space, pad_row, T(0));
+  space.fence();
 }
 
 template <class T> void Esm2<T>::zeroGradients() {
-  Kokkos::deep_copy(impl_member->space, impl_member->grads, T(0));
-  impl_member->space.fence();
+  Kokkos::deep_copy(impl_member->ctx.space(), impl_member->grads, T(0));
+  impl_member->ctx.space().fence();
 }
 
-template <class T> void Esm2<T>::setBf16Compute(bool on) {
-#if PLM_HAVE_CUDA
-  if constexpr (std::is_same_v<T, float>) {
-    impl_member->bf16 =
-        on ? std::make_unique<gpu::Esm2Bf16>(gpu::esm2Shape(config()), gpu::esm2Offsets(*this))
-           : nullptr;
-    return;
-  }
-#endif
-  if (on)
-    throw collectiveError(
-        "train.precision: bf16 runs on the CUDA build only (this build computes in fp32); set "
-        "train.precision: fp32 or build with the `cuda` preset (doc/gpu.md)");
-}
+template <class T> void Esm2<T>::refreshComputeWeights() { impl_member->refreshCompute(); }
 
-template <class T>
-double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale) {
+template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale,
+                                                   bool refresh_weights) {
   if (batch.numTokens() == 0) return 0.0;  // a rank with no micro-batch this step
-#if PLM_HAVE_CUDA
-  if constexpr (std::is_same_v<T, float>) {
-    if (impl_member->bf16) {
-      impl_member->space.fence();
-      return impl_member->bf16->forwardBackward(
-          impl_member->space.cuda_stream(), impl_member->params.data(), impl_member->grads.data(),
-          gpu::hostBatch(batch), grad_scale);
-    }
-  }
-#endif
   Kokkos::Profiling::pushRegion("plm::model::forwardBackward");
   auto& im = *impl_member;
   im.prepare(batch, false, true);
-  const double loss = im.forwardPass(true, grad_scale);
+  if (refresh_weights) im.refreshCompute();
+  im.ctx.beginLoss();
+  im.forwardPass(true, grad_scale);
   im.backwardPass();
-  im.space.fence();
+  const double loss = im.ctx.endLoss();
+  im.ctx.space().fence();
   Kokkos::Profiling::popRegion();
   return loss;
 }
 
-template <class T>
-double Esm2<T>::forward(const data::MicroBatch& batch, ForwardOutputs<T>* outputs) {
+template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
+                                           ForwardOutputs<T>* outputs, bool refresh_weights) {
   auto& im = *impl_member;
   if (batch.numTokens() == 0) {
     if (outputs && outputs->want_logits)
@@ -592,23 +705,50 @@ double Esm2<T>::forward(const data::MicroBatch& batch, ForwardOutputs<T>* output
   Kokkos::Profiling::pushRegion("plm::model::forward");
   const bool all_rows = outputs && outputs->want_logits;
   im.prepare(batch, all_rows, false);
-  const double loss = im.forwardPass(false, 1.0);
+  if (refresh_weights) im.refreshCompute();
+  im.ctx.beginLoss();
+  im.forwardPass(false, 1.0);
+  const double loss = im.ctx.endLoss();
   if (outputs && outputs->want_logits) {
     outputs->logits = View2<T>("plm::model::logits", im.w.rows, im.config.vocab);
-    Kokkos::deep_copy(im.space, outputs->logits, im.w.logits);
+    copyToMaster(im.ctx, im.w.logits, matOf(outputs->logits));
   }
   if (outputs && outputs->want_hidden) {
-    outputs->hidden = View2<T>("plm::model::hidden", im.w.tokens, im.config.hidden);
-    Kokkos::deep_copy(im.space, outputs->hidden, im.w.hidden);
+    outputs->hidden = View2<T>("plm::model::hidden", im.w.batch.tokens, im.config.hidden);
+    copyToMaster(im.ctx, im.w.hidden, matOf(outputs->hidden));
   }
-  im.space.fence();
+  im.ctx.space().fence();
   Kokkos::Profiling::popRegion();
   return loss;
 }
 
 template <class T> std::int64_t Esm2<T>::workspaceBytes() const {
-  return static_cast<std::int64_t>(impl_member->arena.extent(0) * sizeof(T));
+  return static_cast<std::int64_t>(impl_member->arena.extent(0) * sizeof(double));
 }
+
+template <class T> std::pair<std::int64_t, std::int64_t> Esm2<T>::layerRange(int layer) const {
+  const auto& im = *impl_member;
+  if (layer < 0 || layer >= im.config.num_layers)
+    throw Error("plm::model: layer " + std::to_string(layer) + " out of range (a bug)");
+  const std::string pre = "esm.encoder.layer." + std::to_string(layer) + ".";
+  std::int64_t lo = -1, hi = -1;
+  for (const auto& t : im.tensors)
+    if (t.name.compare(0, pre.size(), pre) == 0) {
+      lo = lo < 0 ? t.offset : std::min(lo, t.offset);
+      hi = std::max(hi, t.offset + t.size);
+    }
+  return {lo, hi - lo};
+}
+
+template <class T> void Esm2<T>::setHooks(LayerHooks* hooks) { impl_member->hooks = hooks; }
+
+template <class T> void Esm2<T>::setProfiling(bool on) { impl_member->ctx.setProfiling(on); }
+
+template <class T> std::vector<std::pair<std::string, double>> Esm2<T>::profile() {
+  return impl_member->ctx.profile();
+}
+
+template <class T> OpContext& Esm2<T>::context() { return impl_member->ctx; }
 
 template class Esm2<float>;
 template class Esm2<double>;

@@ -4,11 +4,15 @@
 // the optimizer, the data-parallel all-reduce and checkpoints treat the model as one array plus
 // a table of named tensors (tensors()), whose names are the Hugging Face parameter names.
 // Gradients accumulate (+=) across micro-batches until zeroGradients(); activations are written
-// (=).  T is the compute scalar: float in training, double for finite-difference checks.
+// (=).  T is the master scalar: float in training, double for finite-difference checks.
+// One orchestration (esm2.cpp, encoder_layer.cpp) runs every backend: each operation is a
+// dispatch point (ops.hpp) that picks the portable Kokkos kernel or the CUDA specialisation by
+// the precision policy (Esm2Config::precision) and the execution space.
 #pragma once
 
 #include "core/types.hpp"
 #include "data/batch.hpp"
+#include "model/ops.hpp"
 
 #include <cstdint>
 #include <string>
@@ -25,7 +29,8 @@ struct Esm2Config {
   int max_positions = 1026;  // so at most 1024 tokens per sequence
   double layer_norm_eps = 1e-5;
   bool token_dropout = true;  // applied in training and evaluation, as Hugging Face does
-  bool recompute = false;     // recompute each layer's activations in backward
+  Recompute recompute = Recompute::None;  // what backward recomputes instead of keeping
+  Precision precision = Precision::Fp32;  // compute arithmetic (bf16: CUDA build, Esm2<float>)
 
   /// \brief esm2_8m, esm2_35m, esm2_150m, esm2_650m, esm2_3b, esm2_15b; throws a collective
   /// plm::Error listing the valid names otherwise.
@@ -61,6 +66,22 @@ template <class T> struct ForwardOutputs {
   View2<T> hidden;  // (T, hidden) last_hidden_state (after emb_layer_norm_after) when want_hidden
 };
 
+/// \brief Called by the orchestration around each encoder layer: where sharded data parallelism
+/// gathers a layer's parameters before use and reduces its gradients once final, and where the
+/// bucketed data-parallel all-reduce starts.  Default: nothing.
+class LayerHooks {
+ public:
+  virtual ~LayerHooks() = default;
+  /// \brief Before layer `layer`'s parameters are read by a forward (also a recomputing one).
+  virtual void beforeForward(int layer) { (void)layer; }
+  /// \brief Before layer `layer`'s backward.
+  virtual void beforeBackward(int layer) { (void)layer; }
+  /// \brief Layer `layer`'s backward is done: its gradient range is final for this micro-batch.
+  virtual void afterBackward(int layer) { (void)layer; }
+  /// \brief The whole backward is done (embedding, final LayerNorm and LM head gradients too).
+  virtual void afterModelBackward() {}
+};
+
 template <class T> class Esm2 {
  public:
   explicit Esm2(const Esm2Config& config);
@@ -84,20 +105,37 @@ template <class T> class Esm2 {
   /// grad_scale * d(sum of masked-token cross-entropy)/dparams into gradients() and returns that
   /// sum (not the mean), so the trainer can normalise by the global masked-token count.
   /// An empty micro-batch (no tokens) returns 0 and changes nothing.
-  double forwardBackward(const data::MicroBatch& batch, double grad_scale);
+  /// The bf16 compute copy of the parameters is refreshed from the masters first unless
+  /// refresh_weights is false (the caller ran refreshComputeWeights() since the last change).
+  double forwardBackward(const data::MicroBatch& batch, double grad_scale,
+                         bool refresh_weights = true);
 
   /// \brief Forward only; returns the sum of masked-token cross-entropy.  Logits and hidden
   /// states requested in `outputs` are fresh allocations the caller owns.
-  double forward(const data::MicroBatch& batch, ForwardOutputs<T>* outputs = nullptr);
+  double forward(const data::MicroBatch& batch, ForwardOutputs<T>* outputs = nullptr,
+                 bool refresh_weights = true);
+
+  /// \brief Recasts the compute-precision copy of the parameters (bf16 policy) from the
+  /// masters; nothing under fp32.  Once per optimizer step is enough.
+  void refreshComputeWeights();
+
+  /// \brief [offset, offset + count) of layer `layer`'s tensors in parameters() / gradients().
+  std::pair<std::int64_t, std::int64_t> layerRange(int layer) const;
+
+  /// \brief Hooks around each layer (not owned; nullptr = none).
+  void setHooks(LayerHooks* hooks);
+
+  /// \brief Per-kind CUDA-event timing of the bf16 path's launches (GEMM, attention,
+  /// LayerNorm, other), summed over the calls since setProfiling(true).
+  void setProfiling(bool on);
+  std::vector<std::pair<std::string, double>> profile();
+
+  /// \brief The dispatch context (execution space, attention tiles of the portable path).
+  OpContext& context();
 
   /// \brief Bytes of the activation workspace now allocated (it grows to the largest
   /// micro-batch seen and is reused).
   std::int64_t workspaceBytes() const;
-
-  /// \brief train.precision bf16: forwardBackward runs in bf16 on the GPU (plm::gpu::Esm2Bf16,
-  /// doc/gpu.md) over these fp32 parameters and gradients, which stay the masters.  Only
-  /// Esm2<float> in a CUDA build; elsewhere `on` throws a collective plm::Error.
-  void setBf16Compute(bool on);
 
  public:
   // Public only because nvcc refuses extended __host__ __device__ lambdas (KOKKOS_LAMBDA) inside

@@ -51,7 +51,8 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
   std::int64_t global_masked = dist::allreduceSum(s.masked, comm);
   model.zeroGradients();
   const double grad_scale = global_masked > 0 ? 1.0 / static_cast<double>(global_masked) : 0.0;
-  for (const auto& mb : local) s.loss_sum += model.forwardBackward(mb, grad_scale);
+  model.refreshComputeWeights();  // the bf16 copy of the masters, once per optimizer step
+  for (const auto& mb : local) s.loss_sum += model.forwardBackward(mb, grad_scale, false);
   dist::allreduceSum(space, model.gradients(), comm);
   reduce(s, comm);
   Kokkos::Profiling::popRegion();
@@ -89,6 +90,7 @@ template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& m
   Kokkos::Profiling::pushRegion("plm::train::evaluate");
   loader.seek(data::Cursor{});
   BatchStats s;
+  model.refreshComputeWeights();
   // No collective inside the loop: ranks may reach the end of the pass one call apart.
   for (std::int64_t step = 0; max_steps <= 0 || step < max_steps; ++step) {
     std::vector<data::MicroBatch> local = loader.nextStep();
@@ -98,7 +100,7 @@ template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& m
     s.tokens += c.tokens;
     s.sequences += c.sequences;
     s.sum_sq_seqlen += c.sum_sq_seqlen;
-    for (const auto& mb : local) s.loss_sum += model.forward(mb);
+    for (const auto& mb : local) s.loss_sum += model.forward(mb, nullptr, false);
   }
   space.fence();
   reduce(s, comm);

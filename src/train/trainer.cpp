@@ -57,7 +57,8 @@ model::Esm2Config modelConfigFromDeck(const Teuchos::ParameterList& deck) {
     else if (hidden > 0)
       config.ffn = 4 * hidden;
   }
-  config.recompute = m.get<bool>("recompute");
+  config.recompute = model::parseRecompute(m.get<std::string>("recompute"));
+  config.precision = model::parsePrecision(section(deck, "train").get<std::string>("precision"));
   config.validate();
   return config;
 }
@@ -103,10 +104,9 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
 
   const int blas_threads = limitBlasThreadsPerRank(dist::localSize());
   model::Esm2Config config = modelConfigFromDeck(*deck);
+  // bf16: the model's dispatch points compute in bf16 on the CUDA build over the same fp32
+  // masters (doc/gpu.md); other builds throw a collective error naming the fix.
   model_member = std::make_unique<model::Esm2<param_t>>(config);
-  // bf16: the CUDA build's bf16 forward/backward over the same fp32 masters (doc/gpu.md); other
-  // builds throw a collective error naming the fix.
-  if (precision == "bf16") model_member->setBf16Compute(true);
   state_member.init_seed = static_cast<std::uint64_t>(t.get<int>("seed"));
   state_member.data_seed = static_cast<std::uint64_t>(d.get<int>("seed"));
   model_member->initialize(state_member.init_seed);
@@ -162,7 +162,11 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   log::info("model: ESM-2 %d layers, hidden %d, %d heads, ffn %d: %lld parameters%s",
             config.num_layers, config.hidden, config.heads, config.ffn,
             static_cast<long long>(config.numParameters()),
-            config.recompute ? " (activation recomputation)" : "");
+            config.recompute == model::Recompute::None
+                ? ""
+                : (std::string(" (") + model::recomputeName(config.recompute) +
+                   " activation recomputation)")
+                      .c_str());
   log::info(
       "data: %s, %lld sequences, %lld residues; %lld micro-batches of <= %lld tokens per "
       "step over %d rank(s)",

@@ -257,7 +257,7 @@ TEST_F(Checkpoint, OtherModelShapeIsRefused) {
   EXPECT_NE(why.find("hidden 48"), std::string::npos) << why;
   EXPECT_NE(refusal(dir, good, {"model.layers=3"}).find("layers 3"), std::string::npos);
   // The same shape spelled differently is the same model.
-  EXPECT_EQ(refusal(dir, good, {"model.recompute=true"}), "");
+  EXPECT_EQ(refusal(dir, good, {"model.recompute=layer"}), "");
 }
 
 TEST_F(Checkpoint, OtherDataStreamIsRefused) {

@@ -141,8 +141,8 @@ TEST(DeckValidation, WrongTypeNamesKeyValueAndWhatIsAllowed) {
   m = yamlError("optimizer: { lr: fast }\n");
   EXPECT_HAS(m, "optimizer.lr = fast is not a number");
 
-  m = yamlError("model: { recompute: 3 }\n");
-  EXPECT_HAS(m, "model.recompute = 3 is not true or false");
+  m = yamlError("train: { log_all_ranks: 3 }\n");
+  EXPECT_HAS(m, "train.log_all_ranks = 3 is not true or false");
 
   m = yamlError("optimizer: { betas: [0.9] }\n");
   EXPECT_HAS(m, "optimizer.betas = [0.9] is not a list of two numbers");
@@ -242,11 +242,11 @@ TEST(DeckValidation, CrossKeyRules) {
 TEST(DeckOverrides, SetReplacesValuesWithTheSameValidation) {
   auto deck = resolveYaml("optimizer: { lr: 1.0e-3 }\n",
                           {"optimizer.lr=1e-4", "optimizer.betas=[0.8, 0.95]", "train.steps=20",
-                           "model.recompute=true", "data.valid="});
+                           "model.recompute=selective", "data.valid="});
   EXPECT_DOUBLE_EQ(deck->sublist("optimizer").get<double>("lr"), 1e-4);
   EXPECT_DOUBLE_EQ(deck->sublist("optimizer").get<Teuchos::Array<double>>("betas")[0], 0.8);
   EXPECT_EQ(deck->sublist("train").get<int>("steps"), 20);
-  EXPECT_TRUE(deck->sublist("model").get<bool>("recompute"));
+  EXPECT_EQ(deck->sublist("model").get<std::string>("recompute"), "selective");
   EXPECT_EQ(deck->sublist("data").get<std::string>("valid"), "");
 
   std::string m = yamlError("", {"optimizer.lrr=1"});

@@ -2,6 +2,7 @@
 // inverse), embedding with token dropout (forward/backward), cross-entropy, gradient norm and
 // AdamW.
 #include "gpu/fused.hpp"
+#include "gpu/layer_norm.hpp"
 #include "gpu_test_util.hpp"
 
 #include <gtest/gtest.h>
@@ -14,26 +15,39 @@ namespace {
 using test::Bf16Tensor;
 using test::DeviceBuffer;
 
+// bf16 input, fp32 gamma/beta (the masters), bf16 output; the backward in both modes: plain
+// (dx written as bf16) and residual (fp32 residual gradient += dx, its bf16 copy written).  Rows
+// cross several blocks of the backward (333 rows of 320 > 32 rows per block) so the fixed-order
+// partial sums of dgamma/dbeta are exercised; a rerun must be bitwise identical.
 TEST(FusedKernels, LayerNormForwardBackward) {
   const std::int64_t rows = 333;
   const int cols = 320;
   Bf16Tensor x(test::randomNormal(rows * cols, 1, 2.0f));
   auto g0 = test::randomNormal(cols, 2);
   for (auto& g : g0) g += 1.0f;
-  Bf16Tensor gamma(g0), beta(test::randomNormal(cols, 3)), dy(test::randomNormal(rows * cols, 4));
-  DeviceBuffer<std::uint16_t> y(rows * cols), dx(rows * cols);
+  const auto b0 = test::randomNormal(cols, 3);
+  DeviceBuffer<float> gamma(g0), beta(b0);
+  Bf16Tensor dy(test::randomNormal(rows * cols, 4));
+  DeviceBuffer<std::uint16_t> y(rows * cols), dx(rows * cols), dres_bf(rows * cols);
   DeviceBuffer<float> mean(rows), rstd(rows);
   std::vector<float> dg0 = test::randomNormal(cols, 5), db0 = test::randomNormal(cols, 6);
-  DeviceBuffer<float> dgamma(dg0), dbeta(db0);
+  std::vector<float> res0 = test::randomNormal(rows * cols, 8);
+  DeviceBuffer<float> dgamma(dg0), dbeta(db0), residual(res0);
+  DeviceBuffer<std::uint8_t> work(layerNormBackwardWorkspace(rows, cols));
   y.poison();
   dx.poison();
   layerNormForward(nullptr, x.get(), gamma.get(), beta.get(), reinterpret_cast<bf16*>(y.get()),
                    mean.get(), rstd.get(), rows, cols, 1e-5f);
-  layerNormBackward(nullptr, dy.get(), x.get(), gamma.get(), mean.get(), rstd.get(),
-                    reinterpret_cast<bf16*>(dx.get()), dgamma.get(), dbeta.get(), rows, cols);
+  layerNormBackward(nullptr, dy.get(), x.get(), gamma.get(), mean.get(), rstd.get(), nullptr, false,
+                    reinterpret_cast<bf16*>(dx.get()), dgamma.get(), dbeta.get(), rows, cols,
+                    work.get());
+  const auto dg1 = dgamma.download();
+  layerNormBackward(nullptr, dy.get(), x.get(), gamma.get(), mean.get(), rstd.get(), residual.get(),
+                    true, reinterpret_cast<bf16*>(dres_bf.get()), dgamma.get(), dbeta.get(), rows,
+                    cols, work.get());
 
   std::vector<double> y_ref(rows * cols), dx_ref(rows * cols), dg_ref(dg0.begin(), dg0.end()),
-      db_ref(db0.begin(), db0.end());
+      db_ref(db0.begin(), db0.end()), res_ref(rows * cols);
   for (std::int64_t r = 0; r < rows; ++r) {
     double mu = 0, var = 0;
     for (int c = 0; c < cols; ++c) mu += x.values[r * cols + c];
@@ -43,23 +57,34 @@ TEST(FusedKernels, LayerNormForwardBackward) {
     double a = 0, b = 0;
     for (int c = 0; c < cols; ++c) {
       double h = (x.values[r * cols + c] - mu) * rs, d = dy.values[r * cols + c];
-      y_ref[r * cols + c] = h * gamma.values[c] + beta.values[c];
-      a += d * gamma.values[c];
-      b += d * gamma.values[c] * h;
-      dg_ref[c] += d * h;
-      db_ref[c] += d;
+      y_ref[r * cols + c] = h * g0[c] + b0[c];
+      a += d * g0[c];
+      b += d * g0[c] * h;
+      dg_ref[c] += 2 * d * h;  // two backward calls
+      db_ref[c] += 2 * d;
     }
     a /= cols;
     b /= cols;
     for (int c = 0; c < cols; ++c) {
       double h = (x.values[r * cols + c] - mu) * rs;
-      dx_ref[r * cols + c] = rs * (dy.values[r * cols + c] * gamma.values[c] - a - h * b);
+      dx_ref[r * cols + c] = rs * (dy.values[r * cols + c] * g0[c] - a - h * b);
+      res_ref[r * cols + c] = res0[r * cols + c] + dx_ref[r * cols + c];
     }
   }
   EXPECT_LT(test::relError(test::downloadBf16(y), y_ref), 1e-2);
   EXPECT_LT(test::relError(test::downloadBf16(dx), dx_ref), 1e-2);
+  EXPECT_LT(test::relError(residual.download(), res_ref), 1e-5);
+  EXPECT_LT(test::relError(test::downloadBf16(dres_bf), res_ref), 1e-2);
   EXPECT_LT(test::relError(dgamma.download(), dg_ref), 1e-4);
   EXPECT_LT(test::relError(dbeta.download(), db_ref), 1e-4);
+
+  // Rerun of the first backward from the same accumulator state: bitwise the same.
+  dgamma.upload(dg0);
+  dbeta.upload(db0);
+  layerNormBackward(nullptr, dy.get(), x.get(), gamma.get(), mean.get(), rstd.get(), nullptr, false,
+                    reinterpret_cast<bf16*>(dx.get()), dgamma.get(), dbeta.get(), rows, cols,
+                    work.get());
+  EXPECT_EQ(dgamma.download(), dg1);
 }
 
 TEST(FusedKernels, RotaryPositionsRestartPerSequenceAndInverseUndoes) {

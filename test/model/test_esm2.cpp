@@ -147,7 +147,7 @@ template <class T> void randomizeParameters(Esm2<T>& model, std::uint64_t seed) 
 }
 
 TEST(ModelEsm2, EveryParameterGradientMatchesFiniteDifferences) {
-  for (bool recompute : {false, true}) {
+  for (Recompute recompute : {Recompute::None, Recompute::Layer, Recompute::Selective}) {
     auto c = tinyConfig();
     c.recompute = recompute;
     Esm2<double> model(c);
@@ -158,8 +158,8 @@ TEST(ModelEsm2, EveryParameterGradientMatchesFiniteDifferences) {
     const double loss = model.forwardBackward(batch, 1.0);
     EXPECT_NEAR(loss, model.forward(batch), 1e-12);
     checkGradient(
-        recompute ? "esm2 (recompute)" : "esm2", model.parameters(), model.gradients(),
-        [&]() { return model.forward(batch); }, 1e-7, 1e-5, 100000);
+        std::string("esm2 (recompute ") + recomputeName(recompute) + ")", model.parameters(),
+        model.gradients(), [&]() { return model.forward(batch); }, 1e-7, 1e-5, 100000);
   }
 }
 
@@ -189,18 +189,24 @@ TEST(ModelEsm2, RecomputeGivesIdenticalGradients) {
   c.heads = 4;
   c.ffn = 64;
   Esm2<float> stored(c);
-  c.recompute = true;
-  Esm2<float> recomputed(c);
   randomizeParameters(stored, 7);
-  randomizeParameters(recomputed, 7);
   const auto batch = makeBatch({40, 1, 77, 66}, 5);
   stored.zeroGradients();
-  recomputed.zeroGradients();
   const double l1 = stored.forwardBackward(batch, 1.0 / batch.num_masked);
-  const double l2 = recomputed.forwardBackward(batch, 1.0 / batch.num_masked);
-  EXPECT_EQ(l1, l2);
-  EXPECT_EQ(toHost(stored.gradients()), toHost(recomputed.gradients()));
-  EXPECT_LT(recomputed.workspaceBytes(), stored.workspaceBytes());
+  std::int64_t previous_bytes = stored.workspaceBytes();
+  // Same shape, same order of every sum: recomputation is bitwise by construction.  Selective
+  // keeps more than layer, and both less than none.
+  for (Recompute mode : {Recompute::Selective, Recompute::Layer}) {
+    c.recompute = mode;
+    Esm2<float> recomputed(c);
+    randomizeParameters(recomputed, 7);
+    recomputed.zeroGradients();
+    const double l2 = recomputed.forwardBackward(batch, 1.0 / batch.num_masked);
+    EXPECT_EQ(l1, l2) << recomputeName(mode);
+    EXPECT_EQ(toHost(stored.gradients()), toHost(recomputed.gradients())) << recomputeName(mode);
+    EXPECT_LT(recomputed.workspaceBytes(), previous_bytes) << recomputeName(mode);
+    previous_bytes = recomputed.workspaceBytes();
+  }
 }
 
 TEST(ModelEsm2, FloatAgreesWithDouble) {

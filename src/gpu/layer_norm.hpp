@@ -1,0 +1,39 @@
+// LayerNorm forward and backward on CUDA for the bf16 compute policy.
+//
+// Design: one warp per row, bf16x2 / float2 loads; statistics (mean, rstd) fp32; gamma and beta
+// are the fp32 master parameters (no bf16 copy of them exists).  The input may be the fp32
+// residual stream or a bf16 activation, the output gradient fp32 or bf16.  The backward writes the
+// input gradient (=) or, in residual mode, adds it to the fp32 residual-stream gradient and writes
+// that sum's bf16 copy for the next GEMM, in the same pass.  dgamma and dbeta accumulate (+=) in a
+// fixed order with no float atomics: each block sums its rows warp by warp in a fixed order into
+// shared memory and writes one partial row to `workspace`, and a second kernel adds the partials
+// block by block, so bf16 runs are bitwise reproducible.
+#pragma once
+
+#include "gpu/device.hpp"
+
+#include <cstddef>
+#include <cstdint>
+
+namespace plm::gpu {
+
+/// \brief y (bf16) = (x - mean) * rstd * gamma + beta per row of x (rows, cols), x fp32 or bf16;
+/// saves mean and rstd (rows).  cols even.
+template <class TX> void layerNormForward(Stream stream, const TX* x, const float* gamma,
+                                          const float* beta, bf16* y, float* mean, float* rstd,
+                                          std::int64_t rows, int cols, float eps);
+
+/// \brief Bytes of `workspace` layerNormBackward needs for (rows, cols).
+std::size_t layerNormBackwardWorkspace(std::int64_t rows, int cols);
+
+/// \brief From dy (rows, cols; fp32 or bf16) and the forward's x, mean, rstd: dgamma, dbeta
+/// (fp32) += their gradients, and the input gradient g.  With `residual` (fp32 (rows, cols)):
+/// residual = (accumulate ? residual : 0) + g and dx = bf16(residual); without: dx = bf16(g).
+/// cols even, at most 5120.
+template <class TX, class TDY>
+void layerNormBackward(Stream stream, const TDY* dy, const TX* x, const float* gamma,
+                       const float* mean, const float* rstd, float* residual, bool accumulate,
+                       bf16* dx, float* dgamma, float* dbeta, std::int64_t rows, int cols,
+                       void* workspace);
+
+}  // namespace plm::gpu

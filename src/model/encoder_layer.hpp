@@ -1,0 +1,131 @@
+// One ESM-2 encoder layer (pre-LN): x + Attention(LN1(x)), then + FFN(LN2(.)), written once over
+// the dispatch points of ops.hpp, so it runs on every backend and precision.
+//
+// Accumulation rule: activations are written (=); parameter gradients accumulate (+=); the
+// residual-stream gradient is one buffer updated in place: backward receives dL/d(layer output)
+// in it and leaves dL/d(layer input) there.
+// The FFN is a replaceable block (FfnBlock): DenseMlp is ESM-2's; a Mixture-of-Experts block
+// takes its place without touching the layer or the orchestration.  Parameters are views into
+// the model's flat buffers (compute-precision copy for the forward, master-type gradients).
+#pragma once
+
+#include "model/ops.hpp"
+
+#include <memory>
+
+namespace plm::model {
+
+/// The tensors one layer keeps from forward for backward, (T, ...) each.  Under recomputation
+/// some of them point into storage shared by all layers (see Recompute in ops.hpp).
+struct LayerActs {
+  Mat ln1;           // (T, H) LayerNorm 1 output, compute precision
+  Vec mean1, rstd1;  // (T)
+  Qkv qkv;           // (T, H) x3: q scaled and rotated, k rotated, v
+  Mat o;             // (T, H) attention output before the output projection
+  Mat lse;           // (T, heads) log-sum-exp of each score row
+  Mat xmid;          // (T, H) residual stream after attention (master type)
+  Mat ln2;           // (T, H) LayerNorm 2 output
+  Vec mean2, rstd2;  // (T)
+  Mat pre;           // (T, F) FFN pre-activation (DenseMlp)
+  Mat act;           // (T, F) its GELU (DenseMlp)
+};
+
+/// Scratch shared by every layer's backward, (T, ...) each.
+struct LayerScratch {
+  Mat dres;    // (T, H) residual-stream gradient, master type
+  Mat dres_c;  // (T, H) its compute-precision copy (dres itself on the portable path)
+  Mat dln;     // (T, H) gradient into LayerNorm 1 (master type: the q/k/v input gradient)
+  Mat dln_c;   // (T, H) gradient into LayerNorm 2 (compute precision)
+  Mat dout;    // (T, H) gradient of the attention output
+  Qkv dqkv;    // (T, H) x3
+  Mat delta;   // (T, heads)
+  Mat dffn;    // (T, F) FFN pre-activation gradient
+};
+
+struct AttentionWeights {
+  Vec ln_g, ln_b;  // LayerNorm 1 (master type)
+  QkvWeights qkv;
+  Mat wo;  // (H, H)
+  Vec bo;  // (H), in the output projection's result type (master)
+};
+
+struct AttentionGrads {
+  Vec ln_g, ln_b;
+  QkvGrads qkv;
+  Mat wo;
+  Vec bo;
+};
+
+struct LayerNormParams {
+  Vec gamma, beta;  // (H), master type
+};
+
+struct DenseMlpWeights {
+  Mat w1;  // (F, H)
+  Vec b1;  // (F), compute precision
+  Mat w2;  // (H, F)
+  Vec b2;  // (H), master type
+};
+
+using DenseMlpGrads = DenseMlpWeights;
+
+/// \brief The FFN slot of a layer: out = residual + FFN(h), h = LN2 output.
+class FfnBlock {
+ public:
+  virtual ~FfnBlock() = default;
+  virtual void forward(OpContext& ctx, const Mat& h, const Mat& residual, const Mat& out,
+                       LayerActs& saved) const = 0;
+  /// \brief dh (written) from dout_c, the compute copy of dL/d(out); parameter gradients +=.
+  virtual void backward(OpContext& ctx, const LayerActs& saved, const Mat& dout_c, const Mat& dh,
+                        LayerScratch& scratch) const = 0;
+};
+
+/// ESM-2's FFN: W2 gelu(W1 h + b1) + b2.
+class DenseMlp : public FfnBlock {
+ public:
+  DenseMlp(const DenseMlpWeights& weights, const DenseMlpGrads& grads)
+      : w_member(weights), g_member(grads) {}
+  void forward(OpContext& ctx, const Mat& h, const Mat& residual, const Mat& out,
+               LayerActs& saved) const override;
+  void backward(OpContext& ctx, const LayerActs& saved, const Mat& dout_c, const Mat& dh,
+                LayerScratch& scratch) const override;
+
+ private:
+  DenseMlpWeights w_member;
+  DenseMlpGrads g_member;
+};
+
+struct LayerShape {
+  int heads = 0;
+  double eps = 1e-5;
+  double q_scale = 1.0;  // head_dim^-1/2, applied to q before rotary
+};
+
+/// \brief One encoder layer.  forward(in -> out) saves what backward needs in `saved`;
+/// recompute() refills the parts of `saved` a Recompute mode dropped; backward() turns
+/// scratch.dres from dL/d(out) into dL/d(in) and accumulates the parameter gradients.
+class EncoderLayer {
+ public:
+  EncoderLayer(const LayerShape& shape, const AttentionWeights& attention,
+               const AttentionGrads& attention_grads, const LayerNormParams& ln2,
+               const LayerNormParams& ln2_grads, std::unique_ptr<FfnBlock> ffn);
+
+  void forward(OpContext& ctx, const DeviceBatch& b, const Mat& in, const Mat& out,
+               LayerActs& saved, const Mat& cos_table, const Mat& sin_table) const;
+  void recompute(OpContext& ctx, const DeviceBatch& b, const Mat& in, LayerActs& saved,
+                 Recompute mode, const Mat& cos_table, const Mat& sin_table) const;
+  void backward(OpContext& ctx, const DeviceBatch& b, const Mat& in, const LayerActs& saved,
+                LayerScratch& scratch, const Mat& cos_table, const Mat& sin_table) const;
+
+  const FfnBlock& ffn() const { return *ffn_member; }
+
+ private:
+  LayerShape shape_member;
+  AttentionWeights attn_member;
+  AttentionGrads attn_grads_member;
+  LayerNormParams ln2_member;  // LayerNorm 2 before the FFN block
+  LayerNormParams ln2_grads_member;
+  std::unique_ptr<FfnBlock> ffn_member;
+};
+
+}  // namespace plm::model

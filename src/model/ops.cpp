@@ -1,0 +1,906 @@
+// The dispatch points (ops.hpp): portable Kokkos kernels for fp32/fp64 handles, the CUDA
+// specialisations of src/gpu/ for bf16 handles.
+//
+// GEMMs on the CUDA path are written in row-major terms (gpu/gemm.hpp): a Linear layer
+// y = x W^T + b is (T, out) = (T, in) (out, in)^T; its input gradient is dy W and its weight
+// gradient dy^T x, with the bias gradient from the same GEMM's BGRADB epilogue (written to
+// scratch and added, since the epilogue overwrites).  Residual adds ride on the GEMM's C operand,
+// bias and GELU on its epilogue.
+#include "model/ops.hpp"
+
+#include "core/error.hpp"
+#include "model/cross_entropy.hpp"
+#include "model/embedding.hpp"
+#include "model/gelu.hpp"
+#include "model/layer_norm.hpp"
+#include "model/linear.hpp"
+#include "model/rotary.hpp"
+#include "plm/plm_config.hpp"
+
+#if PLM_HAVE_CUDA
+#include "gpu/flash_attention.hpp"
+#include "gpu/fused.hpp"
+#include "gpu/gemm.hpp"
+#include "gpu/layer_norm.hpp"
+
+#include <cuda_runtime.h>
+#endif
+
+#include <cmath>
+#include <string>
+
+namespace plm::model {
+
+// ---- handles -------------------------------------------------------------------------------
+
+std::size_t sizeOf(DType d) { return d == DType::F64 ? 8 : d == DType::F32 ? 4 : 2; }
+
+const char* dtypeName(DType d) {
+  return d == DType::F64 ? "fp64" : d == DType::F32 ? "fp32" : "bf16";
+}
+
+namespace {
+
+template <class E> DType tagOf() {
+  if constexpr (std::is_same_v<E, float>) return DType::F32;
+  if constexpr (std::is_same_v<E, double>) return DType::F64;
+  return DType::BF16;
+}
+
+void expect(DType have, DType want, const char* what) {
+  if (have != want)
+    throw Error(std::string("plm::model: ") + what + " is " + dtypeName(have) + ", expected " +
+                dtypeName(want) + " (a bug in the orchestration)");
+}
+
+}  // namespace
+
+Mat Mat::columns(std::int64_t first, std::int64_t count) const {
+  Mat m = *this;
+  m.data = static_cast<char*>(data) + first * static_cast<std::int64_t>(sizeOf(dtype));
+  m.cols = count;
+  return m;
+}
+
+template <class E> E* Mat::ptr() const {
+  expect(dtype, tagOf<E>(), "a matrix");
+  return static_cast<E*>(data);
+}
+
+template <class E> View2<E> Mat::view() const {
+  expect(dtype, tagOf<E>(), "a matrix");
+  if (ld != cols)
+    throw Error("plm::model: a strided matrix reached a portable kernel (a bug in the layout)");
+  return View2<E>(static_cast<E*>(data), rows, cols);
+}
+
+template <class E> E* Vec::ptr() const {
+  expect(dtype, tagOf<E>(), "a vector");
+  return static_cast<E*>(data);
+}
+
+template <class E> View1<E> Vec::view() const {
+  expect(dtype, tagOf<E>(), "a vector");
+  return View1<E>(static_cast<E*>(data), n);
+}
+
+template View2<float> Mat::view<float>() const;
+template View2<double> Mat::view<double>() const;
+template View1<float> Vec::view<float>() const;
+template View1<double> Vec::view<double>() const;
+template float* Mat::ptr<float>() const;
+template double* Mat::ptr<double>() const;
+template float* Vec::ptr<float>() const;
+template double* Vec::ptr<double>() const;
+
+bool Qkv::fused() const {
+  const auto step = static_cast<std::int64_t>(q.cols * sizeOf(q.dtype));
+  return q.ld == 3 * q.cols && static_cast<char*>(k.data) == static_cast<char*>(q.data) + step &&
+         static_cast<char*>(v.data) == static_cast<char*>(q.data) + 2 * step;
+}
+
+Precision parsePrecision(const std::string& name) {
+  if (name == "fp32") return Precision::Fp32;
+  if (name == "bf16") return Precision::Bf16;
+  throw collectiveError("train.precision: '" + name + "' is not a precision; use fp32 or bf16");
+}
+
+const char* precisionName(Precision p) { return p == Precision::Bf16 ? "bf16" : "fp32"; }
+
+Recompute parseRecompute(const std::string& name) {
+  if (name == "none" || name == "false") return Recompute::None;
+  if (name == "layer" || name == "true") return Recompute::Layer;
+  if (name == "selective") return Recompute::Selective;
+  throw collectiveError("model.recompute: '" + name +
+                        "' is not a recomputation mode; use none, layer or selective");
+}
+
+const char* recomputeName(Recompute r) {
+  return r == Recompute::Layer ? "layer" : r == Recompute::Selective ? "selective" : "none";
+}
+
+// ---- context -------------------------------------------------------------------------------
+
+#if PLM_HAVE_CUDA
+struct OpContext::Cuda {
+  gpu::Gemm gemm;
+  double* loss = nullptr;  // device accumulator of crossEntropy
+  bool profiling = false;
+  std::vector<cudaEvent_t> events;
+  std::vector<int> kinds;
+  std::size_t marks = 0;
+  double totals[static_cast<int>(OpKind::Count)] = {};
+
+  Cuda() { PLM_CHECK_CUDA(cudaMalloc(&loss, sizeof(double))); }
+  ~Cuda() {
+    for (auto e : events) cudaEventDestroy(e);
+    cudaFree(loss);
+  }
+  void collect() {
+    if (marks < 2) {
+      marks = 0;
+      return;
+    }
+    PLM_CHECK_CUDA(cudaEventSynchronize(events[marks - 1]));
+    for (std::size_t i = 1; i < marks; ++i) {
+      float ms = 0;
+      PLM_CHECK_CUDA(cudaEventElapsedTime(&ms, events[i - 1], events[i]));
+      totals[kinds[i]] += ms;
+    }
+    // Keep the last event as the start of the next interval.
+    std::swap(events[0], events[marks - 1]);
+    kinds[0] = kinds[marks - 1];
+    marks = 1;
+  }
+};
+#else
+struct OpContext::Cuda {};
+#endif
+
+OpContext::OpContext(const ExecSpace& space) : space_member(space) {}
+
+OpContext::~OpContext() = default;
+
+OpContext::Cuda& OpContext::cuda() {
+  if (!cuda_member) cuda_member = std::make_unique<Cuda>();
+  return *cuda_member;
+}
+
+void* OpContext::scratch(int slot, std::size_t bytes) {
+  if (static_cast<int>(scratch_member.size()) <= slot) scratch_member.resize(slot + 1);
+  auto& s = scratch_member[slot];
+  const std::size_t n = (bytes + sizeof(double) - 1) / sizeof(double);
+  if (s.extent(0) < n) {
+    s = View1<double>();
+    s = View1<double>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::op_scratch"), n);
+  }
+  return s.data();
+}
+
+void OpContext::beginLoss() {
+  host_loss = 0.0;
+#if PLM_HAVE_CUDA
+  if (cuda_member)
+    PLM_CHECK_CUDA(
+        cudaMemsetAsync(cuda_member->loss, 0, sizeof(double), space_member.cuda_stream()));
+#endif
+}
+
+double OpContext::endLoss() {
+  double total = host_loss;
+#if PLM_HAVE_CUDA
+  if (cuda_member) {
+    double device = 0.0;
+    PLM_CHECK_CUDA(cudaMemcpyAsync(&device, cuda_member->loss, sizeof(double),
+                                   cudaMemcpyDeviceToHost, space_member.cuda_stream()));
+    PLM_CHECK_CUDA(cudaStreamSynchronize(space_member.cuda_stream()));
+    if (cuda_member->profiling) cuda_member->collect();
+    total += device;
+  }
+#endif
+  return total;
+}
+
+void OpContext::setProfiling(bool on) {
+#if PLM_HAVE_CUDA
+  auto& c = cuda();
+  c.profiling = on;
+  c.marks = 0;
+  for (double& t : c.totals) t = 0;
+#else
+  (void)on;
+#endif
+}
+
+std::vector<std::pair<std::string, double>> OpContext::profile() {
+  std::vector<std::pair<std::string, double>> out;
+#if PLM_HAVE_CUDA
+  auto& c = cuda();
+  c.collect();
+  const char* names[] = {"gemm (cuBLASLt)", "flash attention", "layernorm", "other fused"};
+  for (int k = 0; k < static_cast<int>(OpKind::Count); ++k) out.emplace_back(names[k], c.totals[k]);
+#endif
+  return out;
+}
+
+void OpContext::mark(OpKind kind) {
+#if PLM_HAVE_CUDA
+  if (!cuda_member || !cuda_member->profiling) return;
+  auto& c = *cuda_member;
+  if (c.marks == c.events.size()) {
+    cudaEvent_t e;
+    PLM_CHECK_CUDA(cudaEventCreate(&e));
+    c.events.push_back(e);
+    c.kinds.push_back(0);
+  }
+  PLM_CHECK_CUDA(cudaEventRecord(c.events[c.marks], space_member.cuda_stream()));
+  c.kinds[c.marks++] = static_cast<int>(kind);
+#else
+  (void)kind;
+#endif
+}
+
+// ---- helpers -------------------------------------------------------------------------------
+
+namespace {
+
+bool isBf16(const Mat& m) { return m.dtype == DType::BF16; }
+
+/// Calls f(T{}) with the portable element type of `d`.
+template <class F> void portable(DType d, const char* op, F&& f) {
+  if (d == DType::F32)
+    f(float{});
+  else if (d == DType::F64)
+    f(double{});
+  else
+    throw Error(std::string("plm::model::") + op +
+                ": bf16 compute needs the CUDA build (train.precision: bf16, doc/gpu.md)");
+}
+
+#if PLM_HAVE_CUDA
+using gpu::bf16;
+
+gpu::Stream streamOf(OpContext& ctx) { return ctx.space().cuda_stream(); }
+
+template <class E> const E* cptr(const Mat& m) {
+  expect(m.dtype, tagOf<E>(), "a matrix");
+  return static_cast<const E*>(m.data);
+}
+template <class E> E* mptr(const Mat& m) {
+  expect(m.dtype, tagOf<E>(), "a matrix");
+  return static_cast<E*>(m.data);
+}
+template <class E> E* vptr(const Vec& v) {
+  expect(v.dtype, tagOf<E>(), "a vector");
+  return static_cast<E*>(v.data);
+}
+
+gpu::DType gemmType(DType d) {
+  if (d == DType::F64) throw Error("plm::model: fp64 output on the bf16 GEMM path (a bug)");
+  return d == DType::BF16 ? gpu::DType::BF16 : gpu::DType::F32;
+}
+
+struct Mm {
+  bool ta = false, tb = false;
+  std::int64_t m = 0, n = 0, k = 0;
+  const void* a = nullptr;
+  std::int64_t lda = 0;
+  const void* b = nullptr;
+  std::int64_t ldb = 0;
+  const Mat* d = nullptr;
+  float beta = 0.0f;
+  gpu::Epilogue epilogue = gpu::Epilogue::None;
+  const void* bias = nullptr;
+  void* aux = nullptr;
+  std::int64_t ldaux = 0;
+  void* bias_grad = nullptr;
+  const void* c = nullptr;
+  std::int64_t ldc = 0;
+};
+
+void runGemm(OpContext& ctx, const Mm& x) {
+  gpu::GemmArgs g;
+  g.trans_a = x.ta;
+  g.trans_b = x.tb;
+  g.m = x.m;
+  g.n = x.n;
+  g.k = x.k;
+  g.a = x.a;
+  g.lda = x.lda;
+  g.b = x.b;
+  g.ldb = x.ldb;
+  g.d = x.d->data;
+  g.ldd = x.d->ld;
+  g.d_type = gemmType(x.d->dtype);
+  g.beta = x.beta;
+  g.epilogue = x.epilogue;
+  g.bias = x.bias;
+  g.aux = x.aux;
+  g.ldaux = x.ldaux;
+  g.bias_grad = x.bias_grad;
+  g.c = x.c;
+  g.ldc = x.ldc;
+  ctx.cuda().gemm.run(streamOf(ctx), g);
+  ctx.mark(OpKind::Gemm);
+}
+
+/// y (rows, out) = x W^T (+ epilogue).
+Mm forwardGemm(const Mat& x, const Mat& w, const Mat& y) {
+  Mm m;
+  m.tb = true;
+  m.m = x.rows;
+  m.n = w.rows;
+  m.k = x.cols;
+  m.a = cptr<bf16>(x);
+  m.lda = x.ld;
+  m.b = cptr<bf16>(w);
+  m.ldb = w.ld;
+  m.d = &y;
+  return m;
+}
+
+/// dw (out, in) += dy^T x with db (out) += column sums of dy, through the BGRADB epilogue.
+void weightGradient(OpContext& ctx, const Mat& x, const Mat& dy, const Mat& dw, const Vec& db) {
+  const std::int64_t out = dy.cols, in = x.cols;
+  auto* bias_scratch = static_cast<float*>(ctx.scratch(0, (out + 64) * sizeof(float)));
+  Mm m;
+  m.ta = true;
+  m.m = out;
+  m.n = in;
+  m.k = dy.rows;
+  m.a = cptr<bf16>(dy);
+  m.lda = dy.ld;
+  m.b = cptr<bf16>(x);
+  m.ldb = x.ld;
+  m.d = &dw;
+  m.beta = 1.0f;
+  m.epilogue = gpu::Epilogue::BGradA;
+  m.bias_grad = bias_scratch;
+  runGemm(ctx, m);
+  gpu::addInto(streamOf(ctx), vptr<float>(db), bias_scratch, out);
+  ctx.mark(OpKind::Other);
+}
+
+/// dx = (accumulate ? dx : 0) + dy W, with an optional epilogue reading `aux`.
+void inputGradient(OpContext& ctx, const Mat& dy, const Mat& w, const Mat& dx, bool accumulate,
+                   gpu::Epilogue epilogue = gpu::Epilogue::None, const Mat* aux = nullptr) {
+  Mm m;
+  m.m = dy.rows;
+  m.n = w.cols;
+  m.k = dy.cols;
+  m.a = cptr<bf16>(dy);
+  m.lda = dy.ld;
+  m.b = cptr<bf16>(w);
+  m.ldb = w.ld;
+  m.d = &dx;
+  m.beta = accumulate ? 1.0f : 0.0f;
+  m.epilogue = epilogue;
+  if (aux) {
+    m.aux = aux->data;
+    m.ldaux = aux->ld;
+  }
+  runGemm(ctx, m);
+}
+
+gpu::FlashParams flashParams(const DeviceBatch& b, const Qkv& qkv, int heads) {
+  gpu::FlashParams fp;
+  fp.cu_seqlens = b.cu_seqlens.data();
+  fp.num_seqs = b.num_seqs;
+  fp.max_seqlen = b.max_seqlen;
+  fp.total_tokens = b.tokens;
+  fp.heads = heads;
+  fp.head_dim = static_cast<int>(qkv.q.cols / heads);
+  fp.softmax_scale = 1.0f;  // ESM-2 scales q before rotary
+  fp.q = cptr<bf16>(qkv.q);
+  fp.k = cptr<bf16>(qkv.k);
+  fp.v = cptr<bf16>(qkv.v);
+  fp.q_stride = qkv.q.ld;
+  fp.k_stride = qkv.k.ld;
+  fp.v_stride = qkv.v.ld;
+  return fp;
+}
+#endif
+
+[[noreturn]] void noCuda(const char* op) {
+  throw Error(std::string("plm::model::") + op +
+              ": bf16 compute needs the CUDA build (train.precision: bf16, doc/gpu.md)");
+}
+
+template <class T> void gatherRowsPortable(const ExecSpace& space, const View2<T>& src,
+                                           const View1<std::int32_t>& rows, const View2<T>& dst) {
+  const int cols = static_cast<int>(dst.extent(1));
+  Kokkos::parallel_for(
+      "plm::model::gather_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, dst.extent(0)),
+      KOKKOS_LAMBDA(const std::int64_t m) {
+        for (int c = 0; c < cols; ++c) dst(m, c) = src(rows(m), c);
+      });
+}
+
+template <class T> void scatterRowsPortable(const ExecSpace& space, const View2<T>& src,
+                                            const View1<std::int32_t>& rows, const View2<T>& dst) {
+  Kokkos::deep_copy(space, dst, T(0));
+  const int cols = static_cast<int>(src.extent(1));
+  Kokkos::parallel_for(
+      "plm::model::scatter_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, src.extent(0)),
+      KOKKOS_LAMBDA(const std::int64_t m) {  // rows are distinct: no conflicts
+        for (int c = 0; c < cols; ++c) dst(rows(m), c) = src(m, c);
+      });
+}
+
+template <class T, class S> void copyStridedPortable(const ExecSpace& space, const S* src,
+                                                     std::int64_t ld, const View2<T>& dst) {
+  const int cols = static_cast<int>(dst.extent(1));
+  Kokkos::parallel_for(
+      "plm::model::copy_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, dst.extent(0)),
+      KOKKOS_LAMBDA(const std::int64_t r) {
+        for (int c = 0; c < cols; ++c) dst(r, c) = static_cast<T>(src[r * ld + c]);
+      });
+}
+
+}  // namespace
+
+// ---- embedding -----------------------------------------------------------------------------
+
+void embedding(OpContext& ctx, const DeviceBatch& b, const Mat& weight, const Mat& x) {
+  if (isBf16(weight)) {
+#if PLM_HAVE_CUDA
+    gpu::embeddingForward(streamOf(ctx), b.ids.data(), cptr<bf16>(weight), mptr<float>(x),
+                          b.cu_seqlens.data(), b.num_seqs, static_cast<int>(x.cols), b.mask_id,
+                          b.token_dropout);
+    ctx.mark(OpKind::Other);
+    return;
+#else
+    noCuda("embedding");
+#endif
+  }
+  portable(weight.dtype, "embedding", [&](auto t) {
+    using T = decltype(t);
+    embeddingForward(ctx.space(), b.ids, b.mult.view<T>(), weight.view<T>(), x.view<T>());
+  });
+}
+
+void embeddingBackward(OpContext& ctx, const DeviceBatch& b, const Mat& dx, const Mat& dweight) {
+  if (isBf16(dx)) {
+#if PLM_HAVE_CUDA
+    gpu::embeddingBackward(streamOf(ctx), b.ids.data(), cptr<bf16>(dx), mptr<float>(dweight),
+                           b.cu_seqlens.data(), b.num_seqs, static_cast<int>(dweight.rows),
+                           static_cast<int>(dweight.cols), b.mask_id, b.token_dropout, b.pad_id);
+    ctx.mark(OpKind::Other);
+    return;
+#else
+    noCuda("embeddingBackward");
+#endif
+  }
+  portable(dx.dtype, "embeddingBackward", [&](auto t) {
+    using T = decltype(t);
+    model::embeddingBackward(ctx.space(), b.ids, b.mult.view<T>(), dx.view<T>(), b.pad_id,
+                             dweight.view<T>());
+  });
+}
+
+// ---- LayerNorm -----------------------------------------------------------------------------
+
+void layerNorm(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec& beta, double eps,
+               const Mat& y, const Vec& mean, const Vec& rstd) {
+  if (isBf16(y)) {
+#if PLM_HAVE_CUDA
+    const auto st = streamOf(ctx);
+    const int cols = static_cast<int>(x.cols);
+    if (isBf16(x))
+      gpu::layerNormForward(st, cptr<bf16>(x), vptr<float>(gamma), vptr<float>(beta), mptr<bf16>(y),
+                            vptr<float>(mean), vptr<float>(rstd), x.rows, cols,
+                            static_cast<float>(eps));
+    else
+      gpu::layerNormForward(st, cptr<float>(x), vptr<float>(gamma), vptr<float>(beta),
+                            mptr<bf16>(y), vptr<float>(mean), vptr<float>(rstd), x.rows, cols,
+                            static_cast<float>(eps));
+    ctx.mark(OpKind::LayerNorm);
+    return;
+#else
+    noCuda("layerNorm");
+#endif
+  }
+  portable(y.dtype, "layerNorm", [&](auto t) {
+    using T = decltype(t);
+    layerNormForward(ctx.space(), x.view<T>(), gamma.view<T>(), beta.view<T>(), eps, y.view<T>(),
+                     mean.view<T>(), rstd.view<T>());
+  });
+}
+
+void layerNormBackward(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec& mean,
+                       const Vec& rstd, const Mat& dy, const Mat& dres, bool accumulate,
+                       const Mat& dx, const Vec& dgamma, const Vec& dbeta) {
+  if (isBf16(dx)) {
+#if PLM_HAVE_CUDA
+    const auto st = streamOf(ctx);
+    const int cols = static_cast<int>(x.cols);
+    void* work = ctx.scratch(1, gpu::layerNormBackwardWorkspace(x.rows, cols));
+    float* res = dres.empty() ? nullptr : mptr<float>(dres);
+    auto call = [&](auto* xp, auto* dyp) {
+      gpu::layerNormBackward(st, dyp, xp, vptr<float>(gamma), vptr<float>(mean), vptr<float>(rstd),
+                             res, accumulate, mptr<bf16>(dx), vptr<float>(dgamma),
+                             vptr<float>(dbeta), x.rows, cols, work);
+    };
+    if (isBf16(x)) {
+      if (isBf16(dy))
+        call(cptr<bf16>(x), cptr<bf16>(dy));
+      else
+        call(cptr<bf16>(x), cptr<float>(dy));
+    } else {
+      if (isBf16(dy))
+        call(cptr<float>(x), cptr<bf16>(dy));
+      else
+        call(cptr<float>(x), cptr<float>(dy));
+    }
+    ctx.mark(OpKind::LayerNorm);
+    return;
+#else
+    noCuda("layerNormBackward");
+#endif
+  }
+  if (!dres.empty() && dres.data != dx.data)
+    throw Error(
+        "plm::model::layerNormBackward: on the portable path the residual gradient is "
+        "its own compute copy (a bug in the layout)");
+  portable(dx.dtype, "layerNormBackward", [&](auto t) {
+    using T = decltype(t);
+    const View2<T> target = dx.view<T>();
+    if (!accumulate || dres.empty()) Kokkos::deep_copy(ctx.space(), target, T(0));
+    model::layerNormBackward(ctx.space(), x.view<T>(), gamma.view<T>(), mean.view<T>(),
+                             rstd.view<T>(), dy.view<T>(), target, dgamma.view<T>(),
+                             dbeta.view<T>());
+  });
+}
+
+// ---- Linear layers -------------------------------------------------------------------------
+
+void linear(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& y) {
+  if (isBf16(x)) {
+#if PLM_HAVE_CUDA
+    Mm m = forwardGemm(x, w, y);
+    expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
+    m.epilogue = gpu::Epilogue::Bias;
+    m.bias = b.data;
+    runGemm(ctx, m);
+    return;
+#else
+    noCuda("linear");
+#endif
+  }
+  portable(x.dtype, "linear", [&](auto t) {
+    using T = decltype(t);
+    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), T(0), y.view<T>());
+  });
+}
+
+void linearResidual(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& residual,
+                    const Mat& y) {
+  if (isBf16(x)) {
+#if PLM_HAVE_CUDA
+    Mm m = forwardGemm(x, w, y);
+    expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
+    m.epilogue = gpu::Epilogue::Bias;
+    m.bias = b.data;
+    m.beta = 1.0f;
+    m.c = residual.data;
+    m.ldc = residual.ld;
+    runGemm(ctx, m);
+    return;
+#else
+    noCuda("linearResidual");
+#endif
+  }
+  portable(x.dtype, "linearResidual", [&](auto t) {
+    using T = decltype(t);
+    const View2<T> out = y.view<T>();
+    if (residual.data != y.data) Kokkos::deep_copy(ctx.space(), out, residual.view<T>());
+    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), T(1), out);
+  });
+}
+
+void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& pre,
+                const Mat& y) {
+  if (isBf16(x)) {
+#if PLM_HAVE_CUDA
+    Mm m = forwardGemm(x, w, y);
+    expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
+    m.epilogue = gpu::Epilogue::BiasGeluAux;
+    m.bias = b.data;
+    m.aux = pre.data;
+    m.ldaux = pre.ld;
+    runGemm(ctx, m);
+    return;
+#else
+    noCuda("linearGelu");
+#endif
+  }
+  portable(x.dtype, "linearGelu", [&](auto t) {
+    using T = decltype(t);
+    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), T(0), pre.view<T>());
+    geluForward(ctx.space(), pre.view<T>(), y.view<T>());
+  });
+}
+
+void linearBackward(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, const Mat& dx,
+                    bool dx_accumulate, const Mat& dw, const Vec& db) {
+  if (isBf16(dy)) {
+#if PLM_HAVE_CUDA
+    weightGradient(ctx, x, dy, dw, db);
+    if (!dx.empty()) inputGradient(ctx, dy, w, dx, dx_accumulate);
+    return;
+#else
+    noCuda("linearBackward");
+#endif
+  }
+  portable(dy.dtype, "linearBackward", [&](auto t) {
+    using T = decltype(t);
+    model::linearBackward(ctx.space(), x.view<T>(), w.view<T>(), dy.view<T>(),
+                          dx_accumulate ? T(1) : T(0), dx.empty() ? View2<T>() : dx.view<T>(),
+                          dw.view<T>(), db.view<T>());
+  });
+}
+
+void linearBackwardGelu(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, const Mat& pre,
+                        const Mat& dpre, const Mat& dw, const Vec& db) {
+  if (isBf16(dy)) {
+#if PLM_HAVE_CUDA
+    weightGradient(ctx, x, dy, dw, db);
+    inputGradient(ctx, dy, w, dpre, false, gpu::Epilogue::DGelu, &pre);
+    return;
+#else
+    noCuda("linearBackwardGelu");
+#endif
+  }
+  portable(dy.dtype, "linearBackwardGelu", [&](auto t) {
+    using T = decltype(t);
+    model::linearBackward(ctx.space(), x.view<T>(), w.view<T>(), dy.view<T>(), T(0), dpre.view<T>(),
+                          dw.view<T>(), db.view<T>());
+    model::geluBackward(ctx.space(), pre.view<T>(), dpre.view<T>(), dpre.view<T>());
+  });
+}
+
+void geluBackward(OpContext& ctx, const Mat& pre, const Mat& dy, const Mat& dx) {
+  if (isBf16(dy)) {
+#if PLM_HAVE_CUDA
+    if (pre.ld != pre.cols || dy.ld != dy.cols || dx.ld != dx.cols)
+      throw Error("plm::model::geluBackward: strided operands (a bug in the layout)");
+    gpu::geluTanhBackward(streamOf(ctx), cptr<bf16>(dy), cptr<bf16>(pre), mptr<bf16>(dx),
+                          dy.rows * dy.cols);
+    ctx.mark(OpKind::Other);
+    return;
+#else
+    noCuda("geluBackward");
+#endif
+  }
+  portable(dy.dtype, "geluBackward", [&](auto t) {
+    using T = decltype(t);
+    model::geluBackward(ctx.space(), pre.view<T>(), dy.view<T>(), dx.view<T>());
+  });
+}
+
+// ---- attention block -----------------------------------------------------------------------
+
+void qkvProjection(OpContext& ctx, const Mat& x, const QkvWeights& w, const Qkv& out) {
+  if (!w.fused_w.empty()) {
+    if (!out.fused())
+      throw Error("plm::model::qkvProjection: stacked weights need a fused q/k/v buffer (a bug)");
+    Mat all = out.q;
+    all.cols = 3 * out.q.cols;
+    linear(ctx, x, w.fused_w, w.fused_b, all);
+    return;
+  }
+  linear(ctx, x, w.wq, w.bq, out.q);
+  linear(ctx, x, w.wk, w.bk, out.k);
+  linear(ctx, x, w.wv, w.bv, out.v);
+}
+
+void qkvBackward(OpContext& ctx, const Mat& x, const QkvWeights& w, const Qkv& d, const Mat& dx,
+                 const QkvGrads& g) {
+  if (!w.fused_w.empty()) {
+#if PLM_HAVE_CUDA
+    if (!d.fused())
+      throw Error("plm::model::qkvBackward: stacked weights need a fused q/k/v gradient (a bug)");
+    // One (3H, H) weight-gradient GEMM for q, k and v, then added into their three tensors.
+    const std::int64_t h = d.q.cols;
+    auto* grad = static_cast<float*>(ctx.scratch(2, (3 * h * h + 3 * h + 64) * sizeof(float)));
+    Mat dall = d.q;
+    dall.cols = 3 * h;
+    Mat gw{grad, DType::F32, 3 * h, h, h};
+    Mm m;
+    m.ta = true;
+    m.m = 3 * h;
+    m.n = h;
+    m.k = dall.rows;
+    m.a = cptr<bf16>(dall);
+    m.lda = dall.ld;
+    m.b = cptr<bf16>(x);
+    m.ldb = x.ld;
+    m.d = &gw;
+    m.epilogue = gpu::Epilogue::BGradA;
+    m.bias_grad = grad + 3 * h * h;
+    runGemm(ctx, m);
+    const auto st = streamOf(ctx);
+    const Mat* gws[3] = {&g.wq, &g.wk, &g.wv};
+    const Vec* gbs[3] = {&g.bq, &g.bk, &g.bv};
+    for (int part = 0; part < 3; ++part) {
+      gpu::addInto(st, mptr<float>(*gws[part]), grad + part * h * h, h * h);
+      gpu::addInto(st, vptr<float>(*gbs[part]), grad + 3 * h * h + part * h, h);
+    }
+    ctx.mark(OpKind::Other);
+    inputGradient(ctx, dall, w.fused_w, dx, false);
+    return;
+#else
+    noCuda("qkvBackward");
+#endif
+  }
+  linearBackward(ctx, x, w.wq, d.q, dx, false, g.wq, g.bq);
+  linearBackward(ctx, x, w.wk, d.k, dx, true, g.wk, g.bk);
+  linearBackward(ctx, x, w.wv, d.v, dx, true, g.wv, g.bv);
+}
+
+void rotary(OpContext& ctx, const DeviceBatch& b, const Mat& q, const Mat& k, int heads,
+            double q_scale, bool inverse, const Mat& cos_table, const Mat& sin_table) {
+  if (isBf16(q)) {
+#if PLM_HAVE_CUDA
+    gpu::rotary(streamOf(ctx), mptr<bf16>(q), q.ld, mptr<bf16>(k), k.ld, b.cu_seqlens.data(),
+                b.num_seqs, b.tokens, heads, static_cast<int>(q.cols / heads), inverse,
+                static_cast<float>(q_scale));
+    ctx.mark(OpKind::Other);
+    return;
+#else
+    noCuda("rotary");
+#endif
+  }
+  portable(q.dtype, "rotary", [&](auto t) {
+    using T = decltype(t);
+    const auto cs = cos_table.view<T>();
+    const auto sn = sin_table.view<T>();
+    if (inverse) {
+      rotaryBackward(ctx.space(), q.view<T>(), b.position, heads, cs, sn, T(q_scale));
+      rotaryBackward(ctx.space(), k.view<T>(), b.position, heads, cs, sn, T(1));
+    } else {
+      rotaryForward(ctx.space(), q.view<T>(), b.position, heads, cs, sn, T(q_scale));
+      rotaryForward(ctx.space(), k.view<T>(), b.position, heads, cs, sn, T(1));
+    }
+  });
+}
+
+void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, const Mat& o,
+               const Mat& lse) {
+  if (isBf16(qkv.q)) {
+#if PLM_HAVE_CUDA
+    gpu::FlashParams fp = flashParams(b, qkv, heads);
+    fp.o = mptr<bf16>(o);
+    fp.o_stride = o.ld;
+    fp.lse = mptr<float>(lse);
+    gpu::flashAttentionForward(streamOf(ctx), fp);
+    ctx.mark(OpKind::Attention);
+    return;
+#else
+    noCuda("attention");
+#endif
+  }
+  portable(qkv.q.dtype, "attention", [&](auto t) {
+    using T = decltype(t);
+    auto* work = static_cast<T*>(ctx.scratch(3, 2 * sizeof(T) * b.tokens * qkv.q.cols));
+    attentionForward(ctx.space(), qkv.q.view<T>(), qkv.k.view<T>(), qkv.v.view<T>(), b.cu_seqlens,
+                     heads, o.view<T>(), lse.view<T>(), ctx.tiles,
+                     View1<T>(work, 2 * b.tokens * qkv.q.cols));
+  });
+}
+
+void attentionBackward(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, const Mat& o,
+                       const Mat& lse, const Mat& dout, int heads, const Mat& delta,
+                       const Qkv& dqkv) {
+  if (isBf16(qkv.q)) {
+#if PLM_HAVE_CUDA
+    gpu::FlashParams fp = flashParams(b, qkv, heads);
+    fp.o = mptr<bf16>(o);
+    fp.o_stride = o.ld;
+    fp.lse = mptr<float>(lse);
+    fp.dout = cptr<bf16>(dout);
+    fp.dout_stride = dout.ld;
+    fp.dq = mptr<bf16>(dqkv.q);
+    fp.dk = mptr<bf16>(dqkv.k);
+    fp.dv = mptr<bf16>(dqkv.v);
+    fp.dq_stride = dqkv.q.ld;
+    fp.dk_stride = dqkv.k.ld;
+    fp.dv_stride = dqkv.v.ld;
+    fp.delta = mptr<float>(delta);
+    gpu::flashAttentionBackward(streamOf(ctx), fp);
+    ctx.mark(OpKind::Attention);
+    return;
+#else
+    noCuda("attentionBackward");
+#endif
+  }
+  portable(qkv.q.dtype, "attentionBackward", [&](auto t) {
+    using T = decltype(t);
+    auto* work = static_cast<T*>(ctx.scratch(3, 2 * sizeof(T) * b.tokens * qkv.q.cols));
+    model::attentionBackward(ctx.space(), qkv.q.view<T>(), qkv.k.view<T>(), qkv.v.view<T>(),
+                             o.view<T>(), lse.view<T>(), dout.view<T>(), b.cu_seqlens, heads,
+                             delta.view<T>(), dqkv.q.view<T>(), dqkv.k.view<T>(), dqkv.v.view<T>(),
+                             ctx.tiles, View1<T>(work, 2 * b.tokens * qkv.q.cols));
+  });
+}
+
+// ---- LM head rows and loss -----------------------------------------------------------------
+
+void gatherRows(OpContext& ctx, const Mat& src, const View1<std::int32_t>& rows, const Mat& dst) {
+  if (isBf16(src)) {
+#if PLM_HAVE_CUDA
+    gpu::gatherRows(streamOf(ctx), cptr<bf16>(src), rows.data(), mptr<bf16>(dst), dst.rows,
+                    static_cast<int>(dst.cols));
+    ctx.mark(OpKind::Other);
+    return;
+#else
+    noCuda("gatherRows");
+#endif
+  }
+  portable(src.dtype, "gatherRows", [&](auto t) {
+    using T = decltype(t);
+    gatherRowsPortable(ctx.space(), src.view<T>(), rows, dst.view<T>());
+  });
+}
+
+void scatterRows(OpContext& ctx, const Mat& src, const View1<std::int32_t>& rows, const Mat& dst) {
+  if (isBf16(src)) {
+#if PLM_HAVE_CUDA
+    PLM_CHECK_CUDA(
+        cudaMemsetAsync(dst.data, 0, dst.rows * dst.ld * sizeOf(dst.dtype), streamOf(ctx)));
+    gpu::scatterRows(streamOf(ctx), cptr<bf16>(src), rows.data(), mptr<bf16>(dst), src.rows,
+                     static_cast<int>(src.cols));
+    ctx.mark(OpKind::Other);
+    return;
+#else
+    noCuda("scatterRows");
+#endif
+  }
+  portable(src.dtype, "scatterRows", [&](auto t) {
+    using T = decltype(t);
+    scatterRowsPortable(ctx.space(), src.view<T>(), rows, dst.view<T>());
+  });
+}
+
+void crossEntropy(OpContext& ctx, const Mat& logits, const View1<std::int32_t>& labels,
+                  double grad_scale, const Mat& dlogits) {
+  if (isBf16(dlogits)) {
+#if PLM_HAVE_CUDA
+    gpu::crossEntropy(streamOf(ctx), cptr<float>(logits), labels.data(), mptr<bf16>(dlogits),
+                      ctx.cuda().loss, logits.rows, static_cast<int>(logits.cols),
+                      static_cast<float>(grad_scale), static_cast<int>(logits.ld));
+    ctx.mark(OpKind::Other);
+    return;
+#else
+    noCuda("crossEntropy");
+#endif
+  }
+  portable(logits.dtype, "crossEntropy", [&](auto t) {
+    using T = decltype(t);
+    ctx.host_loss += model::crossEntropy(ctx.space(), logits.view<T>(), labels, grad_scale,
+                                         dlogits.empty() ? View2<T>() : dlogits.view<T>());
+  });
+}
+
+void copyToMaster(OpContext& ctx, const Mat& src, const Mat& dst) {
+  portable(dst.dtype, "copyToMaster", [&](auto t) {
+    using T = decltype(t);
+    const View2<T> out = dst.view<T>();
+    if (src.dtype == dst.dtype) {
+      copyStridedPortable(ctx.space(), static_cast<const T*>(src.data), src.ld, out);
+    } else if (isBf16(src)) {
+#if PLM_HAVE_CUDA
+      if constexpr (std::is_same_v<T, float>) {
+        if (src.ld != src.cols) throw Error("plm::model::copyToMaster: strided bf16 (a bug)");
+        gpu::castToFloat(streamOf(ctx), cptr<bf16>(src), out.data(), src.rows * src.cols);
+        return;
+      }
+#endif
+      noCuda("copyToMaster");
+    } else {
+      throw Error("plm::model::copyToMaster: element types differ (a bug)");
+    }
+  });
+}
+
+}  // namespace plm::model
