@@ -46,7 +46,13 @@ GradientBuckets<T>::GradientBuckets(View1<T> gradients, std::vector<BufferRange>
   const std::int64_t capacity = std::max<std::int64_t>(1, bucket_bytes / std::int64_t(sizeof(T)));
   std::vector<std::vector<BufferRange>> pieces;  // per bucket
   std::int64_t room = 0;
-  for (const auto& r : ready_order) {
+  for (std::size_t i = 0; i < ready_order.size(); ++i) {
+    const BufferRange& r = ready_order[i];
+    // Cut from the end that touches the next range (backward order walks the buffer
+    // downwards), so the pieces sharing a bucket touch and merge into one run below.
+    const bool downwards = i + 1 < ready_order.size()
+                               ? ready_order[i + 1].offset < r.offset
+                               : i > 0 && ready_order[i - 1].offset > r.offset;
     RangeState state;
     state.range = r;
     for (std::int64_t done = 0; done < r.count;) {
@@ -55,7 +61,8 @@ GradientBuckets<T>::GradientBuckets(View1<T> gradients, std::vector<BufferRange>
         room = capacity;
       }
       const std::int64_t take = std::min(room, r.count - done);
-      pieces.back().push_back({r.offset + done, take});
+      const std::int64_t start = downwards ? r.offset + r.count - done - take : r.offset + done;
+      pieces.back().push_back({start, take});
       state.buckets.push_back(static_cast<int>(pieces.size()) - 1);
       done += take;
       room -= take;
