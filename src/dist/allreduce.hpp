@@ -1,12 +1,12 @@
-// Data-parallel reductions: the gradient all-reduce over one flat buffer and the few scalars a
-// training step sums over ranks (loss, masked-token and token counts).
+// Blocking MPI reductions: the few scalars a training step sums over ranks (loss, masked-token
+// and token counts), and a chunked in-place all-reduce of one View.
 //
-// Design choice: gradients are reduced in place, in fixed-size chunks, so no second buffer of
-// the model's size is needed and each MPI call stays far below the int count limit.  The
-// producing execution space is fenced before MPI touches the memory.  The MPI datatype comes
-// from the element type (dist::mpiType), so a bf16/fp32 gradient role changes nothing here.
-// Device buffers are staged through one host chunk: MPI built without CUDA support (Debian's
-// and Ubuntu's OpenMPI) faults on device pointers; NCCL is the fast path still to come.
+// The training step's gradient all-reduce no longer comes here: it goes through
+// dist::GradientBuckets on a dist::Communicator (NCCL on GPUs, non-blocking MPI on CPUs).  The
+// View all-reduce below stays as the blocking reference (test_train_gradient_sync compares the
+// buckets with it); it fences the producing space, and stages device buffers through one host
+// chunk, since MPI built without CUDA support (Debian's and Ubuntu's OpenMPI) faults on device
+// pointers.  The MPI datatype comes from the element type (dist::mpiType).
 #pragma once
 
 #include "core/types.hpp"

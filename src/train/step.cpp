@@ -3,6 +3,10 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "dist/allreduce.hpp"
+#include "dist/runtime.hpp"
+#include "train/gradient_sync.hpp"
+
+#include <memory>
 
 namespace plm::train {
 
@@ -35,6 +39,93 @@ void reduce(BatchStats& s, MPI_Comm comm) {
   s.sum_sq_seqlen = sums[1];
 }
 
+// The gradient sync of the last (model, comm) a step ran on, kept across steps: a communicator
+// (an MPI_Comm_dup, or an NCCL init) is too costly to make per step.  The hit test is agreed
+// over `comm` so every rank rebuilds together (the rebuild is collective).  The key holds the
+// buffer's address and length and the communicator's group; a hit on a buffer reused at the
+// same address is still correct, since the ranges cover the whole buffer whatever the layout.
+// Released before Kokkos finalizes (the communicator may own CUDA streams, MPI comms).
+template <class P> struct SyncCache {
+  std::unique_ptr<GradientSync<P>> sync;
+  MPI_Comm comm = MPI_COMM_NULL;
+  MPI_Group group = MPI_GROUP_NULL;
+  const P* data = nullptr;
+  std::size_t size = 0;
+
+  void reset() {
+    sync.reset();
+    int finalized = 0;
+    MPI_Finalized(&finalized);
+    if (group != MPI_GROUP_NULL && !finalized) MPI_Group_free(&group);
+    group = MPI_GROUP_NULL;
+    comm = MPI_COMM_NULL;
+  }
+
+  bool matches(MPI_Comm c, const View1<P>& grads) const {
+    if (!sync || c != comm || grads.data() != data || grads.extent(0) != size) return false;
+    MPI_Group g;
+    PLM_CHECK_MPI(MPI_Comm_group(c, &g));
+    int same = MPI_UNEQUAL;
+    PLM_CHECK_MPI(MPI_Group_compare(g, group, &same));
+    PLM_CHECK_MPI(MPI_Group_free(&g));
+    return same == MPI_IDENT;
+  }
+};
+
+template <class P> GradientSync<P>& gradientSync(model::Esm2<P>& model, MPI_Comm comm) {
+  static SyncCache<P> cache;
+  static bool hooked = false;
+  if (!hooked) {
+    Kokkos::push_finalize_hook([] { cache.reset(); });
+    hooked = true;
+  }
+  View1<P> grads = model.gradients();
+  if (dist::allTrue(cache.matches(comm, grads), comm)) return *cache.sync;
+  cache.reset();
+  const dist::Backend backend = dist::defaultBackend(comm);
+  cache.sync = std::make_unique<GradientSync<P>>(model, comm, backend);
+  cache.comm = comm;
+  PLM_CHECK_MPI(MPI_Comm_group(comm, &cache.group));
+  cache.data = grads.data();
+  cache.size = grads.extent(0);
+  log::debug("train: gradient all-reduce over %s in %d bucket(s)", dist::nameOf(backend),
+             cache.sync->buckets().numBuckets());
+  return *cache.sync;
+}
+
+/// Marks the gradient ranges of GradientSync ready from the model's layer hooks: the head
+/// (final LayerNorm, LM head) once the first layer's backward starts, each layer after its
+/// backward, the embeddings (tied to the decoder) after the whole backward.
+template <class P> class BucketHooks : public model::LayerHooks {
+ public:
+  BucketHooks(GradientSync<P>& sync, const ExecSpace& space, int layers)
+      : sync_member(sync), space_member(space), layers_member(layers) {}
+  void beforeBackward(int layer) override {
+    if (layer == layers_member - 1) markHead();
+  }
+  void afterBackward(int layer) override {
+    mark(GradientSync<P>::rangeOfLayer(layer, layers_member));
+  }
+  void afterModelBackward() override {
+    markHead();
+    mark(layers_member + 1);
+  }
+
+ private:
+  void markHead() {
+    if (!head_done_member) mark(0);
+    head_done_member = true;
+  }
+  void mark(int index) {
+    const auto& r = sync_member.ranges().at(index);
+    sync_member.buckets().ready(space_member, r.offset, r.count);
+  }
+  GradientSync<P>& sync_member;
+  ExecSpace space_member;
+  int layers_member;
+  bool head_done_member = false;
+};
+
 }  // namespace
 
 BatchStats countBatch(const std::vector<data::MicroBatch>& local, MPI_Comm comm) {
@@ -51,9 +142,19 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
   std::int64_t global_masked = dist::allreduceSum(s.masked, comm);
   model.zeroGradients();
   const double grad_scale = global_masked > 0 ? 1.0 / static_cast<double>(global_masked) : 0.0;
+  GradientSync<P>& sync = gradientSync(model, comm);
   model.refreshComputeWeights();  // the bf16 copy of the masters, once per optimizer step
-  for (const auto& mb : local) s.loss_sum += model.forwardBackward(mb, grad_scale, false);
-  dist::allreduceSum(space, model.gradients(), comm);
+  // Gradients are final in the last micro-batch's backward: there the model's layer hooks hand
+  // each range to the buckets as soon as it is done, so the all-reduce of the last layers
+  // overlaps the backward of the first ones.
+  BucketHooks<P> hooks(sync, space, model.config().num_layers);
+  for (std::size_t i = 0; i < local.size(); ++i) {
+    model.setHooks(i + 1 == local.size() ? &hooks : nullptr);
+    s.loss_sum += model.forwardBackward(local[i], grad_scale, false);
+  }
+  model.setHooks(nullptr);
+  if (local.empty()) sync.readyAll(space);  // a rank with no micro-batch this step
+  sync.finish(space);
   reduce(s, comm);
   Kokkos::Profiling::popRegion();
   return s;
