@@ -26,8 +26,7 @@ Parser prepParser() {
   p.option({"out", "DIR", "output directory (created if needed)"});
   p.option({"valid-fraction", "F",
             "fraction of distinct sequences for DIR/valid.h5 (default 0.01; 0: no valid.h5)"});
-  p.option(
-      {"valid", "FILE", "use FILE's sequences as the validation set instead", true});
+  p.option({"valid", "FILE", "use FILE's sequences as the validation set instead", true});
   p.option({"on-invalid", "error|skip",
             "invalid records stop prep with file:line (error, default) or are "
             "skipped, counted and listed (skip)"});

@@ -1,5 +1,6 @@
 #include "cli/commands.hpp"
 
+#include "core/error.hpp"
 #include "core/log.hpp"
 #include "dist/runtime.hpp"
 #include "plm/plm_config.hpp"
@@ -8,6 +9,7 @@
 #include <Kokkos_Core.hpp>
 
 #include <cstdio>
+#include <limits>
 #include <sstream>
 
 #if PLM_HAVE_CUDA
@@ -54,6 +56,25 @@ std::string versionText() {
   os << "CUDA: not enabled in this build\n";
 #endif
   return os.str();
+}
+
+void onEveryRank(const std::string& prefix, const std::function<void()>& check, MPI_Comm comm) {
+  int rank = 0;
+  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  std::string message;
+  try {
+    check();
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  int failed = message.empty() ? std::numeric_limits<int>::max() : rank, first = 0;
+  PLM_CHECK_MPI(MPI_Allreduce(&failed, &first, 1, MPI_INT, MPI_MIN, comm));
+  if (first == std::numeric_limits<int>::max()) return;
+  int length = int(message.size());
+  PLM_CHECK_MPI(MPI_Bcast(&length, 1, MPI_INT, first, comm));
+  message.resize(std::size_t(length));
+  PLM_CHECK_MPI(MPI_Bcast(message.data(), length, MPI_CHAR, first, comm));
+  throw collectiveError(prefix + message);
 }
 
 int notBuiltYet(const char* command, const char* what_comes) {

@@ -193,8 +193,8 @@ void checkNotices(const PrepOptions& options, const std::vector<InputFile>& file
   for (std::uint64_t order : parsed.order) ++local[order >> 44];
   for (const auto& n : parsed.nucleotide) ++local[num_files + std::size_t(n.file)];
   local[2 * num_files] = std::int64_t(parsed.unnamed.size());
-  PLM_CHECK_MPI(MPI_Allreduce(local.data(), global.data(), int(local.size()), MPI_INT64_T, MPI_SUM,
-                              comm));
+  PLM_CHECK_MPI(
+      MPI_Allreduce(local.data(), global.data(), int(local.size()), MPI_INT64_T, MPI_SUM, comm));
   auto line = [&](const io::fasta::Notice& n) {
     return n.line_is_local ? n.line + line_base[std::size_t(n.file)] + 1 : n.line;
   };
@@ -226,11 +226,10 @@ void checkNotices(const PrepOptions& options, const std::vector<InputFile>& file
     for (std::size_t f = 0; f < num_files; ++f) {
       const std::int64_t records = global[f], like = global[num_files + f];
       if (like > 0 && 2 * like > records && !options.allow_nucleotide)
-        throw collectiveError(
-            "plm prep: " + files[f].path + ": " + std::to_string(like) + " of its " +
-            std::to_string(records) + " " + what +
-            ": plm trains on protein sequences; translate them first, or pass "
-            "--allow-nucleotide to keep them as protein");
+        throw collectiveError("plm prep: " + files[f].path + ": " + std::to_string(like) +
+                              " of its " + std::to_string(records) + " " + what +
+                              ": plm trains on protein sequences; translate them first, or pass "
+                              "--allow-nucleotide to keep them as protein");
     }
     if (rank == 0)
       log::warn("plm prep: %lld %s; they are kept as protein", static_cast<long long>(nucleotide),

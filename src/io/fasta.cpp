@@ -441,7 +441,8 @@ bool looksLikeNucleotides(const std::uint8_t* residues, std::int64_t length) {
   if (length < nucleotide_min_length) return false;
   static const auto is_nucleotide = [] {
     std::array<bool, 256> table{};
-    for (unsigned char c : {'A', 'C', 'G', 'T', 'U', 'N'}) table[std::size_t(id_table.id[c])] = true;
+    for (unsigned char c : {'A', 'C', 'G', 'T', 'U', 'N'})
+      table[std::size_t(id_table.id[c])] = true;
     return table;
   }();
   // Stops at the first residue that makes the fraction unreachable: a protein costs a few dozen

@@ -76,7 +76,7 @@ struct Parsed {
   std::vector<std::uint64_t> order;   // (n) (file << 44) | byte position of the header
   std::vector<Issue> issues;          // the first few issues, in input order
   std::array<std::int64_t, num_problems> issue_counts{};
-  bool stopped = false;  // Policy::error met an issue: parsing ended there
+  bool stopped = false;            // Policy::error met an issue: parsing ended there
   std::vector<Notice> nucleotide;  // records that look like nucleotides, in input order
   std::vector<Notice> unnamed;     // records whose header has no identifier (id left empty)
 };

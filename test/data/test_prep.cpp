@@ -358,11 +358,11 @@ TEST(Prep, NucleotideLikeRecordsAreDetectedAtTheThreshold) {
     auto v = ids(letters);
     return io::fasta::looksLikeNucleotides(v.data(), std::int64_t(v.size()));
   };
-  EXPECT_TRUE(looks("atgatcgatcgtacgtagcn"));        // 20 long, all nucleotide letters
-  EXPECT_TRUE(looks("AUGAUCGAUCGUACGUAGCN"));        // RNA, upper case
-  EXPECT_FALSE(looks("atgatcgatcgtacgtagc"));        // 19: too short to tell
-  EXPECT_TRUE(looks("ACGTACGTACGTACGTACMK"));        // 18 of 20: 90%
-  EXPECT_FALSE(looks("ACGTACGTACGTACGTAMKW"));       // 17 of 20: 85%
+  EXPECT_TRUE(looks("atgatcgatcgtacgtagcn"));                // 20 long, all nucleotide letters
+  EXPECT_TRUE(looks("AUGAUCGAUCGUACGUAGCN"));                // RNA, upper case
+  EXPECT_FALSE(looks("atgatcgatcgtacgtagc"));                // 19: too short to tell
+  EXPECT_TRUE(looks("ACGTACGTACGTACGTACMK"));                // 18 of 20: 90%
+  EXPECT_FALSE(looks("ACGTACGTACGTACGTAMKW"));               // 17 of 20: 85%
   EXPECT_FALSE(looks("MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"));  // a protein
 }
 
@@ -390,12 +390,13 @@ TEST(Prep, NucleotideRecordsWarnAndMostlyNucleotideFilesAreRefused) {
                                      "aa\n>g3\nACGU\n" + dna + "\n");
   auto o = options({dir / "mixed.fasta", dir / "genes.fasta"}, dir / "out2");
   std::string message = prepError(o);
-  EXPECT_NE(message.find("plm prep: " + (dir / "genes.fasta") + ": 3 of its 4 record(s) look like "
+  EXPECT_NE(message.find("plm prep: " + (dir / "genes.fasta") +
+                         ": 3 of its 4 record(s) look like "
                          "nucleotide sequences"),
             std::string::npos)
       << message;
-  EXPECT_NE(message.find("the first at " + (dir / "mixed.fasta") + ":" +
-                         std::to_string(dna_line) + ": record `dna1`"),
+  EXPECT_NE(message.find("the first at " + (dir / "mixed.fasta") + ":" + std::to_string(dna_line) +
+                         ": record `dna1`"),
             std::string::npos)
       << message;
   EXPECT_NE(message.find("--allow-nucleotide"), std::string::npos) << message;
