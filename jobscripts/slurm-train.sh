@@ -19,7 +19,7 @@ set -euo pipefail
 
 deck=${1:?usage: sbatch jobscripts/slurm-train.sh DECK [--set section.key=value]...}
 shift
-plm=${PLM:-$SLURM_SUBMIT_DIR/build/plm}   # a CUDA build of plm (doc/ and ../shared/GPU.md)
+plm=${PLM:-$SLURM_SUBMIT_DIR/build/plm}   # a CUDA build of plm (doc/ and doc/gpu-machines.md)
 
 # NVLink multicast (NVLS) stays off: plm's all-reduces do not need it, and on shared hosts a
 # program that uses it can take the GPUs out of service for everyone.
