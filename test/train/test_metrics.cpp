@@ -86,9 +86,10 @@ TEST(Peak, QuickstartModelRunStaysBelowThePeak) {
   trainer.run();
   std::ifstream in(dir + "/run/metrics.jsonl");
   std::string line;
-  int train_records = 0;
+  int train_records = 0, eval_records = 0;
   while (std::getline(in, line)) {
     auto r = plm::io::json::parse(line, "metrics.jsonl");
+    if (r.at("kind").asString() == "eval") ++eval_records;
     if (r.at("kind").asString() != "train") continue;
     ++train_records;
     const double mfu = r.at("mfu").asDouble();
@@ -96,6 +97,7 @@ TEST(Peak, QuickstartModelRunStaysBelowThePeak) {
     EXPECT_LT(mfu, 1.0) << line << ": the step ran at or above the peak, which was raised";
   }
   EXPECT_EQ(train_records, 4);
+  EXPECT_EQ(eval_records, 0);  // train.eval_every: 0 means never, not even after the last step
   fs::remove_all(dir);
 }
 
