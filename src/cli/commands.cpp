@@ -9,6 +9,9 @@
 #include <Kokkos_Core.hpp>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
 #include <limits>
 #include <sstream>
 
@@ -75,6 +78,29 @@ void onEveryRank(const std::string& prefix, const std::function<void()>& check, 
   message.resize(std::size_t(length));
   PLM_CHECK_MPI(MPI_Bcast(message.data(), length, MPI_CHAR, first, comm));
   throw collectiveError(prefix + message);
+}
+
+std::string gpusThisBuildIgnores(const std::string& dev_dir) {
+#if PLM_HAVE_CUDA
+  (void)dev_dir;
+  return "";
+#else
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (visible && (*visible == '\0' || std::strcmp(visible, "-1") == 0)) return "";
+  int count = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dev_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 6 && name.compare(0, 6, "nvidia") == 0 &&
+        name.find_first_not_of("0123456789", 6) == std::string::npos)
+      ++count;
+  }
+  if (count == 0) return "";
+  return std::to_string(count) +
+         " NVIDIA GPU(s) visible on this node, but this plm is a CPU build (no CUDA): it runs on "
+         "the CPU and leaves them idle. Use the CUDA build (cmake --preset cuda: build-cuda/plm, "
+         "doc/gpu.md), e.g. PLM=build-cuda/plm for the job scripts";
+#endif
 }
 
 int notBuiltYet(const char* command, const char* what_comes) {

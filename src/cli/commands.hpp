@@ -39,6 +39,11 @@ std::string versionText();
 /// one line and a clean finalize, never MPI_Abort. Collective.
 void onEveryRank(const std::string& prefix, const std::function<void()>& check, MPI_Comm comm);
 
+/// \brief In a build without CUDA: a warning naming the NVIDIA GPUs visible here (device files
+/// `dev_dir`/nvidia0, nvidia1, ..., and CUDA_VISIBLE_DEVICES not empty) that this plm will not
+/// use, and what to run instead; empty when there are none, or in a CUDA build.
+std::string gpusThisBuildIgnores(const std::string& dev_dir);
+
 /// \brief For subcommands whose capability has not landed yet: says so plainly, returns 2.
 int notBuiltYet(const char* command, const char* what_comes);
 
