@@ -26,8 +26,8 @@ struct PrepOptions {
   std::string out_dir;
   double valid_fraction = 0.01;  // used when valid_inputs is empty; 0 = no valid.h5
   io::fasta::Policy on_invalid = io::fasta::Policy::error;
-  std::string command_line;      // recorded in the files
-  double progress_seconds = 10;  // rank 0 logs progress this often (0 = never)
+  std::string command_line;       // recorded in the files
+  double progress_seconds = 10;   // rank 0 logs progress this often (0 = never)
   bool allow_nucleotide = false;  // keep files made mostly of nucleotide-like records
 };
 
