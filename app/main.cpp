@@ -18,7 +18,7 @@ namespace {
 
 void printUsage() {
   std::printf(
-      "plm: trains protein language models (ESM-2 and MoE variants) on CPUs and GPUs.\n\n"
+      "plm: trains ESM-2 protein language models on CPUs and GPUs.\n\n"
       "usage: plm <command> [options]    plm <command> --help    plm --version\n\n"
       "global options (anywhere on the line):\n"
       "  --log-all-ranks  every MPI rank logs, prefixed with its rank (default: rank 0 only;\n"
@@ -49,7 +49,10 @@ int main(int argc, char** argv) {
       return 0;
     }
     for (const auto& c : plm::cli::commands()) {
-      if (args[0] == c.name) return c.run(std::vector<std::string>(args.begin() + 1, args.end()));
+      if (args[0] != c.name) continue;
+      const std::string gpus = plm::cli::gpusThisBuildIgnores("/dev");
+      if (!gpus.empty() && plm::dist::worldRank() == 0) plm::log::warn("%s", gpus.c_str());
+      return c.run(std::vector<std::string>(args.begin() + 1, args.end()));
     }
     std::vector<std::string> names;
     for (const auto& c : plm::cli::commands()) names.push_back(c.name);

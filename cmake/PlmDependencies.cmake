@@ -1,6 +1,6 @@
 # Finds every dependency plm builds on and says clearly what is missing.
 # Debian bookworm's Trilinos 13.2 packages on the CPU; a CUDA build of the same source
-# (../shared/GPU.md, scripts/build-deps-cuda.sh) on GPU machines, via CMAKE_PREFIX_PATH.
+# (doc/gpu-machines.md, scripts/build-deps-cuda.sh) on GPU machines, via CMAKE_PREFIX_PATH.
 
 find_package(MPI REQUIRED COMPONENTS C CXX)
 

@@ -5,18 +5,27 @@
 #   qsub -l select=4:ncpus=64:ngpus=4:mpiprocs=4 -v DECK=inputs/esm2_650m.yaml jobscripts/pbs-train.sh
 #
 # Variables: DECK (required), SETS (optional overrides, e.g. "--set train.steps=100000"),
-# PLM (the plm executable, default build/plm under the submit directory). The run directory is
-# the deck's train.run_dir; a resubmitted job resumes from its newest checkpoint.
+# PLM (the plm executable, default build-cuda/plm under the submit directory: the CUDA build of
+# `cmake --preset cuda`, doc/gpu.md). The run directory is the deck's train.run_dir; a
+# resubmitted job resumes from its newest checkpoint. -V passes the submitting shell's
+# environment (PATH, LD_LIBRARY_PATH, loaded modules) to the job.
 #PBS -N plm-train
 #PBS -l select=2:ncpus=64:ngpus=4:mpiprocs=4
 #PBS -l walltime=24:00:00
 #PBS -j oe
+#PBS -V
 set -euo pipefail
 
 cd "$PBS_O_WORKDIR"
 deck=${DECK:?qsub -v DECK=inputs/<deck>.yaml jobscripts/pbs-train.sh}
-plm=${PLM:-$PBS_O_WORKDIR/build/plm}   # a CUDA build of plm
+# The CUDA build, not build/plm (the CPU build would leave the GPUs idle; it warns if it sees them).
+plm=${PLM:-$PBS_O_WORKDIR/build-cuda/plm}
+[ -x "$plm" ] || { echo "plm-train: $plm is not there: build it with cmake --preset cuda, or set PLM" >&2; exit 1; }
 gpus_per_node=${GPUS_PER_NODE:-4}      # must equal mpiprocs in the select line
+
+# Site modules: add what your site needs to find the CUDA, MPI and HDF5 runtime plm was built
+# with (nothing for the relocatable package of scripts/package-cuda.sh), e.g.
+#   module load cuda/12.4 openmpi/4.1 hdf5/1.12-parallel
 
 nodes=$(sort -u "$PBS_NODEFILE" | wc -l)
 ranks=$((nodes * gpus_per_node))

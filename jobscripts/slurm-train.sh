@@ -19,7 +19,14 @@ set -euo pipefail
 
 deck=${1:?usage: sbatch jobscripts/slurm-train.sh DECK [--set section.key=value]...}
 shift
-plm=${PLM:-$SLURM_SUBMIT_DIR/build/plm}   # a CUDA build of plm (doc/ and ../shared/GPU.md)
+# The CUDA build (cmake --preset cuda, doc/gpu.md), not build/plm, the CPU build: on GPU nodes
+# that one would run on the CPU (it warns at start that the GPUs are visible and left idle).
+plm=${PLM:-$SLURM_SUBMIT_DIR/build-cuda/plm}
+[ -x "$plm" ] || { echo "plm-train: $plm is not there: build it with cmake --preset cuda, or set PLM" >&2; exit 1; }
+
+# Site modules: add what your site needs to find the CUDA, MPI and HDF5 runtime plm was built
+# with (nothing is needed for the relocatable package of scripts/package-cuda.sh), e.g.
+#   module load cuda/12.4 openmpi/4.1 hdf5/1.12-parallel
 
 # NVLink multicast (NVLS) stays off: plm's all-reduces do not need it, and on shared hosts a
 # program that uses it can take the GPUs out of service for everyone.

@@ -59,6 +59,7 @@ step train "$deck"
 
 say "validation perplexity by step (run/metrics.jsonl):"
 grep -o '"step":[0-9]*,[^}]*"valid_ppl":[0-9.e+-]*' run/metrics.jsonl |
-  sed -E 's/"step":([0-9]+),.*"valid_ppl":([0-9.e+-]+)/  step \1: \2/' || true
+  sed -E 's/"step":([0-9]+),.*"valid_ppl":([0-9.e+-]+)/\1 \2/' |
+  while read -r step ppl; do printf '  step %5d: %.2f\n' "$step" "$ppl"; done || true
 
-say "done: training log and metrics in run/, resolved deck in run/deck.yaml, checkpoints in run/ckpt/"
+say "done: training log in run/train.log, metrics in run/metrics.jsonl, resolved deck in run/deck.yaml, checkpoints in run/ckpt/"

@@ -11,8 +11,8 @@ PACKAGES=(
   libtrilinos-kokkos-dev libtrilinos-kokkos-kernels-dev libtrilinos-teuchos-dev libopenblas-dev
   # MPI and parallel HDF5
   libopenmpi-dev openmpi-bin libhdf5-openmpi-dev zlib1g-dev
-  # tests and the format check
-  libgtest-dev clang-format
+  # tests and the format check; h5py and numpy for validation/ckpt_ls.py (test_ckpt_ls)
+  libgtest-dev clang-format python3-h5py python3-numpy
   # real proteins for the quickstart (/usr/share/doc/mmseqs2/example-data/DB.fasta.gz)
   mmseqs2-examples
 )

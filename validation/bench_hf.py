@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hugging Face EsmForMaskedLM training throughput on one GPU, for the side-by-side table.
 
-Same protocol as ../shared/ANCHORS.md section 6: randomly initialised ESM-2 of each size, bf16
+Same protocol as doc/anchors.md section 6: randomly initialised ESM-2 of each size, bf16
 autocast, SDPA attention, fused AdamW; batches of 16 sequences padded to 1024 tokens whose
 lengths (specials included) are exp(N(0,1)*0.7 + ln 300) clamped to [30, 1024], 15% of residues
 masked; real (unpadded) tokens are counted.  Each configuration runs --steps steps and drops the

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Hugging Face parity fixtures for plm's ESM-2 (test/fixtures/esm_parity_*.h5).
 
-Builds small random `transformers.EsmForMaskedLM` models exactly as ANCHORS.md §1 defines ESM-2
+Builds small random `transformers.EsmForMaskedLM` models exactly as doc/anchors.md §1 defines ESM-2
 (33-token vocabulary, rotary, token dropout, pre-LN, no emb_layer_norm_before), runs them in
 float64 (with the two float32 internals of transformers raised to float64, see
 float64_internals) on a padded batch with an attention mask, and records what plm must reproduce on the
@@ -40,7 +40,7 @@ import transformers
 from transformers import EsmConfig, EsmForMaskedLM
 from transformers.models.esm import modeling_esm
 
-# ANCHORS.md §1 vocabulary.
+# doc/anchors.md §1 vocabulary.
 CLS, PAD, EOS, MASK = 0, 1, 2, 32
 VOCAB = 33
 FIRST_RESIDUE, LAST_STANDARD_AA, LAST_RESIDUE = 4, 23, 28
@@ -126,7 +126,7 @@ def float64_internals(model):
 
 
 def make_batch(residue_counts, rng):
-    """Sequences as <cls> + residues + <eos>; MLM corruption per ANCHORS.md §1, with at least
+    """Sequences as <cls> + residues + <eos>; MLM corruption per doc/anchors.md §1, with at least
     one <mask> per sequence so token dropout's per-sequence rescaling is exercised."""
     clean, corrupted, labels = [], [], []
     for n in residue_counts:

@@ -91,7 +91,7 @@ void row(const std::string& name, double ms, double flops, double bytes) {
   std::fflush(stdout);
 }
 
-// Sequence lengths like ANCHORS.md section 6: exp(N(0,1) 0.7 + ln 300) clamped to [30, 1024].
+// Sequence lengths like doc/anchors.md section 6: exp(N(0,1) 0.7 + ln 300) clamped to [30, 1024].
 std::vector<int> drawLengths(int n, unsigned seed) {
   std::mt19937 rng(seed);
   std::normal_distribution<double> z(0.0, 1.0);

@@ -2,7 +2,7 @@
 // precision policy holds the fp32 master parameters and gradients and runs forward + backward
 // through its dispatch points in bf16, and the fused AdamW (fp32 masters and moments, global-norm
 // clipping) updates them; one optimizer step per micro-batch.  Batches are packed (THD) with
-// ESM-2-like lengths (ANCHORS.md section 6: exp(N(0,1)*0.7 + ln 300) clamped to [30, 1024],
+// ESM-2-like lengths (doc/anchors.md section 6: exp(N(0,1)*0.7 + ln 300) clamped to [30, 1024],
 // specials included), 15% of residues labelled. Reports real tokens/s (every token is real: no
 // padding), model TFLOP/s, MFU against the measured 779 TFLOP/s BF16 GEMM ceiling and against 989,
 // peak device memory, and the loss.

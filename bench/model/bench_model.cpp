@@ -4,8 +4,8 @@
 //   bench_model esm2_8m 16384 5
 //   bench_model custom 16384 5 4 160 8 640
 //
-// Sequence lengths follow ANCHORS.md §6 (exp(N(0,1)*0.7 + ln 300) clamped to [30, 1024], specials
-// included), 15% of residues labelled.  Prints tokens/s, achieved GFLOP/s (model FLOPs,
+// Sequence lengths follow doc/anchors.md §6 (exp(N(0,1)*0.7 + ln 300) clamped to [30, 1024],
+// specials included), 15% of residues labelled.  Prints tokens/s, achieved GFLOP/s (model FLOPs,
 // Esm2Config::trainFlopsPerToken) and the time per kernel label (Kokkos Tools callbacks).
 #include "dist/runtime.hpp"
 #include "model/esm2.hpp"

@@ -174,7 +174,7 @@ int runEmbed(const Argv& argv) {
 
   // Residues each sequence keeps, and its rows in /logits.
   // max_position_embeddings counts the two positions the padding offset of ESM-1b's learned
-  // positions used (ANCHORS.md: 1026 -> 1024 tokens), and <cls>/<eos> take two tokens.
+  // positions used (doc/anchors.md: 1026 -> 1024 tokens), and <cls>/<eos> take two tokens.
   const std::int64_t max_residues = config.max_positions - 4;
   std::vector<std::int64_t> kept(static_cast<std::size_t>(n));
   std::vector<std::int64_t> offsets(static_cast<std::size_t>(n) + 1, 0);

@@ -12,6 +12,7 @@
 
 #include <chrono>
 #include <cstdio>
+#include <memory>
 
 namespace plm::cli {
 
@@ -53,8 +54,20 @@ int runEval(const Argv& argv) {
 
   const int rank = dist::worldRank(), world = dist::worldSize();
   const std::string model_path = args.get("model");
-  model::Esm2Config config =
-      model_path.empty() ? train::modelConfigFromDeck(*deck) : io::readModelConfig(model_path);
+  // Files every rank can check: a missing or unreadable one is one collective line, not an abort.
+  model::Esm2Config config;
+  if (model_path.empty())
+    config = train::modelConfigFromDeck(*deck);
+  else
+    onEveryRank(
+        "plm eval: --model: ", [&] { config = io::readModelConfig(model_path); }, MPI_COMM_WORLD);
+  std::unique_ptr<data::Loader> loader;
+  onEveryRank(
+      "plm eval: ",
+      [&] {
+        loader = std::make_unique<data::Loader>(train::evalLoaderOptions(*deck, path, rank, world));
+      },
+      MPI_COMM_WORLD);
   // Evaluation computes in the deck's precision (bf16 on the CUDA build runs the fast path).
   config.precision = model::parsePrecision(deck->sublist("train").get<std::string>("precision"));
   model::Esm2<param_t> model(config);
@@ -66,14 +79,15 @@ int runEval(const Argv& argv) {
         "baseline (pass --model FILE to evaluate a trained one)",
         seed, static_cast<long long>(config.numParameters()));
   } else {
-    io::readModelInto(model_path, MPI_COMM_WORLD, model);
+    onEveryRank(
+        "plm eval: --model: ", [&] { io::readModelInto(model_path, MPI_COMM_WORLD, model); },
+        MPI_COMM_WORLD);
     log::info("eval: model %s (%d layers, hidden %d), %lld parameters", model_path.c_str(),
               config.num_layers, config.hidden, static_cast<long long>(config.numParameters()));
   }
 
-  data::Loader loader(train::evalLoaderOptions(*deck, path, rank, world));
   const auto t0 = std::chrono::steady_clock::now();
-  train::BatchStats s = train::evaluate(ExecSpace(), model, loader,
+  train::BatchStats s = train::evaluate(ExecSpace(), model, *loader,
                                         train::evalMaxSteps(*deck, world), MPI_COMM_WORLD);
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

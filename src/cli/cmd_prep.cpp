@@ -16,7 +16,8 @@ namespace {
 Parser prepParser() {
   Parser p(
       "plm prep",
-      "plm prep INPUT... --out DIR [--valid-fraction F | --valid FILE] [--on-invalid error|skip]",
+      "plm prep INPUT... --out DIR [--valid-fraction F | --valid FILE] [--on-invalid error|skip] "
+      "[--allow-nucleotide]",
       "Reads FASTA files (plain or gzip; wrapped or not, CRLF, lowercase, a final '*' and the "
       "ambiguity letters B Z X U O are fine) and writes DIR/train.h5 and DIR/valid.h5 in "
       "parallel over the MPI ranks. Exact duplicate sequences are removed; the split is a "
@@ -25,11 +26,13 @@ Parser prepParser() {
   p.option({"out", "DIR", "output directory (created if needed)"});
   p.option({"valid-fraction", "F",
             "fraction of distinct sequences for DIR/valid.h5 (default 0.01; 0: no valid.h5)"});
-  p.option(
-      {"valid", "FILE", "use FILE's sequences as the validation set instead (repeatable)", true});
+  p.option({"valid", "FILE", "use FILE's sequences as the validation set instead", true});
   p.option({"on-invalid", "error|skip",
             "invalid records stop prep with file:line (error, default) or are "
             "skipped, counted and listed (skip)"});
+  p.option({"allow-nucleotide", "",
+            "keep a file whose records are mostly nucleotide-like (>= 90% A C G T/U N, >= 20 "
+            "long) as protein; without it such a file is refused (a few such records only warn)"});
   p.option(
       {"progress-seconds", "S", "rank 0 reports progress every S seconds (default 10; 0: never)"});
   return p;
@@ -73,6 +76,7 @@ int runPrep(const Argv& argv) {
   } else {
     throw collectiveError("plm prep: --on-invalid takes `error` or `skip`, got `" + policy + "`");
   }
+  options.allow_nucleotide = args.has("allow-nucleotide");
   options.command_line = "plm prep";
   for (const auto& a : argv) options.command_line += " " + a;
 
@@ -98,9 +102,7 @@ int runPrep(const Argv& argv) {
               static_cast<long long>(report.valid_sequences),
               static_cast<long long>(report.valid_residues));
   for (const auto& path : report.outputs) log::info("plm prep: wrote %s", path.c_str());
-  if (report.train_sequences == 0)
-    log::warn("plm prep: the training set is empty: nothing to train on");
-  return 0;
+  return 0;  // an empty training set is an error thrown by data::prepare()
 }
 
 }  // namespace plm::cli

@@ -9,6 +9,7 @@
 #include "train/trainer.hpp"
 
 #include <cstdio>
+#include <filesystem>
 
 namespace plm::cli {
 
@@ -36,6 +37,20 @@ int runTrain(const Argv& argv) {
   auto deck = deck::load(args.positional()[0], args.all("set"));
   log::configure(dist::worldRank(),
                  deck->sublist("train").get<bool>("log_all_ranks") || log::allRanks());
+  // The log goes to <run_dir>/train.log as well as the terminal (appended: a resumed run goes on
+  // in the same file). Rank 0 writes it, or each rank its own with --log-all-ranks.
+  const std::string run_dir = deck->sublist("train").get<std::string>("run_dir");
+  std::error_code ec;
+  std::filesystem::create_directories(run_dir, ec);
+  const std::string log_path =
+      run_dir + (log::allRanks() ? "/train.rank" + std::to_string(dist::worldRank()) : "/train") +
+      ".log";
+  const bool writes_log = log::allRanks() || dist::worldRank() == 0;
+  if (writes_log && !log::teeTo(log_path))
+    log::warn("plm train: cannot write %s; logging to the terminal only", log_path.c_str());
+  struct StopTee {
+    ~StopTee() { log::teeTo(""); }
+  } stop_tee;
   train::Trainer trainer(deck);
   ckpt::installHooks(trainer);  // checkpoint.resume on start, checkpoint.every saves (src/ckpt)
   trainer.run();

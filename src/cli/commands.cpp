@@ -1,5 +1,6 @@
 #include "cli/commands.hpp"
 
+#include "core/error.hpp"
 #include "core/log.hpp"
 #include "dist/runtime.hpp"
 #include "plm/plm_config.hpp"
@@ -8,6 +9,10 @@
 #include <Kokkos_Core.hpp>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <limits>
 #include <sstream>
 
 #if PLM_HAVE_CUDA
@@ -54,6 +59,48 @@ std::string versionText() {
   os << "CUDA: not enabled in this build\n";
 #endif
   return os.str();
+}
+
+void onEveryRank(const std::string& prefix, const std::function<void()>& check, MPI_Comm comm) {
+  int rank = 0;
+  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  std::string message;
+  try {
+    check();
+  } catch (const Error& e) {
+    message = e.what();
+  }
+  int failed = message.empty() ? std::numeric_limits<int>::max() : rank, first = 0;
+  PLM_CHECK_MPI(MPI_Allreduce(&failed, &first, 1, MPI_INT, MPI_MIN, comm));
+  if (first == std::numeric_limits<int>::max()) return;
+  int length = int(message.size());
+  PLM_CHECK_MPI(MPI_Bcast(&length, 1, MPI_INT, first, comm));
+  message.resize(std::size_t(length));
+  PLM_CHECK_MPI(MPI_Bcast(message.data(), length, MPI_CHAR, first, comm));
+  throw collectiveError(prefix + message);
+}
+
+std::string gpusThisBuildIgnores(const std::string& dev_dir) {
+#if PLM_HAVE_CUDA
+  (void)dev_dir;
+  return "";
+#else
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  if (visible && (*visible == '\0' || std::strcmp(visible, "-1") == 0)) return "";
+  int count = 0;
+  std::error_code ec;
+  for (const auto& entry : std::filesystem::directory_iterator(dev_dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() > 6 && name.compare(0, 6, "nvidia") == 0 &&
+        name.find_first_not_of("0123456789", 6) == std::string::npos)
+      ++count;
+  }
+  if (count == 0) return "";
+  return std::to_string(count) +
+         " NVIDIA GPU(s) visible on this node, but this plm is a CPU build (no CUDA): it runs on "
+         "the CPU and leaves them idle. Use the CUDA build (cmake --preset cuda: build-cuda/plm, "
+         "doc/gpu.md), e.g. PLM=build-cuda/plm for the job scripts";
+#endif
 }
 
 int notBuiltYet(const char* command, const char* what_comes) {

@@ -3,6 +3,9 @@
 // 2 not available in this build / not built yet).
 #pragma once
 
+#include <mpi.h>
+
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -29,6 +32,17 @@ int runDeck(const Argv& args);
 
 /// \brief What `plm --version` prints: plm version and revision, Kokkos, MPI, HDF5, CUDA/NCCL.
 std::string versionText();
+
+/// \brief Runs a check that every rank can make (a file exists and is readable, a shape) on
+/// every rank of `comm`, then agrees: where it threw plm::Error on any rank, every rank throws
+/// the same collective error (`prefix` + the lowest failing rank's message), so the job ends with
+/// one line and a clean finalize, never MPI_Abort. Collective.
+void onEveryRank(const std::string& prefix, const std::function<void()>& check, MPI_Comm comm);
+
+/// \brief In a build without CUDA: a warning naming the NVIDIA GPUs visible here (device files
+/// `dev_dir`/nvidia0, nvidia1, ..., and CUDA_VISIBLE_DEVICES not empty) that this plm will not
+/// use, and what to run instead; empty when there are none, or in a CUDA build.
+std::string gpusThisBuildIgnores(const std::string& dev_dir);
 
 /// \brief For subcommands whose capability has not landed yet: says so plainly, returns 2.
 int notBuiltYet(const char* command, const char* what_comes);

@@ -11,14 +11,21 @@ namespace {
 int rank_state = 0;
 bool all_ranks_state = false;
 Level level_state = Level::info;
+FILE* tee_state = nullptr;
 
 void emit(FILE* stream, const char* tag, const char* format, va_list args, bool force) {
   if (!force && !all_ranks_state && rank_state != 0) return;
-  if (all_ranks_state || force) std::fprintf(stream, "[rank %d] ", rank_state);
-  if (tag) std::fputs(tag, stream);
-  std::vfprintf(stream, format, args);
-  std::fputc('\n', stream);
-  std::fflush(stream);
+  for (FILE* out : {stream, tee_state}) {
+    if (!out) continue;
+    va_list copy;
+    va_copy(copy, args);
+    if (all_ranks_state || force) std::fprintf(out, "[rank %d] ", rank_state);
+    if (tag) std::fputs(tag, out);
+    std::vfprintf(out, format, copy);
+    std::fputc('\n', out);
+    std::fflush(out);
+    va_end(copy);
+  }
 }
 }  // namespace
 
@@ -29,6 +36,11 @@ void configure(int rank, bool all_ranks, Level level) {
   level_state = level;
 }
 bool allRanks() { return all_ranks_state; }
+bool teeTo(const std::string& path) {
+  if (tee_state) std::fclose(tee_state);
+  tee_state = path.empty() ? nullptr : std::fopen(path.c_str(), "a");
+  return path.empty() || tee_state;
+}
 int rank() { return rank_state; }
 
 void info(const char* format, ...) {

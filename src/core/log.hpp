@@ -18,6 +18,10 @@ void info(const char* format, ...) __attribute__((format(printf, 1, 2)));
 void debug(const char* format, ...) __attribute__((format(printf, 1, 2)));
 void warn(const char* format, ...) __attribute__((format(printf, 1, 2)));
 
+/// \brief Also appends what this rank prints to `path` (e.g. <run_dir>/train.log); an empty
+/// path stops. Returns false (and keeps printing to the terminal) when the file cannot be opened.
+bool teeTo(const std::string& path);
+
 /// \brief Printed by every rank regardless of the all-ranks switch (prefixed with the rank).
 void every(const char* format, ...) __attribute__((format(printf, 1, 2)));
 

@@ -2,7 +2,7 @@
 //
 // Every tensor in plm has a role, and each role names its scalar type here, once.  On the CPU
 // every role is fp32; the GPU build narrows parameters-for-compute and activations to bf16
-// while master weights, optimizer moments and accumulators stay fp32 (ANCHORS.md §3).
+// while master weights, optimizer moments and accumulators stay fp32 (doc/anchors.md §3).
 // Model code is templated on the scalar so the same source also runs in double for the
 // finite-difference gradient checks.
 #pragma once

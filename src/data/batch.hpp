@@ -13,7 +13,7 @@
 
 namespace plm::data {
 
-/// ESM-2 vocabulary (ANCHORS.md §1), ids 0..32.
+/// ESM-2 vocabulary (doc/anchors.md §1), ids 0..32.
 namespace vocab {
 constexpr int size = 33;
 constexpr token_t cls = 0, pad = 1, eos = 2, unk = 3, mask = 32;

@@ -178,6 +178,82 @@ std::vector<char> findFirstOccurrences(const std::vector<random::Hash128>& hashe
 
 void removeQuietly(const std::string& path) { std::remove(path.c_str()); }
 
+// Valid records that are probably a mistake. Nucleotide sequences (every letter of A C G T U N
+// is an amino-acid letter too) get a warning, and an error where they are most of a file's
+// records unless --allow-nucleotide; a header with no identifier gets one made from its place
+// ("unnamed:FILE:LINE", the same at any rank count) and a warning. Collective.
+void checkNotices(const PrepOptions& options, const std::vector<InputFile>& files,
+                  const std::vector<std::int64_t>& line_base, Parsed& parsed, PrepReport& report,
+                  MPI_Comm comm) {
+  int rank = 0;
+  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  const std::size_t num_files = files.size();
+  // Per file: records, nucleotide-like records; then the number of unnamed records.
+  std::vector<std::int64_t> local(2 * num_files + 1, 0), global(2 * num_files + 1, 0);
+  for (std::uint64_t order : parsed.order) ++local[order >> 44];
+  for (const auto& n : parsed.nucleotide) ++local[num_files + std::size_t(n.file)];
+  local[2 * num_files] = std::int64_t(parsed.unnamed.size());
+  PLM_CHECK_MPI(
+      MPI_Allreduce(local.data(), global.data(), int(local.size()), MPI_INT64_T, MPI_SUM, comm));
+  auto line = [&](const io::fasta::Notice& n) {
+    return n.line_is_local ? n.line + line_base[std::size_t(n.file)] + 1 : n.line;
+  };
+  auto where = [&](const io::fasta::Notice& n) {
+    return files[std::size_t(n.file)].path + ":" + std::to_string(line(n));
+  };
+  // The first notice in input order over all ranks, as "path:line: record `id`".
+  auto first = [&](const std::vector<io::fasta::Notice>& notices) {
+    std::vector<std::string> mine;
+    if (!notices.empty()) {
+      char key[64];
+      std::snprintf(key, sizeof key, "%08d%020lld", notices.front().file,
+                    static_cast<long long>(line(notices.front())));
+      mine.push_back(std::string(key) + where(notices.front()) + ": record `" +
+                     parsed.ids[notices.front().record] + "`");
+    }
+    auto all = allgatherStrings(mine, comm);
+    return *std::min_element(all.begin(), all.end());
+  };
+
+  std::int64_t nucleotide = 0;
+  for (std::size_t f = 0; f < num_files; ++f) nucleotide += global[num_files + f];
+  if (nucleotide > 0) {
+    const std::string example = first(parsed.nucleotide).substr(28);
+    const std::string what =
+        "record(s) look like nucleotide sequences (at least " +
+        std::to_string(io::fasta::nucleotide_percent) + "% A, C, G, T/U, N and at least " +
+        std::to_string(io::fasta::nucleotide_min_length) + " long), the first at " + example;
+    for (std::size_t f = 0; f < num_files; ++f) {
+      const std::int64_t records = global[f], like = global[num_files + f];
+      if (like > 0 && 2 * like > records && !options.allow_nucleotide)
+        throw collectiveError("plm prep: " + files[f].path + ": " + std::to_string(like) +
+                              " of its " + std::to_string(records) + " " + what +
+                              ": plm trains on protein sequences; translate them first, or pass "
+                              "--allow-nucleotide to keep them as protein");
+    }
+    if (rank == 0)
+      log::warn("plm prep: %lld %s; they are kept as protein", static_cast<long long>(nucleotide),
+                what.c_str());
+  }
+  report.nucleotide_records = nucleotide;
+
+  const std::int64_t unnamed = global[2 * num_files];
+  if (unnamed > 0) {
+    const std::string example = first(parsed.unnamed).substr(28);
+    for (const auto& n : parsed.unnamed) {
+      const std::string path = files[std::size_t(n.file)].path;
+      parsed.ids[n.record] =
+          "unnamed:" + path.substr(path.find_last_of('/') + 1) + ":" + std::to_string(line(n));
+    }
+    if (rank == 0)
+      log::warn(
+          "plm prep: %lld record(s) have an empty identifier ('>' alone), the first at %s; each "
+          "is named unnamed:FILE:LINE after its header",
+          static_cast<long long>(unnamed), example.c_str());
+  }
+  report.unnamed_records = unnamed;
+}
+
 }  // namespace
 
 PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
@@ -278,6 +354,7 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   }
   report.skipped = total_issues;
   report.skipped_by_problem = counts;
+  checkNotices(options, files, line_base, parsed, report, comm);
 
   // 4. Exact duplicates, across all ranks.
   const size_t n = parsed.lengths.size();
@@ -323,6 +400,25 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   report.fasta_bytes = global[2];
 
   report.dedup_seconds = lap();
+
+  // A run with nothing to train on is an error, so a pipeline stops here and not at `plm train`.
+  {
+    std::int64_t local_train = std::int64_t(train.lengths.size()), total_train = 0;
+    PLM_CHECK_MPI(MPI_Allreduce(&local_train, &total_train, 1, MPI_INT64_T, MPI_SUM, comm));
+    if (total_train == 0) {
+      std::string reason;
+      if (report.records == 0 && report.skipped > 0)
+        reason = "every record was invalid and skipped (" + std::to_string(report.skipped) +
+                 " skipped; the warnings above list them)";
+      else if (report.records == 0)
+        reason = "the input holds no FASTA record (empty file?)";
+      else
+        reason = "all " + std::to_string(report.records - report.duplicates) +
+                 " distinct sequences went to the validation set" +
+                 (by_file ? " (every input is a --valid file)" : "; lower --valid-fraction");
+      throw collectiveError("plm prep: no training sequence: " + reason + "; nothing written");
+    }
+  }
 
   // 6. Checksums of the inputs: CRC-32 of each rank's byte range, combined in rank order.
   std::vector<std::uint32_t> crcs(size_t(num_files) * world, 0), my_crcs(num_files, 0);

@@ -26,8 +26,9 @@ struct PrepOptions {
   std::string out_dir;
   double valid_fraction = 0.01;  // used when valid_inputs is empty; 0 = no valid.h5
   io::fasta::Policy on_invalid = io::fasta::Policy::error;
-  std::string command_line;      // recorded in the files
-  double progress_seconds = 10;  // rank 0 logs progress this often (0 = never)
+  std::string command_line;       // recorded in the files
+  double progress_seconds = 10;   // rank 0 logs progress this often (0 = never)
+  bool allow_nucleotide = false;  // keep files made mostly of nucleotide-like records
 };
 
 struct PrepReport {
@@ -37,6 +38,8 @@ struct PrepReport {
   std::int64_t duplicates = 0;   // records dropped as exact duplicates
   std::int64_t skipped = 0;      // invalid records skipped (--on-invalid skip)
   std::array<std::int64_t, io::fasta::num_problems> skipped_by_problem{};
+  std::int64_t nucleotide_records = 0;  // kept records that look like DNA/RNA (warned about)
+  std::int64_t unnamed_records = 0;     // kept records given a generated identifier
   std::int64_t train_sequences = 0, train_residues = 0;
   std::int64_t valid_sequences = 0, valid_residues = 0;
   std::vector<std::string> outputs;  // files written

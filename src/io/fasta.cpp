@@ -196,7 +196,13 @@ class RecordBuilder {
                 "` has no residues; remove it, or pass --on-invalid skip to drop empty records");
       return;
     }
-    out_member.lengths.push_back(std::int64_t(tokens.size() - record_start_member));
+    const std::int64_t length = std::int64_t(tokens.size() - record_start_member);
+    const Notice notice{segment_member.file, record_line_member, local_lines_member,
+                        out_member.lengths.size()};
+    if (looksLikeNucleotides(tokens.data() + record_start_member, length))
+      out_member.nucleotide.push_back(notice);
+    if (record_id_member.empty()) out_member.unnamed.push_back(notice);
+    out_member.lengths.push_back(length);
     out_member.ids.push_back(record_id_member);
     out_member.order.push_back((std::uint64_t(segment_member.file) << 44) |
                                std::uint64_t(record_position_member));
@@ -430,6 +436,23 @@ SegmentStats parseGzip(const Segment& s, Policy policy, Parsed& out,
 }  // namespace
 
 int residueId(unsigned char c) { return id_table.id[c]; }
+
+bool looksLikeNucleotides(const std::uint8_t* residues, std::int64_t length) {
+  if (length < nucleotide_min_length) return false;
+  static const auto is_nucleotide = [] {
+    std::array<bool, 256> table{};
+    for (unsigned char c : {'A', 'C', 'G', 'T', 'U', 'N'})
+      table[std::size_t(id_table.id[c])] = true;
+    return table;
+  }();
+  // Stops at the first residue that makes the fraction unreachable: a protein costs a few dozen
+  // look-ups, not a pass over its residues.
+  const std::int64_t allowed = length * (100 - nucleotide_percent) / 100;
+  std::int64_t others = 0;
+  for (std::int64_t k = 0; k < length; ++k)
+    if (!is_nucleotide[residues[k]] && ++others > allowed) return false;
+  return true;
+}
 
 SegmentStats parseSegment(const Segment& segment, Policy policy, Parsed& out,
                           const std::function<void(std::int64_t)>& progress) {

@@ -54,6 +54,20 @@ struct Segment {
   std::int64_t begin = 0, end = 0;  // owned bytes of the file as stored (compressed for gzip)
 };
 
+/// \brief A valid record worth a warning (a nucleotide-like sequence, an empty identifier), with
+/// its header line (segment-local until made absolute, like Issue::line).
+struct Notice {
+  int file = 0;
+  std::int64_t line = 0;
+  bool line_is_local = false;
+  std::size_t record = 0;  // index among Parsed's records
+};
+
+/// \brief A record at least this long whose residues are at least nucleotide_percent % A, C, G,
+/// T, U or N (either case) is probably DNA or RNA read as protein (all are amino-acid letters).
+constexpr std::int64_t nucleotide_min_length = 20;
+constexpr std::int64_t nucleotide_percent = 90;
+
 /// \brief Everything one rank parsed, in input order.
 struct Parsed {
   std::vector<std::uint8_t> tokens;   // residue ids, all records concatenated
@@ -62,8 +76,13 @@ struct Parsed {
   std::vector<std::uint64_t> order;   // (n) (file << 44) | byte position of the header
   std::vector<Issue> issues;          // the first few issues, in input order
   std::array<std::int64_t, num_problems> issue_counts{};
-  bool stopped = false;  // Policy::error met an issue: parsing ended there
+  bool stopped = false;            // Policy::error met an issue: parsing ended there
+  std::vector<Notice> nucleotide;  // records that look like nucleotides, in input order
+  std::vector<Notice> unnamed;     // records whose header has no identifier (id left empty)
 };
+
+/// \brief Whether `length` residue ids look like a nucleotide sequence (see nucleotide_percent).
+bool looksLikeNucleotides(const std::uint8_t* residues, std::int64_t length);
 
 /// \brief Totals of one segment for the caller's bookkeeping.
 struct SegmentStats {

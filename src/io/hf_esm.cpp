@@ -22,7 +22,8 @@ namespace fs = std::filesystem;
 
 namespace {
 
-// The ESM-2 vocabulary in id order (ANCHORS.md §1), as config.json's optional vocab_list has it.
+// The ESM-2 vocabulary in id order (doc/anchors.md §1), as config.json's optional vocab_list has
+// it.
 const std::vector<std::string>& esmVocabulary() {
   static const std::vector<std::string> tokens = {
       "<cls>", "<pad>", "<eos>", "<unk>", "L", "A", "G", "V", "S", "E",        "R",
@@ -235,7 +236,7 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
   c.vocab = positiveInt("vocab_size");
   if (c.vocab != 33)
     throw unsupported("vocab_size", std::to_string(c.vocab),
-                      "ESM-2's vocabulary has 33 tokens (ANCHORS.md)");
+                      "ESM-2's vocabulary has 33 tokens (doc/anchors.md)");
   if (isSet("pad_token_id") && j.at("pad_token_id").asInt() != 1)
     throw unsupported("pad_token_id", text(j.at("pad_token_id")), "ESM-2's <pad> is token 1");
   if (isSet("mask_token_id") && j.at("mask_token_id").asInt() != 32)

@@ -1,4 +1,4 @@
-// Esm2Config: presets (ANCHORS.md §1), parameter and FLOP counts, validation.
+// Esm2Config: presets (doc/anchors.md §1), parameter and FLOP counts, validation.
 #include "model/esm2.hpp"
 
 #include "core/error.hpp"

@@ -1,5 +1,5 @@
 // Learning-rate schedules: linear warmup, then linear or cosine decay to a fraction of the peak
-// (ESM-2 recipe, ANCHORS.md §1: 2,000 warmup steps, linear decay to 0.1x), or constant.
+// (ESM-2 recipe, doc/anchors.md §1: 2,000 warmup steps, linear decay to 0.1x), or constant.
 //
 // Steps are counted from 1: update t (the t-th optimizer step) uses lr(t).  Warmup reaches the
 // peak exactly at t = warmup_steps (lr(1) = peak/warmup, never 0, so no update is wasted);

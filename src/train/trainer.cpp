@@ -246,7 +246,7 @@ void Trainer::run() {
       logStep(st, interval_member.seconds);
       interval_member = Interval{};
     }
-    if (valid_loader_member && ((eval_every_member > 0 && step % eval_every_member == 0) || last)) {
+    if (valid_loader_member && eval_every_member > 0 && (step % eval_every_member == 0 || last)) {
       const double e0 = now();
       BatchStats v = validate();
       logEval(v, now() - e0);
@@ -284,7 +284,7 @@ void Trainer::logStep(const StepStats& last, double seconds) {
   const double loss = in.masked > 0 ? in.loss_sum / static_cast<double>(in.masked) : 0.0;
   const double tokens_per_s = seconds > 0 ? static_cast<double>(in.tokens) / seconds : 0.0;
   const double tflops = seconds > 0 ? in.flops / seconds / 1e12 : 0.0;
-  const double mfu = peak_member.tflops > 0 ? tflops / (peak_member.tflops * world_member) : 0.0;
+  const double mfu = mfuOf(tflops, world_member, peak_member);
   const double mem = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
   const double per_step =
       steps_this_run_member > 0 ? train_seconds_member / steps_this_run_member : 0;

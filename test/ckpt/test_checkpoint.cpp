@@ -158,6 +158,14 @@ TEST_F(Checkpoint, KeepPrunesOldestAndOnlyCheckpoints) {
     EXPECT_TRUE(fs::exists(d + "/" + name)) << name;
 }
 
+TEST_F(Checkpoint, KeepZeroKeepsAll) {
+  trainTiny(dir, "keep_all", 5, 1, {"checkpoint.keep=0"});
+  const auto listed = plm::ckpt::listCheckpoints(dir + "/keep_all/ckpt");
+  ASSERT_EQ(listed.size(), 5u);  // checkpoint.keep: 0 (documented "keep all") deletes none
+  EXPECT_EQ(listed.front().step, 1);
+  EXPECT_EQ(listed.back().step, 5);
+}
+
 TEST_F(Checkpoint, TruncatedFileIsRefusedAndAutoFallsBack) {
   const std::string d = dir + "/trunc/ckpt";
   if (plm::dist::worldRank() == 0) fs::create_directories(d);

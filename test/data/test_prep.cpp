@@ -309,7 +309,8 @@ TEST(Prep, EmptyInputGivesEmptyButValidFiles) {
   TempDir dir;
   writeFile(dir / "empty.fasta", "");
   writeFile(dir / "one.fasta", ">only\nMKV\n");
-  auto report = data::prepare(options({dir / "empty.fasta", dir / "one.fasta"}, dir / "out", 0.5),
+  // A fraction so small that the one record is a training sequence: valid.h5 is the empty file.
+  auto report = data::prepare(options({dir / "empty.fasta", dir / "one.fasta"}, dir / "out", 1e-12),
                               MPI_COMM_WORLD);
   EXPECT_EQ(report.records, 1);
   io::DatasetReader train(dir / "out/train.h5"), valid(dir / "out/valid.h5");
@@ -319,4 +320,104 @@ TEST(Prep, EmptyInputGivesEmptyButValidFiles) {
   EXPECT_EQ(empty.offsets(), std::vector<std::int64_t>{0});
   EXPECT_TRUE(empty.readIds(0, 0).empty());
   empty.validateTokens();
+}
+
+TEST(Prep, NoTrainingSequenceIsAnErrorNamingTheReason) {
+  TempDir dir;
+  writeFile(dir / "empty.fasta", "");
+  std::string message = prepError(options({dir / "empty.fasta"}, dir / "out"));
+  EXPECT_NE(message.find("plm prep: no training sequence: the input holds no FASTA record"),
+            std::string::npos)
+      << message;
+  EXPECT_FALSE(fileExists(dir / "out/train.h5"));
+
+  writeFile(dir / "bad.fasta", ">a\nMKJ\n>b\nAC-DE\n");
+  auto o = options({dir / "bad.fasta"}, dir / "out");
+  o.on_invalid = Policy::skip;
+  message = prepError(o);
+  EXPECT_NE(message.find("no training sequence: every record was invalid and skipped (2 skipped"),
+            std::string::npos)
+      << message;
+  EXPECT_FALSE(fileExists(dir / "out/train.h5"));
+
+  writeFile(dir / "good.fasta", ">a\nMKV\n");
+  o = options({dir / "good.fasta"}, dir / "out");
+  o.valid_inputs = {dir / "good.fasta"};
+  message = prepError(o);
+  EXPECT_NE(message.find("all 1 distinct sequences went to the validation set"), std::string::npos)
+      << message;
+}
+
+TEST(Prep, NucleotideLikeRecordsAreDetectedAtTheThreshold) {
+  auto ids = [](const std::string& letters) {
+    std::vector<std::uint8_t> out;
+    for (char c : letters) out.push_back(std::uint8_t(io::fasta::residueId((unsigned char)c)));
+    return out;
+  };
+  auto looks = [&](const std::string& letters) {
+    auto v = ids(letters);
+    return io::fasta::looksLikeNucleotides(v.data(), std::int64_t(v.size()));
+  };
+  EXPECT_TRUE(looks("atgatcgatcgtacgtagcn"));                // 20 long, all nucleotide letters
+  EXPECT_TRUE(looks("AUGAUCGAUCGUACGUAGCN"));                // RNA, upper case
+  EXPECT_FALSE(looks("atgatcgatcgtacgtagc"));                // 19: too short to tell
+  EXPECT_TRUE(looks("ACGTACGTACGTACGTACMK"));                // 18 of 20: 90%
+  EXPECT_FALSE(looks("ACGTACGTACGTACGTAMKW"));               // 17 of 20: 85%
+  EXPECT_FALSE(looks("MKTAYIAKQRQISFVKSHFSRQLEERLGLIEVQ"));  // a protein
+}
+
+TEST(Prep, NucleotideRecordsWarnAndMostlyNucleotideFilesAreRefused) {
+  TempDir dir;
+  std::mt19937_64 rng(3);
+  const std::string dna = "atgatcgatcgtacgtagcatgcatgcaatgc";
+  // A protein file with one DNA record: kept, counted (and warned about).
+  auto records = randomRecords(rng, 60, "p", 200);
+  records.insert(records.begin() + 40, Record{"dna1", dna});
+  std::string text;
+  int dna_line = 0;
+  for (const auto& r : records) {
+    if (r.id == "dna1") dna_line = linesIn(text) + 1;
+    text += ">" + r.id + "\n" + r.residues + "\n";
+  }
+  writeFile(dir / "mixed.fasta", text);
+  auto report = data::prepare(options({dir / "mixed.fasta"}, dir / "out"), MPI_COMM_WORLD);
+  EXPECT_EQ(report.nucleotide_records, 1);
+  EXPECT_EQ(report.records, 61);
+
+  // A file of mostly nucleotide records: refused with the count and the first record, unless
+  // --allow-nucleotide. A protein file beside it changes nothing: the check is per file.
+  writeFile(dir / "genes.fasta", ">p1\nMKTAYIAKQRQISFVK\n>g1\n" + dna + "\n>g2\n" + dna +
+                                     "aa\n>g3\nACGU\n" + dna + "\n");
+  auto o = options({dir / "mixed.fasta", dir / "genes.fasta"}, dir / "out2");
+  std::string message = prepError(o);
+  EXPECT_NE(message.find("plm prep: " + (dir / "genes.fasta") +
+                         ": 3 of its 4 record(s) look like "
+                         "nucleotide sequences"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("the first at " + (dir / "mixed.fasta") + ":" + std::to_string(dna_line) +
+                         ": record `dna1`"),
+            std::string::npos)
+      << message;
+  EXPECT_NE(message.find("--allow-nucleotide"), std::string::npos) << message;
+  EXPECT_FALSE(fileExists(dir / "out2/train.h5"));
+  o.allow_nucleotide = true;
+  report = data::prepare(o, MPI_COMM_WORLD);
+  EXPECT_EQ(report.nucleotide_records, 4);
+  EXPECT_EQ(report.records, 65);
+}
+
+TEST(Prep, EmptyIdentifierGetsAnIdFromItsPlaceAtAnyRankCount) {
+  TempDir dir;
+  std::mt19937_64 rng(4);
+  const std::string head = fastaText(randomRecords(rng, 100, "a", 300), rng);
+  const int line = linesIn(head) + 1;
+  writeFile(dir / "in.fasta", head + ">\nMKVLAAGIW\n> \nMKVLAAGIWQ\n");
+  auto report = data::prepare(options({dir / "in.fasta"}, dir / "out"), MPI_COMM_WORLD);
+  EXPECT_EQ(report.unnamed_records, 2);
+  std::set<std::string> ids;
+  for (const auto& r : readDataset(dir / "out/train.h5")) ids.insert(r.id);
+  EXPECT_TRUE(ids.count("unnamed:in.fasta:" + std::to_string(line))) << line;
+  EXPECT_TRUE(ids.count("unnamed:in.fasta:" + std::to_string(line + 2))) << line + 2;
+  EXPECT_FALSE(ids.count(""));
 }

@@ -176,7 +176,7 @@ TEST(DeckValidation, OutOfRangeNamesTheRange) {
            Case{"data: { max_seq_len: 2048 }", "(allowed: in [16, 1024])"},
            Case{"train: { steps: 0 }", "train.steps = 0 is out of range (allowed: >= 1)"},
            Case{"schedule: { final_lr_ratio: 1.5 }", "(allowed: in [0, 1])"},
-           Case{"checkpoint: { keep: 0 }", "checkpoint.keep = 0 is out of range"},
+           Case{"checkpoint: { keep: -1 }", "checkpoint.keep = -1 is out of range (allowed: >= 0)"},
            Case{"data: { tokens_per_batch: 10000000000 }", "data.tokens_per_batch = 10000000000"},
        })
     EXPECT_HAS(yamlError(c.yaml), c.expected);

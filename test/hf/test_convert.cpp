@@ -167,7 +167,7 @@ TEST(Convert, TensorTableMatchesTransformers) {
       EXPECT_EQ(t.shape, f.params.at(t.name).shape) << t.name;
       EXPECT_EQ(t.offset, offset);
       offset += t.size;
-      // AdamW decays Linear weights only (ANCHORS.md: not biases, LayerNorm, embeddings).
+      // AdamW decays Linear weights only (doc/anchors.md: not biases, LayerNorm, embeddings).
       const bool linear_weight =
           t.shape.size() == 2 && t.name.find("embeddings") == std::string::npos;
       EXPECT_EQ(t.weight_decay, linear_weight) << t.name;

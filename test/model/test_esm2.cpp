@@ -33,7 +33,7 @@ TEST(ModelConfig, PresetsAndParameterCounts) {
   for (const auto& name : Esm2Config::presetNames())
     EXPECT_NO_THROW(Esm2Config::preset(name).validate()) << name;
   EXPECT_THROW(Esm2Config::preset("esm2_7m"), Error);
-  // ANCHORS.md: about 4.2 GFLOP per trained token for 650M with packed attention.
+  // doc/anchors.md: about 4.2 GFLOP per trained token for 650M with packed attention.
   EXPECT_NEAR(Esm2Config::preset("esm2_650m").trainFlopsPerToken(600) / 1e9, 4.2, 0.2);
   // Attention FLOPs grow linearly with the weighted sequence length.
   const auto c = Esm2Config::preset("esm2_35m");

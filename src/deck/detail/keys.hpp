@@ -51,7 +51,7 @@ const KeySpec* findKey(const std::string& section, const std::string& name);
 /// Cross-key rules, one line each, for the reference.
 const std::vector<std::string>& rules();
 
-/// Layers, hidden, heads, ffn of an ESM-2 preset (ANCHORS §1); false for an unknown name.
+/// Layers, hidden, heads, ffn of an ESM-2 preset (doc/anchors.md §1); false for an unknown name.
 struct PresetShape {
   int layers, hidden, heads, ffn;
 };
