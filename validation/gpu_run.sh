@@ -118,12 +118,14 @@ if has bench && [[ -x "$pkg/bin/bench_gpu" ]]; then
 fi
 
 if has train && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
-  # preset:tokens-per-micro-batch; PLM_TRAIN_RUNS overrides.
+  # preset:tokens-per-micro-batch[:recompute]; PLM_TRAIN_RUNS overrides.
   for run in ${PLM_TRAIN_RUNS:-esm2_8m:65536 esm2_8m:24576 esm2_35m:24576 esm2_150m:24576 esm2_650m:24576}; do
-    timeout 300 "$pkg/bin/bench_gpu_train" "${run%%:*}" "${run##*:}" ${PLM_TRAIN_STEPS:-20} \
-      > "$out/train_${run%%:*}_${run##*:}.log" 2>&1
+    IFS=: read -r preset tokens recompute <<< "$run"
+    log="$out/train_${preset}_${tokens}_${recompute:-none}.log"
+    timeout 300 "$pkg/bin/bench_gpu_train" "$preset" "$tokens" ${PLM_TRAIN_STEPS:-20} \
+      "${recompute:-none}" > "$log" 2>&1
     note "bench_gpu_train $run rc=$?"
-    grep -E "RESULT|breakdown|^    |step 0|error" "$out/train_${run%%:*}_${run##*:}.log" | tee -a "$summary"
+    grep -E "RESULT|EVAL|breakdown|^    |step 0|error|out of memory" "$log" | tee -a "$summary"
   done
 fi
 

@@ -258,6 +258,11 @@ int main(int argc, char** argv) {
       Buffer cu_dev(cu.size() * 4), qkv(tokens * 3 * C * 2), ids(tokens), w(33 * C * 2),
           emb(tokens * C * 2), dw(33 * C * 4);
       PLM_CHECK_CUDA(cudaMemcpy(cu_dev.ptr, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+      std::vector<std::int32_t> pos_h(tokens);
+      for (int s = 0; s < nseq; ++s)
+        for (int t = cu[s]; t < cu[s + 1]; ++t) pos_h[t] = t - cu[s];
+      Buffer pos(tokens * 4);
+      PLM_CHECK_CUDA(cudaMemcpy(pos.ptr, pos_h.data(), tokens * 4, cudaMemcpyHostToDevice));
       fill(qkv, tokens * 3 * C, 1.0f, 11);
       fill(w, 33 * C, 1.0f, 12);
       std::vector<std::uint8_t> ids_h(tokens);
@@ -265,8 +270,8 @@ int main(int argc, char** argv) {
       for (auto& id : ids_h) id = rng() % 100 < 12 ? 32 : 4 + rng() % 20;
       PLM_CHECK_CUDA(cudaMemcpy(ids.ptr, ids_h.data(), tokens, cudaMemcpyHostToDevice));
       double r = medianMs([&] {
-        rotary(nullptr, qkv.as<bf16>(), 3 * C, qkv.as<bf16>() + C, 3 * C, cu_dev.as<std::int32_t>(),
-               nseq, tokens, 20, 64, false);
+        rotary(nullptr, qkv.as<bf16>(), 3 * C, qkv.as<bf16>() + C, 3 * C, pos.as<std::int32_t>(),
+               tokens, 20, 64, false);
       });
       row("rotary q,k (H20 D64)", r, 0, 2.0 * 2 * tokens * C * 2);
       double e = medianMs([&] {

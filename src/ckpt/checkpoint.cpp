@@ -5,6 +5,7 @@
 #include "ckpt/detail/rows.hpp"
 #include "core/log.hpp"
 #include "deck/deck.hpp"
+#include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
 #include "io/model_file.hpp"
 #include "plm/plm_config.hpp"
@@ -39,18 +40,8 @@ double now() {
   return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
-int commRank(MPI_Comm comm) {
-  int r = 0;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &r));
-  return r;
-}
-
-int commSize(MPI_Comm comm) {
-  int s = 1;
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &s));
-  return s;
-}
-
+using dist::commRank;
+using dist::commSize;
 std::string utcNow() {
   std::time_t t = std::time(nullptr);
   std::tm tm{};

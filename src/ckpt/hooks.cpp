@@ -8,6 +8,7 @@
 
 #include "ckpt/detail/agree.hpp"
 #include "core/log.hpp"
+#include "dist/process_groups.hpp"
 #include "io/json.hpp"
 
 #include <unistd.h>
@@ -21,12 +22,7 @@ namespace fs = std::filesystem;
 
 namespace {
 
-int commRank(MPI_Comm comm) {
-  int r = 0;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &r));
-  return r;
-}
-
+using dist::commRank;
 const Teuchos::ParameterList& checkpointSection(const train::Trainer& trainer) {
   return trainer.deck().sublist("checkpoint");
 }

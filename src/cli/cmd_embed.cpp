@@ -52,6 +52,8 @@ Parser embedParser() {
   p.option({"out", "OUT.h5", "output HDF5 file"});
   p.option({"logits", "", "also write per-token logits (/logits, /offsets)"});
   p.option({"batch-tokens", "N", "tokens per micro-batch (default 16384)"});
+  p.option({"precision", "fp32|bf16",
+            "compute precision (default fp32; bf16 runs the CUDA build's fast path)"});
   p.option(
       {"on-invalid", "error|skip",
        "a FASTA record with a letter outside the ESM-2 alphabet or no residues: stop with its "
@@ -162,6 +164,7 @@ int runEmbed(const Argv& argv) {
   } catch (const Error& e) {
     throw collectiveError(std::string("plm embed: ") + e.what());
   }
+  config.precision = model::parsePrecision(args.get("precision", "fp32"));
   model::Esm2<float> esm(config);
   try {
     io::readModelInto(checkpoint, MPI_COMM_WORLD, esm);
@@ -222,7 +225,7 @@ int runEmbed(const Argv& argv) {
     model::ForwardOutputs<float> out;
     out.want_hidden = true;
     out.want_logits = want_logits;
-    esm.forward(batch, &out);
+    esm.forward(batch, &out, begin == first);  // the bf16 weight copy once, not per batch
     auto cu = Kokkos::create_mirror_view_and_copy(MemSpace(), batch.cu_seqlens);
     auto pooled =
         Kokkos::create_mirror_view_and_copy(HostSpace(), meanOverResidues(space, out.hidden, cu));

@@ -40,43 +40,45 @@ unsigned blocksFor(std::int64_t work, int per_block) {
 // --------------------------------------------------------------------------------------------
 // Rotary
 
-__device__ __forceinline__ int sequenceOf(const std::int32_t* cu, int num_seqs, std::int64_t t) {
-  int lo = 0, hi = num_seqs;  // cu[lo] <= t < cu[hi]
-  while (hi - lo > 1) {
-    int mid = (lo + hi) / 2;
-    if (cu[mid] <= t)
-      lo = mid;
-    else
-      hi = mid;
-  }
-  return lo;
-}
-
-__global__ void rotaryKernel(bf16* q, std::int64_t q_stride, bf16* k, std::int64_t k_stride,
-                             const std::int32_t* cu, int num_seqs, std::int64_t tokens, int heads,
-                             int head_dim, float sign, float q_scale) {
-  int half = head_dim / 2;
+// One thread rotates V adjacent dimension pairs (i, i + half) of one head of q and of k, with
+// bf16x2 loads when V = 2 (half even, every ESM-2 head size).  Positions come precomputed.
+template <int V> __global__ void rotaryKernel(bf16* q, std::int64_t q_stride, bf16* k,
+                                              std::int64_t k_stride, const std::int32_t* positions,
+                                              std::int64_t tokens, int heads, int head_dim,
+                                              float sign, float q_scale) {
+  const int half = head_dim / 2, groups = half / V;
   std::int64_t idx = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-  std::int64_t per_token = static_cast<std::int64_t>(heads) * half;
+  std::int64_t per_token = static_cast<std::int64_t>(heads) * groups;
   if (idx >= tokens * per_token) return;
   std::int64_t t = idx / per_token;
   int rem = static_cast<int>(idx % per_token);
-  int h = rem / half, i = rem % half;
-  int pos = static_cast<int>(t - cu[sequenceOf(cu, num_seqs, t)]);
-  // Hugging Face: inv_freq = 1 / 10000^(2i/D) in fp32, angle = pos * inv_freq.
-  float inv_freq = 1.0f / powf(10000.0f, static_cast<float>(2 * i) / head_dim);
-  float angle = static_cast<float>(pos) * inv_freq;
-  float c, s;
-  sincosf(angle, &s, &c);
-  s *= sign;
+  int h = rem / groups, i = V * (rem % groups);
+  const float pos = static_cast<float>(positions[t]);
+  float c[V], sn[V];
+#pragma unroll
+  for (int e = 0; e < V; ++e) {
+    // Hugging Face: inv_freq = 1 / 10000^(2i/D) in fp32, angle = pos * inv_freq.
+    float inv_freq = 1.0f / powf(10000.0f, static_cast<float>(2 * (i + e)) / head_dim);
+    sincosf(pos * inv_freq, &sn[e], &c[e]);
+    sn[e] *= sign;
+  }
   bfloat* rows[2] = {reinterpret_cast<bfloat*>(q) + t * q_stride + h * head_dim,
                      reinterpret_cast<bfloat*>(k) + t * k_stride + h * head_dim};
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    float f = r == 0 ? q_scale : 1.0f;
-    float x1 = __bfloat162float(rows[r][i]), x2 = __bfloat162float(rows[r][i + half]);
-    rows[r][i] = __float2bfloat16(f * (x1 * c - x2 * s));
-    rows[r][i + half] = __float2bfloat16(f * (x2 * c + x1 * s));
+    const float f = r == 0 ? q_scale : 1.0f;
+    if constexpr (V == 2) {
+      float2 x1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(rows[r] + i));
+      float2 x2 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(rows[r] + i + half));
+      *reinterpret_cast<__nv_bfloat162*>(rows[r] + i) =
+          __floats2bfloat162_rn(f * (x1.x * c[0] - x2.x * sn[0]), f * (x1.y * c[1] - x2.y * sn[1]));
+      *reinterpret_cast<__nv_bfloat162*>(rows[r] + i + half) =
+          __floats2bfloat162_rn(f * (x2.x * c[0] + x1.x * sn[0]), f * (x2.y * c[1] + x1.y * sn[1]));
+    } else {
+      float x1 = __bfloat162float(rows[r][i]), x2 = __bfloat162float(rows[r][i + half]);
+      rows[r][i] = __float2bfloat16(f * (x1 * c[0] - x2 * sn[0]));
+      rows[r][i + half] = __float2bfloat16(f * (x2 * c[0] + x1 * sn[0]));
+    }
   }
 }
 
@@ -300,13 +302,20 @@ __global__ void castToFloatKernel(const bfloat* src, float* dst, std::int64_t n)
 }  // namespace
 
 void rotary(Stream stream, bf16* q, std::int64_t q_stride, bf16* k, std::int64_t k_stride,
-            const std::int32_t* cu_seqlens, int num_seqs, std::int64_t tokens, int heads,
-            int head_dim, bool inverse, float q_scale) {
-  std::int64_t work = tokens * heads * (head_dim / 2);
-  if (work == 0) return;
-  rotaryKernel<<<blocksFor(work, 256), 256, 0, stream>>>(q, q_stride, k, k_stride, cu_seqlens,
-                                                         num_seqs, tokens, heads, head_dim,
-                                                         inverse ? -1.0f : 1.0f, q_scale);
+            const std::int32_t* positions, std::int64_t tokens, int heads, int head_dim,
+            bool inverse, float q_scale) {
+  if (tokens == 0) return;
+  PLM_REQUIRE(head_dim % 2 == 0, "plm::gpu::rotary: head_dim must be even");
+  const float sign = inverse ? -1.0f : 1.0f;
+  // bf16x2 access needs even element offsets: even half, even strides.
+  const bool pairs = (head_dim / 2) % 2 == 0 && q_stride % 2 == 0 && k_stride % 2 == 0;
+  const std::int64_t work = tokens * heads * (head_dim / 2) / (pairs ? 2 : 1);
+  if (pairs)
+    rotaryKernel<2><<<blocksFor(work, 256), 256, 0, stream>>>(
+        q, q_stride, k, k_stride, positions, tokens, heads, head_dim, sign, q_scale);
+  else
+    rotaryKernel<1><<<blocksFor(work, 256), 256, 0, stream>>>(
+        q, q_stride, k, k_stride, positions, tokens, heads, head_dim, sign, q_scale);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

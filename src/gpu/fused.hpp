@@ -12,12 +12,13 @@
 
 namespace plm::gpu {
 
-/// \brief ESM-2 rotary embedding, in place on q and k (T, H, D) (row strides in elements);
-/// positions restart at every sequence.  q is also multiplied by q_scale (ESM-2 scales q by
-/// head_dim^-1/2 before rotating).  `inverse` applies the transpose (backward pass).
+/// \brief ESM-2 rotary embedding, in place on q and k (T, H, D) (row strides in elements), at
+/// each token's position inside its sequence (`positions`, (T), device).  q is also multiplied
+/// by q_scale (ESM-2 scales q by head_dim^-1/2 before rotating).  `inverse` applies the
+/// transpose (backward pass).
 void rotary(Stream stream, bf16* q, std::int64_t q_stride, bf16* k, std::int64_t k_stride,
-            const std::int32_t* cu_seqlens, int num_seqs, std::int64_t tokens, int heads,
-            int head_dim, bool inverse, float q_scale = 1.0f);
+            const std::int32_t* positions, std::int64_t tokens, int heads, int head_dim,
+            bool inverse, float q_scale = 1.0f);
 
 /// \brief out[t] = W[ids[t]] * scale(seq) with ESM-2 token dropout: <mask> rows are zero and the
 /// rest are scaled by (1 - 0.15 * 0.8) / (1 - masked fraction of the sequence).

@@ -2,6 +2,7 @@
 #include "io/hf_esm.hpp"
 
 #include "core/error.hpp"
+#include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
 #include "io/model_file.hpp"
 #include "io/safetensors.hpp"
@@ -74,12 +75,7 @@ bool startsWith(const std::string& s, const std::string& prefix) {
   return s.compare(0, prefix.size(), prefix) == 0;
 }
 
-int commRank(MPI_Comm comm) {
-  int rank = 0;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
-  return rank;
-}
-
+using dist::commRank;
 // The safetensors files of a model directory and which file holds each tensor.
 struct WeightFiles {
   std::vector<std::unique_ptr<safetensors::Reader>> readers;

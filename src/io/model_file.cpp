@@ -2,6 +2,7 @@
 #include "io/model_file.hpp"
 
 #include "core/error.hpp"
+#include "dist/process_groups.hpp"
 
 #include <set>
 
@@ -31,18 +32,8 @@ std::vector<std::string> groupMembers(hid_t group) {
   return names;
 }
 
-int commRank(MPI_Comm comm) {
-  int rank = 0;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
-  return rank;
-}
-
-int commSize(MPI_Comm comm) {
-  int size = 1;
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &size));
-  return size;
-}
-
+using dist::commRank;
+using dist::commSize;
 }  // namespace
 
 void writeConfigAttributes(hid_t location, const model::Esm2Config& config) {

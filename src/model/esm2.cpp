@@ -196,6 +196,7 @@ template <class T> struct Esm2<T>::Impl {
                               ") to be multiples of 16 (cuBLASLt alignment)");
       compute = DType::BF16;
       stats = DType::F32;
+      ctx.cuda();  // the cuBLASLt handle and the device loss accumulator, before the first call
 #else
       throw collectiveError(
           "train.precision: bf16 runs on the CUDA build only (this build computes in fp32); set "
@@ -682,8 +683,8 @@ template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch
   Kokkos::Profiling::pushRegion("plm::model::forwardBackward");
   auto& im = *impl_member;
   im.prepare(batch, false, true);
-  if (refresh_weights) im.refreshCompute();
   im.ctx.beginLoss();
+  if (refresh_weights) im.refreshCompute();
   im.forwardPass(true, grad_scale);
   im.backwardPass();
   const double loss = im.ctx.endLoss();
@@ -705,8 +706,8 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
   Kokkos::Profiling::pushRegion("plm::model::forward");
   const bool all_rows = outputs && outputs->want_logits;
   im.prepare(batch, all_rows, false);
-  if (refresh_weights) im.refreshCompute();
   im.ctx.beginLoss();
+  if (refresh_weights) im.refreshCompute();
   im.forwardPass(false, 1.0);
   const double loss = im.ctx.endLoss();
   if (outputs && outputs->want_logits) {

@@ -102,7 +102,9 @@ bool Qkv::fused() const {
 Precision parsePrecision(const std::string& name) {
   if (name == "fp32") return Precision::Fp32;
   if (name == "bf16") return Precision::Bf16;
-  throw collectiveError("train.precision: '" + name + "' is not a precision; use fp32 or bf16");
+  throw collectiveError(
+      "precision '" + name +
+      "' is not one of fp32, bf16 (train.precision in a deck, --precision of plm embed)");
 }
 
 const char* precisionName(Precision p) { return p == Precision::Bf16 ? "bf16" : "fp32"; }
@@ -131,26 +133,24 @@ struct OpContext::Cuda {
   std::size_t marks = 0;
   double totals[static_cast<int>(OpKind::Count)] = {};
 
-  Cuda() { PLM_CHECK_CUDA(cudaMalloc(&loss, sizeof(double))); }
+  Cuda() {
+    PLM_CHECK_CUDA(cudaMalloc(&loss, sizeof(double)));
+    PLM_CHECK_CUDA(cudaMemset(loss, 0, sizeof(double)));  // crossEntropy may run before beginLoss
+  }
   ~Cuda() {
     for (auto e : events) cudaEventDestroy(e);
     cudaFree(loss);
   }
   void collect() {
-    if (marks < 2) {
-      marks = 0;
-      return;
-    }
+    if (marks < 2) return;
     PLM_CHECK_CUDA(cudaEventSynchronize(events[marks - 1]));
     for (std::size_t i = 1; i < marks; ++i) {
       float ms = 0;
       PLM_CHECK_CUDA(cudaEventElapsedTime(&ms, events[i - 1], events[i]));
       totals[kinds[i]] += ms;
     }
-    // Keep the last event as the start of the next interval.
-    std::swap(events[0], events[marks - 1]);
-    kinds[0] = kinds[marks - 1];
-    marks = 1;
+    // The next call starts a fresh interval: host time between calls is not any kernel's.
+    marks = 0;
   }
 };
 #else
@@ -183,6 +183,7 @@ void OpContext::beginLoss() {
   if (cuda_member)
     PLM_CHECK_CUDA(
         cudaMemsetAsync(cuda_member->loss, 0, sizeof(double), space_member.cuda_stream()));
+  mark(OpKind::Other);  // with profiling: the start of this call's first interval
 #endif
 }
 
@@ -742,8 +743,8 @@ void rotary(OpContext& ctx, const DeviceBatch& b, const Mat& q, const Mat& k, in
             double q_scale, bool inverse, const Mat& cos_table, const Mat& sin_table) {
   if (isBf16(q)) {
 #if PLM_HAVE_CUDA
-    gpu::rotary(streamOf(ctx), mptr<bf16>(q), q.ld, mptr<bf16>(k), k.ld, b.cu_seqlens.data(),
-                b.num_seqs, b.tokens, heads, static_cast<int>(q.cols / heads), inverse,
+    gpu::rotary(streamOf(ctx), mptr<bf16>(q), q.ld, mptr<bf16>(k), k.ld, b.position.data(),
+                b.tokens, heads, static_cast<int>(q.cols / heads), inverse,
                 static_cast<float>(q_scale));
     ctx.mark(OpKind::Other);
     return;

@@ -68,6 +68,14 @@ plm::HostView1<T> bucketed(plm::dist::Communicator& comm, const std::vector<Buff
 }
 
 template <class T> plm::HostView1<T> wholeBuffer(plm::dist::Communicator& comm, std::int64_t n) {
+  // The reference all-reduce reads the memory its backend reads: device memory for NCCL, host
+  // memory for MPI (which, built without CUDA support, faults on device pointers).
+  if (!comm.deviceMemory()) {
+    plm::HostView1<T> host("grads", n);
+    Kokkos::deep_copy(host, fill<T>(comm.rank(), n));
+    comm.allReduceSum(host.data(), n, plm::dist::Stream{}).wait();
+    return host;
+  }
   plm::View1<T> grads("grads", n);
   Kokkos::deep_copy(grads, fill<T>(comm.rank(), n));
   Kokkos::fence();

@@ -53,11 +53,11 @@ void compare(Esm2Config c, const std::vector<int>& lengths) {
   const double loss = m.forwardBackward(batch, scale);
   const auto g = toHost(m.gradients());
   EXPECT_NEAR(loss, loss_ref, 2e-2 * std::abs(loss_ref)) << "loss";
-  EXPECT_LT(test::relError(g, g_ref), 5e-2) << "all gradients";
+  EXPECT_LT(gpu::test::relError(g, g_ref), 5e-2) << "all gradients";
   for (const auto& t : m.tensors()) {
     std::vector<float> a(g.begin() + t.offset, g.begin() + t.offset + t.size);
     std::vector<float> b(g_ref.begin() + t.offset, g_ref.begin() + t.offset + t.size);
-    EXPECT_LT(test::relError(a, b), 0.15) << t.name;
+    EXPECT_LT(gpu::test::relError(a, b), 0.15) << t.name;
   }
   EXPECT_NEAR(m.forward(batch), loss, 1e-6 * std::abs(loss)) << "forward-only loss";
 
@@ -72,7 +72,7 @@ void compare(Esm2Config c, const std::vector<int>& lengths) {
   const auto g2 = toHost(m.gradients());
   std::vector<double> twice(g.size());
   for (std::size_t i = 0; i < g.size(); ++i) twice[i] = 2.0 * g[i];
-  EXPECT_LT(test::relError(g2, twice), 1e-6) << "accumulation";
+  EXPECT_LT(gpu::test::relError(g2, twice), 1e-6) << "accumulation";
 
   // Recomputation changes what is kept, not one bit of the result.
   for (Recompute mode : {Recompute::Layer, Recompute::Selective}) {
@@ -126,8 +126,8 @@ TEST(Esm2Bf16, ForwardOutputsMatchFp32) {
     auto h = Kokkos::create_mirror_view_and_copy(HostSpace(), v);
     return std::vector<float>(h.data(), h.data() + h.size());
   };
-  EXPECT_LT(test::relError(flat(b.logits), flat(a.logits)), 2e-2);
-  EXPECT_LT(test::relError(flat(b.hidden), flat(a.hidden)), 2e-2);
+  EXPECT_LT(gpu::test::relError(flat(b.logits), flat(a.logits)), 2e-2);
+  EXPECT_LT(gpu::test::relError(flat(b.hidden), flat(a.hidden)), 2e-2);
 }
 
 }  // namespace

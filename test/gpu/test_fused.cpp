@@ -94,11 +94,14 @@ TEST(FusedKernels, RotaryPositionsRestartPerSequenceAndInverseUndoes) {
   const std::int64_t stride = 3 * heads * dim;  // q and k inside a QKV row
   std::vector<float> qkv0 = test::randomNormal(tokens * stride, 7);
   Bf16Tensor qkv(qkv0);
-  DeviceBuffer<std::int32_t> cu_dev(cu);
+  std::vector<std::int32_t> positions(tokens);
+  for (std::size_t s = 0; s + 1 < cu.size(); ++s)
+    for (int t = cu[s]; t < cu[s + 1]; ++t) positions[t] = t - cu[s];
+  DeviceBuffer<std::int32_t> pos_dev(positions);
   bf16* q = qkv.get();
   bf16* k = qkv.get() + heads * dim;
   const float q_scale = 0.125f;
-  rotary(nullptr, q, stride, k, stride, cu_dev.get(), 4, tokens, heads, dim, false, q_scale);
+  rotary(nullptr, q, stride, k, stride, pos_dev.get(), tokens, heads, dim, false, q_scale);
   auto out = test::downloadBf16(qkv.device);
   std::vector<double> ref(qkv.values.begin(), qkv.values.end());
   for (std::size_t s = 0; s + 1 < cu.size(); ++s)
@@ -120,7 +123,7 @@ TEST(FusedKernels, RotaryPositionsRestartPerSequenceAndInverseUndoes) {
     for (int i = 0; i < heads * dim; ++i)
       ASSERT_EQ(out[t * stride + 2 * heads * dim + i],
                 qkv.values[t * stride + 2 * heads * dim + i]);
-  rotary(nullptr, q, stride, k, stride, cu_dev.get(), 4, tokens, heads, dim, true, 1.0f / q_scale);
+  rotary(nullptr, q, stride, k, stride, pos_dev.get(), tokens, heads, dim, true, 1.0f / q_scale);
   EXPECT_LT(test::relError(test::downloadBf16(qkv.device), qkv.values), 1.5e-2);
 }
 
