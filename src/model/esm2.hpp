@@ -1,4 +1,5 @@
-// ESM-2 (Hugging Face `EsmForMaskedLM`, doc/anchors.md §1) on Kokkos Views, packed (THD) input only.
+// ESM-2 (Hugging Face `EsmForMaskedLM`, doc/anchors.md §1) on Kokkos Views, packed (THD) input
+// only.
 //
 // Parameters live in one flat buffer with named views into it; gradients mirror that layout, so
 // the optimizer, the data-parallel all-reduce and checkpoints treat the model as one array plus
