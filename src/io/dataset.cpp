@@ -1,7 +1,7 @@
 #include "io/dataset.hpp"
 
 #include "core/error.hpp"
-#include "data/batch.hpp"
+#include "core/vocab.hpp"
 #include "io/hdf5.hpp"
 
 #include <unistd.h>
@@ -16,7 +16,7 @@ namespace plm::io {
 const std::vector<std::string>& vocabularyTokens() {
   static const std::vector<std::string> tokens = [] {
     std::vector<std::string> t = {"<cls>", "<pad>", "<eos>", "<unk>"};
-    for (const char* c = data::vocab::letters; *c; ++c) t.emplace_back(1, *c);
+    for (const char* c = vocab::letters; *c; ++c) t.emplace_back(1, *c);
     t.insert(t.end(), {".", "-", "<null_1>", "<mask>"});
     return t;
   }();
@@ -26,12 +26,12 @@ const std::vector<std::string>& vocabularyTokens() {
 void checkResidueIds(const std::string& path, std::int64_t sequence, const std::uint8_t* tokens,
                      std::int64_t n) {
   for (std::int64_t k = 0; k < n; ++k) {
-    if (tokens[k] < data::vocab::first_residue || tokens[k] > data::vocab::last_residue)
+    if (tokens[k] < vocab::first_residue || tokens[k] > vocab::last_residue)
       throw Error("dataset `" + path + "`: sequence " + std::to_string(sequence) +
                   " holds token id " + std::to_string(int(tokens[k])) + " at residue " +
                   std::to_string(k) + ", outside the residue ids " +
-                  std::to_string(data::vocab::first_residue) + ".." +
-                  std::to_string(data::vocab::last_residue) +
+                  std::to_string(vocab::first_residue) + ".." +
+                  std::to_string(vocab::last_residue) +
                   "; the file is corrupt or was not written by plm prep: rerun plm prep");
   }
 }
@@ -314,7 +314,7 @@ std::string DatasetReader::sequenceString(std::int64_t i) const {
   auto tokens = readTokens(i, 1);
   std::string out(tokens.size(), '?');
   for (size_t k = 0; k < tokens.size(); ++k)
-    out[k] = data::vocab::letters[tokens[k] - data::vocab::first_residue];
+    out[k] = vocab::letters[tokens[k] - vocab::first_residue];
   return out;
 }
 

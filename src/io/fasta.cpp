@@ -1,7 +1,7 @@
 #include "io/fasta.hpp"
 
 #include "core/error.hpp"
-#include "data/batch.hpp"
+#include "core/vocab.hpp"
 
 #include <zlib.h>
 
@@ -32,9 +32,9 @@ struct IdTable {
   signed char id[256];
   IdTable() {
     std::fill(std::begin(id), std::end(id), static_cast<signed char>(-1));
-    for (int k = 0; data::vocab::letters[k]; ++k) {
-      unsigned char c = static_cast<unsigned char>(data::vocab::letters[k]);
-      id[c] = static_cast<signed char>(data::vocab::first_residue + k);
+    for (int k = 0; vocab::letters[k]; ++k) {
+      unsigned char c = static_cast<unsigned char>(vocab::letters[k]);
+      id[c] = static_cast<signed char>(vocab::first_residue + k);
       id[c + ('a' - 'A')] = id[c];
     }
     for (unsigned char c : {' ', '\t', '\r', '\v', '\f'}) id[c] = 0;
@@ -177,7 +177,7 @@ class RecordBuilder {
     bad_detail_member =
         "record `" + record_id_member + "` has the character " + printable(c) + " at column " +
         std::to_string(column) + ", which is not an amino-acid letter of the ESM-2 alphabet (" +
-        data::vocab::letters + ", either case, one optional final '*')" + note +
+        vocab::letters + ", either case, one optional final '*')" + note +
         "; fix or remove the record, or pass --on-invalid skip to drop such records";
   }
 
