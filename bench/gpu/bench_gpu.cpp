@@ -279,9 +279,10 @@ int main(int argc, char** argv) {
                          cu_dev.as<std::int32_t>(), nseq, C, 32, true);
       });
       row("embedding+token dropout fwd", e, 0, 1.0 * tokens * C * 2);
+      Buffer ework(embeddingBackwardWorkspace(nseq, 33, C));
       double eb = medianMs([&] {
         embeddingBackward(nullptr, ids.as<std::uint8_t>(), emb.as<bf16>(), dw.as<float>(),
-                          cu_dev.as<std::int32_t>(), nseq, 33, C, 32, true);
+                          cu_dev.as<std::int32_t>(), nseq, 33, C, 32, true, -1, ework.ptr);
       });
       row("embedding bwd", eb, 0, 1.0 * tokens * C * 2);
     }

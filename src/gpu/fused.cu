@@ -125,7 +125,9 @@ template <class TOut> __global__ void embeddingForwardKernel(const std::uint8_t*
 }
 
 // Block = (sequence, 128-column chunk); shared (vocab, 128) accumulator, one column per thread.
-__global__ void embeddingBackwardKernel(const std::uint8_t* ids, const bf16* dout, float* dweight,
+// Each block writes its sequence's partial (vocab, cols) slice; a second kernel adds the slices in
+// sequence order, so the result does not depend on scheduling (no float atomics).
+__global__ void embeddingBackwardKernel(const std::uint8_t* ids, const bf16* dout, float* partial,
                                         const std::int32_t* cu, int vocab, int cols, int mask_id,
                                         bool token_dropout, int padding_id) {
   extern __shared__ float acc[];  // (vocab, 128)
@@ -146,10 +148,20 @@ __global__ void embeddingBackwardKernel(const std::uint8_t* ids, const bf16* dou
     }
   }
   __syncthreads();
-  if (c < cols)
+  if (c < cols) {
+    float* out = partial + static_cast<std::int64_t>(s) * vocab * cols;
     for (int v = 0; v < vocab; ++v)
-      if (acc[v * 128 + threadIdx.x] != 0.0f)
-        atomicAdd(&dweight[static_cast<std::int64_t>(v) * cols + c], acc[v * 128 + threadIdx.x]);
+      out[static_cast<std::int64_t>(v) * cols + c] = acc[v * 128 + threadIdx.x];
+  }
+}
+
+// dweight[e] += sum over sequences s (in order) of partial[s][e], e over vocab * cols.
+__global__ void addSlicesKernel(const float* partial, int slices, std::int64_t n, float* dweight) {
+  std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (e >= n) return;
+  float sum = 0.0f;
+  for (int s = 0; s < slices; ++s) sum += partial[s * n + e];
+  dweight[e] += sum;
 }
 
 // --------------------------------------------------------------------------------------------
@@ -341,17 +353,25 @@ void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
+std::size_t embeddingBackwardWorkspace(int num_seqs, int vocab, int cols) {
+  return static_cast<std::size_t>(num_seqs) * vocab * cols * sizeof(float);
+}
+
 void embeddingBackward(Stream stream, const std::uint8_t* ids, const bf16* dout, float* dweight,
                        const std::int32_t* cu_seqlens, int num_seqs, int vocab, int cols,
-                       int mask_id, bool token_dropout, int padding_id) {
+                       int mask_id, bool token_dropout, int padding_id, void* workspace) {
   if (num_seqs == 0) return;
   int smem = vocab * 128 * static_cast<int>(sizeof(float));
   if (smem > 48 * 1024)
     PLM_CHECK_CUDA(cudaFuncSetAttribute(embeddingBackwardKernel,
                                         cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  auto* partial = static_cast<float*>(workspace);
   dim3 grid(num_seqs, (cols + 127) / 128);
-  embeddingBackwardKernel<<<grid, 128, smem, stream>>>(ids, dout, dweight, cu_seqlens, vocab, cols,
+  embeddingBackwardKernel<<<grid, 128, smem, stream>>>(ids, dout, partial, cu_seqlens, vocab, cols,
                                                        mask_id, token_dropout, padding_id);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  const std::int64_t n = static_cast<std::int64_t>(vocab) * cols;
+  addSlicesKernel<<<blocksFor(n, 256), 256, 0, stream>>>(partial, num_seqs, n, dweight);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

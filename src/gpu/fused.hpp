@@ -8,6 +8,7 @@
 
 #include "gpu/device.hpp"
 
+#include <cstddef>
 #include <cstdint>
 
 namespace plm::gpu {
@@ -31,11 +32,15 @@ void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight
                       const std::int32_t* cu_seqlens, int num_seqs, int cols, int mask_id,
                       bool token_dropout);
 
+/// \brief Bytes of `workspace` embeddingBackward needs.
+std::size_t embeddingBackwardWorkspace(int num_seqs, int vocab, int cols);
+
 /// \brief dW[ids[t]] += scale(seq) * dout[t] (fp32 dW, (vocab, cols)); <mask> rows and the
-/// padding row (PyTorch's padding_idx, -1 for none) receive nothing.
+/// padding row (PyTorch's padding_idx, -1 for none) receive nothing.  Per-sequence partial sums
+/// are added in sequence order (no float atomics): the result is bitwise reproducible.
 void embeddingBackward(Stream stream, const std::uint8_t* ids, const bf16* dout, float* dweight,
                        const std::int32_t* cu_seqlens, int num_seqs, int vocab, int cols,
-                       int mask_id, bool token_dropout, int padding_id = -1);
+                       int mask_id, bool token_dropout, int padding_id, void* workspace);
 
 /// \brief Softmax cross-entropy over rows of logits (rows, vocab; row stride ld >= vocab) fp32
 /// with labels (-100 = ignore): adds the loss sum to *loss_sum (device double) and writes

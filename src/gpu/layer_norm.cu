@@ -226,7 +226,7 @@ void layerNormBackward(Stream stream, const TDY* dy, const TX* x, const float* g
                                 partial, rows, cols, blocks);
   else
     throw Error("plm::gpu::layerNormBackward: hidden " + std::to_string(cols) +
-                " is larger than the kernels support (5120)");
+                " is larger than the kernels support (2560)");
   PLM_CHECK_CUDA(cudaGetLastError());
   reducePartialsKernel<<<(2 * cols + 255) / 256, 256, 0, stream>>>(partial, blocks, cols, dgamma,
                                                                    dbeta);

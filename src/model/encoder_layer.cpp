@@ -35,8 +35,7 @@ void EncoderLayer::forward(OpContext& ctx, const DeviceBatch& b, const Mat& in, 
   const auto& w = attn_member;
   layerNorm(ctx, in, w.ln_g, w.ln_b, shape_member.eps, a.ln1, a.mean1, a.rstd1);
   qkvProjection(ctx, a.ln1, w.qkv, a.qkv);
-  rotary(ctx, b, a.qkv.q, a.qkv.k, shape_member.heads, shape_member.q_scale, false, cos_table,
-         sin_table);
+  rotary(ctx, b, a.qkv.q, a.qkv.k, shape_member.heads, false, cos_table, sin_table);
   attention(ctx, b, a.qkv, shape_member.heads, a.o, a.lse);
   linearResidual(ctx, a.o, w.wo, w.bo, in, a.xmid);
   layerNorm(ctx, a.xmid, ln2_member.gamma, ln2_member.beta, shape_member.eps, a.ln2, a.mean2,
@@ -44,20 +43,16 @@ void EncoderLayer::forward(OpContext& ctx, const DeviceBatch& b, const Mat& in, 
   ffn_member->forward(ctx, a.ln2, a.xmid, out, a);
 }
 
-void EncoderLayer::recompute(OpContext& ctx, const DeviceBatch& b, const Mat& in, LayerActs& a,
-                             Recompute mode, const Mat& cos_table, const Mat& sin_table) const {
-  if (mode == Recompute::Selective) {
-    // The GEMM outputs (q/k/v after rotary, xmid, pre, act) were kept; LayerNorm outputs and the
-    // attention are recomputed from them.  Every kernel is deterministic, so the result is
-    // bitwise what the forward produced.
-    const auto& w = attn_member;
-    layerNorm(ctx, in, w.ln_g, w.ln_b, shape_member.eps, a.ln1, a.mean1, a.rstd1);
-    attention(ctx, b, a.qkv, shape_member.heads, a.o, a.lse);
-    layerNorm(ctx, a.xmid, ln2_member.gamma, ln2_member.beta, shape_member.eps, a.ln2, a.mean2,
-              a.rstd2);
-  }
-  (void)cos_table;
-  (void)sin_table;
+void EncoderLayer::recomputeSelective(OpContext& ctx, const DeviceBatch& b, const Mat& in,
+                                      LayerActs& a) const {
+  // The GEMM outputs (q/k/v after rotary, xmid, pre, act) were kept; LayerNorm outputs and the
+  // attention are recomputed from them.  Every kernel is deterministic, so the result is bitwise
+  // what the forward produced.
+  const auto& w = attn_member;
+  layerNorm(ctx, in, w.ln_g, w.ln_b, shape_member.eps, a.ln1, a.mean1, a.rstd1);
+  attention(ctx, b, a.qkv, shape_member.heads, a.o, a.lse);
+  layerNorm(ctx, a.xmid, ln2_member.gamma, ln2_member.beta, shape_member.eps, a.ln2, a.mean2,
+            a.rstd2);
 }
 
 void EncoderLayer::backward(OpContext& ctx, const DeviceBatch& b, const Mat& in, const LayerActs& a,
@@ -69,8 +64,7 @@ void EncoderLayer::backward(OpContext& ctx, const DeviceBatch& b, const Mat& in,
                     s.dres_c, ln2_grads_member.gamma, ln2_grads_member.beta);
   linearBackward(ctx, a.o, w.wo, s.dres_c, s.dout, false, g.wo, g.bo);
   attentionBackward(ctx, b, a.qkv, a.o, a.lse, s.dout, shape_member.heads, s.delta, s.dqkv);
-  rotary(ctx, b, s.dqkv.q, s.dqkv.k, shape_member.heads, shape_member.q_scale, true, cos_table,
-         sin_table);
+  rotary(ctx, b, s.dqkv.q, s.dqkv.k, shape_member.heads, true, cos_table, sin_table);
   qkvBackward(ctx, a.ln1, w.qkv, s.dqkv, s.dln, g.qkv);
   layerNormBackward(ctx, in, w.ln_g, a.mean1, a.rstd1, s.dln, s.dres, true, s.dres_c, g.ln_g,
                     g.ln_b);

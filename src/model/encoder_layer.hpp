@@ -98,12 +98,12 @@ class DenseMlp : public FfnBlock {
 struct LayerShape {
   int heads = 0;
   double eps = 1e-5;
-  double q_scale = 1.0;  // head_dim^-1/2, applied to q before rotary
 };
 
 /// \brief One encoder layer.  forward(in -> out) saves what backward needs in `saved`;
-/// recompute() refills the parts of `saved` a Recompute mode dropped; backward() turns
-/// scratch.dres from dL/d(out) into dL/d(in) and accumulates the parameter gradients.
+/// recomputeSelective() refills what Recompute::Selective drops (the layer mode reruns
+/// forward); backward() turns scratch.dres from dL/d(out) into dL/d(in) and accumulates the
+/// parameter gradients.
 class EncoderLayer {
  public:
   EncoderLayer(const LayerShape& shape, const AttentionWeights& attention,
@@ -112,12 +112,10 @@ class EncoderLayer {
 
   void forward(OpContext& ctx, const DeviceBatch& b, const Mat& in, const Mat& out,
                LayerActs& saved, const Mat& cos_table, const Mat& sin_table) const;
-  void recompute(OpContext& ctx, const DeviceBatch& b, const Mat& in, LayerActs& saved,
-                 Recompute mode, const Mat& cos_table, const Mat& sin_table) const;
+  void recomputeSelective(OpContext& ctx, const DeviceBatch& b, const Mat& in,
+                          LayerActs& saved) const;
   void backward(OpContext& ctx, const DeviceBatch& b, const Mat& in, const LayerActs& saved,
                 LayerScratch& scratch, const Mat& cos_table, const Mat& sin_table) const;
-
-  const FfnBlock& ffn() const { return *ffn_member; }
 
  private:
   LayerShape shape_member;

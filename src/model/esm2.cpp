@@ -178,7 +178,6 @@ template <class T> struct Esm2<T>::Impl {
   View1<token_t> tokens_store;
   View1<std::int32_t> labels_store, head_labels_store, rows_store;
   View1<seqlen_t> cu_store, position_store;
-  View1<T> mult_store;
   View1<std::int32_t> labels_d;
   Work w;
 
@@ -194,6 +193,11 @@ template <class T> struct Esm2<T>::Impl {
                               std::to_string(config.hidden) + ") and model.ffn (" +
                               std::to_string(config.ffn) +
                               ") to be multiples of 16 (cuBLASLt alignment)");
+      if (config.hidden > 2560)
+        throw collectiveError(
+            "train.precision: bf16 supports model.hidden up to 2560 (the "
+            "LayerNorm backward kernels); this model has " +
+            std::to_string(config.hidden) + " (esm2_15b needs a wider kernel)");
       compute = DType::BF16;
       stats = DType::F32;
       ctx.cuda();  // the cuBLASLt handle and the device loss accumulator, before the first call
@@ -366,7 +370,6 @@ template <class T> struct Esm2<T>::Impl {
     LayerShape shape;
     shape.heads = config.heads;
     shape.eps = config.layer_norm_eps;
-    shape.q_scale = 1.0 / std::sqrt(static_cast<double>(config.headDim()));
     layers.clear();
     layers.reserve(config.num_layers);
     for (int l = 0; l < config.num_layers; ++l)
@@ -562,7 +565,6 @@ template <class T> struct Esm2<T>::Impl {
                  b.mult.template view<T>());
   }
 
-  const LayerActs& actsFor(int layer) const { return w.acts[w.acts.size() == 1 ? 0 : layer]; }
   LayerActs& actsFor(int layer) { return w.acts[w.acts.size() == 1 ? 0 : layer]; }
 
   Mat cosMat() const { return matOf(cos_table); }
@@ -609,7 +611,8 @@ template <class T> struct Esm2<T>::Impl {
         if (hooks) hooks->beforeForward(l);
         layers[l].forward(ctx, b, w.xs[l], w.xs[l + 1], a, cosMat(), sinMat());
       } else if (config.recompute == Recompute::Selective) {
-        layers[l].recompute(ctx, b, w.xs[l], a, Recompute::Selective, cosMat(), sinMat());
+        if (hooks) hooks->beforeForward(l);  // the recomputation reads the layer's LayerNorms
+        layers[l].recomputeSelective(ctx, b, w.xs[l], a);
       }
       layers[l].backward(ctx, b, w.xs[l], a, s, cosMat(), sinMat());
       if (hooks) hooks->afterBackward(l);

@@ -463,9 +463,11 @@ void embedding(OpContext& ctx, const DeviceBatch& b, const Mat& weight, const Ma
 void embeddingBackward(OpContext& ctx, const DeviceBatch& b, const Mat& dx, const Mat& dweight) {
   if (isBf16(dx)) {
 #if PLM_HAVE_CUDA
+    const int vocab = static_cast<int>(dweight.rows), cols = static_cast<int>(dweight.cols);
+    void* work = ctx.scratch(4, gpu::embeddingBackwardWorkspace(b.num_seqs, vocab, cols));
     gpu::embeddingBackward(streamOf(ctx), b.ids.data(), cptr<bf16>(dx), mptr<float>(dweight),
-                           b.cu_seqlens.data(), b.num_seqs, static_cast<int>(dweight.rows),
-                           static_cast<int>(dweight.cols), b.mask_id, b.token_dropout, b.pad_id);
+                           b.cu_seqlens.data(), b.num_seqs, vocab, cols, b.mask_id, b.token_dropout,
+                           b.pad_id, work);
     ctx.mark(OpKind::Other);
     return;
 #else
@@ -740,12 +742,13 @@ void qkvBackward(OpContext& ctx, const Mat& x, const QkvWeights& w, const Qkv& d
 }
 
 void rotary(OpContext& ctx, const DeviceBatch& b, const Mat& q, const Mat& k, int heads,
-            double q_scale, bool inverse, const Mat& cos_table, const Mat& sin_table) {
+            bool inverse, const Mat& cos_table, const Mat& sin_table) {
+  const int head_dim = static_cast<int>(q.cols / heads);
   if (isBf16(q)) {
 #if PLM_HAVE_CUDA
+    const float q_scale = 1.0f / std::sqrt(static_cast<float>(head_dim));
     gpu::rotary(streamOf(ctx), mptr<bf16>(q), q.ld, mptr<bf16>(k), k.ld, b.position.data(),
-                b.tokens, heads, static_cast<int>(q.cols / heads), inverse,
-                static_cast<float>(q_scale));
+                b.tokens, heads, head_dim, inverse, q_scale);
     ctx.mark(OpKind::Other);
     return;
 #else
@@ -754,13 +757,14 @@ void rotary(OpContext& ctx, const DeviceBatch& b, const Mat& q, const Mat& k, in
   }
   portable(q.dtype, "rotary", [&](auto t) {
     using T = decltype(t);
+    const T q_scale = T(1) / std::sqrt(T(head_dim));
     const auto cs = cos_table.view<T>();
     const auto sn = sin_table.view<T>();
     if (inverse) {
-      rotaryBackward(ctx.space(), q.view<T>(), b.position, heads, cs, sn, T(q_scale));
+      rotaryBackward(ctx.space(), q.view<T>(), b.position, heads, cs, sn, q_scale);
       rotaryBackward(ctx.space(), k.view<T>(), b.position, heads, cs, sn, T(1));
     } else {
-      rotaryForward(ctx.space(), q.view<T>(), b.position, heads, cs, sn, T(q_scale));
+      rotaryForward(ctx.space(), q.view<T>(), b.position, heads, cs, sn, q_scale);
       rotaryForward(ctx.space(), k.view<T>(), b.position, heads, cs, sn, T(1));
     }
   });

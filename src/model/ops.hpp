@@ -207,10 +207,11 @@ void qkvProjection(OpContext& ctx, const Mat& x, const QkvWeights& w, const Qkv&
 void qkvBackward(OpContext& ctx, const Mat& x, const QkvWeights& w, const Qkv& d, const Mat& dx,
                  const QkvGrads& g);
 
-/// \brief Rotary embedding of q (also scaled by q_scale) and k in place; `inverse` applies the
-/// transpose (backward).  cos/sin tables (positions, head_dim / 2) serve the portable path.
+/// \brief Rotary embedding of q (also scaled by head_dim^-1/2, computed in the tensors' own
+/// arithmetic) and k in place; `inverse` applies the transpose (backward).  cos/sin tables
+/// (positions, head_dim / 2) serve the portable path.
 void rotary(OpContext& ctx, const DeviceBatch& b, const Mat& q, const Mat& k, int heads,
-            double q_scale, bool inverse, const Mat& cos_table, const Mat& sin_table);
+            bool inverse, const Mat& cos_table, const Mat& sin_table);
 
 /// \brief o = softmax(q k^T) v within each sequence, per head; lse (T, heads).
 void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, const Mat& o,

@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "dist/allreduce.hpp"
+#include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
 #include "train/gradient_sync.hpp"
 
@@ -51,6 +52,7 @@ template <class P> struct SyncCache {
   MPI_Group group = MPI_GROUP_NULL;
   const P* data = nullptr;
   std::size_t size = 0;
+  int layers = 0;  // the hooks' range indices depend on it
 
   void reset() {
     sync.reset();
@@ -61,8 +63,10 @@ template <class P> struct SyncCache {
     comm = MPI_COMM_NULL;
   }
 
-  bool matches(MPI_Comm c, const View1<P>& grads) const {
-    if (!sync || c != comm || grads.data() != data || grads.extent(0) != size) return false;
+  bool matches(MPI_Comm c, const View1<P>& grads, int layers_now) const {
+    if (!sync || c != comm || grads.data() != data || grads.extent(0) != size ||
+        layers_now != layers)
+      return false;
     MPI_Group g;
     PLM_CHECK_MPI(MPI_Comm_group(c, &g));
     int same = MPI_UNEQUAL;
@@ -80,7 +84,8 @@ template <class P> GradientSync<P>& gradientSync(model::Esm2<P>& model, MPI_Comm
     hooked = true;
   }
   View1<P> grads = model.gradients();
-  if (dist::allTrue(cache.matches(comm, grads), comm)) return *cache.sync;
+  const int layers = model.config().num_layers;
+  if (dist::allTrue(cache.matches(comm, grads, layers), comm)) return *cache.sync;
   cache.reset();
   const dist::Backend backend = dist::defaultBackend(comm);
   cache.sync = std::make_unique<GradientSync<P>>(model, comm, backend);
@@ -88,6 +93,7 @@ template <class P> GradientSync<P>& gradientSync(model::Esm2<P>& model, MPI_Comm
   PLM_CHECK_MPI(MPI_Comm_group(comm, &cache.group));
   cache.data = grads.data();
   cache.size = grads.extent(0);
+  cache.layers = layers;
   log::debug("train: gradient all-reduce over %s in %d bucket(s)", dist::nameOf(backend),
              cache.sync->buckets().numBuckets());
   return *cache.sync;
@@ -142,19 +148,27 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
   std::int64_t global_masked = dist::allreduceSum(s.masked, comm);
   model.zeroGradients();
   const double grad_scale = global_masked > 0 ? 1.0 / static_cast<double>(global_masked) : 0.0;
-  GradientSync<P>& sync = gradientSync(model, comm);
-  model.refreshComputeWeights();  // the bf16 copy of the masters, once per optimizer step
-  // Gradients are final in the last micro-batch's backward: there the model's layer hooks hand
-  // each range to the buckets as soon as it is done, so the all-reduce of the last layers
-  // overlaps the backward of the first ones.
-  BucketHooks<P> hooks(sync, space, model.config().num_layers);
-  for (std::size_t i = 0; i < local.size(); ++i) {
-    model.setHooks(i + 1 == local.size() ? &hooks : nullptr);
-    s.loss_sum += model.forwardBackward(local[i], grad_scale, false);
+  model.refreshComputeWeights();    // the bf16 copy of the masters, once per optimizer step
+  if (dist::commSize(comm) == 1) {  // nothing to reduce
+    for (const auto& mb : local) s.loss_sum += model.forwardBackward(mb, grad_scale, false);
+  } else {
+    GradientSync<P>& sync = gradientSync(model, comm);
+    // Gradients are final in the last micro-batch's backward: there the model's layer hooks
+    // hand each range to the buckets as soon as it is done, so the all-reduce of the last
+    // layers overlaps the backward of the first ones.
+    BucketHooks<P> hooks(sync, space, model.config().num_layers);
+    struct Unhook {  // the model must not keep a pointer to `hooks` past this scope
+      model::Esm2<P>& m;
+      ~Unhook() { m.setHooks(nullptr); }
+    } unhook{model};
+    for (std::size_t i = 0; i < local.size(); ++i) {
+      model.setHooks(i + 1 == local.size() ? &hooks : nullptr);
+      s.loss_sum += model.forwardBackward(local[i], grad_scale, false);
+    }
+    model.setHooks(nullptr);
+    if (local.empty()) sync.readyAll(space);  // a rank with no micro-batch this step
+    sync.finish(space);
   }
-  model.setHooks(nullptr);
-  if (local.empty()) sync.readyAll(space);  // a rank with no micro-batch this step
-  sync.finish(space);
   reduce(s, comm);
   Kokkos::Profiling::popRegion();
   return s;
