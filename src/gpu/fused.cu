@@ -256,6 +256,8 @@ int gridCap(std::int64_t blocks) {
 // --------------------------------------------------------------------------------------------
 // Row gather/scatter, GELU backward, adds and casts
 
+// gather and scatter are mirror images (which side is indexed by rows[r]); kept as two kernels
+// so each store stays a plain vectorised copy.
 __global__ void gatherRowsKernel(const bfloat* src, const std::int32_t* rows, bfloat* dst,
                                  std::int64_t m, int cols) {
   int chunks = cols / 8;

@@ -383,7 +383,9 @@ void inputGradient(OpContext& ctx, const Mat& dy, const Mat& w, const Mat& dx, b
   runGemm(ctx, m);
 }
 
-gpu::FlashParams flashParams(const DeviceBatch& b, const Qkv& qkv, int heads) {
+/// The parameters both flash-attention directions share: the batch, q/k/v, o and lse.
+gpu::FlashParams flashParams(const DeviceBatch& b, const Qkv& qkv, int heads, const Mat& o,
+                             const Mat& lse) {
   gpu::FlashParams fp;
   fp.cu_seqlens = b.cu_seqlens.data();
   fp.num_seqs = b.num_seqs;
@@ -398,6 +400,9 @@ gpu::FlashParams flashParams(const DeviceBatch& b, const Qkv& qkv, int heads) {
   fp.q_stride = qkv.q.ld;
   fp.k_stride = qkv.k.ld;
   fp.v_stride = qkv.v.ld;
+  fp.o = mptr<bf16>(o);
+  fp.o_stride = o.ld;
+  fp.lse = mptr<float>(lse);
   return fp;
 }
 #endif
@@ -436,6 +441,13 @@ template <class T, class S> void copyStridedPortable(const ExecSpace& space, con
       KOKKOS_LAMBDA(const std::int64_t r) {
         for (int c = 0; c < cols; ++c) dst(r, c) = static_cast<T>(src[r * ld + c]);
       });
+}
+
+/// The portable attention's head-transposed copies: 2 T H elements, grow-only scratch.
+template <class T>
+View1<T> attentionWorkspace(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv) {
+  const std::int64_t n = 2 * b.tokens * qkv.q.cols;
+  return View1<T>(static_cast<T*>(ctx.scratch(3, sizeof(T) * n)), n);
 }
 
 }  // namespace
@@ -774,11 +786,7 @@ void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, 
                const Mat& lse) {
   if (isBf16(qkv.q)) {
 #if PLM_HAVE_CUDA
-    gpu::FlashParams fp = flashParams(b, qkv, heads);
-    fp.o = mptr<bf16>(o);
-    fp.o_stride = o.ld;
-    fp.lse = mptr<float>(lse);
-    gpu::flashAttentionForward(streamOf(ctx), fp);
+    gpu::flashAttentionForward(streamOf(ctx), flashParams(b, qkv, heads, o, lse));
     ctx.mark(OpKind::Attention);
     return;
 #else
@@ -787,10 +795,9 @@ void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, 
   }
   portable(qkv.q.dtype, "attention", [&](auto t) {
     using T = decltype(t);
-    auto* work = static_cast<T*>(ctx.scratch(3, 2 * sizeof(T) * b.tokens * qkv.q.cols));
     attentionForward(ctx.space(), qkv.q.view<T>(), qkv.k.view<T>(), qkv.v.view<T>(), b.cu_seqlens,
                      heads, o.view<T>(), lse.view<T>(), ctx.tiles,
-                     View1<T>(work, 2 * b.tokens * qkv.q.cols));
+                     attentionWorkspace<T>(ctx, b, qkv));
   });
 }
 
@@ -799,10 +806,7 @@ void attentionBackward(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, con
                        const Qkv& dqkv) {
   if (isBf16(qkv.q)) {
 #if PLM_HAVE_CUDA
-    gpu::FlashParams fp = flashParams(b, qkv, heads);
-    fp.o = mptr<bf16>(o);
-    fp.o_stride = o.ld;
-    fp.lse = mptr<float>(lse);
+    gpu::FlashParams fp = flashParams(b, qkv, heads, o, lse);
     fp.dout = cptr<bf16>(dout);
     fp.dout_stride = dout.ld;
     fp.dq = mptr<bf16>(dqkv.q);
@@ -821,11 +825,10 @@ void attentionBackward(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, con
   }
   portable(qkv.q.dtype, "attentionBackward", [&](auto t) {
     using T = decltype(t);
-    auto* work = static_cast<T*>(ctx.scratch(3, 2 * sizeof(T) * b.tokens * qkv.q.cols));
     model::attentionBackward(ctx.space(), qkv.q.view<T>(), qkv.k.view<T>(), qkv.v.view<T>(),
                              o.view<T>(), lse.view<T>(), dout.view<T>(), b.cu_seqlens, heads,
                              delta.view<T>(), dqkv.q.view<T>(), dqkv.k.view<T>(), dqkv.v.view<T>(),
-                             ctx.tiles, View1<T>(work, 2 * b.tokens * qkv.q.cols));
+                             ctx.tiles, attentionWorkspace<T>(ctx, b, qkv));
   });
 }
 
