@@ -69,6 +69,22 @@ if(PLM_HAVE_CUDA OR PLM_CHECK_CUDA_SOURCES)
   if(NOT PLM_NCCL_LIBRARY OR NOT PLM_NCCL_INCLUDE_DIR)
     message(FATAL_ERROR "plm: CUDA is enabled but NCCL was not found; set PLM_NCCL_LIBRARY and PLM_NCCL_INCLUDE_DIR")
   endif()
+  # cuDNN's fused attention (src/gpu/cudnn_attention.cu): the cuDNN 9 library of the CUDA
+  # installation or the system, and the header-only cuDNN frontend from PyPI's
+  # nvidia-cudnn-frontend wheel (scripts/get-cudnn-frontend.sh puts it in /opt/plm-deps).
+  # Optional: without them the own flash attention is the only attention on the GPU.
+  option(PLM_WITH_CUDNN "Use cuDNN's fused attention where cuDNN and its frontend are found" ON)
+  find_library(PLM_CUDNN_LIBRARY NAMES cudnn libcudnn.so.9
+    HINTS ${CUDAToolkit_LIBRARY_DIR} /usr/lib/x86_64-linux-gnu)
+  find_path(PLM_CUDNN_INCLUDE_DIR cudnn.h HINTS ${CUDAToolkit_INCLUDE_DIRS} /usr/include)
+  find_path(PLM_CUDNN_FRONTEND_INCLUDE_DIR cudnn_frontend.h
+    HINTS $ENV{PLM_CUDNN_FRONTEND} /opt/plm-deps/cudnn-frontend/include)
+  set(PLM_HAVE_CUDNN OFF)
+  if(PLM_WITH_CUDNN AND PLM_CUDNN_LIBRARY AND PLM_CUDNN_INCLUDE_DIR AND PLM_CUDNN_FRONTEND_INCLUDE_DIR)
+    set(PLM_HAVE_CUDNN ON)
+  endif()
+  message(STATUS "plm: cuDNN attention: ${PLM_HAVE_CUDNN} (library ${PLM_CUDNN_LIBRARY}, "
+    "frontend ${PLM_CUDNN_FRONTEND_INCLUDE_DIR}; scripts/get-cudnn-frontend.sh installs the frontend)")
 endif()
 
 if(PLM_ENABLE_TESTS)

@@ -41,8 +41,9 @@ if [[ "${PLM_PKG_CTEST:-0}" == 1 ]]; then
   done < <(find "$build/test" -type f -executable -name 'test_*' ! -name '*.sh' ! -name '*.py')
 fi
 
-# Left to the GPU machine: glibc and the compiler runtime, CUDA, NCCL, MPI and what MPI links.
-skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libresolv\.|libgcc_s\.|libstdc\+\+\.|libcuda|libcudart|libcublas|libnccl|libmpi|libopen-rte|libopen-pal|libhwloc|libevent|libudev)'
+# Left to the GPU machine: glibc and the compiler runtime, CUDA (NVRTC too), NCCL, cuDNN (it loads its engine
+# libraries from its own folder at run time), MPI and what MPI links.
+skip='^(linux-vdso|ld-linux|libc\.|libm\.|libdl\.|libpthread\.|librt\.|libresolv\.|libgcc_s\.|libstdc\+\+\.|libcuda|libcudart|libcublas|libnccl|libcudnn|libnvrtc|libmpi|libopen-rte|libopen-pal|libhwloc|libevent|libudev)'
 for b in "${bins[@]}"; do
   ldd "$b" | awk '/=> \// {print $1, $3}'
 done | sort -u | while read -r name path; do

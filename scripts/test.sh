@@ -17,6 +17,10 @@ nvcc=$(command -v nvcc || true)
 [ -n "$nvcc" ] || { [ -x /usr/local/cuda/bin/nvcc ] && nvcc=/usr/local/cuda/bin/nvcc; }
 if [ -n "$nvcc" ] && [ "${PLM_CHECK_CUDA_SOURCES:-ON}" != OFF ]; then
   cuda_args=(-DPLM_CHECK_CUDA_SOURCES=ON -DCMAKE_CUDA_COMPILER="$nvcc")
+  # cuDNN's fused attention compiles only with the cuDNN frontend's headers (PyPI wheel); without
+  # them the check still compiles everything else.
+  bash scripts/get-cudnn-frontend.sh ||
+    echo "note: the cuDNN frontend headers could not be installed; cudnn_attention.cu is checked without cuDNN"
 fi
 
 echo "== configure ($build_dir)"

@@ -118,11 +118,15 @@ if has bench && [[ -x "$pkg/bin/bench_gpu" ]]; then
 fi
 
 if has train && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
-  # preset:tokens-per-micro-batch[:recompute]; PLM_TRAIN_RUNS overrides.
+  # preset:tokens-per-micro-batch[:recompute[:attention]] (attention: cudnn | cudnn-fwd | flash,
+  # the PLM_ATTENTION of doc/gpu.md, or cudnn-nd for cuDNN with its non-deterministic backward;
+  # empty = the default); PLM_TRAIN_RUNS overrides.
   for run in ${PLM_TRAIN_RUNS:-esm2_8m:65536 esm2_8m:24576 esm2_35m:24576 esm2_150m:24576 esm2_650m:24576}; do
-    IFS=: read -r preset tokens recompute <<< "$run"
-    log="$out/train_${preset}_${tokens}_${recompute:-none}.log"
-    timeout 300 "$pkg/bin/bench_gpu_train" "$preset" "$tokens" ${PLM_TRAIN_STEPS:-20} \
+    IFS=: read -r preset tokens recompute attention <<< "$run"
+    log="$out/train_${preset}_${tokens}_${recompute:-none}${attention:+_$attention}.log"
+    det=1
+    [[ "$attention" == cudnn-nd ]] && { attention=cudnn; det=0; log=${log%.log}_nd.log; }
+    PLM_DETERMINISTIC=$det PLM_ATTENTION=${attention:-${PLM_ATTENTION:-}} timeout 300 "$pkg/bin/bench_gpu_train" "$preset" "$tokens" ${PLM_TRAIN_STEPS:-20} \
       "${recompute:-none}" > "$log" 2>&1
     note "bench_gpu_train $run rc=$?"
     grep -E "RESULT|EVAL|breakdown|^    |step 0|error|out of memory" "$log" | tee -a "$summary"

@@ -155,10 +155,12 @@ int run(int argc, char** argv) {
   std::printf(
       "RESULT %s params %.1fM tokens/micro-batch %ld: %.0f tokens/s, %.1f TFLOP/s, "
       "MFU %.1f%% of 779 / %.1f%% of 989, fwd+bwd %.1f%% of step, device memory in use "
-      "%.1f GiB (workspace %.1f GiB, recompute %s), final loss %.3f\n",
+      "%.1f GiB (workspace %.1f GiB, recompute %s, attention %s%s), final loss %.3f\n",
       preset.c_str(), config.numParameters() / 1e6, long(budget), tok_s, tflops, 100 * tflops / 779,
       100 * tflops / 989, 100 * fb_seconds / seconds, (total_b - free_b) / double(1 << 30),
-      model.workspaceBytes() / double(1 << 30), model::recomputeName(config.recompute), loss);
+      model.workspaceBytes() / double(1 << 30), model::recomputeName(config.recompute),
+      model::attentionKernelName(model.context().attention_kernel),
+      model.context().deterministic ? "" : " non-deterministic", loss);
   cudaFree(m);
   cudaFree(v);
   cudaFree(sumsq);

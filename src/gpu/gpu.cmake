@@ -20,3 +20,20 @@ elseif(PLM_CHECK_CUDA_SOURCES AND plm_cuda_sources)
   set_target_properties(plm_cuda_check PROPERTIES CUDA_STANDARD 17 CUDA_STANDARD_REQUIRED ON)
   target_compile_options(plm_cuda_check PRIVATE --expt-relaxed-constexpr -Xcompiler=-Wall)
 endif()
+
+# cuDNN's fused attention is compiled in only where cuDNN and its frontend headers were found
+# (cmake/PlmDependencies.cmake); otherwise cudnn_attention.cu reports itself unavailable.
+set(plm_cudnn_source ${CMAKE_CURRENT_SOURCE_DIR}/gpu/cudnn_attention.cu)
+if(PLM_HAVE_CUDNN AND (PLM_HAVE_CUDA OR PLM_CHECK_CUDA_SOURCES))
+  set_property(SOURCE ${plm_cudnn_source} APPEND PROPERTY COMPILE_DEFINITIONS PLM_HAVE_CUDNN=1)
+  set(plm_cudnn_target plm_cuda_check)
+  if(PLM_HAVE_CUDA)
+    set(plm_cudnn_target plm_gpu)
+  endif()
+  target_include_directories(${plm_cudnn_target} SYSTEM PRIVATE
+    ${PLM_CUDNN_FRONTEND_INCLUDE_DIR} ${PLM_CUDNN_INCLUDE_DIR})
+  if(PLM_HAVE_CUDA)
+    # The frontend's headers also hold run-time compiled (NVRTC) engines for other GPUs.
+    target_link_libraries(plm_gpu PUBLIC ${PLM_CUDNN_LIBRARY} CUDA::nvrtc)
+  endif()
+endif()

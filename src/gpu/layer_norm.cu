@@ -42,7 +42,9 @@ __device__ __forceinline__ void store2(bfloat* p, std::int64_t i, float a, float
   reinterpret_cast<__nv_bfloat162*>(p)[i] = __floats2bfloat162_rn(a, b);
 }
 
-template <class TX>
+// One warp per row, the row held in registers (J >= pairs / 32 float2 per lane): x is read from
+// memory once, with all of a lane's loads in flight together, instead of once per pass.
+template <class TX, int J>
 __global__ void forwardKernel(const TX* x, const float* gamma, const float* beta, bfloat* y,
                               float* mean, float* rstd, std::int64_t rows, int cols, float eps) {
   std::int64_t row = blockIdx.x * std::int64_t(blockDim.x / 32) + threadIdx.x / 32;
@@ -50,21 +52,29 @@ __global__ void forwardKernel(const TX* x, const float* gamma, const float* beta
   if (row >= rows) return;
   const TX* xr = x + row * cols;
   int pairs = cols / 2;
-  float s = 0.0f;
-  for (int i = lane; i < pairs; i += 32) {
-    float2 v = load2(xr, i);
-    s += v.x + v.y;
+  float2 v[J];
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    int i = lane + 32 * j;
+    v[j] = i < pairs ? load2(xr, i) : make_float2(0.0f, 0.0f);
   }
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < J; ++j) s += v[j].x + v[j].y;
   float mu = warpSum(s) / cols;
   float ss = 0.0f;
-  for (int i = lane; i < pairs; i += 32) {
-    float2 v = load2(xr, i);
-    ss += (v.x - mu) * (v.x - mu) + (v.y - mu) * (v.y - mu);
-  }
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+    if (lane + 32 * j < pairs)
+      ss += (v[j].x - mu) * (v[j].x - mu) + (v[j].y - mu) * (v[j].y - mu);
   float rs = rsqrtf(warpSum(ss) / cols + eps);
-  for (int i = lane; i < pairs; i += 32) {
-    float2 v = load2(xr, i), g = load2(gamma, i), b = load2(beta, i);
-    store2(y + row * cols, i, (v.x - mu) * rs * g.x + b.x, (v.y - mu) * rs * g.y + b.y);
+#pragma unroll
+  for (int j = 0; j < J; ++j) {
+    int i = lane + 32 * j;
+    if (i < pairs) {
+      float2 g = load2(gamma, i), b = load2(beta, i);
+      store2(y + row * cols, i, (v[j].x - mu) * rs * g.x + b.x, (v[j].y - mu) * rs * g.y + b.y);
+    }
   }
   if (lane == 0) {
     mean[row] = mu;
@@ -188,9 +198,21 @@ template <class TX> void layerNormForward(Stream stream, const TX* x, const floa
                                           std::int64_t rows, int cols, float eps) {
   if (rows == 0) return;
   using NX = typename Native<TX>::type;
-  forwardKernel<NX><<<static_cast<unsigned>((rows + 7) / 8), 256, 0, stream>>>(
-      reinterpret_cast<const NX*>(x), gamma, beta, reinterpret_cast<bfloat*>(y), mean, rstd, rows,
-      cols, eps);
+  const auto* xs = reinterpret_cast<const NX*>(x);
+  auto* ys = reinterpret_cast<bfloat*>(y);
+  const unsigned blocks = static_cast<unsigned>((rows + 7) / 8);
+  const int pairs_per_lane = (cols / 2 + 31) / 32;
+  if (pairs_per_lane <= 4)
+    forwardKernel<NX, 4><<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
+  else if (pairs_per_lane <= 10)
+    forwardKernel<NX, 10><<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
+  else if (pairs_per_lane <= 20)
+    forwardKernel<NX, 20><<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
+  else if (pairs_per_lane <= 40)
+    forwardKernel<NX, 40><<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
+  else
+    throw Error("plm::gpu::layerNormForward: hidden " + std::to_string(cols) +
+                " is larger than the kernels support (2560)");
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

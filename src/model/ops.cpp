@@ -9,6 +9,7 @@
 #include "model/ops.hpp"
 
 #include "core/error.hpp"
+#include "core/log.hpp"
 #include "model/cross_entropy.hpp"
 #include "model/embedding.hpp"
 #include "model/gelu.hpp"
@@ -18,6 +19,7 @@
 #include "plm/plm_config.hpp"
 
 #if PLM_HAVE_CUDA
+#include "gpu/cudnn_attention.hpp"
 #include "gpu/flash_attention.hpp"
 #include "gpu/fused.hpp"
 #include "gpu/gemm.hpp"
@@ -27,6 +29,7 @@
 #endif
 
 #include <cmath>
+#include <cstdlib>
 #include <string>
 
 namespace plm::model {
@@ -121,11 +124,45 @@ const char* recomputeName(Recompute r) {
   return r == Recompute::Layer ? "layer" : r == Recompute::Selective ? "selective" : "none";
 }
 
+AttentionKernel parseAttentionKernel(const std::string& name) {
+  if (name == "cudnn") return AttentionKernel::Cudnn;
+  if (name == "cudnn-fwd") return AttentionKernel::CudnnForward;
+  if (name == "flash") return AttentionKernel::Flash;
+  throw Error("attention kernel '" + name + "' is not one of cudnn, cudnn-fwd, flash");
+}
+
+const char* attentionKernelName(AttentionKernel k) {
+  return k == AttentionKernel::Cudnn ? "cudnn" : k == AttentionKernel::CudnnForward ? "cudnn-fwd"
+                                                                                     : "flash";
+}
+
+namespace {
+AttentionKernel defaultAttentionKernel() {
+  if (const char* env = std::getenv("PLM_ATTENTION"); env && *env) {
+    try {
+      return parseAttentionKernel(env);
+    } catch (const Error& e) {
+      throw Error(std::string("PLM_ATTENTION: ") + e.what());
+    }
+  }
+#if PLM_HAVE_CUDA
+  if (gpu::cudnnAttentionAvailable()) return AttentionKernel::Cudnn;
+#endif
+  return AttentionKernel::Flash;
+}
+bool defaultDeterministic() {
+  const char* env = std::getenv("PLM_DETERMINISTIC");
+  return !(env && std::string(env) == "0");
+}
+}  // namespace
+
 // ---- context -------------------------------------------------------------------------------
 
 #if PLM_HAVE_CUDA
 struct OpContext::Cuda {
   gpu::Gemm gemm;
+  std::unique_ptr<gpu::CudnnAttention> cudnn;  // built on first use
+  bool cudnn_fallback_noted = false;
   double* loss = nullptr;  // device accumulator of crossEntropy
   bool profiling = false;
   std::vector<cudaEvent_t> events;
@@ -157,7 +194,10 @@ struct OpContext::Cuda {
 struct OpContext::Cuda {};
 #endif
 
-OpContext::OpContext(const ExecSpace& space) : space_member(space) {}
+OpContext::OpContext(const ExecSpace& space)
+    : attention_kernel(defaultAttentionKernel()),
+      deterministic(defaultDeterministic()),
+      space_member(space) {}
 
 OpContext::~OpContext() = default;
 
@@ -218,7 +258,7 @@ std::vector<std::pair<std::string, double>> OpContext::profile() {
 #if PLM_HAVE_CUDA
   auto& c = cuda();
   c.collect();
-  const char* names[] = {"gemm (cuBLASLt)", "flash attention", "layernorm", "other fused"};
+  const char* names[] = {"gemm (cuBLASLt)", "attention", "layernorm", "other fused"};
   for (int k = 0; k < static_cast<int>(OpKind::Count); ++k) out.emplace_back(names[k], c.totals[k]);
 #endif
   return out;
@@ -381,6 +421,28 @@ void inputGradient(OpContext& ctx, const Mat& dy, const Mat& w, const Mat& dx, b
     m.ldaux = aux->ld;
   }
   runGemm(ctx, m);
+}
+
+/// Runs one direction of cuDNN's attention; false (after a one-time note) where this build has
+/// no cuDNN or cuDNN has no kernel for the shape, and the caller runs the own flash attention.
+/// Both write lse with the same meaning (natural log-sum-exp of the scaled scores, (T, heads)),
+/// so a cuDNN forward pairs with a flash backward.
+bool cudnnAttention(OpContext& ctx, const gpu::FlashParams& fp, bool backward) {
+  auto& c = ctx.cuda();
+  auto fallback = [&](const std::string& why) {
+    if (!c.cudnn_fallback_noted)
+      log::warn("attention: %s; the own flash attention runs instead", why.c_str());
+    c.cudnn_fallback_noted = true;
+    return false;
+  };
+  if (!gpu::cudnnAttentionAvailable()) return fallback("this build has no cuDNN attention");
+  if (!c.cudnn) c.cudnn = std::make_unique<gpu::CudnnAttention>(ctx.deterministic);
+  const bool ran = backward ? c.cudnn->backward(streamOf(ctx), fp) : c.cudnn->forward(streamOf(ctx), fp);
+  if (!ran)
+    return fallback("cuDNN has no " + std::string(backward ? "backward" : "forward") +
+                    " kernel for head_dim " + std::to_string(fp.head_dim) + ", " +
+                    std::to_string(fp.heads) + " heads");
+  return true;
 }
 
 /// The parameters both flash-attention directions share: the batch, q/k/v, o and lse.
@@ -786,7 +848,9 @@ void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, 
                const Mat& lse) {
   if (isBf16(qkv.q)) {
 #if PLM_HAVE_CUDA
-    gpu::flashAttentionForward(streamOf(ctx), flashParams(b, qkv, heads, o, lse));
+    const gpu::FlashParams fp = flashParams(b, qkv, heads, o, lse);
+    if (ctx.attention_kernel == AttentionKernel::Flash || !cudnnAttention(ctx, fp, false))
+      gpu::flashAttentionForward(streamOf(ctx), fp);
     ctx.mark(OpKind::Attention);
     return;
 #else
@@ -816,7 +880,8 @@ void attentionBackward(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, con
     fp.dk_stride = dqkv.k.ld;
     fp.dv_stride = dqkv.v.ld;
     fp.delta = mptr<float>(delta);
-    gpu::flashAttentionBackward(streamOf(ctx), fp);
+    if (ctx.attention_kernel != AttentionKernel::Cudnn || !cudnnAttention(ctx, fp, true))
+      gpu::flashAttentionBackward(streamOf(ctx), fp);
     ctx.mark(OpKind::Attention);
     return;
 #else

@@ -2,8 +2,10 @@
 // same model under fp32 (the portable Kokkos kernels, on the same GPU), on the same parameters
 // and packed batch: loss and every parameter gradient at bf16 tolerance; gradients accumulate
 // (+=); reruns are bitwise identical (no float atomics); recomputation (layer, selective) gives
-// bitwise the gradients of no recomputation; the forward-only pass gives the training loss.
+// bitwise the gradients of no recomputation; the forward-only pass gives the training loss; each
+// attention kernel (own flash, cuDNN, cuDNN forward with flash backward) matches fp32.
 #include "data/synthetic.hpp"
+#include "gpu/cudnn_attention.hpp"
 #include "gpu_test_util.hpp"
 #include "model/esm2.hpp"
 
@@ -73,6 +75,19 @@ void compare(Esm2Config c, const std::vector<int>& lengths) {
   std::vector<double> twice(g.size());
   for (std::size_t i = 0; i < g.size(); ++i) twice[i] = 2.0 * g[i];
   EXPECT_LT(gpu::test::relError(g2, twice), 1e-6) << "accumulation";
+
+  // Every attention kernel computes the same model (the default is one of them).
+  for (AttentionKernel k :
+       {AttentionKernel::Flash, AttentionKernel::CudnnForward, AttentionKernel::Cudnn}) {
+    if (k != AttentionKernel::Flash && !gpu::cudnnAttentionAvailable()) continue;
+    Esm2<float> a(c);
+    initialize(a);
+    a.context().attention_kernel = k;
+    a.zeroGradients();
+    EXPECT_NEAR(a.forwardBackward(batch, scale), loss_ref, 2e-2 * std::abs(loss_ref))
+        << attentionKernelName(k);
+    EXPECT_LT(gpu::test::relError(toHost(a.gradients()), g_ref), 5e-2) << attentionKernelName(k);
+  }
 
   // Recomputation changes what is kept, not one bit of the result.
   for (Recompute mode : {Recompute::Layer, Recompute::Selective}) {

@@ -1,6 +1,9 @@
-// Varlen flash attention forward and backward against a host double reference, on random
-// ragged batches with sequences of length 1 and 1024 among them, head_dim 64 and 128, with
-// Q, K, V read from one interleaved QKV buffer (row strides) as the model stores them.
+// Varlen attention forward and backward against a host double reference, on random ragged
+// batches with sequences of length 1 and 1024 among them, head_dim 16..128, with Q, K, V read
+// from one interleaved QKV buffer (row strides) as the model stores them: the own flash
+// attention, cuDNN's fused attention (both directions, deterministic backward bitwise equal on
+// a rerun) and cuDNN's forward paired with the flash backward (their lse must agree).
+#include "gpu/cudnn_attention.hpp"
 #include "gpu/flash_attention.hpp"
 #include "gpu_test_util.hpp"
 
@@ -87,7 +90,14 @@ struct AttnCase {
   std::uint64_t seed;
 };
 
-void checkCase(const AttnCase& c) {
+enum class Impl { Flash, Cudnn, CudnnForward };
+
+CudnnAttention& cudnn() {
+  static CudnnAttention a(/*deterministic_backward=*/true);
+  return a;
+}
+
+void checkCase(const AttnCase& c, Impl impl = Impl::Flash) {
   std::vector<std::int32_t> cu{0};
   for (int len : c.lengths) cu.push_back(cu.back() + len);
   std::int64_t tokens = cu.back();
@@ -144,9 +154,25 @@ void checkCase(const AttnCase& c) {
   p.dv = reinterpret_cast<bf16*>(dv.get());
   p.dq_stride = p.dk_stride = p.dv_stride = row;
   p.delta = delta.get();
-  flashAttentionForward(nullptr, p);
-  flashAttentionBackward(nullptr, p);
+  if (impl == Impl::Flash) {
+    flashAttentionForward(nullptr, p);
+  } else {
+    ASSERT_TRUE(cudnn().forward(nullptr, p)) << "cuDNN has no forward for head_dim " << D;
+  }
+  if (impl == Impl::Cudnn) {
+    ASSERT_TRUE(cudnn().backward(nullptr, p)) << "cuDNN has no backward for head_dim " << D;
+  } else {
+    flashAttentionBackward(nullptr, p);
+  }
   PLM_CHECK_CUDA(cudaDeviceSynchronize());
+  if (impl == Impl::Cudnn) {  // the deterministic backward: a rerun is bitwise equal
+    auto dq1 = dq.download(), dk1 = dk.download(), dv1 = dv.download();
+    for (auto* b : {&dq, &dk, &dv}) b->poison();
+    ASSERT_TRUE(cudnn().backward(nullptr, p));
+    PLM_CHECK_CUDA(cudaDeviceSynchronize());
+    EXPECT_TRUE(dq.download() == dq1 && dk.download() == dk1 && dv.download() == dv1)
+        << "cuDNN backward not bitwise reproducible, head_dim " << D;
+  }
 
   auto o_h = test::downloadBf16(o);
   auto lse_h = lse.download();
@@ -167,29 +193,56 @@ void checkCase(const AttnCase& c) {
   }
 }
 
-TEST(FlashAttention, RaggedBatchHeadDim64) {
-  checkCase({64, 3, {1, 1024, 37, 64, 65, 1, 200, 129, 7, 300}, 11});
+class Attention : public ::testing::TestWithParam<Impl> {
+ protected:
+  void SetUp() override {
+    if (GetParam() != Impl::Flash && !cudnnAttentionAvailable())
+      GTEST_SKIP() << "this build has no cuDNN attention";
+  }
+};
+
+TEST_P(Attention, RaggedBatchHeadDim64) {
+  checkCase({64, 3, {1, 1024, 37, 64, 65, 1, 200, 129, 7, 300}, 11}, GetParam());
 }
 
-TEST(FlashAttention, RaggedBatchHeadDim128) {
-  checkCase({128, 2, {513, 1, 1024, 31, 96, 2, 250}, 23});
+TEST_P(Attention, RaggedBatchHeadDim128) {
+  checkCase({128, 2, {513, 1, 1024, 31, 96, 2, 250}, 23}, GetParam());
 }
 
-TEST(FlashAttention, RandomLengths) {
+TEST_P(Attention, RandomLengths) {
   std::mt19937 rng(5);
   std::uniform_int_distribution<int> len(1, 1024);
   std::vector<int> lengths;
   for (int i = 0; i < 6; ++i) lengths.push_back(len(rng));
-  checkCase({64, 2, lengths, 31});
-  checkCase({128, 1, lengths, 37});
+  checkCase({64, 2, lengths, 31}, GetParam());
+  checkCase({128, 1, lengths, 37}, GetParam());
 }
 
-TEST(FlashAttention, SmallHeadDimsOfEsm2Presets) {
-  // esm2_8m: 16, esm2_35m: 24 (zero-padded to 32 inside), esm2_150m: 32.
-  checkCase({16, 3, {1, 130, 1024, 64}, 41});
-  checkCase({24, 2, {77, 1, 300, 1024}, 43});
-  checkCase({32, 2, {5, 640, 1}, 47});
+TEST_P(Attention, SmallHeadDimsOfEsm2Presets) {
+  // esm2_8m: 16, esm2_35m: 24 (zero-padded to 32 inside the flash kernels), esm2_150m: 32.
+  checkCase({16, 3, {1, 130, 1024, 64}, 41}, GetParam());
+  checkCase({24, 2, {77, 1, 300, 1024}, 43}, GetParam());
+  checkCase({32, 2, {5, 640, 1}, 47}, GetParam());
 }
+
+TEST_P(Attention, ManySequencesAcrossBatchBuckets) {
+  // cuDNN graphs are cached per bucket of 16 sequences: 17 and 40 sequences use padded buckets.
+  std::mt19937 rng(9);
+  std::uniform_int_distribution<int> len(1, 300);
+  for (int n : {17, 40}) {
+    std::vector<int> lengths;
+    for (int i = 0; i < n; ++i) lengths.push_back(len(rng));
+    checkCase({64, 2, lengths, 53u + n}, GetParam());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Kernels, Attention,
+                         ::testing::Values(Impl::Flash, Impl::Cudnn, Impl::CudnnForward),
+                         [](const ::testing::TestParamInfo<Impl>& i) {
+                           return i.param == Impl::Flash   ? std::string("Flash")
+                                  : i.param == Impl::Cudnn ? std::string("Cudnn")
+                                                           : std::string("CudnnForwardFlashBackward");
+                         });
 
 TEST(FlashAttention, RejectsUnsupportedHeadDim) {
   FlashParams p;
