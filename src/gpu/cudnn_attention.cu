@@ -203,6 +203,12 @@ struct CudnnAttention::Impl {
 
   bool run(bool backward, Stream stream, const FlashParams& p) {
     if (p.total_tokens == 0 || p.num_seqs == 0) return true;
+    // Measured on cuDNN 9.14 (H100): the backward writes dK and dV at the ragged offsets of K and
+    // V whatever offsets dK and dV are given, so a gradient whose row stride differs from its
+    // input's (not plm's stacked qkv layout) would be written out of place: not run here.
+    if (backward && (p.dq_stride != p.q_stride || p.dk_stride != p.k_stride ||
+                     p.dv_stride != p.v_stride || p.dout_stride != p.o_stride))
+      return false;
     const int bucket = roundUp(p.num_seqs, 16);
     const int seq = roundUp(p.max_seqlen, 128);
     // Ragged offsets are int32 elements: the largest must fit.

@@ -37,7 +37,8 @@ class CudnnAttention {
   /// nothing) when cuDNN supports no kernel for this shape; the caller then runs the own flash
   /// attention.  Throws plm::Error on a cuDNN failure at run time.
   bool forward(Stream stream, const FlashParams& p);
-  /// \brief dq, dk, dv (written) from dout, q, k, v, o and lse; false when unsupported.
+  /// \brief dq, dk, dv (written) from dout, q, k, v, o and lse; false when unsupported, which
+  /// includes gradients whose row strides differ from q, k, v's (and dout's from o's).
   bool backward(Stream stream, const FlashParams& p);
 
   /// \brief Graphs built so far and bytes of workspace held (for logs and tests).

@@ -124,11 +124,11 @@ struct QkvGrads {
 };
 
 /// \brief Which CUDA kernels run bf16 attention: cuDNN's fused attention both ways, cuDNN's
-/// forward with the own flash backward, or the own flash attention both ways (the reference,
-/// and the fallback for shapes cuDNN has no kernel for).  doc/gpu.md says which is the default
-/// and why; the environment variable PLM_ATTENTION=cudnn|cudnn-fwd|flash overrides it.
-enum class AttentionKernel { Cudnn, CudnnForward, Flash };
-AttentionKernel parseAttentionKernel(const std::string& name);  // "cudnn" | "cudnn-fwd" | "flash"
+/// forward with the own flash backward, the own flash attention both ways (the reference, and
+/// the fallback for shapes cuDNN has no kernel for), or Auto: the faster by head_dim as measured
+/// (doc/gpu.md).  The environment variable PLM_ATTENTION=auto|cudnn|cudnn-fwd|flash sets it.
+enum class AttentionKernel { Auto, Cudnn, CudnnForward, Flash };
+AttentionKernel parseAttentionKernel(const std::string& name);
 const char* attentionKernelName(AttentionKernel k);
 
 /// Per-kind timing of the launches of a stream (CUDA events); see Esm2::setProfiling.
@@ -147,7 +147,7 @@ class OpContext {
   const ExecSpace& space() const { return space_member; }
   /// Tile sizes of the portable attention (tests shrink them to cross tile boundaries).
   AttentionTiles tiles;
-  /// The bf16 attention kernels (default: PLM_ATTENTION, else cuDNN where this build has it).
+  /// The bf16 attention kernels (default: PLM_ATTENTION, else Auto).
   AttentionKernel attention_kernel;
   /// Bitwise-reproducible backward kernels (cuDNN's deterministic attention backward); false
   /// lets cuDNN accumulate dQ with float atomics (PLM_DETERMINISTIC=0).

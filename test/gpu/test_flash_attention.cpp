@@ -128,6 +128,8 @@ void checkCase(const AttnCase& c, Impl impl = Impl::Flash) {
 
   DeviceBuffer<std::int32_t> cu_dev(cu);
   DeviceBuffer<std::uint16_t> o(tokens * row), dq(tokens * row), dk(tokens * row), dv(tokens * row);
+  // The model's layout: dq, dk, dv stacked in one (T, 3 hidden) buffer like q, k, v.
+  DeviceBuffer<std::uint16_t> dqkv(tokens * 3 * row);
   DeviceBuffer<float> lse(tokens * H), delta(tokens * H);
   for (auto* b : {&o, &dq, &dk, &dv}) b->poison();
   lse.poison();
@@ -160,17 +162,36 @@ void checkCase(const AttnCase& c, Impl impl = Impl::Flash) {
     ASSERT_TRUE(cudnn().forward(nullptr, p)) << "cuDNN has no forward for head_dim " << D;
   }
   if (impl == Impl::Cudnn) {
-    ASSERT_TRUE(cudnn().backward(nullptr, p)) << "cuDNN has no backward for head_dim " << D;
+    // Separate gradient buffers (row strides unlike q, k, v's) are refused, not mis-written.
+    EXPECT_FALSE(cudnn().backward(nullptr, p));
+    FlashParams s = p;
+    s.dq = reinterpret_cast<bf16*>(dqkv.get());
+    s.dk = s.dq + row;
+    s.dv = s.dq + 2 * row;
+    s.dq_stride = s.dk_stride = s.dv_stride = 3 * row;
+    dqkv.poison();
+    ASSERT_TRUE(cudnn().backward(nullptr, s)) << "cuDNN has no backward for head_dim " << D;
+    PLM_CHECK_CUDA(cudaDeviceSynchronize());
+    // Unstack into dq, dk, dv for the checks below.
+    for (int g = 0; g < 3; ++g)
+      PLM_CHECK_CUDA(cudaMemcpy2D((g == 0 ? dq : g == 1 ? dk : dv).get(), row * 2,
+                                  dqkv.get() + g * row, 3 * row * 2, row * 2, tokens,
+                                  cudaMemcpyDeviceToDevice));
   } else {
     flashAttentionBackward(nullptr, p);
   }
   PLM_CHECK_CUDA(cudaDeviceSynchronize());
   if (impl == Impl::Cudnn) {  // the deterministic backward: a rerun is bitwise equal
-    auto dq1 = dq.download(), dk1 = dk.download(), dv1 = dv.download();
-    for (auto* b : {&dq, &dk, &dv}) b->poison();
-    ASSERT_TRUE(cudnn().backward(nullptr, p));
+    auto first = dqkv.download();
+    dqkv.poison();
+    FlashParams s = p;
+    s.dq = reinterpret_cast<bf16*>(dqkv.get());
+    s.dk = s.dq + row;
+    s.dv = s.dq + 2 * row;
+    s.dq_stride = s.dk_stride = s.dv_stride = 3 * row;
+    ASSERT_TRUE(cudnn().backward(nullptr, s));
     PLM_CHECK_CUDA(cudaDeviceSynchronize());
-    EXPECT_TRUE(dq.download() == dq1 && dk.download() == dk1 && dv.download() == dv1)
+    EXPECT_TRUE(dqkv.download() == first)
         << "cuDNN backward not bitwise reproducible, head_dim " << D;
   }
 
