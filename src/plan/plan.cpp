@@ -212,9 +212,10 @@ void planMemory(const Input& in, Plan& p) {
                        : "NCCL channel buffers, 256 MiB per communicator (measured figure)";
   }
   p.memory.push_back({"communication buffers", comm, comm_formula});
-  p.memory.push_back({"workspace and runtime (" + in.rates.kind + " table)",
-                      in.rates.reserved_bytes,
-                      "rates.reserved_bytes: CUDA context, cuBLASLt workspace, allocator slack"});
+  p.memory.push_back(
+      {"workspace and runtime (" + in.rates.kind + " table)", in.rates.reserved_bytes,
+       in.rates.kind == "cpu" ? "reserved_gib: the process itself (MPI, Kokkos, OpenBLAS, HDF5)"
+                              : "reserved_gib: CUDA context, cuBLASLt workspace, allocator slack"});
   p.memory_total = 0;
   for (const auto& item : p.memory) p.memory_total += item.value;
   p.memory_available = in.rates.memory_bytes;
