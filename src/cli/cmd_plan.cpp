@@ -87,7 +87,7 @@ int runPlan(const Argv& argv) {
   layout.shard = integer(args, "shard", 1);
   layout.context = integer(args, "context", 1);
   layout.expert = integer(args, "expert", 1);
-  if (layout.ranks_per_node > rates.ranks_per_node)
+  if (rates.kind != "cpu" && layout.ranks_per_node > rates.ranks_per_node)
     throw collectiveError("plm plan: --gpus " + std::to_string(layout.ranks_per_node) +
                           " is more than the " + std::to_string(rates.ranks_per_node) +
                           " ranks per node of the `" + rates.kind +

@@ -292,9 +292,20 @@ void planTime(const Input& in, Plan& p) {
     (void)group;
     return (spans_nodes ? r.inter_node_gbps : r.intra_node_gbps) * 1e9;
   };
-  const double backward_time = (gemm + attention + layernorm) * 2.0 / 3.0 / mb;
+  // More ranks on a node than the table's ranks_per_node (CPU cores) share them: every
+  // compute term above slows by that factor.
+  const double share =
+      std::max(1.0, static_cast<double>(l.ranks_per_node) / std::max(1, r.ranks_per_node));
+  if (share > 1) {
+    for (auto& item : p.time) item.value *= share;
+    p.notes.push_back(
+        fmt("%.0f ranks per node share the table's %.0f (ranks_per_node, e.g. CPU cores): "
+            "compute times x %.2f",
+            l.ranks_per_node, r.ranks_per_node, share));
+  }
   double comm = 0, exposed = 0;
   std::string comm_formula = "none";
+  const double backward_time = share * (gemm + attention + layernorm) * 2.0 / 3.0 / mb;
   const int dp = l.dataParallel() / l.shard;  // replicas that all-reduce
   if (l.shard > 1) {
     const bool spans = l.shard > l.ranks_per_node;

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <fstream>
 #include <memory>
+#include <thread>
 
 #if PLM_HAVE_CUDA
 #include <cuda_runtime.h>
@@ -72,7 +73,11 @@ train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook n
       layout.nodes = 1;
     }
     Rates rates = builtinRates(deviceKind());
-    rates.ranks_per_node = std::max(rates.ranks_per_node, layout.ranks_per_node);
+    // CPU ranks share the node's cores (the planner slows them when oversubscribed); GPUs are
+    // one per rank.
+    rates.ranks_per_node = rates.kind == "cpu"
+                               ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
+                               : std::max(rates.ranks_per_node, layout.ranks_per_node);
     Input in = inputFromDeck(trainer.deck(), layout, rates);
     const double steps = w->seen - 1;
     if (w->tokens > 0) {
