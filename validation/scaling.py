@@ -29,6 +29,7 @@ import os
 import random
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -115,16 +116,22 @@ def point_sets(args, layout, mode, base_tokens, run_dir):
     return sets
 
 
-def run_local(args, layout, sets):
+def runnable(layout):
     if any(v != 1 for v in layout.degrees.values()):
         raise SystemExit("scaling: layout %s: plm train has no sharding, context or expert "
-                         "parallelism yet; plan it with plm plan, or use plain rank counts"
+                         "parallelism yet; --collect plans such points without running them"
                          % layout.text)
+
+
+def run_local(args, layout, sets):
+    runnable(layout)
     cmd = [args.plm, "train", args.deck] + sum([["--set", s] for s in sets], [])
     if layout.ranks > 1 or args.mpiexec_always:
         cmd = shlex.split(args.mpiexec) + ["-n", str(layout.ranks)] + cmd
     env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")
+    if args.rates:  # plm train's plan.json uses the measured table
+        env["PLM_RATES"] = args.rates
     t0 = time.time()
     r = subprocess.run(cmd, env=env, capture_output=True, text=True)
     print("scaling: %s ranks=%d rc=%d %.1fs" % (os.path.basename(sets_run_dir(sets)),
@@ -139,6 +146,7 @@ def sets_run_dir(sets):
 
 
 def write_job(args, layout, sets, jobs_dir, name):
+    runnable(layout)
     sets_text = " ".join("--set " + shlex.quote(s) for s in sets)
     deck = os.path.abspath(args.deck)
     if args.scheduler == "slurm":
@@ -189,6 +197,8 @@ def plan_point(args, layout, sets):
     """plm plan for a point that has no plan.json (not run yet, or a planned degree)."""
     cmd = [args.plm, "plan", args.deck, "--json", "--gpu", args.gpu,
            "--gpus", str(layout.per_node), "--nodes", str(layout.nodes)]
+    if args.rates:
+        cmd += ["--rates", args.rates]
     for k, v in layout.degrees.items():
         cmd += ["--" + k, str(v)]
     cmd += sum([["--set", s] for s in sets], [])
@@ -325,6 +335,10 @@ def main():
     ap.add_argument("--synthetic", type=int, nargs="?", const=2000, default=0,
                     help="train on N random proteins prepared into OUT/data (default 2000)")
     ap.add_argument("--set", action="append", default=[], help="deck override for every point")
+    ap.add_argument("--rates", help="rates table for the prediction (plm bench rates --out)")
+    ap.add_argument("--bench-rates", type=float, nargs="?", const=0.3, default=0,
+                    help="measure the rates table here first (plm bench rates, S seconds per "
+                         "measurement, default 0.3) and predict with it")
     ap.add_argument("--require-plots", action="store_true",
                     help="fail when the PNG plots cannot be drawn (no matplotlib)")
     args = ap.parse_args()
@@ -339,6 +353,11 @@ def main():
     if args.synthetic:
         data = synthetic_data(args.plm, out, args.synthetic)
         args.set.append("data.train=%s" % os.path.join(data, "train.h5"))
+    if args.bench_rates:
+        args.rates = os.path.join(out, "rates.json")
+        subprocess.run([args.plm, "bench", "rates", "--gpu", args.gpu, "--seconds",
+                        str(args.bench_rates), "--out", args.rates], check=True,
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     base_tokens = int(deck_value(args.plm, args.deck, args.set, "data", "tokens_per_batch"))
     modes = ["strong", "weak"] if args.mode == "both" else [args.mode]
 
@@ -364,6 +383,7 @@ def main():
     ok = True
     if args.local:
         for mode, layout, name, run_dir, sets in points:
+            shutil.rmtree(run_dir, ignore_errors=True)  # metrics.jsonl appends across runs
             ok &= run_local(args, layout, sets)
 
     rows = []

@@ -67,12 +67,12 @@ const char* kH200 = R"({
 // One CPU rank (one core, fp32, OpenBLAS with one thread): the quickstart's 0.079-0.087
 // TFLOP/s per rank and the start-up sgemm 512^3 (0.089), doc/performance.md "CPU training";
 // reserved: the resident size of a `plm train` rank beyond its model buffers (MPI, Kokkos,
-// OpenBLAS, HDF5), 216 MiB measured against 170 MiB of buffers for the quickstart deck.
+// OpenBLAS, HDF5): 39-46 MiB measured (quickstart deck and the scaling study's tiny model).
 const char* kCpu = R"({
   "kind": "cpu",
   "source": "development container (AMD EPYC, AVX-512), doc/performance.md CPU training; per rank = one core",
   "memory_gib": 8,
-  "reserved_gib": 0.045,
+  "reserved_gib": 0.041,
   "gemm_tflops_fp32": 0.1,
   "gemm_tflops_bf16": 0.1,
   "gemm_tflops_fp8": 0.1,

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <fstream>
 #include <memory>
 #include <thread>
@@ -73,6 +74,8 @@ train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook n
       layout.nodes = 1;
     }
     Rates rates = builtinRates(deviceKind());
+    // A measured table (plm bench rates --out FILE) replaces the built-in one.
+    if (const char* path = std::getenv("PLM_RATES"); path && *path) rates = readRates(path, rates);
     // CPU ranks share the node's cores (the planner slows them when oversubscribed); GPUs are
     // one per rank.
     rates.ranks_per_node = rates.kind == "cpu"

@@ -4,12 +4,14 @@
 #include "data/batch.hpp"
 #include "deck/deck.hpp"
 #include "model/esm2.hpp"
+#include "plan/bench_rates.hpp"
 #include "plan/plan.hpp"
 #include "train/adamw.hpp"
 
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <random>
@@ -340,4 +342,33 @@ TEST(Plan, MemoryAgainstResidentBytesOnTheCpu) {
               plan::bytesText(measured).c_str());
   EXPECT_NEAR(model_bytes, measured, 0.10 * measured)
       << "planned " << plan::bytesText(model_bytes) << ", resident " << plan::bytesText(measured);
+}
+
+TEST(Plan, FitSaturatingRecoversAsymptoteAndHalfSize) {
+  // R(k) = 2 k / (k + 100) exactly: the fit returns (2, 100).
+  std::vector<double> k = {16, 64, 256, 1024}, r;
+  for (double x : k) r.push_back(2 * x / (x + 100));
+  const auto [a, half] = plan::fitSaturating(k, r);
+  EXPECT_NEAR(a, 2, 1e-9);
+  EXPECT_NEAR(half, 100, 1e-6);
+  // A rate that falls with size has no saturating form: the best rate, no size penalty.
+  const auto [b, none] = plan::fitSaturating({64, 128}, {3.0, 2.0});
+  EXPECT_DOUBLE_EQ(b, 3.0);
+  EXPECT_DOUBLE_EQ(none, 0.0);
+}
+
+TEST(Plan, MeasuredRatesArePositive) {
+  const auto r = plan::measureRates(plan::builtinRates("cpu"), 0.005, [](const std::string&) {});
+  for (double x : {r.gemm_tflops_fp32, r.attention_tflops, r.layernorm_gbps, r.elementwise_gbps,
+                   r.optimizer_gbps, r.launch_us}) {
+    EXPECT_TRUE(std::isfinite(x));
+    EXPECT_GT(x, 0);
+  }
+  EXPECT_GE(r.gemm_half_k, 0);
+  EXPECT_DOUBLE_EQ(r.memory_bytes, plan::builtinRates("cpu").memory_bytes);  // kept from base
+  // The measured table plans (and round-trips through JSON like a shipped one).
+  plan::Input in;
+  in.model = small();
+  in.rates = plan::ratesFromJson(plan::ratesToJson(r), plan::Rates{}, "measured");
+  EXPECT_GT(plan::makePlan(in).tokens_per_s, 0);
 }
