@@ -392,6 +392,10 @@ def main():
         if m is None:
             print("scaling: no metrics for %s in %s" % (name, run_dir), file=sys.stderr)
             ok = False
+        if args.local and m is not None and "plan" not in m:
+            # plm train writes plan.json after its first steps (doc/plan.md)
+            print("scaling: %s: plm train wrote no plan.json" % name, file=sys.stderr)
+            ok = False
         plan = (m or {}).get("plan") or plan_point(args, layout, sets)
         row = {"mode": mode, "layout": layout.text, "ranks": layout.ranks,
                "nodes": layout.nodes, "tokens_per_batch":

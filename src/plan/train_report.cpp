@@ -1,5 +1,6 @@
 #include "plan/train_report.hpp"
 
+#include "core/error.hpp"
 #include "core/log.hpp"
 #include "dist/allreduce.hpp"
 #include "dist/runtime.hpp"
@@ -73,23 +74,34 @@ train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook n
       layout.ranks_per_node = trainer.world();
       layout.nodes = 1;
     }
-    Rates rates = builtinRates(deviceKind());
-    // A measured table (plm bench rates --out FILE) replaces the built-in one.
-    if (const char* path = std::getenv("PLM_RATES"); path && *path) rates = readRates(path, rates);
-    // CPU ranks share the node's cores (the planner slows them when oversubscribed); GPUs are
-    // one per rank.
-    rates.ranks_per_node = rates.kind == "cpu"
-                               ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
-                               : std::max(rates.ranks_per_node, layout.ranks_per_node);
-    Input in = inputFromDeck(trainer.deck(), layout, rates);
+    // The prediction is a report: a failure to plan (an unreadable PLM_RATES file) warns and
+    // training goes on. Nothing below is collective.
     const double steps = w->seen - 1;
-    if (w->tokens > 0) {
-      in.mean_seqlen = w->sum_sq / static_cast<double>(w->tokens);
-      in.fill = static_cast<double>(w->tokens) /
-                (steps * static_cast<double>(in.micro_batch_tokens * in.micro_batches) *
-                 layout.dataParallel());
+    Rates rates;
+    Input in;
+    Plan p;
+    try {
+      rates = builtinRates(deviceKind());
+      // A measured table (plm bench rates --out FILE) replaces the built-in one.
+      if (const char* path = std::getenv("PLM_RATES"); path && *path)
+        rates = readRates(path, rates);
+      // CPU ranks share the node's cores (the planner slows them when oversubscribed); GPUs are
+      // one per rank.
+      rates.ranks_per_node =
+          rates.kind == "cpu" ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
+                              : std::max(rates.ranks_per_node, layout.ranks_per_node);
+      in = inputFromDeck(trainer.deck(), layout, rates);
+      if (w->tokens > 0) {
+        in.mean_seqlen = w->sum_sq / static_cast<double>(w->tokens);
+        in.fill = static_cast<double>(w->tokens) /
+                  (steps * static_cast<double>(in.micro_batch_tokens * in.micro_batches) *
+                   layout.dataParallel());
+      }
+      p = makePlan(in);
+    } catch (const Error& e) {
+      if (trainer.rank() == 0) log::warn("plan: no prediction: %s", e.what());
+      return;
     }
-    const Plan p = makePlan(in);
     const double measured_tps = seconds > 0 ? static_cast<double>(w->tokens) / seconds : 0;
     if (trainer.rank() != 0) return;
     log::info(
