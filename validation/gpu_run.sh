@@ -164,6 +164,7 @@ if has e2e && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     --set train.run_dir=/tmp/plm-e2e --set checkpoint.dir=/tmp/plm-e2e/ckpt > "$out/e2e_train.log" 2>&1
   note "plm train esm2_8m bf16 rc=$?"
   tail -15 "$out/e2e_train.log" | tee -a "$summary"
+  grep "plan vs measured" "$out/e2e_train.log" | tee -a "$summary"  # plm plan's prediction
 fi
 
 if has hf; then
