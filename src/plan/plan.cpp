@@ -409,6 +409,16 @@ Plan makePlan(const Input& in) {
     p.notes.push_back(
         "fp8 is a placeholder: plm has no fp8 path yet; planned as bf16 storage with the "
         "table's fp8 GEMM rate");
+  // What plm itself refuses today (src/model/esm2.cpp): planned anyway, said plainly.
+  if (in.compute != Compute::Fp32 && in.rates.kind == "cpu")
+    p.notes.push_back("bf16 runs on the CUDA build only; the CPU build trains in fp32");
+  if (in.compute != Compute::Fp32 && in.model.hidden > 2560)
+    p.notes.push_back(
+        "plm's bf16 LayerNorm kernels take hidden <= 2560 today: this model (hidden " +
+        std::to_string(in.model.hidden) + ") is refused in bf16 until a wider kernel lands");
+  if (in.compute == Compute::Fp32 && in.rates.kind != "cpu")
+    p.notes.push_back(
+        "fp32 on a GPU runs the portable Kokkos kernels (the reference path): slow by design");
   if (in.layout.shard > 1 || in.layout.context > 1)
     p.notes.push_back(
         "sharding and context parallelism are not in plm yet: these figures are the planned "

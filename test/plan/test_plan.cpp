@@ -372,3 +372,25 @@ TEST(Plan, MeasuredRatesArePositive) {
   in.rates = plan::ratesFromJson(plan::ratesToJson(r), plan::Rates{}, "measured");
   EXPECT_GT(plan::makePlan(in).tokens_per_s, 0);
 }
+
+TEST(Plan, NotesWhatPlmRefusesToday) {
+  plan::Input in;
+  in.model = model::Esm2Config::preset("esm2_15b");
+  in.compute = Compute::Bf16;
+  in.rates = plan::builtinRates("h100");
+  in.layout.ranks_per_node = 8;
+  in.layout.shard = 8;
+  auto has = [](const plan::Plan& p, const std::string& what) {
+    for (const auto& n : p.notes)
+      if (n.find(what) != std::string::npos) return true;
+    return false;
+  };
+  const auto p = plan::makePlan(in);
+  EXPECT_TRUE(has(p, "hidden <= 2560"));
+  EXPECT_TRUE(has(p, "sharding and context parallelism are not in plm yet"));
+  in.model = small();
+  in.layout = plan::Layout{};
+  EXPECT_FALSE(has(plan::makePlan(in), "hidden <= 2560"));
+  in.rates = plan::builtinRates("cpu");
+  EXPECT_TRUE(has(plan::makePlan(in), "CUDA build only"));
+}
