@@ -13,6 +13,8 @@ PACKAGES=(
   libopenmpi-dev openmpi-bin libhdf5-openmpi-dev zlib1g-dev
   # tests and the format check; h5py and numpy for validation/ckpt_ls.py (test_ckpt_ls)
   libgtest-dev clang-format python3-h5py python3-numpy
+  # plots of validation/scaling.py (the CPU scaling study in ctest)
+  python3-matplotlib
   # real proteins for the quickstart (/usr/share/doc/mmseqs2/example-data/DB.fasta.gz)
   mmseqs2-examples
 )

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
-#                                       and, on request: compare ctest e2e
+#                                       and, on request: compare ctest e2e plan
+#   plan: plm plan's prediction against this run's train stage (run `train plan` together;
+#         doc/plan.md), the table of doc/performance.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -133,6 +135,19 @@ if has train && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
   done
 fi
 
+if has plan && [[ -x "$pkg/bin/plm" ]]; then
+  # Planner accuracy: every bench_gpu_train RESULT of the train stage, planned with plm plan.
+  # Default points for `plan` alone: PLM_TRAIN_RUNS="esm2_8m:65536 esm2_35m:32768
+  # esm2_150m:32768 esm2_650m:32768 esm2_650m:24576:selective esm2_650m:24576:layer
+  # esm2_3b:4096 esm2_3b:8192:selective esm2_3b:16384:layer"
+  gpu_kind=h100
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && gpu_kind=h200
+  python3 "$repo/validation/plan_accuracy.py" --plm "$pkg/bin/plm" --gpu $gpu_kind \
+    --csv "$out/plan_accuracy.csv" "$out"/train_*.log > "$out/plan_accuracy.md" 2>&1
+  note "plan_accuracy ($gpu_kind) rc=$? (0: every point within 10% memory / 15% tokens/s)"
+  cat "$out/plan_accuracy.md" | tee -a "$summary"
+fi
+
 if has parity && [[ -x "$pkg/bin/gpu_parity_dump" ]]; then
   # layers hidden heads ffn: head_dim 16 (like esm2_8m) and 64 (like esm2_650m)
   for shape in "3 160 10 640" "2 256 4 1024"; do
@@ -153,6 +168,7 @@ if has e2e && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     --set train.run_dir=/tmp/plm-e2e --set checkpoint.dir=/tmp/plm-e2e/ckpt > "$out/e2e_train.log" 2>&1
   note "plm train esm2_8m bf16 rc=$?"
   tail -15 "$out/e2e_train.log" | tee -a "$summary"
+  grep "plan vs measured" "$out/e2e_train.log" | tee -a "$summary"  # plm plan's prediction
 fi
 
 if has hf; then

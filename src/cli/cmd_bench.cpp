@@ -7,6 +7,9 @@
 #include "core/log.hpp"
 #include "data/loader.hpp"
 #include "data/prep.hpp"
+#include "dist/runtime.hpp"
+#include "io/json.hpp"
+#include "plan/bench_rates.hpp"
 
 #include <mpi.h>
 
@@ -154,7 +157,43 @@ struct Kind {
   int (*run)(const Argv&);
 };
 
-const Kind kinds[] = {{"data", benchData}};
+// `plm bench rates [--gpu KIND] [--out FILE] [--seconds S]`: the planner's rates table
+// measured here (src/plan/bench_rates.cpp), printed as JSON or written to FILE for
+// `plm plan --rates FILE`.
+int benchRates(const Argv& argv) {
+  Parser p("plm bench rates", "plm bench rates [--gpu KIND] [--out FILE] [--seconds S]",
+           "Measures the rates table of `plm plan` on this machine (doc/plan.md, \"Rates\"): "
+           "GEMM, attention, LayerNorm, elementwise and optimizer rates through the model's "
+           "dispatch points in fp32, each on rank 0. Memory, peak and link figures come from the "
+           "--gpu table (default cpu).");
+  p.option({"gpu", "KIND", "the table whose other figures to keep: cpu (default), h100, h200"});
+  p.option({"out", "FILE", "write the table to FILE (default: print it)"});
+  p.option({"seconds", "S", "time per measurement (default 0.3)"});
+  Args args = p.parse(argv);
+  if (args.has("help")) {
+    if (log::rank() == 0) std::fputs(p.help().c_str(), stdout);
+    return 0;
+  }
+  const double seconds = std::atof(args.get("seconds", "0.3").c_str());
+  if (!(seconds > 0)) throw collectiveError("plm bench rates: --seconds takes a positive number");
+  const auto base = plan::builtinRates(args.get("gpu", "cpu"));
+  if (dist::worldRank() != 0) return 0;
+  const auto rates = plan::measureRates(
+      base, seconds, [](const std::string& s) { log::info("bench rates: %s", s.c_str()); });
+  const std::string json = io::json::write(plan::ratesToJson(rates), 2) + "\n";
+  if (!args.has("out")) {
+    std::fputs(json.c_str(), stdout);
+    return 0;
+  }
+  std::FILE* f = std::fopen(args.get("out").c_str(), "w");
+  if (!f || std::fputs(json.c_str(), f) < 0 || std::fclose(f) != 0)
+    throw Error("plm bench rates: cannot write " + args.get("out"));
+  log::info("bench rates: wrote %s (use it with plm plan --rates %s)", args.get("out").c_str(),
+            args.get("out").c_str());
+  return 0;
+}
+
+const Kind kinds[] = {{"data", benchData}, {"rates", benchRates}};
 
 }  // namespace
 
@@ -163,13 +202,14 @@ int runBench(const Argv& argv) {
     if (log::rank() == 0) {
       std::printf("usage: plm bench KIND [options]    plm bench KIND --help\n\nkinds:\n");
       std::printf("  data       prep MB/s of FASTA and loader tokens/s per rank\n");
+      std::printf("  rates      the rates table of plm plan, measured here (JSON)\n");
     }
     return argv.empty() ? 2 : 0;
   }
   for (const auto& kind : kinds)
     if (argv[0] == kind.name) return kind.run(Argv(argv.begin() + 1, argv.end()));
   return notBuiltYet(("bench " + argv[0]).c_str(),
-                     "This benchmark kind has not landed yet (available: data).");
+                     "This benchmark kind has not landed yet (available: data, rates).");
 }
 
 }  // namespace plm::cli

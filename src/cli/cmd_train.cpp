@@ -6,6 +6,7 @@
 #include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
+#include "plan/train_report.hpp"
 #include "train/trainer.hpp"
 
 #include <cstdio>
@@ -52,7 +53,11 @@ int runTrain(const Argv& argv) {
     ~StopTee() { log::teeTo(""); }
   } stop_tee;
   train::Trainer trainer(deck);
-  ckpt::installHooks(trainer);  // checkpoint.resume on start, checkpoint.every saves (src/ckpt)
+  // checkpoint.resume on start, checkpoint.every saves (src/ckpt); the plan's prediction next to
+  // the measured figures after the first steps (src/plan).
+  train::Trainer::Hooks extra;
+  extra.on_step = plan::predictionReport();
+  ckpt::installHooks(trainer, extra);
   trainer.run();
   return 0;
 }

@@ -31,6 +31,7 @@ const std::vector<Command>& commands() {
       {"convert", "Hugging Face ESM-2 safetensors to a plm checkpoint and back", runConvert},
       {"bench", "benchmarks of plm's kernels, data path and training step", runBench},
       {"deck", "print the default deck or check a deck", runDeck},
+      {"plan", "memory per rank and step time of a deck, before launching it", runPlan},
   };
   return table;
 }

@@ -29,6 +29,7 @@ int runEmbed(const Argv& args);
 int runConvert(const Argv& args);
 int runBench(const Argv& args);
 int runDeck(const Argv& args);
+int runPlan(const Argv& args);
 
 /// \brief What `plm --version` prints: plm version and revision, Kokkos, MPI, HDF5, CUDA/NCCL.
 std::string versionText();

@@ -20,8 +20,8 @@ TEST(CliCommands, EveryDocumentedSubcommandExists) {
     EXPECT_NE(c.run, nullptr) << c.name;
     EXPECT_GT(std::string(c.summary).size(), 10u) << c.name;
   }
-  EXPECT_EQ(names,
-            (std::set<std::string>{"prep", "train", "eval", "embed", "convert", "bench", "deck"}));
+  EXPECT_EQ(names, (std::set<std::string>{"prep", "train", "eval", "embed", "convert", "bench",
+                                          "deck", "plan"}));
 }
 
 TEST(CliCommands, NotBuiltYetSaysSoAndExitsWithTwo) {

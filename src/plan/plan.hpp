@@ -1,0 +1,113 @@
+// The planner behind `plm plan`: bytes per rank, FLOPs per token and predicted step time of a
+// training run, before it is launched (doc/plan.md gives every formula this file computes).
+//
+// Design choice: the activation bytes are counted tensor by tensor in the order and with the
+// 256-byte rounding of the model's own workspace carver (src/model/esm2.cpp, `carve`), so the
+// prediction of the largest term is exact for the portable and bf16 paths; everything else is
+// a closed formula of the configuration and the per-device rates (rates.hpp).
+#pragma once
+
+#include "model/esm2.hpp"
+#include "plan/rates.hpp"
+
+#include <Teuchos_ParameterList.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace plm::plan {
+
+/// fp8 is a placeholder until the FP8 issue lands: planned as bf16 storage with the rates
+/// table's fp8 GEMM rate.
+enum class Compute { Fp32, Bf16, Fp8 };
+Compute parseCompute(const std::string& name);  // "fp32" | "bf16" | "fp8"; collective error
+const char* computeName(Compute c);
+
+/// How the ranks are laid out. world = ranks_per_node * nodes = shard * replicate * context
+/// (replicate is what is left); expert applies to mixture-of-experts models only.
+struct Layout {
+  int ranks_per_node = 1;
+  int nodes = 1;
+  int shard = 1;    // parameters, gradients and optimizer states split over this many ranks
+  int context = 1;  // a micro-batch's tokens split over this many ranks
+  int expert = 1;   // experts split over this many ranks (dense ESM-2: must be 1)
+  int world() const { return ranks_per_node * nodes; }
+  int dataParallel() const { return world() / context; }  // ranks that see different tokens
+  int replicate() const { return world() / (shard * context); }
+};
+
+struct Input {
+  model::Esm2Config model;
+  Compute compute = Compute::Fp32;
+  std::int64_t micro_batch_tokens = 8192;  // data.micro_batch_tokens
+  std::int64_t micro_batches = 1;          // per rank and optimizer step (accumulation)
+  double mean_seqlen = 460;                // token-weighted mean sequence length S (doc/flops.md)
+  double mask_prob = 0.15;                 // labelled fraction: rows the LM head runs on
+  double fill = 0.97;  // real tokens per micro-batch / micro_batch_tokens (packing)
+  Layout layout;
+  Rates rates;
+};
+
+/// One line of the memory or time table, with the formula it comes from (doc/plan.md).
+struct Item {
+  std::string name;
+  double value = 0;  // bytes or seconds
+  std::string formula;
+};
+
+/// Activation workspace of one micro-batch, by layer part, exactly as the model carves it.
+struct Activations {
+  std::int64_t residual = 0;   // layer inputs x_0..x_L and the token multipliers
+  std::int64_t attention = 0;  // ln1, q/k/v, attention output, log-sum-exp, their statistics
+  std::int64_t mlp = 0;        // x_mid, ln2, FFN pre-activation and GELU, their statistics
+  std::int64_t head = 0;       // final LayerNorm, LM head rows, logits
+  std::int64_t backward = 0;   // gradient scratch of one layer and the LM head
+  std::int64_t total() const { return residual + attention + mlp + head + backward; }
+};
+
+/// \brief The model's workspace arena for `tokens` tokens of which `rows` run through the LM
+/// head, forward + backward (`backward`) or forward only; mirrors Esm2::Impl::carve.
+Activations activationBytes(const model::Esm2Config& config, Compute compute, std::int64_t tokens,
+                            std::int64_t rows, bool backward);
+
+/// \brief Elements of the model's flat parameter buffer (every tensor rounded up to 16).
+std::int64_t flatParameterCount(const model::Esm2Config& config);
+/// \brief Elements of one encoder layer's tensors in that buffer.
+std::int64_t layerParameterCount(const model::Esm2Config& config);
+/// \brief Elements of the bf16 compute copy of the GEMM weights (embedding, q/k/v, output,
+/// FFN, LM-head dense and their biases where the kernels read them in bf16).
+std::int64_t computeCopyCount(const model::Esm2Config& config);
+
+struct Plan {
+  std::vector<Item> memory;  // bytes per rank
+  double memory_total = 0;
+  double memory_available = 0;
+  bool fits = false;
+  double model_flops_per_token = 0;     // doc/flops.md
+  double hardware_flops_per_token = 0;  // + recomputation
+  std::vector<Item> time;               // seconds per optimizer step, by kind
+  double step_seconds = 0;
+  double tokens_per_step = 0;       // global, real tokens
+  double tokens_per_s = 0;          // global
+  double mfu = 0, hfu = 0;          // against rates.peak_tflops per rank
+  std::vector<std::string> notes;   // assumptions worth reading
+  std::vector<std::string> advice;  // what to change when it does not fit
+};
+
+/// \brief The plan of `in`; throws a collective plm::Error on an impossible layout (the world
+/// size not a multiple of shard * context, expert > 1 on a dense model, ...).
+Plan makePlan(const Input& in);
+
+/// \brief The planner input of a resolved deck (model, train.precision, data.*), laid out over
+/// `ranks_per_node` x `nodes` ranks with the `rates` of the device.
+Input inputFromDeck(const Teuchos::ParameterList& deck, const Layout& layout, const Rates& rates);
+
+/// \brief Human-readable tables (memory, FLOPs, time, advice).
+std::string formatPlan(const Input& in, const Plan& plan);
+io::json::Value planToJson(const Input& in, const Plan& plan);
+
+/// \brief "1.23 GiB" / "456 MiB".
+std::string bytesText(double bytes);
+
+}  // namespace plm::plan

@@ -1,0 +1,130 @@
+#include "plan/train_report.hpp"
+
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "dist/allreduce.hpp"
+#include "dist/runtime.hpp"
+#include "plan/plan.hpp"
+#include "plm/plm_config.hpp"
+#include "train/metrics.hpp"
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <memory>
+#include <thread>
+
+#if PLM_HAVE_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace plm::plan {
+
+std::string deviceKind() {
+#if PLM_HAVE_CUDA
+  int device = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) == cudaSuccess &&
+      cudaGetDeviceProperties(&prop, device) == cudaSuccess &&
+      std::string(prop.name).find("H200") != std::string::npos)
+    return "h200";
+  return "h100";
+#else
+  return "cpu";
+#endif
+}
+
+namespace {
+struct Window {
+  int seen = 0;
+  double t0 = 0;
+  std::int64_t tokens = 0;
+  double sum_sq = 0;
+  bool done = false;
+};
+
+double now() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+}  // namespace
+
+train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook next) {
+  auto w = std::make_shared<Window>();
+  return [w, window, next](train::Trainer& trainer, const train::StepStats& st) {
+    if (next) next(trainer, st);
+    if (w->done) return;
+    w->seen += 1;
+    if (w->seen == 1) {  // the first step pays for allocations and warm-up
+      w->t0 = now();
+      return;
+    }
+    w->tokens += st.tokens;
+    w->sum_sq += st.sum_sq_seqlen;
+    const bool last = trainer.state().step >= trainer.totalSteps();
+    if (w->seen < window + 1 && !last) return;
+    w->done = true;
+    const double seconds = now() - w->t0;
+    const double mem =
+        dist::allreduceMax(static_cast<double>(train::memoryInUse()), trainer.comm());
+    Layout layout;
+    layout.ranks_per_node = std::max(1, dist::localSize());
+    layout.nodes = std::max(1, trainer.world() / layout.ranks_per_node);
+    if (layout.world() != trainer.world()) {
+      layout.ranks_per_node = trainer.world();
+      layout.nodes = 1;
+    }
+    // The prediction is a report: a failure to plan (an unreadable PLM_RATES file) warns and
+    // training goes on. Nothing below is collective.
+    const double steps = w->seen - 1;
+    Rates rates;
+    Input in;
+    Plan p;
+    try {
+      rates = builtinRates(deviceKind());
+      // A measured table (plm bench rates --out FILE) replaces the built-in one.
+      if (const char* path = std::getenv("PLM_RATES"); path && *path)
+        rates = readRates(path, rates);
+      // CPU ranks share the node's cores (the planner slows them when oversubscribed); GPUs are
+      // one per rank.
+      rates.ranks_per_node =
+          rates.kind == "cpu" ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
+                              : std::max(rates.ranks_per_node, layout.ranks_per_node);
+      in = inputFromDeck(trainer.deck(), layout, rates);
+      if (w->tokens > 0) {
+        in.mean_seqlen = w->sum_sq / static_cast<double>(w->tokens);
+        in.fill = static_cast<double>(w->tokens) /
+                  (steps * static_cast<double>(in.micro_batch_tokens * in.micro_batches) *
+                   layout.dataParallel());
+      }
+      p = makePlan(in);
+    } catch (const Error& e) {
+      if (trainer.rank() == 0) log::warn("plan: no prediction: %s", e.what());
+      return;
+    }
+    const double measured_tps = seconds > 0 ? static_cast<double>(w->tokens) / seconds : 0;
+    if (trainer.rank() != 0) return;
+    log::info(
+        "plan vs measured (steps 2-%d): %.0f tok/s predicted, %.0f measured (%+.1f%%); "
+        "memory per rank %s predicted, %s measured (%+.1f%%); S = %.0f, fill %.2f, %s rates "
+        "(plm plan, doc/plan.md)",
+        w->seen, p.tokens_per_s, measured_tps,
+        measured_tps > 0 ? 100 * (p.tokens_per_s / measured_tps - 1) : 0.0,
+        bytesText(p.memory_total).c_str(), bytesText(mem).c_str(),
+        mem > 0 ? 100 * (p.memory_total / mem - 1) : 0.0, in.mean_seqlen, in.fill,
+        rates.kind.c_str());
+    io::json::Value v = planToJson(in, p);
+    io::json::Value measured = io::json::Value::object();
+    measured.set("steps", steps);
+    measured.set("seconds", seconds);
+    measured.set("tokens", w->tokens);
+    measured.set("tokens_per_s", measured_tps);
+    measured.set("mem_bytes", mem);
+    v.set("measured", measured);
+    std::ofstream out(trainer.runDir() + "/plan.json");
+    out << io::json::write(v, 2) << "\n";
+    if (!out) log::warn("plan: cannot write %s/plan.json", trainer.runDir().c_str());
+  };
+}
+
+}  // namespace plm::plan

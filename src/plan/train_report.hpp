@@ -1,0 +1,19 @@
+// `plm train` prints the plan's prediction next to the measured figures after its first steps
+// (doc/plan.md, "Prediction against measurement").
+#pragma once
+
+#include "train/trainer.hpp"
+
+namespace plm::plan {
+
+/// \brief The device kind of this process's rates table: "cpu" in a CPU build, "h200" on a GPU
+/// whose name says H200, otherwise "h100".
+std::string deviceKind();
+
+/// \brief A step hook for Trainer::Hooks::on_step: times steps 2..`window`+1 of the run, then
+/// (collectively) measures the peak memory in use, plans the deck with the measured mean
+/// sequence length and fill, logs prediction and measurement side by side on rank 0 and writes
+/// both to <run_dir>/plan.json. Chains to `next` on every step.
+train::Trainer::StepHook predictionReport(int window = 5, train::Trainer::StepHook next = {});
+
+}  // namespace plm::plan

@@ -1,0 +1,396 @@
+// The planner (src/plan, doc/plan.md) against hand counts for a small configuration, against
+// the model's own allocations, and against the measured resident memory of a CPU step.
+#include "core/error.hpp"
+#include "data/batch.hpp"
+#include "deck/deck.hpp"
+#include "model/esm2.hpp"
+#include "plan/bench_rates.hpp"
+#include "plan/plan.hpp"
+#include "train/adamw.hpp"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+
+using namespace plm;
+using plan::Compute;
+
+namespace {
+
+// L = 2, h = 32, 4 heads, f = 64, V = 33: every size below is counted by hand in the tests.
+model::Esm2Config small() {
+  model::Esm2Config c;
+  c.num_layers = 2;
+  c.hidden = 32;
+  c.heads = 4;
+  c.ffn = 64;
+  return c;
+}
+
+// A packed micro-batch of the given sequence lengths with exactly `labelled` labelled tokens.
+data::MicroBatch makeBatch(const std::vector<int>& lengths, std::int64_t labelled,
+                           std::uint64_t seed) {
+  std::int64_t t = 0;
+  for (int n : lengths) t += n;
+  data::MicroBatch b;
+  b.tokens = HostView1<token_t>("tokens", t);
+  b.labels = HostView1<std::int32_t>("labels", t);
+  b.cu_seqlens = HostView1<seqlen_t>("cu", lengths.size() + 1);
+  std::mt19937_64 rng(seed);
+  for (std::int64_t i = 0; i < t; ++i) {
+    b.tokens(i) = static_cast<token_t>(4 + rng() % 20);
+    b.labels(i) = i < labelled ? static_cast<std::int32_t>(4 + rng() % 20) : -100;
+  }
+  b.cu_seqlens(0) = 0;
+  for (std::size_t s = 0; s < lengths.size(); ++s) {
+    b.cu_seqlens(s + 1) = b.cu_seqlens(s) + lengths[s];
+    b.max_seqlen = std::max(b.max_seqlen, lengths[s]);
+  }
+  b.num_masked = labelled;
+  return b;
+}
+
+std::int64_t residentBytes() {
+  std::ifstream in("/proc/self/statm");
+  std::int64_t size = 0, resident = 0;
+  in >> size >> resident;
+  return resident * static_cast<std::int64_t>(sysconf(_SC_PAGESIZE));
+}
+
+plan::Rates unitRates() {
+  plan::Rates r;
+  r.kind = "unit";
+  r.memory_bytes = 1e9;
+  r.gemm_tflops_fp32 = r.gemm_tflops_bf16 = r.gemm_tflops_fp8 = 1;  // 1e12 FLOP/s, half_k 0
+  r.attention_tflops = 1;
+  r.layernorm_gbps = r.elementwise_gbps = r.optimizer_gbps = 1;
+  r.peak_tflops = 1;
+  r.intra_node_gbps = r.inter_node_gbps = 1;
+  r.ranks_per_node = 8;
+  return r;
+}
+
+double item(const std::vector<plan::Item>& items, const std::string& prefix) {
+  for (const auto& i : items)
+    if (i.name.rfind(prefix, 0) == 0) return i.value;
+  ADD_FAILURE() << "no item " << prefix;
+  return 0;
+}
+
+}  // namespace
+
+TEST(Plan, ParameterCountsByHand) {
+  // per layer 4 (h^2 + h) + 2 (2h) + (f h + f) + (h f + h) = 4224 + 128 + 2112 + 2080 = 8544;
+  // total V h + L 8544 + 2h + (h^2 + h) + 2h + V = 1056 + 17088 + 64 + 1056 + 64 + 33 = 19361;
+  // the flat buffer rounds each tensor to 16: only lm_head.bias (33 -> 48) changes.
+  const auto c = small();
+  EXPECT_EQ(c.numParameters(), 19361);
+  EXPECT_EQ(plan::layerParameterCount(c), 8544);
+  EXPECT_EQ(plan::flatParameterCount(c), 19376);
+  model::Esm2<float> m(c);
+  EXPECT_EQ(static_cast<std::int64_t>(m.parameters().extent(0)), plan::flatParameterCount(c));
+  // bf16 copy: V h + L (3h^2 + 3h + h^2 + f h + f + h f) + h^2 + h = 1056 + 2 8352 + 1024 + 32
+  EXPECT_EQ(plan::computeCopyCount(c),
+            1056 + 2 * (3072 + 96 + 1024 + 2048 + 64 + 2048) + 1024 + 32);
+}
+
+TEST(Plan, ActivationBytesByHand) {
+  // fp32, t = 10 tokens, m = 3 head rows, no recomputation. Each allocation rounds to 256 bytes:
+  // (t, h) 1280, (t) 256, (t, nh) 256, (t, f) 2560, (m, h) 512, (m) 256, (m, 33) 512.
+  const auto a = plan::activationBytes(small(), Compute::Fp32, 10, 3, true);
+  EXPECT_EQ(a.residual, 256 + 3 * 1280);                                 // mult, x_0..x_2
+  EXPECT_EQ(a.attention, 2 * (1280 + 2 * 256 + 3 * 1280 + 1280 + 256));  // ln1, stats, qkv, o, lse
+  EXPECT_EQ(a.mlp, 2 * (1280 + 1280 + 2 * 256 + 2 * 2560));     // xmid, ln2, stats, pre, act
+  EXPECT_EQ(a.head, 1280 + 2 * 256 + 4 * 512 + 2 * 256 + 512);  // hidden, head, logits
+  EXPECT_EQ(a.backward, 3 * 1280 + 3 * 1280 + 256 + 2560 + 1280 + 3 * 512);
+  EXPECT_EQ(a.total(), 52992);
+}
+
+TEST(Plan, ActivationBytesMatchTheModelsWorkspace) {
+  // The planner's count against what Esm2 really allocates, for every recomputation mode,
+  // forward + backward and forward only, at two sizes (odd rows reach the 256-byte rounding).
+  for (auto rc : {model::Recompute::None, model::Recompute::Layer, model::Recompute::Selective}) {
+    for (auto [lengths, labelled] :
+         {std::pair<std::vector<int>, int>{{4, 6}, 3}, {{33, 17, 50}, 29}}) {
+      auto c = small();
+      c.recompute = rc;
+      std::int64_t t = 0;
+      for (int n : lengths) t += n;
+      {
+        model::Esm2<float> m(c);
+        m.initialize(1);
+        m.forwardBackward(makeBatch(lengths, labelled, 2), 1.0);
+        EXPECT_EQ(m.workspaceBytes(),
+                  plan::activationBytes(c, Compute::Fp32, t, labelled, true).total())
+            << model::recomputeName(rc) << " t=" << t;
+      }
+      {
+        model::Esm2<float> m(c);
+        m.initialize(1);
+        m.forward(makeBatch(lengths, labelled, 2));
+        EXPECT_EQ(m.workspaceBytes(),
+                  plan::activationBytes(c, Compute::Fp32, t, labelled, false).total())
+            << "forward only, " << model::recomputeName(rc) << " t=" << t;
+      }
+    }
+  }
+  // Recomputation keeps less: selective < none, layer < selective (at L = 2 already).
+  const auto none = plan::activationBytes(small(), Compute::Bf16, 4096, 600, true).total();
+  auto c = small();
+  c.recompute = model::Recompute::Selective;
+  const auto sel = plan::activationBytes(c, Compute::Bf16, 4096, 600, true).total();
+  c.recompute = model::Recompute::Layer;
+  const auto layer = plan::activationBytes(c, Compute::Bf16, 4096, 600, true).total();
+  EXPECT_LT(sel, none);
+  EXPECT_LT(layer, sel);
+}
+
+TEST(Plan, FlopsByHand) {
+  // W = L (4h^2 + 2hf) + h^2 + V h = 2 8192 + 1024 + 1056 = 18464; at S = 5:
+  // model 6 W + 12 L h S = 110784 + 3840 = 114624.
+  plan::Input in;
+  in.model = small();
+  in.mean_seqlen = 5;
+  in.rates = unitRates();
+  auto p = plan::makePlan(in);
+  EXPECT_DOUBLE_EQ(p.model_flops_per_token, 114624);
+  EXPECT_DOUBLE_EQ(p.hardware_flops_per_token, 114624);
+  in.model.recompute = model::Recompute::Layer;  // + 2 L (4h^2 + 2hf) + 4 L h S = 32768 + 1280
+  EXPECT_DOUBLE_EQ(plan::makePlan(in).hardware_flops_per_token, 114624 + 34048);
+  in.model.recompute = model::Recompute::Selective;  // + 4 L h S
+  p = plan::makePlan(in);
+  EXPECT_DOUBLE_EQ(p.hardware_flops_per_token, 114624 + 1280);
+  EXPECT_DOUBLE_EQ(p.model_flops_per_token, 114624);  // MFU never counts recomputation
+}
+
+TEST(Plan, TimeByHand) {
+  // Unit rates (1 TFLOP/s with no size penalty, 1 GB/s), t = 1000 real tokens, m = 100 rows.
+  plan::Input in;
+  in.model = small();
+  in.mean_seqlen = 5;
+  in.micro_batch_tokens = 1000;
+  in.fill = 1;
+  in.mask_prob = 0.1;
+  in.micro_batches = 3;
+  in.rates = unitRates();
+  const auto p = plan::makePlan(in);
+  // GEMMs: 3 (6 L 8192 t + 6 (h^2 + V h) m) = 3 (98,304,000 + 1,248,000) FLOP at 1e12.
+  EXPECT_NEAR(item(p.time, "GEMMs"), 3 * 99552000 / 1e12, 1e-15);
+  // attention: 3 x 12 L h S t = 3 x 3,840,000 FLOP, at 1e12 d / (d + 0).
+  EXPECT_NEAR(item(p.time, "attention"), 3 * 3840000 / 1e12, 1e-15);
+  // LayerNorm fp32: ((2L+1) t + m) (8h + 20h) bytes = 5100 x 896 per micro-batch, at 1e9.
+  EXPECT_NEAR(item(p.time, "LayerNorm"), 3 * 5100.0 * 896 / 1e9, 1e-12);
+  // optimizer: 36 N bytes at 1e9.
+  EXPECT_NEAR(item(p.time, "optimizer"), 36.0 * 19376 / 1e9, 1e-12);
+  EXPECT_DOUBLE_EQ(item(p.time, "communication"), 0.0);  // one rank
+  double sum = 0;
+  for (const auto& i : p.time) sum += i.value;
+  EXPECT_DOUBLE_EQ(p.step_seconds, sum);
+  EXPECT_DOUBLE_EQ(p.tokens_per_step, 3000);
+  EXPECT_NEAR(p.mfu, 114624.0 * 3000 / p.step_seconds / 1e12, 1e-12);
+}
+
+TEST(Plan, DataParallelAllReduceAndSharding) {
+  plan::Input in;
+  in.model = small();
+  in.rates = unitRates();
+  in.layout.ranks_per_node = 4;
+  const auto p4 = plan::makePlan(in);
+  // ring all-reduce of 4 N bytes: 2 (r-1)/r 4 N / busbw; the backward hides the rest but not
+  // less than one layer's share.
+  const double ar = 2 * 3.0 / 4 * 4 * 19376 / 1e9;
+  EXPECT_GE(item(p4.time, "communication"), ar / 2 - 1e-15);
+  EXPECT_LE(item(p4.time, "communication"), ar + 1e-15);
+  EXPECT_DOUBLE_EQ(p4.tokens_per_step, 4 * in.fill * in.micro_batch_tokens);
+  in.layout.shard = 4;
+  const auto s4 = plan::makePlan(in);
+  EXPECT_NEAR(item(s4.memory, "parameters"), 4.0 * 19376 / 4, 1e-9);
+  EXPECT_NEAR(item(s4.memory, "optimizer states"), 9.0 * 19376 / 4, 1e-9);
+  EXPECT_GT(item(s4.memory, "gathered-layer"), 0);
+  in.layout.shard = 3;  // 4 ranks do not split into 3
+  EXPECT_THROW(plan::makePlan(in), Error);
+  in.layout.shard = 1;
+  in.layout.expert = 2;  // dense model
+  EXPECT_THROW(plan::makePlan(in), Error);
+}
+
+TEST(Plan, AdviceWhenItDoesNotFit) {
+  plan::Input in;
+  // 15B: 19 bytes of state per parameter (285 GB) need sharding over 8 H100s.
+  in.model = model::Esm2Config::preset("esm2_15b");
+  in.model.recompute = model::Recompute::Layer;
+  in.compute = Compute::Bf16;
+  in.micro_batch_tokens = 2048;
+  in.rates = plan::builtinRates("h100");
+  in.layout.ranks_per_node = 8;
+  const auto p = plan::makePlan(in);
+  EXPECT_FALSE(p.fits);
+  ASSERT_FALSE(p.advice.empty());
+  // The suggested shard degree is the smallest that fits: one less does not.
+  bool shard_advised = false;
+  for (const auto& a : p.advice) {
+    const auto at = a.find("--shard ");
+    if (at == std::string::npos) continue;
+    shard_advised = true;
+    const int s = std::stoi(a.substr(at + 8));
+    plan::Input t = in;
+    t.layout.shard = s;
+    EXPECT_TRUE(plan::makePlan(t).fits) << a;
+    for (int smaller = 1; smaller < s; ++smaller) {
+      if (8 % smaller) continue;
+      t.layout.shard = smaller;
+      EXPECT_FALSE(plan::makePlan(t).fits) << "shard " << smaller;
+    }
+  }
+  EXPECT_TRUE(shard_advised);
+  // Every preset plans without error on one H100, and 650M at 32K fits (measured: 59.6 GiB).
+  in.micro_batch_tokens = 32768;
+  in.model.recompute = model::Recompute::None;
+  for (const auto& name : model::Esm2Config::presetNames()) {
+    plan::Input t = in;
+    t.model = model::Esm2Config::preset(name);
+    t.layout.ranks_per_node = 1;
+    EXPECT_NO_THROW(plan::makePlan(t)) << name;
+  }
+  plan::Input t = in;
+  t.model = model::Esm2Config::preset("esm2_650m");
+  t.layout.ranks_per_node = 1;
+  const auto p650 = plan::makePlan(t);
+  EXPECT_TRUE(p650.fits);
+  const double gib = 1024.0 * 1024 * 1024;
+  EXPECT_NEAR(p650.memory_total / gib, 59.6, 0.1 * 59.6);
+}
+
+TEST(Plan, RatesRoundTripAndErrors) {
+  for (const auto& kind : plan::builtinRateKinds()) {
+    const auto r = plan::builtinRates(kind);
+    const auto back = plan::ratesFromJson(plan::ratesToJson(r), plan::Rates{}, "round trip");
+    EXPECT_EQ(back.kind, kind);
+    EXPECT_DOUBLE_EQ(back.memory_bytes, r.memory_bytes);
+    EXPECT_DOUBLE_EQ(back.gemm_half_k, r.gemm_half_k);
+    EXPECT_DOUBLE_EQ(back.inter_node_gbps, r.inter_node_gbps);
+  }
+  EXPECT_THROW(plan::builtinRates("a100"), Error);
+  EXPECT_THROW(plan::ratesFromJson(io::json::parse("{\"gemm_tflops\": 1}"), plan::Rates{}, "x"),
+               Error);
+  EXPECT_THROW(plan::ratesFromJson(io::json::parse("{\"launch_us\": -1}"), plan::Rates{}, "x"),
+               Error);
+}
+
+TEST(Plan, InputFromDeckAndOutputs) {
+  auto deck = deck::resolve(*deck::readYamlString(
+      "model: { preset: esm2_35m, recompute: selective }\n"
+      "data: { tokens_per_batch: 65536, micro_batch_tokens: 8192, max_seq_len: 256 }\n"
+      "train: { precision: bf16 }\n"));
+  plan::Layout layout;
+  layout.ranks_per_node = 2;
+  const auto in = plan::inputFromDeck(*deck, layout, plan::builtinRates("h100"));
+  EXPECT_EQ(in.model.num_layers, 12);
+  EXPECT_EQ(in.model.recompute, model::Recompute::Selective);
+  EXPECT_EQ(in.compute, Compute::Bf16);
+  EXPECT_EQ(in.micro_batches, 4);  // 65536 / 8192 over 2 ranks
+  EXPECT_DOUBLE_EQ(in.mean_seqlen, 256);
+  const auto p = plan::makePlan(in);
+  const std::string text = plan::formatPlan(in, p);
+  EXPECT_NE(text.find("activations: attention"), std::string::npos);
+  EXPECT_NE(text.find("tokens/s"), std::string::npos);
+  const auto json = plan::planToJson(in, p);
+  EXPECT_DOUBLE_EQ(json.at("time").at("tokens_per_s").asDouble(), p.tokens_per_s);
+  EXPECT_DOUBLE_EQ(json.at("memory").at("total_bytes").asDouble(), p.memory_total);
+}
+
+TEST(Plan, MemoryAgainstResidentBytesOnTheCpu) {
+  // Warm up the BLAS and Kokkos on a throw-away model so their one-off buffers are resident.
+  {
+    model::Esm2<float> warm(small());
+    warm.initialize(3);
+    warm.forwardBackward(makeBatch({20, 12}, 5, 4), 1.0);
+  }
+  model::Esm2Config c;
+  c.num_layers = 4;
+  c.hidden = 256;
+  c.heads = 8;
+  c.ffn = 1024;
+  const std::vector<int> lengths = {400, 300, 250, 500, 298, 300};  // 2048 tokens
+  const std::int64_t labelled = 307;
+  const auto batch = makeBatch(lengths, labelled, 5);
+  const std::int64_t before = residentBytes();
+  model::Esm2<float> m(c);
+  m.initialize(6);
+  train::AdamW<float> opt(m.parameters(), m.tensors(), train::AdamWOptions{});
+  m.forwardBackward(batch, 1.0 / labelled);
+  opt.step(ExecSpace(), m.gradients(), 1e-4);
+  const double measured = static_cast<double>(residentBytes() - before);
+
+  plan::Input in;
+  in.model = c;
+  in.micro_batch_tokens = 2048;
+  in.mask_prob = labelled / 2048.0;
+  in.rates = plan::builtinRates("cpu");
+  const auto p = plan::makePlan(in);
+  // The model's own buffers: exactly what the plan counts for them.
+  EXPECT_EQ(m.workspaceBytes(),
+            plan::activationBytes(c, Compute::Fp32, 2048, labelled, true).total());
+  double model_bytes = 0;
+  for (const auto& i : p.memory)
+    if (i.name.rfind("workspace and runtime", 0) != 0) model_bytes += i.value;
+  std::printf("planned %s, resident %s\n", plan::bytesText(model_bytes).c_str(),
+              plan::bytesText(measured).c_str());
+  EXPECT_NEAR(model_bytes, measured, 0.10 * measured)
+      << "planned " << plan::bytesText(model_bytes) << ", resident " << plan::bytesText(measured);
+}
+
+TEST(Plan, FitSaturatingRecoversAsymptoteAndHalfSize) {
+  // R(k) = 2 k / (k + 100) exactly: the fit returns (2, 100).
+  std::vector<double> k = {16, 64, 256, 1024}, r;
+  for (double x : k) r.push_back(2 * x / (x + 100));
+  const auto [a, half] = plan::fitSaturating(k, r);
+  EXPECT_NEAR(a, 2, 1e-9);
+  EXPECT_NEAR(half, 100, 1e-6);
+  // A rate that falls with size has no saturating form: the best rate, no size penalty.
+  const auto [b, none] = plan::fitSaturating({64, 128}, {3.0, 2.0});
+  EXPECT_DOUBLE_EQ(b, 3.0);
+  EXPECT_DOUBLE_EQ(none, 0.0);
+}
+
+TEST(Plan, MeasuredRatesArePositive) {
+  const auto r = plan::measureRates(plan::builtinRates("cpu"), 0.005, [](const std::string&) {});
+  for (double x : {r.gemm_tflops_fp32, r.attention_tflops, r.layernorm_gbps, r.elementwise_gbps,
+                   r.optimizer_gbps, r.launch_us}) {
+    EXPECT_TRUE(std::isfinite(x));
+    EXPECT_GT(x, 0);
+  }
+  EXPECT_GE(r.gemm_half_k, 0);
+  EXPECT_DOUBLE_EQ(r.memory_bytes, plan::builtinRates("cpu").memory_bytes);  // kept from base
+  // The measured table plans (and round-trips through JSON like a shipped one).
+  plan::Input in;
+  in.model = small();
+  in.rates = plan::ratesFromJson(plan::ratesToJson(r), plan::Rates{}, "measured");
+  EXPECT_GT(plan::makePlan(in).tokens_per_s, 0);
+}
+
+TEST(Plan, NotesWhatPlmRefusesToday) {
+  plan::Input in;
+  in.model = model::Esm2Config::preset("esm2_15b");
+  in.compute = Compute::Bf16;
+  in.rates = plan::builtinRates("h100");
+  in.layout.ranks_per_node = 8;
+  in.layout.shard = 8;
+  auto has = [](const plan::Plan& p, const std::string& what) {
+    for (const auto& n : p.notes)
+      if (n.find(what) != std::string::npos) return true;
+    return false;
+  };
+  const auto p = plan::makePlan(in);
+  EXPECT_TRUE(has(p, "hidden <= 2560"));
+  EXPECT_TRUE(has(p, "sharding and context parallelism are not in plm yet"));
+  in.model = small();
+  in.layout = plan::Layout{};
+  EXPECT_FALSE(has(plan::makePlan(in), "hidden <= 2560"));
+  in.rates = plan::builtinRates("cpu");
+  EXPECT_TRUE(has(plan::makePlan(in), "CUDA build only"));
+}

@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Planner accuracy: `plm plan`'s prediction against measured bench_gpu_train runs.
+
+Reads the `RESULT ...` lines that bench/gpu/bench_gpu_train.cpp prints (a log, or the summary of
+validation/gpu_run.sh's `train` stage), plans each point with `plm plan --json` (the preset's
+deck in inputs/, bf16, its recomputation and micro-batch, one micro-batch per optimizer step as
+the benchmark runs, S = 460 as its workload draws), and prints the Markdown table that goes into
+doc/performance.md ("Planner accuracy"), with the issue's targets: memory within 10%,
+tokens/s within 15%.
+
+    python3 validation/plan_accuracy.py --plm build/plm validation/gpu_logs/summary_*.txt
+    python3 validation/plan_accuracy.py --plm build/plm --csv acc.csv LOG...
+
+Exit status 0 when every point meets both targets, 1 otherwise (2 on bad input).
+"""
+import argparse
+import csv
+import json
+import os
+import re
+import subprocess
+import sys
+
+RESULT = re.compile(
+    r"RESULT (?P<preset>\S+) params (?P<params>[\d.]+)M tokens/micro-batch (?P<tokens>\d+): "
+    r"(?P<tps>[\d.]+) tokens/s, .*device memory in use (?P<mem>[\d.]+) GiB "
+    r"\(workspace (?P<ws>[\d.]+) GiB, recompute (?P<rc>\w+)\)")
+
+GIB = 1024.0 ** 3
+
+
+def measured_points(paths):
+    points, seen = [], set()
+    for path in paths:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            for line in f:
+                m = RESULT.search(line)
+                if not m:
+                    continue
+                key = (m["preset"], int(m["tokens"]), m["rc"])
+                if key in seen:  # the first run of a point counts; later ones are repeats
+                    continue
+                seen.add(key)
+                points.append({"preset": m["preset"], "tokens": int(m["tokens"]),
+                               "recompute": m["rc"], "tokens_per_s": float(m["tps"]),
+                               "mem_gib": float(m["mem"]), "workspace_gib": float(m["ws"])})
+    return points
+
+
+def plan(plm, repo, gpu, p, seqlen):
+    deck = os.path.join(repo, "inputs", p["preset"] + ".yaml")
+    cmd = [plm, "plan", deck, "--gpu", gpu, "--json", "--seqlen", str(seqlen),
+           "--set", "train.precision=bf16", "--set", "model.recompute=" + p["recompute"],
+           "--set", "data.micro_batch_tokens=%d" % p["tokens"],
+           "--set", "data.tokens_per_batch=%d" % p["tokens"],
+           "--set", "data.max_seq_len=1024"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
+    return json.loads(out[out.index("{"):])
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("logs", nargs="+", help="files with bench_gpu_train RESULT lines")
+    ap.add_argument("--plm", default="build/plm", help="the plm executable")
+    ap.add_argument("--gpu", default="h100", help="rates table (h100, h200)")
+    ap.add_argument("--seqlen", type=float, default=460.0,
+                    help="token-weighted mean length of the benchmark's workload")
+    ap.add_argument("--csv", help="also write the table as CSV")
+    args = ap.parse_args()
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    points = measured_points(args.logs)
+    if not points:
+        print("plan_accuracy: no RESULT lines of bench_gpu_train in " + ", ".join(args.logs),
+              file=sys.stderr)
+        return 2
+    rows, ok = [], True
+    for p in points:
+        j = plan(args.plm, repo, args.gpu, p, args.seqlen)
+        acts = sum(i["value"] for i in j["memory"]["items"] if i["name"].startswith("activations"))
+        pred_mem = j["memory"]["total_bytes"] / GIB
+        pred_tps = j["time"]["tokens_per_s"]
+        mem_err = pred_mem / p["mem_gib"] - 1
+        tps_err = pred_tps / p["tokens_per_s"] - 1
+        good = abs(mem_err) <= 0.10 and abs(tps_err) <= 0.15
+        ok &= good
+        rows.append({"model": p["preset"], "recompute": p["recompute"], "tokens": p["tokens"],
+                     "pred_mem_gib": pred_mem, "mem_gib": p["mem_gib"], "mem_err": mem_err,
+                     "pred_ws_gib": acts / GIB, "ws_gib": p["workspace_gib"],
+                     "pred_tps": pred_tps, "tps": p["tokens_per_s"], "tps_err": tps_err,
+                     "pass": good})
+    print("| model | recompute | tokens/micro-batch | predicted memory GiB | measured | error "
+          "| predicted activations GiB | measured workspace | predicted tokens/s | measured "
+          "| error | within 10% / 15% |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| %s | %s | %s | %.1f | %.1f | %+.1f%% | %.1f | %.1f | %s | %s | %+.1f%% | %s |" % (
+            r["model"], r["recompute"], "{:,}".format(r["tokens"]), r["pred_mem_gib"],
+            r["mem_gib"], 100 * r["mem_err"], r["pred_ws_gib"], r["ws_gib"],
+            "{:,.0f}".format(r["pred_tps"]), "{:,.0f}".format(r["tps"]), 100 * r["tps_err"],
+            "yes" if r["pass"] else "**no**"))
+    if args.csv:
+        with open(args.csv, "w", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=list(rows[0].keys()))
+            w.writeheader()
+            w.writerows(rows)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
