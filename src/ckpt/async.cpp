@@ -52,6 +52,7 @@ void AsyncSaver::join() {
     std::rethrow_exception(e);
   }
   const SaveReport& r = report_member;
+  finished_member = Finished{snapshot_member.state.step, r};
   log::info(
       "checkpoint: step %lld saved to %s in the background: %.1f MB in %.2f s (%.0f MB/s; "
       "snapshot %.2f s, write %.2f s, flush/rename %.2f s)",

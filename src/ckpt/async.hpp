@@ -21,8 +21,10 @@
 
 #include <atomic>
 #include <exception>
+#include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 namespace plm::ckpt {
@@ -46,6 +48,14 @@ class AsyncSaver {
   void poll();
   bool inFlight() const { return thread_member.joinable(); }
 
+  /// A save that finished since the last call (wait/poll joined it): its step and report.
+  struct Finished {
+    std::int64_t step = -1;
+    SaveReport report;
+  };
+  /// \brief The save wait() or poll() completed since the last call, if any.
+  std::optional<Finished> takeFinished() { return std::exchange(finished_member, std::nullopt); }
+
  private:
   void join();
 
@@ -58,6 +68,7 @@ class AsyncSaver {
   SaveReport report_member;
   std::vector<std::string> pruned_member;
   int keep_member = 0;
+  std::optional<Finished> finished_member;
 };
 
 }  // namespace plm::ckpt

@@ -58,6 +58,10 @@ void reportResume(train::Trainer& trainer, const Header& h) {
       static_cast<long long>(h.state.cursor.position), static_cast<long long>(h.world_size),
       trainer.world(), h.plm_version.c_str(), h.git_revision.c_str(), h.created_utc.c_str());
   const int log_every = std::max(1, trainer.deck().sublist("train").get<int>("log_every"));
+  io::json::Value f = io::json::Value::object();
+  f.set("path", h.path);
+  f.set("saved_by_ranks", h.world_size);
+  f.set("tokens_seen", h.state.tokens_seen);
   if (h.state.step % log_every != 0)
     log::info(
         "checkpoint: step %lld is not a multiple of train.log_every (%d): the first record after "
@@ -74,6 +78,7 @@ void reportResume(train::Trainer& trainer, const Header& h) {
           "after its last checkpoint; they are recomputed now)",
           static_cast<long long>(removed), static_cast<long long>(h.state.step), metrics.c_str());
   }
+  trainer.logEvent("resume", h.state.step, f);  // after the cut, so it stays
 }
 
 }  // namespace
@@ -165,6 +170,16 @@ std::string resume(train::Trainer& trainer) {
 
 namespace {
 
+// The metrics.jsonl record of a save (rank 0 writes it).
+void saveEvent(train::Trainer& trainer, std::int64_t step, const SaveReport& r, bool async) {
+  io::json::Value f = io::json::Value::object();
+  f.set("path", r.path);
+  f.set("bytes", r.bytes);
+  f.set("seconds", r.seconds);
+  f.set("async", async);
+  trainer.logEvent("checkpoint", step, f);
+}
+
 // What the hooks of one trainer share: the asynchronous saver (made at the first async save)
 // and the step of the newest save, so a stop signal right after a save does not save twice.
 struct HookState {
@@ -172,8 +187,14 @@ struct HookState {
   std::int64_t saved_step = -1;
   bool warned_sync = false;
 
-  void waitForSaver() {
-    if (saver) saver->wait();
+  // Waits for (or with `poll`, only looks at) the background save, and records a finished one.
+  void settle(train::Trainer& trainer, bool poll = false) {
+    if (!saver) return;
+    if (poll)
+      saver->poll();
+    else
+      saver->wait();
+    if (auto done = saver->takeFinished()) saveEvent(trainer, done->step, done->report, true);
   }
 };
 
@@ -188,9 +209,10 @@ void logSave(const SaveReport& r, std::int64_t step) {
 // A synchronous save of the trainer's current step, after any background save finished.
 SaveReport saveNow(train::Trainer& trainer, HookState& state) {
   const auto& c = checkpointSection(trainer);
-  state.waitForSaver();
+  state.settle(trainer);
   const SaveReport r = save(trainer, c.get<std::string>("dir"));
   logSave(r, trainer.state().step);
+  saveEvent(trainer, trainer.state().step, r, false);
   for (const auto& removed : prune(c.get<std::string>("dir"), c.get<int>("keep"), trainer.comm()))
     log::info("checkpoint: removed %s (checkpoint.keep: %d)", removed.c_str(), c.get<int>("keep"));
   state.saved_step = trainer.state().step;
@@ -221,7 +243,7 @@ train::Trainer::Hooks hooks(train::Trainer::Hooks extra) {
   auto state = std::make_shared<HookState>();
   train::Trainer::Hooks h;
   h.on_step = [state, user = extra.on_step](train::Trainer& trainer, const train::StepStats& st) {
-    if (state->saver) state->saver->poll();  // logs a finished background save
+    state->settle(trainer, true);  // logs a finished background save
     if (user) user(trainer, st);
   };
   h.on_start = [user = extra.on_start](train::Trainer& trainer) {
@@ -242,6 +264,7 @@ train::Trainer::Hooks hooks(train::Trainer::Hooks extra) {
       }
       if (async) {
         if (!state->saver) state->saver = std::make_unique<AsyncSaver>(trainer.comm());
+        state->settle(trainer);  // at most one save in flight
         const double held =
             state->saver->start(trainer, c.get<std::string>("dir"), c.get<int>("keep"));
         state->saved_step = trainer.state().step;
@@ -251,11 +274,11 @@ train::Trainer::Hooks hooks(train::Trainer::Hooks extra) {
         saveNow(trainer, *state);
       }
     }
-    if (final_save) state->waitForSaver();
+    if (final_save) state->settle(trainer);
     if (user) user(trainer, final_save);
   };
   h.on_stop = [state, user = extra.on_stop](train::Trainer& trainer) {
-    state->waitForSaver();
+    state->settle(trainer);
     const std::string dir = checkpointSection(trainer).get<std::string>("dir");
     std::string path = (fs::path(dir) / fileName(trainer.state().step)).string();
     if (state->saved_step != trainer.state().step) path = saveNow(trainer, *state).path;
@@ -264,7 +287,7 @@ train::Trainer::Hooks hooks(train::Trainer::Hooks extra) {
     if (user) user(trainer);
   };
   h.on_rollback = [state, user = extra.on_rollback](train::Trainer& trainer) {
-    state->waitForSaver();
+    state->settle(trainer);
     const bool restored = rollback(trainer);
     if (user) user(trainer);
     return restored;

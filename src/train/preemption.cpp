@@ -45,10 +45,10 @@ void installStopSignals() {
 
 int stopSignal() { return received_signal; }
 
-bool stopAgreed(MPI_Comm comm) {
-  int local = received_signal != 0 ? 1 : 0, any = 0;
+int agreedStopSignal(MPI_Comm comm) {
+  int local = received_signal, any = 0;
   PLM_CHECK_MPI(MPI_Allreduce(&local, &any, 1, MPI_INT, MPI_MAX, comm));
-  return any != 0;
+  return any;
 }
 
 void clearStopSignal() { received_signal = 0; }

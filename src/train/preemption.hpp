@@ -2,7 +2,7 @@
 //
 // Design choice: a signal handler may do almost nothing safely, so it only records the signal;
 // the trainer looks at the record between steps, where every rank takes part in one small
-// all-reduce (stopAgreed) so that all of them stop after the same step, write one checkpoint
+// all-reduce (agreedStopSignal) so that all of them stop after the same step, write one checkpoint
 // together and exit with exit_requeue.  A rank that got no signal (a batch system that signals
 // one process, a `kill` by hand) stops with the others.  A second signal means "now": the
 // handler exits the process at once (128 + signal, as a shell reports a death by signal), and
@@ -29,14 +29,15 @@ void installStopSignals();
 /// \brief The first stop signal this process received (SIGTERM, SIGUSR1), 0 if none.
 int stopSignal();
 
-/// \brief Collective over `comm`: true on every rank when any rank has received a stop signal.
-/// One MPI_Allreduce of one int: called once per step boundary.
-bool stopAgreed(MPI_Comm comm);
+/// \brief Collective over `comm`: the stop signal any rank has received (the largest signal
+/// number when they differ), 0 when none has, the same on every rank.  One MPI_Allreduce of one
+/// int: called once per step boundary.
+int agreedStopSignal(MPI_Comm comm);
 
 /// \brief Forgets a received signal (tests run several trainings in one process).
 void clearStopSignal();
 
-/// \brief "SIGTERM", "SIGUSR1", or "signal N".
+/// \brief "SIGTERM", "SIGUSR1", or "a stop signal".
 const char* signalName(int signal);
 
 }  // namespace plm::train

@@ -5,6 +5,7 @@
 #include "core/phase.hpp"
 #include "deck/deck.hpp"
 #include "dist/allreduce.hpp"
+#include "dist/communicator.hpp"
 #include "dist/runtime.hpp"
 #include "io/model_file.hpp"
 #include "train/blas_threads.hpp"
@@ -226,6 +227,7 @@ Trainer::RunEnd Trainer::run() {
   }
   PLM_CHECK_MPI(MPI_Barrier(comm_member));
   if (hooks_member.on_start) hooks_member.on_start(*this);
+  logPlan();
 
   const ExecSpace space;
   if (state_member.step >= total_steps_member)
@@ -321,8 +323,8 @@ Trainer::RunEnd Trainer::run() {
       watchdog.disarm(0);
     }
     phase::set("stop-signal agreement all-reduce (MPI)");
-    if (!last && stopAgreed(comm_member)) {
-      const int signal = stopSignal();
+    const int signal = last ? 0 : agreedStopSignal(comm_member);
+    if (signal != 0) {
       log::info("train: %s: stopping after step %lld of %lld", signalName(signal),
                 static_cast<long long>(step), static_cast<long long>(total_steps_member));
       io::json::Value f = io::json::Value::object();
@@ -342,6 +344,38 @@ Trainer::RunEnd Trainer::run() {
   }
   writeFinalModel();
   return RunEnd::Completed;
+}
+
+void Trainer::logPlan() {
+  const model::Esm2Config& c = model_member->config();
+  const auto& lo = train_loader_member->options();
+  const std::string sync =
+      world_member == 1 ? std::string("none") : dist::nameOf(dist::defaultBackend(comm_member));
+  const std::string precision = deck_member->sublist("train").get<std::string>("precision");
+  const long long per_step = static_cast<long long>(lo.micro_batches_per_step) *
+                             static_cast<long long>(lo.micro_batch_tokens);
+  log::info(
+      "train: plan: ESM-2 %d layers, hidden %d (%lld parameters), %s, recompute %s; up to %lld "
+      "tokens per step (%lld micro-batches of <= %lld); data parallel over %d rank(s), gradient "
+      "all-reduce %s; steps %lld..%lld; checkpoint every %lld step(s); on_nonfinite %s",
+      c.num_layers, c.hidden, static_cast<long long>(c.numParameters()), precision.c_str(),
+      model::recomputeName(c.recompute), per_step,
+      static_cast<long long>(lo.micro_batches_per_step),
+      static_cast<long long>(lo.micro_batch_tokens), world_member, sync.c_str(),
+      static_cast<long long>(state_member.step + 1), static_cast<long long>(total_steps_member),
+      static_cast<long long>(checkpoint_every_member), nameOf(on_nonfinite_member));
+  io::json::Value f = io::json::Value::object();
+  f.set("layers", c.num_layers);
+  f.set("hidden", c.hidden);
+  f.set("parameters", static_cast<std::int64_t>(c.numParameters()));
+  f.set("precision", precision);
+  f.set("recompute", std::string(model::recomputeName(c.recompute)));
+  f.set("max_tokens_per_step", static_cast<std::int64_t>(per_step));
+  f.set("micro_batches_per_step", static_cast<std::int64_t>(lo.micro_batches_per_step));
+  f.set("ranks", world_member);
+  f.set("gradient_all_reduce", sync);
+  f.set("total_steps", total_steps_member);
+  logEvent("start", state_member.step, f);
 }
 
 bool Trainer::handleNonfinite(std::int64_t step, const StepStats& st) {

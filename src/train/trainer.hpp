@@ -120,6 +120,7 @@ class Trainer {
   void logStep(const StepStats& last, double interval_seconds);
   void logEval(const BatchStats& valid, double seconds);
   void writeFinalModel();
+  void logPlan();  // the run's plan: one log line and a "start" event (collective)
   bool handleNonfinite(std::int64_t step, const StepStats& st);  // true: rolled back
   void injectFaults(std::int64_t step, bool after_gradients);    // PLM_TEST_* (tests only)
 

@@ -133,6 +133,9 @@ TEST_F(Operations, StopSignalRightAfterASaveDoesNotSaveTwice) {
   ASSERT_EQ(listed.size(), 1u);
   EXPECT_EQ(listed[0].step, 3);
   EXPECT_EQ(plm::ckpt::readHeader(listed[0].path).state.step, 3);
+  if (plm::dist::worldRank() == 0)  // rank 0 writes what the signalled rank received
+    EXPECT_EQ(
+        countEvents(dir + "/t/metrics.jsonl", "stop_signal\",\"step\":3,\"signal\":\"SIGTERM"), 1);
 }
 
 TEST(StopSignals, ASecondSignalExitsAtOnce) {
