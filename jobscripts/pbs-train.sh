@@ -14,8 +14,9 @@
 # seconds later (often only 10 s), so this script does not wait for it: STOP_BEFORE seconds
 # (default 300) before the walltime it sends the ranks SIGUSR1 itself; a qdel or preemption's
 # SIGTERM is passed on the same way. The ranks finish the step, write a checkpoint and exit with
-# status 75; the script then reruns the job (qrerun; where users may not qrerun, it submits the
-# same job again with qsub), which resumes from that checkpoint.
+# status 75. After the walltime timer's signal the script then reruns the job (qrerun; where
+# users may not qrerun, it submits the same job again with qsub), which resumes from that
+# checkpoint; after a SIGTERM it does not (a qdel means stop).
 #PBS -N plm-train
 #PBS -l select=2:ncpus=64:ngpus=4:mpiprocs=4
 #PBS -l walltime=24:00:00
@@ -56,8 +57,9 @@ mpiexec -n "$ranks" --map-by ppr:"$gpus_per_node":node --bind-to none \
   "$plm" train "$deck" ${SETS:-} &
 job=$!
 forward() { echo "plm-train: $1; asking plm to checkpoint and stop"; kill -USR1 "$job" 2>/dev/null || true; }
+rerun=0
 trap 'forward "SIGTERM received"' TERM
-trap 'forward "SIGUSR1 received"' USR1
+trap 'rerun=1; forward "SIGUSR1 received"' USR1
 # The walltime in seconds (qstat's hh:mm:ss), minus STOP_BEFORE: then the timer asks for a stop.
 stop_before=${STOP_BEFORE:-300}
 walltime=$(qstat -f "$PBS_JOBID" 2>/dev/null | sed -n 's/.*Resource_List.walltime = //p' | head -1)
@@ -65,7 +67,8 @@ if [ -n "$walltime" ]; then
   IFS=: read -r h m s <<< "$walltime"
   stop_at=$(( 10#$h * 3600 + 10#$m * 60 + 10#$s - stop_before ))
   if [ "$stop_at" -gt 0 ]; then
-    ( sleep "$stop_at" && echo "plm-train: $stop_before s to the walltime" && kill -USR1 "$job" 2>/dev/null ) &
+    # The timer signals this script, which marks the rerun and passes the signal on.
+    ( sleep "$stop_at" && echo "plm-train: $stop_before s to the walltime" && kill -USR1 $$ ) &
     timer=$!
   fi
 fi
@@ -78,9 +81,10 @@ done
 set -e
 [ -n "${timer:-}" ] && kill "$timer" 2>/dev/null || true
 requeue_status=75   # plm train: stopped on a signal with a checkpoint written
-if [ "$rc" -eq "$requeue_status" ]; then
+if [ "$rc" -eq "$requeue_status" ] && [ "$rerun" -eq 1 ]; then
   echo "plm-train: plm checkpointed and stopped (status 75); rerunning job $PBS_JOBID"
   qrerun "$PBS_JOBID" || qsub -V -v "DECK=$deck,SETS=${SETS:-},PLM=$plm" "$PBS_O_WORKDIR/jobscripts/pbs-train.sh"
   exit 0
 fi
+[ "$rc" -eq "$requeue_status" ] && echo "plm-train: plm checkpointed and stopped; resubmit to continue"
 exit "$rc"

@@ -12,8 +12,10 @@
 # Preemption and wall time (doc/operations.md): Slurm sends SIGUSR1 to this script 120 s before
 # the time limit (--signal=B:USR1@120); a scancel or a preemption sends SIGTERM. Either is passed
 # on to the ranks as SIGUSR1: they finish the current step, write a checkpoint and exit with
-# status 75, and the script then requeues the job (scontrol requeue), which resumes from that
-# checkpoint. Raise the 120 s if a step plus a checkpoint save takes longer.
+# status 75. After the time-limit signal the script then requeues the job (scontrol requeue),
+# which resumes from that checkpoint; after a SIGTERM it does not (a scancel means stop; a
+# preemption with PreemptMode=REQUEUE is requeued by Slurm itself). Raise the 120 s if a step
+# plus a checkpoint save takes longer.
 #SBATCH --job-name=plm-train
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4          # = GPUs per node: one rank per GPU
@@ -54,8 +56,9 @@ srun --kill-on-bad-exit=1 --cpu-bind=cores \
   bash -c 'export CUDA_VISIBLE_DEVICES=$SLURM_LOCALID; exec "$@"' plm-rank \
   "$plm" train "$deck" "$@" &
 step=$!
+requeue=0
 forward() { echo "plm-train: $1 received; asking plm to checkpoint and stop"; kill -USR1 "$step" 2>/dev/null || true; }
-trap 'forward SIGUSR1' USR1
+trap 'requeue=1; forward SIGUSR1' USR1
 trap 'forward SIGTERM' TERM
 # `wait` returns early (status > 128) when a trapped signal arrives: wait again until srun ends.
 set +e
@@ -66,9 +69,10 @@ while true; do
 done
 set -e
 requeue_status=75   # plm train: stopped on a signal with a checkpoint written
-if [ "$rc" -eq "$requeue_status" ]; then
+if [ "$rc" -eq "$requeue_status" ] && [ "$requeue" -eq 1 ]; then
   echo "plm-train: plm checkpointed and stopped (status 75); requeueing job $SLURM_JOB_ID"
   scontrol requeue "$SLURM_JOB_ID"
   exit 0
 fi
+[ "$rc" -eq "$requeue_status" ] && echo "plm-train: plm checkpointed and stopped; resubmit to continue"
 exit "$rc"
