@@ -6,10 +6,12 @@
 //    step and the tensor and leaves the previous step's weights; skip drops the step; rollback
 //    reloads the newest checkpoint and ends with the same weights as skip;
 //  - checkpoint.async writes the same checkpoints as synchronous saves, and resumes exactly;
-//  - the watchdog ends a stalled step with the rank, the step and the phase.
+//  - the watchdog ends a stalled step, or a communicator's asynchronous error, naming the rank,
+//    the step and the phase.
 #include "../ckpt/tiny_run.hpp"
 
 #include "core/phase.hpp"
+#include "dist/health.hpp"
 #include "dist/runtime.hpp"
 #include "train/preemption.hpp"
 #include "train/stability.hpp"
@@ -266,6 +268,30 @@ TEST(Watchdog, AStalledStepEndsTheProcessNamingRankStepAndPhase) {
       },
       ::testing::ExitedWithCode(plm::train::exit_watchdog),
       "plm watchdog: rank 7 on .*: step 42, in a test phase: step 42 has not finished after");
+}
+
+TEST(Watchdog, AnAsynchronousCommunicatorErrorEndsTheProcessTheSameWay) {
+  // The NCCL communicator registers ncclCommGetAsyncError as such a check (dist/health.hpp).
+  const int healthy = plm::dist::addHealthCheck([] { return std::string(); });
+  EXPECT_EQ(plm::dist::pollHealth(), "");
+  const int broken = plm::dist::addHealthCheck([] { return std::string("remote peer gone"); });
+  EXPECT_EQ(plm::dist::pollHealth(), "remote peer gone");
+  GTEST_FLAG_SET(death_test_style, "fast");
+  plm::train::WatchdogOptions options;
+  options.grace = 0;
+  EXPECT_EXIT(
+      {
+        plm::train::Watchdog dog(options, 3);
+        dog.arm(9, "step");
+        plm::phase::set("gradient all-reduce (finish)");
+        std::this_thread::sleep_for(std::chrono::seconds(20));
+        std::_Exit(0);
+      },
+      ::testing::ExitedWithCode(plm::train::exit_watchdog),
+      "plm watchdog: rank 3 on .*: step 9, in gradient all-reduce \\(finish\\): remote peer gone");
+  plm::dist::removeHealthCheck(broken);
+  plm::dist::removeHealthCheck(healthy);
+  EXPECT_EQ(plm::dist::pollHealth(), "");
 }
 
 TEST(Watchdog, TheAutomaticLimitFollowsTheMedianStep) {
