@@ -6,7 +6,7 @@
 //  - signal: SIGUSR1 to one rank mid-run; mpiexec must exit with 75 (train::exit_requeue), the
 //    newest checkpoint is the step it stopped after, and the restarted run ends with the same
 //    checkpoint tensors and losses as an uninterrupted run.
-//  - watchdog: rank 1 stalls in step 3 (PLM_TEST_STALL) with train.step_timeout 1 s; the job
+//  - watchdog: rank 1 stalls in step 3 (PLM_TEST_STALL) with train.step_timeout 3 s; the job
 //    must end with the watchdog's line from each rank (rank 1 in the injected stall, rank 0 in
 //    the collective waiting for it), far sooner than the stall.
 //  - kill_loop: SIGKILLs the job again and again -- at random times, just as a checkpoint's
@@ -338,7 +338,7 @@ void watchdogMode() {
   const auto start = Clock::now();
   auto args = trainArgs("hang", 10);
   args.push_back("--set");
-  args.push_back("train.step_timeout=1");
+  args.push_back("train.step_timeout=3");
   const int rc = waitFor(spawn(args, work + "/hang.log", {"PLM_TEST_STALL=3:120:1"}));
   const double took = seconds(start);
   const std::string log = slurp(work + "/hang.log");
