@@ -1,10 +1,13 @@
 #!/bin/bash
-# jobscripts/slurm-train.sh without Slurm: srun is replaced by mpiexec (2 ranks) and scontrol by
-# a recorder. The script is signalled as Slurm would signal it:
+# jobscripts/pbs-train.sh and slurm-train.sh without PBS or Slurm: qstat answers a 20 s
+# walltime, qrerun and scontrol are recorders, srun is replaced by mpiexec (2 ranks).
+#  - PBS: with STOP_BEFORE=12 the script's timer stops plm about 8 s in; plm checkpoints and
+#    exits 75, the script reruns the job (qrerun <id>) and exits 0.
+# The Slurm script is signalled as Slurm would signal it:
 #  - SIGUSR1 (the --signal=B:USR1@120 time-limit warning): plm checkpoints and exits 75, the
 #    script requeues the job (scontrol requeue <id>) and exits 0;
 #  - SIGTERM (scancel): plm checkpoints and exits 75, the script does not requeue and exits 75.
-#   jobscript_slurm.sh REPO PLM MPIEXEC WORKDIR
+#   jobscripts.sh REPO PLM MPIEXEC WORKDIR
 set -uo pipefail
 repo=$1 plm=$2 mpiexec=$3 work=$4
 rm -rf "$work" && mkdir -p "$work/bin"
@@ -35,6 +38,30 @@ train: {steps: 100000, log_every: 1, eval_every: 0}
 checkpoint: {every: 1000}
 EOS
 fail=0
+# PBS: the script's own walltime timer (qstat says 20 s, STOP_BEFORE 12) sends the stop; qrerun
+# is recorded. The job must checkpoint, exit 75 to the script, and the script rerun it.
+cat > "$work/bin/qstat" <<EOS
+#!/bin/bash
+echo "    Resource_List.walltime = 00:00:20"
+EOS
+cat > "$work/bin/qrerun" <<EOS
+#!/bin/bash
+echo "qrerun \$@" >> $work/scontrol.calls
+EOS
+chmod +x "$work/bin/qstat" "$work/bin/qrerun"
+hostname > "$work/nodefile"
+run=$work/run_pbs
+rm -f "$work/scontrol.calls"
+start=$(date +%s)
+(cd "$work" && PATH="$work/bin:$PATH" PBS_O_WORKDIR="$work" PBS_JOBID=77.pbs PBS_NODEFILE="$work/nodefile" \
+   GPUS_PER_NODE=2 STOP_BEFORE=12 PLM="$plm" DECK="$work/deck.yaml" \
+   SETS="--set train.run_dir=$run --set checkpoint.dir=$run/ckpt" \
+   bash "$repo/jobscripts/pbs-train.sh") > "$work/job_pbs.log" 2>&1
+rc=$?
+calls=$(cat "$work/scontrol.calls" 2>/dev/null)
+echo "PBS timer: script exit $rc after $(( $(date +%s) - start )) s, checkpoints: $(ls "$run/ckpt" 2>/dev/null | tr '\n' ' '), calls: ${calls:-none}"
+[ "$rc" -eq 0 ] && [ "$calls" = "qrerun 77.pbs" ] && grep -q "its checkpoint is" "$work/job_pbs.log" || fail=1
+
 for sig in USR1 TERM; do
   run=$work/run_$sig
   rm -f "$work/scontrol.calls"
