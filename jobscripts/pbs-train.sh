@@ -9,6 +9,14 @@
 # `cmake --preset cuda`, doc/gpu.md). The run directory is the deck's train.run_dir; a
 # resubmitted job resumes from its newest checkpoint. -V passes the submitting shell's
 # environment (PATH, LD_LIBRARY_PATH, loaded modules) to the job.
+#
+# Preemption and wall time (doc/operations.md): PBS sends SIGTERM, then SIGKILL kill_delay
+# seconds later (often only 10 s), so this script does not wait for it: STOP_BEFORE seconds
+# (default 300) before the walltime it sends the ranks SIGUSR1 itself; a qdel or preemption's
+# SIGTERM is passed on the same way. The ranks finish the step, write a checkpoint and exit with
+# status 75. After the walltime timer's signal the script then reruns the job (qrerun; where
+# users may not qrerun, it submits the same job again with qsub), which resumes from that
+# checkpoint; after a SIGTERM it does not (a qdel means stop).
 #PBS -N plm-train
 #PBS -l select=2:ncpus=64:ngpus=4:mpiprocs=4
 #PBS -l walltime=24:00:00
@@ -41,8 +49,42 @@ echo "plm: $nodes nodes x $gpus_per_node GPUs = $ranks ranks, deck $deck"
 # OpenMPI: -x exports the variables to every rank; each rank picks the GPU of its node-local
 # rank (OMPI_COMM_WORLD_LOCAL_RANK). With another MPI, use its local-rank variable
 # (MPI_LOCALRANKID for MPICH/Cray PALS, PMI_LOCAL_RANK, ...).
+# OpenMPI's mpiexec passes SIGUSR1 on to every rank (a SIGTERM it would turn into a kill).
 # shellcheck disable=SC2086
 mpiexec -n "$ranks" --map-by ppr:"$gpus_per_node":node --bind-to none \
   -x NCCL_NVLS_ENABLE -x OPENBLAS_NUM_THREADS -x PATH -x LD_LIBRARY_PATH \
   bash -c 'export CUDA_VISIBLE_DEVICES=${OMPI_COMM_WORLD_LOCAL_RANK:-${MPI_LOCALRANKID:-${PMI_LOCAL_RANK:-0}}}; exec "$@"' plm-rank \
-  "$plm" train "$deck" ${SETS:-}
+  "$plm" train "$deck" ${SETS:-} &
+job=$!
+forward() { echo "plm-train: $1; asking plm to checkpoint and stop"; kill -USR1 "$job" 2>/dev/null || true; }
+rerun=0
+trap 'forward "SIGTERM received"' TERM
+trap 'rerun=1; forward "SIGUSR1 received"' USR1
+# The walltime in seconds (qstat's hh:mm:ss), minus STOP_BEFORE: then the timer asks for a stop.
+stop_before=${STOP_BEFORE:-300}
+walltime=$(qstat -f "$PBS_JOBID" 2>/dev/null | sed -n 's/.*Resource_List.walltime = //p' | head -1)
+if [ -n "$walltime" ]; then
+  IFS=: read -r h m s <<< "$walltime"
+  stop_at=$(( 10#$h * 3600 + 10#$m * 60 + 10#$s - stop_before ))
+  if [ "$stop_at" -gt 0 ]; then
+    # The timer signals this script, which marks the rerun and passes the signal on.
+    ( sleep "$stop_at" && echo "plm-train: $stop_before s to the walltime" && kill -USR1 $$ ) &
+    timer=$!
+  fi
+fi
+set +e
+while true; do
+  wait "$job"; rc=$?
+  if [ "$rc" -gt 128 ] && kill -0 "$job" 2>/dev/null; then continue; fi
+  break
+done
+set -e
+[ -n "${timer:-}" ] && kill "$timer" 2>/dev/null || true
+requeue_status=75   # plm train: stopped on a signal with a checkpoint written
+if [ "$rc" -eq "$requeue_status" ] && [ "$rerun" -eq 1 ]; then
+  echo "plm-train: plm checkpointed and stopped (status 75); rerunning job $PBS_JOBID"
+  qrerun "$PBS_JOBID" || qsub -V -v "DECK=$deck,SETS=${SETS:-},PLM=$plm" "$PBS_O_WORKDIR/jobscripts/pbs-train.sh"
+  exit 0
+fi
+[ "$rc" -eq "$requeue_status" ] && echo "plm-train: plm checkpointed and stopped; resubmit to continue"
+exit "$rc"

@@ -8,6 +8,14 @@
 # Arguments: the deck, then any `--set section.key=value` overrides. The run directory is the
 # deck's train.run_dir (runs/esm2_650m for inputs/esm2_650m.yaml); a resubmitted job resumes from
 # its newest checkpoint (checkpoint.resume: auto).
+#
+# Preemption and wall time (doc/operations.md): Slurm sends SIGUSR1 to this script 120 s before
+# the time limit (--signal=B:USR1@120); a scancel or a preemption sends SIGTERM. Either is passed
+# on to the ranks as SIGUSR1: they finish the current step, write a checkpoint and exit with
+# status 75. After the time-limit signal the script then requeues the job (scontrol requeue),
+# which resumes from that checkpoint; after a SIGTERM it does not (a scancel means stop; a
+# preemption with PreemptMode=REQUEUE is requeued by Slurm itself). Raise the 120 s if a step
+# plus a checkpoint save takes longer.
 #SBATCH --job-name=plm-train
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4          # = GPUs per node: one rank per GPU
@@ -15,6 +23,9 @@
 #SBATCH --cpus-per-task=16           # cores per rank: data loading and host work
 #SBATCH --time=24:00:00
 #SBATCH --output=plm-train-%j.out
+#SBATCH --open-mode=append           # a requeued job appends to the same log
+#SBATCH --signal=B:USR1@120          # SIGUSR1 to this script 120 s before the time limit
+#SBATCH --requeue
 set -euo pipefail
 
 deck=${1:?usage: sbatch jobscripts/slurm-train.sh DECK [--set section.key=value]...}
@@ -39,7 +50,29 @@ cd "$SLURM_SUBMIT_DIR"
 echo "plm: $SLURM_JOB_NUM_NODES nodes x $SLURM_NTASKS_PER_NODE GPUs = $SLURM_NTASKS ranks, deck $deck"
 "$plm" --version
 
-# srun starts one task per GPU; each task keeps only the GPU of its node-local rank.
+# srun starts one task per GPU; each task keeps only the GPU of its node-local rank. It runs in
+# the background so that this script can pass signals on while it waits.
 srun --kill-on-bad-exit=1 --cpu-bind=cores \
   bash -c 'export CUDA_VISIBLE_DEVICES=$SLURM_LOCALID; exec "$@"' plm-rank \
-  "$plm" train "$deck" "$@"
+  "$plm" train "$deck" "$@" &
+step=$!
+requeue=0
+forward() { echo "plm-train: $1 received; asking plm to checkpoint and stop"; kill -USR1 "$step" 2>/dev/null || true; }
+trap 'requeue=1; forward SIGUSR1' USR1
+trap 'forward SIGTERM' TERM
+# `wait` returns early (status > 128) when a trapped signal arrives: wait again until srun ends.
+set +e
+while true; do
+  wait "$step"; rc=$?
+  if [ "$rc" -gt 128 ] && kill -0 "$step" 2>/dev/null; then continue; fi
+  break
+done
+set -e
+requeue_status=75   # plm train: stopped on a signal with a checkpoint written
+if [ "$rc" -eq "$requeue_status" ] && [ "$requeue" -eq 1 ]; then
+  echo "plm-train: plm checkpointed and stopped (status 75); requeueing job $SLURM_JOB_ID"
+  scontrol requeue "$SLURM_JOB_ID"
+  exit 0
+fi
+[ "$rc" -eq "$requeue_status" ] && echo "plm-train: plm checkpointed and stopped; resubmit to continue"
+exit "$rc"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
-#                                       and, on request: compare ctest e2e plan
+#                                       and, on request: compare ctest e2e plan ckpt_async
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/performance.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
@@ -169,6 +169,37 @@ if has e2e && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   note "plm train esm2_8m bf16 rc=$?"
   tail -15 "$out/e2e_train.log" | tee -a "$summary"
   grep "plan vs measured" "$out/e2e_train.log" | tee -a "$summary"  # plm plan's prediction
+fi
+
+if has ckpt_async && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # The training stall of a 650M bf16 checkpoint save (7.8 GB), synchronous vs
+  # checkpoint.async (doc/performance.md): 40 steps, a save every 10. Reported: each save's log
+  # line (sync: the whole save stalls training; async: the snapshot does), the run's wall time,
+  # and the step times (metrics.jsonl elapsed_s, saves excluded) right after each save, which
+  # the background write may slow down.
+  for mode in false true; do
+    d=/tmp/plm-ckpt-async-$mode
+    rm -rf "$d"
+    start=$(date +%s.%N)
+    timeout 550 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" --set data.train="$pkg/data/train.h5" \
+      --set data.valid= --set train.precision=bf16 --set train.steps=40 --set train.log_every=1 \
+      --set train.eval_every=0 --set schedule.warmup_steps=5 --set data.tokens_per_batch=24576 \
+      --set data.micro_batch_tokens=24576 --set checkpoint.every=10 --set checkpoint.keep=2 \
+      --set checkpoint.async=$mode --set checkpoint.resume=none --set train.run_dir="$d" \
+      --set checkpoint.dir="$d/ckpt" > "$out/ckpt_async_$mode.log" 2>&1
+    rc=$?
+    note "plm train esm2_650m bf16 checkpoint.async=$mode rc=$rc wall $(echo "$(date +%s.%N) - $start" | bc) s"
+    grep -E "checkpoint: step .*(saved|snapshot)" "$out/ckpt_async_$mode.log" | tee -a "$summary"
+    python3 - "$d/metrics.jsonl" <<'PY' 2>&1 | tee -a "$summary"
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1]) if '"kind":"train"' in l]
+t = {r["step"]: r["elapsed_s"] for r in rows}
+dt = {s: t[s] - t[s - 1] for s in t if s - 1 in t}
+after = [dt[s] for s in dt if s % 10 in (1, 2, 3) and s > 10]
+print(f"  median step {statistics.median(dt.values()):.3f} s; steps 1-3 after a save "
+      f"{statistics.mean(after):.3f} s mean, max {max(after):.3f} s")
+PY
+  done
 fi
 
 if has hf; then

@@ -3,6 +3,7 @@
 
 #include "ckpt/detail/agree.hpp"
 #include "ckpt/detail/rows.hpp"
+#include "ckpt/detail/snapshot.hpp"
 #include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "dist/process_groups.hpp"
@@ -305,8 +306,60 @@ std::vector<Listed> listCheckpoints(const std::string& dir) {
   return out;
 }
 
+detail::Snapshot detail::takeSnapshot(train::Trainer& trainer, SnapshotBuffers* buffers) {
+  Snapshot snap;
+  auto& optimizer = trainer.optimizer();
+  auto& model = trainer.model();
+  auto& loader = trainer.trainLoader();
+  snap.state = trainer.state();
+  snap.config = model.config();
+  snap.tensors = model.tensors();
+  snap.optimizer_step = optimizer.stepCount();
+  snap.optimizer_options = optimizer.options();
+  snap.micro_batches_per_step = loader.options().micro_batches_per_step;
+  snap.dataset_path = loader.options().path;
+  snap.dataset_sequences = loader.numSequences();
+  snap.dataset_residues = loader.numResidues();
+  snap.deck_yaml = deck::toYaml(trainer.deck());
+  const double start = now();
+  if (buffers) {
+    const std::size_t n = optimizer.master().extent(0);
+    auto copy = [n](PinnedBuffer& to, const View1<master_t>& from, const char* label) {
+      if (to.extent(0) != n)
+        to = PinnedBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), n);
+      Kokkos::deep_copy(to, from);
+      return to.data();
+    };
+    snap.master = copy(buffers->master, optimizer.master(), "plm::ckpt::snapshot_master");
+    snap.exp_avg = copy(buffers->exp_avg, optimizer.expAvg(), "plm::ckpt::snapshot_exp_avg");
+    snap.exp_avg_sq =
+        copy(buffers->exp_avg_sq, optimizer.expAvgSq(), "plm::ckpt::snapshot_exp_avg_sq");
+    Kokkos::fence();
+  } else {
+    // The only pass over the state besides the write itself: on the CPU these mirrors are the
+    // optimizer's own buffers; on a GPU, one device-to-host copy each.
+    snap.host_master = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.master());
+    snap.host_exp_avg =
+        Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.expAvg());
+    snap.host_exp_avg_sq =
+        Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.expAvgSq());
+    snap.master = snap.host_master.data();
+    snap.exp_avg = snap.host_exp_avg.data();
+    snap.exp_avg_sq = snap.host_exp_avg_sq.data();
+  }
+  snap.copy_seconds = now() - start;
+  return snap;
+}
+
 SaveReport save(train::Trainer& trainer, const std::string& dir) {
-  const MPI_Comm comm = trainer.comm();
+  const double t0 = now();
+  const detail::Snapshot snap = detail::takeSnapshot(trainer, nullptr);
+  SaveReport report = detail::writeSnapshot(snap, dir, trainer.comm());
+  report.seconds = now() - t0;
+  return report;
+}
+
+SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, MPI_Comm comm) {
   const int rank = commRank(comm), world = commSize(comm);
   const double t0 = now();
   detail::agree(comm, [&] {
@@ -316,34 +369,24 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
     if (ec) throw Error("checkpoint.dir `" + dir + "` cannot be created: " + ec.message());
   });
 
-  const train::TrainState& state = trainer.state();
+  const train::TrainState& state = snap.state;
   SaveReport report;
   report.path = (fs::path(dir) / fileName(state.step)).string();
   const std::string temporary = report.path + ".tmp";
-  auto& optimizer = trainer.optimizer();
-  auto& model = trainer.model();
-  const auto& tensors = model.tensors();
-
-  // The only pass over the state besides the write itself: on the CPU these mirrors are the
-  // optimizer's own buffers; on a GPU, one device-to-host copy each.
-  const double copy_start = now();
-  auto master = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.master());
-  auto exp_avg = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.expAvg());
-  auto exp_avg_sq = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.expAvgSq());
+  const auto& tensors = snap.tensors;
+  report.copy_seconds = snap.copy_seconds;
   const double t1 = now();
-  report.copy_seconds = t1 - copy_start;
 
   const std::string created = broadcastString(rank == 0 ? utcNow() : std::string(), comm);
-  auto& loader = trainer.trainLoader();
   // Independent data transfers: each rank's rows are one contiguous range of the file, so
   // collective two-phase I/O buys nothing, and its per-tensor synchronisation made 2-rank saves
   // 5x slower on the dev machine (doc/performance.md).
   constexpr bool independent_transfers = true;
   // The checksums of this rank's rows are computed on a helper thread while HDF5 writes.
   const std::vector<std::pair<std::string, const float*>> groups = {
-      {"model", master.data()},
-      {"optimizer/exp_avg", exp_avg.data()},
-      {"optimizer/exp_avg_sq", exp_avg_sq.data()}};
+      {"model", snap.master},
+      {"optimizer/exp_avg", snap.exp_avg},
+      {"optimizer/exp_avg_sq", snap.exp_avg_sq}};
   auto crc_pending = std::async(std::launch::async, [&tensors, &groups, rank, world] {
     std::vector<std::vector<std::uint64_t>> out;
     for (const auto& g : groups) out.push_back(localChecksums(tensors, g.second, rank, world));
@@ -351,7 +394,7 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
   });
   {
     h5::Hid file = h5::createFile(temporary, comm);
-    io::writeConfigAttributes(file, model.config());
+    io::writeConfigAttributes(file, snap.config);
     io::ModelAttributes extra;
     extra.strings["plm_version"] = PLM_VERSION_STRING;
     extra.strings["source"] = "plm train checkpoint";
@@ -359,22 +402,22 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
     extra.integers["tokens_seen"] = state.tokens_seen;
     io::writeExtraAttributes(file, extra);
 
-    io::writeTensorGroup(file, comm, "model", tensors, master.data(), independent_transfers);
+    io::writeTensorGroup(file, comm, "model", tensors, snap.master, independent_transfers);
     failPoint(state.step, "model");
     {
       h5::Hid g = h5::createGroup(file, "optimizer");
-      const auto& o = optimizer.options();
+      const auto& o = snap.optimizer_options;
       h5::writeAttribute(g, "name", std::string("AdamW"));
-      h5::writeAttribute(g, "step", optimizer.stepCount());
+      h5::writeAttribute(g, "step", snap.optimizer_step);
       h5::writeAttribute(g, "beta1", o.beta1);
       h5::writeAttribute(g, "beta2", o.beta2);
       h5::writeAttribute(g, "eps", o.eps);
       h5::writeAttribute(g, "weight_decay", o.weight_decay);
     }
-    io::writeTensorGroup(file, comm, "optimizer/exp_avg", tensors, exp_avg.data(),
+    io::writeTensorGroup(file, comm, "optimizer/exp_avg", tensors, snap.exp_avg,
                          independent_transfers);
     failPoint(state.step, "optimizer");
-    io::writeTensorGroup(file, comm, "optimizer/exp_avg_sq", tensors, exp_avg_sq.data(),
+    io::writeTensorGroup(file, comm, "optimizer/exp_avg_sq", tensors, snap.exp_avg_sq,
                          independent_transfers);
     const auto local = crc_pending.get();
     for (std::size_t g = 0; g < groups.size(); ++g)
@@ -390,11 +433,11 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
     h5::writeAttribute(s, "init_seed", std::int64_t(state.init_seed));
     h5::writeAttribute(s, "data_seed", std::int64_t(state.data_seed));
     h5::writeAttribute(s, "world_size", std::int64_t(world));
-    h5::writeAttribute(s, "micro_batches_per_step", loader.options().micro_batches_per_step);
-    h5::writeAttribute(s, "dataset_path", loader.options().path);
-    h5::writeAttribute(s, "dataset_sequences", loader.numSequences());
-    h5::writeAttribute(s, "dataset_residues", loader.numResidues());
-    h5::writeAttribute(s, "deck", deck::toYaml(trainer.deck()));
+    h5::writeAttribute(s, "micro_batches_per_step", snap.micro_batches_per_step);
+    h5::writeAttribute(s, "dataset_path", snap.dataset_path);
+    h5::writeAttribute(s, "dataset_sequences", snap.dataset_sequences);
+    h5::writeAttribute(s, "dataset_residues", snap.dataset_residues);
+    h5::writeAttribute(s, "deck", snap.deck_yaml);
     h5::writeAttribute(s, "plm_version", std::string(PLM_VERSION_STRING));
     h5::writeAttribute(s, "git_revision", std::string(PLM_GIT_REVISION));
     h5::writeAttribute(s, "created_utc", created);
@@ -419,7 +462,7 @@ SaveReport save(train::Trainer& trainer, const std::string& dir) {
   PLM_CHECK_MPI(MPI_Bcast(&bytes, 1, MPI_INT64_T, 0, comm));
   report.bytes = bytes;
   const double t2 = now();
-  report.seconds = t2 - t0;
+  report.seconds = t2 - t0 + snap.copy_seconds;
   report.sync_seconds = t2 - t1 - report.write_seconds;
   return report;
 }

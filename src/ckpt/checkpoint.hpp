@@ -159,8 +159,15 @@ std::string resume(train::Trainer& trainer);
 /// have written.  Returns the records removed.  A missing file is left alone.
 std::int64_t truncateMetrics(const std::string& metrics, std::int64_t step);
 
+/// \brief Collective: train.on_nonfinite: rollback: loads the newest usable checkpoint of
+/// checkpoint.dir older than the step in progress (corrupt ones skipped) and cuts metrics.jsonl
+/// back to it.  False when there is none (the trainer is unchanged).
+bool rollback(train::Trainer& trainer);
+
 /// \brief The trainer hooks of a checkpointed run: on_start resumes (resume()), on_save saves
-/// to checkpoint.dir, logs the cost and prunes to checkpoint.keep.  `extra.on_step` is kept.
+/// to checkpoint.dir (checkpoint.async: from a background thread; the final save always waits),
+/// logs the cost and prunes to checkpoint.keep; on_stop (a stop signal) saves the current step
+/// unless it was just saved; on_rollback calls rollback().  `extra`'s hooks run after these.
 train::Trainer::Hooks hooks(train::Trainer::Hooks extra = {});
 /// \brief trainer.setHooks(hooks(extra)).
 void installHooks(train::Trainer& trainer, train::Trainer::Hooks extra = {});

@@ -61,8 +61,9 @@ const std::set<std::string>& harmlessKeys() {
       "model.preset", "model.layers", "model.hidden", "model.heads", "model.ffn", "model.recompute",
       "data.train", "data.valid", "data.prefetch", "data.valid_tokens",
       "train.steps", "train.log_every", "train.eval_every", "train.run_dir", "train.seed",
-      "train.peak_tflops", "train.log_all_ranks",
-      "checkpoint.dir", "checkpoint.every", "checkpoint.keep", "checkpoint.resume"};
+      "train.peak_tflops", "train.log_all_ranks", "train.on_nonfinite", "train.step_timeout",
+      "checkpoint.dir", "checkpoint.every", "checkpoint.keep", "checkpoint.resume",
+      "checkpoint.async"};
   // clang-format on
   return keys;
 }

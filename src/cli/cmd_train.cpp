@@ -7,6 +7,7 @@
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
 #include "plan/train_report.hpp"
+#include "train/preemption.hpp"
 #include "train/trainer.hpp"
 
 #include <cstdio>
@@ -20,7 +21,9 @@ Parser trainParser() {
            "Trains the model the deck describes (doc/training.md): data-parallel over the MPI "
            "ranks, logging every train.log_every steps to the console and "
            "<train.run_dir>/metrics.jsonl, validating every train.eval_every steps. The "
-           "resolved deck is written to <train.run_dir>/deck.yaml.");
+           "resolved deck is written to <train.run_dir>/deck.yaml. On SIGTERM or SIGUSR1 it "
+           "saves a checkpoint after the current step and exits with status 75 (requeue me); "
+           "a second signal exits at once (doc/operations.md).");
   p.option({"set", "SECTION.KEY=VALUE", "override a deck key, e.g. --set train.steps=100", true});
   return p;
 }
@@ -52,14 +55,16 @@ int runTrain(const Argv& argv) {
   struct StopTee {
     ~StopTee() { log::teeTo(""); }
   } stop_tee;
+  // SIGTERM / SIGUSR1 (batch systems before a kill): checkpoint at the next step boundary and
+  // exit with train::exit_requeue, which jobscripts/ turn into a requeue (doc/operations.md).
+  train::installStopSignals();
   train::Trainer trainer(deck);
   // checkpoint.resume on start, checkpoint.every saves (src/ckpt); the plan's prediction next to
   // the measured figures after the first steps (src/plan).
   train::Trainer::Hooks extra;
   extra.on_step = plan::predictionReport();
   ckpt::installHooks(trainer, extra);
-  trainer.run();
-  return 0;
+  return trainer.run() == train::Trainer::RunEnd::Stopped ? train::exit_requeue : 0;
 }
 
 }  // namespace plm::cli

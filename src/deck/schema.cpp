@@ -166,6 +166,16 @@ const std::vector<KeySpec>& keys() {
        atLeast(0), {}},
       {"train", "log_all_ranks", K::boolean, "false",
        "Every rank logs, prefixed with its rank (same as the --log-all-ranks option).", any(), {}},
+      {"train", "on_nonfinite", K::text, "stop",
+       "A step whose loss or gradient is NaN or infinite is never applied; then: stop = end the "
+       "run naming the step and the first non-finite tensor, skip = drop the step and go on, "
+       "rollback = reload the newest checkpoint and skip that step's batch (doc/operations.md).",
+       any(), {"skip", "stop", "rollback"}},
+      {"train", "step_timeout", K::real, "0",
+       "Seconds a step may take before the watchdog reports every rank's phase and ends the job "
+       "(exit 124); 0 = 20 x the median step time once 10 steps ran, at least 300 s (1800 s "
+       "before that, and for evaluations and checkpoint saves).",
+       atLeast(0), {}},
       // checkpoint
       {"checkpoint", "dir", K::text, "run/ckpt", "Directory of the checkpoint files.", any(), {},
        true},
@@ -178,6 +188,10 @@ const std::vector<KeySpec>& keys() {
        "auto = continue from the newest checkpoint in dir if there is one, none = start fresh, "
        "anything else = the path of the checkpoint to continue from.",
        any(), {}, true},
+      {"checkpoint", "async", K::boolean, "false",
+       "Copy the state to host memory between steps and write the file from a background "
+       "thread while training goes on (at most one save in flight; same file, same checks).",
+       any(), {}},
   };
   // clang-format on
   return table;

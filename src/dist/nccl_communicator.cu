@@ -8,6 +8,7 @@
 // (no Kokkos header), so PLM_CHECK_CUDA_SOURCES compiles it with nvcc on CPU-only machines.
 #include "core/error.hpp"
 #include "dist/detail/backends.hpp"
+#include "dist/health.hpp"
 
 #include <cuda_runtime.h>
 #include <mpi.h>
@@ -73,8 +74,20 @@ class NcclCommunicator final : public Communicator {
     int least = 0, greatest = 0;
     PLM_CHECK_CUDA(cudaDeviceGetStreamPriorityRange(&least, &greatest));
     PLM_CHECK_CUDA(cudaStreamCreateWithPriority(&stream_member, cudaStreamNonBlocking, greatest));
+    // A failed peer or network shows up here, not as a failed call: the watchdog polls it
+    // (ncclCommGetAsyncError is safe from another thread) and ends the job with the reason.
+    health_id_member = addHealthCheck([comm = comm_member, rank = rank_member]() -> std::string {
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t status = ncclCommGetAsyncError(comm, &async);
+      if (status != ncclSuccess)
+        return std::string("ncclCommGetAsyncError failed: ") + ncclGetErrorString(status);
+      if (async == ncclSuccess || async == ncclInProgress) return "";
+      return "NCCL reported an asynchronous error on communicator rank " + std::to_string(rank) +
+             ": " + ncclGetErrorString(async) + " (" + ncclGetLastError(comm) + ")";
+    });
   }
   ~NcclCommunicator() override {
+    removeHealthCheck(health_id_member);
     // Errors are ignored here: at process exit the CUDA runtime may already be unloading.
     cudaStreamSynchronize(stream_member);
     ncclCommDestroy(comm_member);
@@ -171,6 +184,7 @@ class NcclCommunicator final : public Communicator {
   cudaStream_t stream_member = nullptr;
   int rank_member = 0;
   int size_member = 1;
+  int health_id_member = 0;  // dist::addHealthCheck
 };
 
 }  // namespace

@@ -15,11 +15,13 @@ namespace plm::dist {
 namespace {
 int local_rank_state = 0;
 int local_size_state = 1;
+int thread_level_state = MPI_THREAD_SINGLE;
 }  // namespace
 
 Runtime::Runtime(int& argc, char**& argv) {
   int provided = 0;
-  PLM_CHECK_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_FUNNELED, &provided));
+  PLM_CHECK_MPI(MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided));
+  thread_level_state = provided;
   MPI_Comm local;
   PLM_CHECK_MPI(
       MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local));
@@ -69,6 +71,7 @@ int worldSize() {
 }
 
 int localRank() { return local_rank_state; }
+bool mpiThreadMultiple() { return thread_level_state == MPI_THREAD_MULTIPLE; }
 int localSize() { return local_size_state; }
 
 std::string mpiVersion() {

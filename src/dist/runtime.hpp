@@ -8,7 +8,9 @@
 
 namespace plm::dist {
 
-/// \brief Initialises MPI (MPI_THREAD_FUNNELED) and Kokkos, and finalises both in reverse.
+/// \brief Initialises MPI (asking for MPI_THREAD_MULTIPLE, which the background checkpoint
+/// writer needs; FUNNELED is enough for everything else) and Kokkos, and finalises both in
+/// reverse.
 /// On a CUDA build each rank takes device `local_rank % device_count`.
 class Runtime {
  public:
@@ -23,6 +25,9 @@ int worldSize();
 /// \brief Rank within this node (MPI_COMM_TYPE_SHARED split).
 int localRank();
 int localSize();
+
+/// \brief True when MPI granted MPI_THREAD_MULTIPLE (checkpoint.async needs it).
+bool mpiThreadMultiple();
 
 /// \brief A one-line description of MPI (library version) for `plm --version`.
 std::string mpiVersion();

@@ -2,6 +2,7 @@
 
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "core/phase.hpp"
 #include "dist/allreduce.hpp"
 #include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
@@ -29,6 +30,7 @@ BatchStats localCounts(const std::vector<data::MicroBatch>& local) {
 }
 
 void reduce(BatchStats& s, MPI_Comm comm) {
+  phase::Scope in_phase("loss and count all-reduce (MPI)");
   std::vector<std::int64_t> counts = {s.masked, s.tokens, s.sequences};
   dist::allreduceSum(counts, comm);
   std::vector<double> sums = {s.loss_sum, s.sum_sq_seqlen};
@@ -145,7 +147,9 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
                                                   MPI_Comm comm) {
   Kokkos::Profiling::pushRegion("plm::train::accumulateGradients");
   BatchStats s = localCounts(local);
+  phase::set("masked-token count all-reduce (MPI)");
   std::int64_t global_masked = dist::allreduceSum(s.masked, comm);
+  phase::set("forward/backward");
   model.zeroGradients();
   const double grad_scale = global_masked > 0 ? 1.0 / static_cast<double>(global_masked) : 0.0;
   model.refreshComputeWeights();    // the bf16 copy of the masters, once per optimizer step
@@ -167,6 +171,7 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
     }
     model.setHooks(nullptr);
     if (local.empty()) sync.readyAll(space);  // a rank with no micro-batch this step
+    phase::set("gradient all-reduce (finish)");
     sync.finish(space);
   }
   reduce(s, comm);
@@ -178,8 +183,15 @@ template <class P> StepStats trainStep(const ExecSpace& space, model::Esm2<P>& m
                                        AdamW<P>& optimizer,
                                        const std::vector<data::MicroBatch>& local, double lr,
                                        double clip_norm, MPI_Comm comm) {
+  const BatchStats batch = accumulateGradients(space, model, local, comm);
+  return finishStep(space, model, optimizer, batch, lr, clip_norm);
+}
+
+template <class P> StepStats finishStep(const ExecSpace& space, model::Esm2<P>& model,
+                                        AdamW<P>& optimizer, const BatchStats& batch, double lr,
+                                        double clip_norm) {
   StepStats st;
-  static_cast<BatchStats&>(st) = accumulateGradients(space, model, local, comm);
+  static_cast<BatchStats&>(st) = batch;
   st.lr = lr;
   if (st.masked == 0) {
     // Possible only with tiny batches and a low mask_prob; an update from a zero gradient would
@@ -188,10 +200,19 @@ template <class P> StepStats trainStep(const ExecSpace& space, model::Esm2<P>& m
     log::warn("train: a global batch had no masked token; the optimizer step is skipped");
     return st;
   }
+  phase::Scope in_phase("optimizer step");
   Kokkos::Profiling::pushRegion("plm::train::optimizerStep");
   View1<P> grads = model.gradients();
   optimizer.maskGradients(space, grads);
   st.grad_norm = globalNorm(space, grads);
+  if (!std::isfinite(st.grad_norm) || !std::isfinite(st.loss_sum)) {
+    // Every rank holds the same all-reduced gradient and loss, so all of them get here; the
+    // weights and moments stay as they were (train/stability.hpp decides what happens next).
+    st.applied = false;
+    st.nonfinite = true;
+    Kokkos::Profiling::popRegion();
+    return st;
+  }
   st.clip_factor = clipFactor(st.grad_norm, clip_norm);
   optimizer.step(space, grads, lr, st.clip_factor);
   space.fence();
@@ -228,6 +249,8 @@ template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& m
                                              const std::vector<data::MicroBatch>&, MPI_Comm);      \
   template StepStats trainStep<P>(const ExecSpace&, model::Esm2<P>&, AdamW<P>&,                    \
                                   const std::vector<data::MicroBatch>&, double, double, MPI_Comm); \
+  template StepStats finishStep<P>(const ExecSpace&, model::Esm2<P>&, AdamW<P>&,                   \
+                                   const BatchStats&, double, double);                             \
   template BatchStats evaluate<P>(const ExecSpace&, model::Esm2<P>&, data::Loader&, std::int64_t,  \
                                   MPI_Comm);
 

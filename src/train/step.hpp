@@ -42,7 +42,8 @@ struct StepStats : BatchStats {
   double grad_norm = 0.0;    // global norm before clipping
   double clip_factor = 1.0;  // applied to the gradient (1 = not clipped)
   double lr = 0.0;
-  bool applied = true;  // false when the global batch had no masked token
+  bool applied = true;     // false when the global batch had no masked token, or nonfinite
+  bool nonfinite = false;  // the loss or the gradient norm was NaN or infinite: not applied
 };
 
 /// \brief Sums of the local micro-batches' counts, all-reduced over `comm` (loss_sum left 0).
@@ -61,6 +62,13 @@ template <class P> StepStats trainStep(const ExecSpace& space, model::Esm2<P>& m
                                        AdamW<P>& optimizer,
                                        const std::vector<data::MicroBatch>& local, double lr,
                                        double clip_norm, MPI_Comm comm);
+
+/// \brief The second half of trainStep, after accumulateGradients gave `batch`: the padding-row
+/// mask, global-norm clipping and one AdamW update, unless the batch had no masked token or its
+/// loss or gradient norm is not finite (then nothing changes; `applied` false, `nonfinite`).
+template <class P> StepStats finishStep(const ExecSpace& space, model::Esm2<P>& model,
+                                        AdamW<P>& optimizer, const BatchStats& batch, double lr,
+                                        double clip_norm);
 
 /// \brief Forward-only loss over a single-pass loader (seeked to its start first), at most
 /// `max_steps` loader steps (0 = the whole pass), summed over `comm`.

@@ -2,17 +2,23 @@
 
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "core/phase.hpp"
 #include "deck/deck.hpp"
 #include "dist/allreduce.hpp"
+#include "dist/communicator.hpp"
 #include "dist/runtime.hpp"
 #include "io/model_file.hpp"
 #include "train/blas_threads.hpp"
+#include "train/preemption.hpp"
 
 #include <Teuchos_Array.hpp>
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <filesystem>
+#include <limits>
+#include <sstream>
 #include <thread>
 
 namespace plm::train {
@@ -127,6 +133,20 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   log_every_member = std::max(1, t.get<int>("log_every"));
   eval_every_member = t.get<int>("eval_every");
   checkpoint_every_member = c.get<int>("every");
+  on_nonfinite_member = parseOnNonfinite(t.get<std::string>("on_nonfinite"));
+  watchdog_member.fixed_timeout = t.get<double>("step_timeout");
+  if (const char* spec = std::getenv("PLM_TEST_NONFINITE"); spec && *spec) {
+    std::istringstream in(spec);
+    for (std::string item; std::getline(in, item, ',');)
+      inject_nonfinite_member.insert(std::stoll(item));
+  }
+  if (const char* spec = std::getenv("PLM_TEST_STALL"); spec && *spec) {
+    char colon = 0, colon2 = 0;
+    std::istringstream in(spec);
+    in >> inject_stall_step_member >> colon >> inject_stall_seconds_member >> colon2 >>
+        inject_stall_rank_member;
+    if (colon2 == 0) inject_stall_rank_member = -1;
+  }
   run_dir_member = t.get<std::string>("run_dir");
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   peak_member = peakTflopsPerDevice(t.get<double>("peak_tflops"), precision,
@@ -197,7 +217,7 @@ BatchStats Trainer::validate() {
                   comm_member);
 }
 
-void Trainer::run() {
+Trainer::RunEnd Trainer::run() {
   if (rank_member == 0) {
     std::error_code ec;
     std::filesystem::create_directories(run_dir_member, ec);
@@ -207,38 +227,77 @@ void Trainer::run() {
   }
   PLM_CHECK_MPI(MPI_Barrier(comm_member));
   if (hooks_member.on_start) hooks_member.on_start(*this);
+  logPlan();
 
   const ExecSpace space;
   if (state_member.step >= total_steps_member)
     log::info("train: already at step %lld of %lld; nothing to do",
               static_cast<long long>(state_member.step),
               static_cast<long long>(total_steps_member));
+  Watchdog watchdog(watchdog_member, rank_member);
   interval_member = Interval{};
   double t0 = now();
   while (state_member.step < total_steps_member) {
     const std::int64_t step = state_member.step + 1;
+    watchdog.arm(step, "step");
+    phase::set("data loader (next step)");
     std::vector<data::MicroBatch> local = train_loader_member->nextStep();
     const double lr = learningRate(schedule_member, step);
-    StepStats st = trainStep(space, *model_member, *optimizer_member, local, lr, clip_norm_member,
-                             comm_member);
+    injectFaults(step, false);
+    StepStats st;
+    if (skip_batches_member.count(step)) {
+      // The batch a rollback chose to skip: consumed, never trained on.
+      static_cast<BatchStats&>(st) = countBatch(local, comm_member);
+      st.lr = lr;
+      st.applied = false;
+      st.nonfinite = true;
+      log::warn(
+          "train: step %lld: skipping the batch that gave non-finite values before the "
+          "rollback",
+          static_cast<long long>(step));
+    } else {
+      const BatchStats batch = accumulateGradients(space, *model_member, local, comm_member);
+      injectFaults(step, true);
+      st = finishStep(space, *model_member, *optimizer_member, batch, lr, clip_norm_member);
+    }
+    phase::set("between steps");
     const double t1 = now();
-    if (!std::isfinite(st.loss_sum))
-      throw collectiveError("train: the loss is not finite at step " + std::to_string(step) +
-                            " (lr " + std::to_string(lr) +
-                            "); lower optimizer.lr or raise schedule.warmup_steps");
+    watchdog.disarm(t1 - t0);
+    if (st.nonfinite && !skip_batches_member.count(step) && handleNonfinite(step, st)) {
+      interval_member = Interval{};
+      t0 = now();
+      continue;  // rolled back: state() is the checkpoint's
+    }
     state_member.step = step;
     state_member.tokens_seen += st.tokens;
     state_member.cursor = train_loader_member->cursor();
 
     interval_member.steps += 1;
     interval_member.tokens += st.tokens;
-    interval_member.masked += st.masked;
-    interval_member.loss_sum += st.loss_sum;
+    if (!st.nonfinite) {
+      interval_member.masked += st.masked;
+      interval_member.loss_sum += st.loss_sum;
+    }
     interval_member.flops += model_member->config().trainFlopsPerToken(st.weightedSeqlen()) *
                              static_cast<double>(st.tokens);
     interval_member.seconds += t1 - t0;
     train_seconds_member += t1 - t0;
     steps_this_run_member += 1;
+    if (!st.nonfinite && st.masked > 0) {
+      const double loss = st.loss_sum / static_cast<double>(st.masked);
+      const double mean = spikes_member.mean(), deviation = spikes_member.deviation();
+      if (spikes_member.add(loss)) {
+        log::warn(
+            "train: loss spike at step %lld: %.4f against a recent mean of %.4f (standard "
+            "deviation %.4f)",
+            static_cast<long long>(step), loss, mean, deviation);
+        io::json::Value f = io::json::Value::object();
+        f.set("loss", loss);
+        f.set("recent_mean", mean);
+        f.set("recent_std", deviation);
+        logEvent("loss_spike", step, f);
+      }
+    }
     if (hooks_member.on_step) hooks_member.on_step(*this, st);
 
     const bool last = step == total_steps_member;
@@ -247,16 +306,156 @@ void Trainer::run() {
       interval_member = Interval{};
     }
     if (valid_loader_member && eval_every_member > 0 && (step % eval_every_member == 0 || last)) {
+      watchdog.arm(step, "evaluation after step", true);
+      phase::set("evaluation");
       const double e0 = now();
       BatchStats v = validate();
       logEval(v, now() - e0);
+      watchdog.disarm(0);
     }
-    if (hooks_member.on_save &&
-        ((checkpoint_every_member > 0 && step % checkpoint_every_member == 0) || last))
+    const bool saved =
+        hooks_member.on_save &&
+        ((checkpoint_every_member > 0 && step % checkpoint_every_member == 0) || last);
+    if (saved) {
+      watchdog.arm(step, "checkpoint save after step", true);
+      phase::set("checkpoint save");
       hooks_member.on_save(*this, last);
+      watchdog.disarm(0);
+    }
+    phase::set("stop-signal agreement all-reduce (MPI)");
+    const int signal = last ? 0 : agreedStopSignal(comm_member);
+    if (signal != 0) {
+      log::info("train: %s: stopping after step %lld of %lld", signalName(signal),
+                static_cast<long long>(step), static_cast<long long>(total_steps_member));
+      io::json::Value f = io::json::Value::object();
+      f.set("signal", std::string(signalName(signal)));
+      logEvent("stop_signal", step, f);
+      watchdog.arm(step, "checkpoint save after a stop signal, step", true);
+      phase::set("checkpoint save (stop signal)");
+      if (hooks_member.on_stop) hooks_member.on_stop(*this);
+      watchdog.disarm(0);
+      log::info(
+          "train: stopped after step %lld; exit status %d asks the job script to requeue "
+          "the job, which resumes from the checkpoint (checkpoint.resume: auto)",
+          static_cast<long long>(step), exit_requeue);
+      return RunEnd::Stopped;
+    }
     t0 = now();  // evaluation and checkpoint time stay out of tokens/s
   }
   writeFinalModel();
+  return RunEnd::Completed;
+}
+
+void Trainer::logPlan() {
+  const model::Esm2Config& c = model_member->config();
+  const auto& lo = train_loader_member->options();
+  const std::string sync =
+      world_member == 1 ? std::string("none") : dist::nameOf(dist::defaultBackend(comm_member));
+  const std::string precision = deck_member->sublist("train").get<std::string>("precision");
+  const long long per_step = static_cast<long long>(lo.micro_batches_per_step) *
+                             static_cast<long long>(lo.micro_batch_tokens);
+  log::info(
+      "train: plan: ESM-2 %d layers, hidden %d (%lld parameters), %s, recompute %s; up to %lld "
+      "tokens per step (%lld micro-batches of <= %lld); data parallel over %d rank(s), gradient "
+      "all-reduce %s; steps %lld..%lld; checkpoint every %lld step(s); on_nonfinite %s",
+      c.num_layers, c.hidden, static_cast<long long>(c.numParameters()), precision.c_str(),
+      model::recomputeName(c.recompute), per_step,
+      static_cast<long long>(lo.micro_batches_per_step),
+      static_cast<long long>(lo.micro_batch_tokens), world_member, sync.c_str(),
+      static_cast<long long>(state_member.step + 1), static_cast<long long>(total_steps_member),
+      static_cast<long long>(checkpoint_every_member), nameOf(on_nonfinite_member));
+  io::json::Value f = io::json::Value::object();
+  f.set("layers", c.num_layers);
+  f.set("hidden", c.hidden);
+  f.set("parameters", static_cast<std::int64_t>(c.numParameters()));
+  f.set("precision", precision);
+  f.set("recompute", std::string(model::recomputeName(c.recompute)));
+  f.set("max_tokens_per_step", static_cast<std::int64_t>(per_step));
+  f.set("micro_batches_per_step", static_cast<std::int64_t>(lo.micro_batches_per_step));
+  f.set("ranks", world_member);
+  f.set("gradient_all_reduce", sync);
+  f.set("total_steps", total_steps_member);
+  logEvent("start", state_member.step, f);
+}
+
+bool Trainer::handleNonfinite(std::int64_t step, const StepStats& st) {
+  std::int64_t count = 0;
+  std::string tensor =
+      firstNonfiniteTensor(model_member->gradients(), model_member->tensors(), &count);
+  const std::string what =
+      tensor.empty() ? std::string("the loss (the gradients are finite)")
+                     : "the gradient of " + tensor + " (" + std::to_string(count) +
+                           " non-finite value(s); the first such tensor in the tensor table)";
+  char numbers[160];
+  std::snprintf(numbers, sizeof numbers, "loss sum %g, gradient norm %g, lr %.3e", st.loss_sum,
+                st.grad_norm, st.lr);
+  io::json::Value f = io::json::Value::object();
+  f.set("tensor", tensor.empty() ? std::string("loss") : tensor);
+  f.set("policy", std::string(nameOf(on_nonfinite_member)));
+  if (on_nonfinite_member == OnNonfinite::Stop)
+    throw collectiveError(
+        "train: step " + std::to_string(step) + ": " + what + " is not finite (" + numbers +
+        "); the update was not applied, so the weights of step " + std::to_string(step - 1) +
+        " are intact.  Lower optimizer.lr or raise schedule.warmup_steps, or set "
+        "train.on_nonfinite: skip (drop such steps) or rollback (reload the newest checkpoint "
+        "and skip this batch)");
+  if (on_nonfinite_member == OnNonfinite::Rollback) {
+    if (rollbacks_member >= 10)
+      throw collectiveError("train: step " + std::to_string(step) + ": " + what +
+                            " is not finite after 10 rollbacks in this run; the run is unstable: "
+                            "lower optimizer.lr or raise schedule.warmup_steps");
+    log::warn("train: step %lld: %s is not finite (%s); rolling back to the newest checkpoint",
+              static_cast<long long>(step), what.c_str(), numbers);
+    logEvent("nonfinite", step, f);
+    if (hooks_member.on_rollback && hooks_member.on_rollback(*this)) {
+      skip_batches_member.insert(step);
+      ++rollbacks_member;
+      ++skipped_steps_member;
+      io::json::Value r = io::json::Value::object();
+      r.set("skip_step", step);
+      logEvent("rollback", step, r);
+      log::warn("train: rolled back to step %lld; the batch of step %lld will be skipped",
+                static_cast<long long>(state_member.step), static_cast<long long>(step));
+      return true;
+    }
+    log::warn("train: no checkpoint to roll back to; skipping the update of step %lld instead",
+              static_cast<long long>(step));
+  } else {
+    log::warn(
+        "train: step %lld: %s is not finite (%s); the update is skipped "
+        "(train.on_nonfinite: skip)",
+        static_cast<long long>(step), what.c_str(), numbers);
+    logEvent("nonfinite", step, f);
+  }
+  ++skipped_steps_member;
+  return false;
+}
+
+void Trainer::injectFaults(std::int64_t step, bool after_gradients) {
+  if (!after_gradients && step == inject_stall_step_member &&
+      (inject_stall_rank_member < 0 || inject_stall_rank_member == rank_member)) {
+    phase::Scope in_phase("an injected stall (PLM_TEST_STALL)");
+    std::this_thread::sleep_for(std::chrono::duration<double>(inject_stall_seconds_member));
+  }
+  if (after_gradients && inject_nonfinite_member.count(step)) {
+    // As a NaN produced on any rank looks after the gradient all-reduce: on every rank.
+    const auto& tensors = model_member->tensors();
+    const auto& target = tensors.at(tensors.size() > 2 ? 2 : 0);
+    auto one = Kokkos::subview(model_member->gradients(),
+                               std::make_pair(target.offset, target.offset + 1));
+    Kokkos::deep_copy(one, std::numeric_limits<param_t>::quiet_NaN());
+    Kokkos::fence();
+  }
+}
+
+void Trainer::logEvent(const std::string& event, std::int64_t step, io::json::Value fields) {
+  if (rank_member != 0 || !metrics_member.isOpen()) return;
+  io::json::Value r = io::json::Value::object();
+  r.set("kind", "event");
+  r.set("event", event);
+  r.set("step", step);
+  for (const auto& [key, value] : fields.members()) r.set(key, value);
+  metrics_member.write(r);
 }
 
 void Trainer::writeFinalModel() {
@@ -281,7 +480,9 @@ io::json::Value number(double x) {
 
 void Trainer::logStep(const StepStats& last, double seconds) {
   const Interval& in = interval_member;
-  const double loss = in.masked > 0 ? in.loss_sum / static_cast<double>(in.masked) : 0.0;
+  // An interval of skipped steps only has no loss (null in metrics.jsonl).
+  const double loss = in.masked > 0 ? in.loss_sum / static_cast<double>(in.masked)
+                                    : std::numeric_limits<double>::quiet_NaN();
   const double tokens_per_s = seconds > 0 ? static_cast<double>(in.tokens) / seconds : 0.0;
   const double tflops = seconds > 0 ? in.flops / seconds / 1e12 : 0.0;
   const double mfu = mfuOf(tflops, world_member, peak_member);

@@ -14,7 +14,9 @@
 #include "train/adamw.hpp"
 #include "train/metrics.hpp"
 #include "train/schedule.hpp"
+#include "train/stability.hpp"
 #include "train/step.hpp"
+#include "train/watchdog.hpp"
 
 #include <mpi.h>
 #include <Teuchos_ParameterList.hpp>
@@ -23,6 +25,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <set>
 #include <string>
 
 namespace plm::train {
@@ -54,11 +57,18 @@ class Trainer {
   /// `final_save` is true for the save after the last step.
   using SaveHook = std::function<void(Trainer&, bool final_save)>;
   using StepHook = std::function<void(Trainer&, const StepStats&)>;
+  /// Returns true when it restored the trainer (e.g. from the newest checkpoint).
+  using RollbackHook = std::function<bool(Trainer&)>;
   struct Hooks {
     Hook on_start;     // after construction, before the first step: restore a checkpoint here
     SaveHook on_save;  // after step s when checkpoint.every divides s, and after the last step
     StepHook on_step;  // after every optimizer step (tests, tools)
+    Hook on_stop;      // a stop signal was agreed after state().step: save it (doc/operations.md)
+    RollbackHook on_rollback;  // train.on_nonfinite: rollback: reload the newest checkpoint
   };
+
+  /// How run() ended.
+  enum class RunEnd { Completed, Stopped };
 
   /// \brief Builds everything from a resolved deck (deck::load / deck::resolve).  `comm` is the
   /// data-parallel group; the model is initialized from train.seed.
@@ -73,7 +83,10 @@ class Trainer {
   /// every eval_every steps and at the end, calls on_save every checkpoint.every steps and at
   /// the end.  Rank 0 writes <run_dir>/deck.yaml and appends to <run_dir>/metrics.jsonl; at the
   /// end the model is written to <run_dir>/model.h5 (a plm model file, io/model_file.hpp).
-  void run();
+  /// Between steps, every rank agrees whether a stop signal arrived (train/preemption.hpp):
+  /// then on_stop saves and run() returns Stopped (no model.h5).  A watchdog thread ends a hung
+  /// step (train.step_timeout); non-finite steps follow train.on_nonfinite (train/stability.hpp).
+  RunEnd run();
 
   /// \brief Validation loss over data.valid (at most data.valid_tokens tokens; deterministic
   /// masking).  Collective.  Returns zero counts when the deck has no validation set.
@@ -95,11 +108,21 @@ class Trainer {
   std::int64_t checkpointEvery() const { return checkpoint_every_member; }
   const std::string& runDir() const { return run_dir_member; }
   const ScheduleOptions& schedule() const { return schedule_member; }
+  /// Steps of this run whose update was dropped (non-finite, or skipped after a rollback).
+  std::int64_t skippedSteps() const { return skipped_steps_member; }
+  std::int64_t rollbacks() const { return rollbacks_member; }
+  /// \brief Appends {"kind":"event","event":<event>,"step":<step>, ...fields} to metrics.jsonl
+  /// (rank 0; a no-op before run() opened it).
+  void logEvent(const std::string& event, std::int64_t step,
+                io::json::Value fields = io::json::Value::object());
 
  private:
   void logStep(const StepStats& last, double interval_seconds);
   void logEval(const BatchStats& valid, double seconds);
   void writeFinalModel();
+  void logPlan();  // the run's plan: one log line and a "start" event (collective)
+  bool handleNonfinite(std::int64_t step, const StepStats& st);  // true: rolled back
+  void injectFaults(std::int64_t step, bool after_gradients);    // PLM_TEST_* (tests only)
 
   Teuchos::RCP<const Teuchos::ParameterList> deck_member;
   MPI_Comm comm_member;
@@ -113,6 +136,16 @@ class Trainer {
   double clip_norm_member = 1.0;
   std::int64_t total_steps_member = 0, log_every_member = 10, eval_every_member = 0;
   std::int64_t checkpoint_every_member = 0;
+  OnNonfinite on_nonfinite_member = OnNonfinite::Stop;
+  WatchdogOptions watchdog_member;
+  LossSpikeDetector spikes_member;
+  std::set<std::int64_t> skip_batches_member;  // steps whose batch a rollback skips
+  std::int64_t skipped_steps_member = 0, rollbacks_member = 0;
+  // Test-only fault injection, read from the environment at construction (doc/operations.md).
+  std::set<std::int64_t> inject_nonfinite_member;  // PLM_TEST_NONFINITE=<step>[,<step>...]
+  std::int64_t inject_stall_step_member = -1;      // PLM_TEST_STALL=<step>:<seconds>[:<rank>]
+  double inject_stall_seconds_member = 0;
+  int inject_stall_rank_member = -1;
   std::string run_dir_member;
   PeakFlops peak_member;
   TrainState state_member;

@@ -48,11 +48,15 @@ class Resume : public ::testing::Test {
     }
     EXPECT_NE(want.at(1), want.at(6)) << "the run trained nothing";
     // Nothing but the losses of steps 1..6, once each (the interrupted run's records after its
-    // checkpoint were cut and rewritten).
+    // checkpoint were cut and rewritten), besides the event records (start, checkpoint, resume).
     std::ifstream in(dir + "/" + run + "/metrics.jsonl");
-    int lines = 0;
-    for (std::string line; std::getline(in, line);) ++lines;
+    int lines = 0, resumes = 0;
+    for (std::string line; std::getline(in, line);) {
+      if (line.find("\"kind\":\"event\"") == std::string::npos) ++lines;
+      if (line.find("\"event\":\"resume\"") != std::string::npos) ++resumes;
+    }
     EXPECT_EQ(lines, 6);
+    EXPECT_EQ(resumes, 1);
   }
   std::string dir;
   std::vector<float> uninterrupted;  // master weights after the uninterrupted run

@@ -130,7 +130,7 @@ TEST_F(TrainerTest, ShortRunLearnsAndWritesMetrics) {
   EXPECT_EQ(again->sublist("model").get<int>("hidden"), 32);
 
   auto records = readRecords(run + "/metrics.jsonl");
-  int train_records = 0, eval_records = 0;
+  int train_records = 0, eval_records = 0, start_events = 0;
   std::int64_t previous_step = 0, previous_tokens = 0;
   for (const auto& r : records) {
     ASSERT_TRUE(r.isObject());
@@ -151,6 +151,13 @@ TEST_F(TrainerTest, ShortRunLearnsAndWritesMetrics) {
       EXPECT_GT(r.at("tokens_per_s").asDouble(), 0.0);
       EXPECT_GT(r.at("mfu").asDouble(), 0.0);
       EXPECT_GT(r.at("mem_bytes").asDouble(), 0.0);
+    } else if (kind == "event") {  // the plan at start (doc/operations.md lists the events)
+      EXPECT_EQ(r.at("event").asString(), "start");
+      EXPECT_EQ(r.at("step").asInt(), 0);
+      EXPECT_EQ(r.at("hidden").asInt(), 32);
+      EXPECT_EQ(r.at("ranks").asInt(), plm::dist::worldSize());
+      EXPECT_EQ(r.at("total_steps").asInt(), 40);
+      ++start_events;
     } else {
       ASSERT_EQ(kind, "eval");
       ++eval_records;
@@ -161,6 +168,7 @@ TEST_F(TrainerTest, ShortRunLearnsAndWritesMetrics) {
   }
   EXPECT_EQ(train_records, 8);  // log_every 5 over 40 steps
   EXPECT_EQ(eval_records, 4);   // eval_every 10, the last one at step 40
+  EXPECT_EQ(start_events, 1);
   EXPECT_EQ(previous_step, 40);
   EXPECT_NEAR(records.back().at("valid_loss").asDouble(), final_valid, 1e-9 * final_valid);
 }

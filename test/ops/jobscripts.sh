@@ -1,0 +1,91 @@
+#!/bin/bash
+# jobscripts/pbs-train.sh and slurm-train.sh without PBS or Slurm: qstat answers a 20 s
+# walltime, qrerun and scontrol are recorders, srun is replaced by mpiexec (2 ranks).
+#  - PBS: with STOP_BEFORE=12 the script's timer stops plm about 8 s in; plm checkpoints and
+#    exits 75, the script reruns the job (qrerun <id>) and exits 0.
+# The Slurm script is signalled as Slurm would signal it:
+#  - SIGUSR1 (the --signal=B:USR1@120 time-limit warning): plm checkpoints and exits 75, the
+#    script requeues the job (scontrol requeue <id>) and exits 0;
+#  - SIGTERM (scancel): plm checkpoints and exits 75, the script does not requeue and exits 75.
+#   jobscripts.sh REPO PLM MPIEXEC WORKDIR
+set -uo pipefail
+repo=$1 plm=$2 mpiexec=$3 work=$4
+rm -rf "$work" && mkdir -p "$work/bin"
+cat > "$work/bin/srun" <<EOS
+#!/bin/bash
+while [[ \$1 == --* ]]; do shift; done
+exec $mpiexec -n 2 --oversubscribe --bind-to none "\$@"
+EOS
+cat > "$work/bin/scontrol" <<EOS
+#!/bin/bash
+echo "\$@" >> $work/scontrol.calls
+EOS
+chmod +x "$work/bin/srun" "$work/bin/scontrol"
+# A small dataset and deck.
+python3 - "$work/seqs.fasta" <<'PY' 2>/dev/null || awk 'BEGIN{srand(7); a="ACDEFGHIKLMNPQRSTVWY"; for(i=0;i<120;i++){printf ">s%d\n",i; n=30+int(rand()*60); s=""; for(k=0;k<n;k++) s=s substr(a,1+int(rand()*20),1); print s}}' > "$work/seqs.fasta"
+import random, sys
+random.seed(7)
+with open(sys.argv[1], "w") as f:
+    for i in range(120):
+        f.write(f">s{i}\n" + "".join(random.choice("ACDEFGHIKLMNPQRSTVWY") for _ in range(random.randint(30, 90))) + "\n")
+PY
+"$plm" prep "$work/seqs.fasta" --out "$work/data" --valid-fraction 0 > "$work/prep.log" 2>&1 || { cat "$work/prep.log"; exit 1; }
+cat > "$work/deck.yaml" <<EOS
+model: {preset: custom, layers: 2, hidden: 32, heads: 4, ffn: 64}
+data: {train: $work/data/train.h5, valid: "", tokens_per_batch: 4096, micro_batch_tokens: 1024, max_seq_len: 64, prefetch: 1}
+schedule: {warmup_steps: 2}
+train: {steps: 100000, log_every: 1, eval_every: 0}
+checkpoint: {every: 1000}
+EOS
+fail=0
+# PBS: the script's own walltime timer (qstat says 20 s, STOP_BEFORE 12) sends the stop; qrerun
+# is recorded. The job must checkpoint, exit 75 to the script, and the script rerun it.
+cat > "$work/bin/qstat" <<EOS
+#!/bin/bash
+echo "    Resource_List.walltime = 00:00:20"
+EOS
+cat > "$work/bin/qrerun" <<EOS
+#!/bin/bash
+echo "qrerun \$@" >> $work/scontrol.calls
+EOS
+chmod +x "$work/bin/qstat" "$work/bin/qrerun"
+hostname > "$work/nodefile"
+run=$work/run_pbs
+rm -f "$work/scontrol.calls"
+start=$(date +%s)
+(cd "$work" && PATH="$work/bin:$PATH" PBS_O_WORKDIR="$work" PBS_JOBID=77.pbs PBS_NODEFILE="$work/nodefile" \
+   GPUS_PER_NODE=2 STOP_BEFORE=12 PLM="$plm" DECK="$work/deck.yaml" \
+   SETS="--set train.run_dir=$run --set checkpoint.dir=$run/ckpt" \
+   bash "$repo/jobscripts/pbs-train.sh") > "$work/job_pbs.log" 2>&1
+rc=$?
+calls=$(cat "$work/scontrol.calls" 2>/dev/null)
+echo "PBS timer: script exit $rc after $(( $(date +%s) - start )) s, checkpoints: $(ls "$run/ckpt" 2>/dev/null | tr '\n' ' '), calls: ${calls:-none}"
+[ "$rc" -eq 0 ] && [ "$calls" = "qrerun 77.pbs" ] && grep -q "its checkpoint is" "$work/job_pbs.log" || fail=1
+
+for sig in USR1 TERM; do
+  run=$work/run_$sig
+  rm -f "$work/scontrol.calls"
+  (cd "$work" && PATH="$work/bin:$PATH" SLURM_SUBMIT_DIR="$work" SLURM_JOB_ID=4242 SLURM_JOB_NUM_NODES=1 \
+     SLURM_NTASKS_PER_NODE=2 SLURM_NTASKS=2 PLM="$plm" \
+     exec bash "$repo/jobscripts/slurm-train.sh" "$work/deck.yaml" --set train.run_dir="$run" \
+     --set checkpoint.dir="$run/ckpt") > "$work/job_$sig.log" 2>&1 &
+  job=$!
+  for _ in $(seq 1 600); do
+    [ -f "$run/metrics.jsonl" ] && [ "$(grep -c '"kind":"train"' "$run/metrics.jsonl")" -ge 3 ] && break
+    sleep 0.1
+  done
+  kill -"$sig" "$job"
+  wait "$job"; rc=$?
+  steps=$(ls "$run/ckpt" 2>/dev/null | tr '\n' ' ')
+  calls=$(cat "$work/scontrol.calls" 2>/dev/null)
+  echo "SIG$sig: script exit $rc, checkpoints: $steps, scontrol: ${calls:-none}"
+  if [ "$sig" = USR1 ]; then
+    [ "$rc" -eq 0 ] && [ "$calls" = "requeue 4242" ] || fail=1
+  else
+    [ "$rc" -eq 75 ] && [ -z "$calls" ] || fail=1
+  fi
+  grep -q "its checkpoint is" "$work/job_$sig.log" || fail=1
+  [ -n "$steps" ] || fail=1
+done
+[ "$fail" -eq 0 ] || { echo "FAILED"; tail -30 "$work"/job_*.log; }
+exit "$fail"
