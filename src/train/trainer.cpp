@@ -4,9 +4,11 @@
 #include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "dist/allreduce.hpp"
+#include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
 #include "io/model_file.hpp"
 #include "train/blas_threads.hpp"
+#include "train/fsdp.hpp"
 
 #include <Teuchos_Array.hpp>
 
@@ -123,6 +125,8 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
       std::make_unique<AdamW<param_t>>(model_member->parameters(), model_member->tensors(), adam,
                                        esm2FrozenRanges(model_member->tensors(), config.hidden));
 
+  setUpSharding(*deck, adam);
+
   total_steps_member = t.get<int>("steps");
   log_every_member = std::max(1, t.get<int>("log_every"));
   eval_every_member = t.get<int>("eval_every");
@@ -185,6 +189,34 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
 
 Trainer::~Trainer() = default;
 
+void Trainer::setUpSharding(const Teuchos::ParameterList& deck, const AdamWOptions& adam) {
+  if (!deck.isSublist("parallel")) return;
+  const auto& p = deck.sublist("parallel");
+  const ParallelLayout layout = resolveLayout(
+      p.get<int>("shard_degree"), p.get<int>("replicate_degree"), world_member, dist::localSize());
+  if (p.get<std::string>("reduce_dtype") != "fp32")
+    throw collectiveError("parallel.reduce_dtype: " + p.get<std::string>("reduce_dtype") +
+                          " is not implemented yet; use fp32");
+  if (layout.shard == 1) return;  // plain data parallelism: the gradient-bucket path
+  if (model_member->config().precision != model::Precision::Fp32)
+    throw collectiveError("parallel.shard_degree " + std::to_string(layout.shard) +
+                          " needs train.precision: fp32 (the bf16 compute copy is not gathered "
+                          "per layer yet); use fp32 or parallel.shard_degree: 1");
+  groups_member = std::make_unique<dist::ProcessGroups>(comm_member, layout.shard);
+  FsdpOptions fo;
+  fo.reshard_after_forward = p.get<bool>("reshard_after_forward");
+  fsdp_member = std::make_unique<Fsdp<param_t>>(*model_member, groups_member->shard(),
+                                                groups_member->replicate(), adam, fo,
+                                                dist::defaultBackend(groups_member->shard()));
+  const FsdpMemory mem = fsdp_member->plannedMemory();
+  log::info(
+      "parallel: shard %d x replicate %d; planned bytes per rank: parameters %s, gradients %s, "
+      "optimizer %s (shards), gathered model buffers %s, collective staging %s",
+      layout.shard, layout.replicate, formatBytes(mem.params).c_str(),
+      formatBytes(mem.grads).c_str(), formatBytes(mem.optimizer).c_str(),
+      formatBytes(mem.gathered).c_str(), formatBytes(mem.staging).c_str());
+}
+
 void Trainer::restore(const TrainState& state) {
   state_member = state;
   train_loader_member->seek(state.cursor);
@@ -193,8 +225,11 @@ void Trainer::restore(const TrainState& state) {
 
 BatchStats Trainer::validate() {
   if (!valid_loader_member) return BatchStats{};
-  return evaluate(ExecSpace(), *model_member, *valid_loader_member, valid_max_steps_member,
-                  comm_member);
+  if (fsdp_member) fsdp_member->gatherAll(ExecSpace());
+  BatchStats v = evaluate(ExecSpace(), *model_member, *valid_loader_member, valid_max_steps_member,
+                          comm_member);
+  if (fsdp_member) fsdp_member->reshardAll(ExecSpace());
+  return v;
 }
 
 void Trainer::run() {
@@ -207,6 +242,9 @@ void Trainer::run() {
   }
   PLM_CHECK_MPI(MPI_Barrier(comm_member));
   if (hooks_member.on_start) hooks_member.on_start(*this);
+  if (fsdp_member)  // the (possibly restored) full-layout state becomes this rank's shards
+    fsdp_member->importFull(ExecSpace(), optimizer_member->master(), optimizer_member->expAvg(),
+                            optimizer_member->expAvgSq(), optimizer_member->stepCount());
 
   const ExecSpace space;
   if (state_member.step >= total_steps_member)
@@ -219,8 +257,16 @@ void Trainer::run() {
     const std::int64_t step = state_member.step + 1;
     std::vector<data::MicroBatch> local = train_loader_member->nextStep();
     const double lr = learningRate(schedule_member, step);
-    StepStats st = trainStep(space, *model_member, *optimizer_member, local, lr, clip_norm_member,
-                             comm_member);
+    StepStats st = fsdp_member ? fsdp_member->step(space, local, lr, clip_norm_member, comm_member)
+                               : trainStep(space, *model_member, *optimizer_member, local, lr,
+                                           clip_norm_member, comm_member);
+    if (steps_this_run_member == 0) {
+      const double used = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
+      log::info(
+          "memory: %s in use on the fullest rank after the first step (activations at "
+          "the micro-batch size included)",
+          formatBytes(used).c_str());
+    }
     const double t1 = now();
     if (!std::isfinite(st.loss_sum))
       throw collectiveError("train: the loss is not finite at step " + std::to_string(step) +
@@ -252,8 +298,15 @@ void Trainer::run() {
       logEval(v, now() - e0);
     }
     if (hooks_member.on_save &&
-        ((checkpoint_every_member > 0 && step % checkpoint_every_member == 0) || last))
+        ((checkpoint_every_member > 0 && step % checkpoint_every_member == 0) || last)) {
+      if (fsdp_member) {  // checkpoints read the full-layout state
+        fsdp_member->exportFull(space, optimizer_member->master(), optimizer_member->expAvg(),
+                                optimizer_member->expAvgSq());
+        optimizer_member->setStepCount(fsdp_member->optimizer().stepCount());
+      }
       hooks_member.on_save(*this, last);
+      if (fsdp_member) fsdp_member->reshardAll(space);
+    }
     t0 = now();  // evaluation and checkpoint time stay out of tokens/s
   }
   writeFinalModel();
@@ -263,6 +316,7 @@ void Trainer::writeFinalModel() {
   // The trained weights as a plm model file (what `plm eval --model`, `plm embed` and
   // `plm convert --to-hf` read), independent of the checkpoint module's schedule.
   const std::string path = run_dir_member + "/model.h5";
+  if (fsdp_member) fsdp_member->gatherAll(ExecSpace());
   io::ModelAttributes extra;
   extra.integers["step"] = state_member.step;
   extra.integers["tokens_seen"] = state_member.tokens_seen;
