@@ -361,7 +361,6 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
   st.grad_norm = std::sqrt(dist::allreduceSum(partial, m.shard_mpi));
   st.clip_factor = clipFactor(st.grad_norm, clip_norm);
   m.optimizer->step(space, g, lr, st.clip_factor);
-  m.optimizer->syncParameters(space);
   space.fence();
   Kokkos::Profiling::popRegion();
   return st;
