@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
-#                                       and, on request: compare ctest e2e
+#                                       and, on request: compare ctest e2e fsdp
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -126,6 +126,18 @@ if has train && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
       "${recompute:-none}" > "$log" 2>&1
     note "bench_gpu_train $run rc=$?"
     grep -E "RESULT|EVAL|breakdown|^    |step 0|error|out of memory" "$log" | tee -a "$summary"
+  done
+fi
+
+fsdp_test=$pkg/tree/test/train/test_train_fsdp  # packaged with PLM_PKG_CTEST=1
+if has fsdp && [[ -x "$fsdp_test" ]]; then
+  # Sharded data parallelism over NCCL (fp32; one GPU per rank: nvidia-h200-x2 / -x4): every
+  # layout against one rank, and the poison test.  On one GPU shared by ranks it skips.
+  for np in 2 4; do
+    log="$out/fsdp_np$np.log"
+    timeout 300 mpiexec -n $np --oversubscribe "$fsdp_test" > "$log" 2>&1
+    note "test_train_fsdp np$np rc=$?"
+    grep -E "ranks:|PASSED|FAILED|SKIPPED|Failure" "$log" | tee -a "$summary"
   done
 fi
 

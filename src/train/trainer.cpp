@@ -262,10 +262,12 @@ void Trainer::run() {
                                            clip_norm_member, comm_member);
     if (steps_this_run_member == 0) {
       const double used = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
+      const double acts =
+          dist::allreduceMax(static_cast<double>(model_member->workspaceBytes()), comm_member);
       log::info(
-          "memory: %s in use on the fullest rank after the first step (activations at "
-          "the micro-batch size included)",
-          formatBytes(used).c_str());
+          "memory: after the first step %s in use on the fullest rank, of which the activation "
+          "workspace at this micro-batch size is %s",
+          formatBytes(used).c_str(), formatBytes(acts).c_str());
     }
     const double t1 = now();
     if (!std::isfinite(st.loss_sum))

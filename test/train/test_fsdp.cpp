@@ -75,13 +75,23 @@ TrainRun reference(const Esm2Config& config) {
   return r;
 }
 
+// The backend for the model's memory: NCCL with one GPU per rank, MPI on host memory.  Device
+// memory with ranks sharing a GPU (the single-GPU CUDA ctest) has no backend: skipped.
+bool backendFor(MPI_Comm shard, plm::dist::Backend* backend) {
+  *backend = plm::dist::defaultBackend(shard);
+  return *backend == plm::dist::Backend::Nccl ||
+         Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible;
+}
+
 TrainRun sharded(const Esm2Config& config, int shard, const plm::train::FsdpOptions& options) {
   const int rank = plm::dist::worldRank(), world = plm::dist::worldSize();
   plm::dist::ProcessGroups groups(MPI_COMM_WORLD, shard);
   Esm2<float> model(config);
   model.initialize(11);
+  plm::dist::Backend backend;
+  backendFor(groups.shard(), &backend);
   plm::train::Fsdp<float> fsdp(model, groups.shard(), groups.replicate(),
-                               plm::train::AdamWOptions{}, options);
+                               plm::train::AdamWOptions{}, options, backend);
   TrainRun r;
   for (int step = 1; step <= steps; ++step) {
     auto global = plm::test::globalStep(42, step, micro_per_step, 3);
@@ -121,6 +131,8 @@ void expectSame(const TrainRun& ref, const TrainRun& got, const std::string& wha
 
 TEST(Fsdp, EveryLayoutMatchesOneRank) {
   const int world = plm::dist::worldSize();
+  plm::dist::Backend backend;
+  if (!backendFor(MPI_COMM_WORLD, &backend)) GTEST_SKIP() << "ranks share a GPU: no NCCL";
   const Esm2Config config = tinyConfig();
   const TrainRun ref = reference(config);
   for (int shard = 1; shard <= world; shard *= 2) {
@@ -133,6 +145,8 @@ TEST(Fsdp, EveryLayoutMatchesOneRank) {
 
 TEST(Fsdp, NoReshardAfterForwardAndRecomputeMatchOneRank) {
   const int world = plm::dist::worldSize();
+  plm::dist::Backend backend;
+  if (!backendFor(MPI_COMM_WORLD, &backend)) GTEST_SKIP() << "ranks share a GPU: no NCCL";
   plm::train::FsdpOptions keep;
   keep.poison = true;
   keep.reshard_after_forward = false;
@@ -173,12 +187,14 @@ TEST(Fsdp, PoisonCatchesAReadBeforeTheAllGather) {
   const int world = plm::dist::worldSize();
   const Esm2Config config = tinyConfig();
   plm::dist::ProcessGroups groups(MPI_COMM_WORLD, world);
+  plm::dist::Backend backend;
+  if (!backendFor(groups.shard(), &backend)) GTEST_SKIP() << "ranks share a GPU: no NCCL";
   Esm2<float> model(config);
   model.initialize(11);
   plm::train::FsdpOptions o;
   o.poison = true;
   plm::train::Fsdp<float> fsdp(model, groups.shard(), groups.replicate(),
-                               plm::train::AdamWOptions{}, o);
+                               plm::train::AdamWOptions{}, o, backend);
   // Resharded: the model's own buffers hold no parameter.
   for (double p : hostCopy(model.parameters())) ASSERT_TRUE(std::isnan(p));
   auto batch = plm::test::globalStep(7, 1, 1, 3)[0];
