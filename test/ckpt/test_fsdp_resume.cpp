@@ -6,6 +6,7 @@
 // to 1e-5 relative; the reference is plain data parallelism on all 4 ranks.
 #include "tiny_run.hpp"
 
+#include "core/error.hpp"
 #include "dist/runtime.hpp"
 
 #include <gtest/gtest.h>
@@ -56,7 +57,7 @@ struct Layout {
 };
 
 TEST(FsdpResume, ShardedCheckpointResumesOnAnyLayout) {
-  ASSERT_EQ(plm::dist::worldSize(), 4) << "this test runs at 4 ranks";
+  if (plm::dist::worldSize() != 4) GTEST_SKIP() << "this test runs at 4 ranks";
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fsdp");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   plm::data::Cursor reference_cursor;
@@ -86,6 +87,30 @@ TEST(FsdpResume, ShardedCheckpointResumesOnAnyLayout) {
           << run << " step " << got[i].step << ": " << got[i].loss << " vs " << reference[i].loss;
     }
     EXPECT_EQ(cursor, reference_cursor) << run;
+  }
+  plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
+}
+
+// A layout that does not multiply to the rank count stops the trainer with both numbers named.
+TEST(FsdpResume, BadLayoutIsRefusedWithBothNumbers) {
+  const int world = plm::dist::worldSize();
+  const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fsdp_bad");
+  plm::test::writeTinyDataset(dir + "/train.h5", 16, 9, MPI_COMM_WORLD);
+  const std::vector<std::string> bad = {"parallel.shard_degree=2",
+                                        "parallel.replicate_degree=" + std::to_string(world + 1)};
+  try {
+    plm::train::Trainer t(tinyDeck(dir, "bad", bad), MPI_COMM_WORLD);
+    ADD_FAILURE() << "an impossible layout was accepted";
+  } catch (const plm::Error& e) {
+    const std::string m = e.what();
+    if (world % 2 == 0) {
+      EXPECT_NE(m.find("shard_degree 2 x replicate_degree " + std::to_string(world + 1)),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("the job has " + std::to_string(world) + " ranks"), std::string::npos) << m;
+    } else {
+      EXPECT_NE(m.find("parallel.shard_degree: 2"), std::string::npos) << m;
+    }
   }
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
