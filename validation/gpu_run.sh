@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
-#                                       and, on request: compare ctest e2e plan ckpt_async
+#                                       and, on request: compare ctest e2e plan ckpt_async fsdp
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/performance.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
@@ -146,6 +146,18 @@ if has plan && [[ -x "$pkg/bin/plm" ]]; then
     --csv "$out/plan_accuracy.csv" "$out"/train_*.log > "$out/plan_accuracy.md" 2>&1
   note "plan_accuracy ($gpu_kind) rc=$? (0: every point within 10% memory / 15% tokens/s)"
   cat "$out/plan_accuracy.md" | tee -a "$summary"
+fi
+
+fsdp_test=$pkg/tree/test/train/test_train_fsdp  # packaged with PLM_PKG_CTEST=1
+if has fsdp && [[ -x "$fsdp_test" ]]; then
+  # Sharded data parallelism over NCCL (fp32; one GPU per rank: nvidia-h200-x2 / -x4): every
+  # layout against one rank, and the poison test.  On one GPU shared by ranks it skips.
+  for np in 2 4; do
+    log="$out/fsdp_np$np.log"
+    timeout 300 mpiexec -n $np --oversubscribe "$fsdp_test" > "$log" 2>&1
+    note "test_train_fsdp np$np rc=$?"
+    grep -E "ranks:|PASSED|FAILED|SKIPPED|Failure" "$log" | tee -a "$summary"
+  done
 fi
 
 if has parity && [[ -x "$pkg/bin/gpu_parity_dump" ]]; then

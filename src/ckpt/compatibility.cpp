@@ -7,7 +7,8 @@
 //    shape is compared on the resolved config (a preset and the same explicit sizes agree) and
 //    the dataset on its identity (sequence and residue counts), not on the path text;
 //  - harmless: how long and how visibly the run goes on, where it writes, the checkpoint
-//    cadence, and keys whose effect was fixed by the checkpoint (train.seed only initializes);
+//    cadence, the sharding layout (parallel.*, except reduce_dtype), and keys whose effect was
+//    fixed by the checkpoint (train.seed only initializes);
 //  - training: anything else (optimizer, schedule, data.tokens_per_batch, precision, keys this
 //    version does not know) is allowed, since people do change the learning rate of a running
 //    job, but warned about: from here on the run is not the one the checkpoint came from.
@@ -63,7 +64,9 @@ const std::set<std::string>& harmlessKeys() {
       "train.steps", "train.log_every", "train.eval_every", "train.run_dir", "train.seed",
       "train.peak_tflops", "train.log_all_ranks", "train.on_nonfinite", "train.step_timeout",
       "checkpoint.dir", "checkpoint.every", "checkpoint.keep", "checkpoint.resume",
-      "checkpoint.async"};
+      "checkpoint.async",
+      // the layout changes who holds which slice, not what is computed (doc/parallelism.md)
+      "parallel.shard_degree", "parallel.replicate_degree", "parallel.reshard_after_forward"};
   // clang-format on
   return keys;
 }

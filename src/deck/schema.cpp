@@ -65,6 +65,8 @@ const std::vector<SectionSpec>& sections() {
       {"schedule", "Learning rate: linear warm-up, then decay to a fraction of optimizer.lr."},
       {"train", "The training run: length, logging, evaluation, precision, run directory."},
       {"checkpoint", "Checkpoints (one HDF5 file each) and resuming."},
+      {"parallel",
+       "Sharded data parallelism: FSDP (ZeRO-3) and HSDP layouts (doc/parallelism.md)."},
   };
   return table;
 }
@@ -176,6 +178,25 @@ const std::vector<KeySpec>& keys() {
        "(exit 124); 0 = 20 x the median step time once 10 steps ran, at least 300 s (1800 s "
        "before that, and for evaluations and checkpoint saves).",
        atLeast(0), {}},
+      // parallel
+      {"parallel", "shard_degree", K::integer, "1",
+       "Ranks each parameter, its gradient and its AdamW state are sharded over (consecutive "
+       "ranks). 1 = plain data parallelism (every rank holds the whole model); 0 = all ranks of "
+       "a node. shard_degree x replicate_degree must equal the rank count.",
+       atLeast(0), {}},
+      {"parallel", "replicate_degree", K::integer, "0",
+       "Copies of the sharded model (gradient shards are all-reduced across them); 0 = the "
+       "rest, rank count / shard_degree.",
+       atLeast(0), {}},
+      {"parallel", "reshard_after_forward", K::boolean, "true",
+       "Free a layer's gathered parameters after its forward and all-gather them again before "
+       "its backward (less memory, one more all-gather per layer); false keeps them to the "
+       "backward.",
+       any(), {}},
+      {"parallel", "reduce_dtype", K::text, "fp32",
+       "Element type of the gradient reduce-scatter. Only fp32 is implemented; bf16 is "
+       "reserved and refused.",
+       any(), {"fp32", "bf16"}},
       // checkpoint
       {"checkpoint", "dir", K::text, "run/ckpt", "Directory of the checkpoint files.", any(), {},
        true},

@@ -6,9 +6,11 @@
 #include "deck/deck.hpp"
 #include "dist/allreduce.hpp"
 #include "dist/communicator.hpp"
+#include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
 #include "io/model_file.hpp"
 #include "train/blas_threads.hpp"
+#include "train/fsdp.hpp"
 #include "train/preemption.hpp"
 
 #include <Teuchos_Array.hpp>
@@ -129,6 +131,8 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
       std::make_unique<AdamW<param_t>>(model_member->parameters(), model_member->tensors(), adam,
                                        esm2FrozenRanges(model_member->tensors(), config.hidden));
 
+  setUpSharding(*deck, adam);
+
   total_steps_member = t.get<int>("steps");
   log_every_member = std::max(1, t.get<int>("log_every"));
   eval_every_member = t.get<int>("eval_every");
@@ -205,6 +209,34 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
 
 Trainer::~Trainer() = default;
 
+void Trainer::setUpSharding(const Teuchos::ParameterList& deck, const AdamWOptions& adam) {
+  if (!deck.isSublist("parallel")) return;
+  const auto& p = deck.sublist("parallel");
+  const ParallelLayout layout = resolveLayout(
+      p.get<int>("shard_degree"), p.get<int>("replicate_degree"), world_member, dist::localSize());
+  if (p.get<std::string>("reduce_dtype") != "fp32")
+    throw collectiveError("parallel.reduce_dtype: " + p.get<std::string>("reduce_dtype") +
+                          " is not implemented yet; use fp32");
+  if (layout.shard == 1) return;  // plain data parallelism: the gradient-bucket path
+  if (model_member->config().precision != model::Precision::Fp32)
+    throw collectiveError("parallel.shard_degree " + std::to_string(layout.shard) +
+                          " needs train.precision: fp32 (the bf16 compute copy is not gathered "
+                          "per layer yet); use fp32 or parallel.shard_degree: 1");
+  groups_member = std::make_unique<dist::ProcessGroups>(comm_member, layout.shard);
+  FsdpOptions fo;
+  fo.reshard_after_forward = p.get<bool>("reshard_after_forward");
+  fsdp_member = std::make_unique<Fsdp<param_t>>(*model_member, groups_member->shard(),
+                                                groups_member->replicate(), adam, fo,
+                                                dist::defaultBackend(groups_member->shard()));
+  const FsdpMemory mem = fsdp_member->plannedMemory();
+  log::info(
+      "parallel: shard %d x replicate %d; planned bytes per rank: parameters %s, gradients %s, "
+      "optimizer %s (shards), gathered model buffers %s, collective staging %s",
+      layout.shard, layout.replicate, formatBytes(mem.params).c_str(),
+      formatBytes(mem.grads).c_str(), formatBytes(mem.optimizer).c_str(),
+      formatBytes(mem.gathered).c_str(), formatBytes(mem.staging).c_str());
+}
+
 void Trainer::restore(const TrainState& state) {
   state_member = state;
   train_loader_member->seek(state.cursor);
@@ -213,8 +245,11 @@ void Trainer::restore(const TrainState& state) {
 
 BatchStats Trainer::validate() {
   if (!valid_loader_member) return BatchStats{};
-  return evaluate(ExecSpace(), *model_member, *valid_loader_member, valid_max_steps_member,
-                  comm_member);
+  if (fsdp_member) fsdp_member->gatherAll(ExecSpace());
+  BatchStats v = evaluate(ExecSpace(), *model_member, *valid_loader_member, valid_max_steps_member,
+                          comm_member);
+  if (fsdp_member) fsdp_member->reshardAll(ExecSpace());
+  return v;
 }
 
 Trainer::RunEnd Trainer::run() {
@@ -228,6 +263,9 @@ Trainer::RunEnd Trainer::run() {
   PLM_CHECK_MPI(MPI_Barrier(comm_member));
   if (hooks_member.on_start) hooks_member.on_start(*this);
   logPlan();
+  if (fsdp_member)  // the (possibly restored) full-layout state becomes this rank's shards
+    fsdp_member->importFull(ExecSpace(), optimizer_member->master(), optimizer_member->expAvg(),
+                            optimizer_member->expAvgSq(), optimizer_member->stepCount());
 
   const ExecSpace space;
   if (state_member.step >= total_steps_member)
@@ -255,12 +293,23 @@ Trainer::RunEnd Trainer::run() {
           "train: step %lld: skipping the batch that gave non-finite values before the "
           "rollback",
           static_cast<long long>(step));
+    } else if (fsdp_member) {
+      st = fsdp_member->step(space, local, lr, clip_norm_member, comm_member);
     } else {
       const BatchStats batch = accumulateGradients(space, *model_member, local, comm_member);
       injectFaults(step, true);
       st = finishStep(space, *model_member, *optimizer_member, batch, lr, clip_norm_member);
     }
     phase::set("between steps");
+    if (steps_this_run_member == 0) {
+      const double used = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
+      const double acts =
+          dist::allreduceMax(static_cast<double>(model_member->workspaceBytes()), comm_member);
+      log::info(
+          "memory: after the first step %s in use on the fullest rank, of which the activation "
+          "workspace at this micro-batch size is %s",
+          formatBytes(used).c_str(), formatBytes(acts).c_str());
+    }
     const double t1 = now();
     watchdog.disarm(t1 - t0);
     if (st.nonfinite && !skip_batches_member.count(step) && handleNonfinite(step, st)) {
@@ -319,7 +368,7 @@ Trainer::RunEnd Trainer::run() {
     if (saved) {
       watchdog.arm(step, "checkpoint save after step", true);
       phase::set("checkpoint save");
-      hooks_member.on_save(*this, last);
+      fullStateForSave(space, [&] { hooks_member.on_save(*this, last); });
       watchdog.disarm(0);
     }
     phase::set("stop-signal agreement all-reduce (MPI)");
@@ -332,7 +381,7 @@ Trainer::RunEnd Trainer::run() {
       logEvent("stop_signal", step, f);
       watchdog.arm(step, "checkpoint save after a stop signal, step", true);
       phase::set("checkpoint save (stop signal)");
-      if (hooks_member.on_stop) hooks_member.on_stop(*this);
+      if (hooks_member.on_stop) fullStateForSave(space, [&] { hooks_member.on_stop(*this); });
       watchdog.disarm(0);
       log::info(
           "train: stopped after step %lld; exit status %d asks the job script to requeue "
@@ -344,6 +393,16 @@ Trainer::RunEnd Trainer::run() {
   }
   writeFinalModel();
   return RunEnd::Completed;
+}
+
+void Trainer::fullStateForSave(const ExecSpace& space, const std::function<void()>& save) {
+  if (fsdp_member) {  // checkpoints read the full-layout state
+    fsdp_member->exportFull(space, optimizer_member->master(), optimizer_member->expAvg(),
+                            optimizer_member->expAvgSq());
+    optimizer_member->setStepCount(fsdp_member->optimizer().stepCount());
+  }
+  save();
+  if (fsdp_member) fsdp_member->reshardAll(space);
 }
 
 void Trainer::logPlan() {
@@ -462,6 +521,7 @@ void Trainer::writeFinalModel() {
   // The trained weights as a plm model file (what `plm eval --model`, `plm embed` and
   // `plm convert --to-hf` read), independent of the checkpoint module's schedule.
   const std::string path = run_dir_member + "/model.h5";
+  if (fsdp_member) fsdp_member->gatherAll(ExecSpace());
   io::ModelAttributes extra;
   extra.integers["step"] = state_member.step;
   extra.integers["tokens_seen"] = state_member.tokens_seen;

@@ -28,7 +28,13 @@
 #include <set>
 #include <string>
 
+namespace plm::dist {
+class ProcessGroups;
+}
+
 namespace plm::train {
+
+template <class P> class Fsdp;
 
 /// Where training stands; what a checkpoint's /state holds besides the tensors.
 struct TrainState {
@@ -123,12 +129,19 @@ class Trainer {
   void logPlan();  // the run's plan: one log line and a "start" event (collective)
   bool handleNonfinite(std::int64_t step, const StepStats& st);  // true: rolled back
   void injectFaults(std::int64_t step, bool after_gradients);    // PLM_TEST_* (tests only)
+  void setUpSharding(const Teuchos::ParameterList& deck, const AdamWOptions& adam);
+  /// Runs `save` with the full-layout optimizer state in place (sharded runs gather it first).
+  void fullStateForSave(const ExecSpace& space, const std::function<void()>& save);
 
   Teuchos::RCP<const Teuchos::ParameterList> deck_member;
   MPI_Comm comm_member;
   int rank_member = 0, world_member = 1;
   std::unique_ptr<model::Esm2<param_t>> model_member;
   std::unique_ptr<AdamW<param_t>> optimizer_member;
+  // parallel.shard_degree > 1: the sharding engine; optimizer_member then holds the
+  // full-layout state only for checkpoints (exported before a save, imported after a restore).
+  std::unique_ptr<dist::ProcessGroups> groups_member;
+  std::unique_ptr<Fsdp<param_t>> fsdp_member;
   std::unique_ptr<data::Loader> train_loader_member;
   std::unique_ptr<data::Loader> valid_loader_member;  // null without a validation set
   std::int64_t valid_max_steps_member = 0;            // 0 = the whole validation pass

@@ -1,0 +1,141 @@
+// Sharded data parallelism (ZeRO-3 / FSDP, and HSDP with replicas) of ESM-2 over the
+// dist::Communicator: each rank of a shard group owns a contiguous 1/shard slice of every
+// sharding unit of the flat FP32 master buffer, of its gradient and of the AdamW state.
+//
+// Design choices:
+//  - Units follow the order backward finalises gradients (train::backwardOrderRanges): the head
+//    (final LayerNorm, LM head), one unit per encoder layer, the embeddings.  Each unit is padded
+//    to a multiple of the shard size; rank s owns elements [s * slice, (s + 1) * slice) of each
+//    padded unit, stored back to back in its shard buffers (FSDP1's flat parameter per unit).
+//  - The model keeps computing on views into its own flat buffers; those are the *gathered*
+//    buffers.  A unit's range holds valid parameters only between its all-gather and its
+//    reshard; with `poison` the range is filled with NaN when resharded, so a read before the
+//    next all-gather completed turns the loss into NaN (the poison test).
+//  - Collectives come from the layer hooks in one order on every rank: the embeddings and head
+//    before each micro-batch, layer l at beforeForward(l) with layer l+1's all-gather
+//    prefetched into the second staging buffer, again before the layer's backward (layer l-1
+//    prefetched) when resharding after forward; in the last micro-batch each unit's gradient is
+//    reduce-scattered (FP32) as soon as it is final, through two alternating send buffers.  Ranks
+//    with fewer micro-batches run the same hook sequence without computing.  The replicas then
+//    all-reduce the gradient shards in one call.
+//  - AdamW (train/adamw.hpp) runs unchanged on the shard: its tensor table is the model's cut
+//    to this rank's slices, so decay flags and the frozen <pad> row carry over.  The global
+//    gradient norm is one all-reduce of the shards' partial sums of squares.
+#pragma once
+
+#include "core/types.hpp"
+#include "data/batch.hpp"
+#include "dist/communicator.hpp"
+#include "model/esm2.hpp"
+#include "train/adamw.hpp"
+#include "train/step.hpp"
+
+#include <mpi.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace plm::train {
+
+struct FsdpOptions {
+  bool reshard_after_forward = true;  // all-gather again before each layer's backward
+  bool poison = false;                // fill resharded ranges with NaN (tests, debugging)
+};
+
+/// The sharded layout of a job: shard_degree x replicate_degree = ranks.
+struct ParallelLayout {
+  int shard = 1;
+  int replicate = 1;
+};
+
+/// \brief Resolves the deck's parallel.shard_degree and parallel.replicate_degree (0 = default:
+/// shard over the `node_ranks` ranks of a node, replicate over the rest) for `world` ranks.
+/// Throws a collective plm::Error naming both numbers when they do not multiply to `world`.
+ParallelLayout resolveLayout(int shard_degree, int replicate_degree, int world, int node_ranks);
+
+/// One sharding unit: [offset, offset + count) of the model's flat buffer, padded to
+/// slice * shard elements; this rank's slice starts at `local` in the shard buffers.
+struct ShardUnit {
+  std::int64_t offset = 0;
+  std::int64_t count = 0;
+  std::int64_t slice = 0;
+  std::int64_t local = 0;
+};
+
+/// \brief The units of a model with `tensors` over a flat buffer of `buffer_size` elements,
+/// sharded `shard` ways, in backward order (head, layers L-1..0, embeddings).
+std::vector<ShardUnit> planShardUnits(const std::vector<model::TensorInfo>& tensors,
+                                      std::int64_t buffer_size, int shard);
+
+/// \brief `tensors` cut to the slices `rank` owns, with offsets into the shard buffer (pieces
+/// keep the tensor's name and decay flag; their shape is the flat piece length).
+std::vector<model::TensorInfo> shardTensorTable(const std::vector<model::TensorInfo>& tensors,
+                                                const std::vector<ShardUnit>& units, int shard,
+                                                int rank);
+
+/// Bytes one rank holds for a sharded model (planned, per rank).
+struct FsdpMemory {
+  std::int64_t params = 0;     // master shard
+  std::int64_t grads = 0;      // gradient shard
+  std::int64_t optimizer = 0;  // AdamW moments of the shard
+  std::int64_t gathered = 0;   // the model's gathered buffers (parameters + gradients)
+  std::int64_t staging = 0;    // all-gather and reduce-scatter staging buffers
+};
+
+template <class P> class Fsdp {
+ public:
+  /// \brief Collective over `shard` and `replicate`.  Takes the model's current parameters
+  /// (identical on every rank, e.g. after initialize(seed)) as the initial shards.
+  Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate, const AdamWOptions& adamw,
+       const FsdpOptions& options = {}, dist::Backend backend = dist::Backend::Mpi);
+  ~Fsdp();
+  Fsdp(const Fsdp&) = delete;
+  Fsdp& operator=(const Fsdp&) = delete;
+
+  /// \brief One optimizer step over this rank's micro-batches (trainStep's contract, with the
+  /// world `comm` for the batch counts): gathered forward/backward, reduce-scattered gradients,
+  /// clipping by the global norm, AdamW on the local shard.
+  StepStats step(const ExecSpace& space, const std::vector<data::MicroBatch>& local, double lr,
+                 double clip_norm, MPI_Comm comm);
+
+  /// \brief All-gathers every unit into the model's buffers (evaluation, checkpoints).
+  void gatherAll(const ExecSpace& space);
+  /// \brief Reshards every unit (with `poison`: NaN in the model's buffers).
+  void reshardAll(const ExecSpace& space);
+
+  /// \brief Writes the whole-model state into full-layout views (every rank gets all of it):
+  /// parameters into the model's buffers, master and AdamW moments into `master`, `exp_avg`,
+  /// `exp_avg_sq` (the unsharded optimizer's views, which checkpoints read).  Collective.
+  void exportFull(const ExecSpace& space, View1<master_t> master, View1<master_t> exp_avg,
+                  View1<master_t> exp_avg_sq);
+  /// \brief Takes this rank's shards from full-layout views (after a checkpoint restore into
+  /// them) and the optimizer step count; the inverse of exportFull.  No communication.
+  void importFull(const ExecSpace& space, View1<master_t> master, View1<master_t> exp_avg,
+                  View1<master_t> exp_avg_sq, std::int64_t step_count);
+
+  /// \brief This rank's parameter shard (master type; padding elements are 0).
+  View1<P> shardParameters() const;
+  View1<P> shardGradients() const;
+  AdamW<P>& optimizer();
+  const std::vector<ShardUnit>& units() const;
+  int shardSize() const;
+  int shardRank() const;
+  FsdpMemory plannedMemory() const;
+
+  /// \brief The hooks the step installs (exposed so tests can wrap them).
+  model::LayerHooks& hooks();
+  /// \brief Runs one micro-batch under `hooks` (default: the engine's own); `last` marks the
+  /// one whose backward reduce-scatters.  nullptr batch: this rank only joins the collectives.
+  double microBatch(const ExecSpace& space, const data::MicroBatch* batch, double grad_scale,
+                    bool last, model::LayerHooks* hooks = nullptr);
+  /// \brief Waits for the reduce-scatters and all-reduces the shards over the replicas.
+  void finishGradients(const ExecSpace& space);
+
+  struct Impl;
+
+ private:
+  Impl* impl_member;
+};
+
+}  // namespace plm::train

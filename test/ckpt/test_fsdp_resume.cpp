@@ -1,0 +1,118 @@
+// Checkpoints of sharded runs (parallel.shard_degree > 1) resume on any layout, inside one
+// 4-rank job: the first N ranks train 3 steps under layout A and checkpoint, then the first M
+// ranks resume under layout B for 3 more: shard 4 -> shard 2 (x replicate 1), shard 4 -> one
+// rank, 2 shard x 2 replicate -> shard 4.  Each continued run must see exactly the uninterrupted
+// data-parallel run's data (token and masked counts per step, final cursor) and reach its losses
+// to 1e-5 relative; the reference is plain data parallelism on all 4 ranks.
+#include "tiny_run.hpp"
+
+#include "core/error.hpp"
+#include "dist/runtime.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <functional>
+
+namespace {
+
+using plm::test::tinyDeck;
+
+struct Record {
+  std::int64_t step = 0, tokens = 0, masked = 0;
+  double loss = 0;
+};
+
+void onFirstRanks(int n, const std::function<void(MPI_Comm)>& body) {
+  MPI_Comm sub = MPI_COMM_NULL;
+  const int rank = plm::dist::worldRank();
+  MPI_Comm_split(MPI_COMM_WORLD, rank < n ? 0 : MPI_UNDEFINED, rank, &sub);
+  if (sub != MPI_COMM_NULL) {
+    body(sub);
+    MPI_Comm_free(&sub);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+std::vector<Record> train(Teuchos::RCP<Teuchos::ParameterList> deck, MPI_Comm comm,
+                          plm::data::Cursor* final_cursor = nullptr) {
+  std::vector<Record> records;
+  plm::train::Trainer t(deck, comm);
+  plm::train::Trainer::Hooks extra;
+  extra.on_step = [&](plm::train::Trainer& tr, const plm::train::StepStats& s) {
+    records.push_back({tr.state().step, s.tokens, s.masked, s.loss()});
+  };
+  plm::ckpt::installHooks(t, extra);
+  t.run();
+  if (final_cursor) *final_cursor = t.state().cursor;
+  return records;
+}
+
+struct Layout {
+  int ranks, shard;
+  std::string name() const { return std::to_string(ranks) + "r_s" + std::to_string(shard); }
+  std::vector<std::string> deck(const std::string& steps) const {
+    return {"train.steps=" + steps, "parallel.shard_degree=" + std::to_string(shard)};
+  }
+};
+
+TEST(FsdpResume, ShardedCheckpointResumesOnAnyLayout) {
+  if (plm::dist::worldSize() != 4) GTEST_SKIP() << "this test runs at 4 ranks";
+  const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fsdp");
+  plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
+  plm::data::Cursor reference_cursor;
+  const auto reference =
+      train(tinyDeck(dir, "reference", {"checkpoint.every=0"}), MPI_COMM_WORLD, &reference_cursor);
+  ASSERT_EQ(reference.size(), 6u);
+
+  for (auto [a, b] : {std::pair{Layout{4, 4}, Layout{2, 2}}, std::pair{Layout{4, 4}, Layout{1, 1}},
+                      std::pair{Layout{4, 2}, Layout{4, 4}}}) {
+    const std::string run = a.name() + "_to_" + b.name();
+    std::vector<Record> got;
+    plm::data::Cursor cursor;
+    onFirstRanks(a.ranks,
+                 [&](MPI_Comm comm) { got = train(tinyDeck(dir, run, a.deck("3")), comm); });
+    ASSERT_EQ(plm::ckpt::listCheckpoints(dir + "/" + run + "/ckpt").size(), 1u) << run;
+    onFirstRanks(b.ranks, [&](MPI_Comm comm) {
+      auto more = train(tinyDeck(dir, run, b.deck("6")), comm, &cursor);
+      got.insert(got.end(), more.begin(), more.end());
+    });
+    if (plm::dist::worldRank() != 0) continue;  // rank 0 took part in every run
+    ASSERT_EQ(got.size(), reference.size()) << run;
+    for (std::size_t i = 0; i < got.size(); ++i) {
+      EXPECT_EQ(got[i].step, reference[i].step) << run;
+      EXPECT_EQ(got[i].tokens, reference[i].tokens) << run << " step " << got[i].step;
+      EXPECT_EQ(got[i].masked, reference[i].masked) << run << " step " << got[i].step;
+      EXPECT_LE(std::abs(got[i].loss - reference[i].loss), 1e-5 * std::abs(reference[i].loss))
+          << run << " step " << got[i].step << ": " << got[i].loss << " vs " << reference[i].loss;
+    }
+    EXPECT_EQ(cursor, reference_cursor) << run;
+  }
+  plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
+}
+
+// A layout that does not multiply to the rank count stops the trainer with both numbers named.
+TEST(FsdpResume, BadLayoutIsRefusedWithBothNumbers) {
+  const int world = plm::dist::worldSize();
+  const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fsdp_bad");
+  plm::test::writeTinyDataset(dir + "/train.h5", 16, 9, MPI_COMM_WORLD);
+  const std::vector<std::string> bad = {"parallel.shard_degree=2",
+                                        "parallel.replicate_degree=" + std::to_string(world + 1)};
+  try {
+    plm::train::Trainer t(tinyDeck(dir, "bad", bad), MPI_COMM_WORLD);
+    ADD_FAILURE() << "an impossible layout was accepted";
+  } catch (const plm::Error& e) {
+    const std::string m = e.what();
+    if (world % 2 == 0) {
+      EXPECT_NE(m.find("shard_degree 2 x replicate_degree " + std::to_string(world + 1)),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("the job has " + std::to_string(world) + " ranks"), std::string::npos) << m;
+    } else {
+      EXPECT_NE(m.find("parallel.shard_degree: 2"), std::string::npos) << m;
+    }
+  }
+  plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
+}
+
+}  // namespace

@@ -1,0 +1,268 @@
+// Sharded data parallelism (train/fsdp.hpp) against the single-rank reference:
+//  - every layout the world size allows (shard 1, 2, 4; 2 shard x 2 replicate at 4 ranks), with
+//    and without resharding after forward and with layer recomputation, trains 20 AdamW steps
+//    whose losses match trainStep on one rank with all micro-batches to 1e-5 relative, and ends
+//    with the same parameters (gathered, to 1e-5 of the largest);
+//  - 5 micro-batches per step, so at 2 and 4 ranks some ranks have one fewer and only join the
+//    collectives (the idle path);
+//  - poison: resharded ranges are NaN, so a layer whose all-gather is skipped (its
+//    beforeForward hook swallowed) turns the loss into NaN, while the engine's own hooks keep
+//    every loss finite: no layer is read before its all-gather completed.
+//  - the shard plan: slices cover every unit, the cut tensor table covers each tensor once.
+#include "batches.hpp"
+#include "core/error.hpp"
+#include "dist/process_groups.hpp"
+#include "dist/runtime.hpp"
+#include "train/fsdp.hpp"
+#include "train/schedule.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+namespace {
+
+using plm::ExecSpace;
+using plm::model::Esm2;
+using plm::model::Esm2Config;
+
+Esm2Config tinyConfig() {
+  Esm2Config c;
+  c.num_layers = 3;
+  c.hidden = 32;
+  c.heads = 4;
+  c.ffn = 64;
+  return c;
+}
+
+constexpr int steps = 20;
+constexpr int micro_per_step = 5;
+
+std::vector<double> hostCopy(plm::View1<float> v) {
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
+  return std::vector<double>(h.data(), h.data() + h.extent(0));
+}
+
+plm::train::ScheduleOptions schedule() {
+  plm::train::ScheduleOptions s;
+  s.peak_lr = 3e-3;
+  s.warmup_steps = 4;
+  s.decay_steps = steps;
+  return s;
+}
+
+struct TrainRun {
+  std::vector<double> losses;
+  std::vector<double> params;
+};
+
+TrainRun reference(const Esm2Config& config) {
+  Esm2<float> model(config);
+  model.initialize(11);
+  plm::train::AdamW<float> opt(model.parameters(), model.tensors(), plm::train::AdamWOptions{},
+                               plm::train::esm2FrozenRanges(model.tensors(), config.hidden));
+  TrainRun r;
+  for (int step = 1; step <= steps; ++step) {
+    auto global = plm::test::globalStep(42, step, micro_per_step, 3);
+    auto st = plm::train::trainStep(ExecSpace(), model, opt, global,
+                                    plm::train::learningRate(schedule(), step), 0.5, MPI_COMM_SELF);
+    r.losses.push_back(st.loss());
+  }
+  r.params = hostCopy(model.parameters());
+  return r;
+}
+
+// The backend for the model's memory: NCCL with one GPU per rank, MPI on host memory.  Device
+// memory with ranks sharing a GPU (the single-GPU CUDA ctest) has no backend: skipped.
+bool backendFor(MPI_Comm shard, plm::dist::Backend* backend) {
+  *backend = plm::dist::defaultBackend(shard);
+  return *backend == plm::dist::Backend::Nccl ||
+         Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible;
+}
+
+TrainRun sharded(const Esm2Config& config, int shard, const plm::train::FsdpOptions& options) {
+  const int rank = plm::dist::worldRank(), world = plm::dist::worldSize();
+  plm::dist::ProcessGroups groups(MPI_COMM_WORLD, shard);
+  Esm2<float> model(config);
+  model.initialize(11);
+  plm::dist::Backend backend;
+  backendFor(groups.shard(), &backend);
+  plm::train::Fsdp<float> fsdp(model, groups.shard(), groups.replicate(),
+                               plm::train::AdamWOptions{}, options, backend);
+  TrainRun r;
+  for (int step = 1; step <= steps; ++step) {
+    auto global = plm::test::globalStep(42, step, micro_per_step, 3);
+    std::vector<plm::data::MicroBatch> local;
+    for (int j = 0; j < micro_per_step; ++j)
+      if (j % world == rank) local.push_back(global[j]);
+    auto st = fsdp.step(ExecSpace(), local, plm::train::learningRate(schedule(), step), 0.5,
+                        MPI_COMM_WORLD);
+    r.losses.push_back(st.loss());
+  }
+  fsdp.gatherAll(ExecSpace());
+  r.params = hostCopy(model.parameters());
+  return r;
+}
+
+void expectSame(const TrainRun& ref, const TrainRun& got, const std::string& what) {
+  ASSERT_EQ(ref.losses.size(), got.losses.size());
+  double worst = 0;
+  for (std::size_t s = 0; s < ref.losses.size(); ++s) {
+    const double rel = std::abs(got.losses[s] - ref.losses[s]) / std::abs(ref.losses[s]);
+    worst = std::max(worst, rel);
+    EXPECT_LE(rel, 1e-5) << what << ", step " << s + 1 << ": " << got.losses[s] << " vs "
+                         << ref.losses[s];
+  }
+  EXPECT_LT(ref.losses.back(), ref.losses.front()) << "training did not reduce the loss";
+  ASSERT_EQ(ref.params.size(), got.params.size());
+  double max_abs = 0, max_diff = 0;
+  for (std::size_t i = 0; i < ref.params.size(); ++i) {
+    max_abs = std::max(max_abs, std::abs(ref.params[i]));
+    max_diff = std::max(max_diff, std::abs(ref.params[i] - got.params[i]));
+  }
+  EXPECT_LE(max_diff, 1e-5 * max_abs) << what << ": parameters after the run differ";
+  if (plm::dist::worldRank() == 0)
+    std::printf("%s on %d ranks: worst relative loss difference %.3g, parameters %.3g\n",
+                what.c_str(), plm::dist::worldSize(), worst, max_diff / max_abs);
+}
+
+TEST(Fsdp, EveryLayoutMatchesOneRank) {
+  const int world = plm::dist::worldSize();
+  plm::dist::Backend backend;
+  if (!backendFor(MPI_COMM_WORLD, &backend)) GTEST_SKIP() << "ranks share a GPU: no NCCL";
+  const Esm2Config config = tinyConfig();
+  const TrainRun ref = reference(config);
+  for (int shard = 1; shard <= world; shard *= 2) {
+    plm::train::FsdpOptions o;
+    o.poison = true;  // any read outside a gather shows up as NaN in the loss
+    expectSame(ref, sharded(config, shard, o),
+               "shard " + std::to_string(shard) + " x replicate " + std::to_string(world / shard));
+  }
+}
+
+TEST(Fsdp, NoReshardAfterForwardAndRecomputeMatchOneRank) {
+  const int world = plm::dist::worldSize();
+  plm::dist::Backend backend;
+  if (!backendFor(MPI_COMM_WORLD, &backend)) GTEST_SKIP() << "ranks share a GPU: no NCCL";
+  plm::train::FsdpOptions keep;
+  keep.poison = true;
+  keep.reshard_after_forward = false;
+  expectSame(reference(tinyConfig()), sharded(tinyConfig(), world, keep),
+             "reshard_after_forward false");
+  Esm2Config rc = tinyConfig();
+  rc.recompute = plm::model::Recompute::Layer;
+  plm::train::FsdpOptions poison;
+  poison.poison = true;
+  expectSame(reference(rc), sharded(rc, world, poison), "recompute layer");
+}
+
+// Forwards every hook but the last layer's beforeForward: that layer's forward then reads its
+// parameters before their all-gather completed.  The collective sequence is unchanged (the
+// layer's all-gather was prefetched by the layer before and is consumed before its backward),
+// so every rank stays in step.
+class SkipGather : public plm::model::LayerHooks {
+ public:
+  SkipGather(plm::model::LayerHooks& inner, int skip) : inner_member(inner), skip_member(skip) {}
+  void beforeForward(int l) override {
+    if (l == skip_member && !backward_member) return;
+    inner_member.beforeForward(l);
+  }
+  void beforeBackward(int l) override {
+    backward_member = true;
+    inner_member.beforeBackward(l);
+  }
+  void afterBackward(int l) override { inner_member.afterBackward(l); }
+  void afterModelBackward() override { inner_member.afterModelBackward(); }
+
+ private:
+  plm::model::LayerHooks& inner_member;
+  int skip_member;
+  bool backward_member = false;
+};
+
+TEST(Fsdp, PoisonCatchesAReadBeforeTheAllGather) {
+  const int world = plm::dist::worldSize();
+  const Esm2Config config = tinyConfig();
+  plm::dist::ProcessGroups groups(MPI_COMM_WORLD, world);
+  plm::dist::Backend backend;
+  if (!backendFor(groups.shard(), &backend)) GTEST_SKIP() << "ranks share a GPU: no NCCL";
+  Esm2<float> model(config);
+  model.initialize(11);
+  plm::train::FsdpOptions o;
+  o.poison = true;
+  plm::train::Fsdp<float> fsdp(model, groups.shard(), groups.replicate(),
+                               plm::train::AdamWOptions{}, o, backend);
+  // Resharded: the model's own buffers hold no parameter.
+  for (double p : hostCopy(model.parameters())) ASSERT_TRUE(std::isnan(p));
+  auto batch = plm::test::globalStep(7, 1, 1, 3)[0];
+  const double good = fsdp.microBatch(ExecSpace(), &batch, 1.0, true);
+  fsdp.finishGradients(ExecSpace());
+  EXPECT_TRUE(std::isfinite(good)) << "the engine's own hooks read a resharded layer";
+  SkipGather skip(fsdp.hooks(), config.num_layers - 1);
+  const double bad = fsdp.microBatch(ExecSpace(), &batch, 1.0, true, &skip);
+  fsdp.finishGradients(ExecSpace());
+  EXPECT_TRUE(std::isnan(bad)) << "a layer read before its all-gather was not detected";
+}
+
+TEST(Fsdp, ShardPlanCoversEveryElementOnce) {
+  Esm2<float> model(tinyConfig());
+  const auto n = static_cast<std::int64_t>(model.parameters().extent(0));
+  for (int shard : {1, 2, 3, 4, 7}) {
+    const auto units = plm::train::planShardUnits(model.tensors(), n, shard);
+    ASSERT_EQ(static_cast<int>(units.size()), tinyConfig().num_layers + 2);
+    std::vector<int> covered(n, 0);
+    std::int64_t local = 0;
+    for (const auto& u : units) {
+      EXPECT_EQ(u.local, local);
+      EXPECT_GE(u.slice * shard, u.count);
+      EXPECT_LT(u.slice * shard - u.count, shard);
+      local += u.slice;
+      for (std::int64_t i = 0; i < u.count; ++i) ++covered[u.offset + i];
+    }
+    for (std::int64_t i = 0; i < n; ++i) ASSERT_EQ(covered[i], 1) << "element " << i;
+    // Each tensor element appears in exactly one rank's cut table.
+    std::int64_t tensor_total = 0, pieces_total = 0;
+    for (const auto& t : model.tensors()) tensor_total += t.size;
+    for (int r = 0; r < shard; ++r)
+      for (const auto& p : plm::train::shardTensorTable(model.tensors(), units, shard, r)) {
+        EXPECT_GE(p.offset, 0);
+        EXPECT_LE(p.offset + p.size, local);
+        pieces_total += p.size;
+      }
+    EXPECT_EQ(pieces_total, tensor_total) << "shard " << shard;
+  }
+}
+
+}  // namespace
+
+namespace {
+
+TEST(Fsdp, LayoutResolvesDefaultsAndNamesBothNumbers) {
+  using plm::train::resolveLayout;
+  auto l = resolveLayout(0, 0, 8, 4);  // a node's ranks x the rest
+  EXPECT_EQ(l.shard, 4);
+  EXPECT_EQ(l.replicate, 2);
+  l = resolveLayout(1, 0, 4, 4);
+  EXPECT_EQ(l.shard, 1);
+  EXPECT_EQ(l.replicate, 4);
+  l = resolveLayout(2, 2, 4, 4);
+  EXPECT_EQ(l.shard, 2);
+  EXPECT_EQ(l.replicate, 2);
+  l = resolveLayout(0, 0, 2, 4);  // fewer ranks than a node holds
+  EXPECT_EQ(l.shard, 2);
+  try {
+    resolveLayout(2, 3, 4, 4);
+    ADD_FAILURE() << "2 x 3 on 4 ranks accepted";
+  } catch (const plm::Error& e) {
+    const std::string m = e.what();
+    EXPECT_NE(m.find("shard_degree 2"), std::string::npos) << m;
+    EXPECT_NE(m.find("replicate_degree 3"), std::string::npos) << m;
+    EXPECT_NE(m.find("4 ranks"), std::string::npos) << m;
+  }
+  EXPECT_THROW(resolveLayout(3, 0, 4, 4), plm::Error);
+}
+
+}  // namespace
