@@ -870,6 +870,8 @@ template <class T> void Esm2<T>::setExpertParallel(dist::Communicator* comm) {
   im.expert_parallel = comm != nullptr && comm->size() > 1;
 }
 
+template <class T> bool Esm2<T>::expertParallel() const { return impl_member->expert_parallel; }
+
 template <class T> void Esm2<T>::setHooks(LayerHooks* hooks) { impl_member->hooks = hooks; }
 
 template <class T> void Esm2<T>::setProfiling(bool on) { impl_member->ctx.setProfiling(on); }

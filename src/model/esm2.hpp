@@ -147,6 +147,8 @@ template <class T> class Esm2 {
   /// size must divide moe.experts.  Collective: every rank of `comm` must then run the same
   /// sequence of passes (a rank without tokens passes an empty micro-batch).
   void setExpertParallel(dist::Communicator* comm);
+  /// \brief True when MoE layers exchange tokens with other ranks (passes are collective).
+  bool expertParallel() const;
 
   /// \brief Hooks around each layer (not owned; nullptr = none).
   void setHooks(LayerHooks* hooks);

@@ -259,7 +259,18 @@ template <class T> struct MoeMlp<T>::State {
     std::vector<std::int64_t> got(static_cast<std::size_t>(n) * local_experts);
     std::vector<std::int64_t> cc(n, local_experts), co(n);
     for (int q = 0; q < n; ++q) co[q] = static_cast<std::int64_t>(q) * local_experts;
-    ep.comm->allToAllV(counts.data(), cc, co, got.data(), cc, co, dist::Stream{}).wait({});
+    if (ep.comm->deviceMemory()) {  // NCCL moves device buffers only
+      View1<std::int64_t> d_send("plm::model::moe::counts", counts.size());
+      View1<std::int64_t> d_recv("plm::model::moe::counts", got.size());
+      Kokkos::deep_copy(d_send,
+                        Kokkos::View<const std::int64_t*, HostSpace>(counts.data(), counts.size()));
+      const auto stream = dist::streamOf(ExecSpace());
+      ep.comm->allToAllV(d_send.data(), cc, co, d_recv.data(), cc, co, stream).wait(stream);
+      Kokkos::fence();
+      Kokkos::deep_copy(Kokkos::View<std::int64_t*, HostSpace>(got.data(), got.size()), d_recv);
+    } else {
+      ep.comm->allToAllV(counts.data(), cc, co, got.data(), cc, co, dist::Stream{}).wait({});
+    }
     send_rows.assign(n, 0);
     recv_rows.assign(n, 0);
     local_rows.assign(local_experts, 0);
@@ -335,6 +346,11 @@ template <class T> void MoeMlp<T>::setExpertParallel(const ExpertParallel& ep) {
   if (s.c.experts % n != 0)
     throw collectiveError("parallel.expert_degree = " + std::to_string(n) +
                           " must divide moe.experts = " + std::to_string(s.c.experts));
+  if (ep.comm && !ep.comm->deviceMemory() &&
+      !Kokkos::SpaceAccessibility<HostSpace, ExecSpace::memory_space>::accessible)
+    throw collectiveError(
+        "parallel.expert_degree: the expert all-to-all needs NCCL when the model lives in GPU "
+        "memory (one GPU per rank); this group fell back to MPI");
   s.ep = ep;
   s.local_experts = s.c.experts / n;
   s.first_expert = (ep.comm ? ep.comm->rank() : 0) * s.local_experts;

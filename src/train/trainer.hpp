@@ -13,6 +13,7 @@
 #include "model/esm2.hpp"
 #include "train/adamw.hpp"
 #include "train/metrics.hpp"
+#include "train/moe_run.hpp"
 #include "train/schedule.hpp"
 #include "train/step.hpp"
 
@@ -106,6 +107,7 @@ class Trainer {
   int rank_member = 0, world_member = 1;
   std::unique_ptr<model::Esm2<param_t>> model_member;
   std::unique_ptr<AdamW<param_t>> optimizer_member;
+  std::unique_ptr<MoeRun<param_t>> moe_member;  // expert parallelism, routing statistics
   std::unique_ptr<data::Loader> train_loader_member;
   std::unique_ptr<data::Loader> valid_loader_member;  // null without a validation set
   std::int64_t valid_max_steps_member = 0;            // 0 = the whole validation pass
