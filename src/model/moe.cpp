@@ -13,14 +13,6 @@ namespace plm::model {
 
 // ---- configuration ---------------------------------------------------------------------------
 
-RouterKind parseRouter(const std::string& name) {
-  if (name == "softmax") return RouterKind::Softmax;
-  if (name == "sigmoid") return RouterKind::Sigmoid;
-  throw collectiveError("moe.router: unknown router '" + name + "'; use softmax or sigmoid");
-}
-
-const char* routerName(RouterKind r) { return r == RouterKind::Softmax ? "softmax" : "sigmoid"; }
-
 void MoeConfig::validate(int hidden) const {
   if (!enabled()) return;
   auto fail = [](const std::string& what) {

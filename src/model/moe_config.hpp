@@ -2,6 +2,8 @@
 // from moe.hpp so that Esm2Config carries it without the block's dependencies.
 #pragma once
 
+#include "core/error.hpp"
+
 #include <string>
 #include <vector>
 
@@ -30,8 +32,15 @@ struct MoeConfig {
   void validate(int hidden) const;
 };
 
-RouterKind parseRouter(const std::string& name);  // "softmax" | "sigmoid"
-const char* routerName(RouterKind r);
+/// \brief "softmax" | "sigmoid"; a collective plm::Error otherwise.  Inline: io reads it too.
+inline RouterKind parseRouter(const std::string& name) {
+  if (name == "softmax") return RouterKind::Softmax;
+  if (name == "sigmoid") return RouterKind::Sigmoid;
+  throw collectiveError("moe.router: unknown router '" + name + "'; use softmax or sigmoid");
+}
+inline const char* routerName(RouterKind r) {
+  return r == RouterKind::Softmax ? "softmax" : "sigmoid";
+}
 
 /// Per-layer statistics, summed over the micro-batches since the last reset.
 struct MoeLayerStats {

@@ -9,6 +9,7 @@
 
 #include "dist/communicator.hpp"
 #include "dist/runtime.hpp"
+#include "io/model_file.hpp"
 #include "model/esm2.hpp"
 
 #include <gtest/gtest.h>
@@ -120,6 +121,22 @@ TEST(ExpertParallel, DegreesGiveTheSameLosses) {
       expectSame(losses, reference, "expert_degree " + std::to_string(d));
     }
   }
+  // The final model file records the MoE layout, so eval/embed rebuild the same model from it,
+  // and its tensors (by name) load into that model and give the same loss.
+  const std::string file = dir + "/ep1/model.h5";
+  const auto config = plm::io::readModelConfig(file);
+  EXPECT_EQ(config.moe.experts, 4);
+  EXPECT_EQ(config.moe.top_k, 2);
+  EXPECT_EQ(config.moe.expert_ffn, 24);
+  EXPECT_EQ(config.moe.shared_experts, 1);
+  EXPECT_TRUE(config.moe.bias_balance);
+  EXPECT_DOUBLE_EQ(config.moe.capacity_factor, 1.0);
+  plm::model::Esm2<float> loaded(config);
+  plm::io::readModelInto(file, MPI_COMM_WORLD, loaded);
+  const auto batch = plm::test::makeBatchForRank(0);
+  const double loss = loaded.forward(batch) / static_cast<double>(batch.num_masked);
+  EXPECT_TRUE(std::isfinite(loss));
+  EXPECT_LT(loss, 3.4) << "the trained weights were not loaded";
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 
