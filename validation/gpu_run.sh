@@ -117,6 +117,13 @@ if has bench && [[ -x "$pkg/bin/bench_gpu" ]]; then
   cat "$out/bench_gpu.log" >> "$summary"
 fi
 
+if has bench && [[ -x "$pkg/bin/bench_gpu_moe" ]]; then
+  # MoE layer (permute + looped cuBLASLt experts + fused unpermute) vs dense FFN, equal FLOPs.
+  timeout 300 "$pkg/bin/bench_gpu_moe" > "$out/bench_gpu_moe.log" 2>&1
+  note "bench_gpu_moe rc=$?"
+  cat "$out/bench_gpu_moe.log" >> "$summary"
+fi
+
 if has train && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
   # preset:tokens-per-micro-batch[:recompute]; PLM_TRAIN_RUNS overrides.
   for run in ${PLM_TRAIN_RUNS:-esm2_8m:65536 esm2_8m:24576 esm2_35m:24576 esm2_150m:24576 esm2_650m:24576}; do
