@@ -1,6 +1,7 @@
 #include "train/moe_run.hpp"
 
 #include "core/error.hpp"
+#include "core/log.hpp"
 #include "dist/allreduce.hpp"
 #include "dist/communicator.hpp"
 #include "dist/process_groups.hpp"
@@ -56,6 +57,20 @@ MoeRun<P>::MoeRun(const Teuchos::ParameterList& deck, model::Esm2<P>& model, MPI
     expert_comm_member = dist::makeCommunicator(groups_member->shard(),
                                                 dist::defaultBackend(groups_member->shard()));
     model.setExpertParallel(expert_comm_member.get());
+  }
+  if (moe.enabled()) {
+    const auto& cfg = model.config();
+    int moe_layers = 0;
+    for (int l = 0; l < cfg.num_layers; ++l) moe_layers += moe.isMoeLayer(l) ? 1 : 0;
+    log::info(
+        "moe: %d of %d layers with %d experts of ffn %d (+%d shared), top-%d %s router%s, %s; "
+        "%lld parameters, %lld active per token; expert degree %d",
+        moe_layers, cfg.num_layers, moe.experts, moe.expert_ffn, moe.shared_experts, moe.top_k,
+        model::routerName(moe.router), moe.normalize_topk ? " (normalised)" : "",
+        moe.capacity_factor > 0 ? ("capacity factor " + std::to_string(moe.capacity_factor)).c_str()
+                                : "dropless",
+        static_cast<long long>(cfg.numParameters()), static_cast<long long>(cfg.activeParameters()),
+        degree_member);
   }
   for (const auto& s : model.moeStats()) {
     model::MoeLayerStats z;
