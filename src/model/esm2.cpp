@@ -220,6 +220,10 @@ template <class T> struct Esm2<T>::Impl {
             "train.precision: bf16 supports model.hidden up to 2560 (the "
             "LayerNorm backward kernels); this model has " +
             std::to_string(config.hidden) + " (esm2_15b needs a wider kernel)");
+      if (config.moe.enabled())
+        throw collectiveError(
+            "train.precision: bf16 is not available for Mixture-of-Experts models yet (their "
+            "layers run the portable fp32 path; doc/model.md); set train.precision: fp32");
       compute = DType::BF16;
       stats = DType::F32;
       ctx.cuda();  // the cuBLASLt handle and the device loss accumulator, before the first call
