@@ -203,6 +203,10 @@ const std::vector<KeySpec>& keys() {
       {"moe", "aux_loss", K::real, "0.01",
        "Coefficient of the Switch/GShard load-balancing loss experts x sum_e f_e P_e over the "
        "micro-batch (f_e counted before the capacity cut); 0 = off.", atLeast(0), {}},
+      {"moe", "seq_aux_loss", K::real, "0",
+       "Coefficient of the sequence-level balancing loss (DeepSeek-V3): the same loss within each "
+       "sequence, averaged over the micro-batch's sequences; 0 = off.",
+       atLeast(0), {}},
       {"moe", "z_loss", K::real, "0",
        "Coefficient of the router z-loss mean(logsumexp(logits)^2) (1e-3 is common); 0 = off.",
        atLeast(0), {}},

@@ -60,6 +60,7 @@ void writeConfigAttributes(hid_t location, const model::Esm2Config& config) {
   h5::writeAttribute(location, "moe_capacity_factor", moe.capacity_factor);
   h5::writeAttribute(location, "moe_aux_loss", moe.aux_loss);
   h5::writeAttribute(location, "moe_z_loss", moe.z_loss);
+  h5::writeAttribute(location, "moe_seq_aux_loss", moe.seq_aux_loss);
   h5::writeAttribute(location, "moe_bias_balance", std::int64_t(moe.bias_balance ? 1 : 0));
   h5::writeAttribute(location, "moe_bias_rate", moe.bias_rate);
 }
@@ -107,6 +108,8 @@ model::Esm2Config readConfigAttributes(hid_t location, const std::string& path) 
     moe.capacity_factor = h5::readDoubleAttribute(location, "moe_capacity_factor");
     moe.aux_loss = h5::readDoubleAttribute(location, "moe_aux_loss");
     moe.z_loss = h5::readDoubleAttribute(location, "moe_z_loss");
+    if (h5::hasAttribute(location, "moe_seq_aux_loss"))
+      moe.seq_aux_loss = h5::readDoubleAttribute(location, "moe_seq_aux_loss");
     moe.bias_balance = readInt("moe_bias_balance") != 0;
     moe.bias_rate = h5::readDoubleAttribute(location, "moe_bias_rate");
   }

@@ -194,6 +194,7 @@ template <class T> struct Esm2<T>::Impl {
   LayerHooks* hooks = nullptr;
   MoeStep moe_step;                    // read by every MoE layer during a pass
   bool expert_parallel = false;        // setExpertParallel with more than one rank
+  std::vector<int> host_cu;            // the pass's sequence offsets (sequence-level aux loss)
   std::vector<MoeMlp<T>*> moe_blocks;  // the MoE layers' FFN blocks (owned by `layers`)
   // Grow-only storage behind the workspace handles.
   View1<double> arena;
@@ -560,6 +561,7 @@ template <class T> struct Esm2<T>::Impl {
       max_len = std::max(max_len, len);
     }
     ensureRotary(max_len);
+    host_cu.assign(batch.cu_seqlens.data(), batch.cu_seqlens.data() + n + 1);
     auto& b = w.batch;
     b.tokens = t;
     b.num_seqs = n;
@@ -630,6 +632,7 @@ template <class T> struct Esm2<T>::Impl {
   }
 
   void beginMoe(double loss_weight, double grad_scale, bool training) {
+    moe_step.cu_seqlens = host_cu.empty() ? nullptr : &host_cu;
     moe_step.loss_weight = loss_weight;
     moe_step.grad_scale = grad_scale;
     moe_step.objective = 0;
@@ -779,6 +782,7 @@ template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch
                                                    bool refresh_weights) {
   auto& im = *impl_member;
   if (batch.numTokens() == 0) {  // a rank with no micro-batch this step
+    im.host_cu.clear();
     im.beginMoe(0.0, grad_scale, true);
     im.idleMoePass(true);
     return 0.0;
@@ -800,6 +804,7 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
                                            ForwardOutputs<T>* outputs, bool refresh_weights) {
   auto& im = *impl_member;
   if (batch.numTokens() == 0) {
+    im.host_cu.clear();
     im.beginMoe(0.0, 0.0, false);
     im.idleMoePass(false);
     if (outputs && outputs->want_logits)

@@ -27,7 +27,8 @@ void MoeConfig::validate(int hidden) const {
          " (set moe.expert_ffn or use an esm2_moe_* preset)");
   if (shared_experts < 0) fail("shared_experts must be >= 0");
   if (capacity_factor < 0) fail("capacity_factor must be >= 0 (0 = dropless)");
-  if (aux_loss < 0 || z_loss < 0) fail("aux_loss and z_loss must be >= 0");
+  if (aux_loss < 0 || z_loss < 0 || seq_aux_loss < 0)
+    fail("aux_loss, seq_aux_loss and z_loss must be >= 0");
   if (bias_balance && !(bias_rate > 0)) fail("bias_rate must be positive with bias_balance");
   if (hidden <= 0) fail("the model width must be positive");
 }
@@ -125,8 +126,35 @@ Routing route(const double* logits, int tokens, const MoeConfig& c, const double
   return r;
 }
 
+double sequenceAux(const Routing& r, const int* cu, int n, double scale, double* dprob) {
+  const int e_n = r.experts, k = r.top_k;
+  if (n <= 0 || r.tokens == 0) return 0.0;
+  double total = 0;
+  std::vector<double> f(e_n), mean_p(e_n);
+  for (int q = 0; q < n; ++q) {
+    const int t0 = cu[q], t1 = cu[q + 1], len = t1 - t0;
+    if (len <= 0) continue;
+    std::fill(f.begin(), f.end(), 0.0);
+    std::fill(mean_p.begin(), mean_p.end(), 0.0);
+    for (int t = t0; t < t1; ++t) {
+      for (int j = 0; j < k; ++j) f[r.expert[static_cast<std::size_t>(t) * k + j]] += 1.0;
+      for (int e = 0; e < e_n; ++e) mean_p[e] += r.prob[static_cast<std::size_t>(t) * e_n + e];
+    }
+    for (int e = 0; e < e_n; ++e) {
+      f[e] /= static_cast<double>(len) * k;
+      mean_p[e] /= len;
+      total += e_n * f[e] * mean_p[e];
+    }
+    if (dprob)
+      for (int t = t0; t < t1; ++t)
+        for (int e = 0; e < e_n; ++e)
+          dprob[static_cast<std::size_t>(t) * e_n + e] += scale * e_n * f[e] / len / n;
+  }
+  return total / n;
+}
+
 void routeBackward(const Routing& r, const MoeConfig& c, const double* logits, const double* dgate,
-                   double aux_scale, double z_scale, double* dlogits) {
+                   double aux_scale, double z_scale, double* dlogits, const double* dprob) {
   const int e_n = r.experts, k = r.top_k, tokens = r.tokens;
   if (tokens == 0) return;
   std::vector<double> dp(e_n), aux_dp(e_n);
@@ -137,7 +165,8 @@ void routeBackward(const Routing& r, const MoeConfig& c, const double* logits, c
     const double* p = &r.prob[static_cast<std::size_t>(t) * e_n];
     const double* l = logits + static_cast<std::size_t>(t) * e_n;
     double* dl = dlogits + static_cast<std::size_t>(t) * e_n;
-    for (int e = 0; e < e_n; ++e) dp[e] = aux_dp[e];
+    for (int e = 0; e < e_n; ++e)
+      dp[e] = aux_dp[e] + (dprob ? dprob[static_cast<std::size_t>(t) * e_n + e] : 0.0);
     const std::size_t s0 = static_cast<std::size_t>(t) * k;
     if (c.normalize_topk) {
       double sel = 0, inner = 0;
@@ -461,7 +490,12 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   }
 
   if (s.step && !s.step->recomputing) {
-    s.step->objective += s.step->loss_weight * (c.aux_loss * r.aux + c.z_loss * r.z);
+    double seq_aux = 0;
+    if (c.seq_aux_loss > 0 && s.step->cu_seqlens && !s.step->cu_seqlens->empty())
+      seq_aux = sequenceAux(r, s.step->cu_seqlens->data(),
+                            static_cast<int>(s.step->cu_seqlens->size()) - 1, 0.0, nullptr);
+    s.step->objective +=
+        s.step->loss_weight * (c.aux_loss * r.aux + c.z_loss * r.z + c.seq_aux_loss * seq_aux);
     if (s.step->training) {
       auto& st = s.stats;
       for (int e = 0; e < e_n; ++e) st.routed[e] += static_cast<double>(r.routed[e]);
@@ -564,8 +598,14 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   space.fence();
   std::vector<double> dg(dgate_t.begin(), dgate_t.end()), dl(t_n * e_n, 0.0);
   const double weight = s.step ? s.step->grad_scale * s.step->loss_weight : 0.0;
+  std::vector<double> dprob;
+  if (c.seq_aux_loss > 0 && s.step && s.step->cu_seqlens && !s.step->cu_seqlens->empty()) {
+    dprob.assign(t_n * e_n, 0.0);
+    sequenceAux(r, s.step->cu_seqlens->data(), static_cast<int>(s.step->cu_seqlens->size()) - 1,
+                weight * c.seq_aux_loss, dprob.data());
+  }
   routeBackward(r, c, s.logits_host.data(), dg.data(), weight * c.aux_loss, weight * c.z_loss,
-                dl.data());
+                dl.data(), dprob.empty() ? nullptr : dprob.data());
   std::vector<T> dl_t(dl.begin(), dl.end());
   View1<T> dlogits = toDevice(s.dlogits_s, dl_t, "plm::model::moe::dlogits");
   if (t_n > 0) {

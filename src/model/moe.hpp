@@ -57,9 +57,16 @@ struct Routing {
 Routing route(const double* logits, int tokens, const MoeConfig& c, const double* bias);
 
 /// \brief dlogits (T, E) = d/dlogits of [sum over kept slots of dgate * gate + aux_scale * aux
-/// + z_scale * z], dgate (T k) given per slot (dropped slots ignored).
+/// + z_scale * z] + (the probability gradient dprob (T, E), when given, through the softmax or
+/// sigmoid), dgate (T k) given per slot (dropped slots ignored).
 void routeBackward(const Routing& r, const MoeConfig& c, const double* logits, const double* dgate,
-                   double aux_scale, double z_scale, double* dlogits);
+                   double aux_scale, double z_scale, double* dlogits,
+                   const double* dprob = nullptr);
+
+/// \brief The sequence-level balancing loss: the mean over the n sequences (offsets cu, n + 1)
+/// of E * sum_e f_{e,s} P_{e,s}, f and P taken within sequence s.  With dprob (T, E), adds
+/// scale * d(loss)/d(prob) there.
+double sequenceAux(const Routing& r, const int* cu, int n, double scale, double* dprob);
 
 /// Parameters of one MoE layer (weights in compute precision, gradients in the master type).
 struct MoeWeights {
@@ -76,6 +83,7 @@ struct MoeStep {
   double objective = 0;      // sum over layers of loss_weight * (aux_loss aux + z_loss z), +=
   bool training = false;     // a forward that a backward follows: statistics are recorded
   bool recomputing = false;  // a rerun forward (Recompute::Layer): adds nothing
+  const std::vector<int>* cu_seqlens = nullptr;  // host sequence offsets of the pass (seq aux)
 };
 
 /// The expert-parallel group of an MoE layer (not owned; nullptr = every expert local).

@@ -22,6 +22,7 @@ struct MoeConfig {
   bool normalize_topk = true;
   double capacity_factor = 0;  // 0 = dropless; else capacity = ceil(cf * T * top_k / experts)
   double aux_loss = 0;         // Switch/GShard load-balancing loss coefficient
+  double seq_aux_loss = 0;     // per-sequence load-balancing loss coefficient (DeepSeek-V3)
   double z_loss = 0;           // router z-loss coefficient
   bool bias_balance = false;   // aux-loss-free expert bias (DeepSeek-V3)
   double bias_rate = 1e-3;

@@ -32,6 +32,7 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.capacity_factor = m.get<bool>("dropless") ? 0.0 : m.get<double>("capacity_factor");
   c.aux_loss = m.get<double>("aux_loss");
   c.z_loss = m.get<double>("z_loss");
+  c.seq_aux_loss = m.get<double>("seq_aux_loss");
   c.bias_balance = m.get<bool>("bias_balance");
   c.bias_rate = m.get<double>("bias_rate");
 }

@@ -70,6 +70,7 @@ std::vector<std::string> moeSettings(int degree, int steps) {
           "moe.capacity_factor=1.0",
           "moe.aux_loss=0.01",
           "moe.z_loss=0.001",
+          "moe.seq_aux_loss=0.001",
           "moe.bias_balance=true",
           "moe.bias_rate=0.01",
           "moe.shared_experts=1",

@@ -296,6 +296,7 @@ Esm2Config tinyMoeConfig() {
   c.moe.shared_experts = 1;
   c.moe.capacity_factor = 0.9;
   c.moe.aux_loss = 0.05;
+  c.moe.seq_aux_loss = 0.3;
   c.moe.z_loss = 0.01;
   return c;
 }
@@ -328,6 +329,14 @@ TEST(ModelMoe, EveryParameterGradientMatchesFiniteDifferences) {
         std::string("esm2 moe (recompute ") + recomputeName(recompute) + ")", model.parameters(),
         model.gradients(), [&]() { return model.forward(batch) + model.routerLoss(); }, 1e-7, 1e-5,
         100000);
+    {  // the sequence-level loss is really part of the objective (> 0 for any routing)
+      auto c0 = c;
+      c0.moe.seq_aux_loss = 0;
+      Esm2<double> without(c0);
+      randomize(without, 5);
+      without.forward(batch);
+      EXPECT_GT(router - without.routerLoss(), 0.3 * batch.num_masked * 0.9);
+    }
     const auto stats = model.moeStats();
     ASSERT_EQ(stats.size(), 1u);
     EXPECT_EQ(stats[0].layer, 1);
