@@ -119,6 +119,13 @@ if has bench && [[ -x "$pkg/bin/bench_gpu" ]]; then
   cat "$out/bench_gpu.log" >> "$summary"
 fi
 
+if has bench && [[ -x "$pkg/bin/bench_gpu_moe" ]]; then
+  # MoE layer (permute + looped cuBLASLt experts + fused unpermute) vs dense FFN, equal FLOPs.
+  timeout 300 "$pkg/bin/bench_gpu_moe" > "$out/bench_gpu_moe.log" 2>&1
+  note "bench_gpu_moe rc=$?"
+  cat "$out/bench_gpu_moe.log" >> "$summary"
+fi
+
 if has train && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
   # preset:tokens-per-micro-batch[:recompute[:attention]] (attention: cudnn | cudnn-fwd | flash,
   # the PLM_ATTENTION of doc/gpu.md, or cudnn-nd for cuDNN with its non-deterministic backward;

@@ -65,8 +65,12 @@ const std::vector<SectionSpec>& sections() {
       {"schedule", "Learning rate: linear warm-up, then decay to a fraction of optimizer.lr."},
       {"train", "The training run: length, logging, evaluation, precision, run directory."},
       {"checkpoint", "Checkpoints (one HDF5 file each) and resuming."},
+      {"moe",
+       "Mixture-of-Experts FFN layers (doc/model.md): experts = 0 keeps the dense ESM-2, "
+       "unless model.preset is an MoE preset."},
       {"parallel",
-       "Sharded data parallelism: FSDP (ZeRO-3) and HSDP layouts (doc/parallelism.md)."},
+       "How ranks split the work beyond data parallelism: sharded data parallelism (FSDP/HSDP, "
+       "doc/parallelism.md) and expert parallelism."},
   };
   return table;
 }
@@ -80,7 +84,8 @@ const std::vector<KeySpec>& keys() {
       {"model", "preset", K::text, "esm2_8m",
        "ESM-2 size (8M to 15B parameters, layers/hidden/heads/ffn as published), or custom to "
        "give layers, hidden, heads and ffn explicitly.",
-       any(), {"esm2_8m", "esm2_35m", "esm2_150m", "esm2_650m", "esm2_3b", "esm2_15b", "custom"}},
+       any(), {"esm2_8m", "esm2_35m", "esm2_150m", "esm2_650m", "esm2_3b", "esm2_15b",
+               "esm2_moe_100m_a35m", "esm2_moe_2b_a650m", "aido_protein_16b", "custom"}},
       {"model", "layers", K::integer, "0",
        "Transformer blocks; 0 = the preset's. Required with preset custom.", atLeast(0), {}},
       {"model", "hidden", K::integer, "0",
@@ -197,6 +202,53 @@ const std::vector<KeySpec>& keys() {
        "Element type of the gradient reduce-scatter. Only fp32 is implemented; bf16 is "
        "reserved and refused.",
        any(), {"fp32", "bf16"}},
+      // moe
+      {"moe", "experts", K::integer, "0",
+       "Experts per MoE layer; 0 = the preset's (none for the dense ESM-2 presets).", atLeast(0), {}},
+      {"moe", "top_k", K::integer, "0",
+       "Experts each token is routed to; 0 = the preset's, else 2.", atLeast(0), {}},
+      {"moe", "every", K::integer, "0",
+       "Layer l is an MoE layer when (l + 1) % every == 0, the others dense; 0 = the preset's, "
+       "else 1 (every layer).", atLeast(0), {}},
+      {"moe", "expert_ffn", K::integer, "0",
+       "FFN width of one expert; 0 = the preset's, else model.ffn / top_k (the dense model's "
+       "active FLOPs).", atLeast(0), {}},
+      {"moe", "shared_experts", K::integer, "0",
+       "Always-on experts of width expert_ffn added to every token (DeepSeek style).", atLeast(0),
+       {}},
+      {"moe", "router", K::text, "softmax",
+       "Router probabilities: softmax over experts, or an independent sigmoid per expert.",
+       any(), {"softmax", "sigmoid"}},
+      {"moe", "router_dtype", K::text, "fp32",
+       "Arithmetic of the router GEMM and the routing (fp32 whatever train.precision is).", any(),
+       {"fp32"}},
+      {"moe", "normalize_topk", K::boolean, "true",
+       "Divide the top-k gate weights by their sum.", any(), {}},
+      {"moe", "dropless", K::boolean, "true",
+       "Every routed slot is computed; false = each expert takes at most capacity_factor x "
+       "tokens x top_k / experts slots per micro-batch, in token order, and the rest pass "
+       "through the residual only.", any(), {}},
+      {"moe", "capacity_factor", K::real, "1.25",
+       "Expert capacity as a multiple of the balanced load (used when dropless is false).",
+       above(0), {}},
+      {"moe", "aux_loss", K::real, "0.01",
+       "Coefficient of the Switch/GShard load-balancing loss experts x sum_e f_e P_e over the "
+       "micro-batch (f_e counted before the capacity cut); 0 = off.", atLeast(0), {}},
+      {"moe", "seq_aux_loss", K::real, "0",
+       "Coefficient of the sequence-level balancing loss (DeepSeek-V3): the same loss within each "
+       "sequence, averaged over the micro-batch's sequences; 0 = off.",
+       atLeast(0), {}},
+      {"moe", "z_loss", K::real, "0",
+       "Coefficient of the router z-loss mean(logsumexp(logits)^2) (1e-3 is common); 0 = off.",
+       atLeast(0), {}},
+      {"moe", "bias_balance", K::boolean, "false",
+       "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, used only to select experts, "
+       "moves by bias_rate toward the mean load after every step.", any(), {}},
+      {"moe", "bias_rate", K::real, "0.001", "Step of the bias_balance update.", above(0), {}},
+      {"parallel", "expert_degree", K::integer, "1",
+       "Expert parallelism: this many consecutive ranks share the experts of each MoE layer "
+       "(experts / expert_degree each), tokens travel by all-to-all. Must divide the world size "
+       "and moe.experts.", atLeast(1), {}},
       // checkpoint
       {"checkpoint", "dir", K::text, "run/ckpt", "Directory of the checkpoint files.", any(), {},
        true},
@@ -236,6 +288,7 @@ const std::vector<std::string>& rules() {
       "hidden must be a multiple of heads, and the head size hidden / heads must be even.",
       "data.tokens_per_batch >= data.micro_batch_tokens >= data.max_seq_len.",
       "schedule.decay_steps is 0 or >= schedule.warmup_steps.",
+      "moe.top_k <= moe.experts; parallel.expert_degree divides moe.experts and the world size.",
   };
   return table;
 }
@@ -246,9 +299,16 @@ bool presetShape(const std::string& name, PresetShape& shape) {
     PresetShape shape;
   };
   static const Named table[] = {
-      {"esm2_8m", {6, 320, 20, 1280}},    {"esm2_35m", {12, 480, 20, 1920}},
-      {"esm2_150m", {30, 640, 20, 2560}}, {"esm2_650m", {33, 1280, 20, 5120}},
-      {"esm2_3b", {36, 2560, 40, 10240}}, {"esm2_15b", {48, 5120, 40, 20480}},
+      {"esm2_8m", {6, 320, 20, 1280}},
+      {"esm2_35m", {12, 480, 20, 1920}},
+      {"esm2_150m", {30, 640, 20, 2560}},
+      {"esm2_650m", {33, 1280, 20, 5120}},
+      {"esm2_3b", {36, 2560, 40, 10240}},
+      {"esm2_15b", {48, 5120, 40, 20480}},
+      // MoE presets: the dense shape; the experts come from the model's preset table.
+      {"esm2_moe_100m_a35m", {12, 480, 20, 1920}},
+      {"esm2_moe_2b_a650m", {33, 1280, 20, 5120}},
+      {"aido_protein_16b", {36, 2304, 36, 7680}},
   };
   for (const auto& n : table)
     if (name == n.name) {

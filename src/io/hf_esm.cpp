@@ -427,6 +427,11 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
                            MPI_Comm comm) {
   ConvertSummary summary;
   summary.config = readModelConfig(model_file);
+  if (summary.config.moe.enabled())
+    throw collectiveError("plm convert --to-hf: `" + model_file +
+                          "` is a Mixture-of-Experts model; Hugging Face's EsmForMaskedLM has no "
+                          "MoE layers, so there is no HF export for MoE models (doc/model.md). "
+                          "`plm eval` and `plm embed` read the plm file directly");
   const auto tensors = esmTensors(summary.config);
   std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size));
   readModelValues(model_file, comm, summary.config, tensors, values.data());

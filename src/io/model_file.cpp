@@ -48,6 +48,21 @@ void writeConfigAttributes(hid_t location, const model::Esm2Config& config) {
   h5::writeAttribute(location, "max_positions", std::int64_t(config.max_positions));
   h5::writeAttribute(location, "layer_norm_eps", config.layer_norm_eps);
   h5::writeAttribute(location, "token_dropout", std::int64_t(config.token_dropout ? 1 : 0));
+  const auto& moe = config.moe;
+  if (!moe.enabled()) return;  // dense files carry no MoE attribute at all
+  h5::writeAttribute(location, "moe_experts", std::int64_t(moe.experts));
+  h5::writeAttribute(location, "moe_top_k", std::int64_t(moe.top_k));
+  h5::writeAttribute(location, "moe_every", std::int64_t(moe.every));
+  h5::writeAttribute(location, "moe_expert_ffn", std::int64_t(moe.expert_ffn));
+  h5::writeAttribute(location, "moe_shared_experts", std::int64_t(moe.shared_experts));
+  h5::writeAttribute(location, "moe_router", std::string(model::routerName(moe.router)));
+  h5::writeAttribute(location, "moe_normalize_topk", std::int64_t(moe.normalize_topk ? 1 : 0));
+  h5::writeAttribute(location, "moe_capacity_factor", moe.capacity_factor);
+  h5::writeAttribute(location, "moe_aux_loss", moe.aux_loss);
+  h5::writeAttribute(location, "moe_z_loss", moe.z_loss);
+  h5::writeAttribute(location, "moe_seq_aux_loss", moe.seq_aux_loss);
+  h5::writeAttribute(location, "moe_bias_balance", std::int64_t(moe.bias_balance ? 1 : 0));
+  h5::writeAttribute(location, "moe_bias_rate", moe.bias_rate);
 }
 
 void writeExtraAttributes(hid_t location, const ModelAttributes& extra) {
@@ -81,6 +96,23 @@ model::Esm2Config readConfigAttributes(hid_t location, const std::string& path) 
   config.max_positions = readInt("max_positions");
   config.token_dropout = readInt("token_dropout") != 0;
   config.layer_norm_eps = h5::readDoubleAttribute(location, "layer_norm_eps");
+  if (h5::hasAttribute(location, "moe_experts")) {  // a Mixture-of-Experts model (doc/model.md)
+    auto& moe = config.moe;
+    moe.experts = readInt("moe_experts");
+    moe.top_k = readInt("moe_top_k");
+    moe.every = readInt("moe_every");
+    moe.expert_ffn = readInt("moe_expert_ffn");
+    moe.shared_experts = readInt("moe_shared_experts");
+    moe.router = model::parseRouter(h5::readStringAttribute(location, "moe_router"));
+    moe.normalize_topk = readInt("moe_normalize_topk") != 0;
+    moe.capacity_factor = h5::readDoubleAttribute(location, "moe_capacity_factor");
+    moe.aux_loss = h5::readDoubleAttribute(location, "moe_aux_loss");
+    moe.z_loss = h5::readDoubleAttribute(location, "moe_z_loss");
+    if (h5::hasAttribute(location, "moe_seq_aux_loss"))
+      moe.seq_aux_loss = h5::readDoubleAttribute(location, "moe_seq_aux_loss");
+    moe.bias_balance = readInt("moe_bias_balance") != 0;
+    moe.bias_rate = h5::readDoubleAttribute(location, "moe_bias_rate");
+  }
   return config;
 }
 

@@ -12,6 +12,24 @@ struct Shape {
   int layers, hidden, heads, ffn;
 };
 
+/// MoE presets: the dense shape plus the `moe` section they imply (doc/model.md).
+struct MoePreset {
+  Shape shape;
+  int experts, top_k, every, expert_ffn;
+};
+
+const std::map<std::string, MoePreset>& moePresets() {
+  // esm2_moe_<total>_a<active>: a dense preset's attention and active FFN FLOPs (8 experts of
+  // ffn / 2, top-2 = one ffn-wide FFN per token); AIDO.Protein-16B's shape as published
+  // (vocabulary and expert activation: see doc/model.md).
+  static const std::map<std::string, MoePreset> table = {
+      {"esm2_moe_100m_a35m", {{12, 480, 20, 1920}, 8, 2, 1, 960}},
+      {"esm2_moe_2b_a650m", {{33, 1280, 20, 5120}, 8, 2, 1, 2560}},
+      {"aido_protein_16b", {{36, 2304, 36, 7680}, 8, 2, 1, 7680}},
+  };
+  return table;
+}
+
 const std::map<std::string, Shape>& presets() {
   static const std::map<std::string, Shape> table = {
       {"esm2_8m", {6, 320, 20, 1280}},    {"esm2_35m", {12, 480, 20, 1920}},
@@ -24,10 +42,24 @@ const std::map<std::string, Shape>& presets() {
 }  // namespace
 
 std::vector<std::string> Esm2Config::presetNames() {
-  return {"esm2_8m", "esm2_35m", "esm2_150m", "esm2_650m", "esm2_3b", "esm2_15b"};
+  return {"esm2_8m",  "esm2_35m",           "esm2_150m",         "esm2_650m",       "esm2_3b",
+          "esm2_15b", "esm2_moe_100m_a35m", "esm2_moe_2b_a650m", "aido_protein_16b"};
 }
 
 Esm2Config Esm2Config::preset(const std::string& name) {
+  auto moe = moePresets().find(name);
+  if (moe != moePresets().end()) {
+    Esm2Config c;
+    c.num_layers = moe->second.shape.layers;
+    c.hidden = moe->second.shape.hidden;
+    c.heads = moe->second.shape.heads;
+    c.ffn = moe->second.shape.ffn;
+    c.moe.experts = moe->second.experts;
+    c.moe.top_k = moe->second.top_k;
+    c.moe.every = moe->second.every;
+    c.moe.expert_ffn = moe->second.expert_ffn;
+    return c;
+  }
   auto it = presets().find(name);
   if (it == presets().end()) {
     std::string names;
@@ -43,15 +75,56 @@ Esm2Config Esm2Config::preset(const std::string& name) {
   return c;
 }
 
+namespace {
+
+/// Parameters of layer l's FFN (all experts, or those one token uses when `active`).
+std::int64_t ffnParameters(const Esm2Config& c, int layer, bool active) {
+  const std::int64_t h = c.hidden;
+  auto mlp = [&](std::int64_t f) { return (f * h + f) + (h * f + h); };
+  if (!c.moe.isMoeLayer(layer)) return mlp(c.ffn);
+  const std::int64_t fe = c.moe.expert_ffn, e_n = c.moe.experts;
+  return c.moe.experts * h + (c.moe.bias_balance && !active ? e_n : 0) +
+         (active ? c.moe.top_k : e_n) * mlp(fe) +
+         (c.moe.shared_experts > 0 ? mlp(fe * c.moe.shared_experts) : 0);
+}
+
+/// Matmul weights one token passes through in layer l's FFN (router included).
+double ffnMatmulWeights(const Esm2Config& c, int layer) {
+  const double h = c.hidden;
+  if (!c.moe.isMoeLayer(layer)) return 2 * h * c.ffn;
+  const double fe = c.moe.expert_ffn;
+  return h * c.moe.experts + 2 * h * fe * (c.moe.top_k + c.moe.shared_experts);
+}
+
+}  // namespace
+
 std::int64_t Esm2Config::numParameters() const {
-  const std::int64_t h = hidden, f = ffn, v = vocab;
-  const std::int64_t per_layer = 4 * (h * h + h) + 2 * (2 * h) + (f * h + f) + (h * f + h);
-  return v * h + num_layers * per_layer + 2 * h + (h * h + h) + 2 * h + v;
+  const std::int64_t h = hidden, v = vocab;
+  const std::int64_t attention = 4 * (h * h + h) + 2 * (2 * h);
+  std::int64_t n = v * h + 2 * h + (h * h + h) + 2 * h + v;
+  for (int l = 0; l < num_layers; ++l) n += attention + ffnParameters(*this, l, false);
+  return n;
+}
+
+std::int64_t Esm2Config::activeParameters() const {
+  const std::int64_t h = hidden, v = vocab;
+  const std::int64_t attention = 4 * (h * h + h) + 2 * (2 * h);
+  std::int64_t n = v * h + 2 * h + (h * h + h) + 2 * h + v;
+  for (int l = 0; l < num_layers; ++l) n += attention + ffnParameters(*this, l, true);
+  return n;
 }
 
 double Esm2Config::trainFlopsPerToken(double mean_seqlen_weighted) const {
-  const double h = hidden, f = ffn, v = vocab;
-  const double matmul_weights = num_layers * (4 * h * h + 2 * h * f) + h * h + v * h;
+  // Dense: 6 x (4 H^2 + 2 H F) per layer.  MoE: the router GEMM and top_k (+ shared) experts
+  // of width expert_ffn count for each token (active FLOPs; dropped slots are not subtracted).
+  const double h = hidden, v = vocab;
+  if (!moe.enabled()) {
+    const double f = ffn;
+    const double dense = num_layers * (4 * h * h + 2 * h * f) + h * h + v * h;
+    return 6.0 * dense + 12.0 * num_layers * h * mean_seqlen_weighted;
+  }
+  double matmul_weights = h * h + v * h;
+  for (int l = 0; l < num_layers; ++l) matmul_weights += 4 * h * h + ffnMatmulWeights(*this, l);
   return 6.0 * matmul_weights + 12.0 * num_layers * h * mean_seqlen_weighted;
 }
 
@@ -73,6 +146,7 @@ void Esm2Config::validate() const {
   if (vocab != 33) fail("vocab must be 33 (the ESM-2 alphabet), got " + std::to_string(vocab));
   if (max_positions <= 2) fail("max_positions must exceed 2, got " + std::to_string(max_positions));
   if (!(layer_norm_eps > 0)) fail("layer_norm_eps must be positive");
+  moe.validate(hidden);
 }
 
 }  // namespace plm::model

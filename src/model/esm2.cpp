@@ -21,6 +21,7 @@
 #include "model/embedding.hpp"
 #include "model/encoder_layer.hpp"
 #include "model/math.hpp"
+#include "model/moe.hpp"
 #include "model/rotary.hpp"
 #include "plm/plm_config.hpp"
 
@@ -78,8 +79,25 @@ std::vector<TableEntry> buildTable(const Esm2Config& c) {
     linear(p + "attention.self.value", h, h);
     linear(p + "attention.output.dense", h, h);
     norm(p + "attention.LayerNorm", h);
-    linear(p + "intermediate.dense", f, h);
-    linear(p + "output.dense", h, f);
+    if (c.moe.isMoeLayer(l)) {
+      // Experts by name, one set of tensors each, so any expert degree reads the same table.
+      const std::int64_t e_n = c.moe.experts, fe = c.moe.expert_ffn;
+      add(p + "moe.router.weight", {e_n, h}, true, InitKind::Normal);
+      if (c.moe.bias_balance) add(p + "moe.router.expert_bias", {e_n}, false, InitKind::Zero);
+      for (int e = 0; e < c.moe.experts; ++e) {
+        const std::string x = p + "moe.experts." + std::to_string(e) + ".";
+        linear(x + "intermediate.dense", fe, h);
+        linear(x + "output.dense", h, fe);
+      }
+      if (c.moe.shared_experts > 0) {
+        const std::int64_t sw = fe * c.moe.shared_experts;
+        linear(p + "moe.shared_experts.intermediate.dense", sw, h);
+        linear(p + "moe.shared_experts.output.dense", h, sw);
+      }
+    } else {
+      linear(p + "intermediate.dense", f, h);
+      linear(p + "output.dense", h, f);
+    }
     norm(p + "LayerNorm", h);
   }
   norm("esm.encoder.emb_layer_norm_after", h);
@@ -141,6 +159,7 @@ template <class T> struct Esm2<T>::Impl {
   struct Work {
     DeviceBatch batch;
     std::int64_t rows = 0;            // LM-head rows
+    std::int64_t labelled = 0;        // rows with a label (the router losses' weight)
     View1<std::int32_t> head_rows;    // (M) token index of each LM-head row
     View1<std::int32_t> head_labels;  // (M)
     std::vector<Mat> xs;              // (L+1) x (T, H) residual stream at layer boundaries
@@ -173,6 +192,10 @@ template <class T> struct Esm2<T>::Impl {
   OpContext ctx;
   View2<T> cos_table, sin_table;  // (positions, head_dim/2)
   LayerHooks* hooks = nullptr;
+  MoeStep moe_step;                    // read by every MoE layer during a pass
+  bool expert_parallel = false;        // setExpertParallel with more than one rank
+  std::vector<int> host_cu;            // the pass's sequence offsets (sequence-level aux loss)
+  std::vector<MoeMlp<T>*> moe_blocks;  // the MoE layers' FFN blocks (owned by `layers`)
   // Grow-only storage behind the workspace handles.
   View1<double> arena;
   View1<token_t> tokens_store;
@@ -198,6 +221,10 @@ template <class T> struct Esm2<T>::Impl {
             "train.precision: bf16 supports model.hidden up to 2560 (the "
             "LayerNorm backward kernels); this model has " +
             std::to_string(config.hidden) + " (esm2_15b needs a wider kernel)");
+      if (config.moe.enabled())
+        throw collectiveError(
+            "train.precision: bf16 is not available for Mixture-of-Experts models yet (their "
+            "layers run the portable fp32 path; doc/model.md); set train.precision: fp32");
       compute = DType::BF16;
       stats = DType::F32;
       ctx.cuda();  // the cuBLASLt handle and the device loss accumulator, before the first call
@@ -283,6 +310,28 @@ template <class T> struct Esm2<T>::Impl {
     std::vector<DenseMlpWeights> mw(config.num_layers);
     std::vector<DenseMlpGrads> mg(config.num_layers);
     std::vector<LayerNormParams> ln2(config.num_layers), ln2g(config.num_layers);
+    std::vector<MoeWeights> moe_w(config.num_layers), moe_g(config.num_layers);
+    // MoE layers compute on the portable path in the master type (MoeMlp refuses bf16).
+    auto bindMoe = [&](const std::string& p, MoeWeights& mwt, MoeWeights& mgt) {
+      auto dense = [&](const std::string& x, DenseMlpWeights& dw, DenseMlpWeights& dg) {
+        dw.w1 = masterMat(params, x + "intermediate.dense.weight");
+        dw.b1 = masterVec(params, x + "intermediate.dense.bias");
+        dw.w2 = masterMat(params, x + "output.dense.weight");
+        dw.b2 = masterVec(params, x + "output.dense.bias");
+        dg.w1 = masterMat(grads, x + "intermediate.dense.weight");
+        dg.b1 = masterVec(grads, x + "intermediate.dense.bias");
+        dg.w2 = masterMat(grads, x + "output.dense.weight");
+        dg.b2 = masterVec(grads, x + "output.dense.bias");
+      };
+      mwt.router = masterMat(params, p + "router.weight");
+      mgt.router = masterMat(grads, p + "router.weight");
+      if (config.moe.bias_balance) mwt.expert_bias = masterVec(params, p + "router.expert_bias");
+      mwt.experts.resize(config.moe.experts);
+      mgt.experts.resize(config.moe.experts);
+      for (int e = 0; e < config.moe.experts; ++e)
+        dense(p + "experts." + std::to_string(e) + ".", mwt.experts[e], mgt.experts[e]);
+      if (config.moe.shared_experts > 0) dense(p + "shared_experts.", mwt.shared, mgt.shared);
+    };
     for (int l = 0; l < config.num_layers; ++l) {
       const std::string pre = "esm.encoder.layer." + std::to_string(l) + ".";
       const std::string self = pre + "attention.self.";
@@ -312,14 +361,18 @@ template <class T> struct Esm2<T>::Impl {
       g.bo = masterVec(grads, pre + "attention.output.dense.bias");
       g.ln_g = masterVec(grads, pre + "attention.LayerNorm.weight");
       g.ln_b = masterVec(grads, pre + "attention.LayerNorm.bias");
-      mw[l].w1 = weight(pre + "intermediate.dense.weight");
-      mw[l].b1 = bias(pre + "intermediate.dense.bias");
-      mw[l].w2 = weight(pre + "output.dense.weight");
-      mw[l].b2 = masterVec(params, pre + "output.dense.bias");
-      mg[l].w1 = masterMat(grads, pre + "intermediate.dense.weight");
-      mg[l].b1 = masterVec(grads, pre + "intermediate.dense.bias");
-      mg[l].w2 = masterMat(grads, pre + "output.dense.weight");
-      mg[l].b2 = masterVec(grads, pre + "output.dense.bias");
+      if (config.moe.isMoeLayer(l)) {
+        bindMoe(pre + "moe.", moe_w[l], moe_g[l]);
+      } else {
+        mw[l].w1 = weight(pre + "intermediate.dense.weight");
+        mw[l].b1 = bias(pre + "intermediate.dense.bias");
+        mw[l].w2 = weight(pre + "output.dense.weight");
+        mw[l].b2 = masterVec(params, pre + "output.dense.bias");
+        mg[l].w1 = masterMat(grads, pre + "intermediate.dense.weight");
+        mg[l].b1 = masterVec(grads, pre + "intermediate.dense.bias");
+        mg[l].w2 = masterMat(grads, pre + "output.dense.weight");
+        mg[l].b2 = masterVec(grads, pre + "output.dense.bias");
+      }
       ln2[l] = {masterVec(params, pre + "LayerNorm.weight"),
                 masterVec(params, pre + "LayerNorm.bias")};
       ln2g[l] = {masterVec(grads, pre + "LayerNorm.weight"),
@@ -351,6 +404,7 @@ template <class T> struct Esm2<T>::Impl {
         rebase(aw[l].qkv.fused_w);
         rebase(aw[l].qkv.fused_b);
         rebase(aw[l].wo);
+        if (config.moe.isMoeLayer(l)) continue;
         rebase(mw[l].w1);
         rebase(mw[l].b1);
         rebase(mw[l].w2);
@@ -372,9 +426,19 @@ template <class T> struct Esm2<T>::Impl {
     shape.eps = config.layer_norm_eps;
     layers.clear();
     layers.reserve(config.num_layers);
-    for (int l = 0; l < config.num_layers; ++l)
-      layers.emplace_back(shape, aw[l], ag[l], ln2[l], ln2g[l],
-                          std::make_unique<DenseMlp>(mw[l], mg[l]));
+    moe_blocks.clear();
+    for (int l = 0; l < config.num_layers; ++l) {
+      std::unique_ptr<FfnBlock> ffn;
+      if (config.moe.isMoeLayer(l)) {
+        auto block = std::make_unique<MoeMlp<T>>(l, config.moe, config.hidden, moe_w[l], moe_g[l],
+                                                 &moe_step);
+        moe_blocks.push_back(block.get());
+        ffn = std::move(block);
+      } else {
+        ffn = std::make_unique<DenseMlp>(mw[l], mg[l]);
+      }
+      layers.emplace_back(shape, aw[l], ag[l], ln2[l], ln2g[l], std::move(ffn));
+    }
   }
 
   void refreshCompute() {
@@ -497,6 +561,7 @@ template <class T> struct Esm2<T>::Impl {
       max_len = std::max(max_len, len);
     }
     ensureRotary(max_len);
+    host_cu.assign(batch.cu_seqlens.data(), batch.cu_seqlens.data() + n + 1);
     auto& b = w.batch;
     b.tokens = t;
     b.num_seqs = n;
@@ -536,6 +601,7 @@ template <class T> struct Esm2<T>::Impl {
           " token ids or labels outside the 33-token ESM-2 vocabulary (a data or loader bug)");
     const std::int64_t m = all_rows ? t : labelled;
     w.rows = m;
+    w.labelled = labelled;
     w.head_rows = growView(rows_store, m, "plm::model::head_rows");
     w.head_labels = growView(head_labels_store, m, "plm::model::head_labels");
     auto rows = w.head_rows;
@@ -563,6 +629,36 @@ template <class T> struct Esm2<T>::Impl {
     carve(cut, t, m, backward);
     sequenceInfo(space, b.cu_seqlens, b.ids, config.token_dropout, data::vocab::mask, b.position,
                  b.mult.template view<T>());
+  }
+
+  void beginMoe(double loss_weight, double grad_scale, bool training) {
+    moe_step.cu_seqlens = host_cu.empty() ? nullptr : &host_cu;
+    moe_step.loss_weight = loss_weight;
+    moe_step.grad_scale = grad_scale;
+    moe_step.objective = 0;
+    moe_step.training = training;
+    moe_step.recomputing = false;
+  }
+
+  /// A rank without tokens under expert parallelism still serves its experts: every MoE layer
+  /// runs on zero rows, in the order of the collectives of a rank with tokens.
+  void idleMoePass(bool backward) {
+    if (!expert_parallel || moe_blocks.empty()) return;
+    const std::int64_t h = config.hidden;
+    Mat empty{nullptr, master, 0, h, h};
+    LayerActs acts;
+    acts.ln2 = empty;
+    LayerScratch scratch;
+    for (auto* block : moe_blocks) block->forward(ctx, empty, empty, empty, acts);
+    if (!backward) return;
+    for (auto it = moe_blocks.rbegin(); it != moe_blocks.rend(); ++it) {
+      if (config.recompute == Recompute::Layer) {
+        moe_step.recomputing = true;
+        (*it)->forward(ctx, empty, empty, empty, acts);
+        moe_step.recomputing = false;
+      }
+      (*it)->backward(ctx, acts, empty, empty, scratch);
+    }
   }
 
   LayerActs& actsFor(int layer) { return w.acts[w.acts.size() == 1 ? 0 : layer]; }
@@ -609,7 +705,9 @@ template <class T> struct Esm2<T>::Impl {
       LayerActs& a = actsFor(l);
       if (config.recompute == Recompute::Layer) {
         if (hooks) hooks->beforeForward(l);
+        moe_step.recomputing = true;
         layers[l].forward(ctx, b, w.xs[l], w.xs[l + 1], a, cosMat(), sinMat());
+        moe_step.recomputing = false;
       } else if (config.recompute == Recompute::Selective) {
         if (hooks) hooks->beforeForward(l);  // the recomputation reads the layer's LayerNorms
         layers[l].recomputeSelective(ctx, b, w.xs[l], a);
@@ -682,10 +780,16 @@ template <class T> void Esm2<T>::refreshComputeWeights() { impl_member->refreshC
 
 template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale,
                                                    bool refresh_weights) {
-  if (batch.numTokens() == 0) return 0.0;  // a rank with no micro-batch this step
-  Kokkos::Profiling::pushRegion("plm::model::forwardBackward");
   auto& im = *impl_member;
+  if (batch.numTokens() == 0) {  // a rank with no micro-batch this step
+    im.host_cu.clear();
+    im.beginMoe(0.0, grad_scale, true);
+    im.idleMoePass(true);
+    return 0.0;
+  }
+  Kokkos::Profiling::pushRegion("plm::model::forwardBackward");
   im.prepare(batch, false, true);
+  im.beginMoe(static_cast<double>(im.w.labelled), grad_scale, true);
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();
   im.forwardPass(true, grad_scale);
@@ -700,6 +804,9 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
                                            ForwardOutputs<T>* outputs, bool refresh_weights) {
   auto& im = *impl_member;
   if (batch.numTokens() == 0) {
+    im.host_cu.clear();
+    im.beginMoe(0.0, 0.0, false);
+    im.idleMoePass(false);
     if (outputs && outputs->want_logits)
       outputs->logits = View2<T>("plm::model::logits", 0, im.config.vocab);
     if (outputs && outputs->want_hidden)
@@ -709,6 +816,7 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
   Kokkos::Profiling::pushRegion("plm::model::forward");
   const bool all_rows = outputs && outputs->want_logits;
   im.prepare(batch, all_rows, false);
+  im.beginMoe(static_cast<double>(im.w.labelled), 0.0, false);
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();
   im.forwardPass(false, 1.0);
@@ -743,6 +851,35 @@ template <class T> std::pair<std::int64_t, std::int64_t> Esm2<T>::layerRange(int
     }
   return {lo, hi - lo};
 }
+
+template <class T> double Esm2<T>::routerLoss() const { return impl_member->moe_step.objective; }
+
+template <class T> std::vector<MoeLayerStats> Esm2<T>::moeStats() const {
+  std::vector<MoeLayerStats> out;
+  for (const auto* block : impl_member->moe_blocks) out.push_back(block->stats());
+  return out;
+}
+
+template <class T> void Esm2<T>::resetMoeStats() {
+  for (auto* block : impl_member->moe_blocks) block->resetStats();
+}
+
+template <class T> void Esm2<T>::balanceExpertBias(const std::vector<std::vector<double>>& routed) {
+  auto& im = *impl_member;
+  if (routed.size() != im.moe_blocks.size())
+    throw Error("plm::model: balanceExpertBias got " + std::to_string(routed.size()) +
+                " layers of counts for " + std::to_string(im.moe_blocks.size()) +
+                " MoE layers (a bug)");
+  for (std::size_t i = 0; i < routed.size(); ++i) im.moe_blocks[i]->balanceBias(im.ctx, routed[i]);
+}
+
+template <class T> void Esm2<T>::setExpertParallel(dist::Communicator* comm) {
+  auto& im = *impl_member;
+  for (auto* block : im.moe_blocks) block->setExpertParallel(ExpertParallel{comm});
+  im.expert_parallel = comm != nullptr && comm->size() > 1;
+}
+
+template <class T> bool Esm2<T>::expertParallel() const { return impl_member->expert_parallel; }
 
 template <class T> void Esm2<T>::setHooks(LayerHooks* hooks) { impl_member->hooks = hooks; }
 

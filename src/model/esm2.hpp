@@ -13,11 +13,16 @@
 
 #include "core/types.hpp"
 #include "data/batch.hpp"
+#include "model/moe_config.hpp"
 #include "model/ops.hpp"
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+namespace plm::dist {
+class Communicator;
+}
 
 namespace plm::model {
 
@@ -32,6 +37,7 @@ struct Esm2Config {
   bool token_dropout = true;  // applied in training and evaluation, as Hugging Face does
   Recompute recompute = Recompute::None;  // what backward recomputes instead of keeping
   Precision precision = Precision::Fp32;  // compute arithmetic (bf16: CUDA build, Esm2<float>)
+  MoeConfig moe;  // Mixture-of-Experts FFN layers (moe.experts == 0: the dense ESM-2)
 
   /// \brief esm2_8m, esm2_35m, esm2_150m, esm2_650m, esm2_3b, esm2_15b; throws a collective
   /// plm::Error listing the valid names otherwise.
@@ -40,6 +46,9 @@ struct Esm2Config {
 
   int headDim() const { return hidden / heads; }
   std::int64_t numParameters() const;  // unique parameters (decoder tied to the embedding)
+  /// \brief Parameters one token passes through (an MoE layer counts its router, top_k experts
+  /// and the shared experts); numParameters() for a dense model.
+  std::int64_t activeParameters() const;
   /// \brief Model FLOPs per trained token (forward + backward, recomputation not counted):
   /// 6 * (matmul weights incl. the tied decoder) + 12 * layers * hidden * S, where
   /// S = sum_s len_s^2 / sum_s len_s is the token-weighted mean sequence length of the packed
@@ -122,6 +131,24 @@ template <class T> class Esm2 {
 
   /// \brief [offset, offset + count) of layer `layer`'s tensors in parameters() / gradients().
   std::pair<std::int64_t, std::int64_t> layerRange(int layer) const;
+
+  /// \brief The router losses (aux and z, with their coefficients) the last pass added to the
+  /// objective, in the units of the returned cross-entropy sum: labelled rows x the per-token
+  /// losses.  Gradients hold grad_scale x d(cross-entropy sum + routerLoss()).
+  double routerLoss() const;
+  /// \brief Per MoE layer, the routing statistics summed over the training micro-batches since
+  /// resetMoeStats() (empty for a dense model).
+  std::vector<MoeLayerStats> moeStats() const;
+  void resetMoeStats();
+  /// \brief Aux-loss-free balancing (moe.bias_balance): `routed[i]` = slots routed to each
+  /// expert of the i-th MoE layer over the whole step (all ranks).
+  void balanceExpertBias(const std::vector<std::vector<double>>& routed);
+  /// \brief Expert parallelism over `comm` (not owned; nullptr = every expert local): its
+  /// size must divide moe.experts.  Collective: every rank of `comm` must then run the same
+  /// sequence of passes (a rank without tokens passes an empty micro-batch).
+  void setExpertParallel(dist::Communicator* comm);
+  /// \brief True when MoE layers exchange tokens with other ranks (passes are collective).
+  bool expertParallel() const;
 
   /// \brief Hooks around each layer (not owned; nullptr = none).
   void setHooks(LayerHooks* hooks);

@@ -142,10 +142,22 @@ BatchStats countBatch(const std::vector<data::MicroBatch>& local, MPI_Comm comm)
   return s;
 }
 
+/// Under expert parallelism every pass is collective: ranks with fewer micro-batches run empty
+/// ones first (they serve their experts), so the real last micro-batch keeps the layer hooks.
+std::vector<data::MicroBatch> padForExperts(const std::vector<data::MicroBatch>& local,
+                                            MPI_Comm comm) {
+  const double most = dist::allreduceMax(static_cast<double>(local.size()), comm);
+  std::vector<data::MicroBatch> out(static_cast<std::size_t>(most) - local.size());
+  out.insert(out.end(), local.begin(), local.end());
+  return out;
+}
+
 template <class P> BatchStats accumulateGradients(const ExecSpace& space, model::Esm2<P>& model,
-                                                  const std::vector<data::MicroBatch>& local,
+                                                  const std::vector<data::MicroBatch>& given,
                                                   MPI_Comm comm) {
   Kokkos::Profiling::pushRegion("plm::train::accumulateGradients");
+  const std::vector<data::MicroBatch> local =
+      model.expertParallel() ? padForExperts(given, comm) : given;
   BatchStats s = localCounts(local);
   phase::set("masked-token count all-reduce (MPI)");
   std::int64_t global_masked = dist::allreduceSum(s.masked, comm);
@@ -170,7 +182,8 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
       s.loss_sum += model.forwardBackward(local[i], grad_scale, false);
     }
     model.setHooks(nullptr);
-    if (local.empty()) sync.readyAll(space);  // a rank with no micro-batch this step
+    if (local.empty() || local.back().numTokens() == 0)
+      sync.readyAll(space);  // a rank with no micro-batch this step
     phase::set("gradient all-reduce (finish)");
     sync.finish(space);
   }
@@ -230,6 +243,10 @@ template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& m
   // No collective inside the loop: ranks may reach the end of the pass one call apart.
   for (std::int64_t step = 0; max_steps <= 0 || step < max_steps; ++step) {
     std::vector<data::MicroBatch> local = loader.nextStep();
+    if (model.expertParallel()) {  // passes are collective: agree on each loader step
+      local = padForExperts(local, comm);
+      if (local.empty()) break;
+    }
     if (local.empty()) break;
     BatchStats c = localCounts(local);
     s.masked += c.masked;

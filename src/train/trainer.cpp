@@ -12,6 +12,7 @@
 #include "train/blas_threads.hpp"
 #include "train/fsdp.hpp"
 #include "train/preemption.hpp"
+#include "train/moe_run.hpp"
 
 #include <Teuchos_Array.hpp>
 
@@ -66,6 +67,7 @@ model::Esm2Config modelConfigFromDeck(const Teuchos::ParameterList& deck) {
       config.ffn = 4 * hidden;
   }
   config.recompute = model::parseRecompute(m.get<std::string>("recompute"));
+  applyMoeSection(deck, config);
   config.precision = model::parsePrecision(section(deck, "train").get<std::string>("precision"));
   config.validate();
   return config;
@@ -118,6 +120,7 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   state_member.init_seed = static_cast<std::uint64_t>(t.get<int>("seed"));
   state_member.data_seed = static_cast<std::uint64_t>(d.get<int>("seed"));
   model_member->initialize(state_member.init_seed);
+  moe_member = std::make_unique<MoeRun<param_t>>(*deck, *model_member, comm);
 
   AdamWOptions adam;
   const auto betas = o.get<Teuchos::Array<double>>("betas");
@@ -300,6 +303,7 @@ Trainer::RunEnd Trainer::run() {
       injectFaults(step, true);
       st = finishStep(space, *model_member, *optimizer_member, batch, lr, clip_norm_member);
     }
+    moe_member->afterStep(*model_member);
     phase::set("between steps");
     if (steps_this_run_member == 0) {
       const double used = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
@@ -550,13 +554,15 @@ void Trainer::logStep(const StepStats& last, double seconds) {
   const double per_step =
       steps_this_run_member > 0 ? train_seconds_member / steps_this_run_member : 0;
   const double eta = per_step * static_cast<double>(total_steps_member - state_member.step);
+  const auto moe = moe_member->takeInterval();
   if (rank_member != 0) return;
   log::info(
       "step %lld/%lld | loss %.4f | ppl %.3f | lr %.3e | grad-norm %.3f | %.0f tok/s | "
-      "%.4g TFLOP/s | MFU %.2f%% | mem %s | ETA %s",
+      "%.4g TFLOP/s | MFU %.2f%% | mem %s | ETA %s%s",
       static_cast<long long>(state_member.step), static_cast<long long>(total_steps_member), loss,
       std::exp(loss), last.lr, last.grad_norm, tokens_per_s, tflops, 100.0 * mfu,
-      formatBytes(mem).c_str(), formatDuration(eta).c_str());
+      formatBytes(mem).c_str(), formatDuration(eta).c_str(),
+      MoeRun<param_t>::progress(moe).c_str());
   io::json::Value r = io::json::Value::object();
   r.set("kind", "train");
   r.set("step", state_member.step);
@@ -574,6 +580,7 @@ void Trainer::logStep(const StepStats& last, double seconds) {
   r.set("mem_bytes", mem);
   r.set("elapsed_s", train_seconds_member);
   r.set("eta_s", eta);
+  MoeRun<param_t>::addMetrics(moe, r);
   metrics_member.write(r);
 }
 

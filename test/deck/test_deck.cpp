@@ -192,7 +192,17 @@ TEST(DeckValidation, EnumerationsListTheirValues) {
   EXPECT_HAS(m, "one of linear, cosine, constant");
 
   m = yamlError("model: { preset: esm2_9m }\n");
-  EXPECT_HAS(m, "esm2_8m, esm2_35m, esm2_150m, esm2_650m, esm2_3b, esm2_15b, custom");
+  EXPECT_HAS(m,
+             "esm2_8m, esm2_35m, esm2_150m, esm2_650m, esm2_3b, esm2_15b, "
+             "esm2_moe_100m_a35m, esm2_moe_2b_a650m, aido_protein_16b, custom");
+
+  m = yamlError("moe: { router: softmx }\n");
+  EXPECT_HAS(m, "moe.router = softmx is not allowed");
+  EXPECT_HAS(m, "one of softmax, sigmoid");
+  m = yamlError("moe: { capacity_factor: 0 }\n");
+  EXPECT_HAS(m, "moe.capacity_factor");
+  m = yamlError("parallel: { expert_degree: 0 }\n");
+  EXPECT_HAS(m, "parallel.expert_degree");
 }
 
 TEST(DeckValidation, IntegersAreAcceptedForReals) {

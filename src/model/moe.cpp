@@ -1,0 +1,650 @@
+// MoeMlp and the routing reference (see moe.hpp for the design and the accumulation rule).
+#include "model/moe.hpp"
+
+#include "core/error.hpp"
+#include "dist/stream.hpp"
+#include "model/gemm.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+
+namespace plm::model {
+
+// ---- configuration ---------------------------------------------------------------------------
+
+void MoeConfig::validate(int hidden) const {
+  if (!enabled()) return;
+  auto fail = [](const std::string& what) {
+    throw collectiveError("moe: " + what + " (doc/model.md, Mixture of Experts)");
+  };
+  if (top_k < 1 || top_k > experts)
+    fail("top_k = " + std::to_string(top_k) +
+         " must be in [1, experts = " + std::to_string(experts) + "]");
+  if (every < 1) fail("every must be >= 1, got " + std::to_string(every));
+  if (expert_ffn < 1)
+    fail("expert_ffn must be positive, got " + std::to_string(expert_ffn) +
+         " (set moe.expert_ffn or use an esm2_moe_* preset)");
+  if (shared_experts < 0) fail("shared_experts must be >= 0");
+  if (capacity_factor < 0) fail("capacity_factor must be >= 0 (0 = dropless)");
+  if (aux_loss < 0 || z_loss < 0 || seq_aux_loss < 0)
+    fail("aux_loss, seq_aux_loss and z_loss must be >= 0");
+  if (bias_balance && !(bias_rate > 0)) fail("bias_rate must be positive with bias_balance");
+  if (hidden <= 0) fail("the model width must be positive");
+}
+
+// ---- routing (host reference) ----------------------------------------------------------------
+
+Routing route(const double* logits, int tokens, const MoeConfig& c, const double* bias) {
+  Routing r;
+  const int e_n = c.experts, k = c.top_k;
+  r.tokens = tokens;
+  r.experts = e_n;
+  r.top_k = k;
+  r.prob.assign(static_cast<std::size_t>(tokens) * e_n, 0.0);
+  r.lse.assign(tokens, 0.0);
+  r.expert.assign(static_cast<std::size_t>(tokens) * k, 0);
+  r.gate.assign(static_cast<std::size_t>(tokens) * k, 0.0);
+  r.row.assign(static_cast<std::size_t>(tokens) * k, -1);
+  r.routed.assign(e_n, 0);
+  r.kept.assign(e_n, 0);
+  if (tokens == 0) return r;
+  std::vector<int> order(e_n);
+  std::vector<double> score(e_n);
+  for (int t = 0; t < tokens; ++t) {
+    const double* l = logits + static_cast<std::size_t>(t) * e_n;
+    double* p = &r.prob[static_cast<std::size_t>(t) * e_n];
+    const double m = *std::max_element(l, l + e_n);
+    double s = 0;
+    for (int e = 0; e < e_n; ++e) s += std::exp(l[e] - m);
+    r.lse[t] = m + std::log(s);
+    double total = 0;
+    for (int e = 0; e < e_n; ++e) {
+      p[e] =
+          c.router == RouterKind::Softmax ? std::exp(l[e] - m) / s : 1.0 / (1.0 + std::exp(-l[e]));
+      total += p[e];
+    }
+    double h = 0;
+    for (int e = 0; e < e_n; ++e) {
+      const double q = p[e] / total;
+      if (q > 0) h -= q * std::log(q);
+    }
+    r.entropy += h;
+    for (int e = 0; e < e_n; ++e) score[e] = p[e] + (bias ? bias[e] : 0.0);
+    std::iota(order.begin(), order.end(), 0);
+    std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int a, int b) {
+      return score[a] > score[b] || (score[a] == score[b] && a < b);
+    });
+    double sel = 0;
+    for (int j = 0; j < k; ++j) sel += p[order[j]];
+    for (int j = 0; j < k; ++j) {
+      const int e = order[j];
+      r.expert[static_cast<std::size_t>(t) * k + j] = e;
+      r.gate[static_cast<std::size_t>(t) * k + j] = c.normalize_topk ? p[e] / sel : p[e];
+      ++r.routed[e];
+    }
+  }
+  r.entropy /= tokens;
+  // Load-balancing loss from the routing before the capacity cut (counting after it
+  // under-reports the overload the loss is meant to remove).
+  for (int e = 0; e < e_n; ++e) {
+    double mean_p = 0;
+    for (int t = 0; t < tokens; ++t) mean_p += r.prob[static_cast<std::size_t>(t) * e_n + e];
+    mean_p /= tokens;
+    r.aux += e_n * (static_cast<double>(r.routed[e]) / (static_cast<double>(tokens) * k)) * mean_p;
+  }
+  for (int t = 0; t < tokens; ++t) r.z += r.lse[t] * r.lse[t];
+  r.z /= tokens;
+  // Capacity cut in token order, then the stable permutation: expert-major, token order within.
+  r.capacity = c.capacity_factor > 0
+                   ? static_cast<std::int64_t>(
+                         std::ceil(c.capacity_factor * tokens * k / static_cast<double>(e_n)))
+                   : 0;
+  const std::size_t slots = static_cast<std::size_t>(tokens) * k;
+  std::vector<char> keep(slots, 0);
+  for (std::size_t s = 0; s < slots; ++s) {
+    const int e = r.expert[s];
+    if (r.capacity == 0 || r.kept[e] < r.capacity) {
+      keep[s] = 1;
+      ++r.kept[e];
+    } else {
+      ++r.dropped;
+    }
+  }
+  std::vector<std::int64_t> next(e_n, 0);
+  for (int e = 1; e < e_n; ++e) next[e] = next[e - 1] + r.kept[e - 1];
+  const std::int64_t rows = next[e_n - 1] + r.kept[e_n - 1];
+  r.row_token.assign(rows, 0);
+  r.row_gate.assign(rows, 0.0);
+  for (std::size_t s = 0; s < slots; ++s) {
+    if (!keep[s]) continue;
+    const std::int64_t p = next[r.expert[s]]++;
+    r.row[s] = static_cast<int>(p);
+    r.row_token[p] = static_cast<int>(s / k);
+    r.row_gate[p] = r.gate[s];
+  }
+  return r;
+}
+
+double sequenceAux(const Routing& r, const int* cu, int n, double scale, double* dprob) {
+  const int e_n = r.experts, k = r.top_k;
+  if (n <= 0 || r.tokens == 0) return 0.0;
+  double total = 0;
+  std::vector<double> f(e_n), mean_p(e_n);
+  for (int q = 0; q < n; ++q) {
+    const int t0 = cu[q], t1 = cu[q + 1], len = t1 - t0;
+    if (len <= 0) continue;
+    std::fill(f.begin(), f.end(), 0.0);
+    std::fill(mean_p.begin(), mean_p.end(), 0.0);
+    for (int t = t0; t < t1; ++t) {
+      for (int j = 0; j < k; ++j) f[r.expert[static_cast<std::size_t>(t) * k + j]] += 1.0;
+      for (int e = 0; e < e_n; ++e) mean_p[e] += r.prob[static_cast<std::size_t>(t) * e_n + e];
+    }
+    for (int e = 0; e < e_n; ++e) {
+      f[e] /= static_cast<double>(len) * k;
+      mean_p[e] /= len;
+      total += e_n * f[e] * mean_p[e];
+    }
+    if (dprob)
+      for (int t = t0; t < t1; ++t)
+        for (int e = 0; e < e_n; ++e)
+          dprob[static_cast<std::size_t>(t) * e_n + e] += scale * e_n * f[e] / len / n;
+  }
+  return total / n;
+}
+
+void routeBackward(const Routing& r, const MoeConfig& c, const double* logits, const double* dgate,
+                   double aux_scale, double z_scale, double* dlogits, const double* dprob) {
+  const int e_n = r.experts, k = r.top_k, tokens = r.tokens;
+  if (tokens == 0) return;
+  std::vector<double> dp(e_n), aux_dp(e_n);
+  for (int e = 0; e < e_n; ++e)
+    aux_dp[e] =
+        aux_scale * e_n * (static_cast<double>(r.routed[e]) / (double(tokens) * k)) / tokens;
+  for (int t = 0; t < tokens; ++t) {
+    const double* p = &r.prob[static_cast<std::size_t>(t) * e_n];
+    const double* l = logits + static_cast<std::size_t>(t) * e_n;
+    double* dl = dlogits + static_cast<std::size_t>(t) * e_n;
+    for (int e = 0; e < e_n; ++e)
+      dp[e] = aux_dp[e] + (dprob ? dprob[static_cast<std::size_t>(t) * e_n + e] : 0.0);
+    const std::size_t s0 = static_cast<std::size_t>(t) * k;
+    if (c.normalize_topk) {
+      double sel = 0, inner = 0;
+      for (int j = 0; j < k; ++j) sel += p[r.expert[s0 + j]];
+      for (int j = 0; j < k; ++j)
+        if (r.row[s0 + j] >= 0) inner += dgate[s0 + j] * r.gate[s0 + j];
+      for (int j = 0; j < k; ++j) {
+        const double dg = r.row[s0 + j] >= 0 ? dgate[s0 + j] : 0.0;
+        dp[r.expert[s0 + j]] += (dg - inner) / sel;
+      }
+    } else {
+      for (int j = 0; j < k; ++j)
+        if (r.row[s0 + j] >= 0) dp[r.expert[s0 + j]] += dgate[s0 + j];
+    }
+    if (c.router == RouterKind::Softmax) {
+      double dot = 0;
+      for (int e = 0; e < e_n; ++e) dot += p[e] * dp[e];
+      for (int e = 0; e < e_n; ++e) dl[e] = p[e] * (dp[e] - dot);
+    } else {
+      for (int e = 0; e < e_n; ++e) dl[e] = dp[e] * p[e] * (1.0 - p[e]);
+    }
+    if (z_scale != 0)
+      for (int e = 0; e < e_n; ++e)
+        dl[e] += z_scale * 2.0 * r.lse[t] * std::exp(l[e] - r.lse[t]) / tokens;
+  }
+}
+
+// ---- the block -------------------------------------------------------------------------------
+
+namespace {
+
+template <class T> View1<T> grow(View1<T>& storage, std::int64_t n, const char* label) {
+  if (static_cast<std::int64_t>(storage.extent(0)) < n)
+    storage = View1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), n);
+  return View1<T>(storage.data(), n);
+}
+
+template <class T>
+Mat rowsOf(const View1<T>& buf, std::int64_t first, std::int64_t rows, std::int64_t cols) {
+  return Mat{buf.data() + first * cols, dtypeOf<T>(), rows, cols, cols};
+}
+
+template <class X>
+View1<X> toDevice(View1<X>& storage, const std::vector<X>& host, const char* label) {
+  auto v = grow(storage, static_cast<std::int64_t>(host.size()), label);
+  Kokkos::deep_copy(v, Kokkos::View<const X*, HostSpace>(host.data(), host.size()));
+  return v;
+}
+
+}  // namespace
+
+template <class T> struct MoeMlp<T>::State {
+  int layer = 0;
+  MoeConfig c;
+  int hidden = 0;
+  MoeWeights w, g;
+  MoeStep* step = nullptr;
+  ExpertParallel ep;
+  MoeLayerStats stats;
+
+  // Kept from forward for backward.
+  std::int64_t tokens = 0;
+  Routing routing;
+  std::vector<double> logits_host;  // (T, E)
+  // Expert parallelism: rows this rank sends to / receives from each rank of the group, the
+  // local experts' row counts and the expert-major <-> source-major maps of received rows.
+  std::vector<std::int64_t> send_rows, recv_rows;
+  std::vector<std::int64_t> local_rows;  // (E / E_p)
+  int first_expert = 0, local_experts = 0;
+  std::int64_t expert_rows = 0;  // rows this rank computes
+
+  // Device workspace (grow-only storage, exact-size views).
+  View1<T> logits_s, dlogits_s, slot_gate_s, row_gate_s, dgate_s;
+  View1<std::int32_t> slot_row_s, row_token_s, to_expert_s, to_source_s;
+  View1<T> xperm_s, y_s, dy_s, dx_s;  // local permuted rows (R, H)
+  View1<T> recv_s, xexp_s, pre_s, act_s, yexp_s, dpre_s, dyexp_s, dxexp_s;  // expert side
+  View1<T> spre_s, sact_s, sdpre_s;  // shared experts (T, S F_e)
+  View1<T> logits, slot_gate, row_gate, xperm, y, xexp, pre, act, yexp, spre, sact;
+  View1<std::int32_t> slot_row, row_token, to_expert, to_source;
+
+  bool distributed() const { return ep.comm != nullptr && ep.comm->size() > 1; }
+  std::int64_t sharedWidth() const {
+    return static_cast<std::int64_t>(c.shared_experts) * c.expert_ffn;
+  }
+
+  /// Sends rows (H wide, grouped by destination in `counts`) to the ranks of the group and
+  /// receives theirs; MPI moves host memory after a fence, NCCL orders on the stream.
+  void exchange(OpContext& ctx, const View1<T>& send, const std::vector<std::int64_t>& send_counts,
+                const View1<T>& recv, const std::vector<std::int64_t>& recv_counts) const {
+    const int n = ep.comm->size();
+    std::vector<std::int64_t> sc(n), so(n), rc(n), ro(n);
+    std::int64_t a = 0, b = 0;
+    for (int q = 0; q < n; ++q) {
+      sc[q] = send_counts[q] * hidden;
+      rc[q] = recv_counts[q] * hidden;
+      so[q] = a;
+      ro[q] = b;
+      a += sc[q];
+      b += rc[q];
+    }
+    const auto stream = dist::streamOf(ctx.space());
+    if (!ep.comm->deviceMemory()) ctx.space().fence();
+    ep.comm->allToAllV(send.data(), sc, so, recv.data(), rc, ro, stream).wait(stream);
+  }
+
+  /// Counts first: every rank learns how many rows of each of its experts each rank sends;
+  /// then the maps between the received (source-major) and the expert-major row order.
+  void plan() {
+    const int n = ep.comm->size();
+    std::vector<std::int64_t> counts(routing.kept.begin(), routing.kept.end());
+    std::vector<std::int64_t> got(static_cast<std::size_t>(n) * local_experts);
+    std::vector<std::int64_t> cc(n, local_experts), co(n);
+    for (int q = 0; q < n; ++q) co[q] = static_cast<std::int64_t>(q) * local_experts;
+    if (ep.comm->deviceMemory()) {  // NCCL moves device buffers only
+      View1<std::int64_t> d_send("plm::model::moe::counts", counts.size());
+      View1<std::int64_t> d_recv("plm::model::moe::counts", got.size());
+      Kokkos::deep_copy(d_send,
+                        Kokkos::View<const std::int64_t*, HostSpace>(counts.data(), counts.size()));
+      const auto stream = dist::streamOf(ExecSpace());
+      ep.comm->allToAllV(d_send.data(), cc, co, d_recv.data(), cc, co, stream).wait(stream);
+      Kokkos::fence();
+      Kokkos::deep_copy(Kokkos::View<std::int64_t*, HostSpace>(got.data(), got.size()), d_recv);
+    } else {
+      ep.comm->allToAllV(counts.data(), cc, co, got.data(), cc, co, dist::Stream{}).wait({});
+    }
+    send_rows.assign(n, 0);
+    recv_rows.assign(n, 0);
+    local_rows.assign(local_experts, 0);
+    for (int q = 0; q < n; ++q)
+      for (int i = 0; i < local_experts; ++i) {
+        send_rows[q] += counts[static_cast<std::size_t>(q) * local_experts + i];
+        recv_rows[q] += got[static_cast<std::size_t>(q) * local_experts + i];
+        local_rows[i] += got[static_cast<std::size_t>(q) * local_experts + i];
+      }
+    expert_rows = std::accumulate(recv_rows.begin(), recv_rows.end(), std::int64_t(0));
+    // Expert-major with source order inside an expert, so the layout is deterministic.
+    std::vector<std::int32_t> to_e(expert_rows), to_s(expert_rows);
+    std::vector<std::int64_t> src_at(n, 0), exp_at(local_experts, 0);
+    for (int q = 1; q < n; ++q) src_at[q] = src_at[q - 1] + recv_rows[q - 1];
+    for (int i = 1; i < local_experts; ++i) exp_at[i] = exp_at[i - 1] + local_rows[i - 1];
+    for (int q = 0; q < n; ++q)
+      for (int i = 0; i < local_experts; ++i)
+        for (std::int64_t m = 0; m < got[static_cast<std::size_t>(q) * local_experts + i]; ++m) {
+          const std::int64_t src = src_at[q]++, dst = exp_at[i]++;
+          to_e[dst] = static_cast<std::int32_t>(src);
+          to_s[src] = static_cast<std::int32_t>(dst);
+        }
+    to_expert = toDevice(to_expert_s, to_e, "plm::model::moe::to_expert");
+    to_source = toDevice(to_source_s, to_s, "plm::model::moe::to_source");
+  }
+
+  /// Routed rows (local permuted order) to the experts' ranks, expert-major there.
+  void toExperts(OpContext& ctx, const View1<T>& local, const View1<T>& at_experts) {
+    View1<T> recv = grow(recv_s, expert_rows * hidden, "plm::model::moe::recv");
+    exchange(ctx, local, send_rows, recv, recv_rows);
+    if (expert_rows > 0)
+      gatherRows(ctx, rowsOf(recv, 0, expert_rows, hidden), to_expert,
+                 rowsOf(at_experts, 0, expert_rows, hidden));
+  }
+
+  /// The experts' rows (expert-major) back to the ranks that routed them (local order).
+  void fromExperts(OpContext& ctx, const View1<T>& at_experts, const View1<T>& local) {
+    View1<T> send = grow(recv_s, expert_rows * hidden, "plm::model::moe::recv");
+    if (expert_rows > 0)
+      gatherRows(ctx, rowsOf(at_experts, 0, expert_rows, hidden), to_source,
+                 rowsOf(send, 0, expert_rows, hidden));
+    exchange(ctx, send, recv_rows, local, send_rows);
+  }
+};
+
+template <class T>
+MoeMlp<T>::MoeMlp(int layer, const MoeConfig& config, int hidden, const MoeWeights& weights,
+                  const MoeWeights& grads, MoeStep* step)
+    : state_member(new State()) {
+  auto& s = *state_member;
+  s.layer = layer;
+  s.c = config;
+  s.hidden = hidden;
+  s.w = weights;
+  s.g = grads;
+  s.step = step;
+  s.stats.layer = layer;
+  s.stats.routed.assign(config.experts, 0.0);
+  s.local_experts = config.experts;
+  if (static_cast<int>(weights.experts.size()) != config.experts)
+    throw Error("plm::model::MoeMlp: expert tensors do not match moe.experts (a bug)");
+  if (weights.router.dtype != dtypeOf<T>())
+    throw collectiveError(
+        "moe: Mixture-of-Experts layers compute in fp32 on the portable path for now; set "
+        "train.precision: fp32 (the bf16 grouped-GEMM path is doc/model.md's open item)");
+}
+
+template <class T> MoeMlp<T>::~MoeMlp() = default;
+
+template <class T> void MoeMlp<T>::setExpertParallel(const ExpertParallel& ep) {
+  auto& s = *state_member;
+  const int n = ep.comm ? ep.comm->size() : 1;
+  if (s.c.experts % n != 0)
+    throw collectiveError("parallel.expert_degree = " + std::to_string(n) +
+                          " must divide moe.experts = " + std::to_string(s.c.experts));
+  if (ep.comm && !ep.comm->deviceMemory() &&
+      !Kokkos::SpaceAccessibility<HostSpace, ExecSpace::memory_space>::accessible)
+    throw collectiveError(
+        "parallel.expert_degree: the expert all-to-all needs NCCL when the model lives in GPU "
+        "memory (one GPU per rank); this group fell back to MPI");
+  s.ep = ep;
+  s.local_experts = s.c.experts / n;
+  s.first_expert = (ep.comm ? ep.comm->rank() : 0) * s.local_experts;
+}
+
+template <class T> const MoeLayerStats& MoeMlp<T>::stats() const { return state_member->stats; }
+
+template <class T> void MoeMlp<T>::resetStats() {
+  auto& st = state_member->stats;
+  const int layer = st.layer;
+  const std::size_t e = st.routed.size();
+  st = MoeLayerStats();
+  st.layer = layer;
+  st.routed.assign(e, 0.0);
+}
+
+template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const Mat& residual,
+                                           const Mat& out, LayerActs& /*saved*/) const {
+  auto& s = *state_member;
+  const auto& space = ctx.space();
+  const auto& c = s.c;
+  const std::int64_t t_n = h.rows, hid = s.hidden, e_n = c.experts, k = c.top_k;
+  const std::int64_t fe = c.expert_ffn;
+  s.tokens = t_n;
+
+  // Router logits (fp32 or the master type, never bf16), then the routing on the host.
+  s.logits = grow(s.logits_s, t_n * e_n, "plm::model::moe::logits");
+  if (t_n > 0)
+    gemm(space, Trans::N, Trans::T, T(1), h.template view<T>(), s.w.router.template view<T>(), T(0),
+         View2<T>(s.logits.data(), t_n, e_n));
+  std::vector<T> host(t_n * e_n);
+  Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(host.data(), host.size()), s.logits);
+  std::vector<double> bias;
+  if (!s.w.expert_bias.empty()) {
+    std::vector<T> b(e_n);
+    Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(b.data(), e_n),
+                      s.w.expert_bias.template view<T>());
+    space.fence();
+    bias.assign(b.begin(), b.end());
+  }
+  space.fence();
+  s.logits_host.assign(host.begin(), host.end());
+  s.routing =
+      route(s.logits_host.data(), static_cast<int>(t_n), c, bias.empty() ? nullptr : bias.data());
+  const Routing& r = s.routing;
+  const std::int64_t rows = r.rows();
+
+  std::vector<std::int32_t> slot_row(r.row.begin(), r.row.end());
+  std::vector<T> slot_gate(r.gate.begin(), r.gate.end());
+  std::vector<std::int32_t> row_token(r.row_token.begin(), r.row_token.end());
+  std::vector<T> row_gate(r.row_gate.begin(), r.row_gate.end());
+  s.slot_row = toDevice(s.slot_row_s, slot_row, "plm::model::moe::slot_row");
+  s.slot_gate = toDevice(s.slot_gate_s, slot_gate, "plm::model::moe::slot_gate");
+  s.row_token = toDevice(s.row_token_s, row_token, "plm::model::moe::row_token");
+  s.row_gate = toDevice(s.row_gate_s, row_gate, "plm::model::moe::row_gate");
+
+  // Permute: rows grouped by expert, token order within an expert (stable).
+  s.xperm = grow(s.xperm_s, rows * hid, "plm::model::moe::xperm");
+  s.y = grow(s.y_s, rows * hid, "plm::model::moe::y");
+  if (rows > 0) gatherRows(ctx, h, s.row_token, rowsOf(s.xperm, 0, rows, hid));
+
+  // The rows of this rank's experts: local, or gathered from the group.
+  if (s.distributed()) {
+    s.plan();
+    s.xexp = grow(s.xexp_s, s.expert_rows * hid, "plm::model::moe::xexp");
+    s.toExperts(ctx, s.xperm, s.xexp);
+    s.yexp = grow(s.yexp_s, s.expert_rows * hid, "plm::model::moe::yexp");
+  } else {
+    s.expert_rows = rows;
+    s.local_rows = r.kept;
+    s.xexp = s.xperm;
+    s.yexp = s.y;
+  }
+  s.pre = grow(s.pre_s, s.expert_rows * fe, "plm::model::moe::pre");
+  s.act = grow(s.act_s, s.expert_rows * fe, "plm::model::moe::act");
+  std::int64_t o = 0;
+  for (int i = 0; i < s.local_experts; ++i) {  // the CPU's loop over experts
+    const std::int64_t n = s.local_rows[i];
+    const auto& we = s.w.experts[s.first_expert + i];
+    if (n > 0) {
+      linearGelu(ctx, rowsOf(s.xexp, o, n, hid), we.w1, we.b1, rowsOf(s.pre, o, n, fe),
+                 rowsOf(s.act, o, n, fe));
+      linear(ctx, rowsOf(s.act, o, n, fe), we.w2, we.b2, rowsOf(s.yexp, o, n, hid));
+    }
+    o += n;
+  }
+  if (s.distributed()) s.fromExperts(ctx, s.yexp, s.y);
+
+  // Unpermute with the gates, in a fixed slot order per token (deterministic).
+  {
+    auto in = residual.template view<T>();
+    auto dst = out.template view<T>();
+    auto y = s.y;
+    auto srow = s.slot_row;
+    auto sgate = s.slot_gate;
+    Kokkos::parallel_for(
+        "plm::model::moe::unpermute", Kokkos::RangePolicy<ExecSpace>(space, 0, t_n),
+        KOKKOS_LAMBDA(const std::int64_t t) {
+          for (std::int64_t col = 0; col < hid; ++col) {
+            T acc = 0;
+            for (std::int64_t j = 0; j < k; ++j) {
+              const std::int32_t p = srow(t * k + j);
+              if (p >= 0) acc += sgate(t * k + j) * y(p * hid + col);
+            }
+            dst(t, col) = in(t, col) + acc;
+          }
+        });
+  }
+  if (c.shared_experts > 0 && t_n > 0) {
+    const std::int64_t sw = s.sharedWidth();
+    s.spre = grow(s.spre_s, t_n * sw, "plm::model::moe::shared_pre");
+    s.sact = grow(s.sact_s, t_n * sw, "plm::model::moe::shared_act");
+    linearGelu(ctx, h, s.w.shared.w1, s.w.shared.b1, rowsOf(s.spre, 0, t_n, sw),
+               rowsOf(s.sact, 0, t_n, sw));
+    linearResidual(ctx, rowsOf(s.sact, 0, t_n, sw), s.w.shared.w2, s.w.shared.b2, out, out);
+  }
+
+  if (s.step && !s.step->recomputing) {
+    double seq_aux = 0;
+    if (c.seq_aux_loss > 0 && s.step->cu_seqlens && !s.step->cu_seqlens->empty())
+      seq_aux = sequenceAux(r, s.step->cu_seqlens->data(),
+                            static_cast<int>(s.step->cu_seqlens->size()) - 1, 0.0, nullptr);
+    s.step->objective +=
+        s.step->loss_weight * (c.aux_loss * r.aux + c.z_loss * r.z + c.seq_aux_loss * seq_aux);
+    if (s.step->training) {
+      auto& st = s.stats;
+      for (int e = 0; e < e_n; ++e) st.routed[e] += static_cast<double>(r.routed[e]);
+      st.slots += static_cast<double>(t_n * k);
+      st.dropped += static_cast<double>(r.dropped);
+      st.aux += r.aux * t_n;
+      st.z += r.z * t_n;
+      st.entropy += r.entropy * t_n;
+      st.tokens += static_cast<double>(t_n);
+    }
+  }
+}
+
+template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& saved,
+                                            const Mat& dout_c, const Mat& dh,
+                                            LayerScratch& /*scratch*/) const {
+  auto& s = *state_member;
+  const auto& space = ctx.space();
+  const auto& c = s.c;
+  const Routing& r = s.routing;
+  const std::int64_t t_n = s.tokens, hid = s.hidden, e_n = c.experts, k = c.top_k;
+  const std::int64_t fe = c.expert_ffn, rows = r.rows();
+  const Mat& h = saved.ln2;
+  auto dout = dout_c.template view<T>();
+
+  // dgate per slot = dout(t) . y(row); dy(row) = gate * dout(t).
+  View1<T> dgate = grow(s.dgate_s, t_n * k, "plm::model::moe::dgate");
+  View1<T> dy = grow(s.dy_s, rows * hid, "plm::model::moe::dy");
+  {
+    auto y = s.y;
+    auto srow = s.slot_row;
+    Kokkos::parallel_for(
+        "plm::model::moe::dgate", Kokkos::RangePolicy<ExecSpace>(space, 0, t_n * k),
+        KOKKOS_LAMBDA(const std::int64_t slot) {
+          const std::int32_t p = srow(slot);
+          T acc = 0;
+          if (p >= 0)
+            for (std::int64_t col = 0; col < hid; ++col)
+              acc += dout(slot / k, col) * y(p * hid + col);
+          dgate(slot) = acc;
+        });
+    auto rtok = s.row_token;
+    auto rgate = s.row_gate;
+    Kokkos::parallel_for(
+        "plm::model::moe::permute_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
+        KOKKOS_LAMBDA(const std::int64_t p) {
+          const std::int64_t t = rtok(p);
+          for (std::int64_t col = 0; col < hid; ++col) dy(p * hid + col) = rgate(p) * dout(t, col);
+        });
+  }
+
+  // Expert backward on this rank's experts.
+  View1<T> dyexp = dy, dxexp;
+  View1<T> dx = grow(s.dx_s, rows * hid, "plm::model::moe::dx");
+  if (s.distributed()) {
+    dyexp = grow(s.dyexp_s, s.expert_rows * hid, "plm::model::moe::dyexp");
+    s.toExperts(ctx, dy, dyexp);
+    dxexp = grow(s.dxexp_s, s.expert_rows * hid, "plm::model::moe::dxexp");
+  } else {
+    dxexp = dx;
+  }
+  View1<T> dpre = grow(s.dpre_s, s.expert_rows * fe, "plm::model::moe::dpre");
+  std::int64_t o = 0;
+  for (int i = 0; i < s.local_experts; ++i) {
+    const std::int64_t n = s.local_rows[i];
+    const auto& we = s.w.experts[s.first_expert + i];
+    const auto& ge = s.g.experts[s.first_expert + i];
+    if (n > 0) {
+      linearBackwardGelu(ctx, rowsOf(s.act, o, n, fe), we.w2, rowsOf(dyexp, o, n, hid),
+                         rowsOf(s.pre, o, n, fe), rowsOf(dpre, o, n, fe), ge.w2, ge.b2);
+      linearBackward(ctx, rowsOf(s.xexp, o, n, hid), we.w1, rowsOf(dpre, o, n, fe),
+                     rowsOf(dxexp, o, n, hid), false, ge.w1, ge.b1);
+    }
+    o += n;
+  }
+  if (s.distributed()) s.fromExperts(ctx, dxexp, dx);
+
+  // dh = sum over a token's kept slots of their input gradients (fixed order).
+  {
+    auto dst = dh.template view<T>();
+    auto srow = s.slot_row;
+    Kokkos::parallel_for(
+        "plm::model::moe::unpermute_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, t_n),
+        KOKKOS_LAMBDA(const std::int64_t t) {
+          for (std::int64_t col = 0; col < hid; ++col) {
+            T acc = 0;
+            for (std::int64_t j = 0; j < k; ++j) {
+              const std::int32_t p = srow(t * k + j);
+              if (p >= 0) acc += dx(p * hid + col);
+            }
+            dst(t, col) = acc;
+          }
+        });
+  }
+
+  // Router: gates, aux and z losses to the logits (host), then dh += dlogits Wr,
+  // dWr += dlogits^T h.
+  std::vector<T> dgate_t(t_n * k);
+  Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(dgate_t.data(), dgate_t.size()), dgate);
+  space.fence();
+  std::vector<double> dg(dgate_t.begin(), dgate_t.end()), dl(t_n * e_n, 0.0);
+  const double weight = s.step ? s.step->grad_scale * s.step->loss_weight : 0.0;
+  std::vector<double> dprob;
+  if (c.seq_aux_loss > 0 && s.step && s.step->cu_seqlens && !s.step->cu_seqlens->empty()) {
+    dprob.assign(t_n * e_n, 0.0);
+    sequenceAux(r, s.step->cu_seqlens->data(), static_cast<int>(s.step->cu_seqlens->size()) - 1,
+                weight * c.seq_aux_loss, dprob.data());
+  }
+  routeBackward(r, c, s.logits_host.data(), dg.data(), weight * c.aux_loss, weight * c.z_loss,
+                dl.data(), dprob.empty() ? nullptr : dprob.data());
+  std::vector<T> dl_t(dl.begin(), dl.end());
+  View1<T> dlogits = toDevice(s.dlogits_s, dl_t, "plm::model::moe::dlogits");
+  if (t_n > 0) {
+    View2<T> dl2(dlogits.data(), t_n, e_n);
+    gemm(space, Trans::N, Trans::N, T(1), dl2, s.w.router.template view<T>(), T(1),
+         dh.template view<T>());
+    gemm(space, Trans::T, Trans::N, T(1), dl2, h.template view<T>(), T(1),
+         s.g.router.template view<T>());
+  }
+
+  if (c.shared_experts > 0 && t_n > 0) {
+    const std::int64_t sw = s.sharedWidth();
+    View1<T> sdpre = grow(s.sdpre_s, t_n * sw, "plm::model::moe::shared_dpre");
+    linearBackwardGelu(ctx, rowsOf(s.sact, 0, t_n, sw), s.w.shared.w2, dout_c,
+                       rowsOf(s.spre, 0, t_n, sw), rowsOf(sdpre, 0, t_n, sw), s.g.shared.w2,
+                       s.g.shared.b2);
+    linearBackward(ctx, h, s.w.shared.w1, rowsOf(sdpre, 0, t_n, sw), dh, true, s.g.shared.w1,
+                   s.g.shared.b1);
+  }
+}
+
+template <class T> void MoeMlp<T>::balanceBias(OpContext& ctx, const std::vector<double>& routed) {
+  auto& s = *state_member;
+  if (!s.c.bias_balance || s.w.expert_bias.empty()) return;
+  const int e_n = s.c.experts;
+  const double mean = std::accumulate(routed.begin(), routed.end(), 0.0) / e_n;
+  std::vector<T> b(e_n);
+  auto dev = s.w.expert_bias.template view<T>();
+  Kokkos::deep_copy(ctx.space(), Kokkos::View<T*, HostSpace>(b.data(), e_n), dev);
+  ctx.space().fence();
+  for (int e = 0; e < e_n; ++e) {
+    const double diff = mean - routed[e];
+    b[e] += static_cast<T>(s.c.bias_rate * (diff > 0 ? 1.0 : diff < 0 ? -1.0 : 0.0));
+  }
+  Kokkos::deep_copy(ctx.space(), dev, Kokkos::View<const T*, HostSpace>(b.data(), e_n));
+  ctx.space().fence();
+}
+
+template class MoeMlp<float>;
+template class MoeMlp<double>;
+
+}  // namespace plm::model

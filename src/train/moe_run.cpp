@@ -1,0 +1,188 @@
+#include "train/moe_run.hpp"
+
+#include "core/error.hpp"
+#include "core/log.hpp"
+#include "dist/allreduce.hpp"
+#include "dist/communicator.hpp"
+#include "dist/process_groups.hpp"
+
+#include <algorithm>
+#include <cstdio>
+
+namespace plm::train {
+
+void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& config) {
+  if (!deck.isSublist("moe")) return;
+  const auto& m = deck.sublist("moe");
+  auto& c = config.moe;
+  const int experts = m.get<int>("experts");
+  if (experts > 0) c.experts = experts;
+  if (!c.enabled()) return;  // dense: the rest of the section is not read
+  const int top_k = m.get<int>("top_k"), every = m.get<int>("every");
+  const int expert_ffn = m.get<int>("expert_ffn");
+  if (top_k > 0) c.top_k = top_k;
+  if (every > 0) c.every = every;
+  if (expert_ffn > 0)
+    c.expert_ffn = expert_ffn;
+  else if (c.expert_ffn == 0)
+    c.expert_ffn = std::max(1, config.ffn / c.top_k);
+  c.shared_experts = m.get<int>("shared_experts");
+  c.router = model::parseRouter(m.get<std::string>("router"));
+  c.normalize_topk = m.get<bool>("normalize_topk");
+  c.capacity_factor = m.get<bool>("dropless") ? 0.0 : m.get<double>("capacity_factor");
+  c.aux_loss = m.get<double>("aux_loss");
+  c.z_loss = m.get<double>("z_loss");
+  c.seq_aux_loss = m.get<double>("seq_aux_loss");
+  c.bias_balance = m.get<bool>("bias_balance");
+  c.bias_rate = m.get<double>("bias_rate");
+}
+
+template <class P>
+MoeRun<P>::MoeRun(const Teuchos::ParameterList& deck, model::Esm2<P>& model, MPI_Comm comm)
+    : comm_member(comm) {
+  const auto& moe = model.config().moe;
+  degree_member =
+      deck.isSublist("parallel") ? deck.sublist("parallel").get<int>("expert_degree") : 1;
+  const int world = dist::commSize(comm);
+  if (degree_member > 1 && !moe.enabled())
+    throw collectiveError("parallel.expert_degree = " + std::to_string(degree_member) +
+                          " needs a Mixture-of-Experts model (set moe.experts or an MoE preset)");
+  if (world % degree_member != 0)
+    throw collectiveError("parallel.expert_degree = " + std::to_string(degree_member) +
+                          " must divide the number of ranks (" + std::to_string(world) + ")");
+  if (moe.enabled() && moe.experts % degree_member != 0)
+    throw collectiveError("parallel.expert_degree = " + std::to_string(degree_member) +
+                          " must divide moe.experts = " + std::to_string(moe.experts));
+  if (degree_member > 1) {
+    groups_member = std::make_unique<dist::ProcessGroups>(comm, degree_member);
+    expert_comm_member = dist::makeCommunicator(groups_member->shard(),
+                                                dist::defaultBackend(groups_member->shard()));
+    model.setExpertParallel(expert_comm_member.get());
+  }
+  if (moe.enabled()) {
+    const auto& cfg = model.config();
+    int moe_layers = 0;
+    for (int l = 0; l < cfg.num_layers; ++l) moe_layers += moe.isMoeLayer(l) ? 1 : 0;
+    log::info(
+        "moe: %d of %d layers with %d experts of ffn %d (+%d shared), top-%d %s router%s, %s; "
+        "%lld parameters, %lld active per token; expert degree %d",
+        moe_layers, cfg.num_layers, moe.experts, moe.expert_ffn, moe.shared_experts, moe.top_k,
+        model::routerName(moe.router), moe.normalize_topk ? " (normalised)" : "",
+        moe.capacity_factor > 0 ? ("capacity factor " + std::to_string(moe.capacity_factor)).c_str()
+                                : "dropless",
+        static_cast<long long>(cfg.numParameters()), static_cast<long long>(cfg.activeParameters()),
+        degree_member);
+  }
+  for (const auto& s : model.moeStats()) {
+    model::MoeLayerStats z;
+    z.layer = s.layer;
+    z.routed.assign(s.routed.size(), 0.0);
+    interval_member.push_back(z);
+  }
+}
+
+template <class P> MoeRun<P>::~MoeRun() = default;
+
+template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model) {
+  auto stats = model.moeStats();
+  model.resetMoeStats();
+  if (stats.empty()) return;
+  std::vector<double> flat;
+  for (const auto& s : stats) {
+    flat.insert(flat.end(), s.routed.begin(), s.routed.end());
+    flat.insert(flat.end(), {s.slots, s.dropped, s.aux, s.z, s.entropy, s.tokens});
+  }
+  dist::allreduceSum(flat, comm_member);
+  std::size_t at = 0;
+  std::vector<std::vector<double>> routed;
+  for (std::size_t i = 0; i < stats.size(); ++i) {
+    auto& s = stats[i];
+    for (auto& r : s.routed) r = flat[at++];
+    s.slots = flat[at++];
+    s.dropped = flat[at++];
+    s.aux = flat[at++];
+    s.z = flat[at++];
+    s.entropy = flat[at++];
+    s.tokens = flat[at++];
+    routed.push_back(s.routed);
+    auto& acc = interval_member[i];
+    for (std::size_t e = 0; e < s.routed.size(); ++e) acc.routed[e] += s.routed[e];
+    acc.slots += s.slots;
+    acc.dropped += s.dropped;
+    acc.aux += s.aux;
+    acc.z += s.z;
+    acc.entropy += s.entropy;
+    acc.tokens += s.tokens;
+  }
+  steps_member += 1;
+  if (model.config().moe.bias_balance) model.balanceExpertBias(routed);
+}
+
+template <class P> std::vector<MoeLayerSummary> MoeRun<P>::takeInterval() {
+  std::vector<MoeLayerSummary> out;
+  const double steps = std::max(1, steps_member);
+  for (auto& acc : interval_member) {
+    MoeLayerSummary s;
+    s.layer = acc.layer;
+    if (!acc.routed.empty()) {
+      s.load_min = *std::min_element(acc.routed.begin(), acc.routed.end()) / steps;
+      s.load_max = *std::max_element(acc.routed.begin(), acc.routed.end()) / steps;
+      double sum = 0;
+      for (double r : acc.routed) sum += r;
+      s.load_mean = sum / static_cast<double>(acc.routed.size()) / steps;
+    }
+    const double tokens = std::max(1.0, acc.tokens);
+    s.dropped_fraction = acc.slots > 0 ? acc.dropped / acc.slots : 0.0;
+    s.aux = acc.aux / tokens;
+    s.z = acc.z / tokens;
+    s.entropy = acc.entropy / tokens;
+    out.push_back(s);
+    const int layer = acc.layer;
+    const std::size_t e = acc.routed.size();
+    acc = model::MoeLayerStats();
+    acc.layer = layer;
+    acc.routed.assign(e, 0.0);
+  }
+  steps_member = 0;
+  return out;
+}
+
+template <class P> std::string MoeRun<P>::progress(const std::vector<MoeLayerSummary>& layers) {
+  if (layers.empty()) return "";
+  double worst = 0, dropped = 0, aux = 0, entropy = 0;
+  for (const auto& s : layers) {
+    if (s.load_mean > 0) worst = std::max(worst, s.load_max / s.load_mean);
+    dropped += s.dropped_fraction;
+    aux += s.aux;
+    entropy += s.entropy;
+  }
+  const double n = static_cast<double>(layers.size());
+  char text[160];
+  std::snprintf(text, sizeof(text), " | moe load max/mean %.2f | drop %.2f%% | aux %.4f | H %.3f",
+                worst, 100.0 * dropped / n, aux / n, entropy / n);
+  return text;
+}
+
+template <class P>
+void MoeRun<P>::addMetrics(const std::vector<MoeLayerSummary>& layers, io::json::Value& record) {
+  if (layers.empty()) return;
+  io::json::Value all = io::json::Value::array();
+  for (const auto& s : layers) {
+    io::json::Value l = io::json::Value::object();
+    l.set("layer", s.layer);
+    l.set("tokens_per_expert_min", s.load_min);
+    l.set("tokens_per_expert_mean", s.load_mean);
+    l.set("tokens_per_expert_max", s.load_max);
+    l.set("dropped_fraction", s.dropped_fraction);
+    l.set("aux_loss", s.aux);
+    l.set("z_loss", s.z);
+    l.set("router_entropy", s.entropy);
+    all.push(l);
+  }
+  record.set("moe", all);
+}
+
+template class MoeRun<float>;
+template class MoeRun<double>;
+
+}  // namespace plm::train

@@ -1,0 +1,63 @@
+// What a training run adds for Mixture-of-Experts models: the `moe` and `parallel` deck
+// sections, the expert-parallel communicator, and per-step routing statistics (reduced over all
+// ranks) that feed the aux-loss-free bias update, the progress line and metrics.jsonl.
+//
+// Design choice: kept out of trainer.cpp so the dense trainer reads as before; the trainer calls
+// afterStep() once per optimizer step and asks for progress()/metrics() when it logs.
+#pragma once
+
+#include "io/json.hpp"
+#include "model/esm2.hpp"
+
+#include <mpi.h>
+#include <Teuchos_ParameterList.hpp>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace plm::dist {
+class ProcessGroups;
+}
+
+namespace plm::train {
+
+/// \brief Fills config.moe from the deck's `moe` section over the preset's values (0 = the
+/// preset's, then the section's defaults: top_k 2, every 1, expert_ffn = ffn / top_k).
+void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& config);
+
+/// The routing statistics of one MoE layer over an interval, reduced over all ranks.
+struct MoeLayerSummary {
+  int layer = 0;
+  double load_min = 0, load_mean = 0, load_max = 0;  // slots routed per expert per step
+  double dropped_fraction = 0, aux = 0, z = 0, entropy = 0;
+};
+
+template <class P> class MoeRun {
+ public:
+  /// Collective over `comm`: builds the expert-parallel group (parallel.expert_degree
+  /// consecutive ranks) and hands it to the model.
+  MoeRun(const Teuchos::ParameterList& deck, model::Esm2<P>& model, MPI_Comm comm);
+  ~MoeRun();
+
+  /// \brief Collective: reduces this step's routing statistics over all ranks, applies the
+  /// bias_balance update, and adds them to the interval.
+  void afterStep(model::Esm2<P>& model);
+  /// \brief The interval's statistics per MoE layer (then starts a new interval).
+  std::vector<MoeLayerSummary> takeInterval();
+  /// \brief Compact: worst max/mean load over layers, mean dropped fraction, aux loss.
+  static std::string progress(const std::vector<MoeLayerSummary>& layers);
+  /// \brief Full: one object per layer under "moe".
+  static void addMetrics(const std::vector<MoeLayerSummary>& layers, io::json::Value& record);
+  int expertDegree() const { return degree_member; }
+
+ private:
+  MPI_Comm comm_member;
+  int degree_member = 1;
+  std::unique_ptr<dist::ProcessGroups> groups_member;
+  std::unique_ptr<dist::Communicator> expert_comm_member;
+  std::vector<model::MoeLayerStats> interval_member;
+  int steps_member = 0;
+};
+
+}  // namespace plm::train

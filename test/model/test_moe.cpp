@@ -1,0 +1,379 @@
+// Mixture-of-Experts FFN: the routing against a plain reference (capacity cut exactly), the
+// block's output against per-token loops, every gradient (gates, router, experts, shared
+// experts, aux and z losses) by finite differences, and the full model with MoE layers.
+#include "core/error.hpp"
+#include "model/esm2.hpp"
+#include "model/moe.hpp"
+#include "model_test_util.hpp"
+
+#include <cmath>
+
+namespace plm::model {
+namespace {
+
+using test::checkGradient;
+using test::fillNormal;
+using test::makeBatch;
+using test::toHost;
+
+/// One MoE layer's tensors in one flat buffer (weights) and a same-shaped one (gradients).
+struct Layer {
+  MoeConfig c;
+  int h = 0;
+  View1<double> params, grads;
+  MoeWeights w, g;
+  View1<double> bias;  // expert bias (selection only), when bias_balance
+
+  Layer(const MoeConfig& config, int hidden, std::uint64_t seed) : c(config), h(hidden) {
+    const std::int64_t fe = c.expert_ffn, e_n = c.experts, sw = fe * c.shared_experts;
+    const std::int64_t per_expert = 2 * fe * h + fe + h;
+    const std::int64_t n = e_n * h + e_n * per_expert + (sw > 0 ? 2 * sw * h + sw + h : 0);
+    params = View1<double>("params", n);
+    grads = View1<double>("grads", n);
+    fillNormal(params, seed, 0.5);
+    std::int64_t at = 0;
+    auto mat = [&](const View1<double>& buf, std::int64_t r, std::int64_t cols, std::int64_t o) {
+      return Mat{buf.data() + o, DType::F64, r, cols, cols};
+    };
+    auto vec = [&](const View1<double>& buf, std::int64_t len, std::int64_t o) {
+      return Vec{buf.data() + o, DType::F64, len};
+    };
+    auto mlp = [&](std::int64_t f, DenseMlpWeights& dw, DenseMlpWeights& dg) {
+      dw.w1 = mat(params, f, h, at);
+      dg.w1 = mat(grads, f, h, at);
+      at += f * h;
+      dw.b1 = vec(params, f, at);
+      dg.b1 = vec(grads, f, at);
+      at += f;
+      dw.w2 = mat(params, h, f, at);
+      dg.w2 = mat(grads, h, f, at);
+      at += h * f;
+      dw.b2 = vec(params, h, at);
+      dg.b2 = vec(grads, h, at);
+      at += h;
+    };
+    w.router = mat(params, e_n, h, 0);
+    g.router = mat(grads, e_n, h, 0);
+    at = e_n * h;
+    w.experts.resize(e_n);
+    g.experts.resize(e_n);
+    for (int e = 0; e < e_n; ++e) mlp(fe, w.experts[e], g.experts[e]);
+    if (sw > 0) mlp(sw, w.shared, g.shared);
+    if (c.bias_balance) {
+      bias = View1<double>("bias", e_n);
+      w.expert_bias = Vec{bias.data(), DType::F64, e_n};
+    }
+  }
+};
+
+double gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); }
+
+/// out = residual + sum over kept slots of gate * FFN_e(h) + shared(h), token by token.
+std::vector<double> referenceForward(const Layer& L, const std::vector<double>& hv,
+                                     const std::vector<double>& res, int tokens,
+                                     std::int64_t* dropped_out) {
+  const auto p = toHost(L.params);
+  const int h = L.h, e_n = L.c.experts, k = L.c.top_k, fe = L.c.expert_ffn;
+  std::vector<double> bias(e_n, 0.0);
+  if (L.c.bias_balance) bias = toHost(L.bias);
+  auto ffn = [&](std::int64_t base, int f, const double* x, double* y, double scale) {
+    std::vector<double> a(f);
+    for (int i = 0; i < f; ++i) {
+      double s = p[base + f * h + i];
+      for (int j = 0; j < h; ++j) s += p[base + i * h + j] * x[j];
+      a[i] = gelu(s);
+    }
+    const std::int64_t w2 = base + f * h + f, b2 = w2 + h * f;
+    for (int o = 0; o < h; ++o) {
+      double s = p[b2 + o];
+      for (int i = 0; i < f; ++i) s += p[w2 + o * f + i] * a[i];
+      y[o] += scale * s;
+    }
+  };
+  const std::int64_t per_expert = 2 * fe * h + fe + h;
+  const std::int64_t capacity =
+      L.c.capacity_factor > 0
+          ? static_cast<std::int64_t>(std::ceil(L.c.capacity_factor * tokens * k / double(e_n)))
+          : 0;
+  std::vector<std::int64_t> used(e_n, 0);
+  std::int64_t dropped = 0;
+  std::vector<double> out(res);
+  for (int t = 0; t < tokens; ++t) {
+    const double* x = &hv[t * h];
+    std::vector<double> logit(e_n), prob(e_n);
+    double m = -1e300, s = 0;
+    for (int e = 0; e < e_n; ++e) {
+      logit[e] = 0;
+      for (int j = 0; j < h; ++j) logit[e] += p[e * h + j] * x[j];
+      m = std::max(m, logit[e]);
+    }
+    for (int e = 0; e < e_n; ++e) s += std::exp(logit[e] - m);
+    for (int e = 0; e < e_n; ++e)
+      prob[e] = L.c.router == RouterKind::Softmax ? std::exp(logit[e] - m) / s
+                                                  : 1 / (1 + std::exp(-logit[e]));
+    std::vector<int> chosen;
+    std::vector<bool> taken(e_n, false);
+    for (int j = 0; j < k; ++j) {  // selection by repeated arg-max, lower index on ties
+      int best = -1;
+      for (int e = 0; e < e_n; ++e)
+        if (!taken[e] && (best < 0 || prob[e] + bias[e] > prob[best] + bias[best])) best = e;
+      taken[best] = true;
+      chosen.push_back(best);
+    }
+    double sel = 0;
+    for (int e : chosen) sel += prob[e];
+    for (int e : chosen) {
+      if (capacity > 0 && used[e] >= capacity) {
+        ++dropped;
+        continue;
+      }
+      ++used[e];
+      const double gate = L.c.normalize_topk ? prob[e] / sel : prob[e];
+      ffn(e_n * h + e * per_expert, fe, x, &out[t * h], gate);
+    }
+    if (L.c.shared_experts > 0)
+      ffn(e_n * h + e_n * per_expert, fe * L.c.shared_experts, x, &out[t * h], 1.0);
+  }
+  *dropped_out = dropped;
+  return out;
+}
+
+std::vector<MoeConfig> configurations() {
+  std::vector<MoeConfig> out;
+  MoeConfig base;
+  base.experts = 4;
+  base.top_k = 2;
+  base.expert_ffn = 5;
+  base.aux_loss = 0.3;
+  base.z_loss = 0.07;
+  out.push_back(base);  // softmax, normalised, dropless
+  MoeConfig drop = base;
+  drop.capacity_factor = 0.6;  // some slots dropped
+  drop.shared_experts = 1;
+  out.push_back(drop);
+  MoeConfig sigmoid = base;
+  sigmoid.router = RouterKind::Sigmoid;
+  sigmoid.normalize_topk = false;
+  sigmoid.capacity_factor = 0.8;
+  out.push_back(sigmoid);
+  MoeConfig single = base;
+  single.top_k = 1;
+  single.experts = 3;
+  single.normalize_topk = false;
+  single.bias_balance = true;
+  single.shared_experts = 2;
+  out.push_back(single);
+  return out;
+}
+
+TEST(MoeRouting, CapacityCutIsInTokenOrderAndStable) {
+  // 6 tokens, 3 experts, top-1, capacity ceil(1.0 * 6 / 3) = 2: expert 0 wanted by tokens
+  // 0, 1, 3, 5 keeps 0 and 1; expert 2 by token 2 and 4 keeps both.
+  MoeConfig c;
+  c.experts = 3;
+  c.top_k = 1;
+  c.expert_ffn = 1;
+  c.capacity_factor = 1.0;
+  c.normalize_topk = false;
+  const double logits[] = {5, 0, 0, 4, 1, 0, 0, 0, 3, 6, 1, 1, 0, 1, 2, 2, 0, 1};
+  const Routing r = route(logits, 6, c, nullptr);
+  EXPECT_EQ(r.capacity, 2);
+  EXPECT_EQ(r.expert, (std::vector<int>{0, 0, 2, 0, 2, 0}));
+  EXPECT_EQ(r.routed, (std::vector<std::int64_t>{4, 0, 2}));
+  EXPECT_EQ(r.kept, (std::vector<std::int64_t>{2, 0, 2}));
+  EXPECT_EQ(r.row, (std::vector<int>{0, 1, 2, -1, 3, -1}));
+  EXPECT_EQ(r.row_token, (std::vector<int>{0, 1, 2, 4}));
+  EXPECT_EQ(r.dropped, 2);
+  // Dropless keeps all, expert-major, token order within an expert.
+  c.capacity_factor = 0;
+  const Routing all = route(logits, 6, c, nullptr);
+  EXPECT_EQ(all.row_token, (std::vector<int>{0, 1, 3, 5, 2, 4}));
+  EXPECT_EQ(all.dropped, 0);
+  // An expert bias steers the selection but not the gates.
+  const double bias[] = {-10, 0, 0};
+  const Routing steered = route(logits, 6, c, bias);
+  EXPECT_EQ(steered.routed[0], 0);
+  EXPECT_NEAR(steered.gate[0], all.prob[1], 0) << "top-1 unnormalised gate = its probability";
+}
+
+TEST(MoeMlp, ForwardMatchesPlainReference) {
+  const int h = 6, tokens = 11;
+  for (const auto& c : configurations()) {
+    Layer L(c, h, 3);
+    if (c.bias_balance) fillNormal(L.bias, 9, 0.2);
+    MoeStep step;
+    MoeMlp<double> block(0, c, h, L.w, L.g, &step);
+    OpContext ctx(ExecSpace{});
+    auto hv = test::randomView<double>(tokens, h, 11);
+    auto res = test::randomView<double>(tokens, h, 12);
+    View2<double> out("out", tokens, h);
+    LayerActs acts;
+    block.forward(ctx, matOf(hv), matOf(res), matOf(out), acts);
+    std::int64_t dropped = 0;
+    const auto ref = referenceForward(L, toHost(hv), toHost(res), tokens, &dropped);
+    const auto got = toHost(out);
+    double max_err = 0;
+    for (std::size_t i = 0; i < ref.size(); ++i)
+      max_err = std::max(max_err, std::abs(ref[i] - got[i]));
+    EXPECT_LT(max_err, 1e-12) << "router " << routerName(c.router) << " cf " << c.capacity_factor;
+    if (c.capacity_factor > 0 && c.capacity_factor < 1) EXPECT_GT(dropped, 0);
+  }
+}
+
+TEST(MoeMlp, GradientsMatchFiniteDifferences) {
+  const int h = 5, tokens = 9;
+  for (const auto& c : configurations()) {
+    Layer L(c, h, 21);
+    if (c.bias_balance) fillNormal(L.bias, 4, 0.1);
+    MoeStep step;
+    step.loss_weight = 2.5;
+    step.grad_scale = 1.0;
+    MoeMlp<double> block(0, c, h, L.w, L.g, &step);
+    OpContext ctx(ExecSpace{});
+    auto hv = test::randomView<double>(tokens, h, 31);
+    auto res = test::randomView<double>(tokens, h, 32);
+    auto probe = test::randomView<double>(tokens, h, 33);
+    View2<double> out("out", tokens, h), dh("dh", tokens, h);
+    LayerActs acts;
+    acts.ln2 = matOf(hv);
+    LayerScratch scratch;
+    // Objective: sum(out * probe) + loss_weight * (aux_loss aux + z_loss z).
+    auto objective = [&]() {
+      step.objective = 0;
+      block.forward(ctx, matOf(hv), matOf(res), matOf(out), acts);
+      return test::dotViews(out, probe) + step.objective;
+    };
+    Kokkos::deep_copy(L.grads, 0.0);
+    objective();
+    block.backward(ctx, acts, matOf(probe), matOf(dh), scratch);
+    const std::string what = std::string("moe ") + routerName(c.router) + " k" +
+                             std::to_string(c.top_k) + " cf" + std::to_string(c.capacity_factor);
+    checkGradient(what + " parameters", L.params, L.grads, objective, 1e-8, 1e-6, 100000, 1e-6);
+    checkGradient(what + " input", test::flat(hv), test::flat(dh), objective, 1e-8, 1e-6, 100000,
+                  1e-6);
+  }
+}
+
+TEST(MoeMlp, RouterLossesReachTheRouter) {
+  // With the probe zero, only aux and z remain: the router gradient must be theirs alone.
+  MoeConfig c = configurations()[0];
+  c.aux_loss = 1.0;
+  c.z_loss = 0.0;
+  Layer L(c, 4, 41);
+  MoeStep step;
+  step.loss_weight = 1.0;
+  step.grad_scale = 1.0;
+  MoeMlp<double> block(0, c, 4, L.w, L.g, &step);
+  OpContext ctx(ExecSpace{});
+  auto hv = test::randomView<double>(7, 4, 42);
+  View2<double> out("out", 7, 4), dh("dh", 7, 4), zero("zero", 7, 4);
+  LayerActs acts;
+  acts.ln2 = matOf(hv);
+  LayerScratch scratch;
+  auto objective = [&]() {
+    step.objective = 0;
+    block.forward(ctx, matOf(hv), matOf(zero), matOf(out), acts);
+    return step.objective;
+  };
+  objective();
+  EXPECT_GT(step.objective, 0.9) << "Switch aux loss is >= 1 at any routing (E sum f P)";
+  Kokkos::deep_copy(L.grads, 0.0);
+  block.backward(ctx, acts, matOf(zero), matOf(dh), scratch);
+  View1<double> router(L.params.data(), c.experts * 4), grouter(L.grads.data(), c.experts * 4);
+  checkGradient("aux loss to the router", router, grouter, objective, 1e-9, 1e-6, 1000, 1e-6);
+}
+
+Esm2Config tinyMoeConfig() {
+  Esm2Config c;
+  c.num_layers = 2;
+  c.hidden = 8;
+  c.heads = 2;
+  c.ffn = 12;
+  c.moe.experts = 4;
+  c.moe.top_k = 2;
+  c.moe.every = 2;  // layer 1 only: one dense, one MoE layer
+  c.moe.expert_ffn = 6;
+  c.moe.shared_experts = 1;
+  c.moe.capacity_factor = 0.9;
+  c.moe.aux_loss = 0.05;
+  c.moe.seq_aux_loss = 0.3;
+  c.moe.z_loss = 0.01;
+  return c;
+}
+
+void randomize(Esm2<double>& model, std::uint64_t seed) {
+  auto params = model.parameters();
+  for (const auto& t : model.tensors()) {
+    View1<double> view(params.data() + t.offset, t.size);
+    fillNormal(view, seed * 131 + t.offset, t.shape.size() == 2 ? 0.5 : 0.2);
+  }
+}
+
+TEST(ModelMoe, EveryParameterGradientMatchesFiniteDifferences) {
+  for (Recompute recompute : {Recompute::None, Recompute::Layer, Recompute::Selective}) {
+    auto c = tinyMoeConfig();
+    c.recompute = recompute;
+    Esm2<double> model(c);
+    EXPECT_NO_THROW(model.tensor("esm.encoder.layer.1.moe.experts.3.output.dense.weight"));
+    EXPECT_NO_THROW(model.tensor("esm.encoder.layer.0.intermediate.dense.weight"));
+    EXPECT_THROW(model.tensor("esm.encoder.layer.1.intermediate.dense.weight"), plm::Error);
+    randomize(model, 5);
+    const auto batch = makeBatch({1, 6, 9}, 3, 0.4);
+    model.zeroGradients();
+    const double loss = model.forwardBackward(batch, 1.0);
+    const double router = model.routerLoss();
+    EXPECT_GT(router, 0.0);
+    EXPECT_NEAR(loss, model.forward(batch), 1e-12);
+    EXPECT_NEAR(router, model.routerLoss(), 1e-12);
+    checkGradient(
+        std::string("esm2 moe (recompute ") + recomputeName(recompute) + ")", model.parameters(),
+        model.gradients(), [&]() { return model.forward(batch) + model.routerLoss(); }, 1e-7, 1e-5,
+        100000);
+    {  // the sequence-level loss is really part of the objective (> 0 for any routing)
+      auto c0 = c;
+      c0.moe.seq_aux_loss = 0;
+      Esm2<double> without(c0);
+      randomize(without, 5);
+      without.forward(batch);
+      EXPECT_GT(router - without.routerLoss(), 0.3 * batch.num_masked * 0.9);
+    }
+    const auto stats = model.moeStats();
+    ASSERT_EQ(stats.size(), 1u);
+    EXPECT_EQ(stats[0].layer, 1);
+    EXPECT_EQ(stats[0].tokens, 16.0) << "one training forward recorded, recomputation not";
+    double routed = 0;
+    for (double r : stats[0].routed) routed += r;
+    EXPECT_EQ(routed, 32.0);
+  }
+}
+
+TEST(ModelMoe, DenseModelHasNoMoeTensorsAndPresetsMatchActiveFlops) {
+  Esm2<double> dense(Esm2Config::preset("esm2_8m"));
+  for (const auto& t : dense.tensors()) EXPECT_EQ(t.name.find(".moe."), std::string::npos);
+  EXPECT_TRUE(dense.moeStats().empty());
+  const auto moe = Esm2Config::preset("esm2_moe_100m_a35m");
+  const auto base = Esm2Config::preset("esm2_35m");
+  // Same attention, and top_k x expert_ffn = ffn: the active FLOPs differ by the router GEMM only.
+  const double router = 6.0 * moe.num_layers * moe.hidden * moe.moe.experts;
+  EXPECT_NEAR(moe.trainFlopsPerToken(300), base.trainFlopsPerToken(300) + router, 1e-3);
+  EXPECT_NEAR(moe.numParameters() / 1e6, 100.0, 1.0);
+  EXPECT_NEAR(Esm2Config::preset("esm2_moe_2b_a650m").numParameters() / 1e9, 1.95, 0.05);
+  EXPECT_EQ(moe.activeParameters(), base.numParameters() + moe.num_layers * (moe.hidden * 8 + 480));
+  const auto aido = Esm2Config::preset("aido_protein_16b");
+  // GELU experts (two matrices) where AIDO used SwiGLU (three): 11.0B here, 16B published.
+  EXPECT_NEAR(aido.numParameters() / 1e9, 11.0, 0.2) << "AIDO.Protein-16B shape";
+}
+
+TEST(ModelMoe, BadMoeConfigSaysWhichKey) {
+  auto c = tinyMoeConfig();
+  c.moe.top_k = 5;
+  try {
+    c.validate();
+    FAIL() << "top_k > experts accepted";
+  } catch (const plm::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("top_k"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace plm::model
