@@ -25,8 +25,9 @@ bool cudnnAttentionAvailable() { return false; }
 
 struct CudnnAttention::Impl {};
 CudnnAttention::CudnnAttention(bool) {
-  throw Error("cuDNN attention: this build of plm has no cuDNN (configure with the cuDNN "
-              "frontend headers, scripts/get-cudnn-frontend.sh, and a CUDA Kokkos)");
+  throw Error(
+      "cuDNN attention: this build of plm has no cuDNN (configure with the cuDNN "
+      "frontend headers, scripts/get-cudnn-frontend.sh, and a CUDA Kokkos)");
 }
 CudnnAttention::~CudnnAttention() = default;
 bool CudnnAttention::forward(Stream, const FlashParams&) { return false; }
@@ -109,16 +110,16 @@ struct CudnnAttention::Impl {
   static std::string key(bool backward, int bucket, int seq, const FlashParams& p) {
     const RowStrides r = strides(p);
     char buf[256];
-    std::snprintf(buf, sizeof buf, "%c b%d s%d h%d d%d q%lld k%lld v%lld o%lld do%lld dq%lld dk%lld "
-                  "dv%lld sc%a",
-                  backward ? 'B' : 'F', bucket, seq, p.heads, p.head_dim,
-                  static_cast<long long>(r.s[kQ]), static_cast<long long>(r.s[kK]),
-                  static_cast<long long>(r.s[kV]), static_cast<long long>(r.s[kO]),
-                  backward ? static_cast<long long>(r.s[kDO]) : 0LL,
-                  backward ? static_cast<long long>(r.s[kDQ]) : 0LL,
-                  backward ? static_cast<long long>(r.s[kDK]) : 0LL,
-                  backward ? static_cast<long long>(r.s[kDV]) : 0LL,
-                  static_cast<double>(p.softmax_scale));
+    std::snprintf(
+        buf, sizeof buf,
+        "%c b%d s%d h%d d%d q%lld k%lld v%lld o%lld do%lld dq%lld dk%lld "
+        "dv%lld sc%a",
+        backward ? 'B' : 'F', bucket, seq, p.heads, p.head_dim, static_cast<long long>(r.s[kQ]),
+        static_cast<long long>(r.s[kK]), static_cast<long long>(r.s[kV]),
+        static_cast<long long>(r.s[kO]), backward ? static_cast<long long>(r.s[kDO]) : 0LL,
+        backward ? static_cast<long long>(r.s[kDQ]) : 0LL,
+        backward ? static_cast<long long>(r.s[kDK]) : 0LL,
+        backward ? static_cast<long long>(r.s[kDV]) : 0LL, static_cast<double>(p.softmax_scale));
     return buf;
   }
 
@@ -243,7 +244,7 @@ struct CudnnAttention::Impl {
     std::int32_t* seqlen = meta;
     std::int32_t* offs = meta + bucket;
     raggedMetadataKernel<<<(bucket + 1 + 127) / 128, 128, 0, stream>>>(p.cu_seqlens, p.num_seqs,
-                                                                        bucket, rs, seqlen, offs);
+                                                                       bucket, rs, seqlen, offs);
     PLM_CHECK_CUDA(cudaGetLastError());
 
     std::unordered_map<std::int64_t, void*> pack;

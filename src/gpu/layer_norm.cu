@@ -65,8 +65,7 @@ __global__ void forwardKernel(const TX* x, const float* gamma, const float* beta
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < J; ++j)
-    if (lane + 32 * j < pairs)
-      ss += (v[j].x - mu) * (v[j].x - mu) + (v[j].y - mu) * (v[j].y - mu);
+    if (lane + 32 * j < pairs) ss += (v[j].x - mu) * (v[j].x - mu) + (v[j].y - mu) * (v[j].y - mu);
   float rs = rsqrtf(warpSum(ss) / cols + eps);
 #pragma unroll
   for (int j = 0; j < J; ++j) {
@@ -203,13 +202,17 @@ template <class TX> void layerNormForward(Stream stream, const TX* x, const floa
   const unsigned blocks = static_cast<unsigned>((rows + 7) / 8);
   const int pairs_per_lane = (cols / 2 + 31) / 32;
   if (pairs_per_lane <= 4)
-    forwardKernel<NX, 4><<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
+    forwardKernel<NX, 4>
+        <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
   else if (pairs_per_lane <= 10)
-    forwardKernel<NX, 10><<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
+    forwardKernel<NX, 10>
+        <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
   else if (pairs_per_lane <= 20)
-    forwardKernel<NX, 20><<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
+    forwardKernel<NX, 20>
+        <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
   else if (pairs_per_lane <= 40)
-    forwardKernel<NX, 40><<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
+    forwardKernel<NX, 40>
+        <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
   else
     throw Error("plm::gpu::layerNormForward: hidden " + std::to_string(cols) +
                 " is larger than the kernels support (2560)");

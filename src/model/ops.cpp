@@ -429,7 +429,7 @@ void inputGradient(OpContext& ctx, const Mat& dy, const Mat& w, const Mat& dx, b
 AttentionKernel resolveAttention(const OpContext& ctx, int head_dim) {
   if (ctx.attention_kernel != AttentionKernel::Auto) return ctx.attention_kernel;
   return head_dim >= 64 && gpu::cudnnAttentionAvailable() ? AttentionKernel::Cudnn
-                                                         : AttentionKernel::Flash;
+                                                          : AttentionKernel::Flash;
 }
 
 /// Runs one direction of cuDNN's attention; false (after a one-time note) where this build has
@@ -446,7 +446,8 @@ bool cudnnAttention(OpContext& ctx, const gpu::FlashParams& fp, bool backward) {
   };
   if (!gpu::cudnnAttentionAvailable()) return fallback("this build has no cuDNN attention");
   if (!c.cudnn) c.cudnn = std::make_unique<gpu::CudnnAttention>(ctx.deterministic);
-  const bool ran = backward ? c.cudnn->backward(streamOf(ctx), fp) : c.cudnn->forward(streamOf(ctx), fp);
+  const bool ran =
+      backward ? c.cudnn->backward(streamOf(ctx), fp) : c.cudnn->forward(streamOf(ctx), fp);
   if (!ran)
     return fallback("cuDNN has no " + std::string(backward ? "backward" : "forward") +
                     " kernel for head_dim " + std::to_string(fp.head_dim) + ", " +

@@ -11,8 +11,8 @@
 #include "io/model_file.hpp"
 #include "train/blas_threads.hpp"
 #include "train/fsdp.hpp"
-#include "train/preemption.hpp"
 #include "train/moe_run.hpp"
+#include "train/preemption.hpp"
 
 #include <Teuchos_Array.hpp>
 

@@ -174,8 +174,11 @@ void checkCase(const AttnCase& c, Impl impl = Impl::Flash) {
     PLM_CHECK_CUDA(cudaDeviceSynchronize());
     // Unstack into dq, dk, dv for the checks below.
     for (int g = 0; g < 3; ++g)
-      PLM_CHECK_CUDA(cudaMemcpy2D((g == 0 ? dq : g == 1 ? dk : dv).get(), row * 2,
-                                  dqkv.get() + g * row, 3 * row * 2, row * 2, tokens,
+      PLM_CHECK_CUDA(cudaMemcpy2D((g == 0   ? dq
+                                   : g == 1 ? dk
+                                            : dv)
+                                      .get(),
+                                  row * 2, dqkv.get() + g * row, 3 * row * 2, row * 2, tokens,
                                   cudaMemcpyDeviceToDevice));
   } else {
     flashAttentionBackward(nullptr, p);
@@ -260,9 +263,10 @@ TEST_P(Attention, ManySequencesAcrossBatchBuckets) {
 INSTANTIATE_TEST_SUITE_P(Kernels, Attention,
                          ::testing::Values(Impl::Flash, Impl::Cudnn, Impl::CudnnForward),
                          [](const ::testing::TestParamInfo<Impl>& i) {
-                           return i.param == Impl::Flash   ? std::string("Flash")
-                                  : i.param == Impl::Cudnn ? std::string("Cudnn")
-                                                           : std::string("CudnnForwardFlashBackward");
+                           return i.param == Impl::Flash ? std::string("Flash")
+                                  : i.param == Impl::Cudnn
+                                      ? std::string("Cudnn")
+                                      : std::string("CudnnForwardFlashBackward");
                          });
 
 TEST(FlashAttention, RejectsUnsupportedHeadDim) {

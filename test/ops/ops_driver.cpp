@@ -20,6 +20,7 @@
 
 #include <hdf5.h>
 #include <zlib.h>
+#include <algorithm>
 
 #include <dirent.h>
 #include <fcntl.h>
@@ -356,7 +357,8 @@ void killLoopMode() {
   const auto t0 = Clock::now();
   CHECK(runToEnd("reference", steps, "reference.log") == 0, "the reference run failed");
   std::mt19937_64 gen(std::random_device{}());
-  std::printf("kill_loop: uninterrupted run of %d steps: %.1f s\n", steps, seconds(t0));
+  const double reference_seconds = seconds(t0);
+  std::printf("kill_loop: uninterrupted run of %d steps: %.1f s\n", steps, reference_seconds);
   int kills = 0, during_save = 0;
   const std::string ckpt = work + "/killed/ckpt";
   for (int attempt = 0; attempt < 60 && kills < 15; ++attempt) {
@@ -387,7 +389,9 @@ void killLoopMode() {
         std::this_thread::sleep_for(std::chrono::milliseconds(1));
       }
     } else {
-      std::uniform_real_distribution<double> when(0.3, 2.5);
+      // Within the first 70% of an uninterrupted run (start-up included), however fast this
+      // machine is today.
+      std::uniform_real_distribution<double> when(0.3, std::max(1.0, 0.7 * reference_seconds));
       const auto start = Clock::now();
       const double at = when(gen);
       int status = 0;
@@ -430,7 +434,12 @@ void killLoopMode() {
         killed ? ("killed, launcher status " + std::to_string(rc)).c_str() : "finished", good,
         listed.empty() ? -1LL : static_cast<long long>(listed.back().step));
     if (killed) ++kills;
-    if (!listed.empty() && listed.back().step == steps && !killed) break;
+    if (!listed.empty() && listed.back().step == steps && !killed) {
+      if (kills >= 10 && during_save >= 3) break;
+      // The run reached its end before enough kills: start it again from nothing.
+      std::error_code ec;
+      fs::remove_all(work + "/killed", ec);
+    }
   }
   CHECK(kills >= 10, "only %d kills", kills);
   CHECK(during_save >= 3, "only %d kills during a save", during_save);
