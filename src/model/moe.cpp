@@ -367,7 +367,7 @@ template <class T> void MoeMlp<T>::setExpertParallel(const ExpertParallel& ep) {
   if (s.c.experts % n != 0)
     throw collectiveError("parallel.expert_degree = " + std::to_string(n) +
                           " must divide moe.experts = " + std::to_string(s.c.experts));
-  if (ep.comm && !ep.comm->deviceMemory() &&
+  if (n > 1 && !ep.comm->deviceMemory() &&
       !Kokkos::SpaceAccessibility<HostSpace, ExecSpace::memory_space>::accessible)
     throw collectiveError(
         "parallel.expert_degree: the expert all-to-all needs NCCL when the model lives in GPU "

@@ -107,6 +107,8 @@ void expectSame(const std::vector<double>& got, const std::vector<double>& ref,
 }
 
 TEST(ExpertParallel, DegreesGiveTheSameLosses) {
+  if (plm::test::noCollectivesForDeviceMemory(MPI_COMM_WORLD))
+    GTEST_SKIP() << "ranks share a GPU: no NCCL, and MPI cannot take device memory";
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "moe_ep");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   std::vector<double> reference;
@@ -142,6 +144,8 @@ TEST(ExpertParallel, DegreesGiveTheSameLosses) {
 }
 
 TEST(ExpertParallel, ResumesAtAnotherDegree) {
+  if (plm::test::noCollectivesForDeviceMemory(MPI_COMM_WORLD))
+    GTEST_SKIP() << "ranks share a GPU: no NCCL, and MPI cannot take device memory";
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "moe_resume");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   const auto ds = degrees();
@@ -185,6 +189,9 @@ void silenceExpertZero(plm::model::Esm2<double>& m) {
 }
 
 TEST(ExpertParallel, ZeroTokenRanksAndExpertsWork) {
+  if (plm::dist::worldSize() > 1 &&
+      !Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible)
+    GTEST_SKIP() << "the test drives the MPI all-to-all, which cannot take device memory";
   const int world = plm::dist::worldSize(), rank = plm::dist::worldRank();
   std::vector<plm::data::MicroBatch> batches;
   for (int r = 0; r < world; ++r)

@@ -11,6 +11,11 @@
 set -uo pipefail
 repo=$1 plm=$2 mpiexec=$3 work=$4
 rm -rf "$work" && mkdir -p "$work/bin"
+# The scripts give each rank the GPU of its node-local rank: a CUDA build needs two GPUs here.
+if "$plm" --version 2>/dev/null | grep -q "^CUDA: not enabled"; then :; else
+  gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
+  if [ "${gpus:-0}" -lt 2 ]; then echo "SKIP: a CUDA build of plm and ${gpus:-0} GPU(s): the job scripts start 2 ranks, one GPU each"; exit 77; fi
+fi
 cat > "$work/bin/srun" <<EOS
 #!/bin/bash
 while [[ \$1 == --* ]]; do shift; done
@@ -87,5 +92,5 @@ for sig in USR1 TERM; do
   grep -q "its checkpoint is" "$work/job_$sig.log" || fail=1
   [ -n "$steps" ] || fail=1
 done
-[ "$fail" -eq 0 ] || { echo "FAILED"; tail -30 "$work"/job_*.log; }
+[ "$fail" -eq 0 ] || { echo "FAILED"; for f in "$work"/job_*.log; do echo "== $f"; tail -n 30 "$f"; done; }
 exit "$fail"
