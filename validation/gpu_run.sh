@@ -207,7 +207,7 @@ if has ckpt_async && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
       --set checkpoint.async=$mode --set checkpoint.resume=none --set train.run_dir="$d" \
       --set checkpoint.dir="$d/ckpt" > "$out/ckpt_async_$mode.log" 2>&1
     rc=$?
-    note "plm train esm2_650m bf16 checkpoint.async=$mode rc=$rc wall $(echo "$(date +%s.%N) - $start" | bc) s"
+    note "plm train esm2_650m bf16 checkpoint.async=$mode rc=$rc wall $(awk -v a="$start" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b - a}') s"
     grep -E "checkpoint: step .*(saved|snapshot)" "$out/ckpt_async_$mode.log" | tee -a "$summary"
     python3 - "$d/metrics.jsonl" <<'PY' 2>&1 | tee -a "$summary"
 import json, statistics, sys
