@@ -159,7 +159,8 @@ int run(int argc, char** argv) {
       preset.c_str(), config.numParameters() / 1e6, long(budget), tok_s, tflops, 100 * tflops / 779,
       100 * tflops / 989, 100 * fb_seconds / seconds, (total_b - free_b) / double(1 << 30),
       model.workspaceBytes() / double(1 << 30), model::recomputeName(config.recompute),
-      model::attentionKernelName(model.context().attention_kernel),
+      model::attentionKernelName(
+          model::attentionKernelFor(model.context(), config.hidden / config.heads)),
       model.context().deterministic ? "" : " non-deterministic", loss);
   cudaFree(m);
   cudaFree(v);

@@ -524,6 +524,15 @@ View1<T> attentionWorkspace(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv
 
 }  // namespace
 
+AttentionKernel attentionKernelFor(const OpContext& ctx, int head_dim) {
+#if PLM_HAVE_CUDA
+  return resolveAttention(ctx, head_dim);
+#else
+  (void)head_dim;  // the portable attention: no kernel choice
+  return ctx.attention_kernel;
+#endif
+}
+
 // ---- embedding -----------------------------------------------------------------------------
 
 void embedding(OpContext& ctx, const DeviceBatch& b, const Mat& weight, const Mat& x) {

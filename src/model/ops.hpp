@@ -130,6 +130,9 @@ struct QkvGrads {
 enum class AttentionKernel { Auto, Cudnn, CudnnForward, Flash };
 AttentionKernel parseAttentionKernel(const std::string& name);
 const char* attentionKernelName(AttentionKernel k);
+class OpContext;
+/// \brief The kernels bf16 attention runs at this head_dim (Auto resolved; CUDA build).
+AttentionKernel attentionKernelFor(const OpContext& ctx, int head_dim);
 
 /// Per-kind timing of the launches of a stream (CUDA events); see Esm2::setProfiling.
 enum class OpKind { Gemm, Attention, LayerNorm, Other, Count };
