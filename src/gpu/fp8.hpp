@@ -21,10 +21,12 @@
 //   with an integer atomicMax on the bit pattern of |x|, so it is exact and independent of
 //   thread order (deterministic), and a NaN in the input makes amax NaN, an infinity +inf (the
 //   caller can tell a non-finite tensor from the amax alone).
-// - Block scales are powers of two: scale = 2^floor(log2(fp8_max / amax_block)) (1 for an all-zero
-//   block; capped at 2^127), so x * scale and the GEMM's scale_inv multiply are exact.  What is
-//   stored is scale_inv (fp32), in the layout cuBLASLt's VEC128_32F / BLK128x128_32F modes read,
-//   given by blockScaleLayout().  Partial blocks at the edges are allowed.
+// - Block scales are powers of two (Transformer Engine's force_pow_2_scales): s = fp8_max / amax
+//   in fp32, then its mantissa cleared (2^floor(log2 s)); s = 1 for a block whose amax is 0 or
+//   not finite; an infinite s (amax below fp8_max * 2^-128) becomes 2^127.  So x * scale and the
+//   GEMM's scale_inv = 1 / scale are exact.  What is stored is scale_inv (fp32), in the layout
+//   cuBLASLt's VEC128_32F / BLK128x128_32F modes read, given by blockScaleLayout().  Partial
+//   blocks at the edges are allowed.
 //
 // Every function is asynchronous on `stream` and takes device pointers; nothing here allocates
 // or synchronises.  References for tests: plm::model::fp8 (the same encode) and
@@ -71,15 +73,15 @@ void amaxFp8(Stream stream, const void* in, DType in_type, std::int64_t rows, st
              std::int64_t ld, float* amax, bool accumulate = false);
 
 /// \brief scale = (fp8Max(format) / amax) / 2^margin and scale_inv = 1 / scale on the device,
-/// Transformer Engine's rule: where amax is 0 or not finite, or the scale would not be finite,
-/// scale = 1.  scale_inv may be nullptr.
-void scaleFromAmax(Stream stream, const float* amax, DType format, float margin, float* scale,
+/// in fp32 (IEEE division, the power of two exact), Transformer Engine's rule; where amax is 0
+/// or not finite, or the scale would not be finite, scale = 1.  scale_inv may be nullptr.
+void scaleFromAmax(Stream stream, const float* amax, DType format, int margin, float* scale,
                    float* scale_inv);
 
 /// \brief Current scaling: amax of the input (written to args.amax, required), the scale from it
 /// (written to `scale`, margin as in scaleFromAmax), then the cast with it (two passes over the
 /// input, three launches); args.scale is ignored, args.scale_inv written if given.
-void castFp8Current(Stream stream, const Fp8CastArgs& args, float* scale, float margin = 0.0f);
+void castFp8Current(Stream stream, const Fp8CastArgs& args, float* scale, int margin = 0);
 
 /// \brief Where the block scales of an operand stored row-major (rows, k) (k = the GEMM's
 /// contracted dimension, contiguous) live: scale_inv of element (r, kk) is at

@@ -93,6 +93,9 @@ class Gemm {
   void run(Stream stream, const GemmArgs& args);
   /// \brief Number of distinct plans built so far (each new shape/epilogue adds one).
   std::size_t numPlans() const;
+  /// \brief For an FP8 call with amax_d, after it has run: whether cuBLASLt computed max |D|
+  /// in the GEMM (true) or a separate pass over D did (false).
+  bool amaxFromCublas(const GemmArgs& args);
 
  private:
   struct Impl;
