@@ -15,6 +15,7 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <cfloat>
 #include <string>
 
 namespace plm::gpu {
@@ -147,7 +148,7 @@ __global__ void scaleFromAmaxKernel(const float* amax, float fp8_max, int margin
   float s = 1.0f;
   if (a > 0.0f && isfinite(a)) {
     s = ldexpf(fp8_max / a, -margin);
-    if (!isfinite(s) || s == 0.0f) s = 1.0f;
+    if (isinf(s)) s = FLT_MAX;
   }
   *scale = s;
   if (scale_inv) *scale_inv = 1.0f / s;

@@ -73,8 +73,8 @@ void amaxFp8(Stream stream, const void* in, DType in_type, std::int64_t rows, st
              std::int64_t ld, float* amax, bool accumulate = false);
 
 /// \brief scale = (fp8Max(format) / amax) / 2^margin and scale_inv = 1 / scale on the device,
-/// in fp32 (IEEE division, the power of two exact), Transformer Engine's rule; where amax is 0
-/// or not finite, or the scale would not be finite, scale = 1.  scale_inv may be nullptr.
+/// in fp32 (IEEE division, the power of two exact), Transformer Engine's rule: where amax is 0
+/// or not finite scale = 1, where the quotient overflows FLT_MAX.  scale_inv may be nullptr.
 void scaleFromAmax(Stream stream, const float* amax, DType format, int margin, float* scale,
                    float* scale_inv);
 
