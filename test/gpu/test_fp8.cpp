@@ -595,8 +595,21 @@ struct GemmCase {
   DType x_type, grad_type;        // FP8 formats of activations/weights and of gradients
   Fp8Scaling activation_scaling;  // Tensor or Block1x128 (weights: Tensor or Block128x128)
   DType d_type;
-  bool bias, accumulate, amax_d, fast_accum;
+  Epilogue epilogue;  // None, Bias, BiasGeluAux (forward), DGelu (dgrad)
+  bool accumulate, amax_d, fast_accum;
+  bool optional = false;  // a combination cuBLASLt may not offer: skipped (with its message) if
+                          // refused, checked like the others if it runs
 };
+
+double geluTanh(double x) {
+  const double c = std::sqrt(2.0 / M_PI);
+  return 0.5 * x * (1.0 + std::tanh(c * (x + 0.044715 * x * x * x)));
+}
+double geluTanhGrad(double x) {
+  const double c = std::sqrt(2.0 / M_PI);
+  const double t = std::tanh(c * (x + 0.044715 * x * x * x));
+  return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x);
+}
 
 class Fp8Gemm : public ::testing::TestWithParam<GemmCase> {};
 
@@ -672,14 +685,23 @@ TEST_P(Fp8Gemm, LinearLayerLayout) {
   g.d_type = c.d_type;
   g.alpha = 1.0f;
   g.beta = c.accumulate ? 1.0f : 0.0f;
-  g.epilogue = c.bias ? Epilogue::Bias : Epilogue::None;
+  g.epilogue = c.epilogue;
   g.bias = bias.get();
+  g.ldaux = N;
   g.fast_accum = c.fast_accum;
+  test::Bf16Tensor aux_in(test::randomNormal(M * N, 16));  // DGelu's pre-activation
 
-  auto run = [&](bool reference, std::vector<float>& d_out, float& amax_out, bool& by_cublas) {
+  std::string refused;
+  auto run = [&](bool reference, std::vector<float>& d_out, std::vector<float>& aux_out,
+                 float& amax_out, bool& by_cublas) {
     DeviceBuffer<float> d32(M * N);
-    DeviceBuffer<std::uint16_t> d16(M * N);
+    DeviceBuffer<std::uint16_t> d16(M * N), aux(M * N);
     DeviceBuffer<float> amax(1);
+    if (c.epilogue == Epilogue::DGelu)
+      PLM_CHECK_CUDA(cudaMemcpy(aux.get(), aux_in.get(), M * N * 2, cudaMemcpyDeviceToDevice));
+    else
+      aux.poison();
+    g.aux = aux.get();
     if (c.accumulate) {
       d32.upload(d0);
       test::Bf16Tensor tmp(d0);
@@ -695,21 +717,29 @@ TEST_P(Fp8Gemm, LinearLayerLayout) {
       gemmReference(nullptr, g);
     } else {
       Gemm gemm;
-      gemm.run(nullptr, g);
+      try {
+        gemm.run(nullptr, g);
+      } catch (const Error& e) {
+        if (!c.optional) throw;
+        refused = e.what();
+        return;
+      }
       if (c.amax_d) by_cublas = gemm.amaxFromCublas(g);
       EXPECT_EQ(gemm.numPlans(), 1u);
     }
     d_out = c.d_type == DType::F32 ? d32.download() : test::downloadBf16(d16);
+    aux_out = test::downloadBf16(aux);
     amax_out = c.amax_d ? amax.download()[0] : 0.0f;
   };
-  std::vector<float> d_lt, d_ref;
+  std::vector<float> d_lt, d_ref, aux_lt, aux_ref;
   float amax_lt = 0, amax_ref = 0;
   bool by_cublas = false, unused = false;
-  run(false, d_lt, amax_lt, by_cublas);
-  run(true, d_ref, amax_ref, unused);
+  run(false, d_lt, aux_lt, amax_lt, by_cublas);
+  if (!refused.empty()) GTEST_SKIP() << c.name << ": cuBLASLt refuses it here: " << refused;
+  run(true, d_ref, aux_ref, amax_ref, unused);
 
   // fp64 from the same FP8 values.
-  std::vector<double> host(M * N), exact(M * N);
+  std::vector<double> host(M * N), exact(M * N), aux_host(M * N);
   for (std::int64_t i = 0; i < M; ++i)
     for (std::int64_t j = 0; j < N; ++j) {
       double s = 0.0, e = 0.0;
@@ -722,10 +752,25 @@ TEST_P(Fp8Gemm, LinearLayerLayout) {
       double extra = 0.0;
       if (c.accumulate)
         extra += c.d_type == DType::F32 ? d0[i * N + j] : test::roundBf16(d0[i * N + j]);
-      if (c.bias) extra += test::roundBf16(bias_values[j]);
+      if (c.epilogue == Epilogue::Bias || c.epilogue == Epilogue::BiasGeluAux)
+        extra += test::roundBf16(bias_values[j]);
       host[i * N + j] = s + extra;
       exact[i * N + j] = e + extra;
+      if (c.epilogue == Epilogue::BiasGeluAux) {
+        aux_host[i * N + j] = host[i * N + j];
+        host[i * N + j] = geluTanh(host[i * N + j]);
+        exact[i * N + j] = geluTanh(exact[i * N + j]);
+      }
+      if (c.epilogue == Epilogue::DGelu) {
+        const double d = geluTanhGrad(aux_in.values[i * N + j]);
+        host[i * N + j] *= d;
+        exact[i * N + j] *= d;
+      }
     }
+  if (c.epilogue == Epilogue::BiasGeluAux) {
+    EXPECT_LT(test::relError(aux_lt, aux_host), 1e-2) << c.name << " (aux)";
+    EXPECT_LT(test::relError(aux_ref, aux_host), 1e-2) << c.name << " (reference aux)";
+  }
   const double tol = c.d_type == DType::BF16 ? 1e-2 : c.fast_accum ? 2e-3 : 2e-4;
   const double err = test::relError(d_lt, host);
   std::printf(
@@ -735,9 +780,10 @@ TEST_P(Fp8Gemm, LinearLayerLayout) {
       c.amax_d ? (by_cublas ? " (amax_d by cuBLASLt)" : " (amax_d by a pass over D)") : "");
   EXPECT_LT(err, tol) << c.name;
   EXPECT_LT(test::relError(d_ref, host), c.d_type == DType::BF16 ? 1e-2 : 1e-5) << c.name;
-  // FP8 rounding of both operands: E4M3 ~ 2^-4, E5M2 ~ 2^-3 relative per element, averaged.
+  // FP8 rounding of both operands: RMS ~2.7% (E4M3) and ~5.4% (E5M2) relative per element, so
+  // ~4% and ~6% for the product; scales that are wrong (a layout mismatch) give O(1).
   const bool e5m2 = A.type == DType::E5M2 || B.type == DType::E5M2;
-  EXPECT_LT(test::relError(d_lt, exact), e5m2 ? 0.12 : 0.06) << c.name;
+  EXPECT_LT(test::relError(d_lt, exact), e5m2 ? 0.2 : 0.1) << c.name;
   if (c.amax_d) {
     const float want = maxAbs(d_lt, M, N, N);
     if (by_cublas)
@@ -755,29 +801,39 @@ INSTANTIATE_TEST_SUITE_P(
     Layouts, Fp8Gemm,
     ::testing::Values(
         // Per-tensor (delayed/current scaling), E4M3 x E4M3 and the hybrid E5M2 gradients.
-        GemmCase{"fwd_e4m3_bias_bf16", LinearGemm::Forward, E4, E4, PT, BF, true, false, false,
-                 false},
-        GemmCase{"fwd_e4m3_fastaccum_amax", LinearGemm::Forward, E4, E4, PT, BF, true, false, true,
-                 true},
-        GemmCase{"dgrad_e4m3", LinearGemm::Dgrad, E4, E4, PT, BF, false, false, false, false},
-        GemmCase{"dgrad_e5m2_grad_residual_f32", LinearGemm::Dgrad, E4, E5, PT, F32, false, true,
+        GemmCase{"fwd_e4m3_bias_bf16", LinearGemm::Forward, E4, E4, PT, BF, Epilogue::Bias, false,
                  false, false},
-        GemmCase{"wgrad_e4m3_accumulate_f32", LinearGemm::Wgrad, E4, E4, PT, F32, false, true,
-                 false, false},
-        GemmCase{"wgrad_e5m2_grad_f32", LinearGemm::Wgrad, E4, E5, PT, F32, false, false, true,
+        GemmCase{"fwd_e4m3_fastaccum_amax", LinearGemm::Forward, E4, E4, PT, BF, Epilogue::Bias,
+                 false, true, true},
+        GemmCase{"dgrad_e4m3", LinearGemm::Dgrad, E4, E4, PT, BF, Epilogue::None, false, false,
                  false},
-        // Block scaling: 1x128 activations/gradients, 128x128 weights.
-        GemmCase{"block_fwd_e4m3_bf16", LinearGemm::Forward, E4, E4, B1, BF, false, false, false,
-                 false},
-        GemmCase{"block_fwd_e4m3_f32_amax", LinearGemm::Forward, E4, E4, B1, F32, false, false,
+        GemmCase{"dgrad_e5m2_grad_residual_f32", LinearGemm::Dgrad, E4, E5, PT, F32, Epilogue::None,
+                 true, false, false},
+        GemmCase{"wgrad_e4m3_accumulate_f32", LinearGemm::Wgrad, E4, E4, PT, F32, Epilogue::None,
+                 true, false, false},
+        GemmCase{"wgrad_e5m2_grad_f32", LinearGemm::Wgrad, E4, E5, PT, F32, Epilogue::None, false,
                  true, false},
-        GemmCase{"block_dgrad_e4m3", LinearGemm::Dgrad, E4, E4, B1, BF, false, false, false, false},
-        GemmCase{"block_dgrad_e5m2_grad", LinearGemm::Dgrad, E4, E5, B1, BF, false, false, false,
-                 false},
-        GemmCase{"block_wgrad_e4m3_accumulate_f32", LinearGemm::Wgrad, E4, E4, B1, F32, false, true,
+        // The FFN's fused epilogues in FP8 (FFN up: bias + GELU keeping the pre-activation;
+        // FFN down's dgrad times GELU'): used if cuBLASLt offers them.
+        GemmCase{"fwd_e4m3_bias_gelu_aux", LinearGemm::Forward, E4, E4, PT, BF,
+                 Epilogue::BiasGeluAux, false, false, false, true},
+        GemmCase{"dgrad_e5m2_dgelu", LinearGemm::Dgrad, E4, E5, PT, BF, Epilogue::DGelu, false,
+                 false, false, true},
+        // Block scaling: 1x128 activations/gradients, 128x128 weights.
+        GemmCase{"block_fwd_e4m3_bf16", LinearGemm::Forward, E4, E4, B1, BF, Epilogue::None, false,
                  false, false},
-        GemmCase{"block_wgrad_e5m2_grad_f32", LinearGemm::Wgrad, E4, E5, B1, F32, false, false,
-                 false, false}),
+        GemmCase{"block_fwd_e4m3_f32_amax", LinearGemm::Forward, E4, E4, B1, F32, Epilogue::None,
+                 false, true, false},
+        GemmCase{"block_fwd_e4m3_bias", LinearGemm::Forward, E4, E4, B1, BF, Epilogue::Bias, false,
+                 false, false, true},
+        GemmCase{"block_dgrad_e4m3", LinearGemm::Dgrad, E4, E4, B1, BF, Epilogue::None, false,
+                 false, false},
+        GemmCase{"block_dgrad_e5m2_grad", LinearGemm::Dgrad, E4, E5, B1, BF, Epilogue::None, false,
+                 false, false},
+        GemmCase{"block_wgrad_e4m3_accumulate_f32", LinearGemm::Wgrad, E4, E4, B1, F32,
+                 Epilogue::None, true, false, false},
+        GemmCase{"block_wgrad_e5m2_grad_f32", LinearGemm::Wgrad, E4, E5, B1, F32, Epilogue::None,
+                 false, false, false}),
     [](const ::testing::TestParamInfo<GemmCase>& info) { return std::string(info.param.name); });
 
 TEST(Fp8GemmArgs, RefusesWhatHopperCannotDo) {
