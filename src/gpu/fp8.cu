@@ -38,6 +38,23 @@ __device__ __forceinline__ float loadIn(const void* p, bool bf16, std::int64_t i
               : static_cast<const float*>(p)[i];
 }
 
+// Four consecutive inputs from element i; `vec`: one 8-byte (bf16) or 16-byte (fp32) load.
+__device__ __forceinline__ void load4(const void* p, bool bf16, bool vec, std::int64_t i,
+                                      float v[4]) {
+  if (vec && bf16) {
+    const uint2 w = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p) + i);
+    v[0] = __uint_as_float(w.x << 16);
+    v[1] = __uint_as_float(w.x & 0xffff0000u);
+    v[2] = __uint_as_float(w.y << 16);
+    v[3] = __uint_as_float(w.y & 0xffff0000u);
+  } else if (vec) {
+    const float4 w = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+    v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
+  } else {
+    for (int j = 0; j < 4; ++j) v[j] = loadIn(p, bf16, i + j);
+  }
+}
+
 __device__ __forceinline__ std::uint8_t encode(float x, bool e4m3) {
   return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, e4m3 ? __NV_E4M3 : __NV_E5M2);
 }
@@ -65,6 +82,7 @@ struct CastParams {
   bool e4m3;
   std::uint8_t* out;
   std::int64_t ld_out;
+  bool in_vec;   // 4-element loads allowed (aligned base and row stride)
   bool out_vec;  // 4-code stores allowed
   std::uint8_t* out_t;
   std::int64_t ld_out_t;
@@ -84,19 +102,33 @@ __global__ void __launch_bounds__(kThreads) castKernel(CastParams p) {
   const int g = threadIdx.x % 16;  // 4-column group
   const int tr = threadIdx.x / 16;
   unsigned amax_bits = 0;
+  // All 16 loads first (independent, in flight together), then the codes.
+  float x[kTile / 16][4];
+#pragma unroll
+  for (int i = 0; i < kTile / 16; ++i) {
+    const std::int64_t r = r0 + tr + 16 * i, c = c0 + 4 * g;
+    if (r < p.rows && c + 3 < p.cols) {
+      load4(p.in, p.in_bf16, p.in_vec, r * p.ld_in + c, x[i]);
+    } else {
+      for (int j = 0; j < 4; ++j)
+        x[i][j] =
+            r < p.rows && c + j < p.cols ? loadIn(p.in, p.in_bf16, r * p.ld_in + c + j) : 0.0f;
+    }
+  }
+#pragma unroll
   for (int i = 0; i < kTile / 16; ++i) {
     const int lr = tr + 16 * i;
     const std::int64_t r = r0 + lr;
     std::uint32_t word = 0;
     bool full = r < p.rows && c0 + 4 * g + 3 < p.cols;
+#pragma unroll
     for (int j = 0; j < 4; ++j) {
       const int lc = 4 * g + j;
       const std::int64_t c = c0 + lc;
       std::uint8_t code = 0;
       if (r < p.rows && c < p.cols) {
-        float x = loadIn(p.in, p.in_bf16, r * p.ld_in + c);
-        amax_bits = max(amax_bits, absBits(x));
-        code = encode(x * scale, p.e4m3);
+        amax_bits = max(amax_bits, absBits(x[i][j]));
+        code = encode(x[i][j] * scale, p.e4m3);
         if (p.out && !(full && p.out_vec)) p.out[r * p.ld_out + c] = code;
       }
       tile[lr][lc] = code;
@@ -126,16 +158,29 @@ __global__ void __launch_bounds__(kThreads) castKernel(CastParams p) {
   }
 }
 
+// Blocks stride over rows, threads over columns, four elements per thread and step (vector
+// loads where aligned); element (r, c) exists when c < cols and r * ld + c < limit (a contiguous
+// tensor is launched as rows of equal length with the last one cut at `limit`).
 __global__ void __launch_bounds__(kThreads)
     amaxKernel(const void* in, bool in_bf16, std::int64_t rows, std::int64_t cols, std::int64_t ld,
-               float* amax) {
+               std::int64_t limit, float* amax) {
   unsigned bits = 0;
-  const std::int64_t total = rows * cols;
-  const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
-  for (std::int64_t e = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x; e < total;
-       e += stride) {
-    const std::int64_t r = e / cols, c = e % cols;
-    bits = max(bits, absBits(loadIn(in, in_bf16, r * ld + c)));
+  const std::size_t align = in_bf16 ? 8 : 16;
+  const bool ptr_aligned = reinterpret_cast<std::uintptr_t>(in) % align == 0;
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const std::int64_t base = r * ld;
+    const std::int64_t end = limit - base < cols ? limit - base : cols;
+    const bool vec = ptr_aligned && base % 4 == 0;
+    for (std::int64_t c = 4 * static_cast<std::int64_t>(threadIdx.x); c < end;
+         c += 4 * static_cast<std::int64_t>(blockDim.x)) {
+      float v[4];
+      if (c + 3 < end) {
+        load4(in, in_bf16, vec, base + c, v);
+      } else {
+        for (int j = 0; j < 4; ++j) v[j] = c + j < end ? loadIn(in, in_bf16, base + c + j) : 0.0f;
+      }
+      for (int j = 0; j < 4; ++j) bits = max(bits, absBits(v[j]));
+    }
   }
   amaxCommit(bits, amax);
 }
@@ -204,6 +249,7 @@ __global__ void __launch_bounds__(kBlockThreads) blockCastKernel(BlockParams p) 
   const int t = threadIdx.x;
 
   // Load: a warp reads 32 consecutive elements of a row.  Padding outside the tensor is 0.
+#pragma unroll 8
   for (int e = t; e < kBlock * kBlock; e += kBlockThreads) {
     const int lr = e / kBlock, lc = e % kBlock;
     const std::int64_t r = r0 + lr, c = c0 + lc;
@@ -313,6 +359,11 @@ bool aligned4(const void* p, std::int64_t ld) {
   return p && reinterpret_cast<std::uintptr_t>(p) % 4 == 0 && ld % 4 == 0;
 }
 
+bool inputVectorizable(const void* p, DType t, std::int64_t ld) {
+  const std::uintptr_t align = t == DType::BF16 ? 8 : 16;
+  return reinterpret_cast<std::uintptr_t>(p) % align == 0 && ld % 4 == 0;
+}
+
 unsigned gridDimOf(std::int64_t n, int tile) {
   return static_cast<unsigned>((n + tile - 1) / tile);
 }
@@ -356,6 +407,7 @@ void castFp8(Stream stream, const Fp8CastArgs& a) {
                a.out_type == DType::E4M3,
                static_cast<std::uint8_t*>(a.out),
                a.ld_out,
+               inputVectorizable(a.in, a.in_type, a.ld_in),
                aligned4(a.out, a.ld_out),
                static_cast<std::uint8_t*>(a.out_t),
                a.ld_out_t,
@@ -374,10 +426,16 @@ void amaxFp8(Stream stream, const void* in, DType in_type, std::int64_t rows, st
   if (!amax) throw Error("plm::gpu::amaxFp8: no amax (a device pointer to one fp32)");
   zeroAmax(stream, amax, accumulate);
   if (rows == 0 || cols == 0) return;
-  std::int64_t blocks = (rows * cols + kThreads * 8 - 1) / (kThreads * 8);
-  if (blocks > 132 * 16) blocks = 132 * 16;
+  std::int64_t limit = rows * ld;
+  if (ld == cols) {  // contiguous: rows of 16K elements, whatever the tensor's shape
+    const std::int64_t piece = 4 * kThreads * 16;
+    limit = rows * cols;
+    rows = (limit + piece - 1) / piece;
+    cols = ld = piece;
+  }
+  const std::int64_t blocks = rows < 132 * 16 ? rows : 132 * 16;
   amaxKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(in, in_type == DType::BF16,
-                                                                     rows, cols, ld, amax);
+                                                                     rows, cols, ld, limit, amax);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
