@@ -114,14 +114,15 @@ struct Plan {
   bool amax_by_pass = false;
 };
 
-}  // namespace
-
+// cuBLASLt's A is our B: its scales are our B's.
 void setScalePointers(Plan& p, const GemmArgs& g) {
   PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                                                   &g.b_scale_inv, sizeof(g.b_scale_inv)));
   PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
                                                   &g.a_scale_inv, sizeof(g.a_scale_inv)));
 }
+
+}  // namespace
 
 struct Gemm::Impl {
   cublasLtHandle_t handle = nullptr;
