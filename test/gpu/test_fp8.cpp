@@ -597,8 +597,9 @@ struct GemmCase {
   DType d_type;
   Epilogue epilogue;  // None, Bias, BiasGeluAux (forward), DGelu (dgrad)
   bool accumulate, amax_d, fast_accum;
-  bool optional = false;  // a combination cuBLASLt may not offer: skipped (with its message) if
-                          // refused, checked like the others if it runs
+  bool optional = false;      // a combination cuBLASLt may not offer: skipped (with its message) if
+                              // refused, checked like the others if it runs
+  std::int64_t tokens = 384;  // T: wgrad's K (384 = 3 blocks of 128; 336 ends in a partial one)
 };
 
 double geluTanh(double x) {
@@ -619,7 +620,7 @@ class Fp8Gemm : public ::testing::TestWithParam<GemmCase> {};
 // (loosely: FP8's own rounding) so that self-consistent but wrong scales cannot pass.
 TEST_P(Fp8Gemm, LinearLayerLayout) {
   const GemmCase c = GetParam();
-  const std::int64_t T = 384, in_f = 256, out_f = 640;  // K of wgrad = T: 3 blocks of 128
+  const std::int64_t T = c.tokens, in_f = 256, out_f = 640;
   const bool block = c.activation_scaling != Fp8Scaling::Tensor;
   const Fp8Scaling w_scaling = block ? Fp8Scaling::Block128x128 : Fp8Scaling::Tensor;
   Input x(test::randomNormal(T * in_f, 11, 2.0f), DType::BF16);
@@ -833,7 +834,17 @@ INSTANTIATE_TEST_SUITE_P(
         GemmCase{"block_wgrad_e4m3_accumulate_f32", LinearGemm::Wgrad, E4, E4, B1, F32,
                  Epilogue::None, true, false, false},
         GemmCase{"block_wgrad_e5m2_grad_f32", LinearGemm::Wgrad, E4, E5, B1, F32, Epilogue::None,
-                 false, false, false}),
+                 false, false, false},
+        // T = 336 tokens (a multiple of 16 as FP8 needs, not of 128): the forward's M and
+        // the weight gradient's K end in partial blocks.
+        GemmCase{"partial_fwd_e4m3", LinearGemm::Forward, E4, E4, PT, BF, Epilogue::Bias, false,
+                 false, false, false, 336},
+        GemmCase{"partial_wgrad_e5m2_f32", LinearGemm::Wgrad, E4, E5, PT, F32, Epilogue::None, true,
+                 false, false, false, 336},
+        GemmCase{"partial_block_fwd_e4m3", LinearGemm::Forward, E4, E4, B1, BF, Epilogue::None,
+                 false, false, false, true, 336},
+        GemmCase{"partial_block_wgrad_e4m3_f32", LinearGemm::Wgrad, E4, E4, B1, F32, Epilogue::None,
+                 true, false, false, true, 336}),
     [](const ::testing::TestParamInfo<GemmCase>& info) { return std::string(info.param.name); });
 
 TEST(Fp8GemmArgs, RefusesWhatHopperCannotDo) {
