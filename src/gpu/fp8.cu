@@ -90,6 +90,7 @@ struct CastParams {
   const float* scale;
   float* scale_inv;
   float* amax;
+  float* col_partial;  // (row tiles, cols) or nullptr
 };
 
 __global__ void __launch_bounds__(kThreads) castKernel(CastParams p) {
@@ -113,6 +114,21 @@ __global__ void __launch_bounds__(kThreads) castKernel(CastParams p) {
       for (int j = 0; j < 4; ++j)
         x[i][j] =
             r < p.rows && c + j < p.cols ? loadIn(p.in, p.in_bf16, r * p.ld_in + c + j) : 0.0f;
+    }
+  }
+  if (p.col_partial) {
+    // Column sums of the tile in a fixed order: 4 rows per thread, then the 16 row groups.
+    __shared__ float red[16][kTile];
+    for (int j = 0; j < 4; ++j) {
+      float sum = 0.0f;
+      for (int i = 0; i < kTile / 16; ++i) sum += x[i][j];
+      red[tr][4 * g + j] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x < kTile && c0 + threadIdx.x < p.cols) {
+      float sum = 0.0f;
+      for (int k = 0; k < 16; ++k) sum += red[k][threadIdx.x];
+      p.col_partial[blockIdx.y * p.cols + c0 + threadIdx.x] = sum;
     }
   }
 #pragma unroll
@@ -185,6 +201,16 @@ __global__ void __launch_bounds__(kThreads)
   amaxCommit(bits, amax);
 }
 
+// col_sum[c] (=, or +=) the partial sums of the row tiles, in tile order.
+__global__ void colSumKernel(const float* partial, std::int64_t tiles, std::int64_t cols,
+                             float* col_sum, bool accumulate) {
+  const std::int64_t c = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= cols) return;
+  float sum = 0.0f;
+  for (std::int64_t t = 0; t < tiles; ++t) sum += partial[t * cols + c];
+  col_sum[c] = accumulate ? col_sum[c] + sum : sum;
+}
+
 __global__ void scaleInvKernel(const float* scale, float* scale_inv) { *scale_inv = 1.0f / *scale; }
 
 __global__ void scaleFromAmaxKernel(const float* amax, float fp8_max, int margin, float* scale,
@@ -227,6 +253,7 @@ struct BlockParams {
   float* scale_inv_t;
   std::int64_t sld_t;
   float* amax;
+  float* col_partial;
 };
 
 // Transformer Engine's power-of-two scale from a block amax (bits of |x|).
@@ -265,8 +292,14 @@ __global__ void __launch_bounds__(kBlockThreads) blockCastKernel(BlockParams p) 
       row_amax[t] = bits;
     } else {
       const int c = t - kBlock;
-      for (int j = 0; j < kBlock; ++j) bits = max(bits, absBits(tile[j * kBlockLd + c]));
+      float sum = 0.0f;
+      for (int j = 0; j < kBlock; ++j) {
+        const float v = tile[j * kBlockLd + c];
+        bits = max(bits, absBits(v));
+        sum += v;
+      }
       col_amax[c] = bits;
+      if (p.col_partial && c0 + c < p.cols) p.col_partial[blockIdx.y * p.cols + c0 + c] = sum;
     }
   }
   __syncthreads();
@@ -375,11 +408,33 @@ void checkGrid(const char* what, std::int64_t rows, int tile) {
                 "); cast the tensor in row ranges");
 }
 
+float* colPartial(const char* what, float* col_sum, void* workspace) {
+  if (!col_sum) return nullptr;
+  if (!workspace)
+    throw Error(std::string("plm::gpu::") + what +
+                ": col_sum needs a workspace of fp8ColSumWorkspace(rows, cols) bytes");
+  return static_cast<float*>(workspace);
+}
+
+void finishColSum(Stream stream, float* col_sum, bool accumulate, const float* partial,
+                  unsigned tiles, std::int64_t cols) {
+  if (!col_sum) return;
+  colSumKernel<<<static_cast<unsigned>((cols + 255) / 256), 256, 0, stream>>>(partial, tiles, cols,
+                                                                              col_sum, accumulate);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
 void zeroAmax(Stream stream, float* amax, bool accumulate) {
   if (amax && !accumulate) PLM_CHECK_CUDA(cudaMemsetAsync(amax, 0, sizeof(float), stream));
 }
 
 }  // namespace
+
+std::size_t fp8ColSumWorkspace(std::int64_t rows, std::int64_t cols) {
+  // Partial sums per row tile: 64-row tiles (per-tensor casts) outnumber 128-row ones.
+  return static_cast<std::size_t>((rows + kTile - 1) / kTile) * static_cast<std::size_t>(cols) *
+         sizeof(float);
+}
 
 float fp8Max(DType format) {
   if (format == DType::E4M3) return 448.0f;
@@ -392,6 +447,8 @@ void castFp8(Stream stream, const Fp8CastArgs& a) {
   if (!a.scale) throw Error("plm::gpu::castFp8: no scale (a device pointer to one fp32)");
   zeroAmax(stream, a.amax, a.amax_accumulate);
   if (a.rows == 0 || a.cols == 0) {
+    if (a.col_sum && !a.col_sum_accumulate && a.cols > 0)
+      PLM_CHECK_CUDA(cudaMemsetAsync(a.col_sum, 0, a.cols * sizeof(float), stream));
     if (a.scale_inv) {  // still published: a GEMM after an empty cast reads it
       scaleInvKernel<<<1, 1, 0, stream>>>(a.scale, a.scale_inv);
       PLM_CHECK_CUDA(cudaGetLastError());
@@ -414,9 +471,12 @@ void castFp8(Stream stream, const Fp8CastArgs& a) {
                aligned4(a.out_t, a.ld_out_t),
                a.scale,
                a.scale_inv,
-               a.amax};
+               a.amax,
+               colPartial("castFp8", a.col_sum, a.workspace)};
   castKernel<<<dim3(gridDimOf(a.cols, kTile), gridDimOf(a.rows, kTile)), kThreads, 0, stream>>>(p);
   PLM_CHECK_CUDA(cudaGetLastError());
+  finishColSum(stream, a.col_sum, a.col_sum_accumulate, p.col_partial, gridDimOf(a.rows, kTile),
+               a.cols);
 }
 
 void amaxFp8(Stream stream, const void* in, DType in_type, std::int64_t rows, std::int64_t cols,
@@ -486,7 +546,11 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
         "plm::gpu::castFp8Block: every copy written (out, out_t) needs its scale_inv "
         "(blockScaleLayout() gives the size)");
   zeroAmax(stream, a.amax, a.amax_accumulate);
-  if (a.rows == 0 || a.cols == 0) return;
+  if (a.rows == 0 || a.cols == 0) {
+    if (a.col_sum && !a.col_sum_accumulate && a.cols > 0)
+      PLM_CHECK_CUDA(cudaMemsetAsync(a.col_sum, 0, a.cols * sizeof(float), stream));
+    return;
+  }
   checkGrid("castFp8Block", a.rows, kBlock);
   // Above the 48 KiB default: opt in once per process (thread-safe static initialisation).
   static const bool smem_opt_in = [] {
@@ -514,10 +578,13 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
                 aligned4(a.out_t, a.ld_out_t),
                 a.scale_inv_t,
                 blockScaleLayout(a.scaling, a.cols, a.rows).ld,
-                a.amax};
+                a.amax,
+                colPartial("castFp8Block", a.col_sum, a.workspace)};
   blockCastKernel<<<dim3(gridDimOf(a.cols, kBlock), gridDimOf(a.rows, kBlock)), kBlockThreads,
                     kBlockSmem, stream>>>(p);
   PLM_CHECK_CUDA(cudaGetLastError());
+  finishColSum(stream, a.col_sum, a.col_sum_accumulate, p.col_partial, gridDimOf(a.rows, kBlock),
+               a.cols);
 }
 
 }  // namespace plm::gpu

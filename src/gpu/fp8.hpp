@@ -36,6 +36,7 @@
 #include "gpu/device.hpp"
 #include "gpu/gemm.hpp"  // DType (BF16, F32, E4M3, E5M2), Fp8Scaling
 
+#include <cstddef>
 #include <cstdint>
 
 namespace plm::gpu {
@@ -61,7 +62,16 @@ struct Fp8CastArgs {
   float* scale_inv = nullptr;    // optional device scalar: 1 / scale written (for the GEMM)
   float* amax = nullptr;         // optional device scalar: max |in| (required by castFp8Current)
   bool amax_accumulate = false;  // amax = max(amax, max |in|) instead of =
+  // Optional: col_sum[c] = sum over rows of in[r][c] in fp32 (a Linear layer's bias gradient from
+  // dY, taken from the unquantised values in the same pass), in a fixed order (deterministic);
+  // needs `workspace` of fp8ColSumWorkspace(rows, cols) bytes.
+  float* col_sum = nullptr;
+  bool col_sum_accumulate = false;  // col_sum += instead of =
+  void* workspace = nullptr;
 };
+
+/// \brief Bytes of workspace a cast with col_sum needs (per-tile partial sums).
+std::size_t fp8ColSumWorkspace(std::int64_t rows, std::int64_t cols);
 
 /// \brief Casts with the scale at args.scale (delayed scaling: computed from earlier steps'
 /// amaxes), writing out and/or out_t in one pass over the input, and amax / scale_inv if given.
@@ -119,6 +129,9 @@ struct Fp8BlockCastArgs {
   float* scale_inv_t = nullptr;  // required with out_t
   float* amax = nullptr;         // optional: per-tensor max |in| (as in Fp8CastArgs)
   bool amax_accumulate = false;
+  float* col_sum = nullptr;  // optional, as in Fp8CastArgs
+  bool col_sum_accumulate = false;
+  void* workspace = nullptr;  // fp8ColSumWorkspace(rows, cols) bytes with col_sum
 };
 
 /// \brief One pass over the input per 128x128 tile (block amaxes, scales, codes, both copies).

@@ -123,6 +123,15 @@ struct Input {
 
 float downloadScalar(const DeviceBuffer<float>& b) { return b.download()[0]; }
 
+// Column sums (over rows) of a (rows, cols) tensor with row stride ld, in double.
+std::vector<double> columnSums(const std::vector<float>& v, std::int64_t rows, std::int64_t cols,
+                               std::int64_t ld) {
+  std::vector<double> s(cols, 0.0);
+  for (std::int64_t r = 0; r < rows; ++r)
+    for (std::int64_t c = 0; c < cols; ++c) s[c] += v[r * ld + c];
+  return s;
+}
+
 float maxAbs(const std::vector<float>& v, std::int64_t rows, std::int64_t cols, std::int64_t ld) {
   float m = 0.0f;
   for (std::int64_t r = 0; r < rows; ++r)
@@ -285,8 +294,17 @@ TEST_P(Fp8CastShapes, PerTensorDelayedAndCurrent) {
   a.scale = scale.get();
   a.scale_inv = scale_inv.get();
   a.amax = amax.get();
+  // The bias gradient's column sums, fused (e.g. of dY); poisoned first.
+  DeviceBuffer<float> col_sum(c.cols);
+  DeviceBuffer<std::uint8_t> work(fp8ColSumWorkspace(c.rows, c.cols));
+  col_sum.poison();
+  a.col_sum = col_sum.get();
+  a.workspace = work.get();
   castFp8(nullptr, a);
   const float amax_host = maxAbs(in.values, c.rows, c.cols, ld_in);
+  const std::vector<double> sums = columnSums(in.values, c.rows, c.cols, ld_in);
+  const std::vector<float> sums_dev = col_sum.download();
+  EXPECT_LT(test::relError(sums_dev, sums), 1e-5);
   EXPECT_EQ(downloadScalar(amax), amax_host);
   EXPECT_EQ(downloadScalar(scale_inv), 1.0f / delayed);
   if (c.rowwise)
@@ -305,6 +323,7 @@ TEST_P(Fp8CastShapes, PerTensorDelayedAndCurrent) {
   EXPECT_EQ(downloadScalar(cur_scale), want_scale);
   EXPECT_EQ(downloadScalar(scale_inv), 1.0f / want_scale);
   EXPECT_EQ(downloadScalar(amax), amax_host);
+  EXPECT_EQ(col_sum.download(), sums_dev);  // the same order of summation: the same bits
   if (c.rowwise)
     expectCodes(out.download(), ld_out, false, in.values, c.rows, c.cols, ld_in, c.out_type,
                 want_scale, "current");
@@ -317,9 +336,13 @@ TEST_P(Fp8CastShapes, PerTensorDelayedAndCurrent) {
   big[0] = 1000.0f;
   Input in2(big, c.in_type);
   a.amax_accumulate = true;
+  a.col_sum_accumulate = true;
   a.in = in2.get();
   castFp8(nullptr, a);
   EXPECT_EQ(downloadScalar(amax), std::max(amax_host, in2.values[0]));
+  std::vector<double> sums2 = columnSums(in2.values, c.rows, c.cols, ld_in);
+  for (std::int64_t j = 0; j < c.cols; ++j) sums2[j] += sums[j];
+  EXPECT_LT(test::relError(col_sum.download(), sums2), 1e-5);
   amaxFp8(nullptr, in.get(), c.in_type, c.rows, c.cols, ld_in, amax.get());
   EXPECT_EQ(downloadScalar(amax), amax_host);
   amaxFp8(nullptr, in2.get(), c.in_type, c.rows, c.cols, ld_in, amax.get(), true);
@@ -377,6 +400,10 @@ TEST(Fp8Cast, RefusesBadArguments) {
   b.scaling = Fp8Scaling::Block1x128;
   b.out = reinterpret_cast<void*>(16);  // no scale_inv
   EXPECT_THROW(castFp8Block(nullptr, b), Error);
+  a.scale = reinterpret_cast<const float*>(16);
+  a.rows = a.cols = 8;
+  a.col_sum = reinterpret_cast<float*>(16);  // no workspace
+  EXPECT_THROW(castFp8(nullptr, a), Error);
 }
 
 // Block scales on the host: for a (rows, k) operand, scale of each element's block.
@@ -468,7 +495,13 @@ TEST_P(Fp8BlockCast, MatchesHost) {
   a.ld_out_t = ld_t;
   a.scale_inv_t = s_t.get();
   a.amax = amax.get();
+  DeviceBuffer<float> col_sum(c.cols);
+  DeviceBuffer<std::uint8_t> work(fp8ColSumWorkspace(c.rows, c.cols));
+  col_sum.poison();
+  a.col_sum = col_sum.get();
+  a.workspace = work.get();
   castFp8Block(nullptr, a);
+  EXPECT_LT(test::relError(col_sum.download(), columnSums(in.values, c.rows, c.cols, ld_in)), 1e-5);
 
   const HostBlock hb =
       hostBlockScales(in.values, c.rows, c.cols, false, ld_in, c.scaling, c.out_type);
