@@ -285,6 +285,17 @@ void castTable(std::int64_t T) {
     std::snprintf(label, sizeof label, "delayed bf16->e4m3 + transpose + amax (%ld,%ld)",
                   long(rows), long(cols));
     castRow(label, medianMs([&] { castFp8(nullptr, a); }), 4 * n);
+    {
+      // dY's cast in the backward: both copies, amax and the bias gradient (column sums).
+      Buffer col_sum(cols * 4), work(fp8ColSumWorkspace(rows, cols));
+      Fp8CastArgs d = a;
+      d.out_type = DType::E5M2;
+      d.col_sum = col_sum.as<float>();
+      d.workspace = work.ptr;
+      std::snprintf(label, sizeof label, "dY bf16->e5m2 + transpose + amax + dbias (%ld,%ld)",
+                    long(rows), long(cols));
+      castRow(label, medianMs([&] { castFp8(nullptr, d); }), 4 * n);
+    }
     std::snprintf(label, sizeof label, "current (amax pass, cast) + transpose (%ld,%ld)",
                   long(rows), long(cols));
     castRow(label, medianMs([&] { castFp8Current(nullptr, a, cur.as<float>()); }), 6 * n);
