@@ -192,6 +192,12 @@ struct Gemm::Impl {
         PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
                                                         &bias_type, sizeof(bias_type)));
       }
+      if (g.epilogue == Epilogue::BiasGeluAux || g.epilogue == Epilogue::DGelu) {
+        // Stated, not left to the default (D's type): FP8 kernels have their own rules for it.
+        cudaDataType_t aux_type = CUDA_R_16BF;
+        PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+            p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &aux_type, sizeof(aux_type)));
+      }
       if (g.amax_d) {
         PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER,
                                                         &g.amax_d, sizeof(g.amax_d)));
