@@ -83,6 +83,11 @@ void checkFp8(const GemmArgs& g) {
                 "activation or gradient operand 1x128 blocks");
   if (a_block && g.fast_accum)
     throw Error(where + "fast accumulation is not allowed with block scaling");
+  // Transformer Engine's observed requirements for block-scaled cuBLASLt GEMMs.
+  if (a_block && (g.n % 8 != 0 || (g.a_scaling == Fp8Scaling::Block1x128 && g.m % 8 != 0)))
+    throw Error(where +
+                "block-scaled FP8 GEMMs need N (and M with 1x128 blocks on A) to be "
+                "multiples of 8; pad the token count");
   if (g.lda % 16 != 0 || g.ldb % 16 != 0)
     throw Error(where + "FP8 leading dimensions must be multiples of 16 (lda=" +
                 std::to_string(g.lda) + ", ldb=" + std::to_string(g.ldb) + ")");

@@ -864,6 +864,8 @@ INSTANTIATE_TEST_SUITE_P(
                  false, false},
         GemmCase{"block_dgrad_e5m2_grad", LinearGemm::Dgrad, E4, E5, B1, BF, Epilogue::None, false,
                  false, false},
+        GemmCase{"block_dgrad_e4m3_dgelu", LinearGemm::Dgrad, E4, E4, B1, BF, Epilogue::DGelu,
+                 false, false, false, true},
         GemmCase{"block_wgrad_e4m3_accumulate_f32", LinearGemm::Wgrad, E4, E4, B1, F32,
                  Epilogue::None, true, false, false},
         GemmCase{"block_wgrad_e5m2_grad_f32", LinearGemm::Wgrad, E4, E5, B1, F32, Epilogue::None,
