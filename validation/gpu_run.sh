@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
-#                                       and, on request: compare ctest e2e plan ckpt_async fsdp
+#                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
+#   fp8: test_gpu_fp8 (every FP8 cast and GEMM layout vs host references) and
+#        bench_gpu_fp8_gemm (650M layer GEMMs bf16 vs FP8 per-tensor vs FP8 block; cast GB/s),
+#        their full logs copied to $OUT (fp8_test.log, fp8_bench.log)
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/performance.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
@@ -219,6 +222,26 @@ print(f"  median step {statistics.median(dt.values()):.3f} s; steps 1-3 after a 
       f"{statistics.mean(after):.3f} s mean, max {max(after):.3f} s")
 PY
   done
+fi
+
+if has fp8; then
+  if [[ -x "$pkg/bin/test_gpu_fp8" ]]; then
+    timeout 300 "$pkg/bin/test_gpu_fp8" > "$out/fp8_test.log" 2>&1
+    note "test_gpu_fp8 rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/fp8_test.log" | tr '\n' ' ')"
+    grep -E "^\[  FAILED|\[ info \]|Failure|Expected|Which is|refused|no algorithm" \
+      "$out/fp8_test.log" | head -60 | tee -a "$summary"
+    cp "$out/fp8_test.log" "$final_out/fp8_test.log"
+  else
+    note "fp8: no test_gpu_fp8 in $pkg/bin"
+  fi
+  if [[ -x "$pkg/bin/bench_gpu_fp8_gemm" ]]; then
+    timeout 400 "$pkg/bin/bench_gpu_fp8_gemm" ${PLM_FP8_TOKENS:-8192 16384} > "$out/fp8_bench.log" 2>&1
+    note "bench_gpu_fp8_gemm rc=$?"
+    cat "$out/fp8_bench.log" | tee -a "$summary"
+    cp "$out/fp8_bench.log" "$final_out/fp8_bench.log"
+  else
+    note "fp8: no bench_gpu_fp8_gemm in $pkg/bin"
+  fi
 fi
 
 if has hf; then

@@ -1,12 +1,16 @@
 // cuBLASLt GEMM plans cached per shape, and the plain reference kernel they are checked against.
 // Row-major D(M,N) = op(A) op(B) is run as column-major D^T(N,M) = op(B)^T op(A)^T: cuBLASLt's
-// "A" is our B and its "B" is our A, its m is our N and its n our M.
+// "A" is our B and its "B" is our A, its m is our N and its n our M.  For FP8 that makes our
+// (A (M,K), B (N,K)) cuBLASLt's TN case, the only one Hopper's FP8 kernels offer, and our B's
+// scales cuBLASLt's A scales.
 #include "gpu/gemm.hpp"
 
 #include "core/error.hpp"
+#include "gpu/fp8.hpp"
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <map>
@@ -17,7 +21,77 @@ namespace plm::gpu {
 
 namespace {
 
-cudaDataType_t cudaType(DType t) { return t == DType::BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+cudaDataType_t cudaType(DType t) {
+  switch (t) {
+    case DType::BF16: return CUDA_R_16BF;
+    case DType::F32: return CUDA_R_32F;
+    case DType::E4M3: return CUDA_R_8F_E4M3;
+    case DType::E5M2: return CUDA_R_8F_E5M2;
+  }
+  return CUDA_R_32F;
+}
+
+bool isFp8(DType t) { return t == DType::E4M3 || t == DType::E5M2; }
+
+const char* typeName(DType t) {
+  switch (t) {
+    case DType::BF16: return "bf16";
+    case DType::F32: return "fp32";
+    case DType::E4M3: return "e4m3";
+    case DType::E5M2: return "e5m2";
+  }
+  return "?";
+}
+
+cublasLtMatmulMatrixScale_t ltScaleMode(Fp8Scaling s) {
+  switch (s) {
+    case Fp8Scaling::Tensor: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    case Fp8Scaling::Block1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case Fp8Scaling::Block128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+  }
+  return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+}
+
+// What an FP8 call must satisfy; one message per mistake, naming the fix.
+void checkFp8(const GemmArgs& g) {
+  const std::string where = "plm::gpu::Gemm (FP8, M=" + std::to_string(g.m) +
+                            " N=" + std::to_string(g.n) + " K=" + std::to_string(g.k) + "): ";
+  if (!isFp8(g.a_type) || !isFp8(g.b_type))
+    throw Error(where + "A is " + typeName(g.a_type) + " and B " + typeName(g.b_type) +
+                "; cuBLASLt takes FP8 operands only in pairs: cast both to FP8 (fp8.hpp)");
+  if (g.a_type == DType::E5M2 && g.b_type == DType::E5M2)
+    throw Error(where +
+                "E5M2 x E5M2 is not offered by Hopper; keep one operand E4M3 (the "
+                "hybrid recipe: E4M3 weights/activations, E5M2 gradients)");
+  if (g.trans_a || !g.trans_b)
+    throw Error(where +
+                "FP8 needs A stored (M,K) and B stored (N,K) (trans_a = false, "
+                "trans_b = true); write the transposed copy in the cast (out_t)");
+  if (g.d_type != DType::BF16 && g.d_type != DType::F32)
+    throw Error(where + "D must be bf16 or fp32");
+  if (!g.a_scale_inv || !g.b_scale_inv)
+    throw Error(where +
+                "a_scale_inv and b_scale_inv are required (device pointers the casts "
+                "wrote)");
+  const bool a_block = g.a_scaling != Fp8Scaling::Tensor;
+  const bool b_block = g.b_scaling != Fp8Scaling::Tensor;
+  if (a_block != b_block)
+    throw Error(where + "per-tensor and block scaling cannot be mixed in one GEMM");
+  if (g.a_scaling == Fp8Scaling::Block128x128 && g.b_scaling == Fp8Scaling::Block128x128)
+    throw Error(where +
+                "cuBLASLt offers no 128x128 x 128x128 block scaling; give the "
+                "activation or gradient operand 1x128 blocks");
+  if (a_block && g.fast_accum)
+    throw Error(where + "fast accumulation is not allowed with block scaling");
+  // Transformer Engine's observed requirements for block-scaled cuBLASLt GEMMs.
+  if (a_block && (g.n % 8 != 0 || (g.a_scaling == Fp8Scaling::Block1x128 && g.m % 8 != 0)))
+    throw Error(where +
+                "block-scaled FP8 GEMMs need N (and M with 1x128 blocks on A) to be "
+                "multiples of 8; pad the token count");
+  if (g.lda % 16 != 0 || g.ldb % 16 != 0)
+    throw Error(where + "FP8 leading dimensions must be multiples of 16 (lda=" +
+                std::to_string(g.lda) + ", ldb=" + std::to_string(g.ldb) + ")");
+}
 
 cublasLtEpilogue_t ltEpilogue(Epilogue e) {
   switch (e) {
@@ -31,13 +105,27 @@ cublasLtEpilogue_t ltEpilogue(Epilogue e) {
 }
 
 using PlanKey = std::tuple<bool, bool, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                           std::int64_t, std::int64_t, int, int, std::int64_t, std::int64_t, bool>;
+                           std::int64_t, std::int64_t, int, int, std::int64_t, std::int64_t, bool,
+                           int /* a_type */, int /* b_type */, int /* a_scaling */,
+                           int /* b_scaling */, bool /* fast_accum */, bool /* amax_d */>;
 
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;  // cuBLASLt's
   cublasLtMatmulAlgo_t algo{};
+  bool fp8 = false;
+  // amax_d asked for and cuBLASLt's AMAX_D_POINTER refused (it is documented for FP8 D only):
+  // max |D| then comes from a pass over D.
+  bool amax_by_pass = false;
 };
+
+// cuBLASLt's A is our B: its scales are our B's.
+void setScalePointers(Plan& p, const GemmArgs& g) {
+  PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
+                                                  &g.b_scale_inv, sizeof(g.b_scale_inv)));
+  PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER,
+                                                  &g.a_scale_inv, sizeof(g.a_scale_inv)));
+}
 
 }  // namespace
 
@@ -60,11 +148,19 @@ struct Gemm::Impl {
                 static_cast<int>(g.epilogue),
                 g.c ? g.ldc : -1,
                 g.ldaux,
-                g.beta != 0.0f};
+                g.beta != 0.0f,
+                static_cast<int>(g.a_type),
+                static_cast<int>(g.b_type),
+                static_cast<int>(g.a_scaling),
+                static_cast<int>(g.b_scaling),
+                g.fast_accum,
+                g.amax_d != nullptr};
     auto it = plans.find(key);
     if (it != plans.end()) return it->second;
 
     Plan p;
+    p.fp8 = isFp8(g.a_type) || isFp8(g.b_type);
+    if (p.fp8) checkFp8(g);
     PLM_CHECK_CUBLAS(cublasLtMatmulDescCreate(&p.desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
     // Our B becomes cuBLASLt's A: stored row-major (K,N) = column-major (N,K) = what D^T needs.
     cublasOperation_t op_lt_a = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -84,8 +180,39 @@ struct Gemm::Impl {
     // Column-major layouts (rows, cols, ld) of the stored matrices.
     std::uint64_t a_rows = g.trans_b ? g.k : g.n, a_cols = g.trans_b ? g.n : g.k;
     std::uint64_t b_rows = g.trans_a ? g.m : g.k, b_cols = g.trans_a ? g.k : g.m;
-    PLM_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, CUDA_R_16BF, a_rows, a_cols, g.ldb));
-    PLM_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, CUDA_R_16BF, b_rows, b_cols, g.lda));
+    if (p.fp8) {
+      // cuBLASLt's A is our B: its scales are our B's.
+      cublasLtMatmulMatrixScale_t mode_lt_a = ltScaleMode(g.b_scaling);
+      cublasLtMatmulMatrixScale_t mode_lt_b = ltScaleMode(g.a_scaling);
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_MODE,
+                                                      &mode_lt_a, sizeof(mode_lt_a)));
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_B_SCALE_MODE,
+                                                      &mode_lt_b, sizeof(mode_lt_b)));
+      setScalePointers(p, g);
+      std::int8_t fast = g.fast_accum ? 1 : 0;
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM,
+                                                      &fast, sizeof(fast)));
+      if (g.epilogue == Epilogue::Bias || g.epilogue == Epilogue::BiasGeluAux) {
+        cudaDataType_t bias_type = CUDA_R_16BF;
+        PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_DATA_TYPE,
+                                                        &bias_type, sizeof(bias_type)));
+      }
+      if (g.epilogue == Epilogue::BiasGeluAux || g.epilogue == Epilogue::DGelu) {
+        // Stated, not left to the default (D's type): FP8 kernels have their own rules for it.
+        cudaDataType_t aux_type = CUDA_R_16BF;
+        PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+            p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_DATA_TYPE, &aux_type, sizeof(aux_type)));
+      }
+      if (g.amax_d) {
+        PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER,
+                                                        &g.amax_d, sizeof(g.amax_d)));
+      }
+    } else if (g.a_type != DType::BF16 || g.b_type != DType::BF16) {
+      throw Error("plm::gpu::Gemm: A and B must both be bf16 or both FP8 (got " +
+                  std::string(typeName(g.a_type)) + " and " + typeName(g.b_type) + ")");
+    }
+    PLM_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&p.a, cudaType(g.b_type), a_rows, a_cols, g.ldb));
+    PLM_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&p.b, cudaType(g.a_type), b_rows, b_cols, g.lda));
     PLM_CHECK_CUBLAS(cublasLtMatrixLayoutCreate(&p.d, cudaType(g.d_type), g.n, g.m, g.ldd));
     PLM_CHECK_CUBLAS(
         cublasLtMatrixLayoutCreate(&p.c, cudaType(g.d_type), g.n, g.m, g.c ? g.ldc : g.ldd));
@@ -96,14 +223,28 @@ struct Gemm::Impl {
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
-    PLM_CHECK_CUBLAS(cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref, 1,
-                                                    &result, &found));
+    cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref,
+                                                           1, &result, &found);
+    if (p.fp8 && g.amax_d && (status != CUBLAS_STATUS_SUCCESS || found == 0)) {
+      // No kernel computes amax of a non-FP8 D here: take it from a pass over D instead.
+      void* none = nullptr;
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER,
+                                                      &none, sizeof(none)));
+      p.amax_by_pass = true;
+      status = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref, 1, &result,
+                                              &found);
+    }
     cublasLtMatmulPreferenceDestroy(pref);
-    if (found == 0)
+    if (status != CUBLAS_STATUS_SUCCESS || found == 0)
       throw Error("plm::gpu::Gemm: cuBLASLt has no algorithm for M=" + std::to_string(g.m) +
-                  " N=" + std::to_string(g.n) + " K=" + std::to_string(g.k) + " epilogue " +
-                  std::to_string(static_cast<int>(g.epilogue)) +
-                  "; check leading dimensions (multiples of 8) and the epilogue's data types");
+                  " N=" + std::to_string(g.n) + " K=" + std::to_string(g.k) + " A " +
+                  typeName(g.a_type) + " B " + typeName(g.b_type) + " D " + typeName(g.d_type) +
+                  " epilogue " + std::to_string(static_cast<int>(g.epilogue)) + " scaling " +
+                  std::to_string(static_cast<int>(g.a_scaling)) + "/" +
+                  std::to_string(static_cast<int>(g.b_scaling)) + " (cuBLAS status " +
+                  std::to_string(static_cast<int>(status)) +
+                  "); check leading dimensions (multiples of 8, 16 for FP8) and the epilogue's "
+                  "data types");
     p.algo = result.algo;
     return plans.emplace(key, p).first->second;
   }
@@ -146,9 +287,34 @@ void Gemm::run(Stream stream, const GemmArgs& g) {
     PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
         p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)));
   }
-  PLM_CHECK_CUBLAS(cublasLtMatmul(impl_member->handle, p.desc, &g.alpha, g.b, p.a, g.a, p.b,
-                                  &g.beta, g.c ? g.c : g.d, p.c, g.d, p.d, &p.algo,
-                                  impl_member->workspace, impl_member->workspace_bytes, stream));
+  if (p.fp8) {
+    setScalePointers(p, g);
+    if (g.amax_d && !p.amax_by_pass)
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER,
+                                                      &g.amax_d, sizeof(g.amax_d)));
+  }
+  cublasStatus_t status = cublasLtMatmul(
+      impl_member->handle, p.desc, &g.alpha, g.b, p.a, g.a, p.b, &g.beta, g.c ? g.c : g.d, p.c, g.d,
+      p.d, &p.algo, impl_member->workspace, impl_member->workspace_bytes, stream);
+  if (status != CUBLAS_STATUS_SUCCESS && p.fp8 && g.amax_d && !p.amax_by_pass) {
+    // AMAX_D_POINTER is refused at launch for unsupported type combinations: drop it for this
+    // plan and take max |D| from a pass over D.
+    void* none = nullptr;
+    PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER,
+                                                    &none, sizeof(none)));
+    p.amax_by_pass = true;
+    status = cublasLtMatmul(impl_member->handle, p.desc, &g.alpha, g.b, p.a, g.a, p.b, &g.beta,
+                            g.c ? g.c : g.d, p.c, g.d, p.d, &p.algo, impl_member->workspace,
+                            impl_member->workspace_bytes, stream);
+  }
+  PLM_CHECK_CUBLAS(status);
+  if (p.fp8 && g.amax_d && p.amax_by_pass)
+    amaxFp8(stream, g.d, g.d_type, g.m, g.n, g.ldd, g.amax_d, false);
+}
+
+bool Gemm::amaxFromCublas(const GemmArgs& args) {
+  if (!args.amax_d) return false;
+  return !impl_member->plan(args).amax_by_pass;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -182,27 +348,53 @@ __device__ void store(void* p, DType t, std::int64_t i, float v) {
     static_cast<float*>(p)[i] = v;
 }
 
+// An operand element as the GEMM sees it: bf16, or an FP8 code times its scale_inv (element
+// (row, k) of an operand stored (rows, K); FP8 operands are always stored that way).
+__device__ float loadOperand(const void* p, DType t, std::int64_t i, const float* scale_inv,
+                             Fp8Scaling scaling, std::int64_t row, std::int64_t k,
+                             std::int64_t rows, std::int64_t kdim) {
+  if (t == DType::BF16) return loadBf16(p, i);
+  const __nv_fp8_storage_t code = static_cast<const std::uint8_t*>(p)[i];
+  const float x =
+      __half2float(__half(__nv_cvt_fp8_to_halfraw(code, t == DType::E4M3 ? __NV_E4M3 : __NV_E5M2)));
+  if (scaling == Fp8Scaling::Tensor) return x * scale_inv[0];
+  if (scaling == Fp8Scaling::Block1x128) {
+    const std::int64_t ld = (rows + 3) / 4 * 4;
+    return x * scale_inv[(k / 128) * ld + row];
+  }
+  const std::int64_t ld = ((kdim + 127) / 128 + 3) / 4 * 4;
+  return x * scale_inv[(row / 128) * ld + k / 128];
+}
+
 __global__ void gemmReferenceKernel(GemmArgs g) {
   std::int64_t idx = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
   if (idx >= g.m * g.n) return;
   std::int64_t m = idx / g.n, n = idx % g.n;
   float acc = 0.0f;
   for (std::int64_t k = 0; k < g.k; ++k) {
-    float a = loadBf16(g.a, g.trans_a ? k * g.lda + m : m * g.lda + k);
-    float b = loadBf16(g.b, g.trans_b ? n * g.ldb + k : k * g.ldb + n);
+    float a = loadOperand(g.a, g.a_type, g.trans_a ? k * g.lda + m : m * g.lda + k, g.a_scale_inv,
+                          g.a_scaling, m, k, g.m, g.k);
+    float b = loadOperand(g.b, g.b_type, g.trans_b ? n * g.ldb + k : k * g.ldb + n, g.b_scale_inv,
+                          g.b_scaling, n, k, g.n, g.k);
     acc += a * b;
   }
   float v = g.alpha * acc;
   if (g.beta != 0.0f)
     v += g.beta * (g.c ? load(g.c, g.d_type, m * g.ldc + n) : load(g.d, g.d_type, m * g.ldd + n));
-  if (g.epilogue == Epilogue::Bias) v += load(g.bias, g.d_type, n);
+  const bool fp8 = g.a_type != DType::BF16;
+  const DType bias_type = fp8 ? DType::BF16 : g.d_type;
+  if (g.epilogue == Epilogue::Bias) v += load(g.bias, bias_type, n);
   if (g.epilogue == Epilogue::BiasGeluAux) {
-    v += load(g.bias, g.d_type, n);
+    v += load(g.bias, bias_type, n);
     static_cast<__nv_bfloat16*>(g.aux)[m * g.ldaux + n] = __float2bfloat16(v);
     v = geluTanh(v);
   }
   if (g.epilogue == Epilogue::DGelu) v *= geluTanhGrad(loadBf16(g.aux, m * g.ldaux + n));
   store(g.d, g.d_type, m * g.ldd + n, v);
+  if (g.amax_d) {
+    const float stored = load(g.d, g.d_type, m * g.ldd + n);
+    atomicMax(reinterpret_cast<unsigned*>(g.amax_d), __float_as_uint(stored) & 0x7fffffffu);
+  }
 }
 
 // BGradA: bias_grad[m] = sum over k of op(A)[m][k].
@@ -211,7 +403,8 @@ __global__ void biasGradRowsOfAKernel(GemmArgs g) {
   if (m >= g.m) return;
   float sum = 0.0f;
   for (std::int64_t k = 0; k < g.k; ++k)
-    sum += loadBf16(g.a, g.trans_a ? k * g.lda + m : m * g.lda + k);
+    sum += loadOperand(g.a, g.a_type, g.trans_a ? k * g.lda + m : m * g.lda + k, g.a_scale_inv,
+                       g.a_scaling, m, k, g.m, g.k);
   static_cast<float*>(g.bias_grad)[m] = sum;
 }
 
@@ -225,6 +418,7 @@ void gemmReference(Stream stream, const GemmArgs& g) {
                             stream>>>(g);
     PLM_CHECK_CUDA(cudaGetLastError());
   }
+  if (g.amax_d) PLM_CHECK_CUDA(cudaMemsetAsync(g.amax_d, 0, sizeof(float), stream));
   std::int64_t total = g.m * g.n;
   gemmReferenceKernel<<<static_cast<unsigned>((total + threads - 1) / threads), threads, 0,
                         stream>>>(g);

@@ -1,4 +1,5 @@
-// GEMMs through cuBLASLt: bf16 operands, fp32 accumulation, bf16 or fp32 output.
+// GEMMs through cuBLASLt: bf16 or FP8 (E4M3/E5M2) operands, fp32 accumulation, bf16 or fp32
+// output.
 //
 // Design: the call is stated in row-major terms, D(M,N) = alpha * op(A) op(B) + beta * C with
 // op(A) (M,K) and op(B) (K,N), and mapped onto cuBLASLt's column-major convention by computing
@@ -11,6 +12,16 @@
 // comes from its weight-gradient GEMM (BGradA) rather than from DGELU_BGRAD.  Descriptors, layouts
 // and the heuristic's choice are cached per shape and epilogue; one workspace per Gemm object. Bias
 // gradients are written (=), not accumulated.
+//
+// FP8 (a_type/b_type E4M3 or E5M2, not both E5M2; Hopper): both operands K-contiguous, i.e.
+// trans_a = false (A stored (M,K)) and trans_b = true (B stored (N,K)); leading dimensions
+// multiples of 16.  The operands are dequantised by their scale_inv (fp8.hpp): per tensor (one
+// fp32 device scalar each, A/B_SCALE_POINTER) or per block (a_scaling/b_scaling Block1x128 or
+// Block128x128, not both 128x128, in blockScaleLayout()'s layout).  D is bf16 or fp32, C (beta)
+// as for bf16; the Bias epilogue takes a bf16 bias; amax_d (optional) receives max |D| (computed
+// by cuBLASLt where it offers it, else by a pass over D).  fast_accum is cuBLASLt's FP8 fast
+// accumulation (no periodic promotion to fp32; per-tensor scaling only, Transformer Engine uses
+// it for the forward GEMM).
 #pragma once
 
 #include "gpu/device.hpp"
@@ -20,7 +31,15 @@
 
 namespace plm::gpu {
 
-enum class DType { BF16, F32 };
+/// Element types of GPU tensors: GEMM outputs are BF16 or F32; E4M3/E5M2 are FP8 operands.
+enum class DType { BF16, F32, E4M3, E5M2 };
+
+/// \brief How the scales of an FP8 GEMM operand are given (fp8.hpp casts write them).
+enum class Fp8Scaling {
+  Tensor,       // one fp32 scale_inv (CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F)
+  Block1x128,   // one per 128 elements along K of each row (VEC128_32F); activations/gradients
+  Block128x128  // one per 128x128 block (BLK128x128_32F); weights
+};
 
 enum class Epilogue {
   None,
@@ -34,10 +53,12 @@ struct GemmArgs {
   bool trans_a = false;  // A stored (K,M) when true, (M,K) otherwise
   bool trans_b = false;  // B stored (N,K) when true, (K,N) otherwise
   std::int64_t m = 0, n = 0, k = 0;
-  const void* a = nullptr;  // bf16
+  const void* a = nullptr;  // a_type
   std::int64_t lda = 0;     // row stride of A as stored
-  const void* b = nullptr;  // bf16
+  const void* b = nullptr;  // b_type
   std::int64_t ldb = 0;
+  DType a_type = DType::BF16;  // BF16, or E4M3/E5M2 with b_type FP8 too
+  DType b_type = DType::BF16;
   void* d = nullptr;  // d_type
   std::int64_t ldd = 0;
   DType d_type = DType::BF16;
@@ -46,10 +67,17 @@ struct GemmArgs {
   const void* c = nullptr;  // optional separate C (d_type, ldc): D = alpha AB + beta C
   std::int64_t ldc = 0;
   Epilogue epilogue = Epilogue::None;
-  const void* bias = nullptr;  // Bias, BiasGeluAux: d_type, length n
+  const void* bias = nullptr;  // Bias, BiasGeluAux: d_type (FP8 GEMMs: bf16), length n
   void* aux = nullptr;         // BiasGeluAux (written) / DGelu (read): bf16 (M,N), ld = ldaux
   std::int64_t ldaux = 0;
   void* bias_grad = nullptr;  // BGradA: fp32 (M), written
+  // FP8 only:
+  const float* a_scale_inv = nullptr;  // device: one value (Tensor) or the block scales
+  const float* b_scale_inv = nullptr;
+  Fp8Scaling a_scaling = Fp8Scaling::Tensor;
+  Fp8Scaling b_scaling = Fp8Scaling::Tensor;
+  float* amax_d = nullptr;  // optional device scalar: max |D| written
+  bool fast_accum = false;
 };
 
 /// \brief A cuBLASLt handle, a workspace and the per-shape plan cache.  One per stream.
@@ -65,6 +93,9 @@ class Gemm {
   void run(Stream stream, const GemmArgs& args);
   /// \brief Number of distinct plans built so far (each new shape/epilogue adds one).
   std::size_t numPlans() const;
+  /// \brief For an FP8 call with amax_d, after it has run: whether cuBLASLt computed max |D|
+  /// in the GEMM (true) or a separate pass over D did (false).
+  bool amaxFromCublas(const GemmArgs& args);
 
  private:
   struct Impl;
@@ -72,7 +103,8 @@ class Gemm {
 };
 
 /// \brief Plain reference: one thread per output element, fp32 accumulation, the same
-/// epilogues (exact for the GELU's tanh form).  For tests and as a fallback.
+/// epilogues (exact for the GELU's tanh form); FP8 operands are decoded exactly and multiplied
+/// by their scale_inv (per tensor or per block) before the product.  For tests and as a fallback.
 void gemmReference(Stream stream, const GemmArgs& args);
 
 }  // namespace plm::gpu

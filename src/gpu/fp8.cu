@@ -1,0 +1,590 @@
+// FP8 casts (fp8.hpp): one pass over the input per tile, both layouts written from a shared-memory
+// tile, amaxes reduced as integer maxima of |x|'s bit pattern (exact, order-free).
+//
+// Per-tensor cast: 64x64 tiles, 256 threads; each thread converts runs of 4 elements and stores
+// them as one 32-bit word where the output allows it (4-byte aligned rows), byte by byte at the
+// edges.  The transposed copy is written from the tile of codes in shared memory, again 4 codes
+// per store.  Block cast: 128x128 tiles (one 128x128 block, 128 1x128 row blocks and 128 128x1
+// column blocks), the input staged in shared memory as fp32 so that the block amaxes and the
+// codes come from one read of global memory.
+#include "gpu/fp8.hpp"
+
+#include "core/error.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+
+#include <cfloat>
+#include <string>
+
+namespace plm::gpu {
+
+namespace {
+
+bool isFp8(DType t) { return t == DType::E4M3 || t == DType::E5M2; }
+
+void checkCastTypes(const char* what, DType in_type, DType out_type) {
+  if (in_type != DType::BF16 && in_type != DType::F32)
+    throw Error(std::string("plm::gpu::") + what +
+                ": the input must be bf16 or fp32 (got an FP8 tensor); cast from the "
+                "higher-precision tensor");
+  if (!isFp8(out_type))
+    throw Error(std::string("plm::gpu::") + what + ": the output type must be E4M3 or E5M2");
+}
+
+__device__ __forceinline__ float loadIn(const void* p, bool bf16, std::int64_t i) {
+  return bf16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[i])
+              : static_cast<const float*>(p)[i];
+}
+
+// Four consecutive inputs from element i; `vec`: one 8-byte (bf16) or 16-byte (fp32) load.
+__device__ __forceinline__ void load4(const void* p, bool bf16, bool vec, std::int64_t i,
+                                      float v[4]) {
+  if (vec && bf16) {
+    const uint2 w = *reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(p) + i);
+    v[0] = __uint_as_float(w.x << 16);
+    v[1] = __uint_as_float(w.x & 0xffff0000u);
+    v[2] = __uint_as_float(w.y << 16);
+    v[3] = __uint_as_float(w.y & 0xffff0000u);
+  } else if (vec) {
+    const float4 w = *reinterpret_cast<const float4*>(static_cast<const float*>(p) + i);
+    v[0] = w.x, v[1] = w.y, v[2] = w.z, v[3] = w.w;
+  } else {
+    for (int j = 0; j < 4; ++j) v[j] = loadIn(p, bf16, i + j);
+  }
+}
+
+__device__ __forceinline__ std::uint8_t encode(float x, bool e4m3) {
+  return __nv_cvt_float_to_fp8(x, __NV_SATFINITE, e4m3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+// |x| as ordered unsigned bits: finite < inf < NaN.
+__device__ __forceinline__ unsigned absBits(float x) { return __float_as_uint(x) & 0x7fffffffu; }
+
+// Warp maximum, then one atomic per warp.
+__device__ __forceinline__ void amaxCommit(unsigned bits, float* amax) {
+  bits = __reduce_max_sync(0xffffffffu, bits);
+  if ((threadIdx.x & 31u) == 0 && bits != 0) atomicMax(reinterpret_cast<unsigned*>(amax), bits);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-tensor cast
+
+constexpr int kTile = 64;
+constexpr int kThreads = 256;
+
+struct CastParams {
+  std::int64_t rows, cols;
+  const void* in;
+  bool in_bf16;
+  std::int64_t ld_in;
+  bool e4m3;
+  std::uint8_t* out;
+  std::int64_t ld_out;
+  bool in_vec;   // 4-element loads allowed (aligned base and row stride)
+  bool out_vec;  // 4-code stores allowed
+  std::uint8_t* out_t;
+  std::int64_t ld_out_t;
+  bool out_t_vec;
+  const float* scale;
+  float* scale_inv;
+  float* amax;
+  float* col_partial;  // (row tiles, cols) or nullptr
+};
+
+__global__ void __launch_bounds__(kThreads) castKernel(CastParams p) {
+  __shared__ std::uint8_t tile[kTile][kTile + 4];
+  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kTile;
+  const std::int64_t c0 = static_cast<std::int64_t>(blockIdx.x) * kTile;
+  const float scale = *p.scale;
+  if (p.scale_inv && blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x == 0)
+    *p.scale_inv = 1.0f / scale;
+  const int g = threadIdx.x % 16;  // 4-column group
+  const int tr = threadIdx.x / 16;
+  unsigned amax_bits = 0;
+  // All 16 loads first (independent, in flight together), then the codes.
+  float x[kTile / 16][4];
+#pragma unroll
+  for (int i = 0; i < kTile / 16; ++i) {
+    const std::int64_t r = r0 + tr + 16 * i, c = c0 + 4 * g;
+    if (r < p.rows && c + 3 < p.cols) {
+      load4(p.in, p.in_bf16, p.in_vec, r * p.ld_in + c, x[i]);
+    } else {
+      for (int j = 0; j < 4; ++j)
+        x[i][j] =
+            r < p.rows && c + j < p.cols ? loadIn(p.in, p.in_bf16, r * p.ld_in + c + j) : 0.0f;
+    }
+  }
+  if (p.col_partial) {
+    // Column sums of the tile in a fixed order: 4 rows per thread, then the 16 row groups.
+    __shared__ float red[16][kTile];
+    for (int j = 0; j < 4; ++j) {
+      float sum = 0.0f;
+      for (int i = 0; i < kTile / 16; ++i) sum += x[i][j];
+      red[tr][4 * g + j] = sum;
+    }
+    __syncthreads();
+    if (threadIdx.x < kTile && c0 + threadIdx.x < p.cols) {
+      float sum = 0.0f;
+      for (int k = 0; k < 16; ++k) sum += red[k][threadIdx.x];
+      p.col_partial[blockIdx.y * p.cols + c0 + threadIdx.x] = sum;
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < kTile / 16; ++i) {
+    const int lr = tr + 16 * i;
+    const std::int64_t r = r0 + lr;
+    std::uint32_t word = 0;
+    bool full = r < p.rows && c0 + 4 * g + 3 < p.cols;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int lc = 4 * g + j;
+      const std::int64_t c = c0 + lc;
+      std::uint8_t code = 0;
+      if (r < p.rows && c < p.cols) {
+        amax_bits = max(amax_bits, absBits(x[i][j]));
+        code = encode(x[i][j] * scale, p.e4m3);
+        if (p.out && !(full && p.out_vec)) p.out[r * p.ld_out + c] = code;
+      }
+      tile[lr][lc] = code;
+      word |= static_cast<std::uint32_t>(code) << (8 * j);
+    }
+    if (p.out && full && p.out_vec)
+      *reinterpret_cast<std::uint32_t*>(p.out + r * p.ld_out + c0 + 4 * g) = word;
+  }
+  if (p.amax) amaxCommit(amax_bits, p.amax);
+  if (!p.out_t) return;
+  __syncthreads();
+  // out_t row c (a column of the tile), 4 consecutive input rows per store.
+  for (int i = 0; i < kTile / 16; ++i) {
+    const int lc = tr + 16 * i;
+    const std::int64_t c = c0 + lc;
+    if (c >= p.cols) continue;
+    const std::int64_t r = r0 + 4 * g;
+    if (p.out_t_vec && r + 3 < p.rows) {
+      std::uint32_t word = 0;
+      for (int j = 0; j < 4; ++j)
+        word |= static_cast<std::uint32_t>(tile[4 * g + j][lc]) << (8 * j);
+      *reinterpret_cast<std::uint32_t*>(p.out_t + c * p.ld_out_t + r) = word;
+    } else {
+      for (int j = 0; j < 4 && r + j < p.rows; ++j)
+        p.out_t[c * p.ld_out_t + r + j] = tile[4 * g + j][lc];
+    }
+  }
+}
+
+// Blocks stride over rows, threads over columns, four elements per thread and step (vector
+// loads where aligned); element (r, c) exists when c < cols and r * ld + c < limit (a contiguous
+// tensor is launched as rows of equal length with the last one cut at `limit`).
+__global__ void __launch_bounds__(kThreads)
+    amaxKernel(const void* in, bool in_bf16, std::int64_t rows, std::int64_t cols, std::int64_t ld,
+               std::int64_t limit, float* amax) {
+  unsigned bits = 0;
+  const std::size_t align = in_bf16 ? 8 : 16;
+  const bool ptr_aligned = reinterpret_cast<std::uintptr_t>(in) % align == 0;
+  for (std::int64_t r = blockIdx.x; r < rows; r += gridDim.x) {
+    const std::int64_t base = r * ld;
+    const std::int64_t end = limit - base < cols ? limit - base : cols;
+    const bool vec = ptr_aligned && base % 4 == 0;
+    for (std::int64_t c = 4 * static_cast<std::int64_t>(threadIdx.x); c < end;
+         c += 4 * static_cast<std::int64_t>(blockDim.x)) {
+      float v[4];
+      if (c + 3 < end) {
+        load4(in, in_bf16, vec, base + c, v);
+      } else {
+        for (int j = 0; j < 4; ++j) v[j] = c + j < end ? loadIn(in, in_bf16, base + c + j) : 0.0f;
+      }
+      for (int j = 0; j < 4; ++j) bits = max(bits, absBits(v[j]));
+    }
+  }
+  amaxCommit(bits, amax);
+}
+
+// col_sum[c] (=, or +=) the partial sums of the row tiles, in tile order.
+__global__ void colSumKernel(const float* partial, std::int64_t tiles, std::int64_t cols,
+                             float* col_sum, bool accumulate) {
+  const std::int64_t c = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (c >= cols) return;
+  float sum = 0.0f;
+  for (std::int64_t t = 0; t < tiles; ++t) sum += partial[t * cols + c];
+  col_sum[c] = accumulate ? col_sum[c] + sum : sum;
+}
+
+__global__ void scaleInvKernel(const float* scale, float* scale_inv) { *scale_inv = 1.0f / *scale; }
+
+__global__ void scaleFromAmaxKernel(const float* amax, float fp8_max, int margin, float* scale,
+                                    float* scale_inv) {
+  const float a = *amax;
+  float s = 1.0f;
+  if (a > 0.0f && isfinite(a)) {
+    s = ldexpf(fp8_max / a, -margin);
+    if (isinf(s)) s = FLT_MAX;
+  }
+  *scale = s;
+  if (scale_inv) *scale_inv = 1.0f / s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Block cast
+
+constexpr int kBlock = 128;
+constexpr int kBlockThreads = 256;
+constexpr int kBlockLd = kBlock + 1;  // fp32 tile row stride (no bank conflicts down a column)
+constexpr std::size_t kBlockSmem =
+    sizeof(float) * (kBlock * kBlockLd + 2 * kBlock);  // tile + row and column scales
+
+struct BlockParams {
+  std::int64_t rows, cols;
+  const void* in;
+  bool in_bf16;
+  std::int64_t ld_in;
+  bool e4m3;
+  float fp8_max;
+  bool square;  // 128x128 blocks (else 1x128)
+  std::uint8_t* out;
+  std::int64_t ld_out;
+  bool out_vec;
+  float* scale_inv;
+  std::int64_t sld;  // blockScaleLayout(...).ld of out's scales
+  std::uint8_t* out_t;
+  std::int64_t ld_out_t;
+  bool out_t_vec;
+  float* scale_inv_t;
+  std::int64_t sld_t;
+  float* amax;
+  float* col_partial;
+};
+
+// Transformer Engine's power-of-two scale from a block amax (bits of |x|).
+__device__ __forceinline__ float pow2Scale(unsigned amax_bits, float fp8_max) {
+  const float a = __uint_as_float(amax_bits);
+  if (amax_bits == 0 || amax_bits >= 0x7f800000u) return 1.0f;
+  const float s = fp8_max / a;
+  if (isinf(s)) return 0x1p127f;
+  return __uint_as_float(__float_as_uint(s) & 0xff800000u);
+}
+
+__global__ void __launch_bounds__(kBlockThreads) blockCastKernel(BlockParams p) {
+  extern __shared__ float smem[];
+  float* tile = smem;                           // [kBlock][kBlockLd]
+  float* row_scale = smem + kBlock * kBlockLd;  // [kBlock]: scale of row r's 1x128 block
+  float* col_scale = row_scale + kBlock;        // [kBlock]: scale of column c's 128x1 block
+  __shared__ unsigned row_amax[kBlock], col_amax[kBlock];
+  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kBlock;
+  const std::int64_t c0 = static_cast<std::int64_t>(blockIdx.x) * kBlock;
+  const int t = threadIdx.x;
+
+  // Load: a warp reads 32 consecutive elements of a row.  Padding outside the tensor is 0.
+#pragma unroll 8
+  for (int e = t; e < kBlock * kBlock; e += kBlockThreads) {
+    const int lr = e / kBlock, lc = e % kBlock;
+    const std::int64_t r = r0 + lr, c = c0 + lc;
+    tile[lr * kBlockLd + lc] =
+        r < p.rows && c < p.cols ? loadIn(p.in, p.in_bf16, r * p.ld_in + c) : 0.0f;
+  }
+  __syncthreads();
+  // Row and column amaxes: threads 0..127 take a row each, 128..255 a column each.
+  {
+    unsigned bits = 0;
+    if (t < kBlock) {
+      for (int j = 0; j < kBlock; ++j) bits = max(bits, absBits(tile[t * kBlockLd + j]));
+      row_amax[t] = bits;
+    } else {
+      const int c = t - kBlock;
+      float sum = 0.0f;
+      for (int j = 0; j < kBlock; ++j) {
+        const float v = tile[j * kBlockLd + c];
+        bits = max(bits, absBits(v));
+        sum += v;
+      }
+      col_amax[c] = bits;
+      if (p.col_partial && c0 + c < p.cols) p.col_partial[blockIdx.y * p.cols + c0 + c] = sum;
+    }
+  }
+  __syncthreads();
+  if (t < kBlock) {
+    // The tile's amax (the 128x128 block's, and the tensor's share) as a block reduction over
+    // the row amaxes: every thread < 128 reads all 128 (cheap, and no second barrier phase).
+    unsigned tile_bits = 0;
+    if (p.square || (p.amax && t == 0))
+      for (int j = 0; j < kBlock; ++j) tile_bits = max(tile_bits, row_amax[j]);
+    if (p.amax && t == 0 && tile_bits != 0)
+      atomicMax(reinterpret_cast<unsigned*>(p.amax), tile_bits);
+    if (p.square) {
+      const float s = pow2Scale(tile_bits, p.fp8_max);
+      row_scale[t] = s;
+      col_scale[t] = s;
+    } else {
+      row_scale[t] = pow2Scale(row_amax[t], p.fp8_max);
+      col_scale[t] = pow2Scale(col_amax[t], p.fp8_max);
+    }
+  }
+  __syncthreads();
+
+  // Scale factors (scale_inv), with the layout's padding written as 1.
+  const std::int64_t rb = blockIdx.y, cb = blockIdx.x;
+  if (p.square) {
+    if (t == 0) {
+      const float inv = 1.0f / row_scale[0];
+      if (p.out) {
+        p.scale_inv[rb * p.sld + cb] = inv;
+        if (cb == gridDim.x - 1)
+          for (std::int64_t k = cb + 1; k < p.sld; ++k) p.scale_inv[rb * p.sld + k] = 1.0f;
+      }
+      if (p.out_t) {
+        p.scale_inv_t[cb * p.sld_t + rb] = inv;
+        if (rb == gridDim.y - 1)
+          for (std::int64_t k = rb + 1; k < p.sld_t; ++k) p.scale_inv_t[cb * p.sld_t + k] = 1.0f;
+      }
+    }
+  } else if (t < kBlock) {
+    // out: K = cols, its 1x128 block index is cb, row r0 + t (padding rows up to sld).
+    if (p.out && r0 + t < p.sld)
+      p.scale_inv[cb * p.sld + r0 + t] = r0 + t < p.rows ? 1.0f / row_scale[t] : 1.0f;
+    // out_t: rows of out_t are the columns c0 + t, K = rows, block index rb.
+    if (p.out_t && c0 + t < p.sld_t)
+      p.scale_inv_t[rb * p.sld_t + c0 + t] = c0 + t < p.cols ? 1.0f / col_scale[t] : 1.0f;
+  }
+
+  // Codes.  out: thread handles 4 consecutive columns of one row; out_t: 4 consecutive rows of
+  // one column (= 4 consecutive elements of an out_t row).
+  const int g = t % 32, tr = t / 32;  // 32 groups of 4 = 128 columns, 8 rows per pass
+  if (p.out) {
+    for (int lr = tr; lr < kBlock; lr += kBlockThreads / 32) {
+      const std::int64_t r = r0 + lr;
+      if (r >= p.rows) break;
+      const float s = row_scale[lr];
+      const std::int64_t c = c0 + 4 * g;
+      std::uint32_t word = 0;
+      for (int j = 0; j < 4; ++j)
+        word |= static_cast<std::uint32_t>(encode(tile[lr * kBlockLd + 4 * g + j] * s, p.e4m3))
+                << (8 * j);
+      if (p.out_vec && c + 3 < p.cols) {
+        *reinterpret_cast<std::uint32_t*>(p.out + r * p.ld_out + c) = word;
+      } else {
+        for (int j = 0; j < 4 && c + j < p.cols; ++j)
+          p.out[r * p.ld_out + c + j] = static_cast<std::uint8_t>(word >> (8 * j));
+      }
+    }
+  }
+  if (p.out_t) {
+    for (int lc = tr; lc < kBlock; lc += kBlockThreads / 32) {
+      const std::int64_t c = c0 + lc;
+      if (c >= p.cols) break;
+      const float s = col_scale[lc];
+      const std::int64_t r = r0 + 4 * g;
+      std::uint32_t word = 0;
+      for (int j = 0; j < 4; ++j)
+        word |= static_cast<std::uint32_t>(encode(tile[(4 * g + j) * kBlockLd + lc] * s, p.e4m3))
+                << (8 * j);
+      if (p.out_t_vec && r + 3 < p.rows) {
+        *reinterpret_cast<std::uint32_t*>(p.out_t + c * p.ld_out_t + r) = word;
+      } else {
+        for (int j = 0; j < 4 && r + j < p.rows; ++j)
+          p.out_t[c * p.ld_out_t + r + j] = static_cast<std::uint8_t>(word >> (8 * j));
+      }
+    }
+  }
+}
+
+bool aligned4(const void* p, std::int64_t ld) {
+  return p && reinterpret_cast<std::uintptr_t>(p) % 4 == 0 && ld % 4 == 0;
+}
+
+bool inputVectorizable(const void* p, DType t, std::int64_t ld) {
+  const std::uintptr_t align = t == DType::BF16 ? 8 : 16;
+  return reinterpret_cast<std::uintptr_t>(p) % align == 0 && ld % 4 == 0;
+}
+
+unsigned gridDimOf(std::int64_t n, int tile) {
+  return static_cast<unsigned>((n + tile - 1) / tile);
+}
+
+void checkGrid(const char* what, std::int64_t rows, int tile) {
+  if ((rows + tile - 1) / tile > 65535)
+    throw Error(std::string("plm::gpu::") + what + ": " + std::to_string(rows) +
+                " rows exceed the kernel's grid (65535 tiles of " + std::to_string(tile) +
+                "); cast the tensor in row ranges");
+}
+
+float* colPartial(const char* what, float* col_sum, void* workspace) {
+  if (!col_sum) return nullptr;
+  if (!workspace)
+    throw Error(std::string("plm::gpu::") + what +
+                ": col_sum needs a workspace of fp8ColSumWorkspace(rows, cols) bytes");
+  return static_cast<float*>(workspace);
+}
+
+void finishColSum(Stream stream, float* col_sum, bool accumulate, const float* partial,
+                  unsigned tiles, std::int64_t cols) {
+  if (!col_sum) return;
+  colSumKernel<<<static_cast<unsigned>((cols + 255) / 256), 256, 0, stream>>>(partial, tiles, cols,
+                                                                              col_sum, accumulate);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void zeroAmax(Stream stream, float* amax, bool accumulate) {
+  if (amax && !accumulate) PLM_CHECK_CUDA(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+}
+
+}  // namespace
+
+std::size_t fp8ColSumWorkspace(std::int64_t rows, std::int64_t cols) {
+  // Partial sums per row tile: 64-row tiles (per-tensor casts) outnumber 128-row ones.
+  return static_cast<std::size_t>((rows + kTile - 1) / kTile) * static_cast<std::size_t>(cols) *
+         sizeof(float);
+}
+
+float fp8Max(DType format) {
+  if (format == DType::E4M3) return 448.0f;
+  if (format == DType::E5M2) return 57344.0f;
+  throw Error("plm::gpu::fp8Max: not an FP8 type (E4M3 or E5M2)");
+}
+
+void castFp8(Stream stream, const Fp8CastArgs& a) {
+  checkCastTypes("castFp8", a.in_type, a.out_type);
+  if (!a.scale) throw Error("plm::gpu::castFp8: no scale (a device pointer to one fp32)");
+  zeroAmax(stream, a.amax, a.amax_accumulate);
+  if (a.rows == 0 || a.cols == 0) {
+    if (a.col_sum && !a.col_sum_accumulate && a.cols > 0)
+      PLM_CHECK_CUDA(cudaMemsetAsync(a.col_sum, 0, a.cols * sizeof(float), stream));
+    if (a.scale_inv) {  // still published: a GEMM after an empty cast reads it
+      scaleInvKernel<<<1, 1, 0, stream>>>(a.scale, a.scale_inv);
+      PLM_CHECK_CUDA(cudaGetLastError());
+    }
+    return;
+  }
+  checkGrid("castFp8", a.rows, kTile);
+  CastParams p{a.rows,
+               a.cols,
+               a.in,
+               a.in_type == DType::BF16,
+               a.ld_in,
+               a.out_type == DType::E4M3,
+               static_cast<std::uint8_t*>(a.out),
+               a.ld_out,
+               inputVectorizable(a.in, a.in_type, a.ld_in),
+               aligned4(a.out, a.ld_out),
+               static_cast<std::uint8_t*>(a.out_t),
+               a.ld_out_t,
+               aligned4(a.out_t, a.ld_out_t),
+               a.scale,
+               a.scale_inv,
+               a.amax,
+               colPartial("castFp8", a.col_sum, a.workspace)};
+  castKernel<<<dim3(gridDimOf(a.cols, kTile), gridDimOf(a.rows, kTile)), kThreads, 0, stream>>>(p);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  finishColSum(stream, a.col_sum, a.col_sum_accumulate, p.col_partial, gridDimOf(a.rows, kTile),
+               a.cols);
+}
+
+void amaxFp8(Stream stream, const void* in, DType in_type, std::int64_t rows, std::int64_t cols,
+             std::int64_t ld, float* amax, bool accumulate) {
+  if (in_type != DType::BF16 && in_type != DType::F32)
+    throw Error("plm::gpu::amaxFp8: the input must be bf16 or fp32");
+  if (!amax) throw Error("plm::gpu::amaxFp8: no amax (a device pointer to one fp32)");
+  zeroAmax(stream, amax, accumulate);
+  if (rows == 0 || cols == 0) return;
+  std::int64_t limit = rows * ld;
+  if (ld == cols) {  // contiguous: rows of 16K elements, whatever the tensor's shape
+    const std::int64_t piece = 4 * kThreads * 16;
+    limit = rows * cols;
+    rows = (limit + piece - 1) / piece;
+    cols = ld = piece;
+  }
+  const std::int64_t blocks = rows < 132 * 16 ? rows : 132 * 16;
+  amaxKernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(in, in_type == DType::BF16,
+                                                                     rows, cols, ld, limit, amax);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void scaleFromAmax(Stream stream, const float* amax, DType format, int margin, float* scale,
+                   float* scale_inv) {
+  if (!amax || !scale) throw Error("plm::gpu::scaleFromAmax: amax and scale are required");
+  scaleFromAmaxKernel<<<1, 1, 0, stream>>>(amax, fp8Max(format), margin, scale, scale_inv);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void castFp8Current(Stream stream, const Fp8CastArgs& args, float* scale, int margin) {
+  checkCastTypes("castFp8Current", args.in_type, args.out_type);
+  if (!args.amax || !scale)
+    throw Error(
+        "plm::gpu::castFp8Current: current scaling needs args.amax and scale (device scalars)");
+  if (args.amax_accumulate)
+    throw Error(
+        "plm::gpu::castFp8Current: amax_accumulate makes no sense for current scaling "
+        "(the scale must come from this tensor alone)");
+  amaxFp8(stream, args.in, args.in_type, args.rows, args.cols, args.ld_in, args.amax, false);
+  scaleFromAmax(stream, args.amax, args.out_type, margin, scale, args.scale_inv);
+  Fp8CastArgs cast = args;
+  cast.scale = scale;
+  cast.amax = nullptr;  // already written
+  cast.scale_inv = nullptr;
+  castFp8(stream, cast);
+}
+
+BlockScaleLayout blockScaleLayout(Fp8Scaling scaling, std::int64_t rows, std::int64_t k) {
+  auto up4 = [](std::int64_t x) { return (x + 3) / 4 * 4; };
+  const std::int64_t kb = (k + kBlock - 1) / kBlock;
+  switch (scaling) {
+    case Fp8Scaling::Block1x128: return {up4(rows), up4(rows) * kb};
+    case Fp8Scaling::Block128x128: return {up4(kb), up4(kb) * ((rows + kBlock - 1) / kBlock)};
+    case Fp8Scaling::Tensor: return {1, 1};
+  }
+  return {1, 1};
+}
+
+void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
+  checkCastTypes("castFp8Block", a.in_type, a.out_type);
+  if (a.scaling == Fp8Scaling::Tensor)
+    throw Error(
+        "plm::gpu::castFp8Block: scaling must be Block1x128 or Block128x128 (castFp8 "
+        "does per-tensor scaling)");
+  if ((a.out && !a.scale_inv) || (a.out_t && !a.scale_inv_t))
+    throw Error(
+        "plm::gpu::castFp8Block: every copy written (out, out_t) needs its scale_inv "
+        "(blockScaleLayout() gives the size)");
+  zeroAmax(stream, a.amax, a.amax_accumulate);
+  if (a.rows == 0 || a.cols == 0) {
+    if (a.col_sum && !a.col_sum_accumulate && a.cols > 0)
+      PLM_CHECK_CUDA(cudaMemsetAsync(a.col_sum, 0, a.cols * sizeof(float), stream));
+    return;
+  }
+  checkGrid("castFp8Block", a.rows, kBlock);
+  // Above the 48 KiB default: opt in once per process (thread-safe static initialisation).
+  static const bool smem_opt_in = [] {
+    PLM_CHECK_CUDA(cudaFuncSetAttribute(blockCastKernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kBlockSmem)));
+    return true;
+  }();
+  (void)smem_opt_in;
+  BlockParams p{a.rows,
+                a.cols,
+                a.in,
+                a.in_type == DType::BF16,
+                a.ld_in,
+                a.out_type == DType::E4M3,
+                fp8Max(a.out_type),
+                a.scaling == Fp8Scaling::Block128x128,
+                static_cast<std::uint8_t*>(a.out),
+                a.ld_out,
+                aligned4(a.out, a.ld_out),
+                a.scale_inv,
+                blockScaleLayout(a.scaling, a.rows, a.cols).ld,
+                static_cast<std::uint8_t*>(a.out_t),
+                a.ld_out_t,
+                aligned4(a.out_t, a.ld_out_t),
+                a.scale_inv_t,
+                blockScaleLayout(a.scaling, a.cols, a.rows).ld,
+                a.amax,
+                colPartial("castFp8Block", a.col_sum, a.workspace)};
+  blockCastKernel<<<dim3(gridDimOf(a.cols, kBlock), gridDimOf(a.rows, kBlock)), kBlockThreads,
+                    kBlockSmem, stream>>>(p);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  finishColSum(stream, a.col_sum, a.col_sum_accumulate, p.col_partial, gridDimOf(a.rows, kBlock),
+               a.cols);
+}
+
+}  // namespace plm::gpu
