@@ -13,6 +13,10 @@
 // masters (q/k/v stacked into one (3H, H) matrix), refreshed once per optimizer step; LayerNorm
 // parameters and the biases of fp32-output GEMMs are read from the masters.  Activations are bf16
 // except the residual stream and its gradient (fp32); statistics are fp32.
+// Under fp8 the four GEMMs of each FP8 layer read their weights from a quantised fp32 copy
+// (q/k/v stacked (3H, H)), refreshed once per optimizer step like the bf16 copy, whose handles
+// carry the GEMM's FP8 slot (Mat::fp8): the dispatch points then emulate the FP8 GEMM
+// (fp8_gemm.hpp).  Everything else computes as under fp32.
 // Recomputation (Recompute in ops.hpp) changes only what is kept; every kernel is deterministic,
 // so the gradients are bitwise those of the stored-activation path on each backend.
 #include "model/esm2.hpp"
@@ -20,6 +24,7 @@
 #include "core/error.hpp"
 #include "model/embedding.hpp"
 #include "model/encoder_layer.hpp"
+#include "model/fp8_gemm.hpp"
 #include "model/math.hpp"
 #include "model/moe.hpp"
 #include "model/rotary.hpp"
@@ -188,6 +193,18 @@ template <class T> struct Esm2<T>::Impl {
   View1<std::int64_t> chunks;
   int num_chunks = 0;
   Outer pw, pg;  // compute weights, gradients
+  // fp8 policy: the scaling state, one slot per (layer, GEMM), and the quantised weight copy
+  // (fp8_weights) refreshed from the masters: (master offset, copy offset, count) segments
+  // gathered per GEMM weight (q, k, v stacked), quantised as one tensor each.
+  std::unique_ptr<Fp8Scaling> fp8_scaling;
+  std::vector<Fp8GemmSlot> fp8_slots;  // (layers * 4)
+  View1<T> fp8_weights;
+  struct Fp8Weight {
+    const Fp8GemmSlot* slot;
+    std::int64_t at, rows, cols;     // in fp8_weights
+    std::vector<std::int64_t> from;  // master offsets of its stacked parts
+  };
+  std::vector<Fp8Weight> fp8_list;
   std::vector<EncoderLayer> layers;
   OpContext ctx;
   View2<T> cos_table, sin_table;  // (positions, head_dim/2)
@@ -233,6 +250,23 @@ template <class T> struct Esm2<T>::Impl {
           "train.precision: bf16 runs on the CUDA build only (this build computes in fp32); set "
           "train.precision: fp32 or build with the `cuda` preset (doc/gpu.md)");
 #endif
+    }
+    if (config.precision == Precision::Fp8) {
+#if PLM_HAVE_CUDA
+      throw collectiveError(
+          "train.precision: fp8 is not wired to the CUDA build's FP8 GEMMs yet (its CPU "
+          "emulation runs on the CPU build only; doc/fp8.md); use train.precision: bf16 on the GPU "
+          "or run fp8 on a CPU build");
+#endif
+      if (config.moe.enabled())
+        throw collectiveError(
+            "train.precision: fp8 is not available for Mixture-of-Experts models yet; set "
+            "train.precision: fp32 or moe.experts: 0");
+      fp8_scaling = std::make_unique<Fp8Scaling>(config.fp8, config.num_layers);
+      fp8_slots.resize(std::size_t(config.num_layers) * fp8_gemms);
+      for (int l = 0; l < config.num_layers; ++l)
+        for (int g = 0; g < fp8_gemms; ++g)
+          fp8_slots[l * fp8_gemms + g] = {fp8_scaling.get(), l, static_cast<Fp8Gemm>(g)};
     }
     auto table = buildTable(config);
     for (auto& e : table) {
@@ -332,6 +366,21 @@ template <class T> struct Esm2<T>::Impl {
         dense(p + "experts." + std::to_string(e) + ".", mwt.experts[e], mgt.experts[e]);
       if (config.moe.shared_experts > 0) dense(p + "shared_experts.", mwt.shared, mgt.shared);
     };
+    // fp8 weights refer to offsets into fp8_weights until it exists.
+    std::int64_t fp8_at = 0;
+    fp8_list.clear();
+    auto fp8Weight = [&](int l, Fp8Gemm g, const std::vector<std::string>& names) -> Mat {
+      Fp8Weight fw{&fp8_slots[l * fp8_gemms + static_cast<int>(g)], fp8_at, 0, 0, {}};
+      for (const auto& name : names) {
+        const auto& t = info(name);
+        fw.from.push_back(t.offset);
+        fw.rows += t.shape[0];
+        fw.cols = t.shape[1];
+      }
+      fp8_list.push_back(fw);
+      fp8_at += fw.rows * fw.cols;
+      return Mat{reinterpret_cast<void*>(fw.at), master, fw.rows, fw.cols, fw.cols, fw.slot};
+    };
     for (int l = 0; l < config.num_layers; ++l) {
       const std::string pre = "esm.encoder.layer." + std::to_string(l) + ".";
       const std::string self = pre + "attention.self.";
@@ -372,6 +421,21 @@ template <class T> struct Esm2<T>::Impl {
         mg[l].b1 = masterVec(grads, pre + "intermediate.dense.bias");
         mg[l].w2 = masterMat(grads, pre + "output.dense.weight");
         mg[l].b2 = masterVec(grads, pre + "output.dense.bias");
+      }
+      if (fp8_scaling && config.fp8.fp8Layer(l, config.num_layers)) {
+        const Mat qkv = fp8Weight(
+            l, Fp8Gemm::Qkv, {self + "query.weight", self + "key.weight", self + "value.weight"});
+        const std::int64_t h = config.hidden;
+        Mat* parts[3] = {&a.qkv.wq, &a.qkv.wk, &a.qkv.wv};
+        for (int i = 0; i < 3; ++i) {  // rows [i H, (i + 1) H) of the stacked copy
+          *parts[i] = qkv;
+          parts[i]->rows = h;
+          parts[i]->data =
+              reinterpret_cast<void*>(reinterpret_cast<std::intptr_t>(qkv.data) + i * h * h);
+        }
+        a.wo = fp8Weight(l, Fp8Gemm::AttnOut, {pre + "attention.output.dense.weight"});
+        mw[l].w1 = fp8Weight(l, Fp8Gemm::FfnIn, {pre + "intermediate.dense.weight"});
+        mw[l].w2 = fp8Weight(l, Fp8Gemm::FfnOut, {pre + "output.dense.weight"});
       }
       ln2[l] = {masterVec(params, pre + "LayerNorm.weight"),
                 masterVec(params, pre + "LayerNorm.bias")};
@@ -421,6 +485,21 @@ template <class T> struct Esm2<T>::Impl {
                                                                              host_chunks.size()));
     }
 
+    if (fp8_scaling) {
+      fp8_weights = View1<T>("plm::model::fp8_weights", fp8_at);
+      auto rebase = [&](Mat& m) {
+        if (m.fp8) m.data = fp8_weights.data() + reinterpret_cast<std::intptr_t>(m.data);
+      };
+      for (int l = 0; l < config.num_layers; ++l) {
+        rebase(aw[l].qkv.wq);
+        rebase(aw[l].qkv.wk);
+        rebase(aw[l].qkv.wv);
+        rebase(aw[l].wo);
+        rebase(mw[l].w1);
+        rebase(mw[l].w2);
+      }
+    }
+
     LayerShape shape;
     shape.heads = config.heads;
     shape.eps = config.layer_norm_eps;
@@ -442,6 +521,7 @@ template <class T> struct Esm2<T>::Impl {
   }
 
   void refreshCompute() {
+    if (fp8_scaling) refreshFp8();
     if (!bf16) return;
 #if PLM_HAVE_CUDA
     if constexpr (std::is_same_v<T, float>) {
@@ -450,6 +530,23 @@ template <class T> struct Esm2<T>::Impl {
       ctx.mark(OpKind::Other);
     }
 #endif
+  }
+
+  /// The quantised weight copy from the masters: each GEMM's weight (q, k, v as one) is
+  /// gathered and quantised as one tensor; under delayed scaling its amax is recorded for the
+  /// step (recording it twice in one step, e.g. by an evaluation, changes nothing: it is a max).
+  void refreshFp8() {
+    const auto& space = ctx.space();
+    for (const auto& fw : fp8_list) {
+      const std::int64_t part = (fw.rows / static_cast<std::int64_t>(fw.from.size())) * fw.cols;
+      for (std::size_t i = 0; i < fw.from.size(); ++i) {
+        const auto src = Kokkos::subview(params, std::make_pair(fw.from[i], fw.from[i] + part));
+        const std::int64_t at = fw.at + static_cast<std::int64_t>(i) * part;
+        Kokkos::deep_copy(space, Kokkos::subview(fp8_weights, std::make_pair(at, at + part)), src);
+      }
+      const View2<T> w(fp8_weights.data() + fw.at, fw.rows, fw.cols);
+      fp8QuantizeOperand(space, *fw.slot, Fp8Operand::Weight, Fp8Blocks::Square, true, w, w);
+    }
   }
 
   void ensureRotary(int max_len) {
@@ -778,6 +875,8 @@ template <class T> void Esm2<T>::zeroGradients() {
 
 template <class T> void Esm2<T>::refreshComputeWeights() { impl_member->refreshCompute(); }
 
+template <class T> Fp8Scaling* Esm2<T>::fp8Scaling() { return impl_member->fp8_scaling.get(); }
+
 template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale,
                                                    bool refresh_weights) {
   auto& im = *impl_member;
@@ -790,6 +889,7 @@ template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch
   Kokkos::Profiling::pushRegion("plm::model::forwardBackward");
   im.prepare(batch, false, true);
   im.beginMoe(static_cast<double>(im.w.labelled), grad_scale, true);
+  if (im.fp8_scaling) im.fp8_scaling->setRecording(true);  // training passes set the amaxes
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();
   im.forwardPass(true, grad_scale);
@@ -817,6 +917,7 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
   const bool all_rows = outputs && outputs->want_logits;
   im.prepare(batch, all_rows, false);
   im.beginMoe(static_cast<double>(im.w.labelled), 0.0, false);
+  if (im.fp8_scaling) im.fp8_scaling->setRecording(false);
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();
   im.forwardPass(false, 1.0);

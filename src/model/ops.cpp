@@ -12,6 +12,7 @@
 #include "core/log.hpp"
 #include "model/cross_entropy.hpp"
 #include "model/embedding.hpp"
+#include "model/fp8_gemm.hpp"
 #include "model/gelu.hpp"
 #include "model/layer_norm.hpp"
 #include "model/linear.hpp"
@@ -105,12 +106,15 @@ bool Qkv::fused() const {
 Precision parsePrecision(const std::string& name) {
   if (name == "fp32") return Precision::Fp32;
   if (name == "bf16") return Precision::Bf16;
+  if (name == "fp8") return Precision::Fp8;
   throw collectiveError(
       "precision '" + name +
-      "' is not one of fp32, bf16 (train.precision in a deck, --precision of plm embed)");
+      "' is not one of fp32, bf16, fp8 (train.precision in a deck, --precision of plm embed)");
 }
 
-const char* precisionName(Precision p) { return p == Precision::Bf16 ? "bf16" : "fp32"; }
+const char* precisionName(Precision p) {
+  return p == Precision::Bf16 ? "bf16" : p == Precision::Fp8 ? "fp8" : "fp32";
+}
 
 Recompute parseRecompute(const std::string& name) {
   if (name == "none" || name == "false") return Recompute::None;
@@ -515,6 +519,72 @@ template <class T, class S> void copyStridedPortable(const ExecSpace& space, con
       });
 }
 
+/// y = beta y + x W^T + b on the portable path: the FP8 emulation when the weight carries an
+/// FP8 slot, the plain linear layer otherwise.
+template <class T> void portableLinear(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b,
+                                       T beta, const Mat& y) {
+  if (w.fp8)
+    fp8LinearForward(ctx, *w.fp8, x.view<T>(), w.view<T>(), b.view<T>(), beta, y.view<T>());
+  else
+    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), beta, y.view<T>());
+}
+
+/// The backward of portableLinear: dx = dx_beta dx + dy W (dx may be empty), dW, db +=.
+template <class T> void portableLinearBackward(OpContext& ctx, const Mat& x, const Mat& w,
+                                               const Mat& dy, T dx_beta, const Mat& dx,
+                                               const Mat& dw, const Vec& db) {
+  const View2<T> dxv = dx.empty() ? View2<T>() : dx.view<T>();
+  if (w.fp8)
+    fp8LinearBackward(ctx, *w.fp8, x.view<T>(), w.view<T>(), dy.view<T>(), dx_beta, dxv,
+                      dw.view<T>(), db.view<T>());
+  else
+    model::linearBackward(ctx.space(), x.view<T>(), w.view<T>(), dy.view<T>(), dx_beta, dxv,
+                          dw.view<T>(), db.view<T>());
+}
+
+/// The q/k/v backward under FP8 on the portable path: one GEMM's worth of operands, as the
+/// stacked (3H, H) weight of the GPU path sees them, so current and block scaling quantise the
+/// (T, 3H) output gradient as one tensor.  The compute copy stacks wq, wk, wv (esm2.cpp).
+template <class T> void fp8QkvBackward(OpContext& ctx, const Mat& x, const QkvWeights& w,
+                                       const Qkv& d, const Mat& dx, const QkvGrads& g) {
+  const std::int64_t rows = d.q.rows, h = d.q.cols;
+  const auto& space = ctx.space();
+  const auto step = static_cast<std::ptrdiff_t>(h * h);
+  if (w.wk.data != w.wq.ptr<T>() + step || w.wv.data != w.wq.ptr<T>() + 2 * step)
+    throw Error("plm::model::qkvBackward: FP8 q/k/v weights are not stacked (a bug in esm2.cpp)");
+  const View2<T> dall(static_cast<T*>(ctx.scratch(11, sizeof(T) * rows * 3 * h)), rows, 3 * h);
+  const View2<T> gw(static_cast<T*>(ctx.scratch(12, sizeof(T) * 3 * h * h)), 3 * h, h);
+  const View1<T> gb(static_cast<T*>(ctx.scratch(13, sizeof(T) * 3 * h)), 3 * h);
+  const View2<T> dq = d.q.view<T>(), dk = d.k.view<T>(), dv = d.v.view<T>();
+  Kokkos::parallel_for(
+      "plm::model::fp8_stack_qkv_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
+      KOKKOS_LAMBDA(const std::int64_t r) {
+        for (std::int64_t c = 0; c < h; ++c) {
+          dall(r, c) = dq(r, c);
+          dall(r, h + c) = dk(r, c);
+          dall(r, 2 * h + c) = dv(r, c);
+        }
+      });
+  Kokkos::deep_copy(space, gw, T(0));
+  Kokkos::deep_copy(space, gb, T(0));
+  const View2<T> wall(w.wq.ptr<T>(), 3 * h, h);
+  fp8LinearBackward(ctx, *w.wq.fp8, x.view<T>(), wall, dall, T(0), dx.view<T>(), gw, gb);
+  const View2<T> gq = g.wq.view<T>(), gk = g.wk.view<T>(), gv = g.wv.view<T>();
+  const View1<T> bq = g.bq.view<T>(), bk = g.bk.view<T>(), bv = g.bv.view<T>();
+  Kokkos::parallel_for(
+      "plm::model::fp8_unstack_qkv_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, h),
+      KOKKOS_LAMBDA(const std::int64_t r) {
+        for (std::int64_t c = 0; c < h; ++c) {
+          gq(r, c) += gw(r, c);
+          gk(r, c) += gw(h + r, c);
+          gv(r, c) += gw(2 * h + r, c);
+        }
+        bq(r) += gb(r);
+        bk(r) += gb(h + r);
+        bv(r) += gb(2 * h + r);
+      });
+}
+
 /// The portable attention's head-transposed copies: 2 T H elements, grow-only scratch.
 template <class T>
 View1<T> attentionWorkspace(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv) {
@@ -656,7 +726,7 @@ void linear(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat&
   }
   portable(x.dtype, "linear", [&](auto t) {
     using T = decltype(t);
-    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), T(0), y.view<T>());
+    portableLinear<T>(ctx, x, w, b, T(0), y);
   });
 }
 
@@ -681,7 +751,7 @@ void linearResidual(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
     using T = decltype(t);
     const View2<T> out = y.view<T>();
     if (residual.data != y.data) Kokkos::deep_copy(ctx.space(), out, residual.view<T>());
-    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), T(1), out);
+    portableLinear<T>(ctx, x, w, b, T(1), y);
   });
 }
 
@@ -703,7 +773,7 @@ void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const 
   }
   portable(x.dtype, "linearGelu", [&](auto t) {
     using T = decltype(t);
-    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), T(0), pre.view<T>());
+    portableLinear<T>(ctx, x, w, b, T(0), pre);
     geluForward(ctx.space(), pre.view<T>(), y.view<T>());
   });
 }
@@ -721,9 +791,7 @@ void linearBackward(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, c
   }
   portable(dy.dtype, "linearBackward", [&](auto t) {
     using T = decltype(t);
-    model::linearBackward(ctx.space(), x.view<T>(), w.view<T>(), dy.view<T>(),
-                          dx_accumulate ? T(1) : T(0), dx.empty() ? View2<T>() : dx.view<T>(),
-                          dw.view<T>(), db.view<T>());
+    portableLinearBackward<T>(ctx, x, w, dy, dx_accumulate ? T(1) : T(0), dx, dw, db);
   });
 }
 
@@ -740,8 +808,7 @@ void linearBackwardGelu(OpContext& ctx, const Mat& x, const Mat& w, const Mat& d
   }
   portable(dy.dtype, "linearBackwardGelu", [&](auto t) {
     using T = decltype(t);
-    model::linearBackward(ctx.space(), x.view<T>(), w.view<T>(), dy.view<T>(), T(0), dpre.view<T>(),
-                          dw.view<T>(), db.view<T>());
+    portableLinearBackward<T>(ctx, x, w, dy, T(0), dpre, dw, db);
     model::geluBackward(ctx.space(), pre.view<T>(), dpre.view<T>(), dpre.view<T>());
   });
 }
@@ -819,6 +886,13 @@ void qkvBackward(OpContext& ctx, const Mat& x, const QkvWeights& w, const Qkv& d
 #else
     noCuda("qkvBackward");
 #endif
+  }
+  if (w.wq.fp8) {
+    portable(d.q.dtype, "qkvBackward", [&](auto t) {
+      using T = decltype(t);
+      fp8QkvBackward<T>(ctx, x, w, d, dx, g);
+    });
+    return;
   }
   linearBackward(ctx, x, w.wq, d.q, dx, false, g.wq, g.bq);
   linearBackward(ctx, x, w.wk, d.k, dx, true, g.wk, g.bk);
