@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
-#                                       and, on request: compare ctest e2e plan ckpt_async fsdp
+#                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/performance.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
@@ -188,6 +188,25 @@ if has e2e && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   note "plm train esm2_8m bf16 rc=$?"
   tail -15 "$out/e2e_train.log" | tee -a "$summary"
   grep "plan vs measured" "$out/e2e_train.log" | tee -a "$summary"  # plm plan's prediction
+fi
+
+if has fp8 && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # Issue 10's accuracy evidence (doc/fp8.md): esm2_35m on the packaged mmseqs2 proteins in
+  # bf16 and each FP8 recipe, PLM_FP8_STEPS steps (>= 2000 for doc/performance.md), loss curves
+  # into $OUT/fp8_loss.png (-> doc/img/) and the final-loss table; exit 1 = a recipe beyond 1%.
+  # Needs the CUDA build's FP8 path: a build that refuses train.precision: fp8 fails here.
+  valid=""; [[ -f "$pkg/data/valid.h5" ]] && valid="$pkg/data/valid.h5"
+  timeout ${PLM_FP8_TIMEOUT:-580} python3 "$repo/validation/fp8_curves.py" --plm "$pkg/bin/plm" \
+    --deck "$repo/inputs/esm2_35m.yaml" --train "$pkg/data/train.h5" --valid "$valid" \
+    --steps ${PLM_FP8_STEPS:-2000} --baseline bf16 --work /tmp/plm-fp8 \
+    --out "$final_out/fp8_loss.png" --table "$out/fp8_curves.md" --tol 0.01 \
+    --set data.tokens_per_batch=${PLM_FP8_TOKENS:-65536} --set data.micro_batch_tokens=32768 \
+    --set schedule.warmup_steps=200 --set train.log_every=10 \
+    --set train.eval_every=${PLM_FP8_EVAL:-250} --set data.valid_tokens=262144 \
+    > "$out/fp8_curves.log" 2>&1
+  note "fp8_curves esm2_35m ${PLM_FP8_STEPS:-2000} steps rc=$?"
+  grep -E "fp8_curves:|^\|" "$out/fp8_curves.log" | tee -a "$summary"
+  cp /tmp/plm-fp8/*/metrics.jsonl "$out/" 2>/dev/null
 fi
 
 if has ckpt_async && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
