@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
-#                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
+#                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8_curves
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/performance.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
@@ -190,7 +190,7 @@ if has e2e && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   grep "plan vs measured" "$out/e2e_train.log" | tee -a "$summary"  # plm plan's prediction
 fi
 
-if has fp8 && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+if has fp8_curves && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # Issue 10's accuracy evidence (doc/fp8.md): esm2_35m on the packaged mmseqs2 proteins in
   # bf16 and each FP8 recipe, PLM_FP8_STEPS steps (>= 2000 for doc/performance.md), loss curves
   # into $OUT/fp8_loss.png (-> doc/img/) and the final-loss table; exit 1 = a recipe beyond 1%.
@@ -206,7 +206,10 @@ if has fp8 && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     > "$out/fp8_curves.log" 2>&1
   note "fp8_curves esm2_35m ${PLM_FP8_STEPS:-2000} steps rc=$?"
   grep -E "fp8_curves:|^\|" "$out/fp8_curves.log" | tee -a "$summary"
-  cp /tmp/plm-fp8/*/metrics.jsonl "$out/" 2>/dev/null
+  for m in /tmp/plm-fp8/*/metrics.jsonl; do
+    cp "$m" "$out/fp8_curves_$(basename "$(dirname "$m")").jsonl" 2>/dev/null
+  done
+  cp "$out/fp8_curves.md" "$final_out/" 2>/dev/null
 fi
 
 if has ckpt_async && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
