@@ -132,8 +132,11 @@ template <class T> class Esm2 {
   void refreshComputeWeights();
 
   /// \brief The FP8 scaling state (precision: fp8), nullptr otherwise.  The trainer ends each
-  /// step with fp8Scaling()->endStep(comm); checkpoints save and restore it.
+  /// step with endFp8Step(comm); checkpoints save and restore it.
   Fp8Scaling* fp8Scaling();
+  /// \brief Collective over `comm` under fp8 (nothing otherwise): ends the step's scaling, the
+  /// device amaxes of the CUDA path included, with one all-reduce (Fp8Scaling::endStep).
+  void endFp8Step(MPI_Comm comm);
 
   /// \brief [offset, offset + count) of layer `layer`'s tensors in parameters() / gradients().
   std::pair<std::int64_t, std::int64_t> layerRange(int layer) const;

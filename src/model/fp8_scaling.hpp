@@ -17,12 +17,20 @@
 #pragma once
 
 #include "model/fp8.hpp"
+#include "plm/plm_config.hpp"
 
 #include <mpi.h>
 
 #include <cstdint>
 #include <string>
 #include <vector>
+
+// The CUDA build runs FP8 GEMMs through the kernels of src/gpu/fp8.hpp where they exist.
+#if PLM_HAVE_CUDA && __has_include("gpu/fp8.hpp")
+#define PLM_FP8_CUDA 1
+#else
+#define PLM_FP8_CUDA 0
+#endif
 
 namespace plm::model {
 
@@ -148,6 +156,11 @@ struct Fp8GemmSlot {
   Fp8Scaling* scaling = nullptr;
   int layer = 0;
   Fp8Gemm gemm = Fp8Gemm::Qkv;
+  // The CUDA path (bf16 storage): this GEMM's device data, set by the model.
+  const void* w_codes = nullptr;   // (out, in) E4M3 copy of the weight, row stride in
+  const void* wt_codes = nullptr;  // (in, out) its transpose, row stride out
+  float* scales = nullptr;         // device: per operand (input, weight, grad) scale, scale_inv
+  float* amaxes = nullptr;         // device: per operand, this step's amax (delayed)
 
   int index(Fp8Operand o) const { return scaling->index(layer, gemm, o); }
 };

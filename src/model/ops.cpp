@@ -21,6 +21,9 @@
 
 #if PLM_HAVE_CUDA
 #include "gpu/cudnn_attention.hpp"
+#if PLM_FP8_CUDA
+#include "gpu/fp8.hpp"
+#endif
 #include "gpu/flash_attention.hpp"
 #include "gpu/fused.hpp"
 #include "gpu/gemm.hpp"
@@ -341,6 +344,11 @@ struct Mm {
   void* bias_grad = nullptr;
   const void* c = nullptr;
   std::int64_t ldc = 0;
+#if PLM_FP8_CUDA
+  gpu::DType a_type = gpu::DType::BF16, b_type = gpu::DType::BF16;  // FP8: both E4M3/E5M2
+  const float* a_scale_inv = nullptr;
+  const float* b_scale_inv = nullptr;
+#endif
 };
 
 void runGemm(OpContext& ctx, const Mm& x) {
@@ -365,6 +373,12 @@ void runGemm(OpContext& ctx, const Mm& x) {
   g.bias_grad = x.bias_grad;
   g.c = x.c;
   g.ldc = x.ldc;
+#if PLM_FP8_CUDA
+  g.a_type = x.a_type;
+  g.b_type = x.b_type;
+  g.a_scale_inv = x.a_scale_inv;
+  g.b_scale_inv = x.b_scale_inv;
+#endif
   ctx.cuda().gemm.run(streamOf(ctx), g);
   ctx.mark(OpKind::Gemm);
 }
@@ -426,6 +440,181 @@ void inputGradient(OpContext& ctx, const Mat& dy, const Mat& w, const Mat& dx, b
   }
   runGemm(ctx, m);
 }
+
+#if PLM_FP8_CUDA
+// ---- FP8 GEMMs on the CUDA path (train.precision: fp8; doc/fp8.md) -------------------------
+// The weight's E4M3 codes and their transpose were cast once per step (esm2.cpp); here the
+// activation and the output gradient are cast per call into grow-only scratch (slots 20-23) with
+// the slot's device scale (delayed: uploaded from Fp8Scaling each step, amax max-accumulated
+// for its endStep) or their own amax (current), and the GEMMs run in Hopper's TN layout
+// (gpu/fp8.hpp's table): forward A = X (T,in), B = W (out,in); dgrad A = dY (T,out), B = W^T
+// (in,out); wgrad A = dY^T (out,T), B = X^T (in,T).  The bias gradient comes from the
+// unquantised dY in the pass that casts it (col_sum).
+
+std::int64_t pad16(std::int64_t n) { return (n + 15) / 16 * 16; }
+
+gpu::DType gpuFormat(fp8::Format f) {
+  return f == fp8::Format::E4M3 ? gpu::DType::E4M3 : gpu::DType::E5M2;
+}
+
+struct Fp8Operand8 {
+  const void* codes = nullptr;
+  std::int64_t ld = 0;
+  gpu::DType type = gpu::DType::E4M3;
+  const float* scale_inv = nullptr;
+};
+
+/// Casts bf16 operand `o` of the slot's GEMM, x (rows, cols), into scratch: `direct` (rows,
+/// cols) and/or `transposed` (cols, rows); col_sum (optional) += column sums of x.
+void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& x,
+                 Fp8Operand8* direct, Fp8Operand8* transposed, float* col_sum = nullptr,
+                 int scratch_base = 20) {
+  const Fp8Scaling& st = *s.scaling;
+  const int k = static_cast<int>(o);
+  gpu::Fp8CastArgs a;
+  a.rows = x.rows;
+  a.cols = x.cols;
+  a.in = cptr<bf16>(x);
+  a.in_type = gpu::DType::BF16;
+  a.ld_in = x.ld;
+  a.out_type = gpuFormat(st.format(o));
+  if (direct) {
+    a.ld_out = pad16(x.cols);
+    a.out = ctx.scratch(scratch_base, static_cast<std::size_t>(x.rows * a.ld_out));
+    *direct = {a.out, a.ld_out, a.out_type, s.scales + 2 * k + 1};
+  }
+  if (transposed) {
+    a.ld_out_t = pad16(x.rows);
+    a.out_t = ctx.scratch(scratch_base + 1, static_cast<std::size_t>(x.cols * a.ld_out_t));
+    *transposed = {a.out_t, a.ld_out_t, a.out_type, s.scales + 2 * k + 1};
+  }
+  if (col_sum) {
+    a.col_sum = col_sum;
+    a.col_sum_accumulate = true;
+    a.workspace = ctx.scratch(scratch_base + 2, gpu::fp8ColSumWorkspace(x.rows, x.cols));
+  }
+  a.scale_inv = s.scales + 2 * k + 1;
+  if (st.config().recipe == Fp8Recipe::Current) {
+    a.amax = s.amaxes + k;
+    gpu::castFp8Current(streamOf(ctx), a, s.scales + 2 * k);
+  } else {
+    a.scale = s.scales + 2 * k;
+    if (st.recording()) {
+      a.amax = s.amaxes + k;
+      a.amax_accumulate = true;
+    }
+    gpu::castFp8(streamOf(ctx), a);
+  }
+  ctx.mark(OpKind::Other);
+}
+
+void setFp8(Mm& m, const Fp8Operand8& a, const Fp8Operand8& b) {
+  m.a = a.codes;
+  m.lda = a.ld;
+  m.a_type = a.type;
+  m.a_scale_inv = a.scale_inv;
+  m.b = b.codes;
+  m.ldb = b.ld;
+  m.b_type = b.type;
+  m.b_scale_inv = b.scale_inv;
+}
+
+/// The weight's codes as the B operand: W (out, in) for the forward, W^T (in, out) for dgrad.
+Fp8Operand8 weightCodes(const Fp8GemmSlot& s, const Mat& w, bool transposed) {
+  const int k = static_cast<int>(Fp8Operand::Weight);
+  return {transposed ? s.wt_codes : s.w_codes, transposed ? w.rows : w.cols, gpu::DType::E4M3,
+          s.scales + 2 * k + 1};
+}
+
+/// y = x W^T + bias (+ epilogue / residual C) with FP8 operands; the bias is bf16.
+void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& y,
+                    gpu::Epilogue epilogue, const Mat* aux, const Mat* residual) {
+  const Fp8GemmSlot& s = *w.fp8;
+  Fp8Operand8 xq;
+  castOperand(ctx, s, Fp8Operand::Input, x, &xq, nullptr);
+  Mm m;
+  m.tb = true;
+  m.m = x.rows;
+  m.n = w.rows;
+  m.k = x.cols;
+  setFp8(m, xq, weightCodes(s, w, false));
+  m.d = &y;
+  expect(b.dtype, DType::BF16, "the bias of an FP8 GEMM (cuBLASLt takes it in bf16)");
+  m.epilogue = epilogue;
+  m.bias = b.data;
+  if (aux) {
+    m.aux = aux->data;
+    m.ldaux = aux->ld;
+  }
+  if (residual) {
+    m.beta = 1.0f;
+    m.c = residual->data;
+    m.ldc = residual->ld;
+  }
+  runGemm(ctx, m);
+}
+
+/// dx = (accumulate ? dx : 0) + dY W (epilogue dGELU with aux = pre), dW (+)= dY^T X (fp32,
+/// beta = dw_beta), db += column sums of dY.  wgrad: bf16 runs the bf16 weight-gradient GEMM.
+void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, const Mat& dx,
+                     bool accumulate, const Mat& dw, float dw_beta, float* db,
+                     gpu::Epilogue epilogue = gpu::Epilogue::None, const Mat* aux = nullptr) {
+  const Fp8GemmSlot& s = *w.fp8;
+  const bool fp8_wgrad = s.scaling->config().wgrad == Fp8Wgrad::Fp8;
+  Fp8Operand8 dyq, dyq_t;
+  castOperand(ctx, s, Fp8Operand::Grad, dy, &dyq, fp8_wgrad ? &dyq_t : nullptr,
+              fp8_wgrad ? db : nullptr);
+  if (!dx.empty()) {
+    Mm m;
+    m.tb = true;
+    m.m = dy.rows;
+    m.n = w.cols;
+    m.k = dy.cols;
+    setFp8(m, dyq, weightCodes(s, w, true));
+    m.d = &dx;
+    m.beta = accumulate ? 1.0f : 0.0f;
+    m.epilogue = epilogue;
+    if (aux) {
+      m.aux = aux->data;
+      m.ldaux = aux->ld;
+    }
+    runGemm(ctx, m);
+  }
+  if (!fp8_wgrad) {
+    // High-precision wgrad: the bf16 GEMM with the bias gradient from its epilogue.
+    const std::int64_t out = dy.cols;
+    auto* bias_scratch = static_cast<float*>(ctx.scratch(0, (out + 64) * sizeof(float)));
+    Mm m;
+    m.ta = true;
+    m.m = out;
+    m.n = x.cols;
+    m.k = dy.rows;
+    m.a = cptr<bf16>(dy);
+    m.lda = dy.ld;
+    m.b = cptr<bf16>(x);
+    m.ldb = x.ld;
+    m.d = &dw;
+    m.beta = dw_beta;
+    m.epilogue = gpu::Epilogue::BGradA;
+    m.bias_grad = bias_scratch;
+    runGemm(ctx, m);
+    gpu::addInto(streamOf(ctx), db, bias_scratch, out);
+    ctx.mark(OpKind::Other);
+    return;
+  }
+  Fp8Operand8 xq_t;
+  castOperand(ctx, s, Fp8Operand::Input, x, nullptr, &xq_t, nullptr, 24);
+  Mm m;
+  m.tb = true;
+  m.m = dy.cols;
+  m.n = x.cols;
+  m.k = dy.rows;
+  setFp8(m, dyq_t, xq_t);
+  m.d = &dw;
+  m.beta = dw_beta;
+  runGemm(ctx, m);
+}
+#endif
 
 /// The kernels that run for this head_dim.  Auto, measured on the H100 (doc/performance.md,
 /// 2026-11-25): cuDNN both ways from head_dim 64 (esm2_650m +3%), the own flash attention below
@@ -714,6 +903,9 @@ void layerNormBackward(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec
 void linear(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& y) {
   if (isBf16(x)) {
 #if PLM_HAVE_CUDA
+#if PLM_FP8_CUDA
+    if (w.fp8) return fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::Bias, nullptr, nullptr);
+#endif
     Mm m = forwardGemm(x, w, y);
     expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
     m.epilogue = gpu::Epilogue::Bias;
@@ -734,6 +926,9 @@ void linearResidual(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
                     const Mat& y) {
   if (isBf16(x)) {
 #if PLM_HAVE_CUDA
+#if PLM_FP8_CUDA
+    if (w.fp8) return fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::Bias, nullptr, &residual);
+#endif
     Mm m = forwardGemm(x, w, y);
     expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
     m.epilogue = gpu::Epilogue::Bias;
@@ -759,6 +954,9 @@ void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const 
                 const Mat& y) {
   if (isBf16(x)) {
 #if PLM_HAVE_CUDA
+#if PLM_FP8_CUDA
+    if (w.fp8) return fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::BiasGeluAux, &pre, nullptr);
+#endif
     Mm m = forwardGemm(x, w, y);
     expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
     m.epilogue = gpu::Epilogue::BiasGeluAux;
@@ -782,6 +980,9 @@ void linearBackward(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, c
                     bool dx_accumulate, const Mat& dw, const Vec& db) {
   if (isBf16(dy)) {
 #if PLM_HAVE_CUDA
+#if PLM_FP8_CUDA
+    if (w.fp8) return fp8BackwardCuda(ctx, x, w, dy, dx, dx_accumulate, dw, 1.0f, vptr<float>(db));
+#endif
     weightGradient(ctx, x, dy, dw, db);
     if (!dx.empty()) inputGradient(ctx, dy, w, dx, dx_accumulate);
     return;
@@ -799,6 +1000,11 @@ void linearBackwardGelu(OpContext& ctx, const Mat& x, const Mat& w, const Mat& d
                         const Mat& dpre, const Mat& dw, const Vec& db) {
   if (isBf16(dy)) {
 #if PLM_HAVE_CUDA
+#if PLM_FP8_CUDA
+    if (w.fp8)
+      return fp8BackwardCuda(ctx, x, w, dy, dpre, false, dw, 1.0f, vptr<float>(db),
+                             gpu::Epilogue::DGelu, &pre);
+#endif
     weightGradient(ctx, x, dy, dw, db);
     inputGradient(ctx, dy, w, dpre, false, gpu::Epilogue::DGelu, &pre);
     return;
@@ -860,6 +1066,23 @@ void qkvBackward(OpContext& ctx, const Mat& x, const QkvWeights& w, const Qkv& d
     Mat dall = d.q;
     dall.cols = 3 * h;
     Mat gw{grad, DType::F32, 3 * h, h, h};
+#if PLM_FP8_CUDA
+    if (w.fused_w.fp8) {
+      // One FP8 (3H, H) GEMM pair: the weight gradient written (=) into the scratch, the bias
+      // gradient summed into it from the cast of dq|dk|dv, then added as below.
+      PLM_CHECK_CUDA(cudaMemsetAsync(grad + 3 * h * h, 0, 3 * h * sizeof(float), streamOf(ctx)));
+      fp8BackwardCuda(ctx, x, w.fused_w, dall, dx, false, gw, 0.0f, grad + 3 * h * h);
+      const auto st = streamOf(ctx);
+      const Mat* gws[3] = {&g.wq, &g.wk, &g.wv};
+      const Vec* gbs[3] = {&g.bq, &g.bk, &g.bv};
+      for (int part = 0; part < 3; ++part) {
+        gpu::addInto(st, mptr<float>(*gws[part]), grad + part * h * h, h * h);
+        gpu::addInto(st, vptr<float>(*gbs[part]), grad + 3 * h * h + part * h, h);
+      }
+      ctx.mark(OpKind::Other);
+      return;
+    }
+#endif
     Mm m;
     m.ta = true;
     m.m = 3 * h;

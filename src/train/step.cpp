@@ -187,9 +187,9 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
     phase::set("gradient all-reduce (finish)");
     sync.finish(space);
   }
-  if (auto* fp8 = model.fp8Scaling()) {  // the step's amaxes: one all-reduce (MAX), new scales
+  if (model.fp8Scaling()) {  // the step's amaxes: one all-reduce (MAX), new scales
     phase::set("fp8 amax all-reduce (MPI)");
-    fp8->endStep(comm);
+    model.endFp8Step(comm);
   }
   reduce(s, comm);
   Kokkos::Profiling::popRegion();

@@ -6,6 +6,7 @@
 
 #include "dist/runtime.hpp"
 #include "io/hdf5.hpp"
+#include "model/fp8_scaling.hpp"
 
 #include <gtest/gtest.h>
 
@@ -31,6 +32,7 @@ std::vector<std::string> with(std::vector<std::string> a, const std::vector<std:
 class Fp8Resume : public ::testing::Test {
  protected:
   void SetUp() override {
+    if (PLM_HAVE_CUDA && !PLM_FP8_CUDA) GTEST_SKIP() << "no FP8 kernels in this CUDA build";
     dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fp8resume");
     plm::test::writeTinyDataset(dir + "/train.h5", 64, 5, MPI_COMM_WORLD);
   }

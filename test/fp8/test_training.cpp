@@ -38,6 +38,18 @@ Esm2Config tinyConfig(Precision p, Fp8Recipe recipe = Fp8Recipe::Delayed) {
   return c;
 }
 
+// The recipes this build trains with: the CUDA path has no block scaling yet (doc/fp8.md).
+std::vector<Fp8Recipe> recipes() {
+  if (PLM_FP8_CUDA) return {Fp8Recipe::Delayed, Fp8Recipe::Current};
+  return {Fp8Recipe::Delayed, Fp8Recipe::Current, Fp8Recipe::Block};
+}
+
+// The high-precision twin of the FP8 model on this build: fp32 on the CPU, bf16 on the GPU.
+constexpr Precision kHigh = PLM_FP8_CUDA ? Precision::Bf16 : Precision::Fp32;
+
+#define PLM_SKIP_WITHOUT_FP8() \
+  if (PLM_HAVE_CUDA && !PLM_FP8_CUDA) GTEST_SKIP() << "no FP8 kernels in this CUDA build"
+
 std::vector<float> hostCopy(plm::View1<float> v) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), v);
   return std::vector<float>(h.data(), h.data() + h.extent(0));
@@ -83,6 +95,7 @@ TrainRun train(const Esm2Config& config, MPI_Comm comm, int steps, int per_step)
 }
 
 TEST(Fp8Training, RanksMatchTheSingleRankRun) {
+  PLM_SKIP_WITHOUT_FP8();
   const int world = plm::dist::worldSize(), rank = plm::dist::worldRank();
   auto worstRel = [](const std::vector<double>& a, const std::vector<double>& b) {
     double w = 0;
@@ -90,7 +103,7 @@ TEST(Fp8Training, RanksMatchTheSingleRankRun) {
       w = std::max(w, std::abs(a[i] - b[i]) / std::abs(b[i]));
     return w;
   };
-  for (Fp8Recipe r : {Fp8Recipe::Delayed, Fp8Recipe::Current, Fp8Recipe::Block}) {
+  for (Fp8Recipe r : recipes()) {
     const Esm2Config c = tinyConfig(Precision::Fp8, r);
     const TrainRun distributed = train(c, MPI_COMM_WORLD, 8, 4);
     int ok = 1;
@@ -123,6 +136,7 @@ TEST(Fp8Training, RanksMatchTheSingleRankRun) {
 // Bitwise: one micro-batch per step, so no rank adds two gradients in a different order (the
 // others contribute exact zeros): losses, scaling state and weights equal 1 rank's exactly.
 TEST(Fp8Training, OneMicroBatchPerStepIsBitwise) {
+  PLM_SKIP_WITHOUT_FP8();
   const int rank = plm::dist::worldRank();
   const Esm2Config c = tinyConfig(Precision::Fp8, Fp8Recipe::Delayed);
   const TrainRun distributed = train(c, MPI_COMM_WORLD, 6, 1);
@@ -140,11 +154,12 @@ TEST(Fp8Training, OneMicroBatchPerStepIsBitwise) {
 }
 
 TEST(Fp8Training, AllLayersInBf16RangesIsFp32) {
+  PLM_SKIP_WITHOUT_FP8();
   Esm2Config c = tinyConfig(Precision::Fp8);
   c.fp8.first_layers_bf16 = 2;
   c.fp8.last_layers_bf16 = 1;
   const TrainRun fp8 = train(c, MPI_COMM_SELF, 3, 2);
-  const TrainRun fp32 = train(tinyConfig(Precision::Fp32), MPI_COMM_SELF, 3, 2);
+  const TrainRun fp32 = train(tinyConfig(kHigh), MPI_COMM_SELF, 3, 2);
   EXPECT_EQ(fp8.losses, fp32.losses);
   EXPECT_EQ(fp8.params, fp32.params);
 }
@@ -158,6 +173,7 @@ TEST(Fp8Training, AllLayersInBf16RangesIsFp32) {
 // a cosine similarity above 0.95 on each weight tensor's gradient; a wrong scale, format or
 // transposed operand gives errors of order 1.
 TEST(Fp8Training, OneStepGradientsNearFp32) {
+  PLM_SKIP_WITHOUT_FP8();
   auto batch = plm::test::globalStep(7, 1, 1, 6)[0];
   Esm2<float> ref(tinyConfig(Precision::Fp32));
   ref.initialize(3);
@@ -165,13 +181,13 @@ TEST(Fp8Training, OneStepGradientsNearFp32) {
   const double scale = 1.0 / double(batch.num_masked);
   ref.forwardBackward(batch, scale);
   const auto g32 = hostCopy(ref.gradients());
-  for (Fp8Recipe r : {Fp8Recipe::Delayed, Fp8Recipe::Current, Fp8Recipe::Block}) {
+  for (Fp8Recipe r : recipes()) {
     Esm2<float> m(tinyConfig(Precision::Fp8, r));
     m.initialize(3);
     if (r == Fp8Recipe::Delayed) {  // a calibration pass sets the delayed scales
       m.zeroGradients();
       m.forwardBackward(batch, scale);
-      m.fp8Scaling()->endStep(MPI_COMM_NULL);
+      m.endFp8Step(MPI_COMM_NULL);
     }
     m.zeroGradients();
     m.forwardBackward(batch, scale);
@@ -209,6 +225,7 @@ TEST(Fp8Training, OneStepGradientsNearFp32) {
 // fp32's (the per-step gradient noise above averages out over steps; measured differences are
 // printed).
 TEST(Fp8Training, FiftyStepsTrackFp32) {
+  PLM_SKIP_WITHOUT_FP8();
   if (plm::dist::worldRank() != 0) return;
   const int steps = 50;
   const TrainRun fp32 = train(tinyConfig(Precision::Fp32), MPI_COMM_SELF, steps, 1);
@@ -218,7 +235,7 @@ TEST(Fp8Training, FiftyStepsTrackFp32) {
     for (int i = steps - 5; i < steps; ++i) s += r.losses[i];
     return s / 5;
   };
-  for (Fp8Recipe r : {Fp8Recipe::Delayed, Fp8Recipe::Current, Fp8Recipe::Block}) {
+  for (Fp8Recipe r : recipes()) {
     const TrainRun fp8 = train(tinyConfig(Precision::Fp8, r), MPI_COMM_SELF, steps, 1);
     const double rel = std::abs(tail(fp8) - tail(fp32)) / tail(fp32);
     std::printf("fp8 %s: loss %.4f -> %.4f (fp32 %.4f -> %.4f), last-5 mean differs by %.3f%%\n",
