@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
-#                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8_curves
+#                                       and, on request: compare ctest e2e plan ckpt_async fsdp
+#                                       fp8_bench fp8_curves
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/performance.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
@@ -188,6 +189,22 @@ if has e2e && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   note "plm train esm2_8m bf16 rc=$?"
   tail -15 "$out/e2e_train.log" | tee -a "$summary"
   grep "plan vs measured" "$out/e2e_train.log" | tee -a "$summary"  # plm plan's prediction
+fi
+
+if has fp8_bench && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
+  # Issue 10's throughput targets: bf16 and FP8 (delayed, current) side by side in one run,
+  # PLM_FP8_BENCH="preset:tokens ..." (default 650M; add esm2_3b:8192:selective for the 3B).
+  for run in ${PLM_FP8_BENCH:-esm2_650m:24576}; do
+    IFS=: read -r preset tokens recompute <<< "$run"
+    for prec in bf16 fp8:delayed fp8:current; do
+      IFS=: read -r p recipe <<< "$prec"
+      log="$out/fp8_bench_${preset}_${tokens}_${p}${recipe:+_$recipe}.log"
+      PLM_PRECISION=$p PLM_FP8_RECIPE=${recipe:-delayed} timeout 300 "$pkg/bin/bench_gpu_train" \
+        "$preset" "$tokens" ${PLM_TRAIN_STEPS:-20} "${recompute:-none}" > "$log" 2>&1
+      note "bench_gpu_train $run $prec rc=$?"
+      grep -E "RESULT|FP8|EVAL|breakdown|^    |error|out of memory" "$log" | tee -a "$summary"
+    done
+  done
 fi
 
 if has fp8_curves && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then

@@ -398,8 +398,10 @@ Mm forwardGemm(const Mat& x, const Mat& w, const Mat& y) {
   return m;
 }
 
-/// dw (out, in) += dy^T x with db (out) += column sums of dy, through the BGRADB epilogue.
-void weightGradient(OpContext& ctx, const Mat& x, const Mat& dy, const Mat& dw, const Vec& db) {
+/// dw (out, in) = beta dw + dy^T x with db (out) += column sums of dy, through the BGRADB
+/// epilogue.
+void weightGradient(OpContext& ctx, const Mat& x, const Mat& dy, const Mat& dw, float* db,
+                    float beta = 1.0f) {
   const std::int64_t out = dy.cols, in = x.cols;
   auto* bias_scratch = static_cast<float*>(ctx.scratch(0, (out + 64) * sizeof(float)));
   Mm m;
@@ -412,12 +414,25 @@ void weightGradient(OpContext& ctx, const Mat& x, const Mat& dy, const Mat& dw, 
   m.b = cptr<bf16>(x);
   m.ldb = x.ld;
   m.d = &dw;
-  m.beta = 1.0f;
+  m.beta = beta;
   m.epilogue = gpu::Epilogue::BGradA;
   m.bias_grad = bias_scratch;
   runGemm(ctx, m);
-  gpu::addInto(streamOf(ctx), vptr<float>(db), bias_scratch, out);
+  gpu::addInto(streamOf(ctx), db, bias_scratch, out);
   ctx.mark(OpKind::Other);
+}
+
+/// The output side of an input-gradient GEMM: dx (beta 1 when accumulating), the epilogue and
+/// its aux (bf16 and FP8 dgrad alike).
+void setInputGradientOutput(Mm& m, const Mat& dx, bool accumulate, gpu::Epilogue epilogue,
+                            const Mat* aux) {
+  m.d = &dx;
+  m.beta = accumulate ? 1.0f : 0.0f;
+  m.epilogue = epilogue;
+  if (aux) {
+    m.aux = aux->data;
+    m.ldaux = aux->ld;
+  }
 }
 
 /// dx = (accumulate ? dx : 0) + dy W, with an optional epilogue reading `aux`.
@@ -431,13 +446,7 @@ void inputGradient(OpContext& ctx, const Mat& dy, const Mat& w, const Mat& dx, b
   m.lda = dy.ld;
   m.b = cptr<bf16>(w);
   m.ldb = w.ld;
-  m.d = &dx;
-  m.beta = accumulate ? 1.0f : 0.0f;
-  m.epilogue = epilogue;
-  if (aux) {
-    m.aux = aux->data;
-    m.ldaux = aux->ld;
-  }
+  setInputGradientOutput(m, dx, accumulate, epilogue, aux);
   runGemm(ctx, m);
 }
 
@@ -571,35 +580,11 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
     m.n = w.cols;
     m.k = dy.cols;
     setFp8(m, dyq, weightCodes(s, w, true));
-    m.d = &dx;
-    m.beta = accumulate ? 1.0f : 0.0f;
-    m.epilogue = epilogue;
-    if (aux) {
-      m.aux = aux->data;
-      m.ldaux = aux->ld;
-    }
+    setInputGradientOutput(m, dx, accumulate, epilogue, aux);
     runGemm(ctx, m);
   }
-  if (!fp8_wgrad) {
-    // High-precision wgrad: the bf16 GEMM with the bias gradient from its epilogue.
-    const std::int64_t out = dy.cols;
-    auto* bias_scratch = static_cast<float*>(ctx.scratch(0, (out + 64) * sizeof(float)));
-    Mm m;
-    m.ta = true;
-    m.m = out;
-    m.n = x.cols;
-    m.k = dy.rows;
-    m.a = cptr<bf16>(dy);
-    m.lda = dy.ld;
-    m.b = cptr<bf16>(x);
-    m.ldb = x.ld;
-    m.d = &dw;
-    m.beta = dw_beta;
-    m.epilogue = gpu::Epilogue::BGradA;
-    m.bias_grad = bias_scratch;
-    runGemm(ctx, m);
-    gpu::addInto(streamOf(ctx), db, bias_scratch, out);
-    ctx.mark(OpKind::Other);
+  if (!fp8_wgrad) {  // high precision: the bf16 GEMM, the bias gradient from its epilogue
+    weightGradient(ctx, x, dy, dw, db, dw_beta);
     return;
   }
   Fp8Operand8 xq_t;
@@ -983,7 +968,7 @@ void linearBackward(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, c
 #if PLM_FP8_CUDA
     if (w.fp8) return fp8BackwardCuda(ctx, x, w, dy, dx, dx_accumulate, dw, 1.0f, vptr<float>(db));
 #endif
-    weightGradient(ctx, x, dy, dw, db);
+    weightGradient(ctx, x, dy, dw, vptr<float>(db));
     if (!dx.empty()) inputGradient(ctx, dy, w, dx, dx_accumulate);
     return;
 #else
@@ -1005,7 +990,7 @@ void linearBackwardGelu(OpContext& ctx, const Mat& x, const Mat& w, const Mat& d
       return fp8BackwardCuda(ctx, x, w, dy, dpre, false, dw, 1.0f, vptr<float>(db),
                              gpu::Epilogue::DGelu, &pre);
 #endif
-    weightGradient(ctx, x, dy, dw, db);
+    weightGradient(ctx, x, dy, dw, vptr<float>(db));
     inputGradient(ctx, dy, w, dpre, false, gpu::Epilogue::DGelu, &pre);
     return;
 #else
