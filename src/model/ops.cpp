@@ -493,8 +493,12 @@ void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& 
     *direct = {a.out, a.ld_out, a.out_type, s.scales + 2 * k + 1};
   }
   if (transposed) {
+    // Rows padded to 16 with zero codes: the weight-gradient GEMM's K (the tokens) runs to the
+    // padded length, as FP8 GEMMs want K and leading dimensions in multiples of 16.
     a.ld_out_t = pad16(x.rows);
-    a.out_t = ctx.scratch(scratch_base + 1, static_cast<std::size_t>(x.cols * a.ld_out_t));
+    const auto bytes = static_cast<std::size_t>(x.cols * a.ld_out_t);
+    a.out_t = ctx.scratch(scratch_base + 1, bytes);
+    if (a.ld_out_t != x.rows) PLM_CHECK_CUDA(cudaMemsetAsync(a.out_t, 0, bytes, streamOf(ctx)));
     *transposed = {a.out_t, a.ld_out_t, a.out_type, s.scales + 2 * k + 1};
   }
   if (col_sum) {
@@ -593,7 +597,7 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
   m.tb = true;
   m.m = dy.cols;
   m.n = x.cols;
-  m.k = dy.rows;
+  m.k = pad16(dy.rows);  // the zero-padded tokens add nothing
   setFp8(m, dyq_t, xq_t);
   m.d = &dw;
   m.beta = dw_beta;
