@@ -10,6 +10,8 @@
 // Also times a forward-only pass (evaluation) over the same batches.
 //
 //   bench_gpu_train PRESET [tokens_per_micro_batch] [steps] [none|layer|selective]
+//   PLM_PRECISION=fp8 [PLM_FP8_RECIPE=delayed|current] times the FP8 policy (doc/fp8.md); the
+//   step then ends with Esm2::endFp8Step, as in training.
 #include "core/error.hpp"
 #include "data/synthetic.hpp"
 #include "dist/runtime.hpp"
@@ -22,6 +24,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <random>
 #include <string>
 #include <vector>
@@ -38,6 +41,10 @@ int run(int argc, char** argv) {
 
   auto config = model::Esm2Config::preset(preset);
   config.precision = model::Precision::Bf16;
+  if (const char* p = std::getenv("PLM_PRECISION"); p && *p)
+    config.precision = model::parsePrecision(p);
+  if (const char* r = std::getenv("PLM_FP8_RECIPE"); r && *r)
+    config.fp8.recipe = model::parseFp8Recipe(r);
   if (argc > 4) config.recompute = model::parseRecompute(argv[4]);
   model::Esm2<float> model(config);
   model.initialize(1);
@@ -99,6 +106,7 @@ int run(int argc, char** argv) {
     p.grad_sumsq = sumsq;
     gpu::adamwStep(stream, model.parameters().data(), model.gradients().data(), m, v, nullptr, n,
                    seg_d, decay_d, static_cast<int>(decay.size()), p);
+    model.endFp8Step(MPI_COMM_NULL);  // fp8: the step's amaxes into new scales
     PLM_CHECK_CUDA(cudaStreamSynchronize(stream));
     auto t2 = Clock::now();
     loss = loss_sum / b.num_masked;
@@ -162,6 +170,10 @@ int run(int argc, char** argv) {
       model::attentionKernelName(
           model::attentionKernelFor(model.context(), config.hidden / config.heads)),
       model.context().deterministic ? "" : " non-deterministic", loss);
+  if (config.precision == model::Precision::Fp8)
+    std::printf(
+        "FP8 %s recipe %s: %.1f TFLOP/s = MFU %.1f%% of the 1454 TFLOP/s FP8 GEMM ceiling\n",
+        preset.c_str(), model::fp8RecipeName(config.fp8.recipe), tflops, 100 * tflops / 1454);
   cudaFree(m);
   cudaFree(v);
   cudaFree(sumsq);

@@ -321,6 +321,7 @@ detail::Snapshot detail::takeSnapshot(train::Trainer& trainer, SnapshotBuffers* 
   snap.dataset_sequences = loader.numSequences();
   snap.dataset_residues = loader.numResidues();
   snap.deck_yaml = deck::toYaml(trainer.deck());
+  snap.scaling = detail::takeScaling(model);
   const double start = now();
   if (buffers) {
     const std::size_t n = optimizer.master().extent(0);
@@ -422,7 +423,7 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
     const auto local = crc_pending.get();
     for (std::size_t g = 0; g < groups.size(); ++g)
       writeChecksums(file, groups[g].first, tensors, combineChecksums(local[g], comm));
-    h5::createGroup(file, "scaling");
+    detail::writeScaling(file, snap.scaling, comm);
 
     h5::Hid s = h5::createGroup(file, "state");
     h5::writeAttribute(s, "format_version", checkpoint_format_version);
@@ -593,7 +594,12 @@ Header load(train::Trainer& trainer, const std::string& path) {
   readGroup(file, comm, "model", tensors, master.data(), path);
   readGroup(file, comm, "optimizer/exp_avg", tensors, exp_avg.data(), path);
   readGroup(file, comm, "optimizer/exp_avg_sq", tensors, exp_avg_sq.data(), path);
+  detail::ScalingState scaling;
+  detail::agree(comm, [&] { scaling = detail::readScaling(file, path); });
   file.reset();
+  if (const std::string why = detail::scalingRefusal(scaling, trainer.model()); !why.empty())
+    throw collectiveError("checkpoint `" + path + "` (step " + std::to_string(header.state.step) +
+                          ") does not fit this run: " + why);
 
   // Everything checked: only now does the trainer change.
   auto put = [](const View1<master_t>& target, const std::vector<float>& values) {
@@ -608,6 +614,7 @@ Header load(train::Trainer& trainer, const std::string& path) {
   Kokkos::fence();
   trainer.restore(header.state);
   optimizer.setStepCount(header.optimizer_step);
+  detail::restoreScaling(scaling, trainer.model());
 
   for (const auto& c : changes.harmless)
     log::info("checkpoint: deck change allowed: %s: %s -> %s", c.key.c_str(), c.stored.c_str(),

@@ -8,7 +8,7 @@
 //   /model/<HF name>        fp32 master weights at the full Hugging Face shape
 //   /optimizer              attributes: step, beta1, beta2, eps, weight_decay
 //   /optimizer/exp_avg/<HF name>, /optimizer/exp_avg_sq/<HF name>   fp32 Adam moments, same shapes
-//   /scaling                FP8 scaling state (empty until FP8 lands)
+//   /scaling                FP8 scaling state: amax histories and scales (detail/scaling.hpp)
 //   /state                  attributes: format "plm-checkpoint", format_version, step, tokens_seen,
 //                           cursor_epoch, cursor_position, init_seed, data_seed, world_size,
 //                           micro_batches_per_step, dataset_path, dataset_sequences,

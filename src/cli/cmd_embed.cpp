@@ -52,8 +52,9 @@ Parser embedParser() {
   p.option({"out", "OUT.h5", "output HDF5 file"});
   p.option({"logits", "", "also write per-token logits (/logits, /offsets)"});
   p.option({"batch-tokens", "N", "tokens per micro-batch (default 16384)"});
-  p.option({"precision", "fp32|bf16",
-            "compute precision (default fp32; bf16 runs the CUDA build's fast path)"});
+  p.option({"precision", "fp32|bf16|fp8",
+            "compute precision (default fp32; bf16 runs the CUDA build's fast path; fp8 the "
+            "FP8 GEMM emulation with current scaling, doc/fp8.md)"});
   p.option(
       {"on-invalid", "error|skip",
        "a FASTA record with a letter outside the ESM-2 alphabet or no residues: stop with its "
@@ -165,6 +166,7 @@ int runEmbed(const Argv& argv) {
     throw collectiveError(std::string("plm embed: ") + e.what());
   }
   config.precision = model::parsePrecision(args.get("precision", "fp32"));
+  config.fp8.recipe = model::Fp8Recipe::Current;  // fp8: no amax history outside training
   model::Esm2<float> esm(config);
   try {
     io::readModelInto(checkpoint, MPI_COMM_WORLD, esm);

@@ -7,6 +7,7 @@
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
 #include "io/model_file.hpp"
+#include "train/fp8_run.hpp"
 #include "train/step.hpp"
 #include "train/trainer.hpp"
 
@@ -70,6 +71,12 @@ int runEval(const Argv& argv) {
       MPI_COMM_WORLD);
   // Evaluation computes in the deck's precision (bf16 on the CUDA build runs the fast path).
   config.precision = model::parsePrecision(deck->sublist("train").get<std::string>("precision"));
+  train::applyFp8Section(*deck, config);
+  if (config.precision == model::Precision::Fp8 && config.fp8.recipe == model::Fp8Recipe::Delayed) {
+    // A model file has no amax history: evaluate with the scales of the tensors themselves.
+    config.fp8.recipe = model::Fp8Recipe::Current;
+    log::info("eval: fp8 delayed scaling has no state outside a training run; current scaling");
+  }
   model::Esm2<param_t> model(config);
   if (model_path.empty()) {
     const int seed = deck->sublist("train").get<int>("seed");

@@ -68,6 +68,9 @@ const std::vector<SectionSpec>& sections() {
       {"moe",
        "Mixture-of-Experts FFN layers (doc/model.md): experts = 0 keeps the dense ESM-2, "
        "unless model.preset is an MoE preset."},
+      {"fp8",
+       "FP8 training (train.precision: fp8, doc/fp8.md): Transformer Engine's scaling recipes "
+       "for the four GEMMs of each encoder layer."},
       {"parallel",
        "How ranks split the work beyond data parallelism: sharded data parallelism (FSDP/HSDP, "
        "doc/parallelism.md) and expert parallelism."},
@@ -161,8 +164,9 @@ const std::vector<KeySpec>& keys() {
        "Evaluate on data.valid every this many steps and after the last one (0 = never).",
        atLeast(0), {}},
       {"train", "precision", K::text, "fp32",
-       "Arithmetic of the training step: fp32, or bf16 (bfloat16 compute, fp32 master weights).",
-       any(), {"fp32", "bf16"}},
+       "Arithmetic of the training step: fp32, bf16 (bfloat16 compute, fp32 master weights), or "
+       "fp8 (the encoder layers' GEMMs in FP8 with the recipe of section fp8; doc/fp8.md).",
+       any(), {"fp32", "bf16", "fp8"}},
       {"train", "run_dir", K::text, "run",
        "Directory for the training log, metrics and the resolved deck (deck.yaml).", any(), {},
        true},
@@ -249,6 +253,28 @@ const std::vector<KeySpec>& keys() {
        "Expert parallelism: this many consecutive ranks share the experts of each MoE layer "
        "(experts / expert_degree each), tokens travel by all-to-all. Must divide the world size "
        "and moe.experts.", atLeast(1), {}},
+      // fp8
+      {"fp8", "recipe", K::text, "delayed",
+       "Scaling: delayed (per-tensor amax history of previous steps), current (the tensor's own "
+       "amax) or block (1x128 / 128x128 blocks, power-of-two scales, E4M3 both ways).", any(),
+       {"delayed", "current", "block"}},
+      {"fp8", "format", K::text, "hybrid",
+       "hybrid = E4M3 forward, E5M2 gradients; e4m3 = E4M3 both ways (block always uses e4m3).",
+       any(), {"hybrid", "e4m3"}},
+      {"fp8", "amax_history", K::integer, "1024",
+       "Steps of amax history per tensor (delayed scaling).", atLeast(1), {}},
+      {"fp8", "amax_reduce", K::text, "max",
+       "Amax a delayed scale is computed from: the history's max or its most recent entry.",
+       any(), {"max", "most_recent"}},
+      {"fp8", "margin", K::integer, "0",
+       "Delayed scales are (fp8_max / amax) / 2^margin.", interval(0, 32, false, false), {}},
+      {"fp8", "first_layers_bf16", K::integer, "0",
+       "This many first encoder layers keep their GEMMs in high precision.", atLeast(0), {}},
+      {"fp8", "last_layers_bf16", K::integer, "0",
+       "This many last encoder layers keep their GEMMs in high precision.", atLeast(0), {}},
+      {"fp8", "wgrad", K::text, "fp8",
+       "Weight-gradient GEMMs: fp8 operands, or the unquantised (bf16 on the GPU, fp32 on the "
+       "CPU) ones.", any(), {"fp8", "bf16"}},
       // checkpoint
       {"checkpoint", "dir", K::text, "run/ckpt", "Directory of the checkpoint files.", any(), {},
        true},
@@ -289,6 +315,7 @@ const std::vector<std::string>& rules() {
       "data.tokens_per_batch >= data.micro_batch_tokens >= data.max_seq_len.",
       "schedule.decay_steps is 0 or >= schedule.warmup_steps.",
       "moe.top_k <= moe.experts; parallel.expert_degree divides moe.experts and the world size.",
+      "fp8.first_layers_bf16 + fp8.last_layers_bf16 <= the model's layers.",
   };
   return table;
 }

@@ -67,6 +67,12 @@ double allreduceMax(double value, MPI_Comm comm) {
   return value;
 }
 
+void allreduceMax(std::vector<float>& values, MPI_Comm comm) {
+  if (values.empty()) return;
+  PLM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, values.data(), static_cast<int>(values.size()),
+                              MPI_FLOAT, MPI_MAX, comm));
+}
+
 template void allreduceSum<float>(const ExecSpace&, View1<float>, MPI_Comm, std::int64_t);
 template void allreduceSum<double>(const ExecSpace&, View1<double>, MPI_Comm, std::int64_t);
 

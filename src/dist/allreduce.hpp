@@ -32,5 +32,7 @@ void allreduceSum(std::vector<std::int64_t>& values, MPI_Comm comm);
 double allreduceSum(double value, MPI_Comm comm);
 std::int64_t allreduceSum(std::int64_t value, MPI_Comm comm);
 double allreduceMax(double value, MPI_Comm comm);
+/// \brief The element-wise max of a few host floats over the ranks of `comm` (in place).
+void allreduceMax(std::vector<float>& values, MPI_Comm comm);
 
 }  // namespace plm::dist

@@ -13,6 +13,10 @@
 // masters (q/k/v stacked into one (3H, H) matrix), refreshed once per optimizer step; LayerNorm
 // parameters and the biases of fp32-output GEMMs are read from the masters.  Activations are bf16
 // except the residual stream and its gradient (fp32); statistics are fp32.
+// Under fp8 the four GEMMs of each FP8 layer read their weights from a quantised fp32 copy
+// (q/k/v stacked (3H, H)), refreshed once per optimizer step like the bf16 copy, whose handles
+// carry the GEMM's FP8 slot (Mat::fp8): the dispatch points then emulate the FP8 GEMM
+// (fp8_gemm.hpp).  Everything else computes as under fp32.
 // Recomputation (Recompute in ops.hpp) changes only what is kept; every kernel is deterministic,
 // so the gradients are bitwise those of the stored-activation path on each backend.
 #include "model/esm2.hpp"
@@ -20,6 +24,7 @@
 #include "core/error.hpp"
 #include "model/embedding.hpp"
 #include "model/encoder_layer.hpp"
+#include "model/fp8_gemm.hpp"
 #include "model/math.hpp"
 #include "model/moe.hpp"
 #include "model/rotary.hpp"
@@ -27,6 +32,9 @@
 
 #if PLM_HAVE_CUDA
 #include "gpu/fused.hpp"
+#endif
+#if PLM_FP8_CUDA
+#include "gpu/fp8.hpp"
 #endif
 
 #include <algorithm>
@@ -188,6 +196,25 @@ template <class T> struct Esm2<T>::Impl {
   View1<std::int64_t> chunks;
   int num_chunks = 0;
   Outer pw, pg;  // compute weights, gradients
+  // fp8 policy: the scaling state, one slot per (layer, GEMM), and the quantised weight copy
+  // (fp8_weights) refreshed from the masters: (master offset, copy offset, count) segments
+  // gathered per GEMM weight (q, k, v stacked), quantised as one tensor each.
+  std::unique_ptr<Fp8Scaling> fp8_scaling;
+  std::vector<Fp8GemmSlot> fp8_slots;  // (layers * 4)
+  View1<T> fp8_weights;
+  struct Fp8Weight {
+    const Fp8GemmSlot* slot;
+    std::int64_t at, rows, cols;     // in fp8_weights
+    std::vector<std::int64_t> from;  // master offsets of its stacked parts
+  };
+  std::vector<Fp8Weight> fp8_list;
+  // fp8 on the CUDA path: the packed bf16 weights of the FP8 GEMMs (cast to E4M3 codes and
+  // their transposes once per step) and the device scales (slots x 3 operands x [scale,
+  // scale_inv]) and amaxes (slots x 3).
+  std::vector<std::pair<Fp8GemmSlot*, Mat>> fp8_cuda_weights;
+  View1<std::uint8_t> fp8_codes;
+  View1<float> fp8_dev_scales, fp8_dev_amax;
+  std::vector<float> fp8_host;  // staging of the uploads and downloads
   std::vector<EncoderLayer> layers;
   OpContext ctx;
   View2<T> cos_table, sin_table;  // (positions, head_dim/2)
@@ -206,7 +233,9 @@ template <class T> struct Esm2<T>::Impl {
 
   explicit Impl(const Esm2Config& c) : config(c), ctx(ExecSpace()) {
     config.validate();
-    bf16 = config.precision == Precision::Bf16;
+    // fp8 on the CUDA build: the bf16 policy with the FP8 GEMMs of gpu/fp8.hpp.
+    bf16 =
+        config.precision == Precision::Bf16 || (PLM_FP8_CUDA && config.precision == Precision::Fp8);
     if (bf16) {
 #if PLM_HAVE_CUDA
       if (!std::is_same_v<T, float>)
@@ -233,6 +262,29 @@ template <class T> struct Esm2<T>::Impl {
           "train.precision: bf16 runs on the CUDA build only (this build computes in fp32); set "
           "train.precision: fp32 or build with the `cuda` preset (doc/gpu.md)");
 #endif
+    }
+    if (config.precision == Precision::Fp8) {
+#if PLM_HAVE_CUDA && !PLM_FP8_CUDA
+      throw collectiveError(
+          "train.precision: fp8 needs the FP8 kernels of src/gpu/fp8.hpp, which this CUDA build "
+          "lacks (doc/fp8.md); use train.precision: bf16 on the GPU or run fp8 on a CPU build");
+#endif
+#if PLM_FP8_CUDA
+      if (config.fp8.recipe == Fp8Recipe::Block)
+        throw collectiveError(
+            "fp8.recipe: block runs on the CPU emulation only so far (cuBLASLt's block-scaled "
+            "GEMM wants token counts in multiples of 8, which packed micro-batches are not; "
+            "doc/fp8.md); use fp8.recipe: delayed or current on the GPU");
+#endif
+      if (config.moe.enabled())
+        throw collectiveError(
+            "train.precision: fp8 is not available for Mixture-of-Experts models yet; set "
+            "train.precision: fp32 or moe.experts: 0");
+      fp8_scaling = std::make_unique<Fp8Scaling>(config.fp8, config.num_layers);
+      fp8_slots.resize(std::size_t(config.num_layers) * fp8_gemms);
+      for (int l = 0; l < config.num_layers; ++l)
+        for (int g = 0; g < fp8_gemms; ++g)
+          fp8_slots[l * fp8_gemms + g] = {fp8_scaling.get(), l, static_cast<Fp8Gemm>(g)};
     }
     auto table = buildTable(config);
     for (auto& e : table) {
@@ -332,6 +384,21 @@ template <class T> struct Esm2<T>::Impl {
         dense(p + "experts." + std::to_string(e) + ".", mwt.experts[e], mgt.experts[e]);
       if (config.moe.shared_experts > 0) dense(p + "shared_experts.", mwt.shared, mgt.shared);
     };
+    // fp8 weights refer to offsets into fp8_weights until it exists.
+    std::int64_t fp8_at = 0;
+    fp8_list.clear();
+    auto fp8Weight = [&](int l, Fp8Gemm g, const std::vector<std::string>& names) -> Mat {
+      Fp8Weight fw{&fp8_slots[l * fp8_gemms + static_cast<int>(g)], fp8_at, 0, 0, {}};
+      for (const auto& name : names) {
+        const auto& t = info(name);
+        fw.from.push_back(t.offset);
+        fw.rows += t.shape[0];
+        fw.cols = t.shape[1];
+      }
+      fp8_list.push_back(fw);
+      fp8_at += fw.rows * fw.cols;
+      return Mat{reinterpret_cast<void*>(fw.at), master, fw.rows, fw.cols, fw.cols, fw.slot};
+    };
     for (int l = 0; l < config.num_layers; ++l) {
       const std::string pre = "esm.encoder.layer." + std::to_string(l) + ".";
       const std::string self = pre + "attention.self.";
@@ -373,6 +440,30 @@ template <class T> struct Esm2<T>::Impl {
         mg[l].w2 = masterMat(grads, pre + "output.dense.weight");
         mg[l].b2 = masterVec(grads, pre + "output.dense.bias");
       }
+      if (fp8_scaling && bf16 && config.fp8.fp8Layer(l, config.num_layers)) {
+        // CUDA: the packed bf16 weights carry the slot; FP8 GEMMs take bf16 biases.
+        auto slot = [&](Fp8Gemm g) { return &fp8_slots[l * fp8_gemms + static_cast<int>(g)]; };
+        a.qkv.fused_w.fp8 = slot(Fp8Gemm::Qkv);
+        a.wo.fp8 = slot(Fp8Gemm::AttnOut);
+        mw[l].w1.fp8 = slot(Fp8Gemm::FfnIn);
+        mw[l].w2.fp8 = slot(Fp8Gemm::FfnOut);
+        a.bo = bias(pre + "attention.output.dense.bias");
+        mw[l].b2 = bias(pre + "output.dense.bias");
+      } else if (fp8_scaling && config.fp8.fp8Layer(l, config.num_layers)) {
+        const Mat qkv = fp8Weight(
+            l, Fp8Gemm::Qkv, {self + "query.weight", self + "key.weight", self + "value.weight"});
+        const std::int64_t h = config.hidden;
+        Mat* parts[3] = {&a.qkv.wq, &a.qkv.wk, &a.qkv.wv};
+        for (int i = 0; i < 3; ++i) {  // rows [i H, (i + 1) H) of the stacked copy
+          *parts[i] = qkv;
+          parts[i]->rows = h;
+          parts[i]->data =
+              reinterpret_cast<void*>(reinterpret_cast<std::intptr_t>(qkv.data) + i * h * h);
+        }
+        a.wo = fp8Weight(l, Fp8Gemm::AttnOut, {pre + "attention.output.dense.weight"});
+        mw[l].w1 = fp8Weight(l, Fp8Gemm::FfnIn, {pre + "intermediate.dense.weight"});
+        mw[l].w2 = fp8Weight(l, Fp8Gemm::FfnOut, {pre + "output.dense.weight"});
+      }
       ln2[l] = {masterVec(params, pre + "LayerNorm.weight"),
                 masterVec(params, pre + "LayerNorm.bias")};
       ln2g[l] = {masterVec(grads, pre + "LayerNorm.weight"),
@@ -404,10 +495,12 @@ template <class T> struct Esm2<T>::Impl {
         rebase(aw[l].qkv.fused_w);
         rebase(aw[l].qkv.fused_b);
         rebase(aw[l].wo);
+        rebase(aw[l].bo);  // bf16 only for an FP8 layer
         if (config.moe.isMoeLayer(l)) continue;
         rebase(mw[l].w1);
         rebase(mw[l].b1);
         rebase(mw[l].w2);
+        rebase(mw[l].b2);
       }
       std::vector<std::int64_t> host_chunks;
       constexpr std::int64_t kChunk = 16384;
@@ -419,6 +512,22 @@ template <class T> struct Esm2<T>::Impl {
       chunks = View1<std::int64_t>("plm::model::compute_chunks", host_chunks.size());
       Kokkos::deep_copy(chunks, Kokkos::View<const std::int64_t*, HostSpace>(host_chunks.data(),
                                                                              host_chunks.size()));
+      if (fp8_scaling) bindFp8Cuda(aw, mw);
+    }
+
+    if (fp8_scaling && !bf16) {
+      fp8_weights = View1<T>("plm::model::fp8_weights", fp8_at);
+      auto rebase = [&](Mat& m) {
+        if (m.fp8) m.data = fp8_weights.data() + reinterpret_cast<std::intptr_t>(m.data);
+      };
+      for (int l = 0; l < config.num_layers; ++l) {
+        rebase(aw[l].qkv.wq);
+        rebase(aw[l].qkv.wk);
+        rebase(aw[l].qkv.wv);
+        rebase(aw[l].wo);
+        rebase(mw[l].w1);
+        rebase(mw[l].w2);
+      }
     }
 
     LayerShape shape;
@@ -442,6 +551,7 @@ template <class T> struct Esm2<T>::Impl {
   }
 
   void refreshCompute() {
+    if (fp8_scaling && !bf16) refreshFp8();
     if (!bf16) return;
 #if PLM_HAVE_CUDA
     if constexpr (std::is_same_v<T, float>) {
@@ -450,6 +560,126 @@ template <class T> struct Esm2<T>::Impl {
       ctx.mark(OpKind::Other);
     }
 #endif
+#if PLM_FP8_CUDA
+    if (fp8_scaling) refreshFp8Cuda();
+#endif
+  }
+
+  /// CUDA fp8: device scales and amaxes per slot, E4M3 codes of each FP8 weight and of its
+  /// transpose (256-byte aligned), pointed to by the slots.
+  void bindFp8Cuda(const std::vector<AttentionWeights>& aw,
+                   const std::vector<DenseMlpWeights>& mw) {
+    fp8_cuda_weights.clear();
+    for (int l = 0; l < config.num_layers; ++l) {
+      if (!config.fp8.fp8Layer(l, config.num_layers)) continue;
+      for (const Mat* m : {&aw[l].qkv.fused_w, &aw[l].wo, &mw[l].w1, &mw[l].w2})
+        fp8_cuda_weights.emplace_back(const_cast<Fp8GemmSlot*>(m->fp8), *m);
+    }
+    auto padded = [](std::int64_t n) { return (n + 255) / 256 * 256; };
+    std::int64_t bytes = 0;
+    std::vector<std::int64_t> at;
+    for (const auto& w : fp8_cuda_weights) {
+      at.push_back(bytes);
+      bytes += 2 * padded(w.second.rows * w.second.cols);
+    }
+    fp8_codes = View1<std::uint8_t>("plm::model::fp8_codes", bytes);
+    const std::int64_t slots = static_cast<std::int64_t>(fp8_slots.size());
+    fp8_dev_scales = View1<float>("plm::model::fp8_scales", slots * 6);
+    fp8_dev_amax = View1<float>("plm::model::fp8_amax", slots * 3);
+    Kokkos::deep_copy(fp8_dev_scales, 1.0f);
+    for (std::int64_t i = 0; i < slots; ++i) {
+      fp8_slots[i].scales = fp8_dev_scales.data() + 6 * i;
+      fp8_slots[i].amaxes = fp8_dev_amax.data() + 3 * i;
+    }
+    for (std::size_t i = 0; i < fp8_cuda_weights.size(); ++i) {
+      Fp8GemmSlot* slot = fp8_cuda_weights[i].first;
+      const Mat& m = fp8_cuda_weights[i].second;
+      slot->w_codes = fp8_codes.data() + at[i];
+      slot->wt_codes = fp8_codes.data() + at[i] + padded(m.rows * m.cols);
+    }
+  }
+
+#if PLM_FP8_CUDA
+  /// CUDA fp8, once per step: this step's delayed scales to the device, then every FP8
+  /// weight's codes (and transpose) from the fresh bf16 copy, its amax recorded.
+  void refreshFp8Cuda() {
+    const auto stream = ctx.space().cuda_stream();
+    const Fp8Scaling& st = *fp8_scaling;
+    const int slots = static_cast<int>(fp8_slots.size());
+    fp8_host.assign(std::size_t(slots) * 6, 1.0f);
+    for (int i = 0; i < slots; ++i)
+      for (int o = 0; o < fp8_operands; ++o) {
+        const int t = fp8_slots[i].index(static_cast<Fp8Operand>(o));
+        fp8_host[6 * i + 2 * o] = st.scale(t);
+        fp8_host[6 * i + 2 * o + 1] = st.scaleInv(t);
+      }
+    PLM_CHECK_CUDA(cudaMemcpyAsync(fp8_dev_scales.data(), fp8_host.data(),
+                                   fp8_host.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                   stream));
+    PLM_CHECK_CUDA(cudaStreamSynchronize(stream));  // fp8_host is pageable and reused
+    const int w = static_cast<int>(Fp8Operand::Weight);
+    for (const auto& [slot, m] : fp8_cuda_weights) {
+      gpu::Fp8CastArgs a;
+      a.rows = m.rows;
+      a.cols = m.cols;
+      a.in = m.data;
+      a.in_type = gpu::DType::BF16;
+      a.ld_in = m.ld;
+      a.out_type = gpu::DType::E4M3;
+      a.out = const_cast<void*>(slot->w_codes);
+      a.ld_out = m.cols;
+      a.out_t = const_cast<void*>(slot->wt_codes);
+      a.ld_out_t = m.rows;
+      a.scale_inv = slot->scales + 2 * w + 1;
+      a.amax = slot->amaxes + w;
+      if (st.config().recipe == Fp8Recipe::Current) {
+        gpu::castFp8Current(stream, a, slot->scales + 2 * w);
+      } else {
+        a.scale = slot->scales + 2 * w;
+        a.amax_accumulate = true;
+        gpu::castFp8(stream, a);
+      }
+    }
+    ctx.mark(OpKind::Other);
+  }
+#endif
+
+  /// The end of a training step under fp8: the device amaxes (CUDA) into the host state, then
+  /// Fp8Scaling::endStep (one all-reduce).
+  void endFp8Step(MPI_Comm comm) {
+#if PLM_FP8_CUDA
+    if (bf16 && config.fp8.recipe == Fp8Recipe::Delayed) {
+      const auto stream = ctx.space().cuda_stream();
+      fp8_host.assign(fp8_dev_amax.extent(0), 0.0f);
+      PLM_CHECK_CUDA(cudaMemcpyAsync(fp8_host.data(), fp8_dev_amax.data(),
+                                     fp8_host.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                     stream));
+      PLM_CHECK_CUDA(cudaStreamSynchronize(stream));
+      PLM_CHECK_CUDA(
+          cudaMemsetAsync(fp8_dev_amax.data(), 0, fp8_host.size() * sizeof(float), stream));
+      for (std::size_t i = 0; i < fp8_slots.size(); ++i)
+        for (int o = 0; o < fp8_operands; ++o)
+          fp8_scaling->record(fp8_slots[i].index(static_cast<Fp8Operand>(o)), fp8_host[3 * i + o]);
+    }
+#endif
+    fp8_scaling->endStep(comm);
+  }
+
+  /// The quantised weight copy from the masters: each GEMM's weight (q, k, v as one) is
+  /// gathered and quantised as one tensor; under delayed scaling its amax is recorded for the
+  /// step (recording it twice in one step, e.g. by an evaluation, changes nothing: it is a max).
+  void refreshFp8() {
+    const auto& space = ctx.space();
+    for (const auto& fw : fp8_list) {
+      const std::int64_t part = (fw.rows / static_cast<std::int64_t>(fw.from.size())) * fw.cols;
+      for (std::size_t i = 0; i < fw.from.size(); ++i) {
+        const auto src = Kokkos::subview(params, std::make_pair(fw.from[i], fw.from[i] + part));
+        const std::int64_t at = fw.at + static_cast<std::int64_t>(i) * part;
+        Kokkos::deep_copy(space, Kokkos::subview(fp8_weights, std::make_pair(at, at + part)), src);
+      }
+      const View2<T> w(fp8_weights.data() + fw.at, fw.rows, fw.cols);
+      fp8QuantizeOperand(space, *fw.slot, Fp8Operand::Weight, Fp8Blocks::Square, true, w, w);
+    }
   }
 
   void ensureRotary(int max_len) {
@@ -778,6 +1008,12 @@ template <class T> void Esm2<T>::zeroGradients() {
 
 template <class T> void Esm2<T>::refreshComputeWeights() { impl_member->refreshCompute(); }
 
+template <class T> Fp8Scaling* Esm2<T>::fp8Scaling() { return impl_member->fp8_scaling.get(); }
+
+template <class T> void Esm2<T>::endFp8Step(MPI_Comm comm) {
+  if (impl_member->fp8_scaling) impl_member->endFp8Step(comm);
+}
+
 template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale,
                                                    bool refresh_weights) {
   auto& im = *impl_member;
@@ -790,6 +1026,7 @@ template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch
   Kokkos::Profiling::pushRegion("plm::model::forwardBackward");
   im.prepare(batch, false, true);
   im.beginMoe(static_cast<double>(im.w.labelled), grad_scale, true);
+  if (im.fp8_scaling) im.fp8_scaling->setRecording(true);  // training passes set the amaxes
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();
   im.forwardPass(true, grad_scale);
@@ -817,6 +1054,7 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
   const bool all_rows = outputs && outputs->want_logits;
   im.prepare(batch, all_rows, false);
   im.beginMoe(static_cast<double>(im.w.labelled), 0.0, false);
+  if (im.fp8_scaling) im.fp8_scaling->setRecording(false);
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();
   im.forwardPass(false, 1.0);

@@ -13,6 +13,7 @@
 
 #include "core/types.hpp"
 #include "data/batch.hpp"
+#include "model/fp8_scaling.hpp"
 #include "model/moe_config.hpp"
 #include "model/ops.hpp"
 
@@ -38,6 +39,7 @@ struct Esm2Config {
   Recompute recompute = Recompute::None;  // what backward recomputes instead of keeping
   Precision precision = Precision::Fp32;  // compute arithmetic (bf16: CUDA build, Esm2<float>)
   MoeConfig moe;  // Mixture-of-Experts FFN layers (moe.experts == 0: the dense ESM-2)
+  Fp8Config fp8;  // the FP8 recipe (read under precision == Fp8; doc/fp8.md)
 
   /// \brief esm2_8m, esm2_35m, esm2_150m, esm2_650m, esm2_3b, esm2_15b; throws a collective
   /// plm::Error listing the valid names otherwise.
@@ -128,6 +130,13 @@ template <class T> class Esm2 {
   /// \brief Recasts the compute-precision copy of the parameters (bf16 policy) from the
   /// masters; nothing under fp32.  Once per optimizer step is enough.
   void refreshComputeWeights();
+
+  /// \brief The FP8 scaling state (precision: fp8), nullptr otherwise.  The trainer ends each
+  /// step with endFp8Step(comm); checkpoints save and restore it.
+  Fp8Scaling* fp8Scaling();
+  /// \brief Collective over `comm` under fp8 (nothing otherwise): ends the step's scaling, the
+  /// device amaxes of the CUDA path included, with one all-reduce (Fp8Scaling::endStep).
+  void endFp8Step(MPI_Comm comm);
 
   /// \brief [offset, offset + count) of layer `layer`'s tensors in parameters() / gradients().
   std::pair<std::int64_t, std::int64_t> layerRange(int layer) const;

@@ -12,6 +12,7 @@
 #include "core/log.hpp"
 #include "model/cross_entropy.hpp"
 #include "model/embedding.hpp"
+#include "model/fp8_gemm.hpp"
 #include "model/gelu.hpp"
 #include "model/layer_norm.hpp"
 #include "model/linear.hpp"
@@ -20,6 +21,9 @@
 
 #if PLM_HAVE_CUDA
 #include "gpu/cudnn_attention.hpp"
+#if PLM_FP8_CUDA
+#include "gpu/fp8.hpp"
+#endif
 #include "gpu/flash_attention.hpp"
 #include "gpu/fused.hpp"
 #include "gpu/gemm.hpp"
@@ -105,12 +109,15 @@ bool Qkv::fused() const {
 Precision parsePrecision(const std::string& name) {
   if (name == "fp32") return Precision::Fp32;
   if (name == "bf16") return Precision::Bf16;
+  if (name == "fp8") return Precision::Fp8;
   throw collectiveError(
       "precision '" + name +
-      "' is not one of fp32, bf16 (train.precision in a deck, --precision of plm embed)");
+      "' is not one of fp32, bf16, fp8 (train.precision in a deck, --precision of plm embed)");
 }
 
-const char* precisionName(Precision p) { return p == Precision::Bf16 ? "bf16" : "fp32"; }
+const char* precisionName(Precision p) {
+  return p == Precision::Bf16 ? "bf16" : p == Precision::Fp8 ? "fp8" : "fp32";
+}
 
 Recompute parseRecompute(const std::string& name) {
   if (name == "none" || name == "false") return Recompute::None;
@@ -337,6 +344,11 @@ struct Mm {
   void* bias_grad = nullptr;
   const void* c = nullptr;
   std::int64_t ldc = 0;
+#if PLM_FP8_CUDA
+  gpu::DType a_type = gpu::DType::BF16, b_type = gpu::DType::BF16;  // FP8: both E4M3/E5M2
+  const float* a_scale_inv = nullptr;
+  const float* b_scale_inv = nullptr;
+#endif
 };
 
 void runGemm(OpContext& ctx, const Mm& x) {
@@ -361,6 +373,12 @@ void runGemm(OpContext& ctx, const Mm& x) {
   g.bias_grad = x.bias_grad;
   g.c = x.c;
   g.ldc = x.ldc;
+#if PLM_FP8_CUDA
+  g.a_type = x.a_type;
+  g.b_type = x.b_type;
+  g.a_scale_inv = x.a_scale_inv;
+  g.b_scale_inv = x.b_scale_inv;
+#endif
   ctx.cuda().gemm.run(streamOf(ctx), g);
   ctx.mark(OpKind::Gemm);
 }
@@ -380,8 +398,10 @@ Mm forwardGemm(const Mat& x, const Mat& w, const Mat& y) {
   return m;
 }
 
-/// dw (out, in) += dy^T x with db (out) += column sums of dy, through the BGRADB epilogue.
-void weightGradient(OpContext& ctx, const Mat& x, const Mat& dy, const Mat& dw, const Vec& db) {
+/// dw (out, in) = beta dw + dy^T x with db (out) += column sums of dy, through the BGRADB
+/// epilogue.
+void weightGradient(OpContext& ctx, const Mat& x, const Mat& dy, const Mat& dw, float* db,
+                    float beta = 1.0f) {
   const std::int64_t out = dy.cols, in = x.cols;
   auto* bias_scratch = static_cast<float*>(ctx.scratch(0, (out + 64) * sizeof(float)));
   Mm m;
@@ -394,12 +414,25 @@ void weightGradient(OpContext& ctx, const Mat& x, const Mat& dy, const Mat& dw, 
   m.b = cptr<bf16>(x);
   m.ldb = x.ld;
   m.d = &dw;
-  m.beta = 1.0f;
+  m.beta = beta;
   m.epilogue = gpu::Epilogue::BGradA;
   m.bias_grad = bias_scratch;
   runGemm(ctx, m);
-  gpu::addInto(streamOf(ctx), vptr<float>(db), bias_scratch, out);
+  gpu::addInto(streamOf(ctx), db, bias_scratch, out);
   ctx.mark(OpKind::Other);
+}
+
+/// The output side of an input-gradient GEMM: dx (beta 1 when accumulating), the epilogue and
+/// its aux (bf16 and FP8 dgrad alike).
+void setInputGradientOutput(Mm& m, const Mat& dx, bool accumulate, gpu::Epilogue epilogue,
+                            const Mat* aux) {
+  m.d = &dx;
+  m.beta = accumulate ? 1.0f : 0.0f;
+  m.epilogue = epilogue;
+  if (aux) {
+    m.aux = aux->data;
+    m.ldaux = aux->ld;
+  }
 }
 
 /// dx = (accumulate ? dx : 0) + dy W, with an optional epilogue reading `aux`.
@@ -413,15 +446,164 @@ void inputGradient(OpContext& ctx, const Mat& dy, const Mat& w, const Mat& dx, b
   m.lda = dy.ld;
   m.b = cptr<bf16>(w);
   m.ldb = w.ld;
-  m.d = &dx;
-  m.beta = accumulate ? 1.0f : 0.0f;
+  setInputGradientOutput(m, dx, accumulate, epilogue, aux);
+  runGemm(ctx, m);
+}
+
+#if PLM_FP8_CUDA
+// ---- FP8 GEMMs on the CUDA path (train.precision: fp8; doc/fp8.md) -------------------------
+// The weight's E4M3 codes and their transpose were cast once per step (esm2.cpp); here the
+// activation and the output gradient are cast per call into grow-only scratch (slots 20-23) with
+// the slot's device scale (delayed: uploaded from Fp8Scaling each step, amax max-accumulated
+// for its endStep) or their own amax (current), and the GEMMs run in Hopper's TN layout
+// (gpu/fp8.hpp's table): forward A = X (T,in), B = W (out,in); dgrad A = dY (T,out), B = W^T
+// (in,out); wgrad A = dY^T (out,T), B = X^T (in,T).  The bias gradient comes from the
+// unquantised dY in the pass that casts it (col_sum).
+
+std::int64_t pad16(std::int64_t n) { return (n + 15) / 16 * 16; }
+
+gpu::DType gpuFormat(fp8::Format f) {
+  return f == fp8::Format::E4M3 ? gpu::DType::E4M3 : gpu::DType::E5M2;
+}
+
+struct Fp8Operand8 {
+  const void* codes = nullptr;
+  std::int64_t ld = 0;
+  gpu::DType type = gpu::DType::E4M3;
+  const float* scale_inv = nullptr;
+};
+
+/// Casts bf16 operand `o` of the slot's GEMM, x (rows, cols), into scratch: `direct` (rows,
+/// cols) and/or `transposed` (cols, rows); col_sum (optional) += column sums of x.
+void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& x,
+                 Fp8Operand8* direct, Fp8Operand8* transposed, float* col_sum = nullptr,
+                 int scratch_base = 20) {
+  const Fp8Scaling& st = *s.scaling;
+  const int k = static_cast<int>(o);
+  gpu::Fp8CastArgs a;
+  a.rows = x.rows;
+  a.cols = x.cols;
+  a.in = cptr<bf16>(x);
+  a.in_type = gpu::DType::BF16;
+  a.ld_in = x.ld;
+  a.out_type = gpuFormat(st.format(o));
+  if (direct) {
+    a.ld_out = pad16(x.cols);
+    a.out = ctx.scratch(scratch_base, static_cast<std::size_t>(x.rows * a.ld_out));
+    *direct = {a.out, a.ld_out, a.out_type, s.scales + 2 * k + 1};
+  }
+  if (transposed) {
+    // Rows padded to 16 with zero codes: the weight-gradient GEMM's K (the tokens) runs to the
+    // padded length, as FP8 GEMMs want K and leading dimensions in multiples of 16.
+    a.ld_out_t = pad16(x.rows);
+    const auto bytes = static_cast<std::size_t>(x.cols * a.ld_out_t);
+    a.out_t = ctx.scratch(scratch_base + 1, bytes);
+    if (a.ld_out_t != x.rows) PLM_CHECK_CUDA(cudaMemsetAsync(a.out_t, 0, bytes, streamOf(ctx)));
+    *transposed = {a.out_t, a.ld_out_t, a.out_type, s.scales + 2 * k + 1};
+  }
+  if (col_sum) {
+    a.col_sum = col_sum;
+    a.col_sum_accumulate = true;
+    a.workspace = ctx.scratch(scratch_base + 2, gpu::fp8ColSumWorkspace(x.rows, x.cols));
+  }
+  a.scale_inv = s.scales + 2 * k + 1;
+  if (st.config().recipe == Fp8Recipe::Current) {
+    a.amax = s.amaxes + k;
+    gpu::castFp8Current(streamOf(ctx), a, s.scales + 2 * k);
+  } else {
+    a.scale = s.scales + 2 * k;
+    if (st.recording()) {
+      a.amax = s.amaxes + k;
+      a.amax_accumulate = true;
+    }
+    gpu::castFp8(streamOf(ctx), a);
+  }
+  ctx.mark(OpKind::Other);
+}
+
+void setFp8(Mm& m, const Fp8Operand8& a, const Fp8Operand8& b) {
+  m.a = a.codes;
+  m.lda = a.ld;
+  m.a_type = a.type;
+  m.a_scale_inv = a.scale_inv;
+  m.b = b.codes;
+  m.ldb = b.ld;
+  m.b_type = b.type;
+  m.b_scale_inv = b.scale_inv;
+}
+
+/// The weight's codes as the B operand: W (out, in) for the forward, W^T (in, out) for dgrad.
+Fp8Operand8 weightCodes(const Fp8GemmSlot& s, const Mat& w, bool transposed) {
+  const int k = static_cast<int>(Fp8Operand::Weight);
+  return {transposed ? s.wt_codes : s.w_codes, transposed ? w.rows : w.cols, gpu::DType::E4M3,
+          s.scales + 2 * k + 1};
+}
+
+/// y = x W^T + bias (+ epilogue / residual C) with FP8 operands; the bias is bf16.
+void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& y,
+                    gpu::Epilogue epilogue, const Mat* aux, const Mat* residual) {
+  const Fp8GemmSlot& s = *w.fp8;
+  Fp8Operand8 xq;
+  castOperand(ctx, s, Fp8Operand::Input, x, &xq, nullptr);
+  Mm m;
+  m.tb = true;
+  m.m = x.rows;
+  m.n = w.rows;
+  m.k = x.cols;
+  setFp8(m, xq, weightCodes(s, w, false));
+  m.d = &y;
+  expect(b.dtype, DType::BF16, "the bias of an FP8 GEMM (cuBLASLt takes it in bf16)");
   m.epilogue = epilogue;
+  m.bias = b.data;
   if (aux) {
     m.aux = aux->data;
     m.ldaux = aux->ld;
   }
+  if (residual) {
+    m.beta = 1.0f;
+    m.c = residual->data;
+    m.ldc = residual->ld;
+  }
   runGemm(ctx, m);
 }
+
+/// dx = (accumulate ? dx : 0) + dY W (epilogue dGELU with aux = pre), dW (+)= dY^T X (fp32,
+/// beta = dw_beta), db += column sums of dY.  wgrad: bf16 runs the bf16 weight-gradient GEMM.
+void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, const Mat& dx,
+                     bool accumulate, const Mat& dw, float dw_beta, float* db,
+                     gpu::Epilogue epilogue = gpu::Epilogue::None, const Mat* aux = nullptr) {
+  const Fp8GemmSlot& s = *w.fp8;
+  const bool fp8_wgrad = s.scaling->config().wgrad == Fp8Wgrad::Fp8;
+  Fp8Operand8 dyq, dyq_t;
+  castOperand(ctx, s, Fp8Operand::Grad, dy, &dyq, fp8_wgrad ? &dyq_t : nullptr,
+              fp8_wgrad ? db : nullptr);
+  if (!dx.empty()) {
+    Mm m;
+    m.tb = true;
+    m.m = dy.rows;
+    m.n = w.cols;
+    m.k = dy.cols;
+    setFp8(m, dyq, weightCodes(s, w, true));
+    setInputGradientOutput(m, dx, accumulate, epilogue, aux);
+    runGemm(ctx, m);
+  }
+  if (!fp8_wgrad) {  // high precision: the bf16 GEMM, the bias gradient from its epilogue
+    weightGradient(ctx, x, dy, dw, db, dw_beta);
+    return;
+  }
+  Fp8Operand8 xq_t;
+  castOperand(ctx, s, Fp8Operand::Input, x, nullptr, &xq_t, nullptr, 24);
+  Mm m;
+  m.tb = true;
+  m.m = dy.cols;
+  m.n = x.cols;
+  m.k = pad16(dy.rows);  // the zero-padded tokens add nothing
+  setFp8(m, dyq_t, xq_t);
+  m.d = &dw;
+  m.beta = dw_beta;
+  runGemm(ctx, m);
+}
+#endif
 
 /// The kernels that run for this head_dim.  Auto, measured on the H100 (doc/performance.md,
 /// 2026-11-25): cuDNN both ways from head_dim 64 (esm2_650m +3%), the own flash attention below
@@ -512,6 +694,72 @@ template <class T, class S> void copyStridedPortable(const ExecSpace& space, con
       "plm::model::copy_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, dst.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t r) {
         for (int c = 0; c < cols; ++c) dst(r, c) = static_cast<T>(src[r * ld + c]);
+      });
+}
+
+/// y = beta y + x W^T + b on the portable path: the FP8 emulation when the weight carries an
+/// FP8 slot, the plain linear layer otherwise.
+template <class T> void portableLinear(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b,
+                                       T beta, const Mat& y) {
+  if (w.fp8)
+    fp8LinearForward(ctx, *w.fp8, x.view<T>(), w.view<T>(), b.view<T>(), beta, y.view<T>());
+  else
+    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), beta, y.view<T>());
+}
+
+/// The backward of portableLinear: dx = dx_beta dx + dy W (dx may be empty), dW, db +=.
+template <class T> void portableLinearBackward(OpContext& ctx, const Mat& x, const Mat& w,
+                                               const Mat& dy, T dx_beta, const Mat& dx,
+                                               const Mat& dw, const Vec& db) {
+  const View2<T> dxv = dx.empty() ? View2<T>() : dx.view<T>();
+  if (w.fp8)
+    fp8LinearBackward(ctx, *w.fp8, x.view<T>(), w.view<T>(), dy.view<T>(), dx_beta, dxv,
+                      dw.view<T>(), db.view<T>());
+  else
+    model::linearBackward(ctx.space(), x.view<T>(), w.view<T>(), dy.view<T>(), dx_beta, dxv,
+                          dw.view<T>(), db.view<T>());
+}
+
+/// The q/k/v backward under FP8 on the portable path: one GEMM's worth of operands, as the
+/// stacked (3H, H) weight of the GPU path sees them, so current and block scaling quantise the
+/// (T, 3H) output gradient as one tensor.  The compute copy stacks wq, wk, wv (esm2.cpp).
+template <class T> void fp8QkvBackward(OpContext& ctx, const Mat& x, const QkvWeights& w,
+                                       const Qkv& d, const Mat& dx, const QkvGrads& g) {
+  const std::int64_t rows = d.q.rows, h = d.q.cols;
+  const auto& space = ctx.space();
+  const auto step = static_cast<std::ptrdiff_t>(h * h);
+  if (w.wk.data != w.wq.ptr<T>() + step || w.wv.data != w.wq.ptr<T>() + 2 * step)
+    throw Error("plm::model::qkvBackward: FP8 q/k/v weights are not stacked (a bug in esm2.cpp)");
+  const View2<T> dall(static_cast<T*>(ctx.scratch(11, sizeof(T) * rows * 3 * h)), rows, 3 * h);
+  const View2<T> gw(static_cast<T*>(ctx.scratch(12, sizeof(T) * 3 * h * h)), 3 * h, h);
+  const View1<T> gb(static_cast<T*>(ctx.scratch(13, sizeof(T) * 3 * h)), 3 * h);
+  const View2<T> dq = d.q.view<T>(), dk = d.k.view<T>(), dv = d.v.view<T>();
+  Kokkos::parallel_for(
+      "plm::model::fp8_stack_qkv_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
+      KOKKOS_LAMBDA(const std::int64_t r) {
+        for (std::int64_t c = 0; c < h; ++c) {
+          dall(r, c) = dq(r, c);
+          dall(r, h + c) = dk(r, c);
+          dall(r, 2 * h + c) = dv(r, c);
+        }
+      });
+  Kokkos::deep_copy(space, gw, T(0));
+  Kokkos::deep_copy(space, gb, T(0));
+  const View2<T> wall(w.wq.ptr<T>(), 3 * h, h);
+  fp8LinearBackward(ctx, *w.wq.fp8, x.view<T>(), wall, dall, T(0), dx.view<T>(), gw, gb);
+  const View2<T> gq = g.wq.view<T>(), gk = g.wk.view<T>(), gv = g.wv.view<T>();
+  const View1<T> bq = g.bq.view<T>(), bk = g.bk.view<T>(), bv = g.bv.view<T>();
+  Kokkos::parallel_for(
+      "plm::model::fp8_unstack_qkv_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, h),
+      KOKKOS_LAMBDA(const std::int64_t r) {
+        for (std::int64_t c = 0; c < h; ++c) {
+          gq(r, c) += gw(r, c);
+          gk(r, c) += gw(h + r, c);
+          gv(r, c) += gw(2 * h + r, c);
+        }
+        bq(r) += gb(r);
+        bk(r) += gb(h + r);
+        bv(r) += gb(2 * h + r);
       });
 }
 
@@ -653,6 +901,9 @@ void layerNormBackward(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec
 void linear(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& y) {
   if (isBf16(x)) {
 #if PLM_HAVE_CUDA
+#if PLM_FP8_CUDA
+    if (w.fp8) return fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::Bias, nullptr, nullptr);
+#endif
     Mm m = forwardGemm(x, w, y);
     expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
     m.epilogue = gpu::Epilogue::Bias;
@@ -665,7 +916,7 @@ void linear(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat&
   }
   portable(x.dtype, "linear", [&](auto t) {
     using T = decltype(t);
-    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), T(0), y.view<T>());
+    portableLinear<T>(ctx, x, w, b, T(0), y);
   });
 }
 
@@ -673,6 +924,9 @@ void linearResidual(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
                     const Mat& y) {
   if (isBf16(x)) {
 #if PLM_HAVE_CUDA
+#if PLM_FP8_CUDA
+    if (w.fp8) return fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::Bias, nullptr, &residual);
+#endif
     Mm m = forwardGemm(x, w, y);
     expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
     m.epilogue = gpu::Epilogue::Bias;
@@ -690,7 +944,7 @@ void linearResidual(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
     using T = decltype(t);
     const View2<T> out = y.view<T>();
     if (residual.data != y.data) Kokkos::deep_copy(ctx.space(), out, residual.view<T>());
-    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), T(1), out);
+    portableLinear<T>(ctx, x, w, b, T(1), y);
   });
 }
 
@@ -698,6 +952,9 @@ void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const 
                 const Mat& y) {
   if (isBf16(x)) {
 #if PLM_HAVE_CUDA
+#if PLM_FP8_CUDA
+    if (w.fp8) return fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::BiasGeluAux, &pre, nullptr);
+#endif
     Mm m = forwardGemm(x, w, y);
     expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
     m.epilogue = gpu::Epilogue::BiasGeluAux;
@@ -712,7 +969,7 @@ void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const 
   }
   portable(x.dtype, "linearGelu", [&](auto t) {
     using T = decltype(t);
-    linearForward(ctx.space(), x.view<T>(), w.view<T>(), b.view<T>(), T(0), pre.view<T>());
+    portableLinear<T>(ctx, x, w, b, T(0), pre);
     geluForward(ctx.space(), pre.view<T>(), y.view<T>());
   });
 }
@@ -721,7 +978,10 @@ void linearBackward(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, c
                     bool dx_accumulate, const Mat& dw, const Vec& db) {
   if (isBf16(dy)) {
 #if PLM_HAVE_CUDA
-    weightGradient(ctx, x, dy, dw, db);
+#if PLM_FP8_CUDA
+    if (w.fp8) return fp8BackwardCuda(ctx, x, w, dy, dx, dx_accumulate, dw, 1.0f, vptr<float>(db));
+#endif
+    weightGradient(ctx, x, dy, dw, vptr<float>(db));
     if (!dx.empty()) inputGradient(ctx, dy, w, dx, dx_accumulate);
     return;
 #else
@@ -730,9 +990,7 @@ void linearBackward(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, c
   }
   portable(dy.dtype, "linearBackward", [&](auto t) {
     using T = decltype(t);
-    model::linearBackward(ctx.space(), x.view<T>(), w.view<T>(), dy.view<T>(),
-                          dx_accumulate ? T(1) : T(0), dx.empty() ? View2<T>() : dx.view<T>(),
-                          dw.view<T>(), db.view<T>());
+    portableLinearBackward<T>(ctx, x, w, dy, dx_accumulate ? T(1) : T(0), dx, dw, db);
   });
 }
 
@@ -740,7 +998,12 @@ void linearBackwardGelu(OpContext& ctx, const Mat& x, const Mat& w, const Mat& d
                         const Mat& dpre, const Mat& dw, const Vec& db) {
   if (isBf16(dy)) {
 #if PLM_HAVE_CUDA
-    weightGradient(ctx, x, dy, dw, db);
+#if PLM_FP8_CUDA
+    if (w.fp8)
+      return fp8BackwardCuda(ctx, x, w, dy, dpre, false, dw, 1.0f, vptr<float>(db),
+                             gpu::Epilogue::DGelu, &pre);
+#endif
+    weightGradient(ctx, x, dy, dw, vptr<float>(db));
     inputGradient(ctx, dy, w, dpre, false, gpu::Epilogue::DGelu, &pre);
     return;
 #else
@@ -749,8 +1012,7 @@ void linearBackwardGelu(OpContext& ctx, const Mat& x, const Mat& w, const Mat& d
   }
   portable(dy.dtype, "linearBackwardGelu", [&](auto t) {
     using T = decltype(t);
-    model::linearBackward(ctx.space(), x.view<T>(), w.view<T>(), dy.view<T>(), T(0), dpre.view<T>(),
-                          dw.view<T>(), db.view<T>());
+    portableLinearBackward<T>(ctx, x, w, dy, T(0), dpre, dw, db);
     model::geluBackward(ctx.space(), pre.view<T>(), dpre.view<T>(), dpre.view<T>());
   });
 }
@@ -802,6 +1064,23 @@ void qkvBackward(OpContext& ctx, const Mat& x, const QkvWeights& w, const Qkv& d
     Mat dall = d.q;
     dall.cols = 3 * h;
     Mat gw{grad, DType::F32, 3 * h, h, h};
+#if PLM_FP8_CUDA
+    if (w.fused_w.fp8) {
+      // One FP8 (3H, H) GEMM pair: the weight gradient written (=) into the scratch, the bias
+      // gradient summed into it from the cast of dq|dk|dv, then added as below.
+      PLM_CHECK_CUDA(cudaMemsetAsync(grad + 3 * h * h, 0, 3 * h * sizeof(float), streamOf(ctx)));
+      fp8BackwardCuda(ctx, x, w.fused_w, dall, dx, false, gw, 0.0f, grad + 3 * h * h);
+      const auto st = streamOf(ctx);
+      const Mat* gws[3] = {&g.wq, &g.wk, &g.wv};
+      const Vec* gbs[3] = {&g.bq, &g.bk, &g.bv};
+      for (int part = 0; part < 3; ++part) {
+        gpu::addInto(st, mptr<float>(*gws[part]), grad + part * h * h, h * h);
+        gpu::addInto(st, vptr<float>(*gbs[part]), grad + 3 * h * h + part * h, h);
+      }
+      ctx.mark(OpKind::Other);
+      return;
+    }
+#endif
     Mm m;
     m.ta = true;
     m.m = 3 * h;
@@ -828,6 +1107,13 @@ void qkvBackward(OpContext& ctx, const Mat& x, const QkvWeights& w, const Qkv& d
 #else
     noCuda("qkvBackward");
 #endif
+  }
+  if (w.wq.fp8) {
+    portable(d.q.dtype, "qkvBackward", [&](auto t) {
+      using T = decltype(t);
+      fp8QkvBackward<T>(ctx, x, w, d, dx, g);
+    });
+    return;
   }
   linearBackward(ctx, x, w.wq, d.q, dx, false, g.wq, g.bq);
   linearBackward(ctx, x, w.wk, d.k, dx, true, g.wk, g.bk);

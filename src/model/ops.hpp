@@ -27,6 +27,8 @@
 
 namespace plm::model {
 
+struct Fp8GemmSlot;  // fp8_scaling.hpp
+
 /// Element types of model tensors.
 enum class DType : std::uint8_t { F32, F64, BF16 };
 
@@ -42,6 +44,9 @@ struct Mat {
   void* data = nullptr;
   DType dtype = DType::F32;
   std::int64_t rows = 0, cols = 0, ld = 0;
+  /// Set on a GEMM weight under the FP8 policy (train.precision: fp8): the weight is the
+  /// quantised compute copy and the GEMM's other operands are quantised too (fp8_gemm.hpp).
+  const Fp8GemmSlot* fp8 = nullptr;
 
   bool empty() const { return data == nullptr; }
   /// \brief Columns [first, first + count) of every row (same ld).
@@ -73,8 +78,11 @@ template <class E> Vec vecOf(const View1<E>& v) {
 
 /// The arithmetic of the model's compute: `train.precision` in the deck.  Master parameters,
 /// gradients, the residual stream and the optimizer stay in the model's scalar type (fp32).
-enum class Precision { Fp32, Bf16 };
-Precision parsePrecision(const std::string& name);  // "fp32" | "bf16"; collective error otherwise
+/// Fp8: the four GEMMs of each encoder layer (outside fp8's bf16 ranges) in FP8 with the
+/// scaling recipe of Esm2Config::fp8, everything else as Fp32 (the portable emulation,
+/// fp8_gemm.hpp; doc/fp8.md).
+enum class Precision { Fp32, Bf16, Fp8 };
+Precision parsePrecision(const std::string& name);  // "fp32" | "bf16" | "fp8"; else collective
 const char* precisionName(Precision p);
 
 /// What the backward pass recomputes instead of keeping (`model.recompute` in the deck).

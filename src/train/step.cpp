@@ -187,6 +187,10 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
     phase::set("gradient all-reduce (finish)");
     sync.finish(space);
   }
+  if (model.fp8Scaling()) {  // the step's amaxes: one all-reduce (MAX), new scales
+    phase::set("fp8 amax all-reduce (MPI)");
+    model.endFp8Step(comm);
+  }
   reduce(s, comm);
   Kokkos::Profiling::popRegion();
   return s;

@@ -10,6 +10,7 @@
 #include "dist/runtime.hpp"
 #include "io/model_file.hpp"
 #include "train/blas_threads.hpp"
+#include "train/fp8_run.hpp"
 #include "train/fsdp.hpp"
 #include "train/moe_run.hpp"
 #include "train/preemption.hpp"
@@ -69,6 +70,7 @@ model::Esm2Config modelConfigFromDeck(const Teuchos::ParameterList& deck) {
   config.recompute = model::parseRecompute(m.get<std::string>("recompute"));
   applyMoeSection(deck, config);
   config.precision = model::parsePrecision(section(deck, "train").get<std::string>("precision"));
+  applyFp8Section(deck, config);
   config.validate();
   return config;
 }

@@ -4,6 +4,7 @@
 // background thread while the trainer changes its state.
 #pragma once
 
+#include "ckpt/detail/scaling.hpp"
 #include "core/types.hpp"
 #include "model/esm2.hpp"
 #include "train/adamw.hpp"
@@ -41,6 +42,7 @@ struct Snapshot {
   std::string dataset_path;
   std::int64_t dataset_sequences = 0, dataset_residues = 0;
   std::string deck_yaml;
+  ScalingState scaling;  // FP8 scaling state (/scaling)
   // Host copies (sync on a GPU), or the optimizer's own buffers (sync on the CPU): kept alive.
   HostBuffer host_master, host_exp_avg, host_exp_avg_sq;
   // What the writer reads: host_* or an asynchronous saver's buffers.
