@@ -77,7 +77,7 @@ Pass oneRank(const Esm2Config& c, const data::MicroBatch& batch) {
 }
 
 Pass contextParallel(const Esm2Config& c, const data::MicroBatch& batch, MPI_Comm group) {
-  auto comm = dist::makeCommunicator(group, dist::Backend::Mpi);
+  auto comm = dist::makeCommunicator(group, dist::defaultBackend(group));
   Esm2<double> m(c);
   randomize(m, 3);
   m.setContextParallel(comm.get());
@@ -213,7 +213,7 @@ TEST(ContextModel, DataParallelStepMatchesOneRank) {
     const int groups = world / degree;
     const TrainRun ref = referenceRun(c, groups);
     dist::ProcessGroups pg(MPI_COMM_WORLD, 1, degree);
-    auto comm = dist::makeCommunicator(pg.context(), dist::Backend::Mpi);
+    auto comm = dist::makeCommunicator(pg.context(), dist::defaultBackend(pg.context()));
     Esm2<float> m(c);
     m.initialize(9);
     m.setContextParallel(comm.get());

@@ -37,7 +37,7 @@ TEST(ContextLongSequence, Trains16384TokensAtContextDegree2) {
   }
   MPI_Bcast(&whole, 1, MPI_DOUBLE, 0, MPI_COMM_WORLD);
 
-  auto comm = dist::makeCommunicator(MPI_COMM_WORLD, dist::Backend::Mpi);
+  auto comm = dist::makeCommunicator(MPI_COMM_WORLD, dist::defaultBackend(MPI_COMM_WORLD));
   model::Esm2<float> m(c);
   m.initialize(5);
   m.setContextParallel(comm.get());

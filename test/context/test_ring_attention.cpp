@@ -80,7 +80,8 @@ template <class T> double maxDiff(const View2<T>& a, const View2<T>& b, double* 
 }
 
 template <class T> void ringMatchesWhole(MPI_Comm group, double tol, const std::string& what) {
-  auto comm = dist::makeCommunicator(group, dist::Backend::Mpi);
+  // NCCL where every rank has its own GPU, else MPI (staged through the host on a GPU build).
+  auto comm = dist::makeCommunicator(group, dist::defaultBackend(group));
   const int c = comm->size(), r = comm->rank();
   const int heads = 2, d = 6, h = heads * d;
   const data::MicroBatch batch = model::test::makeBatch({1, 2, 3, 5, 8, 17, 40, 129, 300, 7}, 5);
