@@ -122,11 +122,9 @@ struct RingAttention::Impl {
     View1<T> work(slab<T>(4, tmax * h), tmax * h);
     const View2<T> q = qkv.q.view<T>(), out = o.view<T>(), l = lse.view<T>();
     for (int i = 0; i < size; ++i) {
-      const int j = holder(i), jn = holder(i + 1);
+      const int j = holder(i);
       const std::int64_t tj = tokens_of[j];
-      Pending p;
-      if (i + 1 < size)
-        p = post(space, kv[i % 2], 2 * tj * h, kv[(i + 1) % 2], 2 * tokens_of[jn] * h, 0);
+      Pending p = passOn(space, kv, i, h);
       const View2<T> kj(kv[i % 2], tj, h), vj(kv[i % 2] + tj * h, tj, h);
       if (i == 0) {
         attentionForward(space, q, kj, vj, cu[rank], cu[j], heads, out, l, ctx.tiles, work);
@@ -134,8 +132,16 @@ struct RingAttention::Impl {
         attentionForward(space, q, kj, vj, cu[rank], cu[j], heads, o_blk, lse_blk, ctx.tiles, work);
         merge(space, out, l, o_blk, lse_blk, heads);
       }
-      if (i + 1 < size) wait<T>(space, p);
+      wait<T>(space, p);
     }
+  }
+
+  /// Step i's K/V exchange (none after the last step): the shard held now goes to the next
+  /// rank while the one for step i+1 arrives in the other buffer.
+  template <class T> Pending passOn(const ExecSpace& space, T* const kv[2], int i, std::int64_t h) {
+    if (i + 1 == size) return Pending{};
+    return post(space, kv[i % 2], 2 * tokens_of[holder(i)] * h, kv[(i + 1) % 2],
+                2 * tokens_of[holder(i + 1)] * h, 0);
   }
 
   /// (out, lse) <- the log-sum-exp merge of (out, lse) and (ob, lb); -inf is an empty part.
@@ -185,11 +191,9 @@ struct RingAttention::Impl {
     const View2<T> dO = dout.view<T>(), dl = delta.view<T>(), dq = dqkv.q.view<T>();
     Pending grads;  // the dK/dV partials in flight
     for (int i = 0; i < size; ++i) {
-      const int j = holder(i), jn = holder(i + 1);
+      const int j = holder(i);
       const std::int64_t tj = tokens_of[j];
-      Pending p;
-      if (i + 1 < size)
-        p = post(space, kv[i % 2], 2 * tj * h, kv[(i + 1) % 2], 2 * tokens_of[jn] * h, 0);
+      Pending p = passOn(space, kv, i, h);
       const View2<T> kj(kv[i % 2], tj, h), vj(kv[i % 2] + tj * h, tj, h);
       const View2<T> dkj(dkv_blk, tj, h), dvj(dkv_blk + tj * h, tj, h);
       attentionBackward(space, q, kj, vj, out, l, dO, cu[rank], cu[j], heads, dl,
@@ -203,8 +207,8 @@ struct RingAttention::Impl {
         add(space, acc, dkv_blk, 2 * tj * h);
       }
       // After the last step the partials of this rank's own shard come home.
-      grads = post(space, acc, 2 * tj * h, dkv[(i + 1) % 2], 2 * tokens_of[jn] * h, 1);
-      if (i + 1 < size) wait<T>(space, p);
+      grads = post(space, acc, 2 * tj * h, dkv[(i + 1) % 2], 2 * tokens_of[holder(i + 1)] * h, 1);
+      wait<T>(space, p);
     }
     wait<T>(space, grads);
     const T* own = dkv[size % 2];
@@ -248,6 +252,7 @@ void RingAttention::setLayout(const ExecSpace& space, const std::vector<seqlen_t
 }
 
 namespace {
+/// ops.cpp's portable() with the message a user of context parallelism needs (the deck keys).
 template <class F> void ringPortable(DType d, const char* op, F&& f) {
   if (d == DType::F32)
     f(float{});

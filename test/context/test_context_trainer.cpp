@@ -27,7 +27,9 @@ namespace fs = std::filesystem;
 
 std::string dir;
 
-/// Random proteins of 1 to 298 residues (rank 0 writes, every rank waits).
+/// Random proteins of 1 to 298 residues (rank 0 writes, every rank waits).  Unlike
+/// test_trainer's learnable 20..90-residue proteins, the lengths start at 1 so that short
+/// sequences leave context shards empty.
 void writeDataset(const std::string& path, int count, std::uint64_t seed) {
   if (plm::dist::worldRank() == 0) {
     std::mt19937_64 gen(seed);
