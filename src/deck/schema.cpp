@@ -300,7 +300,8 @@ const std::vector<std::string>& rules() {
       "data.tokens_per_batch >= data.micro_batch_tokens >= data.max_seq_len.",
       "schedule.decay_steps is 0 or >= schedule.warmup_steps.",
       "moe.top_k <= moe.experts; parallel.expert_degree divides moe.experts and the world size.",
-      "data.max_seq_len <= model.max_positions - 2; parallel.context_degree divides the world size.",
+      "data.max_seq_len <= model.max_positions - 2; parallel.context_degree divides the world "
+      "size.",
   };
   return table;
 }
