@@ -2,7 +2,7 @@
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
-#                                       fp8_bench fp8_curves
+#                                       fp8_bench fp8_curves context
 #   fp8: test_gpu_fp8 (every FP8 cast and GEMM layout vs host references) and
 #        bench_gpu_fp8_gemm (650M layer GEMMs bf16 vs FP8 per-tensor vs FP8 block; cast GB/s),
 #        their full logs copied to $OUT (fp8_test.log, fp8_bench.log)
@@ -168,6 +168,24 @@ if has fsdp && [[ -x "$fsdp_test" ]]; then
     timeout 300 mpiexec -n $np --oversubscribe "$fsdp_test" > "$log" 2>&1
     note "test_train_fsdp np$np rc=$?"
     grep -E "ranks:|PASSED|FAILED|SKIPPED|Failure" "$log" | tee -a "$summary"
+  done
+fi
+
+ctx_dir=$pkg/tree/test/context  # packaged with PLM_PKG_CTEST=1
+if has context && [[ -d "$ctx_dir" ]]; then
+  # Context parallelism (fp32 ring attention on the portable kernels, K/V over NCCL
+  # sendRecv with one GPU per rank: nvidia-h200-x2 / -x4; ranks sharing one GPU go through MPI
+  # with host staging): ring attention against whole attention, ESM-2 at context degree 2/4
+  # against one rank, the 16,384-token sequence at degree 2.
+  for t in test_context_ring_attention test_context_model test_context_long_sequence; do
+    for np in 2 4; do
+      [[ $t == test_context_long_sequence && $np == 4 ]] && continue
+      log="$out/${t}_np$np.log"
+      start=$(date +%s)
+      timeout 600 mpiexec -n $np --oversubscribe "$ctx_dir/$t" > "$log" 2>&1
+      note "$t np$np rc=$? $(( $(date +%s) - start ))s"
+      grep -E "context degree|PASSED|FAILED|SKIPPED|Failure" "$log" | tee -a "$summary"
+    done
   done
 fi
 

@@ -66,7 +66,10 @@ const std::set<std::string>& harmlessKeys() {
       "checkpoint.dir", "checkpoint.every", "checkpoint.keep", "checkpoint.resume",
       "checkpoint.async",
       // the layout changes who holds which slice, not what is computed (doc/parallelism.md)
-      "parallel.shard_degree", "parallel.replicate_degree", "parallel.reshard_after_forward"};
+      "parallel.shard_degree", "parallel.replicate_degree", "parallel.reshard_after_forward",
+      "parallel.context_degree",
+      // only a limit on data.max_seq_len (rotary has no table): a longer context may continue
+      "model.max_positions"};
   // clang-format on
   return keys;
 }
@@ -115,8 +118,7 @@ std::vector<std::string> incompatibilities(const Header& header, train::Trainer&
   const model::Esm2Config& theirs = header.config;
   if (mine.num_layers != theirs.num_layers || mine.hidden != theirs.hidden ||
       mine.heads != theirs.heads || mine.ffn != theirs.ffn || mine.vocab != theirs.vocab ||
-      mine.max_positions != theirs.max_positions || mine.token_dropout != theirs.token_dropout ||
-      mine.layer_norm_eps != theirs.layer_norm_eps)
+      mine.token_dropout != theirs.token_dropout || mine.layer_norm_eps != theirs.layer_norm_eps)
     reasons.push_back("model: the checkpoint holds " + configText(theirs) + "; the deck asks for " +
                       configText(mine));
 

@@ -98,6 +98,11 @@ const std::vector<KeySpec>& keys() {
       {"model", "heads", K::integer, "0", "Attention heads; 0 = the preset's.", atLeast(0), {}},
       {"model", "ffn", K::integer, "0",
        "Feed-forward width (ESM-2 uses 4 x hidden); 0 = the preset's.", atLeast(0), {}},
+      {"model", "max_positions", K::integer, "1026",
+       "Longest sequence the model accepts, in tokens plus 2 (Hugging Face's "
+       "max_position_embeddings; ESM-2's is 1026). Rotary embeddings need no table, so larger "
+       "values only lift the limit on data.max_seq_len (<= max_positions - 2).",
+       atLeast(3), {}},
       {"model", "recompute", K::text, "none",
        "Activation recomputation: none keeps every layer's activations; layer keeps only each "
        "layer's input and reruns its forward before its backward; selective keeps the GEMM "
@@ -125,8 +130,8 @@ const std::vector<KeySpec>& keys() {
        interval(0, 1, true, true), {}},
       {"data", "max_seq_len", K::integer, "1024",
        "Longest sequence in tokens, <cls> and <eos> included; longer ones are cropped to a random "
-       "window. ESM-2's position limit is 1024.",
-       interval(16, 1024, false, false), {}},
+       "window. At most model.max_positions - 2 (ESM-2: 1024).",
+       atLeast(16), {}},
       {"data", "prefetch", K::integer, "2",
        "Batches prepared ahead of the training step (0 = none).", atLeast(0), {}},
       {"data", "valid_tokens", K::integer, "0",
@@ -249,6 +254,12 @@ const std::vector<KeySpec>& keys() {
        "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, used only to select experts, "
        "moves by bias_rate toward the mean load after every step.", any(), {}},
       {"moe", "bias_rate", K::real, "0.001", "Step of the bias_balance update.", above(0), {}},
+      {"parallel", "context_degree", K::integer, "1",
+       "Context parallelism: this many consecutive ranks share every micro-batch, each holding "
+       "2 of the 2 x context_degree chunks of every sequence; attention runs as ring attention "
+       "(doc/parallelism.md). Must divide the rank count; the ranks count as data-parallel ranks "
+       "for the gradient sum. fp32 and dense models only.",
+       atLeast(1), {}},
       {"parallel", "expert_degree", K::integer, "1",
        "Expert parallelism: this many consecutive ranks share the experts of each MoE layer "
        "(experts / expert_degree each), tokens travel by all-to-all. Must divide the world size "
@@ -316,6 +327,8 @@ const std::vector<std::string>& rules() {
       "schedule.decay_steps is 0 or >= schedule.warmup_steps.",
       "moe.top_k <= moe.experts; parallel.expert_degree divides moe.experts and the world size.",
       "fp8.first_layers_bf16 + fp8.last_layers_bf16 <= the model's layers.",
+      "data.max_seq_len <= model.max_positions - 2; parallel.context_degree divides the world "
+      "size.",
   };
   return table;
 }

@@ -250,6 +250,30 @@ class MpiCommunicator final : public Communicator {
     return Work(std::move(work));
   }
 
+  Work sendRecv(const void* send, std::int64_t send_count, int dest, void* recv,
+                std::int64_t recv_count, int source, DataType type, Stream) override {
+    const int ns = toInt(send_count, "sendRecv");
+    const int nr = toInt(recv_count, "sendRecv");
+    PLM_REQUIRE(dest >= 0 && dest < size_member && source >= 0 && source < size_member,
+                "dist::sendRecv: peer " + std::to_string(dest) + " / " + std::to_string(source) +
+                    " outside the group of " + std::to_string(size_member) + " ranks");
+    auto work = std::make_unique<MpiWork>();
+    // A fixed tag on the private duplicate: MPI keeps the order of messages between one pair
+    // of ranks, so successive ring steps match in the order they were posted.
+    constexpr int tag = 7;
+    if (nr > 0) {
+      work->requests.emplace_back();
+      PLM_CHECK_MPI(
+          MPI_Irecv(recv, nr, mpiDataType(type), source, tag, comm_member, &work->requests.back()));
+    }
+    if (ns > 0) {
+      work->requests.emplace_back();
+      PLM_CHECK_MPI(
+          MPI_Isend(send, ns, mpiDataType(type), dest, tag, comm_member, &work->requests.back()));
+    }
+    return Work(std::move(work));
+  }
+
  private:
   MPI_Comm comm_member = MPI_COMM_NULL;
   int rank_member = 0;

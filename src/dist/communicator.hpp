@@ -1,5 +1,6 @@
 // Collectives of one process group behind one interface: all-reduce, reduce-scatter,
-// all-gather and all-to-all-v, each asynchronous, each returning a Work handle.
+// all-gather and all-to-all-v, plus the point-to-point send/recv of a ring, each asynchronous,
+// each returning a Work handle.
 //
 // Design choice: buffers are raw pointer + element count + DataType tag (typed template
 // wrappers below), so the interface needs no Kokkos and the NCCL backend compiles as a plain
@@ -121,6 +122,14 @@ class Communicator {
                          const std::vector<std::int64_t>& recv_offsets, DataType type,
                          Stream stream) = 0;
 
+  /// \brief Point-to-point exchange: sends `send_count` elements of `send` to rank `dest` and
+  /// receives `recv_count` elements from rank `source` into `recv` (the ring step of context
+  /// parallelism).  Not collective over the group: only the ranks that call it pair up, and
+  /// rank `source` must send `recv_count` elements here in its matching call.  Zero counts are
+  /// allowed (both sides must agree); `send` and `recv` must not overlap.
+  virtual Work sendRecv(const void* send, std::int64_t send_count, int dest, void* recv,
+                        std::int64_t recv_count, int source, DataType type, Stream stream) = 0;
+
   // Typed wrappers: the element type picks the DataType.
   template <class T> Work allReduceSum(T* data, std::int64_t count, Stream stream = {}) {
     return allReduceSum(static_cast<void*>(data), count, DataTypeOf<T>::value, stream);
@@ -134,6 +143,11 @@ class Communicator {
   Work allGather(const T* send, T* recv, std::int64_t send_count, Stream stream = {}) {
     return allGather(static_cast<const void*>(send), static_cast<void*>(recv), send_count,
                      DataTypeOf<T>::value, stream);
+  }
+  template <class T> Work sendRecv(const T* send, std::int64_t send_count, int dest, T* recv,
+                                   std::int64_t recv_count, int source, Stream stream = {}) {
+    return sendRecv(static_cast<const void*>(send), send_count, dest, static_cast<void*>(recv),
+                    recv_count, source, DataTypeOf<T>::value, stream);
   }
   template <class T> Work allToAllV(const T* send, const std::vector<std::int64_t>& send_counts,
                                     const std::vector<std::int64_t>& send_offsets, T* recv,

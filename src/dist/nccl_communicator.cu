@@ -163,6 +163,27 @@ class NcclCommunicator final : public Communicator {
     return end();
   }
 
+  Work sendRecv(const void* send, std::int64_t send_count, int dest, void* recv,
+                std::int64_t recv_count, int source, DataType type, Stream stream) override {
+    PLM_REQUIRE(send_count >= 0 && recv_count >= 0, "dist::sendRecv: negative count");
+    PLM_REQUIRE(dest >= 0 && dest < size_member && source >= 0 && source < size_member,
+                "dist::sendRecv: peer " + std::to_string(dest) + " / " + std::to_string(source) +
+                    " outside the group of " + std::to_string(size_member) + " ranks");
+    const std::size_t width = sizeOf(type);
+    begin(stream);
+    // Send and receive in one group, so a ring of them cannot deadlock (NCCL pairs each send
+    // with the peer's receive); bytes, so bf16 needs no NCCL type.
+    PLM_CHECK_NCCL(ncclGroupStart());
+    if (send_count > 0)
+      PLM_CHECK_NCCL(
+          ncclSend(send, send_count * width, ncclUint8, dest, comm_member, stream_member));
+    if (recv_count > 0)
+      PLM_CHECK_NCCL(
+          ncclRecv(recv, recv_count * width, ncclUint8, source, comm_member, stream_member));
+    PLM_CHECK_NCCL(ncclGroupEnd());
+    return end();
+  }
+
  private:
   // The communication stream waits on what the caller has queued so far.
   void begin(Stream stream) {

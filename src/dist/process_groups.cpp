@@ -18,10 +18,15 @@ int commSize(MPI_Comm comm) {
   return size;
 }
 
-ProcessGroups::ProcessGroups(MPI_Comm world, int shard_size) : shard_size_member(shard_size) {
+ProcessGroups::ProcessGroups(MPI_Comm world, int shard_size, int context_size)
+    : shard_size_member(shard_size), context_size_member(context_size) {
   const int size = commSize(world);
   if (shard_size < 1 || size % shard_size != 0)
     throw collectiveError("dist::ProcessGroups: shard size " + std::to_string(shard_size) +
+                          " must be positive and divide the number of ranks (" +
+                          std::to_string(size) + ")");
+  if (context_size < 1 || size % context_size != 0)
+    throw collectiveError("dist::ProcessGroups: context size " + std::to_string(context_size) +
                           " must be positive and divide the number of ranks (" +
                           std::to_string(size) + ")");
   PLM_CHECK_MPI(MPI_Comm_dup(world, &world_member));
@@ -30,13 +35,15 @@ ProcessGroups::ProcessGroups(MPI_Comm world, int shard_size) : shard_size_member
       MPI_Comm_split_type(world_member, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &node_member));
   PLM_CHECK_MPI(MPI_Comm_split(world_member, rank / shard_size, rank, &shard_member));
   PLM_CHECK_MPI(MPI_Comm_split(world_member, rank % shard_size, rank, &replicate_member));
+  PLM_CHECK_MPI(MPI_Comm_split(world_member, rank / context_size, rank, &context_member));
 }
 
 ProcessGroups::~ProcessGroups() {
   int finalized = 0;
   MPI_Finalized(&finalized);
   if (finalized) return;
-  for (MPI_Comm* c : {&replicate_member, &shard_member, &node_member, &world_member})
+  for (MPI_Comm* c :
+       {&context_member, &replicate_member, &shard_member, &node_member, &world_member})
     if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
 }
 

@@ -6,7 +6,9 @@
 // layout: `shard_size` consecutive world ranks form a shard group (one model copy sharded over
 // them), and the ranks holding the same shard across copies form a replicate group.  With
 // shard_size 1 (plain data parallelism) the shard group is the rank itself and the replicate
-// group is the world.
+// group is the world.  The context group (context parallelism) is `context_size` consecutive
+// world ranks that share every micro-batch; for the gradient sum they are data-parallel ranks
+// like any other, so they sit inside the shard/replicate layout rather than beside it.
 #pragma once
 
 #include <mpi.h>
@@ -20,9 +22,9 @@ int commSize(MPI_Comm comm);
 
 class ProcessGroups {
  public:
-  /// \brief Collective over `world`.  `shard_size` must divide the world size (else a
-  /// collective plm::Error).
-  explicit ProcessGroups(MPI_Comm world, int shard_size = 1);
+  /// \brief Collective over `world`.  `shard_size` and `context_size` must divide the world
+  /// size (else a collective plm::Error naming the numbers).
+  explicit ProcessGroups(MPI_Comm world, int shard_size = 1, int context_size = 1);
   ~ProcessGroups();
   ProcessGroups(const ProcessGroups&) = delete;
   ProcessGroups& operator=(const ProcessGroups&) = delete;
@@ -35,13 +37,19 @@ class ProcessGroups {
   /// \brief The ranks holding the same shard, one per model copy (gradient all-reduce).
   MPI_Comm replicate() const { return replicate_member; }
   int shardSize() const { return shard_size_member; }
+  /// \brief The `context_size` consecutive world ranks that share every micro-batch, each
+  /// holding a shard of its sequences (ring attention); the rank itself with context_size 1.
+  MPI_Comm context() const { return context_member; }
+  int contextSize() const { return context_size_member; }
 
  private:
   MPI_Comm world_member = MPI_COMM_NULL;  // a duplicate of the caller's world
   MPI_Comm node_member = MPI_COMM_NULL;
   MPI_Comm shard_member = MPI_COMM_NULL;
   MPI_Comm replicate_member = MPI_COMM_NULL;
+  MPI_Comm context_member = MPI_COMM_NULL;
   int shard_size_member = 1;
+  int context_size_member = 1;
 };
 
 }  // namespace plm::dist

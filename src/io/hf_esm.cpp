@@ -427,6 +427,11 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
                            MPI_Comm comm) {
   ConvertSummary summary;
   summary.config = readModelConfig(model_file);
+  if (summary.config.max_positions > 1026)
+    summary.warnings.push_back(
+        "max_position_embeddings = " + std::to_string(summary.config.max_positions) +
+        " (model.max_positions) is written as is: EsmForMaskedLM with rotary positions accepts "
+        "it, but ESM-2 tokenizers crop at model_max_length 1024 unless you raise it");
   if (summary.config.moe.enabled())
     throw collectiveError("plm convert --to-hf: `" + model_file +
                           "` is a Mixture-of-Experts model; Hugging Face's EsmForMaskedLM has no "

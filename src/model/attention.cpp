@@ -12,6 +12,7 @@
 #include "model/detail/avx2.hpp"
 #include "model/math.hpp"
 
+#include <limits>
 #include <type_traits>
 #include <vector>
 
@@ -23,7 +24,8 @@ using Member = Policy::member_type;
 template <class T> using Scratch =
     Kokkos::View<T*, ExecSpace::scratch_memory_space, Kokkos::MemoryTraits<Kokkos::Unmanaged>>;
 
-/// (n_tiles, 3): sequence start, sequence end, tile start; tiles of `block` rows per sequence.
+/// (n_tiles, 4): sequence start, sequence end, tile start, sequence index; tiles of `block`
+/// rows per sequence.
 Kokkos::View<int**, Kokkos::LayoutRight, MemSpace> tileList(const View1<seqlen_t>& cu_seqlens,
                                                             int block) {
   auto cu = Kokkos::create_mirror_view_and_copy(HostSpace(), cu_seqlens);
@@ -34,14 +36,15 @@ Kokkos::View<int**, Kokkos::LayoutRight, MemSpace> tileList(const View1<seqlen_t
       flat.push_back(cu(s));
       flat.push_back(cu(s + 1));
       flat.push_back(t0);
+      flat.push_back(s);
     }
-  const auto tiles = static_cast<std::int64_t>(flat.size() / 3);
+  const auto tiles = static_cast<std::int64_t>(flat.size() / 4);
   Kokkos::View<int**, Kokkos::LayoutRight, MemSpace> list(
-      Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::attention_tiles"), tiles, 3);
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::attention_tiles"), tiles, 4);
   if (tiles > 0) {
     Kokkos::View<const int**, Kokkos::LayoutRight, HostSpace,
                  Kokkos::MemoryTraits<Kokkos::Unmanaged>>
-        host(flat.data(), tiles, 3);
+        host(flat.data(), tiles, 4);
     Kokkos::deep_copy(list, host);
   }
   return list;
@@ -339,17 +342,26 @@ template <class T> void attentionForward(const ExecSpace& space, const View2<T>&
                                          const View1<seqlen_t>& cu_seqlens, int heads,
                                          const View2<T>& out, const View2<T>& lse,
                                          AttentionTiles tiles, const View1<T>& workspace) {
+  attentionForward(space, q, k, v, cu_seqlens, cu_seqlens, heads, out, lse, tiles, workspace);
+}
+
+template <class T>
+void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>& k,
+                      const View2<T>& v, const View1<seqlen_t>& cu_seqlens_q,
+                      const View1<seqlen_t>& cu_seqlens_k, int heads, const View2<T>& out,
+                      const View2<T>& lse, AttentionTiles tiles, const View1<T>& workspace) {
   checkTiles(tiles);
-  const auto tokens = static_cast<std::int64_t>(q.extent(0));
+  const auto tokens = static_cast<std::int64_t>(k.extent(0));  // rows of the transposed keys
   auto work = workspaceOf(workspace, static_cast<std::int64_t>(k.size()));
   const T* k_t = work.data();
   transposeColumns(space, k, work.data());
   const int d = static_cast<int>(q.extent(1)) / heads;
   const int bq = tiles.queries, bk = tiles.keys;
   const int bqp = roundUp(bq, kCols), bkp = roundUp(bk, kCols), dp = roundUp(d, kCols);
-  auto list = tileList(cu_seqlens, bq);
+  auto list = tileList(cu_seqlens_q, bq);
   const int n_tiles = static_cast<int>(list.extent(0));
   if (n_tiles == 0) return;
+  const View1<seqlen_t> cu_k = cu_seqlens_k;
   const size_t scratch = Scratch<T>::shmem_size(bqp * d) + Scratch<T>::shmem_size(d * bkp) +
                          Scratch<T>::shmem_size(bqp * bkp) + Scratch<T>::shmem_size(bkp * dp) +
                          Scratch<T>::shmem_size(bqp * dp) + Scratch<T>::shmem_size(bqp) * 2;
@@ -359,11 +371,13 @@ template <class T> void attentionForward(const ExecSpace& space, const View2<T>&
   const int level = scratch <= static_cast<size_t>(Policy::scratch_size_max(0)) ? 0 : 1;
   policy.set_scratch_size(level, Kokkos::PerTeam(scratch));
   const T lowest = Kokkos::reduction_identity<T>::max();
+  const T minus_inf = -std::numeric_limits<T>::infinity();
   Kokkos::parallel_for(
       "plm::model::attention_forward", policy, KOKKOS_LAMBDA(const Member& team) {
         const int tile = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
-        const int s0 = list(tile, 0), s1 = list(tile, 1), q0 = list(tile, 2);
+        const int s1 = list(tile, 1), q0 = list(tile, 2), seq = list(tile, 3);
         const int nq = s1 - q0 < bq ? s1 - q0 : bq;
+        const int k_begin = cu_k(seq), k_end = cu_k(seq + 1);
         T* qs = Scratch<T>(team.team_scratch(level), bqp * d).data();  // (bqp, d) queries
         T* kt = Scratch<T>(team.team_scratch(level), d * bkp).data();  // (d, bkp) keys, transposed
         T* sc =
@@ -379,8 +393,8 @@ template <class T> void attentionForward(const ExecSpace& space, const View2<T>&
           l[r] = 0;
           for (int c = 0; c < dp; ++c) acc[r * dp + c] = 0;
         });
-        for (int k0 = s0; k0 < s1; k0 += bk) {
-          const int nk = s1 - k0 < bk ? s1 - k0 : bk;
+        for (int k0 = k_begin; k0 < k_end; k0 += bk) {
+          const int nk = k_end - k0 < bk ? k_end - k0 : bk;
           team.team_barrier();
           stageTransposed(team, k_t, tokens, k0, nk, hd, d, kt, bkp);
           stage(team, v, k0, nk, hd, d, vs, bkp, dp, static_cast<T*>(nullptr), 0);
@@ -401,9 +415,11 @@ template <class T> void attentionForward(const ExecSpace& space, const View2<T>&
         }
         team.team_barrier();
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, nq), [&](const int r) {
-          const T inv = T(1) / l[r];
+          // No key at all (a context-parallel block whose key chunk of this sequence is
+          // empty): out 0 and lse -inf, the neutral element of the log-sum-exp merge.
+          const T inv = l[r] > T(0) ? T(1) / l[r] : T(0);
           for (int c = 0; c < d; ++c) out(q0 + r, hd + c) = acc[r * dp + c] * inv;
-          lse(q0 + r, h) = m[r] + math::libm::log(l[r]);
+          lse(q0 + r, h) = l[r] > T(0) ? m[r] + math::libm::log(l[r]) : minus_inf;
         });
       });
 }
@@ -414,7 +430,19 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
                        const View2<T>& dout, const View1<seqlen_t>& cu_seqlens, int heads,
                        const View2<T>& delta, const View2<T>& dq, const View2<T>& dk,
                        const View2<T>& dv, AttentionTiles tiles, const View1<T>& workspace) {
+  attentionBackward(space, q, k, v, out, lse, dout, cu_seqlens, cu_seqlens, heads, delta, dq, dk,
+                    dv, tiles, workspace);
+}
+
+template <class T>
+void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>& k,
+                       const View2<T>& v, const View2<T>& out, const View2<T>& lse,
+                       const View2<T>& dout, const View1<seqlen_t>& cu_seqlens_q,
+                       const View1<seqlen_t>& cu_seqlens_k, int heads, const View2<T>& delta,
+                       const View2<T>& dq, const View2<T>& dk, const View2<T>& dv,
+                       AttentionTiles tiles, const View1<T>& workspace) {
   checkTiles(tiles);
+  const View1<seqlen_t> cu_q = cu_seqlens_q, cu_k = cu_seqlens_k;
   const int d = static_cast<int>(q.extent(1)) / heads;
   const int bq = tiles.queries, bk = tiles.keys;
   const int bqp = roundUp(bq, kCols), bkp = roundUp(bk, kCols), dp = roundUp(d, kCols);
@@ -433,7 +461,7 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
   // scratch), the inner loop over query tiles; each (query tile, key tile) pair also yields
   // dS K, added to this sequence's rows of dq, which no other team touches.  So dQ needs no
   // atomics and no second pass, and the order of additions is fixed.
-  const int n = static_cast<int>(cu_seqlens.extent(0)) - 1;
+  const int n = static_cast<int>(cu_seqlens_q.extent(0)) - 1;
   if (n <= 0) return;
   auto work = workspaceOf(workspace, 2 * static_cast<std::int64_t>(q.size()));
   const T* q_t = work.data();
@@ -452,7 +480,8 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
   Kokkos::parallel_for(
       "plm::model::attention_backward", policy, KOKKOS_LAMBDA(const Member& team) {
         const int seq = team.league_rank() / heads, h = team.league_rank() % heads, hd = h * d;
-        const int s0 = cu_seqlens(seq), s1 = cu_seqlens(seq + 1);
+        const int s0 = cu_q(seq), s1 = cu_q(seq + 1);  // queries
+        const int k_begin = cu_k(seq), k_end = cu_k(seq + 1);
         T* ks = Scratch<T>(team.team_scratch(level), bkp * dp).data();   // (bkp, dp)
         T* vs = Scratch<T>(team.team_scratch(level), bkp * dp).data();   // (bkp, dp)
         T* qt = Scratch<T>(team.team_scratch(level), d * bqp).data();    // (d, bqp)
@@ -470,8 +499,8 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, s1 - s0), [&](const int r) {
           for (int c = 0; c < d; ++c) dq(s0 + r, hd + c) = 0;
         });
-        for (int k0 = s0; k0 < s1; k0 += bk) {
-          const int nk = s1 - k0 < bk ? s1 - k0 : bk;
+        for (int k0 = k_begin; k0 < k_end; k0 += bk) {
+          const int nk = k_end - k0 < bk ? k_end - k0 : bk;
           team.team_barrier();
           stage(team, k, k0, nk, hd, d, ks, bkp, dp, static_cast<T*>(nullptr), 0);
           stage(team, v, k0, nk, hd, d, vs, bkp, dp, static_cast<T*>(nullptr), 0);
@@ -666,5 +695,19 @@ void attentionReferenceBackward(const ExecSpace& space, const View2<T>& q, const
 
 PLM_MODEL_ATTENTION_INSTANTIATE(float)
 PLM_MODEL_ATTENTION_INSTANTIATE(double)
+
+#define PLM_MODEL_ATTENTION_VARLEN_INSTANTIATE(T)                                                  \
+  template void attentionForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,            \
+                                    const View2<T>&, const View1<seqlen_t>&,                       \
+                                    const View1<seqlen_t>&, int, const View2<T>&, const View2<T>&, \
+                                    AttentionTiles, const View1<T>&);                              \
+  template void attentionBackward<T>(                                                              \
+      const ExecSpace&, const View2<T>&, const View2<T>&, const View2<T>&, const View2<T>&,        \
+      const View2<T>&, const View2<T>&, const View1<seqlen_t>&, const View1<seqlen_t>&, int,       \
+      const View2<T>&, const View2<T>&, const View2<T>&, const View2<T>&, AttentionTiles,          \
+      const View1<T>&);
+
+PLM_MODEL_ATTENTION_VARLEN_INSTANTIATE(float)
+PLM_MODEL_ATTENTION_VARLEN_INSTANTIATE(double)
 
 }  // namespace plm::model

@@ -43,6 +43,28 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
                        const View2<T>& dv, AttentionTiles tiles = {},
                        const View1<T>& workspace = View1<T>());
 
+/// \brief The same over two token sets: query i of sequence s attends to the keys
+/// [cu_seqlens_k[s], cu_seqlens_k[s+1]) of k and v (rows may differ from q's), as a block pair
+/// of ring attention (model/context_parallel.hpp) needs.  A query whose sequence has no key
+/// gets out = 0 and lse = -inf (neutral in the log-sum-exp merge).  workspace: k.size().
+template <class T>
+void attentionForward(const ExecSpace& space, const View2<T>& q, const View2<T>& k,
+                      const View2<T>& v, const View1<seqlen_t>& cu_seqlens_q,
+                      const View1<seqlen_t>& cu_seqlens_k, int heads, const View2<T>& out,
+                      const View2<T>& lse, AttentionTiles tiles = {},
+                      const View1<T>& workspace = View1<T>());
+
+/// \brief Backward of one block pair given the final out and lse of the queries (merged over
+/// every key block): dq from these keys only, dk and dv of these keys from these queries only
+/// (all written).  workspace: 2 * q.size().
+template <class T>
+void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>& k,
+                       const View2<T>& v, const View2<T>& out, const View2<T>& lse,
+                       const View2<T>& dout, const View1<seqlen_t>& cu_seqlens_q,
+                       const View1<seqlen_t>& cu_seqlens_k, int heads, const View2<T>& delta,
+                       const View2<T>& dq, const View2<T>& dk, const View2<T>& dv,
+                       AttentionTiles tiles = {}, const View1<T>& workspace = View1<T>());
+
 /// \brief Plain reference: materialises each sequence's score matrix.  Tests only.
 template <class T> void attentionReferenceForward(const ExecSpace& space, const View2<T>& q,
                                                   const View2<T>& k, const View2<T>& v,

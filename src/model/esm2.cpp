@@ -22,6 +22,9 @@
 #include "model/esm2.hpp"
 
 #include "core/error.hpp"
+#include "data/context_split.hpp"
+#include "dist/communicator.hpp"
+#include "model/context_parallel.hpp"
 #include "model/embedding.hpp"
 #include "model/encoder_layer.hpp"
 #include "model/fp8_gemm.hpp"
@@ -219,10 +222,11 @@ template <class T> struct Esm2<T>::Impl {
   OpContext ctx;
   View2<T> cos_table, sin_table;  // (positions, head_dim/2)
   LayerHooks* hooks = nullptr;
-  MoeStep moe_step;                    // read by every MoE layer during a pass
-  bool expert_parallel = false;        // setExpertParallel with more than one rank
-  std::vector<int> host_cu;            // the pass's sequence offsets (sequence-level aux loss)
-  std::vector<MoeMlp<T>*> moe_blocks;  // the MoE layers' FFN blocks (owned by `layers`)
+  MoeStep moe_step;                     // read by every MoE layer during a pass
+  bool expert_parallel = false;         // setExpertParallel with more than one rank
+  std::vector<int> host_cu;             // the pass's sequence offsets (sequence-level aux loss)
+  std::vector<MoeMlp<T>*> moe_blocks;   // the MoE layers' FFN blocks (owned by `layers`)
+  std::unique_ptr<RingAttention> ring;  // context parallelism (setContextParallel), else null
   // Grow-only storage behind the workspace handles.
   View1<double> arena;
   View1<token_t> tokens_store;
@@ -782,15 +786,17 @@ template <class T> struct Esm2<T>::Impl {
     if (n < 1 || batch.cu_seqlens(0) != 0 || batch.cu_seqlens(n) != t)
       throw Error("plm::model: micro-batch cu_seqlens must start at 0 and end at the token count " +
                   std::to_string(t) + " (a loader bug)");
+    const data::ContextShard* shard = batch.context.get();
+    checkShard(shard, n);
     int max_len = 0;
     for (int s = 0; s < n; ++s) {  // metadata over sequences
       const int len = batch.cu_seqlens(s + 1) - batch.cu_seqlens(s);
-      if (len <= 0)
+      if (len < 0 || (len == 0 && !shard))  // a context shard of a short sequence may be empty
         throw Error("plm::model: micro-batch sequence " + std::to_string(s) +
                     " is empty or cu_seqlens decreases (a loader bug)");
       max_len = std::max(max_len, len);
     }
-    ensureRotary(max_len);
+    ensureRotary(shard ? std::max<int>(max_len, shard->max_seqlen) : max_len);
     host_cu.assign(batch.cu_seqlens.data(), batch.cu_seqlens.data() + n + 1);
     auto& b = w.batch;
     b.tokens = t;
@@ -859,6 +865,48 @@ template <class T> struct Esm2<T>::Impl {
     carve(cut, t, m, backward);
     sequenceInfo(space, b.cu_seqlens, b.ids, config.token_dropout, data::vocab::mask, b.position,
                  b.mult.template view<T>());
+    b.ring = nullptr;
+    if (shard) shardInfo(batch, *shard);
+  }
+
+  /// A context shard must come from this model's context group.
+  void checkShard(const data::ContextShard* shard, int n) const {
+    if (!shard) return;
+    if (!ring || ring->degree() != shard->degree || ring->rank() != shard->rank)
+      throw Error(
+          "plm::model: a context-parallel shard (rank " + std::to_string(shard->rank) + " of " +
+          std::to_string(shard->degree) + ") reached a model whose context " + "group is " +
+          (ring ? "rank " + std::to_string(ring->rank()) + " of " + std::to_string(ring->degree())
+                : std::string("not set")) +
+          "; call setContextParallel with the context group's communicator (a caller "
+          "bug)");
+    if (shard->numSequences() != n)
+      throw Error("plm::model: a context shard lists " + std::to_string(shard->numSequences()) +
+                  " sequences for a micro-batch of " + std::to_string(n) + " (a loader bug)");
+  }
+
+  /// What a shard cannot compute from its own tokens: global positions (rotary), and the
+  /// token-dropout scale of each whole sequence (sequenceInfo's formula, on the whole counts).
+  void shardInfo(const data::MicroBatch& batch, const data::ContextShard& shard) {
+    const std::int64_t t = batch.numTokens();
+    const int n = batch.numSequences();
+    auto& b = w.batch;
+    const auto& space = ctx.space();
+    std::vector<T> mult(static_cast<std::size_t>(t));  // per token, host metadata
+    for (int s = 0; s < n; ++s) {
+      const int len = shard.seq_length[s], masked = shard.seq_masked[s];
+      const T observed = T(masked) / T(len);
+      const T scale = masked == len ? T(0) : T(1.0 - 0.15 * 0.8) / (T(1) - observed);
+      for (seqlen_t i = batch.cu_seqlens(s); i < batch.cu_seqlens(s + 1); ++i)
+        mult[i] =
+            !config.token_dropout ? T(1) : (batch.tokens(i) == data::vocab::mask ? T(0) : scale);
+    }
+    Kokkos::deep_copy(space, b.position,
+                      Kokkos::View<const seqlen_t*, HostSpace>(shard.positions.data(), t));
+    Kokkos::deep_copy(space, b.mult.template view<T>(),
+                      Kokkos::View<const T*, HostSpace>(mult.data(), t));
+    ring->setLayout(space, shard.rank_cu_seqlens, n);  // fences: `mult` may go
+    b.ring = ring.get();
   }
 
   void beginMoe(double loss_weight, double grad_scale, bool training) {
@@ -1017,7 +1065,8 @@ template <class T> void Esm2<T>::endFp8Step(MPI_Comm comm) {
 template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale,
                                                    bool refresh_weights) {
   auto& im = *impl_member;
-  if (batch.numTokens() == 0) {  // a rank with no micro-batch this step
+  // A context shard without tokens still runs the pass: its ring steps pass the others' K/V on.
+  if (batch.numTokens() == 0 && !batch.context) {  // a rank with no micro-batch this step
     im.host_cu.clear();
     im.beginMoe(0.0, grad_scale, true);
     im.idleMoePass(true);
@@ -1040,7 +1089,7 @@ template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch
 template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
                                            ForwardOutputs<T>* outputs, bool refresh_weights) {
   auto& im = *impl_member;
-  if (batch.numTokens() == 0) {
+  if (batch.numTokens() == 0 && !batch.context) {
     im.host_cu.clear();
     im.beginMoe(0.0, 0.0, false);
     im.idleMoePass(false);
@@ -1118,6 +1167,24 @@ template <class T> void Esm2<T>::setExpertParallel(dist::Communicator* comm) {
 }
 
 template <class T> bool Esm2<T>::expertParallel() const { return impl_member->expert_parallel; }
+
+template <class T> void Esm2<T>::setContextParallel(dist::Communicator* comm) {
+  auto& im = *impl_member;
+  if (comm != nullptr && comm->size() > 1 && !im.moe_blocks.empty())
+    throw collectiveError(
+        "parallel.context_degree " + std::to_string(comm->size()) +
+        " with MoE layers: the routing losses and capacities are per micro-batch, which a "
+        "context shard is not; use parallel.context_degree: 1 with moe.experts > 0");
+  im.ring = comm != nullptr ? std::make_unique<RingAttention>(*comm) : nullptr;
+}
+
+template <class T> int Esm2<T>::contextDegree() const {
+  return impl_member->ring ? impl_member->ring->degree() : 1;
+}
+
+template <class T> int Esm2<T>::contextRank() const {
+  return impl_member->ring ? impl_member->ring->rank() : 0;
+}
 
 template <class T> void Esm2<T>::setHooks(LayerHooks* hooks) { impl_member->hooks = hooks; }
 

@@ -159,6 +159,16 @@ template <class T> class Esm2 {
   /// \brief True when MoE layers exchange tokens with other ranks (passes are collective).
   bool expertParallel() const;
 
+  /// \brief Context parallelism over `comm` (not owned; nullptr = none): micro-batches that are
+  /// context shards of this rank (data::contextShard with comm's size and rank) run their
+  /// attention as ring attention over `comm` (model/context_parallel.hpp).  Collective per
+  /// pass: every rank of `comm` runs the same passes on shards of the same micro-batches.
+  /// The portable (fp32/fp64) path and dense models only.
+  void setContextParallel(dist::Communicator* comm);
+  /// \brief The context group's size and this rank in it (1 and 0 without one).
+  int contextDegree() const;
+  int contextRank() const;
+
   /// \brief Hooks around each layer (not owned; nullptr = none).
   void setHooks(LayerHooks* hooks);
 

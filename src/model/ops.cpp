@@ -10,6 +10,7 @@
 
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "model/context_parallel.hpp"
 #include "model/cross_entropy.hpp"
 #include "model/embedding.hpp"
 #include "model/fp8_gemm.hpp"
@@ -1151,6 +1152,7 @@ void rotary(OpContext& ctx, const DeviceBatch& b, const Mat& q, const Mat& k, in
 
 void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, const Mat& o,
                const Mat& lse) {
+  if (b.ring) return b.ring->forward(ctx, qkv, heads, o, lse);  // context parallelism
   if (isBf16(qkv.q)) {
 #if PLM_HAVE_CUDA
     const gpu::FlashParams fp = flashParams(b, qkv, heads, o, lse);
@@ -1174,6 +1176,7 @@ void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, 
 void attentionBackward(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, const Mat& o,
                        const Mat& lse, const Mat& dout, int heads, const Mat& delta,
                        const Qkv& dqkv) {
+  if (b.ring) return b.ring->backward(ctx, qkv, o, lse, dout, heads, delta, dqkv);
   if (isBf16(qkv.q)) {
 #if PLM_HAVE_CUDA
     gpu::FlashParams fp = flashParams(b, qkv, heads, o, lse);

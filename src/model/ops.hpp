@@ -96,6 +96,8 @@ enum class Recompute { None, Layer, Selective };
 Recompute parseRecompute(const std::string& name);  // "none" | "layer" | "selective"
 const char* recomputeName(Recompute r);
 
+class RingAttention;  // model/context_parallel.hpp
+
 /// The packed micro-batch on the device, as every dispatch point sees it.
 struct DeviceBatch {
   std::int64_t tokens = 0;
@@ -107,6 +109,9 @@ struct DeviceBatch {
   Vec mult;                    // (T) token-dropout multiplier (master type)
   bool token_dropout = true;
   int mask_id = 32, pad_id = 1;
+  /// Set for a context-parallel shard: attention runs over the ring (position then holds the
+  /// global positions, and sequences may be empty).
+  RingAttention* ring = nullptr;
 };
 
 /// q, k, v of one attention call, (T, hidden) each; under the fused layout slices of one

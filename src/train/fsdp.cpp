@@ -269,7 +269,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     ensureGathered(embedUnit());  // read before the first hook and by the tied LM head
     ensureGathered(headUnit());
     double loss = 0.0;
-    if (batch != nullptr && batch->numTokens() > 0) {
+    // A context shard without tokens still runs the pass (its ring steps pass K/V on).
+    if (batch != nullptr && (batch->numTokens() > 0 || batch->context)) {
       struct Unhook {
         model::Esm2<P>& m;
         ~Unhook() { m.setHooks(nullptr); }

@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "core/phase.hpp"
+#include "data/context_split.hpp"
 #include "dist/allreduce.hpp"
 #include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
@@ -20,6 +21,13 @@ BatchStats localCounts(const std::vector<data::MicroBatch>& local) {
   for (const auto& mb : local) {
     s.masked += mb.num_masked;
     s.tokens += mb.numTokens();
+    if (mb.context) {  // a context shard: the group's rank 0 counts the whole sequences
+      if (mb.context->rank != 0) continue;
+      s.sequences += mb.context->numSequences();
+      for (const std::int32_t len : mb.context->seq_length)
+        s.sum_sq_seqlen += static_cast<double>(len) * len;
+      continue;
+    }
     s.sequences += mb.numSequences();
     for (std::int32_t q = 0; q < mb.numSequences(); ++q) {
       const double len = static_cast<double>(mb.cu_seqlens(q + 1) - mb.cu_seqlens(q));
@@ -142,6 +150,18 @@ BatchStats countBatch(const std::vector<data::MicroBatch>& local, MPI_Comm comm)
   return s;
 }
 
+/// Under context parallelism the ranks of a context group hold the same micro-batches and each
+/// keeps its shard of them (shards pass through), so the masked count, the loss and the
+/// gradient are partial sums that the data-parallel reductions over all ranks complete.
+template <class P> std::vector<data::MicroBatch> forContext(const model::Esm2<P>& model,
+                                                            std::vector<data::MicroBatch> local) {
+  if (model.contextDegree() == 1) return local;
+  for (auto& mb : local)
+    if (!mb.context && mb.numTokens() > 0)
+      mb = data::contextShard(mb, model.contextDegree(), model.contextRank());
+  return local;
+}
+
 /// Under expert parallelism every pass is collective: ranks with fewer micro-batches run empty
 /// ones first (they serve their experts), so the real last micro-batch keeps the layer hooks.
 std::vector<data::MicroBatch> padForExperts(const std::vector<data::MicroBatch>& local,
@@ -157,7 +177,7 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
                                                   MPI_Comm comm) {
   Kokkos::Profiling::pushRegion("plm::train::accumulateGradients");
   const std::vector<data::MicroBatch> local =
-      model.expertParallel() ? padForExperts(given, comm) : given;
+      model.expertParallel() ? padForExperts(given, comm) : forContext(model, given);
   BatchStats s = localCounts(local);
   phase::set("masked-token count all-reduce (MPI)");
   std::int64_t global_masked = dist::allreduceSum(s.masked, comm);
@@ -182,8 +202,8 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
       s.loss_sum += model.forwardBackward(local[i], grad_scale, false);
     }
     model.setHooks(nullptr);
-    if (local.empty() || local.back().numTokens() == 0)
-      sync.readyAll(space);  // a rank with no micro-batch this step
+    if (local.empty() || (local.back().numTokens() == 0 && !local.back().context))
+      sync.readyAll(space);  // a rank with no micro-batch this step (a shard ran the hooks)
     phase::set("gradient all-reduce (finish)");
     sync.finish(space);
   }
@@ -246,7 +266,7 @@ template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& m
   model.refreshComputeWeights();
   // No collective inside the loop: ranks may reach the end of the pass one call apart.
   for (std::int64_t step = 0; max_steps <= 0 || step < max_steps; ++step) {
-    std::vector<data::MicroBatch> local = loader.nextStep();
+    std::vector<data::MicroBatch> local = forContext(model, loader.nextStep());
     if (model.expertParallel()) {  // passes are collective: agree on each loader step
       local = padForExperts(local, comm);
       if (local.empty()) break;

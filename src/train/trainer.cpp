@@ -68,6 +68,13 @@ model::Esm2Config modelConfigFromDeck(const Teuchos::ParameterList& deck) {
       config.ffn = 4 * hidden;
   }
   config.recompute = model::parseRecompute(m.get<std::string>("recompute"));
+  config.max_positions = m.get<int>("max_positions");
+  const int max_seq_len = section(deck, "data").get<int>("max_seq_len");
+  if (max_seq_len > config.max_positions - 2)
+    throw collectiveError("data.max_seq_len " + std::to_string(max_seq_len) +
+                          " exceeds model.max_positions " + std::to_string(config.max_positions) +
+                          " - 2; raise model.max_positions (rotary needs no table) or lower "
+                          "data.max_seq_len");
   applyMoeSection(deck, config);
   config.precision = model::parsePrecision(section(deck, "train").get<std::string>("precision"));
   applyFp8Section(deck, config);
@@ -123,6 +130,8 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   state_member.data_seed = static_cast<std::uint64_t>(d.get<int>("seed"));
   model_member->initialize(state_member.init_seed);
   moe_member = std::make_unique<MoeRun<param_t>>(*deck, *model_member, comm);
+  context_member = std::make_unique<ContextRun>(*deck, comm);  // loaders see its data ranks
+  context_member->attach(*model_member);
 
   AdamWOptions adam;
   const auto betas = o.get<Teuchos::Array<double>>("betas");
@@ -171,21 +180,21 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   data::LoaderOptions lo;
   lo.path = d.get<std::string>("train");
   lo.micro_batch_tokens = d.get<int>("micro_batch_tokens");
-  lo.micro_batches_per_step = data::microBatchesPerStep(d.get<int>("tokens_per_batch"),
-                                                        lo.micro_batch_tokens, world_member);
+  lo.micro_batches_per_step = data::microBatchesPerStep(
+      d.get<int>("tokens_per_batch"), lo.micro_batch_tokens, context_member->dataSize());
   lo.seed = state_member.data_seed;
   lo.mask_prob = d.get<double>("mask_prob");
   lo.max_seq_len = d.get<int>("max_seq_len");
-  lo.rank = rank_member;
-  lo.world = world_member;
+  lo.rank = context_member->dataRank();
+  lo.world = context_member->dataSize();
   lo.prefetch = d.get<int>("prefetch");
   train_loader_member = std::make_unique<data::Loader>(lo);
 
   const std::string valid = d.get<std::string>("valid");
   if (!valid.empty()) {
-    valid_loader_member =
-        std::make_unique<data::Loader>(evalLoaderOptions(*deck, valid, rank_member, world_member));
-    valid_max_steps_member = evalMaxSteps(*deck, world_member);
+    valid_loader_member = std::make_unique<data::Loader>(
+        evalLoaderOptions(*deck, valid, context_member->dataRank(), context_member->dataSize()));
+    valid_max_steps_member = evalMaxSteps(*deck, context_member->dataSize());
   }
 
   log::info("model: ESM-2 %d layers, hidden %d, %d heads, ffn %d: %lld parameters%s",
@@ -284,7 +293,7 @@ Trainer::RunEnd Trainer::run() {
     const std::int64_t step = state_member.step + 1;
     watchdog.arm(step, "step");
     phase::set("data loader (next step)");
-    std::vector<data::MicroBatch> local = train_loader_member->nextStep();
+    std::vector<data::MicroBatch> local = context_member->shard(train_loader_member->nextStep());
     const double lr = learningRate(schedule_member, step);
     injectFaults(step, false);
     StepStats st;

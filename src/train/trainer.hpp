@@ -12,6 +12,7 @@
 #include "data/loader.hpp"
 #include "model/esm2.hpp"
 #include "train/adamw.hpp"
+#include "train/context_run.hpp"
 #include "train/metrics.hpp"
 #include "train/moe_run.hpp"
 #include "train/schedule.hpp"
@@ -144,6 +145,7 @@ class Trainer {
   std::unique_ptr<dist::ProcessGroups> groups_member;
   std::unique_ptr<Fsdp<param_t>> fsdp_member;
   std::unique_ptr<MoeRun<param_t>> moe_member;  // expert parallelism, routing statistics
+  std::unique_ptr<ContextRun> context_member;   // context parallelism (ring attention)
   std::unique_ptr<data::Loader> train_loader_member;
   std::unique_ptr<data::Loader> valid_loader_member;  // null without a validation set
   std::int64_t valid_max_steps_member = 0;            // 0 = the whole validation pass
