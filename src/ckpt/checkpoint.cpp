@@ -62,8 +62,8 @@ std::string broadcastString(std::string value, MPI_Comm comm) {
 
 // The fault hook behind the crash tests: PLM_CKPT_FAIL_AT=<step>:<phase> makes every rank
 // _exit(86) at that point of the save of that step, as a kill would (nothing flushed, no
-// destructors).  Phases: model (after /model), optimizer (after the first /optimizer state group), flush
-// (file complete and flushed, not yet renamed).
+// destructors).  Phases: model (after /model), optimizer (after the first /optimizer state group),
+// flush (file complete and flushed, not yet renamed).
 void failPoint(std::int64_t step, const char* phase) {
   static const char* spec = std::getenv("PLM_CKPT_FAIL_AT");
   if (!spec || !*spec) return;
@@ -117,8 +117,8 @@ std::vector<std::uint32_t> combineChecksums(const std::vector<std::uint64_t>& lo
 }
 
 template <class T>
-std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tensors,
-                                     const T* values, MPI_Comm comm) {
+std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tensors, const T* values,
+                                     MPI_Comm comm) {
   return combineChecksums(localChecksums(tensors, values, commRank(comm), commSize(comm)), comm);
 }
 
@@ -155,9 +155,9 @@ void writeGroup(hid_t file, MPI_Comm comm, const std::string& group,
 // transfers, so the file is read once whatever the rank count), checks them against the stored
 // CRC-32s (joined over ranks), and only then are the rows shared.  The group must hold exactly
 // the model's tensors at their shapes.  Any failure is a CorruptCheckpoint on every rank.
-template <class T>
-void readGroup(hid_t file, MPI_Comm comm, const std::string& group,
-               const std::vector<model::TensorInfo>& tensors, T* values, const std::string& path) {
+template <class T> void readGroup(hid_t file, MPI_Comm comm, const std::string& group,
+                                  const std::vector<model::TensorInfo>& tensors, T* values,
+                                  const std::string& path) {
   const int rank = commRank(comm), world = commSize(comm);
   std::vector<std::int64_t> stored(tensors.size());
   detail::agree(comm, [&] {
@@ -444,10 +444,9 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
   auto crc_pending = std::async(std::launch::async, [&groups, rank, world] {
     std::vector<std::vector<std::uint64_t>> out;
     for (const auto& g : groups)
-      out.push_back(g.bytes ? localChecksums(*g.table, static_cast<const std::uint8_t*>(g.data),
-                                             rank, world)
-                            : localChecksums(*g.table, static_cast<const float*>(g.data), rank,
-                                             world));
+      out.push_back(
+          g.bytes ? localChecksums(*g.table, static_cast<const std::uint8_t*>(g.data), rank, world)
+                  : localChecksums(*g.table, static_cast<const float*>(g.data), rank, world));
     return out;
   });
   {
@@ -465,8 +464,8 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
     {
       h5::Hid g = h5::createGroup(file, "optimizer");
       h5::writeAttribute(g, "kind", snap.optimizer_kind);
-      h5::writeAttribute(g, "name", snap.optimizer_kind == "adamw" ? std::string("AdamW")
-                                                                   : snap.optimizer_kind);
+      h5::writeAttribute(
+          g, "name", snap.optimizer_kind == "adamw" ? std::string("AdamW") : snap.optimizer_kind);
       h5::writeAttribute(g, "step", snap.optimizer_step);
       std::string names;
       for (const auto& st : snap.optimizer_state) names += (names.empty() ? "" : ",") + st.name;

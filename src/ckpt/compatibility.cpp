@@ -136,8 +136,7 @@ std::vector<std::string> incompatibilities(const Header& header, train::Trainer&
                       " state, this run asks for " + mine_kind +
                       " (resuming with another optimizer is refused: its state does not carry "
                       "over; set optimizer.name: " +
-                      header.optimizer_kind +
-                      " to resume, or train with " + mine_kind +
+                      header.optimizer_kind + " to resume, or train with " + mine_kind +
                       " as a new run: checkpoint.resume: none or another checkpoint.dir)");
   DeckChanges diff = compareDecks(header.deck_yaml, deck::toYaml(trainer.deck()));
   for (const auto& c : diff.refused)

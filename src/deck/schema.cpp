@@ -61,8 +61,9 @@ const std::vector<SectionSpec>& sections() {
   static const std::vector<SectionSpec> table = {
       {"model", "The network: an ESM-2 size by name, or explicit sizes with `preset: custom`."},
       {"data", "Datasets written by `plm prep`, batching and masking."},
-      {"optimizer", "AdamW, Lion, Adafactor or 8-bit AdamW (decoupled weight decay on the same "
-                    "mask) with global gradient-norm clipping."},
+      {"optimizer",
+       "AdamW, Lion, Adafactor or 8-bit AdamW (decoupled weight decay on the same "
+       "mask) with global gradient-norm clipping."},
       {"schedule", "Learning rate: linear warm-up, then decay to a fraction of optimizer.lr."},
       {"train", "The training run: length, logging, evaluation, precision, run directory."},
       {"checkpoint", "Checkpoints (one HDF5 file each) and resuming."},

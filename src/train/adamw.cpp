@@ -39,8 +39,7 @@ AdamW<P>::AdamW(View1<P> params, const std::vector<model::TensorInfo>& tensors,
     : AdamW(params, wholeLayout(tensors, static_cast<std::int64_t>(params.extent(0)), frozen),
             options) {}
 
-template <class P>
-AdamW<P>::AdamW(View1<P> params, ParamLayout layout, const AdamWOptions& options)
+template <class P> AdamW<P>::AdamW(View1<P> params, ParamLayout layout, const AdamWOptions& options)
     : Optimizer<P>(params, std::move(layout)), options_member(options) {
   exp_avg_member = detail::elementwiseBuffer("exp_avg", this->layout_member);
   exp_avg_sq_member = detail::elementwiseBuffer("exp_avg_sq", this->layout_member);

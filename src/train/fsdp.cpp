@@ -91,10 +91,11 @@ ParamLayout shardParamLayout(const std::vector<model::TensorInfo>& tensors,
   l.tensors = tensors;
   for (const auto& u : units) l.local_size += u.slice;
   for (std::size_t t = 0; t < tensors.size(); ++t)
-    forOwnedPieces(units, rank, tensors[t].offset, tensors[t].size,
-                   [&](std::int64_t local, std::int64_t global, std::int64_t n) {
-                     l.pieces.push_back({static_cast<int>(t), local, global - tensors[t].offset, n});
-                   });
+    forOwnedPieces(
+        units, rank, tensors[t].offset, tensors[t].size,
+        [&](std::int64_t local, std::int64_t global, std::int64_t n) {
+          l.pieces.push_back({static_cast<int>(t), local, global - tensors[t].offset, n});
+        });
   std::sort(l.pieces.begin(), l.pieces.end(),
             [](const TensorPiece& a, const TensorPiece& b) { return a.local < b.local; });
   for (const auto& f : esm2FrozenRanges(tensors, hidden))

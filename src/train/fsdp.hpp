@@ -95,8 +95,7 @@ template <class P> class Fsdp {
  public:
   /// \brief Collective over `shard` and `replicate`.  Takes the model's current parameters
   /// (identical on every rank, e.g. after initialize(seed)) as the initial shards.
-  Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate,
-       const OptimizerOptions& optimizer,
+  Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& optimizer,
        const FsdpOptions& options = {}, dist::Backend backend = dist::Backend::Mpi);
   ~Fsdp();
   Fsdp(const Fsdp&) = delete;

@@ -264,9 +264,9 @@ template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& m
 #define PLM_TRAIN_INSTANTIATE(P)                                                                   \
   template BatchStats accumulateGradients<P>(const ExecSpace&, model::Esm2<P>&,                    \
                                              const std::vector<data::MicroBatch>&, MPI_Comm);      \
-  template StepStats trainStep<P>(const ExecSpace&, model::Esm2<P>&, Optimizer<P>&,                    \
+  template StepStats trainStep<P>(const ExecSpace&, model::Esm2<P>&, Optimizer<P>&,                \
                                   const std::vector<data::MicroBatch>&, double, double, MPI_Comm); \
-  template StepStats finishStep<P>(const ExecSpace&, model::Esm2<P>&, Optimizer<P>&,                   \
+  template StepStats finishStep<P>(const ExecSpace&, model::Esm2<P>&, Optimizer<P>&,               \
                                    const BatchStats&, double, double);                             \
   template BatchStats evaluate<P>(const ExecSpace&, model::Esm2<P>&, data::Loader&, std::int64_t,  \
                                   MPI_Comm);

@@ -231,9 +231,9 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
   groups_member = std::make_unique<dist::ProcessGroups>(comm_member, layout.shard);
   FsdpOptions fo;
   fo.reshard_after_forward = p.get<bool>("reshard_after_forward");
-  fsdp_member = std::make_unique<Fsdp<param_t>>(*model_member, groups_member->shard(),
-                                                groups_member->replicate(), optimizer_options_member, fo,
-                                                dist::defaultBackend(groups_member->shard()));
+  fsdp_member = std::make_unique<Fsdp<param_t>>(
+      *model_member, groups_member->shard(), groups_member->replicate(), optimizer_options_member,
+      fo, dist::defaultBackend(groups_member->shard()));
   const FsdpMemory mem = fsdp_member->plannedMemory();
   log::info(
       "parallel: shard %d x replicate %d; planned bytes per rank: parameters %s, gradients %s, "

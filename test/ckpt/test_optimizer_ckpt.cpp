@@ -31,10 +31,10 @@ TEST(OptimizerCheckpoint, EveryKindRoundTripsAndOthersAreRefused) {
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "optim");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   for (const std::string kind : {"adamw", "lion", "adafactor", "adamw8bit"}) {
-    plm::train::Trainer t(tinyDeck(dir, kind,
-                                   {"optimizer.name=" + kind, "train.steps=2", "checkpoint.every=0",
-                                    "optimizer.adafactor_beta1=0.9",
-                                    "optimizer.adamw8bit_min_8bit_size=1000"}));
+    plm::train::Trainer t(
+        tinyDeck(dir, kind,
+                 {"optimizer.name=" + kind, "train.steps=2", "checkpoint.every=0",
+                  "optimizer.adafactor_beta1=0.9", "optimizer.adamw8bit_min_8bit_size=1000"}));
     t.run();
     const auto report = plm::ckpt::save(t, dir + "/" + kind + "/ckpt");
     if (plm::dist::worldRank() == 0) {
@@ -53,7 +53,8 @@ TEST(OptimizerCheckpoint, EveryKindRoundTripsAndOthersAreRefused) {
         h5::Hid scales = h5::openDataset(
             file, "optimizer/exp_avg_absmax/esm.encoder.layer.0.intermediate.dense.weight");
         EXPECT_EQ(h5::datasetShape(scales), (std::vector<std::int64_t>{1}));  // 2048 / 2048
-        EXPECT_TRUE(h5::exists(file, "optimizer/exp_avg_fp32/esm.embeddings.word_embeddings.weight"));
+        EXPECT_TRUE(
+            h5::exists(file, "optimizer/exp_avg_fp32/esm.embeddings.word_embeddings.weight"));
       }
       if (kind == "adafactor")
         EXPECT_EQ(h5::datasetShape(h5::openDataset(
@@ -61,10 +62,10 @@ TEST(OptimizerCheckpoint, EveryKindRoundTripsAndOthersAreRefused) {
                   (std::vector<std::int64_t>{32}));
     }
     // A fresh trainer of the same kind takes all of it back.
-    plm::train::Trainer u(tinyDeck(dir, kind + "_again",
-                                   {"optimizer.name=" + kind, "checkpoint.resume=none",
-                                    "optimizer.adafactor_beta1=0.9",
-                                    "optimizer.adamw8bit_min_8bit_size=1000"}));
+    plm::train::Trainer u(
+        tinyDeck(dir, kind + "_again",
+                 {"optimizer.name=" + kind, "checkpoint.resume=none",
+                  "optimizer.adafactor_beta1=0.9", "optimizer.adamw8bit_min_8bit_size=1000"}));
     plm::ckpt::load(u, report.path);
     EXPECT_EQ(host(u.optimizer().master()), host(t.optimizer().master())) << kind;
     const auto a = t.optimizer().state(), b = u.optimizer().state();
@@ -79,16 +80,16 @@ TEST(OptimizerCheckpoint, EveryKindRoundTripsAndOthersAreRefused) {
 
     // Another optimizer is refused, naming both, and the trainer stays as it was.
     const std::string other = kind == "lion" ? "adamw8bit" : "lion";
-    plm::train::Trainer w(tinyDeck(dir, kind + "_other",
-                                   {"optimizer.name=" + other, "checkpoint.resume=none"}));
+    plm::train::Trainer w(
+        tinyDeck(dir, kind + "_other", {"optimizer.name=" + other, "checkpoint.resume=none"}));
     const auto before = host(w.optimizer().master());
     try {
       plm::ckpt::load(w, report.path);
       ADD_FAILURE() << kind << " state loaded into " << other;
     } catch (const plm::Error& e) {
       const std::string m = e.what();
-      EXPECT_NE(m.find("optimizer.name: the checkpoint holds " + kind + " state, this run asks for " +
-                       other),
+      EXPECT_NE(m.find("optimizer.name: the checkpoint holds " + kind +
+                       " state, this run asks for " + other),
                 std::string::npos)
           << m;
     }
@@ -133,8 +134,8 @@ TEST(OptimizerCheckpoint, ShardedStateResumesOnOtherRankCounts) {
       more.insert(more.end(), common.begin(), common.end());
       return more;
     };
-    const auto reference = train(tinyDeck(dir, kind + "_ref", with({"checkpoint.every=0"})),
-                                 MPI_COMM_WORLD);
+    const auto reference =
+        train(tinyDeck(dir, kind + "_ref", with({"checkpoint.every=0"})), MPI_COMM_WORLD);
     ASSERT_EQ(reference.size(), 6u);
     for (auto [n, m] : {std::pair{2, 4}, std::pair{4, 1}}) {
       const std::string run = kind + "_n" + std::to_string(n) + "m" + std::to_string(m);
@@ -145,8 +146,8 @@ TEST(OptimizerCheckpoint, ShardedStateResumesOnOtherRankCounts) {
       });
       std::vector<double> resumed;
       onFirstRanks(m, [&](MPI_Comm comm) {
-        resumed = train(tinyDeck(dir, run, with({"parallel.shard_degree=" + std::to_string(m)})),
-                        comm);
+        resumed =
+            train(tinyDeck(dir, run, with({"parallel.shard_degree=" + std::to_string(m)})), comm);
       });
       if (plm::dist::worldRank() >= m) continue;
       ASSERT_EQ(resumed.size(), 3u) << run;

@@ -105,8 +105,8 @@ TEST(OptimizerShards, EveryKindMatchesOneRank) {
     return g;
   };
   for (const auto& o : kinds()) {
-    const std::string what = std::string(optimizerName(o.kind)) +
-                             (o.adafactor.beta1 > 0 ? " (beta1)" : "");
+    const std::string what =
+        std::string(optimizerName(o.kind)) + (o.adafactor.beta1 > 0 ? " (beta1)" : "");
     View1<float> full_params = toView(p0), shard_params = toView(owned(p0, layout));
     auto ref = makeOptimizer<float>(o, full_params, wholeLayout(tensors, n, frozen));
     auto mine = makeOptimizer<float>(o, shard_params, layout);
@@ -126,12 +126,12 @@ TEST(OptimizerShards, EveryKindMatchesOneRank) {
       ASSERT_EQ(want.size(), got.size()) << what << " " << name;
       int bad = 0;
       for (std::size_t i = 0; i < want.size(); ++i) {
-        const bool same = exact ? want[i] == got[i]
-                                : std::abs(want[i] - got[i]) <=
-                                      1e-6 * std::max(1.0f, std::abs(want[i]));
+        const bool same =
+            exact ? want[i] == got[i]
+                  : std::abs(want[i] - got[i]) <= 1e-6 * std::max(1.0f, std::abs(want[i]));
         if (!same && bad++ < 3)
-          ADD_FAILURE() << what << " " << name << "[" << i << "]: " << got[i] << " vs "
-                        << want[i] << " (" << world << " ranks)";
+          ADD_FAILURE() << what << " " << name << "[" << i << "]: " << got[i] << " vs " << want[i]
+                        << " (" << world << " ranks)";
       }
     };
     compare(owned(fromView(full_params), layout), fromView(shard_params), "parameters");
@@ -144,8 +144,8 @@ TEST(OptimizerShards, EveryKindMatchesOneRank) {
     ASSERT_EQ(want_state.size(), got_state.size());
     for (std::size_t b = 0; b < want_state.size(); ++b) {
       if (want_state[b].isBytes())
-        EXPECT_EQ(fromView(want_state[b].u8), fromView(got_state[b].u8)) << what << " "
-                                                                         << want_state[b].name;
+        EXPECT_EQ(fromView(want_state[b].u8), fromView(got_state[b].u8))
+            << what << " " << want_state[b].name;
       else
         compare(fromView(want_state[b].f32), fromView(got_state[b].f32), want_state[b].name);
     }
@@ -182,15 +182,15 @@ TEST(OptimizerShards, FsdpTrainsEveryKindAsOneRank) {
     {
       Esm2<float> model(config);
       model.initialize(5);
-      auto opt = makeOptimizer<float>(
-          o, model.parameters(),
-          wholeLayout(model.tensors(), model.parameters().extent(0),
-                      esm2FrozenRanges(model.tensors(), config.hidden)));
+      auto opt =
+          makeOptimizer<float>(o, model.parameters(),
+                               wholeLayout(model.tensors(), model.parameters().extent(0),
+                                           esm2FrozenRanges(model.tensors(), config.hidden)));
       for (int step = 1; step <= steps; ++step) {
         auto global = plm::test::globalStep(42, step, micro, 3);
-        ref_losses.push_back(trainStep(ExecSpace(), model, *opt, global, learningRate(s, step), 1.0,
-                                       MPI_COMM_SELF)
-                                 .loss());
+        ref_losses.push_back(
+            trainStep(ExecSpace(), model, *opt, global, learningRate(s, step), 1.0, MPI_COMM_SELF)
+                .loss());
       }
     }
     Esm2<float> model(config);

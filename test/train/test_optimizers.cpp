@@ -204,7 +204,8 @@ void checkAdafactor(const AdafactorOptions& o) {
   }
   for (int step = 1; step <= 5; ++step) {
     auto g = randomVector(tab.size, gen, step == 2 ? 30.0 : 1.0);  // step 2: clipping bites
-    for (const auto& r : tab.frozen) std::fill(g.begin() + r.offset, g.begin() + r.offset + r.size, 0.0f);
+    for (const auto& r : tab.frozen)
+      std::fill(g.begin() + r.offset, g.begin() + r.offset + r.size, 0.0f);
     const double lr = 1e-2 / step;
     opt.step(plm::ExecSpace(), toView(g), lr, 0.75);
     for (std::size_t k = 0; k < ref.size(); ++k) {
@@ -307,7 +308,8 @@ TEST(AdamW8bit, MatchesBlockwiseReference) {
   }
   for (int step = 1; step <= 5; ++step) {
     auto g = randomVector(tab.size, gen, 1.0);
-    for (const auto& r : tab.frozen) std::fill(g.begin() + r.offset, g.begin() + r.offset + r.size, 0.0f);
+    for (const auto& r : tab.frozen)
+      std::fill(g.begin() + r.offset, g.begin() + r.offset + r.size, 0.0f);
     const double lr = 1e-2;
     opt.step(plm::ExecSpace(), toView(g), lr, 1.0);
     const float step_size = static_cast<float>(lr / (1.0 - std::pow(0.9, step)));
@@ -340,13 +342,15 @@ TEST(AdamW8bit, MatchesBlockwiseReference) {
       }
       for (std::size_t b = 0; b < q[k].ma.size(); ++b) {
         float am = 0, av = 0;
-        for (std::int64_t i = b * o.block_size; i < std::min<std::int64_t>(t.size, (b + 1) * o.block_size); ++i) {
+        for (std::int64_t i = b * o.block_size;
+             i < std::min<std::int64_t>(t.size, (b + 1) * o.block_size); ++i) {
           am = std::max(am, std::abs(m[i]));
           av = std::max(av, v[i]);
         }
         q[k].ma[b] = am;
         q[k].va[b] = av;
-        for (std::int64_t i = b * o.block_size; i < std::min<std::int64_t>(t.size, (b + 1) * o.block_size); ++i) {
+        for (std::int64_t i = b * o.block_size;
+             i < std::min<std::int64_t>(t.size, (b + 1) * o.block_size); ++i) {
           q[k].mc[i] = brute(smap, m[i] / am);
           q[k].vc[i] = brute(umap, v[i] / av);
         }

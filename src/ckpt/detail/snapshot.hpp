@@ -1,7 +1,8 @@
 // What one checkpoint save writes, detached from the trainer: the fp32 masters and every
-// optimizer state buffer (fp32 or 8-bit codes, by name) in host memory, and every attribute.  save() takes a snapshot and writes it at once; the asynchronous
-// saver (ckpt/async.hpp) takes it between steps into buffers of its own and writes it from a
-// background thread while the trainer changes its state.
+// optimizer state buffer (fp32 or 8-bit codes, by name) in host memory, and every attribute. save()
+// takes a snapshot and writes it at once; the asynchronous saver (ckpt/async.hpp) takes it between
+// steps into buffers of its own and writes it from a background thread while the trainer changes
+// its state.
 #pragma once
 
 #include "core/types.hpp"
@@ -30,16 +31,16 @@ using PinnedBytes = Kokkos::View<std::uint8_t*, PinnedSpace>;
 
 /// Buffers an asynchronous saver owns and reuses from save to save (allocated once).
 struct SnapshotBuffers {
-  PinnedBuffer master;                          // (n)
-  std::map<std::string, PinnedBuffer> floats;   // optimizer state by name
+  PinnedBuffer master;                         // (n)
+  std::map<std::string, PinnedBuffer> floats;  // optimizer state by name
   std::map<std::string, PinnedBytes> bytes;
 };
 
 /// One optimizer state buffer in host memory, as /optimizer/<name> stores it.
 struct SnapshotState {
   std::string name;
-  bool bytes = false;                      // uint8 codes, else fp32
-  std::vector<model::TensorInfo> table;    // datasets: name, full shape, offset into `data`
+  bool bytes = false;                    // uint8 codes, else fp32
+  std::vector<model::TensorInfo> table;  // datasets: name, full shape, offset into `data`
   Kokkos::View<float*, Kokkos::HostSpace> host_f32;  // kept alive (synchronous saves)
   Kokkos::View<std::uint8_t*, Kokkos::HostSpace> host_u8;
   const void* data = nullptr;
@@ -50,7 +51,7 @@ struct Snapshot {
   model::Esm2Config config;
   std::vector<model::TensorInfo> tensors;
   std::int64_t optimizer_step = 0;
-  std::string optimizer_kind;                         // optimizer.name
+  std::string optimizer_kind;                          // optimizer.name
   std::map<std::string, double> optimizer_attributes;  // its hyper-parameters
   std::vector<SnapshotState> optimizer_state;
   std::int64_t micro_batches_per_step = 0;
@@ -64,8 +65,8 @@ struct Snapshot {
   double copy_seconds = 0;
 };
 
-/// \brief The trainer's state now.  With `buffers` the master and state buffers are copied into them
-/// (allocated on first use), so the trainer may go on; without, the host views of the
+/// \brief The trainer's state now.  With `buffers` the master and state buffers are copied into
+/// them (allocated on first use), so the trainer may go on; without, the host views of the
 /// optimizer's buffers are used (no copy at all on the CPU).
 Snapshot takeSnapshot(train::Trainer& trainer, SnapshotBuffers* buffers);
 

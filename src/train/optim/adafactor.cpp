@@ -17,8 +17,8 @@ using Kokkos::Experimental::sqrt;
 
 constexpr std::int64_t chunk_elements = 4096;  // one team's share of a piece
 
-template <class T> Kokkos::View<T*, MemSpace> toDevice(const std::vector<T>& host,
-                                                       const char* label) {
+template <class T>
+Kokkos::View<T*, MemSpace> toDevice(const std::vector<T>& host, const char* label) {
   Kokkos::View<T*, MemSpace> d(std::string(label), host.size());
   auto h = Kokkos::create_mirror_view(d);
   for (std::size_t i = 0; i < host.size(); ++i) h(i) = host[i];
@@ -97,8 +97,8 @@ Adafactor<P>::Adafactor(View1<P> params, ParamLayout layout, const AdafactorOpti
       for (std::int64_t j = 0; j < C && p.count > 0; ++j) {
         const std::int64_t first = b / C + (b % C > j ? 1 : 0);
         const std::int64_t last = (e - 1) / C - ((e - 1) % C < j ? 1 : 0);
-        if (last >= first) cols.push_back({p.local + (first * C + j - b), last - first + 1, C,
-                                           a.col_base + j});
+        if (last >= first)
+          cols.push_back({p.local + (first * C + j - b), last - first + 1, C, a.col_base + j});
       }
     } else {
       PLM_REQUIRE(next_unfactored < unfactored.pieces.size() &&
@@ -159,8 +159,8 @@ void Adafactor<P>::update(const ExecSpace& space, View1<P> grads, double lr, dou
   View1<double> row_sum("plm::train::adafactor::row_sum", rows_member.extent(0));
   View1<double> col_sum("plm::train::adafactor::col_sum", cols_member.extent(0));
   Kokkos::parallel_for(
-      "plm::train::adafactor::paramSquares", Kokkos::TeamPolicy<ExecSpace>(space, nchunks, Kokkos::AUTO),
-      KOKKOS_LAMBDA(const Team& team) {
+      "plm::train::adafactor::paramSquares",
+      Kokkos::TeamPolicy<ExecSpace>(space, nchunks, Kokkos::AUTO), KOKKOS_LAMBDA(const Team& team) {
         const auto c = chunks(team.league_rank());
         double sum = 0.0;
         Kokkos::parallel_reduce(
@@ -262,8 +262,7 @@ void Adafactor<P>::update(const ExecSpace& space, View1<P> grads, double lr, dou
   };
   Kokkos::parallel_for(
       "plm::train::adafactor::updateSquares",
-      Kokkos::TeamPolicy<ExecSpace>(space, nchunks, Kokkos::AUTO),
-      KOKKOS_LAMBDA(const Team& team) {
+      Kokkos::TeamPolicy<ExecSpace>(space, nchunks, Kokkos::AUTO), KOKKOS_LAMBDA(const Team& team) {
         const auto c = chunks(team.league_rank());
         const auto p = pieces(c.piece);
         const master_t mean = mean_dev(p.tensor);

@@ -17,8 +17,8 @@ using Kokkos::Experimental::fabs;
 using Kokkos::Experimental::sqrt;
 #endif
 
-template <class T> Kokkos::View<T*, MemSpace> toDevice(const std::vector<T>& host,
-                                                       const char* label) {
+template <class T>
+Kokkos::View<T*, MemSpace> toDevice(const std::vector<T>& host, const char* label) {
   Kokkos::View<T*, MemSpace> d(std::string(label), host.size());
   auto h = Kokkos::create_mirror_view(d);
   for (std::size_t i = 0; i < host.size(); ++i) h(i) = host[i];
@@ -137,8 +137,8 @@ AdamW8bit<P>::AdamW8bit(View1<P> params, ParamLayout layout, const AdamW8bitOpti
     const std::int64_t end = p.start + p.count;
     for (std::int64_t b = p.start / B; b * B < end && p.count > 0; ++b) {
       const std::int64_t lo = std::max(p.start, b * B), hi = std::min(end, (b + 1) * B);
-      quant.push_back({quantised.param_local[i] + (lo - p.start), hi - lo,
-                       p.local + (lo - p.start), block_base[p.tensor] + b});
+      quant.push_back({quantised.param_local[i] + (lo - p.start), hi - lo, p.local + (lo - p.start),
+                       block_base[p.tensor] + b});
       segment_block_member.push_back(block_base[p.tensor] + b);
     }
   }
@@ -297,8 +297,7 @@ void AdamW8bit<P>::update(const ExecSpace& space, View1<P> grads, double lr, dou
         });
       });
   Kokkos::deep_copy(space, m_abs, Kokkos::subview(new_abs, std::make_pair(std::size_t(0), blocks)));
-  Kokkos::deep_copy(space, v_abs,
-                    Kokkos::subview(new_abs, std::make_pair(blocks, 2 * blocks)));
+  Kokkos::deep_copy(space, v_abs, Kokkos::subview(new_abs, std::make_pair(blocks, 2 * blocks)));
 }
 
 template class AdamW8bit<float>;

@@ -34,7 +34,7 @@ std::uint8_t quantizeNearest(const std::array<float, 256>& map, float x);
 bool adamw8bitQuantised(const AdamW8bitOptions& options, const model::TensorInfo& tensor);
 
 namespace detail {
-struct QuantSegment {  // the part of one block in this rank's slice: one team
+struct QuantSegment {                 // the part of one block in this rank's slice: one team
   std::int64_t begin = 0, count = 0;  // in the parameter buffer
   std::int64_t code = 0;              // into the code buffers
   std::int64_t block = 0;             // into the block scales

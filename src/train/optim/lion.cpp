@@ -4,8 +4,7 @@
 
 namespace plm::train {
 
-template <class P>
-Lion<P>::Lion(View1<P> params, ParamLayout layout, const LionOptions& options)
+template <class P> Lion<P>::Lion(View1<P> params, ParamLayout layout, const LionOptions& options)
     : Optimizer<P>(params, std::move(layout)), options_member(options) {
   exp_avg_member = detail::elementwiseBuffer("exp_avg", this->layout_member);
 }

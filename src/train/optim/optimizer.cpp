@@ -113,13 +113,12 @@ void castCopy(const ExecSpace& space, View1<To> to, View1<From> from, const char
 
 }  // namespace detail
 
-template <class P>
-Optimizer<P>::Optimizer(View1<P> params, ParamLayout layout)
+template <class P> Optimizer<P>::Optimizer(View1<P> params, ParamLayout layout)
     : params_member(params), layout_member(std::move(layout)) {
   const std::int64_t n = static_cast<std::int64_t>(params.extent(0));
-  PLM_REQUIRE(n == layout_member.local_size,
-              "optimizer: the parameter buffer has " + std::to_string(n) +
-                  " elements, its layout " + std::to_string(layout_member.local_size));
+  PLM_REQUIRE(n == layout_member.local_size, "optimizer: the parameter buffer has " +
+                                                 std::to_string(n) + " elements, its layout " +
+                                                 std::to_string(layout_member.local_size));
   if constexpr (std::is_same_v<P, master_t>) {
     master_member = params;
     aliased_member = true;
@@ -206,7 +205,8 @@ template <class P> View1<master_t> Optimizer<P>::stateF32(const std::string& nam
 template <class P> std::int64_t Optimizer<P>::stateBytes() const {
   std::int64_t bytes = static_cast<std::int64_t>(flags_member.extent(0));
   for (const auto& b : state()) bytes += b.bytes();
-  if (!aliased_member) bytes += static_cast<std::int64_t>(master_member.extent(0) * sizeof(master_t));
+  if (!aliased_member)
+    bytes += static_cast<std::int64_t>(master_member.extent(0) * sizeof(master_t));
   return bytes;
 }
 
@@ -341,11 +341,11 @@ double optimizerBytesPerParameter(const OptimizerOptions& options,
   return params ? double(optimizerStateBytes(options, tensors, buffer)) / double(params) : 0.0;
 }
 
-#define PLM_OPTIMIZER_INSTANTIATE(P)                                                             \
-  template class Optimizer<P>;                                                                   \
-  template std::unique_ptr<Optimizer<P>> makeOptimizer<P>(const OptimizerOptions&, View1<P>,     \
-                                                          ParamLayout);                          \
-  template void exportState<P>(const Optimizer<P>&, Optimizer<P>&, MPI_Comm);                    \
+#define PLM_OPTIMIZER_INSTANTIATE(P)                                                         \
+  template class Optimizer<P>;                                                               \
+  template std::unique_ptr<Optimizer<P>> makeOptimizer<P>(const OptimizerOptions&, View1<P>, \
+                                                          ParamLayout);                      \
+  template void exportState<P>(const Optimizer<P>&, Optimizer<P>&, MPI_Comm);                \
   template void importState<P>(const Optimizer<P>&, Optimizer<P>&);
 PLM_OPTIMIZER_INSTANTIATE(float)
 PLM_OPTIMIZER_INSTANTIATE(double)

@@ -63,11 +63,11 @@ struct LionOptions {  // Chen et al. 2023 (symbolic discovery of optimization al
   double weight_decay = 0.01;
 };
 
-struct AdafactorOptions {  // Shazeer & Stern 2018, as transformers.Adafactor with a given lr
-  double beta1 = 0.0;         // first moment (EMA of the update); 0 = none (the paper's default)
-  double decay_rate = -0.8;   // beta2_t = 1 - t^decay_rate
-  double eps1 = 1e-30;        // added to g^2
-  double eps2 = 1e-3;         // floor of the parameter scale RMS(p)
+struct AdafactorOptions {       // Shazeer & Stern 2018, as transformers.Adafactor with a given lr
+  double beta1 = 0.0;           // first moment (EMA of the update); 0 = none (the paper's default)
+  double decay_rate = -0.8;     // beta2_t = 1 - t^decay_rate
+  double eps1 = 1e-30;          // added to g^2
+  double eps2 = 1e-3;           // floor of the parameter scale RMS(p)
   double clip_threshold = 1.0;  // update clipping: U / max(1, RMS(U) / d)
   bool scale_parameter = true;  // step = lr * max(eps2, RMS(p)) per tensor
   double weight_decay = 0.01;
@@ -78,7 +78,7 @@ struct AdamW8bitOptions {  // Dettmers et al. 2022 (bitsandbytes' blockwise 8-bi
   double beta2 = 0.98;
   double eps = 1e-8;
   double weight_decay = 0.01;
-  std::int64_t block_size = 2048;    // elements per quantisation block (per tensor)
+  std::int64_t block_size = 2048;     // elements per quantisation block (per tensor)
   std::int64_t min_8bit_size = 4096;  // smaller tensors keep fp32 state (bitsandbytes' default)
   // The tensor whose state stays fp32 (bitsandbytes' StableEmbedding keeps 32-bit state).
   std::string fp32_tensor = "esm.embeddings.word_embeddings.weight";
@@ -124,7 +124,7 @@ struct StateBuffer {
   };
   std::string name;  // checkpoint group /optimizer/<name>
   Layout layout = Layout::Pieces;
-  View1<master_t> f32;      // exactly one of f32 and u8 is allocated
+  View1<master_t> f32;  // exactly one of f32 and u8 is allocated
   View1<std::uint8_t> u8;
   // The full layout, as checkpoints store it: one entry per whole tensor (name, full shape,
   // offset into the full buffer; Replicated buffers give their own shapes).
@@ -207,8 +207,7 @@ template <class P> class Optimizer {
 
 /// \brief The optimizer `options.kind` over `params` laid out as `layout`.
 template <class P> std::unique_ptr<Optimizer<P>> makeOptimizer(const OptimizerOptions& options,
-                                                               View1<P> params,
-                                                               ParamLayout layout);
+                                                               View1<P> params, ParamLayout layout);
 
 /// \brief Collective over `shard`: writes `from`'s (this rank's) state into `to`, an optimizer
 /// of the same kind over the whole model (full layout), on every rank of the shard group.  The

@@ -15,9 +15,9 @@ namespace plm::train::detail {
 struct Subset {
   std::vector<model::TensorInfo> table;  // chosen tensors, offsets into the full buffer
   std::int64_t full_size = 0;
-  std::vector<TensorPiece> pieces;         // tensor indexes `table`, local into the compact buffer
-  std::vector<std::int64_t> param_local;   // per piece: its local offset in the parameter buffer
-  std::vector<int> model_tensor;           // per piece: its index in layout.tensors
+  std::vector<TensorPiece> pieces;        // tensor indexes `table`, local into the compact buffer
+  std::vector<std::int64_t> param_local;  // per piece: its local offset in the parameter buffer
+  std::vector<int> model_tensor;          // per piece: its index in layout.tensors
   std::int64_t local_size = 0;
 };
 
