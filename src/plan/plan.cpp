@@ -183,10 +183,10 @@ void planMemory(const Input& in, Plan& p) {
         {train::OptimizerKind::AdamW, {"AdamW m, v, flags", "(4 + 4 + 1) N / shard"}},
         {train::OptimizerKind::Lion, {"Lion m, flags", "(4 + 1) N / shard"}},
         {train::OptimizerKind::Adafactor,
-         {"Adafactor row/column factors, unfactored v, flags",
+         {"Adafactor factors, v, flags",
           "(4 (rows + cols of matrices) + 4 N_vectors + 1 N [+ 4 N with beta1]) / shard"}},
         {train::OptimizerKind::AdamW8bit,
-         {"8-bit AdamW codes, block scales, fp32 embedding state, flags",
+         {"8-bit AdamW codes, scales, flags",
           "(2 N_8bit + 8 N_8bit / block + 8 N_fp32 + 1 N) / shard"}}};
     const double bytes = static_cast<double>(
         train::optimizerStateBytes(in.optimizer, model::tensorTable(c), flatParameterCount(c)));
