@@ -91,10 +91,21 @@ def main():
 
         f.visititems(visit)
         if state is not None:
-            for group in ("model", "optimizer/exp_avg", "optimizer/exp_avg_sq", "scaling"):
+            # The optimizer's state groups (doc/optimizers.md): listed in /optimizer's `state`
+            # attribute; files from before optimizer.name hold AdamW's two moments.
+            opt = f.get("optimizer")
+            names = ["exp_avg", "exp_avg_sq"]
+            if opt is not None and "state" in opt.attrs:
+                text = opt.attrs["state"]
+                text = text.decode() if isinstance(text, bytes) else str(text)
+                names = [n for n in text.split(",") if n]
+            for group in ["model", "scaling"] + ["optimizer/" + n for n in names]:
                 if group not in f:
                     problems.append(f"/{group} is missing")
-            if "model" in f and "optimizer/exp_avg" in f and set(f["model"]) != set(f["optimizer/exp_avg"]):
+            # Elementwise state over every tensor carries /model's names (AdamW, Lion).
+            if "model" in f and "optimizer/exp_avg" in f and opt is not None and \
+                    opt.attrs.get("kind", b"adamw") in ("adamw", "lion", b"adamw", b"lion") and \
+                    set(f["model"]) != set(f["optimizer/exp_avg"]):
                 problems.append("/model and /optimizer/exp_avg hold different tensor names")
         print(f"  tensor data: {total_bytes / 1e6:.1f} MB")
 

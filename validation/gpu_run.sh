@@ -2,10 +2,13 @@
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
-#                                       fp8_bench fp8_curves context
+#                                       fp8_bench fp8_curves context optimizers
 #   fp8: test_gpu_fp8 (every FP8 cast and GEMM layout vs host references) and
 #        bench_gpu_fp8_gemm (650M layer GEMMs bf16 vs FP8 per-tensor vs FP8 block; cast GB/s),
 #        their full logs copied to $OUT (fp8_test.log, fp8_bench.log)
+#   optimizers: ESM-2 35M (bf16) trained 300 steps with each optimizer.name (adamw, adamw8bit,
+#         lion, adafactor): bytes of optimizer state per parameter, peak memory, step time,
+#         losses (doc/optimizers.md; the table of doc/performance.md "Optimizers")
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/performance.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
@@ -302,6 +305,29 @@ if has fp8; then
   else
     note "fp8: no bench_gpu_fp8_gemm in $pkg/bin"
   fi
+fi
+
+if has optimizers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  valid=""; [[ -f "$pkg/data/valid.h5" ]] && valid="$pkg/data/valid.h5"
+  declare -A opt_sets=([adamw]="optimizer.lr=4.0e-4" [adamw8bit]="optimizer.lr=4.0e-4"
+    [lion]="optimizer.lr=1.0e-4 optimizer.weight_decay=0.05"
+    [adafactor]="optimizer.lr=4.0e-4 optimizer.adafactor_scale_parameter=false")
+  for name in adamw adamw8bit lion adafactor; do
+    d="/tmp/plm-opt-$name"; rm -rf "$d"
+    sets=(); for kv in ${opt_sets[$name]}; do sets+=(--set "$kv"); done
+    start=$(date +%s)
+    timeout 500 "$pkg/bin/plm" train "$repo/inputs/esm2_35m.yaml" --set data.train="$pkg/data/train.h5" \
+      --set data.valid="$valid" --set data.valid_tokens=262144 --set train.precision=bf16 \
+      --set optimizer.name=$name "${sets[@]}" --set train.steps=300 --set train.log_every=10 \
+      --set train.eval_every=100 --set schedule.warmup_steps=30 --set data.tokens_per_batch=65536 \
+      --set checkpoint.every=300 --set checkpoint.resume=none --set train.run_dir="$d" \
+      --set checkpoint.dir="$d/ckpt" > "$out/optimizers_$name.log" 2>&1
+    note "plm train esm2_35m bf16 optimizer.name=$name rc=$? $(( $(date +%s) - start ))s"
+    grep -E "optimizer: |memory: after|step 300/|valid loss|checkpoint: step 300" \
+      "$out/optimizers_$name.log" | tail -5 | tee -a "$summary"
+    cp "$d/metrics.jsonl" "$final_out/metrics_optimizers_$name.jsonl" 2>/dev/null
+    h5ls -r "$d/ckpt/step_000300.h5/optimizer" 2>/dev/null | head -4 >> "$summary"
+  done
 fi
 
 if has hf; then

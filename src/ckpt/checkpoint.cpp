@@ -62,8 +62,8 @@ std::string broadcastString(std::string value, MPI_Comm comm) {
 
 // The fault hook behind the crash tests: PLM_CKPT_FAIL_AT=<step>:<phase> makes every rank
 // _exit(86) at that point of the save of that step, as a kill would (nothing flushed, no
-// destructors).  Phases: model (after /model), optimizer (after /optimizer/exp_avg), flush
-// (file complete and flushed, not yet renamed).
+// destructors).  Phases: model (after /model), optimizer (after the first /optimizer state group),
+// flush (file complete and flushed, not yet renamed).
 void failPoint(std::int64_t step, const char* phase) {
   static const char* spec = std::getenv("PLM_CKPT_FAIL_AT");
   if (!spec || !*spec) return;
@@ -78,8 +78,9 @@ void failPoint(std::int64_t step, const char* phase) {
 // CRC-32 of this rank's rows (io::rowRange) of every tensor of a flat buffer, with their byte
 // counts: (crc, length) pairs, one per tensor.  Touches only host memory and zlib, so it may
 // run on a helper thread while HDF5 writes the same (read-only) buffer.
+template <class T>
 std::vector<std::uint64_t> localChecksums(const std::vector<model::TensorInfo>& tensors,
-                                          const float* values, int rank, int world) {
+                                          const T* values, int rank, int world) {
   std::vector<std::uint64_t> local(2 * tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
     const auto& t = tensors[i];
@@ -87,7 +88,7 @@ std::vector<std::uint64_t> localChecksums(const std::vector<model::TensorInfo>& 
     const std::int64_t row_size = rows ? t.size / rows : 0;
     auto [first, last] = io::rowRange(rows, rank, world);
     const auto* bytes = reinterpret_cast<const Bytef*>(values + t.offset + first * row_size);
-    const std::uint64_t length = std::uint64_t((last - first) * row_size) * sizeof(float);
+    const std::uint64_t length = std::uint64_t((last - first) * row_size) * sizeof(T);
     local[2 * i] = crc32_z(crc32_z(0L, Z_NULL, 0), bytes, length);
     local[2 * i + 1] = length;
   }
@@ -115,8 +116,9 @@ std::vector<std::uint32_t> combineChecksums(const std::vector<std::uint64_t>& lo
   return out;
 }
 
-std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tensors,
-                                     const float* values, MPI_Comm comm) {
+template <class T>
+std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tensors, const T* values,
+                                     MPI_Comm comm) {
   return combineChecksums(localChecksums(tensors, values, commRank(comm), commSize(comm)), comm);
 }
 
@@ -130,13 +132,32 @@ void writeChecksums(hid_t file, const std::string& group,
   }
 }
 
+// io::writeTensorGroup for 8-bit codes: this rank's rows of every tensor, at full shape.
+void writeGroup(hid_t file, MPI_Comm comm, const std::string& group,
+                const std::vector<model::TensorInfo>& tensors, const std::uint8_t* values,
+                bool independent) {
+  const int rank = commRank(comm), world = commSize(comm);
+  h5::Hid g = h5::exists(file, group)
+                  ? h5::Hid(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)))
+                  : h5::createGroup(file, group);
+  for (const auto& t : tensors) {
+    h5::Hid dataset = h5::createDataset<std::uint8_t>(g, t.name, t.shape);
+    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    const std::int64_t row_size = rows ? t.size / rows : 0;
+    auto [first, last] = io::rowRange(rows, rank, world);
+    if (independent && last == first) continue;
+    h5::writeRows<std::uint8_t>(dataset, first, last - first, values + t.offset + first * row_size,
+                                independent);
+  }
+}
+
 // Reads `group` into `values` on every rank.  Each rank reads only its own rows (independent
 // transfers, so the file is read once whatever the rank count), checks them against the stored
 // CRC-32s (joined over ranks), and only then are the rows shared.  The group must hold exactly
 // the model's tensors at their shapes.  Any failure is a CorruptCheckpoint on every rank.
-void readGroup(hid_t file, MPI_Comm comm, const std::string& group,
-               const std::vector<model::TensorInfo>& tensors, float* values,
-               const std::string& path) {
+template <class T> void readGroup(hid_t file, MPI_Comm comm, const std::string& group,
+                                  const std::vector<model::TensorInfo>& tensors, T* values,
+                                  const std::string& path) {
   const int rank = commRank(comm), world = commSize(comm);
   std::vector<std::int64_t> stored(tensors.size());
   detail::agree(comm, [&] {
@@ -163,8 +184,8 @@ void readGroup(hid_t file, MPI_Comm comm, const std::string& group,
         const std::int64_t row_size = rows ? t.size / rows : 0;
         auto [first, last] = io::rowRange(rows, rank, world);
         if (last > first)
-          h5::readRows<float>(dataset, first, last - first, values + t.offset + first * row_size,
-                              /*independent=*/true);
+          h5::readRows<T>(dataset, first, last - first, values + t.offset + first * row_size,
+                          /*independent=*/true);
       }
       if (info.nlinks != tensors.size())
         throw CorruptCheckpoint("checkpoint `" + path + "`: /" + group + " holds " +
@@ -226,8 +247,13 @@ std::vector<std::string> broadcastList(std::vector<std::string> list, MPI_Comm c
 
 }  // namespace
 
-void detail::shareRows(const std::vector<model::TensorInfo>& tensors, float* values, MPI_Comm comm,
-                       std::int64_t batch_limit) {
+namespace {
+template <class T> MPI_Datatype mpiType();
+template <> MPI_Datatype mpiType<float>() { return MPI_FLOAT; }
+template <> MPI_Datatype mpiType<std::uint8_t>() { return MPI_UINT8_T; }
+
+template <class T> void shareRowsOf(const std::vector<model::TensorInfo>& tensors, T* values,
+                                    MPI_Comm comm, std::int64_t batch_limit) {
   const int rank = commRank(comm), world = commSize(comm);
   if (world == 1) return;
   auto rowsOf = [&](const model::TensorInfo& t, int r) {
@@ -237,7 +263,7 @@ void detail::shareRows(const std::vector<model::TensorInfo>& tensors, float* val
     return std::pair{first * row_size, (last - first) * row_size};  // (element offset, count)
   };
   std::size_t begin = 0;
-  std::vector<float> send, receive;
+  std::vector<T> send, receive;
   while (begin < tensors.size()) {
     std::size_t end = begin;
     std::int64_t total = 0;
@@ -253,23 +279,34 @@ void detail::shareRows(const std::vector<model::TensorInfo>& tensors, float* val
     for (std::size_t i = begin; i < end; ++i) {
       auto [offset, count] = rowsOf(tensors[i], rank);
       std::memcpy(send.data() + at, values + tensors[i].offset + offset,
-                  std::size_t(count) * sizeof(float));
+                  std::size_t(count) * sizeof(T));
       at += std::size_t(count);
     }
     receive.resize(std::size_t(total));
-    PLM_CHECK_MPI(MPI_Allgatherv(send.data(), counts[rank], MPI_FLOAT, receive.data(),
-                                 counts.data(), displacements.data(), MPI_FLOAT, comm));
+    PLM_CHECK_MPI(MPI_Allgatherv(send.data(), counts[rank], mpiType<T>(), receive.data(),
+                                 counts.data(), displacements.data(), mpiType<T>(), comm));
     for (int r = 0; r < world; ++r) {
       std::size_t from = std::size_t(displacements[r]);
       for (std::size_t i = begin; i < end; ++i) {
         auto [offset, count] = rowsOf(tensors[i], r);
         std::memcpy(values + tensors[i].offset + offset, receive.data() + from,
-                    std::size_t(count) * sizeof(float));
+                    std::size_t(count) * sizeof(T));
         from += std::size_t(count);
       }
     }
     begin = end;
   }
+}
+}  // namespace
+
+void detail::shareRows(const std::vector<model::TensorInfo>& tensors, float* values, MPI_Comm comm,
+                       std::int64_t batch_limit) {
+  shareRowsOf(tensors, values, comm, batch_limit);
+}
+
+void detail::shareRows(const std::vector<model::TensorInfo>& tensors, std::uint8_t* values,
+                       MPI_Comm comm, std::int64_t batch_limit) {
+  shareRowsOf(tensors, values, comm, batch_limit);
 }
 
 std::string fileName(std::int64_t step) {
@@ -315,7 +352,8 @@ detail::Snapshot detail::takeSnapshot(train::Trainer& trainer, SnapshotBuffers* 
   snap.config = model.config();
   snap.tensors = model.tensors();
   snap.optimizer_step = optimizer.stepCount();
-  snap.optimizer_options = optimizer.options();
+  snap.optimizer_kind = train::optimizerName(optimizer.kind());
+  snap.optimizer_attributes = optimizer.attributes();
   snap.micro_batches_per_step = loader.options().micro_batches_per_step;
   snap.dataset_path = loader.options().path;
   snap.dataset_sequences = loader.numSequences();
@@ -323,31 +361,42 @@ detail::Snapshot detail::takeSnapshot(train::Trainer& trainer, SnapshotBuffers* 
   snap.deck_yaml = deck::toYaml(trainer.deck());
   snap.scaling = detail::takeScaling(model);
   const double start = now();
+  // With `buffers`: copies into the saver's pinned buffers (reused from save to save); without:
+  // the host views of the optimizer's buffers (on the CPU the buffers themselves, no copy).
+  auto pinned = [](auto& to, const auto& from, const std::string& label) {
+    using V = std::decay_t<decltype(to)>;
+    if (to.extent(0) != from.extent(0))
+      to = V(Kokkos::view_alloc(Kokkos::WithoutInitializing, label), from.extent(0));
+    Kokkos::deep_copy(to, from);
+    return static_cast<const void*>(to.data());
+  };
   if (buffers) {
-    const std::size_t n = optimizer.master().extent(0);
-    auto copy = [n](PinnedBuffer& to, const View1<master_t>& from, const char* label) {
-      if (to.extent(0) != n)
-        to = PinnedBuffer(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), n);
-      Kokkos::deep_copy(to, from);
-      return to.data();
-    };
-    snap.master = copy(buffers->master, optimizer.master(), "plm::ckpt::snapshot_master");
-    snap.exp_avg = copy(buffers->exp_avg, optimizer.expAvg(), "plm::ckpt::snapshot_exp_avg");
-    snap.exp_avg_sq =
-        copy(buffers->exp_avg_sq, optimizer.expAvgSq(), "plm::ckpt::snapshot_exp_avg_sq");
-    Kokkos::fence();
+    snap.master = static_cast<const float*>(
+        pinned(buffers->master, optimizer.master(), "plm::ckpt::snapshot_master"));
   } else {
-    // The only pass over the state besides the write itself: on the CPU these mirrors are the
-    // optimizer's own buffers; on a GPU, one device-to-host copy each.
     snap.host_master = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.master());
-    snap.host_exp_avg =
-        Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.expAvg());
-    snap.host_exp_avg_sq =
-        Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.expAvgSq());
     snap.master = snap.host_master.data();
-    snap.exp_avg = snap.host_exp_avg.data();
-    snap.exp_avg_sq = snap.host_exp_avg_sq.data();
   }
+  for (const auto& b : optimizer.state()) {
+    detail::SnapshotState st;
+    st.name = b.name;
+    st.bytes = b.isBytes();
+    st.table = b.table;
+    const std::string label = "plm::ckpt::snapshot_" + b.name;
+    if (buffers && st.bytes) {
+      st.data = pinned(buffers->bytes[b.name], b.u8, label);
+    } else if (buffers) {
+      st.data = pinned(buffers->floats[b.name], b.f32, label);
+    } else if (st.bytes) {
+      st.host_u8 = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b.u8);
+      st.data = st.host_u8.data();
+    } else {
+      st.host_f32 = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b.f32);
+      st.data = st.host_f32.data();
+    }
+    snap.optimizer_state.push_back(std::move(st));
+  }
+  Kokkos::fence();
   snap.copy_seconds = now() - start;
   return snap;
 }
@@ -384,13 +433,21 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
   // 5x slower on the dev machine (doc/performance.md).
   constexpr bool independent_transfers = true;
   // The checksums of this rank's rows are computed on a helper thread while HDF5 writes.
-  const std::vector<std::pair<std::string, const float*>> groups = {
-      {"model", snap.master},
-      {"optimizer/exp_avg", snap.exp_avg},
-      {"optimizer/exp_avg_sq", snap.exp_avg_sq}};
-  auto crc_pending = std::async(std::launch::async, [&tensors, &groups, rank, world] {
+  struct Group {
+    std::string name;
+    const std::vector<model::TensorInfo>* table;
+    const void* data;
+    bool bytes;
+  };
+  std::vector<Group> groups = {{"model", &tensors, snap.master, false}};
+  for (const auto& st : snap.optimizer_state)
+    groups.push_back({"optimizer/" + st.name, &st.table, st.data, st.bytes});
+  auto crc_pending = std::async(std::launch::async, [&groups, rank, world] {
     std::vector<std::vector<std::uint64_t>> out;
-    for (const auto& g : groups) out.push_back(localChecksums(tensors, g.second, rank, world));
+    for (const auto& g : groups)
+      out.push_back(
+          g.bytes ? localChecksums(*g.table, static_cast<const std::uint8_t*>(g.data), rank, world)
+                  : localChecksums(*g.table, static_cast<const float*>(g.data), rank, world));
     return out;
   });
   {
@@ -407,22 +464,28 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
     failPoint(state.step, "model");
     {
       h5::Hid g = h5::createGroup(file, "optimizer");
-      const auto& o = snap.optimizer_options;
-      h5::writeAttribute(g, "name", std::string("AdamW"));
+      h5::writeAttribute(g, "kind", snap.optimizer_kind);
+      h5::writeAttribute(
+          g, "name", snap.optimizer_kind == "adamw" ? std::string("AdamW") : snap.optimizer_kind);
       h5::writeAttribute(g, "step", snap.optimizer_step);
-      h5::writeAttribute(g, "beta1", o.beta1);
-      h5::writeAttribute(g, "beta2", o.beta2);
-      h5::writeAttribute(g, "eps", o.eps);
-      h5::writeAttribute(g, "weight_decay", o.weight_decay);
+      std::string names;
+      for (const auto& st : snap.optimizer_state) names += (names.empty() ? "" : ",") + st.name;
+      h5::writeAttribute(g, "state", names);
+      for (const auto& [key, value] : snap.optimizer_attributes) h5::writeAttribute(g, key, value);
     }
-    io::writeTensorGroup(file, comm, "optimizer/exp_avg", tensors, snap.exp_avg,
-                         independent_transfers);
-    failPoint(state.step, "optimizer");
-    io::writeTensorGroup(file, comm, "optimizer/exp_avg_sq", tensors, snap.exp_avg_sq,
-                         independent_transfers);
+    for (std::size_t i = 1; i < groups.size(); ++i) {
+      const Group& g = groups[i];
+      if (g.bytes)
+        writeGroup(file, comm, g.name, *g.table, static_cast<const std::uint8_t*>(g.data),
+                   independent_transfers);
+      else
+        io::writeTensorGroup(file, comm, g.name, *g.table, static_cast<const float*>(g.data),
+                             independent_transfers);
+      if (i == 1) failPoint(state.step, "optimizer");
+    }
     const auto local = crc_pending.get();
     for (std::size_t g = 0; g < groups.size(); ++g)
-      writeChecksums(file, groups[g].first, tensors, combineChecksums(local[g], comm));
+      writeChecksums(file, groups[g].name, *groups[g].table, combineChecksums(local[g], comm));
     detail::writeScaling(file, snap.scaling, comm);
 
     h5::Hid s = h5::createGroup(file, "state");
@@ -545,11 +608,13 @@ Header readHeader(const std::string& path) {
     h.plm_version = h5::readStringAttribute(s, "plm_version");
     h.git_revision = h5::readStringAttribute(s, "git_revision");
     h.created_utc = h5::readStringAttribute(s, "created_utc");
-    if (!h5::exists(file, "optimizer/exp_avg") || !h5::exists(file, "optimizer/exp_avg_sq") ||
-        !h5::exists(file, "model"))
-      throw CorruptCheckpoint("checkpoint `" + path + "` lacks /model or /optimizer/exp_avg(_sq)");
+    if (!h5::exists(file, "optimizer") || !h5::exists(file, "model"))
+      throw CorruptCheckpoint("checkpoint `" + path + "` lacks /model or /optimizer");
     h5::Hid o(PLM_CHECK_H5(H5Gopen2(file, "optimizer", H5P_DEFAULT)));
     h.optimizer_step = h5::readIntAttribute(o, "step");
+    // Files from before optimizer.name hold AdamW state and no `kind`.
+    h.optimizer_kind =
+        h5::hasAttribute(o, "kind") ? h5::readStringAttribute(o, "kind") : std::string("adamw");
   } catch (const CorruptCheckpoint&) {
     throw;
   } catch (const NewerFormat&) {
@@ -582,7 +647,10 @@ Header load(train::Trainer& trainer, const std::string& path) {
   auto& optimizer = trainer.optimizer();
   const auto& tensors = trainer.model().tensors();
   const std::size_t n = optimizer.master().extent(0);
-  std::vector<float> master(n), exp_avg(n), exp_avg_sq(n);
+  std::vector<float> master(n);
+  const auto buffers = optimizer.state();
+  std::vector<std::vector<float>> floats(buffers.size());
+  std::vector<std::vector<std::uint8_t>> bytes(buffers.size());
   h5::Hid file;
   detail::agree(comm, [&] {
     try {
@@ -592,8 +660,17 @@ Header load(train::Trainer& trainer, const std::string& path) {
     }
   });
   readGroup(file, comm, "model", tensors, master.data(), path);
-  readGroup(file, comm, "optimizer/exp_avg", tensors, exp_avg.data(), path);
-  readGroup(file, comm, "optimizer/exp_avg_sq", tensors, exp_avg_sq.data(), path);
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    const auto& b = buffers[i];
+    const std::string group = "optimizer/" + b.name;
+    if (b.isBytes()) {
+      bytes[i].assign(b.u8.extent(0), 0);
+      readGroup(file, comm, group, b.table, bytes[i].data(), path);
+    } else {
+      floats[i].assign(b.f32.extent(0), 0.0f);
+      readGroup(file, comm, group, b.table, floats[i].data(), path);
+    }
+  }
   detail::ScalingState scaling;
   detail::agree(comm, [&] { scaling = detail::readScaling(file, path); });
   file.reset();
@@ -602,14 +679,18 @@ Header load(train::Trainer& trainer, const std::string& path) {
                           ") does not fit this run: " + why);
 
   // Everything checked: only now does the trainer change.
-  auto put = [](const View1<master_t>& target, const std::vector<float>& values) {
+  auto put = [](const auto& target, const auto& values) {
     auto host = Kokkos::create_mirror_view(Kokkos::HostSpace(), target);
-    std::memcpy(host.data(), values.data(), values.size() * sizeof(float));
+    std::memcpy(host.data(), values.data(), values.size() * sizeof(values[0]));
     Kokkos::deep_copy(target, host);
   };
   put(optimizer.master(), master);
-  put(optimizer.expAvg(), exp_avg);
-  put(optimizer.expAvgSq(), exp_avg_sq);
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    if (buffers[i].isBytes())
+      put(buffers[i].u8, bytes[i]);
+    else
+      put(buffers[i].f32, floats[i]);
+  }
   if (!optimizer.mastersAlias()) optimizer.syncParameters(ExecSpace());
   Kokkos::fence();
   trainer.restore(header.state);

@@ -6,15 +6,21 @@
 //                           so a checkpoint is also a model file (`plm eval --model`, `plm
 //                           convert`)
 //   /model/<HF name>        fp32 master weights at the full Hugging Face shape
-//   /optimizer              attributes: step, beta1, beta2, eps, weight_decay
-//   /optimizer/exp_avg/<HF name>, /optimizer/exp_avg_sq/<HF name>   fp32 Adam moments, same shapes
+//   /optimizer              attributes: kind (optimizer.name), name, step, state (the buffer
+//                           names), the kind's hyper-parameters (beta1, beta2, eps, ...)
+//   /optimizer/<buffer>/<HF name>   each state buffer of the kind (doc/optimizers.md): AdamW's
+//                           exp_avg and exp_avg_sq at the tensors' shapes; Lion's exp_avg;
+//                           Adafactor's exp_avg_sq_row (rows), exp_avg_sq_col (columns),
+//                           exp_avg_sq (unfactored tensors), exp_avg with beta1; 8-bit AdamW's
+//                           uint8 exp_avg(_sq)_codes, their fp32 block scales exp_avg(_sq)_absmax
+//                           (blocks), exp_avg(_sq)_fp32 (the fp32-state tensors), quantile maps
 //   /scaling                FP8 scaling state: amax histories and scales (detail/scaling.hpp)
 //   /state                  attributes: format "plm-checkpoint", format_version, step, tokens_seen,
 //                           cursor_epoch, cursor_position, init_seed, data_seed, world_size,
 //                           micro_batches_per_step, dataset_path, dataset_sequences,
 //                           dataset_residues, deck (resolved YAML), plm_version, git_revision,
 //                           created_utc
-//   every tensor carries `crc32`: zlib CRC-32 of its fp32 bytes in row-major order.
+//   every tensor carries `crc32`: zlib CRC-32 of its bytes (fp32 or uint8) in row-major order.
 //
 // Design choices:
 //  - Atomic: the file is written as step_<step>.h5.tmp in checkpoint.dir, flushed (MPI_File_sync
@@ -108,6 +114,7 @@ struct Header {
   model::Esm2Config config;
   train::TrainState state;
   std::int64_t optimizer_step = 0;
+  std::string optimizer_kind;  // optimizer.name of the run that wrote it
   std::int64_t world_size = 0;
   std::int64_t micro_batches_per_step = 0;
   std::string dataset_path;

@@ -132,6 +132,14 @@ std::vector<std::string> incompatibilities(const Header& header, train::Trainer&
                       " sequences, " + std::to_string(loader.numResidues()) +
                       " residues, so the saved data cursor would point elsewhere");
 
+  const std::string mine_kind = train::optimizerName(trainer.optimizer().kind());
+  if (header.optimizer_kind != mine_kind)
+    reasons.push_back("optimizer.name: the checkpoint holds " + header.optimizer_kind +
+                      " state, this run asks for " + mine_kind +
+                      " (resuming with another optimizer is refused: its state does not carry "
+                      "over; set optimizer.name: " +
+                      header.optimizer_kind + " to resume, or train with " + mine_kind +
+                      " as a new run: checkpoint.resume: none or another checkpoint.dir)");
   DeckChanges diff = compareDecks(header.deck_yaml, deck::toYaml(trainer.deck()));
   for (const auto& c : diff.refused)
     reasons.push_back(

@@ -157,6 +157,12 @@ constexpr int kLogitsLdBf16 = 40;  // vocab 33 padded to 16-byte bf16 rows for c
 
 }  // namespace
 
+std::vector<TensorInfo> tensorTable(const Esm2Config& config) {
+  std::vector<TensorInfo> out;
+  for (auto& e : buildTable(config)) out.push_back(std::move(e.info));
+  return out;
+}
+
 template <class T> struct Esm2<T>::Impl {
   /// The non-layer tensors, in compute precision (weights) or the master type (gradients).
   struct Outer {

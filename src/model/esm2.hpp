@@ -70,6 +70,10 @@ struct TensorInfo {
   bool weight_decay = false;        // AdamW decays this tensor (not biases, LayerNorm, embedding)
 };
 
+/// \brief The tensor table of a model with `config`, without allocating it (planner, optimizer
+/// memory): the same entries and offsets as Esm2::tensors().
+std::vector<TensorInfo> tensorTable(const Esm2Config& config);
+
 /// Optional outputs of a forward pass (device views, allocated by the model).
 template <class T> struct ForwardOutputs {
   bool want_logits = false;

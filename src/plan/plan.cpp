@@ -8,6 +8,7 @@
 #include <cmath>
 #include <cstdio>
 #include <functional>
+#include <map>
 
 namespace plm::plan {
 
@@ -176,7 +177,22 @@ void planMemory(const Input& in, Plan& p) {
   const double cb = bf16 ? 2 : 4;
   p.memory.push_back({"parameters (fp32 masters)", 4 * nb / s, "4 N / shard"});
   p.memory.push_back({"gradients (fp32)", 4 * nb / s, "4 N / shard"});
-  p.memory.push_back({"optimizer states (AdamW m, v, flags)", 9 * nb / s, "(4 + 4 + 1) N / shard"});
+  {
+    // The optimizer's own byte count over the model's tensor table (what it allocates).
+    static const std::map<train::OptimizerKind, std::pair<const char*, const char*>> text = {
+        {train::OptimizerKind::AdamW, {"AdamW m, v, flags", "(4 + 4 + 1) N / shard"}},
+        {train::OptimizerKind::Lion, {"Lion m, flags", "(4 + 1) N / shard"}},
+        {train::OptimizerKind::Adafactor,
+         {"Adafactor factors, v, flags",
+          "(4 (rows + cols of matrices) + 4 N_vectors + 1 N [+ 4 N with beta1]) / shard"}},
+        {train::OptimizerKind::AdamW8bit,
+         {"8-bit AdamW codes, scales, flags",
+          "(2 N_8bit + 8 N_8bit / block + 8 N_fp32 + 1 N) / shard"}}};
+    const double bytes = static_cast<double>(
+        train::optimizerStateBytes(in.optimizer, model::tensorTable(c), flatParameterCount(c)));
+    const auto& t = text.at(in.optimizer.kind);
+    p.memory.push_back({std::string("optimizer states (") + t.first + ")", bytes / s, t.second});
+  }
   if (bf16)
     p.memory.push_back({"compute copy of the GEMM weights (bf16)",
                         2.0 * static_cast<double>(computeCopyCount(c)) / s, "2 N_gemm / shard"});

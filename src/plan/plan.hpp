@@ -9,6 +9,7 @@
 
 #include "model/esm2.hpp"
 #include "plan/rates.hpp"
+#include "train/optim/optimizer.hpp"
 
 #include <Teuchos_ParameterList.hpp>
 
@@ -47,6 +48,7 @@ struct Input {
   double fill = 0.97;  // real tokens per micro-batch / micro_batch_tokens (packing)
   Layout layout;
   Rates rates;
+  train::OptimizerOptions optimizer;  // optimizer.name and its settings: the state's bytes
 };
 
 /// One line of the memory or time table, with the formula it comes from (doc/plan.md).

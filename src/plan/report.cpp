@@ -2,6 +2,7 @@
 #include "core/error.hpp"
 #include "data/loader.hpp"
 #include "plan/plan.hpp"
+#include "train/optim/from_deck.hpp"
 #include "train/trainer.hpp"
 
 #include <algorithm>
@@ -54,6 +55,7 @@ Input inputFromDeck(const Teuchos::ParameterList& deck, const Layout& layout, co
   in.mean_seqlen = std::min(460.0, static_cast<double>(d.get<int>("max_seq_len")));
   in.layout = layout;
   in.rates = rates;
+  in.optimizer = train::optimizerOptionsFromDeck(deck.sublist("optimizer"));
   return in;
 }
 

@@ -85,6 +85,27 @@ std::vector<model::TensorInfo> shardTensorTable(const std::vector<model::TensorI
   return out;
 }
 
+ParamLayout shardParamLayout(const std::vector<model::TensorInfo>& tensors,
+                             const std::vector<ShardUnit>& units, int rank, int hidden) {
+  ParamLayout l;
+  l.tensors = tensors;
+  for (const auto& u : units) l.local_size += u.slice;
+  for (std::size_t t = 0; t < tensors.size(); ++t)
+    forOwnedPieces(
+        units, rank, tensors[t].offset, tensors[t].size,
+        [&](std::int64_t local, std::int64_t global, std::int64_t n) {
+          l.pieces.push_back({static_cast<int>(t), local, global - tensors[t].offset, n});
+        });
+  std::sort(l.pieces.begin(), l.pieces.end(),
+            [](const TensorPiece& a, const TensorPiece& b) { return a.local < b.local; });
+  for (const auto& f : esm2FrozenRanges(tensors, hidden))
+    forOwnedPieces(units, rank, f.offset, f.size,
+                   [&](std::int64_t local, std::int64_t, std::int64_t n) {
+                     l.frozen.push_back({local, n});
+                   });
+  return l;
+}
+
 template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   model::Esm2<P>& model;
   FsdpOptions options;
@@ -101,13 +122,13 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   std::vector<char> gathered;
   int pending_unit = -1;  // unit whose all-gather into gather_buf[1] is in flight
   dist::Work pending_work;
-  std::unique_ptr<AdamW<P>> optimizer;
+  std::unique_ptr<Optimizer<P>> optimizer;
   ExecSpace space;
   bool last = false;
   bool backward_phase = false;
   bool head_reduced = false;
 
-  Impl(model::Esm2<P>& m, MPI_Comm shard, MPI_Comm replicate, const AdamWOptions& adamw,
+  Impl(model::Esm2<P>& m, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& opt,
        const FsdpOptions& opts, dist::Backend backend)
       : model(m), options(opts), layers(m.config().num_layers) {
     PLM_REQUIRE(m.config().precision == model::Precision::Fp32,
@@ -145,14 +166,9 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
                          space, Kokkos::subview(params_shard, std::make_pair(local, local + n)),
                          Kokkos::subview(full, std::make_pair(global, global + n)));
                    });
-    std::vector<FrozenRange> frozen;
-    for (const auto& f : esm2FrozenRanges(m.tensors(), m.config().hidden))
-      forOwnedPieces(units, r, f.offset, f.size,
-                     [&](std::int64_t local, std::int64_t, std::int64_t n) {
-                       frozen.push_back({local, n});
-                     });
-    optimizer = std::make_unique<AdamW<P>>(params_shard, shardTensorTable(m.tensors(), units, s, r),
-                                           adamw, frozen);
+    optimizer = makeOptimizer<P>(opt, params_shard,
+                                 shardParamLayout(m.tensors(), units, r, m.config().hidden));
+    optimizer->setShardGroup(shard_mpi);
     space.fence();
   }
 
@@ -300,9 +316,9 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
 };
 
 template <class P>
-Fsdp<P>::Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate, const AdamWOptions& adamw,
-              const FsdpOptions& options, dist::Backend backend)
-    : impl_member(new Impl(model, shard, replicate, adamw, options, backend)) {
+Fsdp<P>::Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate,
+              const OptimizerOptions& optimizer, const FsdpOptions& options, dist::Backend backend)
+    : impl_member(new Impl(model, shard, replicate, optimizer, options, backend)) {
   impl_member->space.fence();
   if (options.poison) reshardAll(impl_member->space);
 }
@@ -415,36 +431,32 @@ template <class T> void takeOwned(const ExecSpace& space, const std::vector<Shar
 
 }  // namespace
 
-template <class P> void Fsdp<P>::exportFull(const ExecSpace& space, View1<master_t> master,
-                                            View1<master_t> exp_avg, View1<master_t> exp_avg_sq) {
+template <class P> void Fsdp<P>::exportFull(const ExecSpace& space, Optimizer<P>& full) {
   Impl& m = *impl_member;
   m.space = space;
   if (m.pending_unit >= 0) m.ensureGathered(m.pending_unit);
-  AdamW<P>& opt = *m.optimizer;
-  gatherUnits(space, *m.shard_comm, m.units, opt.master(), master);
-  gatherUnits(space, *m.shard_comm, m.units, opt.expAvg(), exp_avg);
-  gatherUnits(space, *m.shard_comm, m.units, opt.expAvgSq(), exp_avg_sq);
+  Optimizer<P>& opt = *m.optimizer;
+  gatherUnits(space, *m.shard_comm, m.units, opt.master(), full.master());
+  exportState(opt, full, m.shard_mpi);
+  full.setStepCount(opt.stepCount());
   gatherAll(space);
 }
 
-template <class P> void Fsdp<P>::importFull(const ExecSpace& space, View1<master_t> master,
-                                            View1<master_t> exp_avg, View1<master_t> exp_avg_sq,
-                                            std::int64_t step_count) {
+template <class P> void Fsdp<P>::importFull(const ExecSpace& space, const Optimizer<P>& full) {
   Impl& m = *impl_member;
   m.space = space;
   const int r = m.shard_comm->rank();
-  AdamW<P>& opt = *m.optimizer;
-  takeOwned(space, m.units, r, master, opt.master());
-  takeOwned(space, m.units, r, exp_avg, opt.expAvg());
-  takeOwned(space, m.units, r, exp_avg_sq, opt.expAvgSq());
+  Optimizer<P>& opt = *m.optimizer;
+  takeOwned(space, m.units, r, full.master(), opt.master());
+  importState(full, opt);
   if (!opt.mastersAlias()) opt.syncParameters(space);
-  opt.setStepCount(step_count);
+  opt.setStepCount(full.stepCount());
   reshardAll(space);
 }
 
 template <class P> View1<P> Fsdp<P>::shardParameters() const { return impl_member->params_shard; }
 template <class P> View1<P> Fsdp<P>::shardGradients() const { return impl_member->grads_shard; }
-template <class P> AdamW<P>& Fsdp<P>::optimizer() { return *impl_member->optimizer; }
+template <class P> Optimizer<P>& Fsdp<P>::optimizer() { return *impl_member->optimizer; }
 template <class P> const std::vector<ShardUnit>& Fsdp<P>::units() const {
   return impl_member->units;
 }
@@ -458,8 +470,7 @@ template <class P> FsdpMemory Fsdp<P>::plannedMemory() const {
   const auto local = static_cast<std::int64_t>(m.params_shard.extent(0));
   mem.params = local * static_cast<std::int64_t>(sizeof(P));
   mem.grads = mem.params;
-  mem.optimizer = local * (2 * static_cast<std::int64_t>(sizeof(master_t)) + 1);
-  if (!m.optimizer->mastersAlias()) mem.optimizer += local * sizeof(master_t);
+  mem.optimizer = m.optimizer->stateBytes();
   mem.gathered = 2 * static_cast<std::int64_t>(m.model.parameters().extent(0) * sizeof(P));
   mem.staging = 4 * static_cast<std::int64_t>(m.gather_buf[0].extent(0) * sizeof(P));
   return mem;

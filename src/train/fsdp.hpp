@@ -18,8 +18,10 @@
 //    reduce-scattered (FP32) as soon as it is final, through two alternating send buffers.  Ranks
 //    with fewer micro-batches run the same hook sequence without computing.  The replicas then
 //    all-reduce the gradient shards in one call.
-//  - AdamW (train/adamw.hpp) runs unchanged on the shard: its tensor table is the model's cut
-//    to this rank's slices, so decay flags and the frozen <pad> row carry over.  The global
+//  - The optimizer (train/optim/optimizer.hpp: AdamW, Lion, Adafactor, 8-bit AdamW) runs on the
+//    shard: its layout is the model's tensor table cut to this rank's slices (shardParamLayout),
+//    so decay flags and the frozen <pad> row carry over, and per-tensor state (Adafactor's
+//    factors, 8-bit block scales) is reduced over the shard group.  The global
 //    gradient norm is one all-reduce of the shards' partial sums of squares.
 #pragma once
 
@@ -28,6 +30,7 @@
 #include "dist/communicator.hpp"
 #include "model/esm2.hpp"
 #include "train/adamw.hpp"
+#include "train/optim/optimizer.hpp"
 #include "train/step.hpp"
 
 #include <mpi.h>
@@ -74,11 +77,16 @@ std::vector<model::TensorInfo> shardTensorTable(const std::vector<model::TensorI
                                                 const std::vector<ShardUnit>& units, int shard,
                                                 int rank);
 
+/// \brief The optimizer layout of `rank`'s slices: the whole table, with one piece per tensor
+/// slice (its offset in the shard buffer and in the tensor) and the frozen <pad> row's pieces.
+ParamLayout shardParamLayout(const std::vector<model::TensorInfo>& tensors,
+                             const std::vector<ShardUnit>& units, int rank, int hidden);
+
 /// Bytes one rank holds for a sharded model (planned, per rank).
 struct FsdpMemory {
   std::int64_t params = 0;     // master shard
   std::int64_t grads = 0;      // gradient shard
-  std::int64_t optimizer = 0;  // AdamW moments of the shard
+  std::int64_t optimizer = 0;  // optimizer state of the shard (Optimizer::stateBytes)
   std::int64_t gathered = 0;   // the model's gathered buffers (parameters + gradients)
   std::int64_t staging = 0;    // all-gather and reduce-scatter staging buffers
 };
@@ -87,7 +95,7 @@ template <class P> class Fsdp {
  public:
   /// \brief Collective over `shard` and `replicate`.  Takes the model's current parameters
   /// (identical on every rank, e.g. after initialize(seed)) as the initial shards.
-  Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate, const AdamWOptions& adamw,
+  Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& optimizer,
        const FsdpOptions& options = {}, dist::Backend backend = dist::Backend::Mpi);
   ~Fsdp();
   Fsdp(const Fsdp&) = delete;
@@ -95,7 +103,7 @@ template <class P> class Fsdp {
 
   /// \brief One optimizer step over this rank's micro-batches (trainStep's contract, with the
   /// world `comm` for the batch counts): gathered forward/backward, reduce-scattered gradients,
-  /// clipping by the global norm, AdamW on the local shard.
+  /// clipping by the global norm, the optimizer on the local shard.
   StepStats step(const ExecSpace& space, const std::vector<data::MicroBatch>& local, double lr,
                  double clip_norm, MPI_Comm comm);
 
@@ -104,20 +112,18 @@ template <class P> class Fsdp {
   /// \brief Reshards every unit (with `poison`: NaN in the model's buffers).
   void reshardAll(const ExecSpace& space);
 
-  /// \brief Writes the whole-model state into full-layout views (every rank gets all of it):
-  /// parameters into the model's buffers, master and AdamW moments into `master`, `exp_avg`,
-  /// `exp_avg_sq` (the unsharded optimizer's views, which checkpoints read).  Collective.
-  void exportFull(const ExecSpace& space, View1<master_t> master, View1<master_t> exp_avg,
-                  View1<master_t> exp_avg_sq);
-  /// \brief Takes this rank's shards from full-layout views (after a checkpoint restore into
-  /// them) and the optimizer step count; the inverse of exportFull.  No communication.
-  void importFull(const ExecSpace& space, View1<master_t> master, View1<master_t> exp_avg,
-                  View1<master_t> exp_avg_sq, std::int64_t step_count);
+  /// \brief Writes the whole-model state into `full`, an optimizer of the same kind over the
+  /// whole model (every rank gets all of it): parameters into the model's buffers, master, state
+  /// and step count into `full` (which checkpoints read).  Collective.
+  void exportFull(const ExecSpace& space, Optimizer<P>& full);
+  /// \brief Takes this rank's shards from `full` (after a checkpoint restore into it), with its
+  /// step count; the inverse of exportFull.  No communication.
+  void importFull(const ExecSpace& space, const Optimizer<P>& full);
 
   /// \brief This rank's parameter shard (master type; padding elements are 0).
   View1<P> shardParameters() const;
   View1<P> shardGradients() const;
-  AdamW<P>& optimizer();
+  Optimizer<P>& optimizer();
   const std::vector<ShardUnit>& units() const;
   int shardSize() const;
   int shardRank() const;

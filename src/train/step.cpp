@@ -217,7 +217,7 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
 }
 
 template <class P> StepStats trainStep(const ExecSpace& space, model::Esm2<P>& model,
-                                       AdamW<P>& optimizer,
+                                       Optimizer<P>& optimizer,
                                        const std::vector<data::MicroBatch>& local, double lr,
                                        double clip_norm, MPI_Comm comm) {
   const BatchStats batch = accumulateGradients(space, model, local, comm);
@@ -225,7 +225,7 @@ template <class P> StepStats trainStep(const ExecSpace& space, model::Esm2<P>& m
 }
 
 template <class P> StepStats finishStep(const ExecSpace& space, model::Esm2<P>& model,
-                                        AdamW<P>& optimizer, const BatchStats& batch, double lr,
+                                        Optimizer<P>& optimizer, const BatchStats& batch, double lr,
                                         double clip_norm) {
   StepStats st;
   static_cast<BatchStats&>(st) = batch;
@@ -288,9 +288,9 @@ template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& m
 #define PLM_TRAIN_INSTANTIATE(P)                                                                   \
   template BatchStats accumulateGradients<P>(const ExecSpace&, model::Esm2<P>&,                    \
                                              const std::vector<data::MicroBatch>&, MPI_Comm);      \
-  template StepStats trainStep<P>(const ExecSpace&, model::Esm2<P>&, AdamW<P>&,                    \
+  template StepStats trainStep<P>(const ExecSpace&, model::Esm2<P>&, Optimizer<P>&,                \
                                   const std::vector<data::MicroBatch>&, double, double, MPI_Comm); \
-  template StepStats finishStep<P>(const ExecSpace&, model::Esm2<P>&, AdamW<P>&,                   \
+  template StepStats finishStep<P>(const ExecSpace&, model::Esm2<P>&, Optimizer<P>&,               \
                                    const BatchStats&, double, double);                             \
   template BatchStats evaluate<P>(const ExecSpace&, model::Esm2<P>&, data::Loader&, std::int64_t,  \
                                   MPI_Comm);

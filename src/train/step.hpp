@@ -57,17 +57,17 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
                                                   MPI_Comm comm);
 
 /// \brief accumulateGradients, then the padding-row mask, global-norm clipping (`clip_norm` <= 0:
-/// off) and one AdamW update with learning rate `lr`.
+/// off) and one optimizer update with learning rate `lr`.
 template <class P> StepStats trainStep(const ExecSpace& space, model::Esm2<P>& model,
-                                       AdamW<P>& optimizer,
+                                       Optimizer<P>& optimizer,
                                        const std::vector<data::MicroBatch>& local, double lr,
                                        double clip_norm, MPI_Comm comm);
 
 /// \brief The second half of trainStep, after accumulateGradients gave `batch`: the padding-row
-/// mask, global-norm clipping and one AdamW update, unless the batch had no masked token or its
+/// mask, global-norm clipping and one optimizer update, unless the batch had no masked token or its
 /// loss or gradient norm is not finite (then nothing changes; `applied` false, `nonfinite`).
 template <class P> StepStats finishStep(const ExecSpace& space, model::Esm2<P>& model,
-                                        AdamW<P>& optimizer, const BatchStats& batch, double lr,
+                                        Optimizer<P>& optimizer, const BatchStats& batch, double lr,
                                         double clip_norm);
 
 /// \brief Forward-only loss over a single-pass loader (seeked to its start first), at most

@@ -13,6 +13,7 @@
 #include "train/fp8_run.hpp"
 #include "train/fsdp.hpp"
 #include "train/moe_run.hpp"
+#include "train/optim/from_deck.hpp"
 #include "train/preemption.hpp"
 
 #include <Teuchos_Array.hpp>
@@ -133,19 +134,15 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   context_member = std::make_unique<ContextRun>(*deck, comm);  // loaders see its data ranks
   context_member->attach(*model_member);
 
-  AdamWOptions adam;
-  const auto betas = o.get<Teuchos::Array<double>>("betas");
-  if (betas.size() != 2) throw collectiveError("optimizer.betas: give two values [beta1, beta2]");
-  adam.beta1 = betas[0];
-  adam.beta2 = betas[1];
-  adam.eps = o.get<double>("eps");
-  adam.weight_decay = o.get<double>("weight_decay");
+  optimizer_options_member = optimizerOptionsFromDeck(o);
   clip_norm_member = o.get<double>("clip_grad_norm");
-  optimizer_member =
-      std::make_unique<AdamW<param_t>>(model_member->parameters(), model_member->tensors(), adam,
-                                       esm2FrozenRanges(model_member->tensors(), config.hidden));
+  optimizer_member = makeOptimizer<param_t>(
+      optimizer_options_member, model_member->parameters(),
+      wholeLayout(model_member->tensors(),
+                  static_cast<std::int64_t>(model_member->parameters().extent(0)),
+                  esm2FrozenRanges(model_member->tensors(), config.hidden)));
 
-  setUpSharding(*deck, adam);
+  setUpSharding(*deck);
 
   total_steps_member = t.get<int>("steps");
   log_every_member = std::max(1, t.get<int>("log_every"));
@@ -205,6 +202,12 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
                 : (std::string(" (") + model::recomputeName(config.recompute) +
                    " activation recomputation)")
                       .c_str());
+  {
+    const Optimizer<param_t>& opt = fsdp_member ? fsdp_member->optimizer() : *optimizer_member;
+    log::info("optimizer: %s, state %s on this rank (%.3g bytes per parameter)",
+              optimizerName(optimizer_options_member.kind), formatBytes(opt.stateBytes()).c_str(),
+              double(opt.stateBytes()) / double(opt.master().extent(0)));
+  }
   log::info(
       "data: %s, %lld sequences, %lld residues; %lld micro-batches of <= %lld tokens per "
       "step over %d rank(s)",
@@ -223,7 +226,7 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
 
 Trainer::~Trainer() = default;
 
-void Trainer::setUpSharding(const Teuchos::ParameterList& deck, const AdamWOptions& adam) {
+void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
   if (!deck.isSublist("parallel")) return;
   const auto& p = deck.sublist("parallel");
   const ParallelLayout layout = resolveLayout(
@@ -239,9 +242,9 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck, const AdamWOptio
   groups_member = std::make_unique<dist::ProcessGroups>(comm_member, layout.shard);
   FsdpOptions fo;
   fo.reshard_after_forward = p.get<bool>("reshard_after_forward");
-  fsdp_member = std::make_unique<Fsdp<param_t>>(*model_member, groups_member->shard(),
-                                                groups_member->replicate(), adam, fo,
-                                                dist::defaultBackend(groups_member->shard()));
+  fsdp_member = std::make_unique<Fsdp<param_t>>(
+      *model_member, groups_member->shard(), groups_member->replicate(), optimizer_options_member,
+      fo, dist::defaultBackend(groups_member->shard()));
   const FsdpMemory mem = fsdp_member->plannedMemory();
   log::info(
       "parallel: shard %d x replicate %d; planned bytes per rank: parameters %s, gradients %s, "
@@ -278,8 +281,7 @@ Trainer::RunEnd Trainer::run() {
   if (hooks_member.on_start) hooks_member.on_start(*this);
   logPlan();
   if (fsdp_member)  // the (possibly restored) full-layout state becomes this rank's shards
-    fsdp_member->importFull(ExecSpace(), optimizer_member->master(), optimizer_member->expAvg(),
-                            optimizer_member->expAvgSq(), optimizer_member->stepCount());
+    fsdp_member->importFull(ExecSpace(), *optimizer_member);
 
   const ExecSpace space;
   if (state_member.step >= total_steps_member)
@@ -412,9 +414,7 @@ Trainer::RunEnd Trainer::run() {
 
 void Trainer::fullStateForSave(const ExecSpace& space, const std::function<void()>& save) {
   if (fsdp_member) {  // checkpoints read the full-layout state
-    fsdp_member->exportFull(space, optimizer_member->master(), optimizer_member->expAvg(),
-                            optimizer_member->expAvgSq());
-    optimizer_member->setStepCount(fsdp_member->optimizer().stepCount());
+    fsdp_member->exportFull(space, *optimizer_member);
   }
   save();
   if (fsdp_member) fsdp_member->reshardAll(space);

@@ -105,7 +105,8 @@ class Trainer {
   void restore(const TrainState& state);
 
   model::Esm2<param_t>& model() { return *model_member; }
-  AdamW<param_t>& optimizer() { return *optimizer_member; }
+  Optimizer<param_t>& optimizer() { return *optimizer_member; }
+  const OptimizerOptions& optimizerOptions() const { return optimizer_options_member; }
   data::Loader& trainLoader() { return *train_loader_member; }
   const TrainState& state() const { return state_member; }
   const Teuchos::ParameterList& deck() const { return *deck_member; }
@@ -131,7 +132,7 @@ class Trainer {
   void logPlan();  // the run's plan: one log line and a "start" event (collective)
   bool handleNonfinite(std::int64_t step, const StepStats& st);  // true: rolled back
   void injectFaults(std::int64_t step, bool after_gradients);    // PLM_TEST_* (tests only)
-  void setUpSharding(const Teuchos::ParameterList& deck, const AdamWOptions& adam);
+  void setUpSharding(const Teuchos::ParameterList& deck);
   /// Runs `save` with the full-layout optimizer state in place (sharded runs gather it first).
   void fullStateForSave(const ExecSpace& space, const std::function<void()>& save);
 
@@ -139,7 +140,8 @@ class Trainer {
   MPI_Comm comm_member;
   int rank_member = 0, world_member = 1;
   std::unique_ptr<model::Esm2<param_t>> model_member;
-  std::unique_ptr<AdamW<param_t>> optimizer_member;
+  OptimizerOptions optimizer_options_member;  // optimizer.name and its hyper-parameters
+  std::unique_ptr<Optimizer<param_t>> optimizer_member;
   // parallel.shard_degree > 1: the sharding engine; optimizer_member then holds the
   // full-layout state only for checkpoints (exported before a save, imported after a restore).
   std::unique_ptr<dist::ProcessGroups> groups_member;

@@ -17,5 +17,8 @@ namespace plm::ckpt::detail {
 /// MPI's int counts and the staging buffer stay bounded.
 void shareRows(const std::vector<model::TensorInfo>& tensors, float* values, MPI_Comm comm,
                std::int64_t batch_limit = std::int64_t(1) << 27);
+/// \brief The same for 8-bit optimizer codes.
+void shareRows(const std::vector<model::TensorInfo>& tensors, std::uint8_t* values, MPI_Comm comm,
+               std::int64_t batch_limit = std::int64_t(1) << 27);
 
 }  // namespace plm::ckpt::detail

@@ -1,19 +1,21 @@
-// What one checkpoint save writes, detached from the trainer: the three fp32 buffers in host
-// memory and every attribute.  save() takes a snapshot and writes it at once; the asynchronous
-// saver (ckpt/async.hpp) takes it between steps into buffers of its own and writes it from a
-// background thread while the trainer changes its state.
+// What one checkpoint save writes, detached from the trainer: the fp32 masters and every
+// optimizer state buffer (fp32 or 8-bit codes, by name) in host memory, and every attribute. save()
+// takes a snapshot and writes it at once; the asynchronous saver (ckpt/async.hpp) takes it between
+// steps into buffers of its own and writes it from a background thread while the trainer changes
+// its state.
 #pragma once
 
 #include "ckpt/detail/scaling.hpp"
 #include "core/types.hpp"
 #include "model/esm2.hpp"
-#include "train/adamw.hpp"
+#include "train/optim/optimizer.hpp"
 #include "train/trainer.hpp"
 
 #include <mpi.h>
 #include <Kokkos_Core.hpp>
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -26,10 +28,23 @@ using PinnedSpace = Kokkos::HostSpace;
 #endif
 using HostBuffer = Kokkos::View<float*, Kokkos::HostSpace>;
 using PinnedBuffer = Kokkos::View<float*, PinnedSpace>;
+using PinnedBytes = Kokkos::View<std::uint8_t*, PinnedSpace>;
 
 /// Buffers an asynchronous saver owns and reuses from save to save (allocated once).
 struct SnapshotBuffers {
-  PinnedBuffer master, exp_avg, exp_avg_sq;  // (n)
+  PinnedBuffer master;                         // (n)
+  std::map<std::string, PinnedBuffer> floats;  // optimizer state by name
+  std::map<std::string, PinnedBytes> bytes;
+};
+
+/// One optimizer state buffer in host memory, as /optimizer/<name> stores it.
+struct SnapshotState {
+  std::string name;
+  bool bytes = false;                    // uint8 codes, else fp32
+  std::vector<model::TensorInfo> table;  // datasets: name, full shape, offset into `data`
+  Kokkos::View<float*, Kokkos::HostSpace> host_f32;  // kept alive (synchronous saves)
+  Kokkos::View<std::uint8_t*, Kokkos::HostSpace> host_u8;
+  const void* data = nullptr;
 };
 
 struct Snapshot {
@@ -37,23 +52,23 @@ struct Snapshot {
   model::Esm2Config config;
   std::vector<model::TensorInfo> tensors;
   std::int64_t optimizer_step = 0;
-  train::AdamWOptions optimizer_options;
+  std::string optimizer_kind;                          // optimizer.name
+  std::map<std::string, double> optimizer_attributes;  // its hyper-parameters
+  std::vector<SnapshotState> optimizer_state;
   std::int64_t micro_batches_per_step = 0;
   std::string dataset_path;
   std::int64_t dataset_sequences = 0, dataset_residues = 0;
   std::string deck_yaml;
   ScalingState scaling;  // FP8 scaling state (/scaling)
   // Host copies (sync on a GPU), or the optimizer's own buffers (sync on the CPU): kept alive.
-  HostBuffer host_master, host_exp_avg, host_exp_avg_sq;
-  // What the writer reads: host_* or an asynchronous saver's buffers.
+  HostBuffer host_master;
+  // What the writer reads: host_master or an asynchronous saver's buffer.
   const float* master = nullptr;
-  const float* exp_avg = nullptr;
-  const float* exp_avg_sq = nullptr;
   double copy_seconds = 0;
 };
 
-/// \brief The trainer's state now.  With `buffers` the three fp32 buffers are copied into them
-/// (allocated on first use), so the trainer may go on; without, the host views of the
+/// \brief The trainer's state now.  With `buffers` the master and state buffers are copied into
+/// them (allocated on first use), so the trainer may go on; without, the host views of the
 /// optimizer's buffers are used (no copy at all on the CPU).
 Snapshot takeSnapshot(train::Trainer& trainer, SnapshotBuffers* buffers);
 
