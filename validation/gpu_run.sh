@@ -238,9 +238,12 @@ if has fp8_curves && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # Block scaling is CPU-only so far (doc/fp8.md); 3 runs of 2000 steps x 32k tokens fit the
   # 10-minute command limit of a device call (PLM_FP8_RECIPES=current runs one recipe alone).
   # Needs the CUDA build's FP8 path: a build that refuses train.precision: fp8 fails here.
-  valid=""; [[ -f "$pkg/data/valid.h5" ]] && valid="$pkg/data/valid.h5"
+  # PLM_CURVES_DATA: a folder with train.h5 and valid.h5 (plm prep --valid-fraction 0.05);
+  # default $pkg/data.
+  data=${PLM_CURVES_DATA:-$pkg/data}
+  valid=""; [[ -f "$data/valid.h5" ]] && valid="$data/valid.h5"
   timeout ${PLM_FP8_TIMEOUT:-580} python3 "$repo/validation/fp8_curves.py" --plm "$pkg/bin/plm" \
-    --deck "$repo/inputs/esm2_35m.yaml" --train "$pkg/data/train.h5" --valid "$valid" \
+    --deck "$repo/inputs/esm2_35m.yaml" --train "$data/train.h5" --valid "$valid" \
     --steps ${PLM_FP8_STEPS:-2000} --baseline bf16 --recipes ${PLM_FP8_RECIPES:-delayed,current} \
     --work /tmp/plm-fp8 \
     --out "$final_out/fp8_loss.png" --table "$out/fp8_curves.md" --tol 0.01 \
@@ -308,7 +311,8 @@ if has fp8; then
 fi
 
 if has optimizers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
-  valid=""; [[ -f "$pkg/data/valid.h5" ]] && valid="$pkg/data/valid.h5"
+  data=${PLM_CURVES_DATA:-$pkg/data}  # as for fp8_curves
+  valid=""; [[ -f "$data/valid.h5" ]] && valid="$data/valid.h5"
   declare -A opt_sets=([adamw]="optimizer.lr=4.0e-4" [adamw8bit]="optimizer.lr=4.0e-4"
     [lion]="optimizer.lr=1.0e-4 optimizer.weight_decay=0.05"
     [adafactor]="optimizer.lr=4.0e-4 optimizer.adafactor_scale_parameter=false")
@@ -316,7 +320,7 @@ if has optimizers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     d="/tmp/plm-opt-$name"; rm -rf "$d"
     sets=(); for kv in ${opt_sets[$name]}; do sets+=(--set "$kv"); done
     start=$(date +%s)
-    timeout 500 "$pkg/bin/plm" train "$repo/inputs/esm2_35m.yaml" --set data.train="$pkg/data/train.h5" \
+    timeout 500 "$pkg/bin/plm" train "$repo/inputs/esm2_35m.yaml" --set data.train="$data/train.h5" \
       --set data.valid="$valid" --set data.valid_tokens=262144 --set train.precision=bf16 \
       --set optimizer.name=$name "${sets[@]}" --set train.steps=300 --set train.log_every=10 \
       --set train.eval_every=100 --set schedule.warmup_steps=30 --set data.tokens_per_batch=65536 \
