@@ -184,14 +184,15 @@ void planMemory(const Input& in, Plan& p) {
         {train::OptimizerKind::Lion, {"Lion m, flags", "(4 + 1) N / shard"}},
         {train::OptimizerKind::Adafactor,
          {"Adafactor factors, v, flags",
-          "(4 (rows + cols of matrices) + 4 N_vectors + 1 N [+ 4 N with beta1]) / shard"}},
+          "4 (rows + cols of matrices) + (4 N_vectors + 1 N [+ 4 N with beta1]) / shard"}},
         {train::OptimizerKind::AdamW8bit,
          {"8-bit AdamW codes, scales, flags",
-          "(2 N_8bit + 8 N_8bit / block + 8 N_fp32 + 1 N) / shard"}}};
-    const double bytes = static_cast<double>(
-        train::optimizerStateBytes(in.optimizer, model::tensorTable(c), flatParameterCount(c)));
+          "(2 N_8bit + 8 N_fp32 + 1 N) / shard + 8 N_8bit / block"}}};
+    // Elementwise state divides over the shard group; per-tensor state is on every rank.
+    const double bytes = static_cast<double>(train::optimizerStateBytes(
+        in.optimizer, model::tensorTable(c), flatParameterCount(c), l.shard));
     const auto& t = text.at(in.optimizer.kind);
-    p.memory.push_back({std::string("optimizer states (") + t.first + ")", bytes / s, t.second});
+    p.memory.push_back({std::string("optimizer states (") + t.first + ")", bytes, t.second});
   }
   if (bf16)
     p.memory.push_back({"compute copy of the GEMM weights (bf16)",

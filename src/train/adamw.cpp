@@ -1,19 +1,12 @@
 #include "train/adamw.hpp"
 
 #include "core/error.hpp"
+#include "train/optim/detail/adam_math.hpp"
 #include "train/optim/detail/subset.hpp"
 
 #include <cmath>
 
 namespace plm::train {
-
-namespace {
-#if KOKKOS_VERSION >= 30700
-using Kokkos::sqrt;
-#else
-using Kokkos::Experimental::sqrt;
-#endif
-}  // namespace
 
 template <class G> double globalNorm(const ExecSpace& space, View1<G> grads) {
   double sum = 0.0;
@@ -54,22 +47,11 @@ template <class P> std::map<std::string, double> AdamW<P>::attributes() const {
 
 template <class P>
 void AdamW<P>::update(const ExecSpace& space, View1<P> grads, double lr, double grad_scale) {
-  const double t = static_cast<double>(this->step_member);
-  const master_t beta1 = static_cast<master_t>(options_member.beta1);
-  const master_t beta2 = static_cast<master_t>(options_member.beta2);
-  const master_t one_minus_beta1 = static_cast<master_t>(1.0 - options_member.beta1);
-  const master_t one_minus_beta2 = static_cast<master_t>(1.0 - options_member.beta2);
-  const double bias1 = 1.0 - std::pow(options_member.beta1, t);
-  const double bias2 = 1.0 - std::pow(options_member.beta2, t);
-  // torch: denom = sqrt(v)/sqrt(bias2) + eps; p -= (lr/bias1) * m / denom.
-  const master_t step_size = static_cast<master_t>(lr / bias1);
-  const master_t inv_sqrt_bias2 = static_cast<master_t>(1.0 / std::sqrt(bias2));
-  const master_t eps = static_cast<master_t>(options_member.eps);
-  const master_t decay = static_cast<master_t>(1.0 - lr * options_member.weight_decay);
-  const master_t scale = static_cast<master_t>(grad_scale);
+  const auto& o = options_member;
+  const detail::AdamStep a(o.beta1, o.beta2, o.eps, o.weight_decay, lr,
+                           static_cast<double>(this->step_member), grad_scale);
   constexpr std::uint8_t decay_flag = Optimizer<P>::decay_flag;
   constexpr std::uint8_t frozen_flag = Optimizer<P>::frozen_flag;
-
   auto master = this->master_member;
   auto m = exp_avg_member.f32;
   auto v = exp_avg_sq_member.f32;
@@ -79,15 +61,11 @@ void AdamW<P>::update(const ExecSpace& space, View1<P> grads, double lr, double 
       KOKKOS_LAMBDA(const std::int64_t i) {
         const std::uint8_t f = flags(i);
         if (f & frozen_flag) return;
-        const master_t g = static_cast<master_t>(grads(i)) * scale;
-        const master_t mi = beta1 * m(i) + one_minus_beta1 * g;
-        const master_t vi = beta2 * v(i) + one_minus_beta2 * g * g;
+        master_t mi = m(i), vi = v(i);
+        a.moments(static_cast<master_t>(grads(i)), mi, vi);
         m(i) = mi;
         v(i) = vi;
-        master_t p = master(i);
-        if (f & decay_flag) p *= decay;
-        p -= step_size * mi / (sqrt(vi) * inv_sqrt_bias2 + eps);
-        master(i) = p;
+        master(i) = a.apply(master(i), f & decay_flag, mi, vi);
       });
 }
 

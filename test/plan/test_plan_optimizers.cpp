@@ -3,6 +3,7 @@
 // the tensor table the planner uses against the model's own.
 #include "model/esm2.hpp"
 #include "plan/plan.hpp"
+#include "train/fsdp.hpp"
 #include "train/optim/optimizer.hpp"
 
 #include <gtest/gtest.h>
@@ -61,9 +62,17 @@ TEST(PlanOptimizers, BytesAsAllocated) {
     if (kind == train::OptimizerKind::AdamW) adamw = planned;
     if (kind == train::OptimizerKind::AdamW8bit)
       EXPECT_LE(planned, 0.65 * adamw) << "8-bit AdamW must save at least 35%";
+    // Sharded 4 ways: what rank 0's optimizer allocates on its slices (the units' padding
+    // to a multiple of 4 makes the slices a few elements longer than N / 4).
     in.layout.ranks_per_node = 4;
     in.layout.shard = 4;
-    EXPECT_DOUBLE_EQ(optimizerItem(plan::makePlan(in)), planned / 4);
+    const auto units = train::planShardUnits(m.tensors(), m.parameters().extent(0), 4);
+    const auto layout = train::shardParamLayout(m.tensors(), units, 0, c.hidden);
+    View1<float> shard_params("shard", layout.local_size);
+    auto sharded = train::makeOptimizer<float>(in.optimizer, shard_params, layout);
+    EXPECT_NEAR(optimizerItem(plan::makePlan(in)), static_cast<double>(sharded->stateBytes()),
+                1e-3 * planned)
+        << train::optimizerName(kind) << " sharded";
   }
 }
 

@@ -13,6 +13,8 @@
 #include "train/fsdp.hpp"
 #include "train/schedule.hpp"
 
+#include "views.hpp"
+
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -25,6 +27,8 @@ using plm::ExecSpace;
 using plm::View1;
 using plm::model::Esm2;
 using plm::model::Esm2Config;
+using plm::test::fromView;
+using plm::test::toView;
 using namespace plm::train;
 
 Esm2Config tinyConfig() {
@@ -42,19 +46,6 @@ std::vector<float> randomVector(std::size_t n, unsigned seed, double scale) {
   std::vector<float> v(n);
   for (auto& x : v) x = static_cast<float>(normal(gen));
   return v;
-}
-
-template <class T> View1<T> toView(const std::vector<T>& v) {
-  View1<T> d("test", v.size());
-  auto h = Kokkos::create_mirror_view(d);
-  for (std::size_t i = 0; i < v.size(); ++i) h(i) = v[i];
-  Kokkos::deep_copy(d, h);
-  return d;
-}
-
-template <class T> std::vector<T> fromView(View1<T> d) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
-  return std::vector<T>(h.data(), h.data() + h.extent(0));
 }
 
 // `full` cut to this rank's slices (zeros in the padding).

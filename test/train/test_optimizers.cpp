@@ -14,6 +14,8 @@
 #include "train/optim/adamw8bit.hpp"
 #include "train/optim/lion.hpp"
 
+#include "views.hpp"
+
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -25,6 +27,8 @@ namespace {
 
 using plm::View1;
 using plm::model::TensorInfo;
+using plm::test::fromView;
+using plm::test::toView;
 using namespace plm::train;
 
 TensorInfo info(const std::string& name, std::int64_t offset, std::vector<std::int64_t> shape,
@@ -44,19 +48,6 @@ std::vector<float> randomVector(std::size_t n, std::mt19937& gen, double scale) 
   std::vector<float> v(n);
   for (auto& x : v) x = static_cast<float>(normal(gen));
   return v;
-}
-
-template <class T> View1<T> toView(const std::vector<T>& v) {
-  View1<T> d("test", v.size());
-  auto h = Kokkos::create_mirror_view(d);
-  for (std::size_t i = 0; i < v.size(); ++i) h(i) = v[i];
-  Kokkos::deep_copy(d, h);
-  return d;
-}
-
-template <class T> std::vector<T> fromView(View1<T> d) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
-  return std::vector<T>(h.data(), h.data() + h.extent(0));
 }
 
 // A small model-like table: a (7, 5) matrix with decay, a bias, a (33, 4) "word embedding"

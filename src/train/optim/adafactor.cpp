@@ -17,15 +17,6 @@ using Kokkos::Experimental::sqrt;
 
 constexpr std::int64_t chunk_elements = 4096;  // one team's share of a piece
 
-template <class T>
-Kokkos::View<T*, MemSpace> toDevice(const std::vector<T>& host, const char* label) {
-  Kokkos::View<T*, MemSpace> d(std::string(label), host.size());
-  auto h = Kokkos::create_mirror_view(d);
-  for (std::size_t i = 0; i < host.size(); ++i) h(i) = host[i];
-  Kokkos::deep_copy(d, h);
-  return d;
-}
-
 template <class T> std::vector<T> toHost(const View1<T>& d) {
   auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
   return std::vector<T>(h.data(), h.data() + h.extent(0));
@@ -113,10 +104,10 @@ Adafactor<P>::Adafactor(View1<P> params, ParamLayout layout, const AdafactorOpti
   for (const auto& c : chunks) chunk_piece_member.push_back(c.piece);
   for (const auto& r : rows) row_index_member.push_back(r.row);
   for (const auto& c : cols) col_index_member.push_back(c.col);
-  pieces_member = toDevice(host_pieces_member, "plm::train::adafactor::pieces");
-  chunks_member = toDevice(chunks, "plm::train::adafactor::chunks");
-  rows_member = toDevice(rows, "plm::train::adafactor::rows");
-  cols_member = toDevice(cols, "plm::train::adafactor::cols");
+  pieces_member = detail::toDevice(host_pieces_member, "plm::train::adafactor::pieces");
+  chunks_member = detail::toDevice(chunks, "plm::train::adafactor::chunks");
+  rows_member = detail::toDevice(rows, "plm::train::adafactor::rows");
+  cols_member = detail::toDevice(cols, "plm::train::adafactor::cols");
 }
 
 template <class P> std::vector<StateBuffer> Adafactor<P>::state() const {

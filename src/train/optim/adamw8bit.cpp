@@ -1,6 +1,7 @@
 #include "train/optim/adamw8bit.hpp"
 
 #include "core/error.hpp"
+#include "train/optim/detail/adam_math.hpp"
 #include "train/optim/detail/subset.hpp"
 
 #include <algorithm>
@@ -11,20 +12,9 @@ namespace plm::train {
 namespace {
 #if KOKKOS_VERSION >= 30700
 using Kokkos::fabs;
-using Kokkos::sqrt;
 #else
 using Kokkos::Experimental::fabs;
-using Kokkos::Experimental::sqrt;
 #endif
-
-template <class T>
-Kokkos::View<T*, MemSpace> toDevice(const std::vector<T>& host, const char* label) {
-  Kokkos::View<T*, MemSpace> d(std::string(label), host.size());
-  auto h = Kokkos::create_mirror_view(d);
-  for (std::size_t i = 0; i < host.size(); ++i) h(i) = host[i];
-  Kokkos::deep_copy(d, h);
-  return d;
-}
 
 // Nearest code by binary search over the sorted map (device and host).
 KOKKOS_INLINE_FUNCTION std::uint8_t nearestCode(const float* map, float x) {
@@ -148,8 +138,8 @@ AdamW8bit<P>::AdamW8bit(View1<P> params, ParamLayout layout, const AdamW8bitOpti
     for (std::int64_t c = 0; c < p.count; c += B)
       plain.push_back({fp32.param_local[i] + c, std::min(B, p.count - c), p.local + c});
   }
-  quant_member = toDevice(quant, "plm::train::adamw8bit::segments");
-  fp32_member = toDevice(plain, "plm::train::adamw8bit::fp32_segments");
+  quant_member = detail::toDevice(quant, "plm::train::adamw8bit::segments");
+  fp32_member = detail::toDevice(plain, "plm::train::adamw8bit::fp32_segments");
 }
 
 template <class P> std::vector<StateBuffer> AdamW8bit<P>::state() const {
@@ -171,18 +161,8 @@ template <class P>
 void AdamW8bit<P>::update(const ExecSpace& space, View1<P> grads, double lr, double grad_scale) {
   using Team = Kokkos::TeamPolicy<ExecSpace>::member_type;
   const auto& o = options_member;
-  const double t = static_cast<double>(this->step_member);
-  const master_t beta1 = static_cast<master_t>(o.beta1);
-  const master_t beta2 = static_cast<master_t>(o.beta2);
-  const master_t one_minus_beta1 = static_cast<master_t>(1.0 - o.beta1);
-  const master_t one_minus_beta2 = static_cast<master_t>(1.0 - o.beta2);
-  const double bias1 = 1.0 - std::pow(o.beta1, t);
-  const double bias2 = 1.0 - std::pow(o.beta2, t);
-  const master_t step_size = static_cast<master_t>(lr / bias1);
-  const master_t inv_sqrt_bias2 = static_cast<master_t>(1.0 / std::sqrt(bias2));
-  const master_t eps = static_cast<master_t>(o.eps);
-  const master_t decay = static_cast<master_t>(1.0 - lr * o.weight_decay);
-  const master_t scale = static_cast<master_t>(grad_scale);
+  const detail::AdamStep a(o.beta1, o.beta2, o.eps, o.weight_decay, lr,
+                           static_cast<double>(this->step_member), grad_scale);
   constexpr std::uint8_t decay_flag = Optimizer<P>::decay_flag;
   constexpr std::uint8_t frozen_flag = Optimizer<P>::frozen_flag;
   auto master = this->master_member;
@@ -202,14 +182,11 @@ void AdamW8bit<P>::update(const ExecSpace& space, View1<P> grads, double lr, dou
             const std::int64_t i = s.begin + k, j = s.state + k;
             const std::uint8_t f = flags(i);
             if (f & frozen_flag) return;
-            const master_t g = static_cast<master_t>(grads(i)) * scale;
-            const master_t mi = beta1 * m(j) + one_minus_beta1 * g;
-            const master_t vi = beta2 * v(j) + one_minus_beta2 * g * g;
+            master_t mi = m(j), vi = v(j);
+            a.moments(static_cast<master_t>(grads(i)), mi, vi);
             m(j) = mi;
             v(j) = vi;
-            master_t p = master(i);
-            if (f & decay_flag) p *= decay;
-            master(i) = p - step_size * mi / (sqrt(vi) * inv_sqrt_bias2 + eps);
+            master(i) = a.apply(master(i), f & decay_flag, mi, vi);
           });
         });
   }
@@ -235,16 +212,16 @@ void AdamW8bit<P>::update(const ExecSpace& space, View1<P> grads, double lr, dou
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(team, s.count),
             [&](const std::int64_t k, master_t& acc) {
-              const master_t g = static_cast<master_t>(grads(s.begin + k)) * scale;
-              const master_t mi = beta1 * (m_map(mc(s.code + k)) * ma) + one_minus_beta1 * g;
+              master_t mi = m_map(mc(s.code + k)) * ma, vi = 0;
+              a.moments(static_cast<master_t>(grads(s.begin + k)), mi, vi);
               if (fabs(mi) > acc) acc = fabs(mi);
             },
             Kokkos::Max<master_t>(m_max));
         Kokkos::parallel_reduce(
             Kokkos::TeamThreadRange(team, s.count),
             [&](const std::int64_t k, master_t& acc) {
-              const master_t g = static_cast<master_t>(grads(s.begin + k)) * scale;
-              const master_t vi = beta2 * (v_map(vc(s.code + k)) * va) + one_minus_beta2 * g * g;
+              master_t mi = 0, vi = v_map(vc(s.code + k)) * va;
+              a.moments(static_cast<master_t>(grads(s.begin + k)), mi, vi);
               if (vi > acc) acc = vi;
             },
             Kokkos::Max<master_t>(v_max));
@@ -283,15 +260,10 @@ void AdamW8bit<P>::update(const ExecSpace& space, View1<P> grads, double lr, dou
         const master_t m_new = new_abs(s.block), v_new = new_abs(blocks + s.block);
         Kokkos::parallel_for(Kokkos::TeamThreadRange(team, s.count), [&](const std::int64_t k) {
           const std::int64_t i = s.begin + k, c = s.code + k;
-          const master_t g = static_cast<master_t>(grads(i)) * scale;
-          const master_t mi = beta1 * (m_map(mc(c)) * ma) + one_minus_beta1 * g;
-          const master_t vi = beta2 * (v_map(vc(c)) * va) + one_minus_beta2 * g * g;
+          master_t mi = m_map(mc(c)) * ma, vi = v_map(vc(c)) * va;
+          a.moments(static_cast<master_t>(grads(i)), mi, vi);
           const std::uint8_t f = flags(i);
-          if (!(f & frozen_flag)) {
-            master_t p = master(i);
-            if (f & decay_flag) p *= decay;
-            master(i) = p - step_size * mi / (sqrt(vi) * inv_sqrt_bias2 + eps);
-          }
+          if (!(f & frozen_flag)) master(i) = a.apply(master(i), f & decay_flag, mi, vi);
           mc(c) = nearestCode(m_map.data(), m_new > 0 ? mi / m_new : master_t(0));
           vc(c) = nearestCode(v_map.data(), v_new > 0 ? vi / v_new : master_t(0));
         });

@@ -304,31 +304,38 @@ template <class P> void importState(const Optimizer<P>& from, Optimizer<P>& to) 
 
 std::int64_t optimizerStateBytes(const OptimizerOptions& options,
                                  const std::vector<model::TensorInfo>& tensors,
-                                 std::int64_t buffer_size) {
-  std::int64_t bytes = buffer_size;  // flags
+                                 std::int64_t buffer_size, int shard) {
+  std::int64_t split = buffer_size;  // flags; then every elementwise buffer
+  std::int64_t replicated = 0;
   const std::int64_t f = sizeof(master_t);
   switch (options.kind) {
-    case OptimizerKind::AdamW: return bytes + 2 * f * buffer_size;
-    case OptimizerKind::Lion: return bytes + f * buffer_size;
+    case OptimizerKind::AdamW: split += 2 * f * buffer_size; break;
+    case OptimizerKind::Lion: split += f * buffer_size; break;
     case OptimizerKind::Adafactor:
-      if (options.adafactor.beta1 > 0) bytes += f * buffer_size;
-      for (const auto& t : tensors)
-        bytes += f * (adafactorFactored(t) ? t.shape[0] + t.shape[1] : t.size);
-      return bytes;
+      if (options.adafactor.beta1 > 0) split += f * buffer_size;
+      for (const auto& t : tensors) {
+        if (adafactorFactored(t))
+          replicated += f * (t.shape[0] + t.shape[1]);
+        else
+          split += f * t.size;
+      }
+      break;
     case OptimizerKind::AdamW8bit:
-      bytes += 2 * 256 * f;  // the two quantile maps
+      replicated += 2 * 256 * f;  // the two quantile maps
       for (const auto& t : tensors) {
         if (adamw8bitQuantised(options.adamw8bit, t)) {
           const std::int64_t blocks =
               (t.size + options.adamw8bit.block_size - 1) / options.adamw8bit.block_size;
-          bytes += 2 * t.size + 2 * f * blocks;
+          split += 2 * t.size;
+          replicated += 2 * f * blocks;
         } else {
-          bytes += 2 * f * t.size;
+          split += 2 * f * t.size;
         }
       }
-      return bytes;
+      break;
   }
-  return bytes;
+  const std::int64_t s = std::max(1, shard);
+  return (split + s - 1) / s + replicated;
 }
 
 double optimizerBytesPerParameter(const OptimizerOptions& options,

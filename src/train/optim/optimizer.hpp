@@ -221,9 +221,11 @@ template <class P> void importState(const Optimizer<P>& from, Optimizer<P>& to);
 /// optimizers allocate with; tests compare it to stateBytes().
 double optimizerBytesPerParameter(const OptimizerOptions& options,
                                   const std::vector<model::TensorInfo>& tensors);
-/// \brief The same as a total for a buffer of `buffer_size` elements.
+/// \brief The same as a total for a buffer of `buffer_size` elements, per rank when sharded
+/// `shard` ways: elementwise state divides, per-tensor state (Adafactor's factors, 8-bit block
+/// scales and maps) is replicated on every rank of the shard group.
 std::int64_t optimizerStateBytes(const OptimizerOptions& options,
                                  const std::vector<model::TensorInfo>& tensors,
-                                 std::int64_t buffer_size);
+                                 std::int64_t buffer_size, int shard = 1);
 
 }  // namespace plm::train

@@ -32,4 +32,14 @@ StateBuffer subsetBuffer(const std::string& name, const Subset& subset, bool byt
 /// offset, padding included), zero-initialised: AdamW's and Lion's moments.
 StateBuffer elementwiseBuffer(const std::string& name, const ParamLayout& layout);
 
+/// \brief A device copy of a host table (segments, pieces) the kernels read.
+template <class T>
+Kokkos::View<T*, MemSpace> toDevice(const std::vector<T>& host, const std::string& label) {
+  Kokkos::View<T*, MemSpace> d(label, host.size());
+  auto h = Kokkos::create_mirror_view(d);
+  for (std::size_t i = 0; i < host.size(); ++i) h(i) = host[i];
+  Kokkos::deep_copy(d, h);
+  return d;
+}
+
 }  // namespace plm::train::detail
