@@ -3,6 +3,7 @@
 #include "plan/plan.hpp"
 
 #include "core/error.hpp"
+#include "train/fsdp.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -170,20 +171,29 @@ void checkLayout(const Input& in) {
 void planMemory(const Input& in, Plan& p) {
   const auto& c = in.model;
   const Layout& l = in.layout;
-  const double s = l.shard;
-  const double nb = static_cast<double>(flatParameterCount(c));
   const bool bf16 = in.compute != Compute::Fp32;
-  const double cb = bf16 ? 2 : 4;
-  p.memory.push_back({"parameters (fp32 masters)", 4 * nb / s, "4 N / shard"});
-  p.memory.push_back({"gradients (fp32)", 4 * nb / s, "4 N / shard"});
-  p.memory.push_back({"optimizer states (AdamW m, v, flags)", 9 * nb / s, "(4 + 4 + 1) N / shard"});
+  // The model state: the same formula the sharding engine reports (train::shardedMemory).
+  train::ShardSizes n;
+  n.flat = flatParameterCount(c);
+  n.layer_unit = layerParameterCount(c);
+  n.embed_unit = round16(c.vocab * c.hidden);
+  n.head_unit = n.flat - n.embed_unit - c.num_layers * n.layer_unit;
+  n.layers = c.num_layers;
+  const train::FsdpMemory state =
+      train::shardedMemory(n, l.shard, in.reshard_after_forward ? 2 : c.num_layers);
+  p.memory.push_back({"parameters (fp32 masters)", double(state.params), "4 N / shard"});
+  p.memory.push_back({"gradients (fp32)", double(state.grads), "4 N / shard"});
+  p.memory.push_back(
+      {"optimizer states (AdamW m, v, flags)", double(state.optimizer), "(4 + 4 + 1) N / shard"});
   if (bf16)
     p.memory.push_back({"compute copy of the GEMM weights (bf16)",
-                        2.0 * static_cast<double>(computeCopyCount(c)) / s, "2 N_gemm / shard"});
+                        2.0 * static_cast<double>(computeCopyCount(c)) / l.shard,
+                        "2 N_gemm / shard"});
   if (l.shard > 1) {
-    const double nl = static_cast<double>(layerParameterCount(c));
-    p.memory.push_back({"gathered-layer buffers (sharding)", 2 * nl * cb + nl * 4,
-                        "2 layers x N_layer x compute bytes + N_layer x 4 (gradient to scatter)"});
+    p.memory.push_back({"gathered embeddings, head and layers (sharding)", double(state.gathered),
+                        "4 (2 (N_emb + N_head) + (2 gathered + 2 gradient) N_layer)"});
+    p.memory.push_back({"reduce-scatter outputs (sharding)", double(state.staging),
+                        "4 (2 N_layer + N_emb + N_head) / shard"});
   }
   const std::int64_t t = in.micro_batch_tokens / l.context;
   const auto m = static_cast<std::int64_t>(std::ceil(in.mask_prob * static_cast<double>(t)));
@@ -211,13 +221,18 @@ void planMemory(const Input& in, Plan& p) {
                        ? "0: the MPI backend reduces the gradient buffer in place (host memory)"
                        : "NCCL channel buffers, 256 MiB per communicator (measured figure)";
   }
-  p.memory.push_back({"communication buffers", comm, comm_formula});
+  p.memory.push_back({"communication buffers", comm, comm_formula, false});
   p.memory.push_back(
       {"workspace and runtime (" + in.rates.kind + " table)", in.rates.reserved_bytes,
        in.rates.kind == "cpu" ? "reserved_gib: the process itself (MPI, Kokkos, OpenBLAS, HDF5)"
-                              : "reserved_gib: CUDA context, cuBLASLt workspace, allocator slack"});
+                              : "reserved_gib: CUDA context, cuBLASLt workspace, allocator slack",
+       false});
   p.memory_total = 0;
-  for (const auto& item : p.memory) p.memory_total += item.value;
+  p.memory_allocated = 0;
+  for (const auto& item : p.memory) {
+    p.memory_total += item.value;
+    if (item.allocated) p.memory_allocated += item.value;
+  }
   p.memory_available = in.rates.memory_bytes;
   p.fits = p.memory_total <= p.memory_available;
 }
@@ -419,10 +434,10 @@ Plan makePlan(const Input& in) {
   if (in.compute == Compute::Fp32 && in.rates.kind != "cpu")
     p.notes.push_back(
         "fp32 on a GPU runs the portable Kokkos kernels (the reference path): slow by design");
-  if (in.layout.shard > 1 || in.layout.context > 1)
+  if (in.layout.context > 1)
     p.notes.push_back(
-        "sharding and context parallelism are not in plm yet: these figures are the planned "
-        "design's (doc/plan.md)");
+        "context parallelism is not in plm yet: these figures are the planned design's "
+        "(doc/plan.md)");
   return p;
 }
 
