@@ -434,6 +434,10 @@ Plan makePlan(const Input& in) {
   if (in.compute == Compute::Fp32 && in.rates.kind != "cpu")
     p.notes.push_back(
         "fp32 on a GPU runs the portable Kokkos kernels (the reference path): slow by design");
+  if (in.layout.shard > 1 && in.compute != Compute::Fp32)
+    p.notes.push_back(
+        "plm's sharding runs train.precision: fp32 only today (bf16 with shard > 1 is refused; "
+        "doc/parallelism.md): these bf16 figures are the planned design's");
   if (in.layout.context > 1)
     p.notes.push_back(
         "context parallelism is not in plm yet: these figures are the planned design's "

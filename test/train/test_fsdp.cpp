@@ -1,6 +1,7 @@
 // Sharded data parallelism (train/fsdp.hpp) against the single-rank reference:
 //  - every layout the world size allows (shard 1, 2, 4; 2 shard x 2 replicate at 4 ranks), with
-//    and without resharding after forward and with layer recomputation, trains 20 AdamW steps
+//    and without resharding after forward and with layer and selective recomputation (the
+//    model computing on two gathered layer slots, its whole buffers freed), trains 20 AdamW steps
 //    whose losses match trainStep on one rank with all micro-batches to 1e-5 relative, and ends
 //    with the same parameters (gathered, to 1e-5 of the largest);
 //  - 5 micro-batches per step, so at 2 and 4 ranks some ranks have one fewer and only join the
@@ -157,6 +158,8 @@ TEST(Fsdp, NoReshardAfterForwardAndRecomputeMatchOneRank) {
   plm::train::FsdpOptions poison;
   poison.poison = true;
   expectSame(reference(rc), sharded(rc, world, poison), "recompute layer");
+  rc.recompute = plm::model::Recompute::Selective;
+  expectSame(reference(rc), sharded(rc, world, poison), "recompute selective");
 }
 
 // Forwards every hook but the last layer's beforeForward: that layer's forward then reads its
