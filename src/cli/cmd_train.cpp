@@ -59,6 +59,7 @@ int runTrain(const Argv& argv) {
   // exit with train::exit_requeue, which jobscripts/ turn into a requeue (doc/operations.md).
   train::installStopSignals();
   train::Trainer trainer(deck);
+  plan::logMemoryPlan(trainer);  // the bytes per rank; the first step's measured peak follows
   // checkpoint.resume on start, checkpoint.every saves (src/ckpt); the plan's prediction next to
   // the measured figures after the first steps (src/plan).
   train::Trainer::Hooks extra;

@@ -18,6 +18,28 @@ void DenseMlp::backward(OpContext& ctx, const LayerActs& saved, const Mat& dout_
   linearBackward(ctx, saved.ln2, w_member.w1, scratch.dffn, dh, false, g_member.w1, g_member.b1);
 }
 
+void Relocation::operator()(QkvWeights& q) const {
+  for (Mat* m : {&q.wq, &q.wk, &q.wv, &q.fused_w}) (*this)(*m);
+  for (Vec* v : {&q.bq, &q.bk, &q.bv, &q.fused_b}) (*this)(*v);
+}
+
+void Relocation::operator()(QkvGrads& q) const {
+  for (Mat* m : {&q.wq, &q.wk, &q.wv}) (*this)(*m);
+  for (Vec* v : {&q.bq, &q.bk, &q.bv}) (*this)(*v);
+}
+
+void Relocation::operator()(DenseMlpWeights& w) const {
+  (*this)(w.w1);
+  (*this)(w.b1);
+  (*this)(w.w2);
+  (*this)(w.b2);
+}
+
+void DenseMlp::relocate(const Relocation& r) {
+  r(w_member);
+  r(g_member);
+}
+
 EncoderLayer::EncoderLayer(const LayerShape& shape, const AttentionWeights& attention,
                            const AttentionGrads& attention_grads, const LayerNormParams& ln2,
                            const LayerNormParams& ln2_grads, std::unique_ptr<FfnBlock> ffn)
@@ -28,6 +50,19 @@ EncoderLayer::EncoderLayer(const LayerShape& shape, const AttentionWeights& atte
       ln2_grads_member(ln2_grads),
       ffn_member(std::move(ffn)) {
   if (!ffn_member) throw Error("plm::model::EncoderLayer: no FFN block (a bug)");
+}
+
+void EncoderLayer::relocate(const Relocation& r) {
+  auto& w = attn_member;
+  auto& g = attn_grads_member;
+  for (Vec* v : {&w.ln_g, &w.ln_b, &w.bo, &g.ln_g, &g.ln_b, &g.bo, &ln2_member.gamma,
+                 &ln2_member.beta, &ln2_grads_member.gamma, &ln2_grads_member.beta})
+    r(*v);
+  r(w.wo);
+  r(g.wo);
+  r(w.qkv);
+  r(g.qkv);
+  ffn_member->relocate(r);
 }
 
 void EncoderLayer::forward(OpContext& ctx, const DeviceBatch& b, const Mat& in, const Mat& out,

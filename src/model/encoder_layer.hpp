@@ -11,6 +11,7 @@
 
 #include "model/ops.hpp"
 
+#include <cstddef>
 #include <memory>
 
 namespace plm::model {
@@ -69,10 +70,32 @@ struct DenseMlpWeights {
 
 using DenseMlpGrads = DenseMlpWeights;
 
+/// Moves parameter handles: a handle whose data lies in [from, from + bytes) is re-pointed at
+/// the same place relative to `to`; any other handle is left alone.  Sharded data parallelism
+/// (train/fsdp.hpp) re-points a layer's views at the buffer its all-gather filled.
+struct Relocation {
+  const char* from = nullptr;
+  std::size_t bytes = 0;
+  char* to = nullptr;
+  void operator()(Mat& m) const { move(m.data); }
+  void operator()(Vec& v) const { move(v.data); }
+  void operator()(QkvWeights& q) const;
+  void operator()(QkvGrads& q) const;
+  void operator()(DenseMlpWeights& w) const;
+
+ private:
+  void move(void*& data) const {
+    const char* p = static_cast<const char*>(data);
+    if (p != nullptr && p >= from && p < from + bytes) data = to + (p - from);
+  }
+};
+
 /// \brief The FFN slot of a layer: out = residual + FFN(h), h = LN2 output.
 class FfnBlock {
  public:
   virtual ~FfnBlock() = default;
+  /// \brief Applies `r` to every parameter and gradient handle of the block.
+  virtual void relocate(const Relocation& r) = 0;
   virtual void forward(OpContext& ctx, const Mat& h, const Mat& residual, const Mat& out,
                        LayerActs& saved) const = 0;
   /// \brief dh (written) from dout_c, the compute copy of dL/d(out); parameter gradients +=.
@@ -89,6 +112,7 @@ class DenseMlp : public FfnBlock {
                LayerActs& saved) const override;
   void backward(OpContext& ctx, const LayerActs& saved, const Mat& dout_c, const Mat& dh,
                 LayerScratch& scratch) const override;
+  void relocate(const Relocation& r) override;
 
  private:
   DenseMlpWeights w_member;
@@ -116,6 +140,8 @@ class EncoderLayer {
                           LayerActs& saved) const;
   void backward(OpContext& ctx, const DeviceBatch& b, const Mat& in, const LayerActs& saved,
                 LayerScratch& scratch, const Mat& cos_table, const Mat& sin_table) const;
+  /// \brief Applies `r` to every parameter and gradient handle of the layer (FFN block too).
+  void relocate(const Relocation& r);
 
  private:
   LayerShape shape_member;

@@ -240,6 +240,15 @@ template <class T> struct Esm2<T>::Impl {
   View1<seqlen_t> cu_store, position_store;
   View1<std::int32_t> labels_d;
   Work w;
+  // placeRange: groups 0..L-1 the layers, L the embeddings, L+1 the head; each one's flat
+  // range of tensors and where its views point now (nullptr: into params / grads).
+  struct Place {
+    std::int64_t lo = -1, hi = -1;
+    T* params = nullptr;
+    T* grads = nullptr;
+  };
+  std::vector<Place> places;
+  std::int64_t buffer_elements = 0;  // of the whole buffers, also while they are freed
 
   explicit Impl(const Esm2Config& c) : config(c), ctx(ExecSpace()) {
     config.validate();
@@ -303,9 +312,51 @@ template <class T> struct Esm2<T>::Impl {
       init_kinds.push_back(e.init);
     }
     const std::int64_t n = bufferSize(table);
+    buffer_elements = n;
     params = View1<T>("plm::model::parameters", n);
     grads = View1<T>("plm::model::gradients", n);
     bind();
+    places.assign(config.num_layers + 2, Place());
+    for (const auto& t : tensors) {
+      Place& p = places[groupOf(t.name)];
+      p.lo = p.lo < 0 ? t.offset : std::min(p.lo, t.offset);
+      p.hi = std::max(p.hi, t.offset + t.size);
+    }
+  }
+
+  int groupOf(const std::string& name) const {
+    static const std::string prefix = "esm.encoder.layer.";
+    if (name.compare(0, prefix.size(), prefix) == 0) return std::stoi(name.substr(prefix.size()));
+    return name.compare(0, 15, "esm.embeddings.") == 0 ? config.num_layers : config.num_layers + 1;
+  }
+
+  /// Moves group g's views from where they point now to `to_params` / `to_grads`.
+  void place(int g, T* to_params, T* to_grads) {
+    Place& p = places[g];
+    const std::size_t bytes = static_cast<std::size_t>(p.hi - p.lo) * sizeof(T);
+    T* from_params = p.params ? p.params : params.data() + p.lo;
+    T* from_grads = p.grads ? p.grads : grads.data() + p.lo;
+    const Relocation rp{reinterpret_cast<const char*>(from_params), bytes,
+                        reinterpret_cast<char*>(to_params ? to_params : params.data() + p.lo)};
+    const Relocation rg{reinterpret_cast<const char*>(from_grads), bytes,
+                        reinterpret_cast<char*>(to_grads ? to_grads : grads.data() + p.lo)};
+    p.params = to_params;
+    p.grads = to_grads;
+    for (const Relocation& r : {rp, rg}) {
+      if (g < config.num_layers) {
+        layers[g].relocate(r);
+      } else if (g == config.num_layers) {
+        r(pw.embed);
+        r(pg.embed);
+      } else {
+        for (Outer* o : {&pw, &pg}) {
+          for (Vec* v :
+               {&o->lnf_g, &o->lnf_b, &o->head_b, &o->head_ln_g, &o->head_ln_b, &o->head_bias})
+            r(*v);
+          r(o->head_w);
+        }
+      }
+    }
   }
 
   const TensorInfo& info(const std::string& name) const { return tensors[index.at(name)]; }
@@ -1029,6 +1080,8 @@ template <class T> View1<T> Esm2<T>::gradients() { return impl_member->grads; }
 
 template <class T> void Esm2<T>::initialize(std::uint64_t seed) {
   auto& im = *impl_member;
+  PLM_REQUIRE(static_cast<std::int64_t>(im.params.extent(0)) == im.buffer_elements,
+              "plm::model::initialize: the whole parameter buffer is freed (sharded training)");
   const auto& space = im.ctx.space();
   Kokkos::deep_copy(space, im.params, T(0));  // also the alignment padding
   auto params = im.params;
@@ -1143,6 +1196,41 @@ template <class T> std::pair<std::int64_t, std::int64_t> Esm2<T>::layerRange(int
       hi = std::max(hi, t.offset + t.size);
     }
   return {lo, hi - lo};
+}
+
+template <class T>
+void Esm2<T>::placeRange(std::int64_t offset, std::int64_t count, T* params, T* grads) {
+  auto& im = *impl_member;
+  PLM_REQUIRE(!im.bf16, "plm::model::placeRange: the bf16 policy keeps one whole compute copy");
+  for (int g = 0; g < static_cast<int>(im.places.size()); ++g) {
+    const auto& p = im.places[g];
+    if (p.lo < offset || p.lo >= offset + count) continue;
+    PLM_REQUIRE(p.hi <= offset + count, "plm::model::placeRange: [" + std::to_string(offset) +
+                                            ", +" + std::to_string(count) +
+                                            ") cuts a group of tensors in two");
+    im.place(g, params, grads);
+    return;
+  }
+  throw Error("plm::model::placeRange: no group of tensors starts in [" + std::to_string(offset) +
+              ", +" + std::to_string(count) + ") (a bug)");
+}
+
+template <class T> void Esm2<T>::holdWholeBuffers(bool params, bool grads) {
+  auto& im = *impl_member;
+  auto hold = [&](View1<T>& buf, bool want, T* Impl::Place::*where, const char* label) {
+    if (want == (buf.extent(0) > 0)) return;
+    if (want) {
+      buf = View1<T>(std::string(label), im.buffer_elements);
+      return;
+    }
+    for (const auto& p : im.places)
+      PLM_REQUIRE(p.*where != nullptr, std::string("plm::model::holdWholeBuffers: a group's "
+                                                   "views still point into ") +
+                                           label);
+    buf = View1<T>();
+  };
+  hold(im.params, params, &Impl::Place::params, "plm::model::parameters");
+  hold(im.grads, grads, &Impl::Place::grads, "plm::model::gradients");
 }
 
 template <class T> double Esm2<T>::routerLoss() const { return impl_member->moe_step.objective; }

@@ -145,6 +145,19 @@ template <class T> class Esm2 {
   /// \brief [offset, offset + count) of layer `layer`'s tensors in parameters() / gradients().
   std::pair<std::int64_t, std::int64_t> layerRange(int layer) const;
 
+  /// \brief Re-points the parameter and gradient views of the tensors in the flat range
+  /// [offset, offset + count) at `params` and `grads`, which hold that range from their first
+  /// element (nullptr: back into parameters() / gradients()).  The range is one group: a
+  /// layer's tensors (layerRange, padding after them allowed), the embeddings (before the
+  /// layers) or the head (after them).  The memory stays the caller's; sharded data
+  /// parallelism (train/fsdp.hpp) points a layer at the buffer its all-gather filled.  fp32 and
+  /// fp64 policies only (the bf16 compute copy is one whole buffer).
+  void placeRange(std::int64_t offset, std::int64_t count, T* params, T* grads);
+  /// \brief Frees (false) or allocates again (true, zero-filled) the whole-model buffers behind
+  /// parameters() and gradients() (empty views while freed).  Freeing one requires every
+  /// group's views into it to be placed elsewhere (placeRange); views placed elsewhere stay.
+  void holdWholeBuffers(bool params, bool grads);
+
   /// \brief The router losses (aux and z, with their coefficients) the last pass added to the
   /// objective, in the units of the returned cross-entropy sum: labelled rows x the per-token
   /// losses.  Gradients hold grad_scale x d(cross-entropy sum + routerLoss()).

@@ -377,6 +377,15 @@ template <class T> void MoeMlp<T>::setExpertParallel(const ExpertParallel& ep) {
   s.first_expert = (ep.comm ? ep.comm->rank() : 0) * s.local_experts;
 }
 
+template <class T> void MoeMlp<T>::relocate(const Relocation& r) {
+  for (MoeWeights* m : {&state_member->w, &state_member->g}) {
+    r(m->router);
+    r(m->expert_bias);
+    for (auto& e : m->experts) r(e);
+    r(m->shared);
+  }
+}
+
 template <class T> const MoeLayerStats& MoeMlp<T>::stats() const { return state_member->stats; }
 
 template <class T> void MoeMlp<T>::resetStats() {

@@ -101,6 +101,7 @@ template <class T> class MoeMlp : public FfnBlock {
                LayerActs& saved) const override;
   void backward(OpContext& ctx, const LayerActs& saved, const Mat& dout_c, const Mat& dh,
                 LayerScratch& scratch) const override;
+  void relocate(const Relocation& r) override;
 
   void setExpertParallel(const ExpertParallel& ep);
   const MoeLayerStats& stats() const;

@@ -3,6 +3,7 @@
 #include "plan/plan.hpp"
 
 #include "core/error.hpp"
+#include "train/fsdp.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -171,12 +172,18 @@ void checkLayout(const Input& in) {
 void planMemory(const Input& in, Plan& p) {
   const auto& c = in.model;
   const Layout& l = in.layout;
-  const double s = l.shard;
-  const double nb = static_cast<double>(flatParameterCount(c));
   const bool bf16 = in.compute != Compute::Fp32;
-  const double cb = bf16 ? 2 : 4;
-  p.memory.push_back({"parameters (fp32 masters)", 4 * nb / s, "4 N / shard"});
-  p.memory.push_back({"gradients (fp32)", 4 * nb / s, "4 N / shard"});
+  // The model state: the same formula the sharding engine reports (train::shardedMemory).
+  train::ShardSizes n;
+  n.flat = flatParameterCount(c);
+  n.layer_unit = layerParameterCount(c);
+  n.embed_unit = round16(c.vocab * c.hidden);
+  n.head_unit = n.flat - n.embed_unit - c.num_layers * n.layer_unit;
+  n.layers = c.num_layers;
+  const train::FsdpMemory state =
+      train::shardedMemory(n, l.shard, in.reshard_after_forward ? 2 : c.num_layers);
+  p.memory.push_back({"parameters (fp32 masters)", double(state.params), "4 N / shard"});
+  p.memory.push_back({"gradients (fp32)", double(state.grads), "4 N / shard"});
   {
     // The optimizer's own byte count over the model's tensor table (what it allocates).
     static const std::map<train::OptimizerKind, std::pair<const char*, const char*>> text = {
@@ -196,11 +203,13 @@ void planMemory(const Input& in, Plan& p) {
   }
   if (bf16)
     p.memory.push_back({"compute copy of the GEMM weights (bf16)",
-                        2.0 * static_cast<double>(computeCopyCount(c)) / s, "2 N_gemm / shard"});
+                        2.0 * static_cast<double>(computeCopyCount(c)) / l.shard,
+                        "2 N_gemm / shard"});
   if (l.shard > 1) {
-    const double nl = static_cast<double>(layerParameterCount(c));
-    p.memory.push_back({"gathered-layer buffers (sharding)", 2 * nl * cb + nl * 4,
-                        "2 layers x N_layer x compute bytes + N_layer x 4 (gradient to scatter)"});
+    p.memory.push_back({"gathered embeddings, head and layers (sharding)", double(state.gathered),
+                        "4 (2 (N_emb + N_head) + (2 gathered + 2 gradient) N_layer)"});
+    p.memory.push_back({"reduce-scatter outputs (sharding)", double(state.staging),
+                        "4 (2 N_layer + N_emb + N_head) / shard"});
   }
   const std::int64_t t = in.micro_batch_tokens / l.context;
   const auto m = static_cast<std::int64_t>(std::ceil(in.mask_prob * static_cast<double>(t)));
@@ -228,13 +237,18 @@ void planMemory(const Input& in, Plan& p) {
                        ? "0: the MPI backend reduces the gradient buffer in place (host memory)"
                        : "NCCL channel buffers, 256 MiB per communicator (measured figure)";
   }
-  p.memory.push_back({"communication buffers", comm, comm_formula});
+  p.memory.push_back({"communication buffers", comm, comm_formula, false});
   p.memory.push_back(
       {"workspace and runtime (" + in.rates.kind + " table)", in.rates.reserved_bytes,
        in.rates.kind == "cpu" ? "reserved_gib: the process itself (MPI, Kokkos, OpenBLAS, HDF5)"
-                              : "reserved_gib: CUDA context, cuBLASLt workspace, allocator slack"});
+                              : "reserved_gib: CUDA context, cuBLASLt workspace, allocator slack",
+       false});
   p.memory_total = 0;
-  for (const auto& item : p.memory) p.memory_total += item.value;
+  p.memory_allocated = 0;
+  for (const auto& item : p.memory) {
+    p.memory_total += item.value;
+    if (item.allocated) p.memory_allocated += item.value;
+  }
   p.memory_available = in.rates.memory_bytes;
   p.fits = p.memory_total <= p.memory_available;
 }
@@ -436,10 +450,14 @@ Plan makePlan(const Input& in) {
   if (in.compute == Compute::Fp32 && in.rates.kind != "cpu")
     p.notes.push_back(
         "fp32 on a GPU runs the portable Kokkos kernels (the reference path): slow by design");
-  if (in.layout.shard > 1 || in.layout.context > 1)
+  if (in.layout.shard > 1 && in.compute != Compute::Fp32)
     p.notes.push_back(
-        "sharding and context parallelism are not in plm yet: these figures are the planned "
-        "design's (doc/plan.md)");
+        "plm's sharding runs train.precision: fp32 only today (bf16 with shard > 1 is refused; "
+        "doc/parallelism.md): these bf16 figures are the planned design's");
+  if (in.layout.context > 1)
+    p.notes.push_back(
+        "context parallelism is not in plm yet: these figures are the planned design's "
+        "(doc/plan.md)");
   return p;
 }
 

@@ -47,6 +47,7 @@ struct Input {
   double mask_prob = 0.15;                 // labelled fraction: rows the LM head runs on
   double fill = 0.97;  // real tokens per micro-batch / micro_batch_tokens (packing)
   Layout layout;
+  bool reshard_after_forward = true;  // parallel.reshard_after_forward (sharding: gathered layers)
   Rates rates;
   train::OptimizerOptions optimizer;  // optimizer.name and its settings: the state's bytes
 };
@@ -56,6 +57,7 @@ struct Item {
   std::string name;
   double value = 0;  // bytes or seconds
   std::string formula;
+  bool allocated = true;  // memory: a Kokkos allocation (what train::AllocationTracker measures)
 };
 
 /// Activation workspace of one micro-batch, by layer part, exactly as the model carves it.
@@ -84,6 +86,7 @@ std::int64_t computeCopyCount(const model::Esm2Config& config);
 struct Plan {
   std::vector<Item> memory;  // bytes per rank
   double memory_total = 0;
+  double memory_allocated = 0;  // the items that are Kokkos allocations (no NCCL, no runtime)
   double memory_available = 0;
   bool fits = false;
   double model_flops_per_token = 0;     // doc/flops.md

@@ -6,6 +6,7 @@
 #include "dist/runtime.hpp"
 #include "plan/plan.hpp"
 #include "plm/plm_config.hpp"
+#include "train/fsdp.hpp"
 #include "train/metrics.hpp"
 
 #include <algorithm>
@@ -49,6 +50,53 @@ double now() {
 }
 }  // namespace
 
+Input inputOfRun(const train::Trainer& trainer) {
+  Layout layout;
+  layout.ranks_per_node = std::max(1, dist::localSize());
+  layout.nodes = std::max(1, trainer.world() / layout.ranks_per_node);
+  if (layout.world() != trainer.world()) {
+    layout.ranks_per_node = trainer.world();
+    layout.nodes = 1;
+  }
+  bool reshard = true;
+  if (trainer.deck().isSublist("parallel")) {
+    const auto& par = trainer.deck().sublist("parallel");
+    layout.shard =
+        train::resolveLayout(par.get<int>("shard_degree"), par.get<int>("replicate_degree"),
+                             trainer.world(), dist::localSize())
+            .shard;
+    reshard = par.get<bool>("reshard_after_forward");
+  }
+  Rates rates = builtinRates(deviceKind());
+  // A measured table (plm bench rates --out FILE) replaces the built-in one.
+  if (const char* path = std::getenv("PLM_RATES"); path && *path) rates = readRates(path, rates);
+  // CPU ranks share the node's cores (the planner slows them when oversubscribed); GPUs are
+  // one per rank.
+  rates.ranks_per_node = rates.kind == "cpu"
+                             ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
+                             : std::max(rates.ranks_per_node, layout.ranks_per_node);
+  Input in = inputFromDeck(trainer.deck(), layout, rates);
+  in.reshard_after_forward = reshard;
+  return in;
+}
+
+void logMemoryPlan(const train::Trainer& trainer) {
+  Plan p;
+  try {
+    p = makePlan(inputOfRun(trainer));
+  } catch (const Error& e) {
+    if (trainer.rank() == 0) log::warn("plan: no memory plan: %s", e.what());
+    return;
+  }
+  if (trainer.rank() != 0) return;
+  std::string items;
+  for (const auto& item : p.memory)
+    if (item.allocated) items += "; " + item.name + " " + bytesText(item.value);
+  log::info("memory: planned per rank %s of buffers (%s in all with the runtime)%s",
+            bytesText(p.memory_allocated).c_str(), bytesText(p.memory_total).c_str(),
+            items.c_str());
+}
+
 train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook next) {
   auto w = std::make_shared<Window>();
   return [w, window, next](train::Trainer& trainer, const train::StepStats& st) {
@@ -56,6 +104,19 @@ train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook n
     if (w->done) return;
     w->seen += 1;
     if (w->seen == 1) {  // the first step pays for allocations and warm-up
+      // Its measured peak of the buffers against the plan (collective).
+      const double peak =
+          dist::allreduceMax(static_cast<double>(trainer.firstStepPeak()), trainer.comm());
+      double planned = 0;
+      try {
+        planned = makePlan(inputOfRun(trainer)).memory_allocated;
+      } catch (const Error&) {
+      }
+      if (trainer.rank() == 0 && peak > 0 && planned > 0)
+        log::info(
+            "memory: first step peak of the buffers %s on the fullest rank, planned %s "
+            "(%+.1f%%; plm plan, doc/plan.md)",
+            bytesText(peak).c_str(), bytesText(planned).c_str(), 100 * (planned / peak - 1));
       w->t0 = now();
       return;
     }
@@ -67,30 +128,15 @@ train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook n
     const double seconds = now() - w->t0;
     const double mem =
         dist::allreduceMax(static_cast<double>(train::memoryInUse()), trainer.comm());
-    Layout layout;
-    layout.ranks_per_node = std::max(1, dist::localSize());
-    layout.nodes = std::max(1, trainer.world() / layout.ranks_per_node);
-    if (layout.world() != trainer.world()) {
-      layout.ranks_per_node = trainer.world();
-      layout.nodes = 1;
-    }
-    // The prediction is a report: a failure to plan (an unreadable PLM_RATES file) warns and
-    // training goes on. Nothing below is collective.
     const double steps = w->seen - 1;
     Rates rates;
     Input in;
     Plan p;
+    Layout layout;
     try {
-      rates = builtinRates(deviceKind());
-      // A measured table (plm bench rates --out FILE) replaces the built-in one.
-      if (const char* path = std::getenv("PLM_RATES"); path && *path)
-        rates = readRates(path, rates);
-      // CPU ranks share the node's cores (the planner slows them when oversubscribed); GPUs are
-      // one per rank.
-      rates.ranks_per_node =
-          rates.kind == "cpu" ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
-                              : std::max(rates.ranks_per_node, layout.ranks_per_node);
-      in = inputFromDeck(trainer.deck(), layout, rates);
+      in = inputOfRun(trainer);
+      rates = in.rates;
+      layout = in.layout;
       if (w->tokens > 0) {
         in.mean_seqlen = w->sum_sq / static_cast<double>(w->tokens);
         in.fill = static_cast<double>(w->tokens) /

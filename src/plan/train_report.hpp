@@ -2,6 +2,7 @@
 // (doc/plan.md, "Prediction against measurement").
 #pragma once
 
+#include "plan/plan.hpp"
 #include "train/trainer.hpp"
 
 namespace plm::plan {
@@ -15,5 +16,15 @@ std::string deviceKind();
 /// sequence length and fill, logs prediction and measurement side by side on rank 0 and writes
 /// both to <run_dir>/plan.json. Chains to `next` on every step.
 train::Trainer::StepHook predictionReport(int window = 5, train::Trainer::StepHook next = {});
+
+/// \brief The planner's input for `trainer`'s deck and rank layout (shard degree from the
+/// deck's parallel section) with this device's rates (PLM_RATES replaces them).  Throws
+/// plm::Error when the rates file cannot be read.
+Input inputOfRun(const train::Trainer& trainer);
+
+/// \brief Logs (rank 0) the planned bytes per rank of `trainer`'s run: parameters, gradients,
+/// optimizer state, gathered-layer buffers and activations at the configured micro-batch.
+/// predictionReport then logs the measured peak of the first step against the same plan.
+void logMemoryPlan(const train::Trainer& trainer);
 
 }  // namespace plm::plan

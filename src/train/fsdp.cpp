@@ -106,25 +106,65 @@ ParamLayout shardParamLayout(const std::vector<model::TensorInfo>& tensors,
   return l;
 }
 
+FsdpMemory shardedMemory(const ShardSizes& n, int shard, int layer_buffers, bool poison,
+                         int element_bytes) {
+  const std::int64_t s = std::max(1, shard);
+  const std::int64_t p = element_bytes;
+  auto padded = [s](std::int64_t count) { return (count + s - 1) / s * s; };
+  FsdpMemory mem;
+  // Whole-model parameters and gradients under data parallelism; this rank's slice of every
+  // unit under sharding (units are padded to a multiple of the shard size).
+  const std::int64_t local = s == 1 ? n.flat
+                                    : n.layers * (padded(n.layer_unit) / s) +
+                                          padded(n.embed_unit) / s + padded(n.head_unit) / s;
+  mem.params = local * p;
+  mem.grads = local * p;
+  mem.optimizer = local * (2 * p + 1);  // AdamW m, v and one flag byte (the master is params)
+  if (s == 1) return mem;
+  // The embeddings and the head gathered (parameters and gradient) for the whole micro-batch;
+  // `layer_buffers` gathered layers (two: in use and prefetched), two layer gradients
+  // (one computed while the other is reduce-scattered).
+  const std::int64_t layer = padded(n.layer_unit);
+  mem.gathered = (2 * (padded(n.embed_unit) + padded(n.head_unit)) +
+                  (layer_buffers + 2 + (poison ? 1 : 0)) * layer) *
+                 p;
+  // The reduce-scatter outputs of the four gradient buffers, added into the gradient shard.
+  mem.staging = (2 * layer / s + padded(n.embed_unit) / s + padded(n.head_unit) / s) * p;
+  return mem;
+}
+
 template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
+  // One reduce-scatter source: its full-unit send buffer, the slice it receives, and the
+  // unit whose result is in flight (added into the gradient shard when it completes).
+  struct Channel {
+    View1<P> send;  // (padded unit)
+    View1<P> recv;  // (slice)
+    dist::Work work;
+    int unit = -1;
+  };
+
   model::Esm2<P>& model;
   FsdpOptions options;
   MPI_Comm shard_mpi = MPI_COMM_NULL;  // duplicates, for the scalar norm reduction
   std::unique_ptr<dist::Communicator> shard_comm, replicate_comm;
   int layers = 0;
-  std::vector<ShardUnit> units;  // backward order: head, layers L-1..0, embeddings
-  View1<P> params_shard;         // (sum of slices) master shard
-  View1<P> grads_shard;          // (sum of slices)
-  View1<P> gather_buf[2];        // (max slice * shard) [0] blocking, [1] prefetch
-  View1<P> scatter_buf[2];       // (max slice * shard) alternating reduce-scatter sends
-  dist::Work scatter_work[2];
-  int scatter_next = 0;
+  std::vector<ShardUnit> units;   // backward order: head, layers L-1..0, embeddings
+  View1<P> params_shard;          // (sum of slices) master shard
+  View1<P> grads_shard;           // (sum of slices)
+  View1<P> outer_params[2];       // (padded head unit), (padded embedding unit): gathered
+  std::vector<View1<P>> slots;    // (padded widest layer) gathered layers, a pool
+  std::vector<int> free_slots;    // indices into slots
+  std::vector<int> slot_of;       // per unit: its slot while gathered, else -1
+  Channel channel[4];             // [0], [1] layer gradients (alternating), [2] head, [3] emb.
+  int layer_channel = 0;          // the next layer's gradient buffer
+  std::vector<int> grad_channel;  // per unit: the channel whose send buffer holds its gradient
+  View1<P> poison_buf;            // (padded widest layer) NaN, where resharded layers point
   std::vector<char> gathered;
-  int pending_unit = -1;  // unit whose all-gather into gather_buf[1] is in flight
+  int pending_unit = -1;  // unit whose prefetched all-gather is in flight
   dist::Work pending_work;
+  bool whole = false;  // gatherAll(): the model's whole buffers hold every unit
   std::unique_ptr<Optimizer<P>> optimizer;
   ExecSpace space;
-  bool last = false;
   bool backward_phase = false;
   bool head_reduced = false;
 
@@ -147,18 +187,28 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     View1<P> full = m.parameters();
     units = planShardUnits(m.tensors(), static_cast<std::int64_t>(full.extent(0)), s);
     std::int64_t total = 0, widest = 0;
-    for (const auto& u : units) {
-      total += u.slice;
-      widest = std::max(widest, u.slice * s);
-    }
+    for (const auto& u : units) total += u.slice;
+    for (int l = 0; l < layers; ++l) widest = std::max(widest, units[unitOfLayer(l)].slice * s);
     params_shard = View1<P>("plm::train::fsdp::params_shard", total);
     grads_shard = View1<P>("plm::train::fsdp::grads_shard", total);
-    for (int b = 0; b < 2; ++b) {
-      gather_buf[b] = View1<P>(
-          Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::train::fsdp::gather_buf"), widest);
-      scatter_buf[b] = View1<P>("plm::train::fsdp::scatter_buf", widest);
+    auto alloc = [](const char* label, std::int64_t n) {
+      return View1<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), n);
+    };
+    const int outer[2] = {headUnit(), embedUnit()};
+    for (int k = 0; k < 2; ++k) {
+      const std::int64_t padded = units[outer[k]].slice * s;
+      outer_params[k] = alloc("plm::train::fsdp::outer_params", padded);
+      channel[2 + k].send = View1<P>("plm::train::fsdp::outer_grads", padded);
+      channel[2 + k].recv = alloc("plm::train::fsdp::outer_recv", units[outer[k]].slice);
     }
-    gathered.assign(units.size(), 1);  // the model's buffers hold the initial parameters
+    for (int b = 0; b < 2; ++b) {
+      channel[b].send = View1<P>("plm::train::fsdp::layer_grads", widest);
+      channel[b].recv = alloc("plm::train::fsdp::layer_recv", widest / s);
+    }
+    if (options.poison) {
+      poison_buf = alloc("plm::train::fsdp::poison", widest);
+      Kokkos::deep_copy(space, poison_buf, std::numeric_limits<P>::quiet_NaN());
+    }
     const int r = shard_comm->rank();
     forOwnedPieces(units, r, 0, static_cast<std::int64_t>(full.extent(0)),
                    [&](std::int64_t local, std::int64_t global, std::int64_t n) {
@@ -170,6 +220,17 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
                                  shardParamLayout(m.tensors(), units, r, m.config().hidden));
     optimizer->setShardGroup(shard_mpi);
     space.fence();
+    // From here on the model computes on the gathered buffers only; its whole buffers go.
+    gathered.assign(units.size(), 0);
+    slot_of.assign(units.size(), -1);
+    grad_channel.assign(units.size(), 0);
+    grad_channel[headUnit()] = 2;
+    grad_channel[embedUnit()] = 3;
+    slots.push_back(alloc("plm::train::fsdp::gathered_layer", widest));
+    slots.push_back(alloc("plm::train::fsdp::gathered_layer", widest));
+    free_slots = {1, 0};
+    whole = true;
+    reshardAll();
   }
 
   ~Impl() override {
@@ -181,67 +242,107 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   int unitOfLayer(int l) const { return 1 + (layers - 1 - l); }
   int headUnit() const { return 0; }
   int embedUnit() const { return layers + 1; }
+  bool isOuter(int u) const { return u == headUnit() || u == embedUnit(); }
+  View1<P>& outerParams(int u) { return outer_params[u == headUnit() ? 0 : 1]; }
 
   void fenceForMpi() {
     if (!shard_comm->deviceMemory()) space.fence();
   }
 
-  dist::Work launchGather(int u, int buf) {
+  void place(int u, P* params) {
+    const ShardUnit& su = units[u];
+    model.placeRange(su.offset, su.count, params, channel[grad_channel[u]].send.data());
+  }
+
+  // Where a unit's all-gather lands: the embeddings' and head's own buffers, or a free slot of
+  // the layer pool (a new one only when both are taken: reshard_after_forward false).
+  P* home(int u) {
+    if (isOuter(u)) return outerParams(u).data();
+    if (free_slots.empty()) {
+      free_slots.push_back(static_cast<int>(slots.size()));
+      slots.push_back(View1<P>(
+          Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::train::fsdp::gathered_layer"),
+          slots.front().extent(0)));
+    }
+    slot_of[u] = free_slots.back();
+    free_slots.pop_back();
+    return slots[slot_of[u]].data();
+  }
+
+  dist::Work launchGather(int u, P* to) {
     const ShardUnit& su = units[u];
     fenceForMpi();
-    return shard_comm->allGather(params_shard.data() + su.local, gather_buf[buf].data(), su.slice,
+    return shard_comm->allGather(params_shard.data() + su.local, to, su.slice,
                                  dist::streamOf(space));
   }
 
   void ensureGathered(int u) {
     if (gathered[u]) return;
-    int buf = 0;
+    P* to = nullptr;
     if (pending_unit == u) {
       pending_work.wait(dist::streamOf(space));
       pending_unit = -1;
-      buf = 1;
+      to = isOuter(u) ? outerParams(u).data() : slots[slot_of[u]].data();
     } else {
-      launchGather(u, 0).wait(dist::streamOf(space));
+      to = home(u);
+      launchGather(u, to).wait(dist::streamOf(space));
     }
-    const ShardUnit& su = units[u];
-    Kokkos::deep_copy(
-        space, Kokkos::subview(model.parameters(), std::make_pair(su.offset, su.offset + su.count)),
-        Kokkos::subview(gather_buf[buf], std::make_pair(std::int64_t(0), su.count)));
+    place(u, to);
     gathered[u] = 1;
   }
 
   void prefetch(int u) {
     if (gathered[u] || pending_unit == u) return;
     if (pending_unit >= 0) ensureGathered(pending_unit);  // one prefetch in flight at a time
-    pending_work = launchGather(u, 1);
+    pending_work = launchGather(u, home(u));
     pending_unit = u;
   }
 
+  // The layer's slot returns to the pool; with `poison` its views move to the NaN buffer (the
+  // embeddings and head buffers are filled with NaN), so a read before the next all-gather
+  // shows up as a NaN loss.
   void reshard(int u) {
     if (!gathered[u]) return;
     gathered[u] = 0;
+    if (!isOuter(u)) {
+      free_slots.push_back(slot_of[u]);
+      slot_of[u] = -1;
+    }
     if (!options.poison) return;
-    const ShardUnit& su = units[u];
-    Kokkos::deep_copy(
-        space, Kokkos::subview(model.parameters(), std::make_pair(su.offset, su.offset + su.count)),
-        std::numeric_limits<P>::quiet_NaN());
+    if (isOuter(u))
+      Kokkos::deep_copy(space, outerParams(u), std::numeric_limits<P>::quiet_NaN());
+    else
+      place(u, poison_buf.data());
+  }
+
+  // Waits for channel c's reduce-scatter and adds the received slice into the gradient shard.
+  void drain(int c) {
+    Channel& ch = channel[c];
+    if (ch.unit < 0) return;
+    ch.work.wait(dist::streamOf(space));
+    const ShardUnit& su = units[ch.unit];
+    ch.unit = -1;
+    View1<P> shard = Kokkos::subview(grads_shard, std::make_pair(su.local, su.local + su.slice));
+    View1<P> recv = ch.recv;
+    Kokkos::parallel_for(
+        "plm::train::fsdp::accumulate_shard", Kokkos::RangePolicy<ExecSpace>(space, 0, su.slice),
+        KOKKOS_LAMBDA(const std::int64_t i) { shard(i) += recv(i); });
+  }
+
+  // The unit's gradient buffer, zeroed, with the model's gradient views pointing into it.
+  void armGradients(int u, int c) {
+    drain(c);
+    grad_channel[u] = c;
+    Kokkos::deep_copy(space, channel[c].send, P(0));
   }
 
   void reduceScatter(int u) {
-    const int b = scatter_next;
-    scatter_next = 1 - b;
-    scatter_work[b].wait(dist::streamOf(space));  // the buffer's previous send is done
-    const ShardUnit& su = units[u];
-    const int s = shard_comm->size();
-    View1<P> send = scatter_buf[b];
-    Kokkos::deep_copy(
-        space, Kokkos::subview(send, std::make_pair(std::int64_t(0), su.count)),
-        Kokkos::subview(model.gradients(), std::make_pair(su.offset, su.offset + su.count)));
-    if (su.slice * s > su.count)
-      Kokkos::deep_copy(space, Kokkos::subview(send, std::make_pair(su.count, su.slice * s)), P(0));
+    const int c = grad_channel[u];
+    Channel& ch = channel[c];
     fenceForMpi();
-    scatter_work[b] = shard_comm->reduceScatterSum(send.data(), grads_shard.data() + su.local,
-                                                   su.slice, dist::streamOf(space));
+    ch.work = shard_comm->reduceScatterSum(ch.send.data(), ch.recv.data(), units[u].slice,
+                                           dist::streamOf(space));
+    ch.unit = u;
   }
 
   // LayerHooks: the one sequence of collectives (see the header).
@@ -258,30 +359,32 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   void beforeBackward(int l) override {
     if (!backward_phase) {
       backward_phase = true;
-      if (last) {
-        reduceScatter(headUnit());
-        head_reduced = true;
-      }
+      reduceScatter(headUnit());  // the head's backward ran before the first layer's
+      head_reduced = true;
     }
-    ensureGathered(unitOfLayer(l));
+    const int u = unitOfLayer(l);
+    armGradients(u, layer_channel);
+    layer_channel = 1 - layer_channel;
+    ensureGathered(u);
+    place(u, slots[slot_of[u]].data());  // the gradient views into the armed buffer
     if (l > 0) prefetch(unitOfLayer(l - 1));
   }
   void afterBackward(int l) override {
-    if (last) reduceScatter(unitOfLayer(l));
+    reduceScatter(unitOfLayer(l));
     reshard(unitOfLayer(l));
   }
   void afterModelBackward() override {
-    if (last && !head_reduced) reduceScatter(headUnit());
-    if (last) reduceScatter(embedUnit());
+    if (!head_reduced) reduceScatter(headUnit());
+    reduceScatter(embedUnit());
     reshard(headUnit());
     reshard(embedUnit());
   }
 
-  double microBatch(const data::MicroBatch* batch, double grad_scale, bool is_last,
-                    model::LayerHooks* h) {
-    last = is_last;
+  double microBatch(const data::MicroBatch* batch, double grad_scale, model::LayerHooks* h) {
+    if (whole) reshardAll();
     backward_phase = false;
     head_reduced = false;
+    for (int u : {headUnit(), embedUnit()}) armGradients(u, grad_channel[u]);
     ensureGathered(embedUnit());  // read before the first hook and by the tied LM head
     ensureGathered(headUnit());
     double loss = 0.0;
@@ -305,7 +408,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   }
 
   void finishGradients() {
-    for (auto& w : scatter_work) w.wait(dist::streamOf(space));
+    for (int c = 0; c < 4; ++c) drain(c);
     if (replicate_comm->size() > 1) {
       fenceForMpi();
       replicate_comm->allReduceSum(grads_shard.data(), grads_shard.extent(0), dist::streamOf(space))
@@ -313,23 +416,57 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     }
     space.fence();
   }
+
+  // Every unit all-gathered into the model's whole parameter buffer (allocated again), which
+  // its views then read; gradients stay in the engine's buffers.
+  void gatherAll() {
+    if (whole) return;
+    reshardAll();
+    model.holdWholeBuffers(true, false);
+    View1<P> full = model.parameters();
+    for (int u = 0; u < static_cast<int>(units.size()); ++u) {
+      const ShardUnit& su = units[u];
+      View1<P> staging = isOuter(u) ? outerParams(u) : slots.front();
+      launchGather(u, staging.data()).wait(dist::streamOf(space));
+      Kokkos::deep_copy(space,
+                        Kokkos::subview(full, std::make_pair(su.offset, su.offset + su.count)),
+                        Kokkos::subview(staging, std::make_pair(std::int64_t(0), su.count)));
+      place(u, nullptr);
+    }
+    whole = true;
+    space.fence();
+  }
+
+  // Every unit resharded; after gatherAll the views leave the whole buffer, which is freed.
+  void reshardAll() {
+    if (pending_unit >= 0) ensureGathered(pending_unit);
+    for (int u = 0; u < static_cast<int>(units.size()); ++u) reshard(u);
+    if (whole) {
+      for (int u = 0; u < static_cast<int>(units.size()); ++u)
+        place(u, isOuter(u)       ? outerParams(u).data()
+                 : options.poison ? poison_buf.data()
+                                  : slots.front().data());
+      for (int u : {headUnit(), embedUnit()})
+        if (options.poison)
+          Kokkos::deep_copy(space, outerParams(u), std::numeric_limits<P>::quiet_NaN());
+      model.holdWholeBuffers(false, false);
+      whole = false;
+    }
+    space.fence();
+  }
 };
 
 template <class P>
-Fsdp<P>::Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate,
-              const OptimizerOptions& optimizer, const FsdpOptions& options, dist::Backend backend)
-    : impl_member(new Impl(model, shard, replicate, optimizer, options, backend)) {
-  impl_member->space.fence();
-  if (options.poison) reshardAll(impl_member->space);
-}
+Fsdp<P>::Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& optimizer,
+              const FsdpOptions& options, dist::Backend backend)
+    : impl_member(new Impl(model, shard, replicate, optimizer, options, backend)) {}
 
 template <class P> Fsdp<P>::~Fsdp() { delete impl_member; }
 
 template <class P> double Fsdp<P>::microBatch(const ExecSpace& space, const data::MicroBatch* batch,
-                                              double grad_scale, bool last,
-                                              model::LayerHooks* hooks) {
+                                              double grad_scale, model::LayerHooks* hooks) {
   impl_member->space = space;
-  return impl_member->microBatch(batch, grad_scale, last, hooks ? hooks : impl_member);
+  return impl_member->microBatch(batch, grad_scale, hooks ? hooks : impl_member);
 }
 
 template <class P> void Fsdp<P>::finishGradients(const ExecSpace& space) {
@@ -350,11 +487,11 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
   const auto micro =
       static_cast<std::int64_t>(dist::allreduceMax(static_cast<double>(local.size()), comm));
   const double grad_scale = st.masked > 0 ? 1.0 / static_cast<double>(st.masked) : 0.0;
-  m.model.zeroGradients();
+  Kokkos::deep_copy(space, m.grads_shard, P(0));
   double loss = 0.0;
   for (std::int64_t i = 0; i < micro; ++i) {
     const data::MicroBatch* mb = i < static_cast<std::int64_t>(local.size()) ? &local[i] : nullptr;
-    loss += m.microBatch(mb, grad_scale, i + 1 == micro, &m);
+    loss += m.microBatch(mb, grad_scale, &m);
   }
   if (micro > 0) m.finishGradients();
   st.loss_sum = dist::allreduceSum(loss, comm);
@@ -385,16 +522,12 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
 
 template <class P> void Fsdp<P>::gatherAll(const ExecSpace& space) {
   impl_member->space = space;
-  for (int u = 0; u < static_cast<int>(impl_member->units.size()); ++u)
-    impl_member->ensureGathered(u);
-  space.fence();
+  impl_member->gatherAll();
 }
 
 template <class P> void Fsdp<P>::reshardAll(const ExecSpace& space) {
   impl_member->space = space;
-  if (impl_member->pending_unit >= 0) impl_member->ensureGathered(impl_member->pending_unit);
-  for (int u = 0; u < static_cast<int>(impl_member->units.size()); ++u) impl_member->reshard(u);
-  space.fence();
+  impl_member->reshardAll();
 }
 
 namespace {
@@ -434,12 +567,11 @@ template <class T> void takeOwned(const ExecSpace& space, const std::vector<Shar
 template <class P> void Fsdp<P>::exportFull(const ExecSpace& space, Optimizer<P>& full) {
   Impl& m = *impl_member;
   m.space = space;
-  if (m.pending_unit >= 0) m.ensureGathered(m.pending_unit);
+  m.reshardAll();
   Optimizer<P>& opt = *m.optimizer;
   gatherUnits(space, *m.shard_comm, m.units, opt.master(), full.master());
   exportState(opt, full, m.shard_mpi);
   full.setStepCount(opt.stepCount());
-  gatherAll(space);
 }
 
 template <class P> void Fsdp<P>::importFull(const ExecSpace& space, const Optimizer<P>& full) {
@@ -466,13 +598,18 @@ template <class P> model::LayerHooks& Fsdp<P>::hooks() { return *impl_member; }
 
 template <class P> FsdpMemory Fsdp<P>::plannedMemory() const {
   const Impl& m = *impl_member;
-  FsdpMemory mem;
-  const auto local = static_cast<std::int64_t>(m.params_shard.extent(0));
-  mem.params = local * static_cast<std::int64_t>(sizeof(P));
-  mem.grads = mem.params;
-  mem.optimizer = m.optimizer->stateBytes();
-  mem.gathered = 2 * static_cast<std::int64_t>(m.model.parameters().extent(0) * sizeof(P));
-  mem.staging = 4 * static_cast<std::int64_t>(m.gather_buf[0].extent(0) * sizeof(P));
+  ShardSizes n;
+  n.layers = m.layers;
+  n.flat = 0;
+  for (const auto& u : m.units) n.flat += u.count;
+  for (int l = 0; l < m.layers; ++l)
+    n.layer_unit = std::max(n.layer_unit, m.units[m.unitOfLayer(l)].count);
+  n.head_unit = m.units[m.headUnit()].count;
+  n.embed_unit = m.units[m.embedUnit()].count;
+  const int buffers = m.options.reshard_after_forward ? 2 : m.layers;
+  FsdpMemory mem = shardedMemory(n, m.shard_comm->size(), buffers, m.options.poison,
+                                 static_cast<int>(sizeof(P)));
+  mem.optimizer = m.optimizer->stateBytes();  // the configured optimizer's state of the shard
   return mem;
 }
 

@@ -7,17 +7,25 @@
 //    (final LayerNorm, LM head), one unit per encoder layer, the embeddings.  Each unit is padded
 //    to a multiple of the shard size; rank s owns elements [s * slice, (s + 1) * slice) of each
 //    padded unit, stored back to back in its shard buffers (FSDP1's flat parameter per unit).
-//  - The model keeps computing on views into its own flat buffers; those are the *gathered*
-//    buffers.  A unit's range holds valid parameters only between its all-gather and its
-//    reshard; with `poison` the range is filled with NaN when resharded, so a read before the
-//    next all-gather completed turns the loss into NaN (the poison test).
+//  - The model's whole buffers are freed: a rank holds its shards, the embeddings and the head
+//    gathered for the whole micro-batch (small: V x H and H x H + vectors, and the embedding is
+//    read at both ends as the tied LM decoder), and at most two gathered layers (the layer in
+//    use and the prefetched next one, a pool of two slots; `reshard_after_forward: false`
+//    keeps every layer from its forward to its backward, so the pool grows to L).  Before use
+//    a layer's views are re-pointed (Esm2::placeRange) at the slot its all-gather filled.
+//  - Gradients: a layer's backward accumulates into one of two layer-size gradient buffers
+//    (zeroed first), which is reduce-scattered (FP32) while the next layer's backward fills
+//    the other; the received slice is added into the gradient shard.  So every micro-batch
+//    reduce-scatters (gradients accumulate in the shard, as FSDP2 does).  With `poison` a
+//    resharded layer points at a NaN buffer, so a read before its next all-gather turns the
+//    loss into NaN (the poison test).
 //  - Collectives come from the layer hooks in one order on every rank: the embeddings and head
 //    before each micro-batch, layer l at beforeForward(l) with layer l+1's all-gather
-//    prefetched into the second staging buffer, again before the layer's backward (layer l-1
-//    prefetched) when resharding after forward; in the last micro-batch each unit's gradient is
-//    reduce-scattered (FP32) as soon as it is final, through two alternating send buffers.  Ranks
-//    with fewer micro-batches run the same hook sequence without computing.  The replicas then
-//    all-reduce the gradient shards in one call.
+//    prefetched, again before the layer's backward (layer l-1 prefetched) when resharding
+//    after forward; each unit's gradient is reduce-scattered as soon as it is final (the head
+//    before the first layer's backward, the embeddings last).  Ranks with fewer micro-batches
+//    run the same hook sequence without computing.  The replicas then all-reduce the gradient
+//    shards in one call.
 //  - The optimizer (train/optim/optimizer.hpp: AdamW, Lion, Adafactor, 8-bit AdamW) runs on the
 //    shard: its layout is the model's tensor table cut to this rank's slices (shardParamLayout),
 //    so decay flags and the frozen <pad> row carry over, and per-tensor state (Adafactor's
@@ -87,14 +95,33 @@ struct FsdpMemory {
   std::int64_t params = 0;     // master shard
   std::int64_t grads = 0;      // gradient shard
   std::int64_t optimizer = 0;  // optimizer state of the shard (Optimizer::stateBytes)
-  std::int64_t gathered = 0;   // the model's gathered buffers (parameters + gradients)
-  std::int64_t staging = 0;    // all-gather and reduce-scatter staging buffers
+  std::int64_t gathered = 0;   // gathered embeddings, head and layers, layer gradient buffers
+  std::int64_t staging = 0;    // reduce-scatter outputs
+  std::int64_t total() const { return params + grads + optimizer + gathered + staging; }
 };
+
+/// Element counts of the flat buffer's sharding units (planShardUnits), unpadded.
+struct ShardSizes {
+  std::int64_t flat = 0;        // the whole buffer
+  std::int64_t layer_unit = 0;  // the widest encoder layer
+  std::int64_t embed_unit = 0;  // the embeddings
+  std::int64_t head_unit = 0;   // final LayerNorm and LM head
+  int layers = 0;
+};
+
+/// \brief THE memory formula of the model state per rank (`plm plan` and the engine use it):
+/// shard 1 is plain data parallelism (whole parameters, gradients and AdamW state);
+/// shard > 1 holds 1/shard of them plus the gathered buffers, with `layer_buffers` gathered
+/// layers (2, or L without resharding after forward) and a NaN layer buffer with `poison`.
+FsdpMemory shardedMemory(const ShardSizes& sizes, int shard, int layer_buffers = 2,
+                         bool poison = false, int element_bytes = 4);
 
 template <class P> class Fsdp {
  public:
   /// \brief Collective over `shard` and `replicate`.  Takes the model's current parameters
-  /// (identical on every rank, e.g. after initialize(seed)) as the initial shards.
+  /// (identical on every rank, e.g. after initialize(seed)) as the initial shards, then frees
+  /// the model's whole buffers: from here on its views point into this engine's buffers, so
+  /// the model must not run without (or after) the engine.
   Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& optimizer,
        const FsdpOptions& options = {}, dist::Backend backend = dist::Backend::Mpi);
   ~Fsdp();
@@ -107,9 +134,11 @@ template <class P> class Fsdp {
   StepStats step(const ExecSpace& space, const std::vector<data::MicroBatch>& local, double lr,
                  double clip_norm, MPI_Comm comm);
 
-  /// \brief All-gathers every unit into the model's buffers (evaluation, checkpoints).
+  /// \brief All-gathers every unit into the model's whole parameter buffer, allocated again for
+  /// it (evaluation, the final model file, tests); the next step or reshardAll frees it.
   void gatherAll(const ExecSpace& space);
-  /// \brief Reshards every unit (with `poison`: NaN in the model's buffers).
+  /// \brief Reshards every unit and frees the model's whole buffer (with `poison`: the layers'
+  /// views point at NaN).
   void reshardAll(const ExecSpace& space);
 
   /// \brief Writes the whole-model state into `full`, an optimizer of the same kind over the
@@ -131,10 +160,11 @@ template <class P> class Fsdp {
 
   /// \brief The hooks the step installs (exposed so tests can wrap them).
   model::LayerHooks& hooks();
-  /// \brief Runs one micro-batch under `hooks` (default: the engine's own); `last` marks the
-  /// one whose backward reduce-scatters.  nullptr batch: this rank only joins the collectives.
+  /// \brief Runs one micro-batch under `hooks` (default: the engine's own); its gradients are
+  /// reduce-scattered and added into the gradient shard (zeroed by step()).  nullptr batch:
+  /// this rank only joins the collectives.
   double microBatch(const ExecSpace& space, const data::MicroBatch* batch, double grad_scale,
-                    bool last, model::LayerHooks* hooks = nullptr);
+                    model::LayerHooks* hooks = nullptr);
   /// \brief Waits for the reduce-scatters and all-reduces the shards over the replicas.
   void finishGradients(const ExecSpace& space);
 

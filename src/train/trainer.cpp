@@ -12,6 +12,7 @@
 #include "train/blas_threads.hpp"
 #include "train/fp8_run.hpp"
 #include "train/fsdp.hpp"
+#include "train/memory_tracker.hpp"
 #include "train/moe_run.hpp"
 #include "train/optim/from_deck.hpp"
 #include "train/preemption.hpp"
@@ -122,6 +123,7 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   if (precision != "fp32" && !std::is_same_v<param_t, float>)
     throw collectiveError("train.precision: " + precision + " is not available in this build");
 
+  AllocationTracker::start();  // the first step's measured peak (doc/parallelism.md, Memory)
   const int blas_threads = limitBlasThreadsPerRank(dist::localSize());
   model::Esm2Config config = modelConfigFromDeck(*deck);
   // bf16: the model's dispatch points compute in bf16 on the CUDA build over the same fp32
@@ -248,16 +250,36 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
   const FsdpMemory mem = fsdp_member->plannedMemory();
   log::info(
       "parallel: shard %d x replicate %d; planned bytes per rank: parameters %s, gradients %s, "
-      "optimizer %s (shards), gathered model buffers %s, collective staging %s",
+      "optimizer %s (shards), gathered embeddings, head and layers %s, reduce-scatter "
+      "outputs %s",
       layout.shard, layout.replicate, formatBytes(mem.params).c_str(),
       formatBytes(mem.grads).c_str(), formatBytes(mem.optimizer).c_str(),
       formatBytes(mem.gathered).c_str(), formatBytes(mem.staging).c_str());
 }
 
+Optimizer<param_t>& Trainer::optimizer() {
+  if (!optimizer_member) {  // sharded, between checkpoints: a fresh full-layout state
+    std::int64_t n = 0;
+    for (const auto& u : fsdp_member->units()) n = std::max(n, u.offset + u.count);
+    optimizer_member = makeOptimizer<param_t>(
+        optimizer_options_member, View1<param_t>("plm::train::full_layout_master", n),
+        wholeLayout(model_member->tensors(), n,
+                    esm2FrozenRanges(model_member->tensors(), model_member->config().hidden)));
+    optimizer_member->setStepCount(fsdp_member->optimizer().stepCount());
+  }
+  return *optimizer_member;
+}
+
+void Trainer::releaseFullState() {
+  if (!fsdp_member || !optimizer_member) return;
+  fsdp_member->importFull(ExecSpace(), *optimizer_member);
+  optimizer_member.reset();
+}
+
 void Trainer::restore(const TrainState& state) {
   state_member = state;
   train_loader_member->seek(state.cursor);
-  optimizer_member->setStepCount(state.step);
+  optimizer().setStepCount(state.step);
 }
 
 BatchStats Trainer::validate() {
@@ -280,8 +302,8 @@ Trainer::RunEnd Trainer::run() {
   PLM_CHECK_MPI(MPI_Barrier(comm_member));
   if (hooks_member.on_start) hooks_member.on_start(*this);
   logPlan();
-  if (fsdp_member)  // the (possibly restored) full-layout state becomes this rank's shards
-    fsdp_member->importFull(ExecSpace(), *optimizer_member);
+  releaseFullState();  // sharded: the (possibly restored) full-layout state becomes the shards
+  AllocationTracker::resetPeak();
 
   const ExecSpace space;
   if (state_member.step >= total_steps_member)
@@ -322,10 +344,16 @@ Trainer::RunEnd Trainer::run() {
       const double used = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
       const double acts =
           dist::allreduceMax(static_cast<double>(model_member->workspaceBytes()), comm_member);
+      first_step_peak_member = AllocationTracker::active() ? AllocationTracker::peak() : -1;
+      AllocationTracker::stop();
+      const double peak =
+          dist::allreduceMax(static_cast<double>(first_step_peak_member), comm_member);
       log::info(
-          "memory: after the first step %s in use on the fullest rank, of which the activation "
-          "workspace at this micro-batch size is %s",
-          formatBytes(used).c_str(), formatBytes(acts).c_str());
+          "memory: after the first step %s in use on the fullest rank (process), peak of the "
+          "buffers (Kokkos allocations) %s, of which the activation workspace at this "
+          "micro-batch size is %s",
+          formatBytes(used).c_str(), peak >= 0 ? formatBytes(peak).c_str() : "not measured",
+          formatBytes(acts).c_str());
     }
     const double t1 = now();
     watchdog.disarm(t1 - t0);
@@ -413,11 +441,11 @@ Trainer::RunEnd Trainer::run() {
 }
 
 void Trainer::fullStateForSave(const ExecSpace& space, const std::function<void()>& save) {
-  if (fsdp_member) {  // checkpoints read the full-layout state
-    fsdp_member->exportFull(space, *optimizer_member);
+  if (fsdp_member) {  // checkpoints read the full-layout state, gathered for the save only
+    fsdp_member->exportFull(space, optimizer());
   }
   save();
-  if (fsdp_member) fsdp_member->reshardAll(space);
+  if (fsdp_member) optimizer_member.reset();
 }
 
 void Trainer::logPlan() {
@@ -454,8 +482,15 @@ void Trainer::logPlan() {
 
 bool Trainer::handleNonfinite(std::int64_t step, const StepStats& st) {
   std::int64_t count = 0;
+  // Sharded: each rank looks at its gradient shard (tensor pieces keep their names).
   std::string tensor =
-      firstNonfiniteTensor(model_member->gradients(), model_member->tensors(), &count);
+      fsdp_member
+          ? firstNonfiniteTensor(
+                fsdp_member->shardGradients(),
+                shardTensorTable(model_member->tensors(), fsdp_member->units(),
+                                 fsdp_member->shardSize(), fsdp_member->shardRank()),
+                &count)
+          : firstNonfiniteTensor(model_member->gradients(), model_member->tensors(), &count);
   const std::string what =
       tensor.empty() ? std::string("the loss (the gradients are finite)")
                      : "the gradient of " + tensor + " (" + std::to_string(count) +
@@ -482,6 +517,7 @@ bool Trainer::handleNonfinite(std::int64_t step, const StepStats& st) {
               static_cast<long long>(step), what.c_str(), numbers);
     logEvent("nonfinite", step, f);
     if (hooks_member.on_rollback && hooks_member.on_rollback(*this)) {
+      releaseFullState();  // sharded: the restored state becomes the shards
       skip_batches_member.insert(step);
       ++rollbacks_member;
       ++skipped_steps_member;

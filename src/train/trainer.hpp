@@ -105,8 +105,14 @@ class Trainer {
   void restore(const TrainState& state);
 
   model::Esm2<param_t>& model() { return *model_member; }
-  Optimizer<param_t>& optimizer() { return *optimizer_member; }
+  /// \brief The full-layout optimizer state checkpoints read and restore into.  Sharded runs
+  /// (parallel.shard_degree > 1) hold it only around a save or a restore: it is allocated
+  /// here on demand and released once the shards have taken it.
+  Optimizer<param_t>& optimizer();
   const OptimizerOptions& optimizerOptions() const { return optimizer_options_member; }
+  /// \brief The high-water mark of Kokkos allocations during this run's first step on this
+  /// rank (train::AllocationTracker; -1 if not measured).
+  std::int64_t firstStepPeak() const { return first_step_peak_member; }
   data::Loader& trainLoader() { return *train_loader_member; }
   const TrainState& state() const { return state_member; }
   const Teuchos::ParameterList& deck() const { return *deck_member; }
@@ -143,9 +149,12 @@ class Trainer {
   OptimizerOptions optimizer_options_member;  // optimizer.name and its hyper-parameters
   std::unique_ptr<Optimizer<param_t>> optimizer_member;
   // parallel.shard_degree > 1: the sharding engine; optimizer_member then holds the
-  // full-layout state only for checkpoints (exported before a save, imported after a restore).
+  // full-layout state only around checkpoints (exported before a save, imported after a
+  // restore) and is null in between.
   std::unique_ptr<dist::ProcessGroups> groups_member;
   std::unique_ptr<Fsdp<param_t>> fsdp_member;
+  std::int64_t first_step_peak_member = -1;
+  void releaseFullState();                      // sharded: the shards took the full-layout state
   std::unique_ptr<MoeRun<param_t>> moe_member;  // expert parallelism, routing statistics
   std::unique_ptr<ContextRun> context_member;   // context parallelism (ring attention)
   std::unique_ptr<data::Loader> train_loader_member;

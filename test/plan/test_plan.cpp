@@ -210,7 +210,7 @@ TEST(Plan, DataParallelAllReduceAndSharding) {
   const auto s4 = plan::makePlan(in);
   EXPECT_NEAR(item(s4.memory, "parameters"), 4.0 * 19376 / 4, 1e-9);
   EXPECT_NEAR(item(s4.memory, "optimizer states"), 9.0 * 19376 / 4, 1e-9);
-  EXPECT_GT(item(s4.memory, "gathered-layer"), 0);
+  EXPECT_GT(item(s4.memory, "gathered"), 0);
   in.layout.shard = 3;  // 4 ranks do not split into 3
   EXPECT_THROW(plan::makePlan(in), Error);
   in.layout.shard = 1;
@@ -390,7 +390,14 @@ TEST(Plan, NotesWhatPlmRefusesToday) {
   };
   const auto p = plan::makePlan(in);
   EXPECT_TRUE(has(p, "hidden <= 2560"));
-  EXPECT_TRUE(has(p, "sharding and context parallelism are not in plm yet"));
+  EXPECT_TRUE(has(p, "sharding runs train.precision: fp32 only"));
+  in.layout.shard = 4;
+  in.layout.context = 2;
+  EXPECT_TRUE(has(plan::makePlan(in), "context parallelism is not in plm yet"));
+  in.compute = Compute::Fp32;
+  in.layout.context = 1;
+  EXPECT_FALSE(has(plan::makePlan(in), "sharding runs"));
+  in.compute = Compute::Bf16;
   in.model = small();
   in.layout = plan::Layout{};
   EXPECT_FALSE(has(plan::makePlan(in), "hidden <= 2560"));

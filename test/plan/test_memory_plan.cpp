@@ -1,0 +1,131 @@
+// The planned bytes per rank (plm plan's memory table, the one formula train::shardedMemory
+// shares with the sharding engine) against the measured Kokkos allocations
+// (train::AllocationTracker) of real CPU training steps, at every layout the rank count
+// allows: shard 1 (data parallelism: the model's whole buffers and AdamW) and shard 2 and 4
+// (train::Fsdp, replicated over the remaining ranks).
+//  - The model state at rest (parameters, gradients, optimizer, gathered-layer buffers) is
+//    what the plan counts for it, to 10%.
+//  - The peak of the first step (state + activations + batch) is the plan's buffers, to 10%.
+//  - The measured state per rank falls with the shard degree (shard 2 < shard 1, 4 < 2).
+// Model: 8 layers of hidden 128 (1.6 M parameters) and micro-batches of 256 tokens, so the
+// sharded state is a sizeable part of the peak next to the activations.
+#include "dist/process_groups.hpp"
+#include "dist/runtime.hpp"
+#include "plan/plan.hpp"
+#include "train/fsdp.hpp"
+#include "train/memory_tracker.hpp"
+
+#include <gtest/gtest.h>
+
+#include <cstdio>
+#include <random>
+#include <vector>
+
+namespace {
+
+using namespace plm;
+
+model::Esm2Config config() {
+  model::Esm2Config c;
+  c.num_layers = 8;
+  c.hidden = 128;
+  c.heads = 8;
+  c.ffn = 512;
+  return c;
+}
+
+constexpr std::int64_t tokens = 256;
+constexpr std::int64_t labelled = 41;
+
+// A packed micro-batch of `tokens` tokens in four sequences, `labelled` of them labelled.
+data::MicroBatch makeBatch(std::uint64_t seed) {
+  data::MicroBatch b;
+  b.tokens = HostView1<token_t>("tokens", tokens);
+  b.labels = HostView1<std::int32_t>("labels", tokens);
+  b.cu_seqlens = HostView1<seqlen_t>("cu", 5);
+  std::mt19937_64 rng(seed);
+  for (std::int64_t i = 0; i < tokens; ++i) {
+    b.tokens(i) = static_cast<token_t>(4 + rng() % 20);
+    b.labels(i) = i % 6 == 0 && i / 6 < labelled ? static_cast<std::int32_t>(4 + rng() % 20)
+                                                 : data::vocab::ignore_label;
+  }
+  for (int s = 0; s <= 4; ++s) b.cu_seqlens(s) = static_cast<seqlen_t>(s * tokens / 4);
+  b.max_seqlen = static_cast<std::int32_t>(tokens / 4);
+  b.num_masked = labelled;
+  return b;
+}
+
+plan::Plan planOf(int shard, int world) {
+  plan::Input in;
+  in.model = config();
+  in.micro_batch_tokens = tokens;
+  in.mask_prob = (labelled - 0.5) / tokens;  // ceil(mask_prob t) = labelled rows
+  in.layout.ranks_per_node = world;
+  in.layout.shard = shard;
+  in.rates = plan::builtinRates("cpu");
+  return plan::makePlan(in);
+}
+
+double stateOf(const plan::Plan& p) {  // parameters, gradients, optimizer, gathered buffers
+  double s = 0;
+  for (const auto& i : p.memory)
+    if (i.allocated && i.name.rfind("activations", 0) != 0 && i.name.rfind("batch", 0) != 0)
+      s += i.value;
+  return s;
+}
+
+struct Measured {
+  double state = 0;  // in use after construction, before the first step
+  double peak = 0;   // the first step's high-water mark
+};
+
+// One layout: build the model (and the engine), measure, run one step, measure its peak.
+Measured measure(int shard) {
+  const int world = dist::worldSize(), rank = dist::worldRank();
+  const std::int64_t base = train::AllocationTracker::inUse();
+  Measured out;
+  auto global = std::vector<data::MicroBatch>();
+  for (int j = 0; j < world; ++j) global.push_back(makeBatch(17 + j));
+  std::vector<data::MicroBatch> local = {global[rank]};
+  model::Esm2<float> model(config());
+  model.initialize(3);
+  if (shard == 1) {
+    train::AdamW<float> opt(model.parameters(), model.tensors(), train::AdamWOptions{});
+    out.state = static_cast<double>(train::AllocationTracker::inUse() - base);
+    train::AllocationTracker::resetPeak();
+    train::trainStep(ExecSpace(), model, opt, local, 1e-4, 1.0, MPI_COMM_WORLD);
+    out.peak = static_cast<double>(train::AllocationTracker::peak() - base);
+  } else {
+    dist::ProcessGroups groups(MPI_COMM_WORLD, shard);
+    train::Fsdp<float> fsdp(model, groups.shard(), groups.replicate(), train::AdamWOptions{});
+    out.state = static_cast<double>(train::AllocationTracker::inUse() - base);
+    train::AllocationTracker::resetPeak();
+    fsdp.step(ExecSpace(), local, 1e-4, 1.0, MPI_COMM_WORLD);
+    out.peak = static_cast<double>(train::AllocationTracker::peak() - base);
+  }
+  return out;
+}
+
+TEST(MemoryPlan, MeasuredBytesMatchThePlanAndFallWithTheShardDegree) {
+  if (!train::AllocationTracker::start()) GTEST_SKIP() << "a Kokkos tool library is loaded";
+  const int world = dist::worldSize();
+  std::vector<double> states;
+  for (int shard = 1; shard <= world; shard *= 2) {
+    const Measured m = measure(shard);
+    const plan::Plan p = planOf(shard, world);
+    const double planned_state = stateOf(p);
+    if (dist::worldRank() == 0)
+      std::printf(
+          "shard %d of %d ranks: state planned %s, measured %s; first step peak planned "
+          "%s, measured %s\n",
+          shard, world, plan::bytesText(planned_state).c_str(), plan::bytesText(m.state).c_str(),
+          plan::bytesText(p.memory_allocated).c_str(), plan::bytesText(m.peak).c_str());
+    EXPECT_NEAR(m.state, planned_state, 0.10 * planned_state) << "shard " << shard;
+    EXPECT_NEAR(m.peak, p.memory_allocated, 0.10 * p.memory_allocated) << "shard " << shard;
+    if (!states.empty()) EXPECT_LT(m.state, states.back()) << "shard " << shard;
+    states.push_back(m.state);
+  }
+  train::AllocationTracker::stop();
+}
+
+}  // namespace
