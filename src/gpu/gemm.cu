@@ -221,6 +221,16 @@ struct Gemm::Impl {
     PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
     PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
+    if (p.fp8) {
+      // The heuristic otherwise assumes 256-byte aligned operands and may choose a kernel that
+      // refuses (CUBLAS_STATUS_NOT_SUPPORTED) the model's operands at launch: activations and
+      // outputs are slices of workspaces, aligned to 16 bytes (FP8's requirement), not 256.
+      const std::uint32_t align = 16;
+      for (auto attr :
+           {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+        PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
+    }
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref,

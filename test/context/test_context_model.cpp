@@ -203,7 +203,12 @@ void expectSameRun(const TrainRun& ref, const TrainRun& got, const std::string& 
     scale = std::max(scale, std::abs(ref.params[i]));
     diff = std::max(diff, std::abs(ref.params[i] - got.params[i]));
   }
-  EXPECT_LE(diff, 1e-5 * scale) << what << ": parameters differ by " << diff;
+  // After AdamW's update (which divides by sqrt(v)) the reduction-order noise of the gradients
+  // shows in the parameters: 1e-5 on the host; the portable kernels on CUDA sum with atomics in
+  // no fixed order and were measured at 1.03e-5 on an H100, so they get 5e-5.
+  const double tol =
+      Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible ? 1e-5 : 5e-5;
+  EXPECT_LE(diff, tol * scale) << what << ": parameters differ by " << diff;
 }
 
 TEST(ContextModel, DataParallelStepMatchesOneRank) {

@@ -121,7 +121,10 @@ TEST(MemoryPlan, MeasuredBytesMatchThePlanAndFallWithTheShardDegree) {
           shard, world, plan::bytesText(planned_state).c_str(), plan::bytesText(m.state).c_str(),
           plan::bytesText(p.memory_allocated).c_str(), plan::bytesText(m.peak).c_str());
     EXPECT_NEAR(m.state, planned_state, 0.10 * planned_state) << "shard " << shard;
-    EXPECT_NEAR(m.peak, p.memory_allocated, 0.10 * p.memory_allocated) << "shard " << shard;
+    // The first step's peak is planned for the CPU's portable model; on a GPU the portable
+    // kernels' device workspaces differ (doc/plan.md: validation/plan_accuracy.py checks GPUs).
+    if (Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible)
+      EXPECT_NEAR(m.peak, p.memory_allocated, 0.10 * p.memory_allocated) << "shard " << shard;
     if (!states.empty()) EXPECT_LT(m.state, states.back()) << "shard " << shard;
     states.push_back(m.state);
   }

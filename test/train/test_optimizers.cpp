@@ -368,7 +368,13 @@ TEST(AdamW8bit, MatchesBlockwiseReference) {
         const auto s = fromView(b.f32);
         const auto& want = b.name == "exp_avg_absmax" ? q[k].ma : q[k].va;
         ASSERT_EQ(b.table[j].size, static_cast<std::int64_t>(want.size()));
-        for (std::size_t i = 0; i < want.size(); ++i) EXPECT_EQ(s[off + i], want[i]) << b.name;
+        // Bitwise on the host; on CUDA the device code contracts into FMAs (4 ulp).
+        for (std::size_t i = 0; i < want.size(); ++i) {
+          if (Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible)
+            EXPECT_EQ(s[off + i], want[i]) << b.name;
+          else
+            EXPECT_FLOAT_EQ(s[off + i], want[i]) << b.name;
+        }
       }
     }
   }
