@@ -645,11 +645,11 @@ template <class T> struct Esm2<T>::Impl {
     }
     fp8_codes = View1<std::uint8_t>("plm::model::fp8_codes", bytes);
     const std::int64_t slots = static_cast<std::int64_t>(fp8_slots.size());
-    fp8_dev_scales = View1<float>("plm::model::fp8_scales", slots * 6);
+    fp8_dev_scales = View1<float>("plm::model::fp8_scales", slots * 6 * Fp8GemmSlot::kScaleStride);
     fp8_dev_amax = View1<float>("plm::model::fp8_amax", slots * 3);
     Kokkos::deep_copy(fp8_dev_scales, 1.0f);
     for (std::int64_t i = 0; i < slots; ++i) {
-      fp8_slots[i].scales = fp8_dev_scales.data() + 6 * i;
+      fp8_slots[i].scales = fp8_dev_scales.data() + 6 * Fp8GemmSlot::kScaleStride * i;
       fp8_slots[i].amaxes = fp8_dev_amax.data() + 3 * i;
     }
     for (std::size_t i = 0; i < fp8_cuda_weights.size(); ++i) {
@@ -667,12 +667,12 @@ template <class T> struct Esm2<T>::Impl {
     const auto stream = ctx.space().cuda_stream();
     const Fp8Scaling& st = *fp8_scaling;
     const int slots = static_cast<int>(fp8_slots.size());
-    fp8_host.assign(std::size_t(slots) * 6, 1.0f);
+    fp8_host.assign(std::size_t(slots) * 6 * Fp8GemmSlot::kScaleStride, 1.0f);
     for (int i = 0; i < slots; ++i)
       for (int o = 0; o < fp8_operands; ++o) {
         const int t = fp8_slots[i].index(static_cast<Fp8Operand>(o));
-        fp8_host[6 * i + 2 * o] = st.scale(t);
-        fp8_host[6 * i + 2 * o + 1] = st.scaleInv(t);
+        fp8_host[Fp8GemmSlot::kScaleStride * (6 * i + 2 * o)] = st.scale(t);
+        fp8_host[Fp8GemmSlot::kScaleStride * (6 * i + 2 * o + 1)] = st.scaleInv(t);
       }
     PLM_CHECK_CUDA(cudaMemcpyAsync(fp8_dev_scales.data(), fp8_host.data(),
                                    fp8_host.size() * sizeof(float), cudaMemcpyHostToDevice,
@@ -691,12 +691,12 @@ template <class T> struct Esm2<T>::Impl {
       a.ld_out = m.cols;
       a.out_t = const_cast<void*>(slot->wt_codes);
       a.ld_out_t = m.rows;
-      a.scale_inv = slot->scales + 2 * w + 1;
+      a.scale_inv = slot->scaleInv(w);
       a.amax = slot->amaxes + w;
       if (st.config().recipe == Fp8Recipe::Current) {
-        gpu::castFp8Current(stream, a, slot->scales + 2 * w);
+        gpu::castFp8Current(stream, a, slot->scale(w));
       } else {
-        a.scale = slot->scales + 2 * w;
+        a.scale = slot->scale(w);
         a.amax_accumulate = true;
         gpu::castFp8(stream, a);
       }

@@ -163,6 +163,12 @@ struct Fp8GemmSlot {
   float* amaxes = nullptr;         // device: per operand, this step's amax (delayed)
 
   int index(Fp8Operand o) const { return scaling->index(layer, gemm, o); }
+  /// Floats between two device scales: cuBLASLt reads the scale_inv of an operand through
+  /// A/B_SCALE_POINTER, and 4-byte neighbours were refused (NOT_SUPPORTED) on the H100; each
+  /// scale gets its own 256-byte line, as a separate allocation would.
+  static constexpr int kScaleStride = 64;
+  float* scale(int operand) const { return scales + kScaleStride * (2 * operand); }
+  float* scaleInv(int operand) const { return scales + kScaleStride * (2 * operand + 1); }
 };
 
 }  // namespace plm::model

@@ -491,7 +491,7 @@ void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& 
   if (direct) {
     a.ld_out = pad16(x.cols);
     a.out = ctx.scratch(scratch_base, static_cast<std::size_t>(x.rows * a.ld_out));
-    *direct = {a.out, a.ld_out, a.out_type, s.scales + 2 * k + 1};
+    *direct = {a.out, a.ld_out, a.out_type, s.scaleInv(k)};
   }
   if (transposed) {
     // Rows padded to 16 with zero codes: the weight-gradient GEMM's K (the tokens) runs to the
@@ -500,19 +500,19 @@ void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& 
     const auto bytes = static_cast<std::size_t>(x.cols * a.ld_out_t);
     a.out_t = ctx.scratch(scratch_base + 1, bytes);
     if (a.ld_out_t != x.rows) PLM_CHECK_CUDA(cudaMemsetAsync(a.out_t, 0, bytes, streamOf(ctx)));
-    *transposed = {a.out_t, a.ld_out_t, a.out_type, s.scales + 2 * k + 1};
+    *transposed = {a.out_t, a.ld_out_t, a.out_type, s.scaleInv(k)};
   }
   if (col_sum) {
     a.col_sum = col_sum;
     a.col_sum_accumulate = true;
     a.workspace = ctx.scratch(scratch_base + 2, gpu::fp8ColSumWorkspace(x.rows, x.cols));
   }
-  a.scale_inv = s.scales + 2 * k + 1;
+  a.scale_inv = s.scaleInv(k);
   if (st.config().recipe == Fp8Recipe::Current) {
     a.amax = s.amaxes + k;
-    gpu::castFp8Current(streamOf(ctx), a, s.scales + 2 * k);
+    gpu::castFp8Current(streamOf(ctx), a, s.scale(k));
   } else {
-    a.scale = s.scales + 2 * k;
+    a.scale = s.scale(k);
     if (st.recording()) {
       a.amax = s.amaxes + k;
       a.amax_accumulate = true;
@@ -537,7 +537,7 @@ void setFp8(Mm& m, const Fp8Operand8& a, const Fp8Operand8& b) {
 Fp8Operand8 weightCodes(const Fp8GemmSlot& s, const Mat& w, bool transposed) {
   const int k = static_cast<int>(Fp8Operand::Weight);
   return {transposed ? s.wt_codes : s.w_codes, transposed ? w.rows : w.cols, gpu::DType::E4M3,
-          s.scales + 2 * k + 1};
+          s.scaleInv(k)};
 }
 
 /// y = x W^T + bias (+ epilogue / residual C) with FP8 operands; the bias is bf16.

@@ -105,18 +105,19 @@ TEST(Fp8GpuLinear, MatchesTheEmulation) {
     }
     // The CUDA side: device scales/amaxes, the weight's codes and transpose.
     Fp8GemmSlot slot{&scaling, 0, Fp8Gemm::FfnIn};
-    plm::View1<float> dev("scales", 9);
+    constexpr int kS = Fp8GemmSlot::kScaleStride;  // the model's layout of device scales
+    plm::View1<float> dev("scales", 6 * kS + 3);
     plm::View1<std::uint8_t> codes("codes", 2 * out * in);
-    std::vector<float> hs(6);
+    std::vector<float> hs(6 * kS, 1.0f);
     for (int o = 0; o < 3; ++o) {
       const int t = slot.index(Fp8Operand(o));
-      hs[2 * o] = scaling.scale(t);
-      hs[2 * o + 1] = scaling.scaleInv(t);
+      hs[kS * (2 * o)] = scaling.scale(t);
+      hs[kS * (2 * o + 1)] = scaling.scaleInv(t);
     }
-    Kokkos::deep_copy(Kokkos::subview(dev, std::make_pair(0, 6)),
-                      Kokkos::View<float*, Kokkos::HostSpace>(hs.data(), 6));
+    Kokkos::deep_copy(Kokkos::subview(dev, std::make_pair(0, 6 * kS)),
+                      Kokkos::View<float*, Kokkos::HostSpace>(hs.data(), 6 * kS));
     slot.scales = dev.data();
-    slot.amaxes = dev.data() + 6;
+    slot.amaxes = dev.data() + 6 * kS;
     slot.w_codes = codes.data();
     slot.wt_codes = codes.data() + out * in;
     OpContext ctx{plm::ExecSpace()};
@@ -132,12 +133,12 @@ TEST(Fp8GpuLinear, MatchesTheEmulation) {
     a.ld_out = in;
     a.out_t = codes.data() + out * in;
     a.ld_out_t = out;
-    a.scale_inv = slot.scales + 3;
+    a.scale_inv = slot.scaleInv(1);
     a.amax = slot.amaxes + 1;
     if (recipe == Fp8Recipe::Current) {
-      plm::gpu::castFp8Current(stream, a, slot.scales + 2);
+      plm::gpu::castFp8Current(stream, a, slot.scale(1));
     } else {
-      a.scale = slot.scales + 2;
+      a.scale = slot.scale(1);
       plm::gpu::castFp8(stream, a);
     }
     Mat wm = w.mat();
