@@ -457,8 +457,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
 };
 
 template <class P>
-Fsdp<P>::Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& optimizer,
-              const FsdpOptions& options, dist::Backend backend)
+Fsdp<P>::Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate,
+              const OptimizerOptions& optimizer, const FsdpOptions& options, dist::Backend backend)
     : impl_member(new Impl(model, shard, replicate, optimizer, options, backend)) {}
 
 template <class P> Fsdp<P>::~Fsdp() { delete impl_member; }
