@@ -172,6 +172,32 @@ if has fsdp && [[ -x "$fsdp_test" ]]; then
     note "test_train_fsdp np$np rc=$?"
     grep -E "ranks:|PASSED|FAILED|SKIPPED|Failure" "$log" | tee -a "$summary"
   done
+  # Planned bytes per rank against the measured device allocations at shard 1/2/4, and
+  # checkpoints of sharded runs resuming on other layouts (incl. a NaN step rolled back).
+  for t in test/plan/test_plan_memory test/ckpt/test_ckpt_fsdp_resume; do
+    [[ -x "$pkg/tree/$t" ]] || continue
+    for np in 2 4; do
+      log="$out/$(basename $t)_np$np.log"
+      timeout 600 mpiexec -n $np --oversubscribe "$pkg/tree/$t" > "$log" 2>&1
+      note "$(basename $t) np$np rc=$?"
+      grep -E "shard [0-9] of|PASSED|FAILED|SKIPPED|Failure" "$log" | tee -a "$summary"
+    done
+  done
+  # ESM-2 15B sharded over every GPU of the node (fp32: sharding refuses bf16 today; the
+  # portable fp32 kernels are slow, so 2 steps of one 4096-token micro-batch per rank): the
+  # planned bytes per rank at start and the measured first-step peak (doc/parallelism.md).
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [[ $ngpu -ge 4 && -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+    rm -rf /tmp/plm-15b-fsdp
+    timeout 1200 mpiexec -n $ngpu "$pkg/bin/plm" train "$repo/inputs/esm2_15b.yaml" \
+      --set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=fp32 \
+      --set parallel.shard_degree=$ngpu --set data.micro_batch_tokens=4096 \
+      --set data.tokens_per_batch=$((4096 * ngpu)) --set train.steps=2 --set train.log_every=1 \
+      --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir=/tmp/plm-15b-fsdp \
+      > "$out/fsdp_15b.log" 2>&1
+    note "plm train esm2_15b fp32 shard $ngpu rc=$?"
+    grep -E "^.*(memory:|parallel:|step [0-9]+/)" "$out/fsdp_15b.log" | tee -a "$summary"
+  fi
 fi
 
 ctx_dir=$pkg/tree/test/context  # packaged with PLM_PKG_CTEST=1

@@ -184,16 +184,17 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
           "parallel: sharding device memory needs the NCCL backend (one GPU per rank); "
           "this job would hand device pointers to MPI");
     const int s = shard_comm->size();
-    View1<P> full = m.parameters();
-    units = planShardUnits(m.tensors(), static_cast<std::int64_t>(full.extent(0)), s);
+    const auto n = static_cast<std::int64_t>(m.parameters().extent(0));
+    units = planShardUnits(m.tensors(), n, s);
     std::int64_t total = 0, widest = 0;
     for (const auto& u : units) total += u.slice;
     for (int l = 0; l < layers; ++l) widest = std::max(widest, units[unitOfLayer(l)].slice * s);
-    params_shard = View1<P>("plm::train::fsdp::params_shard", total);
-    grads_shard = View1<P>("plm::train::fsdp::grads_shard", total);
-    auto alloc = [](const char* label, std::int64_t n) {
-      return View1<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), n);
+    auto alloc = [](const char* label, std::int64_t count) {
+      return View1<P>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), count);
     };
+    // The gathered buffers first: the model's views move there and its whole gradient buffer
+    // goes before the shards are allocated, so a rank never holds whole parameters, whole
+    // gradients and its shards at once (15B: 60 GB + 60 GB + 64 GB would not fit an H200).
     const int outer[2] = {headUnit(), embedUnit()};
     for (int k = 0; k < 2; ++k) {
       const std::int64_t padded = units[outer[k]].slice * s;
@@ -204,33 +205,36 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     for (int b = 0; b < 2; ++b) {
       channel[b].send = View1<P>("plm::train::fsdp::layer_grads", widest);
       channel[b].recv = alloc("plm::train::fsdp::layer_recv", widest / s);
+      slots.push_back(alloc("plm::train::fsdp::gathered_layer", widest));
     }
+    free_slots = {1, 0};
     if (options.poison) {
       poison_buf = alloc("plm::train::fsdp::poison", widest);
       Kokkos::deep_copy(space, poison_buf, std::numeric_limits<P>::quiet_NaN());
     }
-    const int r = shard_comm->rank();
-    forOwnedPieces(units, r, 0, static_cast<std::int64_t>(full.extent(0)),
-                   [&](std::int64_t local, std::int64_t global, std::int64_t n) {
-                     Kokkos::deep_copy(
-                         space, Kokkos::subview(params_shard, std::make_pair(local, local + n)),
-                         Kokkos::subview(full, std::make_pair(global, global + n)));
-                   });
-    optimizer = makeOptimizer<P>(opt, params_shard,
-                                 shardParamLayout(m.tensors(), units, r, m.config().hidden));
-    optimizer->setShardGroup(shard_mpi);
-    space.fence();
-    // From here on the model computes on the gathered buffers only; its whole buffers go.
     gathered.assign(units.size(), 0);
     slot_of.assign(units.size(), -1);
     grad_channel.assign(units.size(), 0);
     grad_channel[headUnit()] = 2;
     grad_channel[embedUnit()] = 3;
-    slots.push_back(alloc("plm::train::fsdp::gathered_layer", widest));
-    slots.push_back(alloc("plm::train::fsdp::gathered_layer", widest));
-    free_slots = {1, 0};
-    whole = true;
-    reshardAll();
+    const int r = shard_comm->rank();
+    {
+      View1<P> full = m.parameters();  // the initial parameters, identical on every rank
+      for (int u = 0; u < static_cast<int>(units.size()); ++u) park(u);
+      model.holdWholeBuffers(true, false);
+      params_shard = View1<P>("plm::train::fsdp::params_shard", total);
+      grads_shard = View1<P>("plm::train::fsdp::grads_shard", total);
+      forOwnedPieces(units, r, 0, n, [&](std::int64_t local, std::int64_t global, std::int64_t c) {
+        Kokkos::deep_copy(space, Kokkos::subview(params_shard, std::make_pair(local, local + c)),
+                          Kokkos::subview(full, std::make_pair(global, global + c)));
+      });
+      space.fence();
+      model.holdWholeBuffers(false, false);  // freed when `full` goes
+    }
+    optimizer = makeOptimizer<P>(opt, params_shard,
+                                 shardParamLayout(m.tensors(), units, r, m.config().hidden));
+    optimizer->setShardGroup(shard_mpi);
+    space.fence();
   }
 
   ~Impl() override {
@@ -437,18 +441,22 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     space.fence();
   }
 
+  // Where a unit's views wait between uses: the embeddings and head in their own buffers, a
+  // layer in the first slot (or, with `poison`, at the NaN buffer); gradients in its channel.
+  void park(int u) {
+    place(u, isOuter(u)       ? outerParams(u).data()
+             : options.poison ? poison_buf.data()
+                              : slots.front().data());
+    if (isOuter(u) && options.poison)
+      Kokkos::deep_copy(space, outerParams(u), std::numeric_limits<P>::quiet_NaN());
+  }
+
   // Every unit resharded; after gatherAll the views leave the whole buffer, which is freed.
   void reshardAll() {
     if (pending_unit >= 0) ensureGathered(pending_unit);
     for (int u = 0; u < static_cast<int>(units.size()); ++u) reshard(u);
     if (whole) {
-      for (int u = 0; u < static_cast<int>(units.size()); ++u)
-        place(u, isOuter(u)       ? outerParams(u).data()
-                 : options.poison ? poison_buf.data()
-                                  : slots.front().data());
-      for (int u : {headUnit(), embedUnit()})
-        if (options.poison)
-          Kokkos::deep_copy(space, outerParams(u), std::numeric_limits<P>::quiet_NaN());
+      for (int u = 0; u < static_cast<int>(units.size()); ++u) park(u);
       model.holdWholeBuffers(false, false);
       whole = false;
     }
@@ -476,7 +484,8 @@ template <class P> void Fsdp<P>::finishGradients(const ExecSpace& space) {
 
 template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
                                            const std::vector<data::MicroBatch>& local, double lr,
-                                           double clip_norm, MPI_Comm comm) {
+                                           double clip_norm, MPI_Comm comm,
+                                           const std::function<void()>& before_update) {
   Kokkos::Profiling::pushRegion("plm::train::fsdp::step");
   Impl& m = *impl_member;
   m.space = space;
@@ -501,6 +510,7 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
     Kokkos::Profiling::popRegion();
     return st;
   }
+  if (before_update) before_update();
   m.optimizer->maskGradients(space, m.grads_shard);
   View1<P> g = m.grads_shard;
   double partial = 0.0;
@@ -513,6 +523,12 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
       partial);
   // Replicas hold the same shard after the all-reduce: the shard group alone has every element.
   st.grad_norm = std::sqrt(dist::allreduceSum(partial, m.shard_mpi));
+  if (!std::isfinite(st.grad_norm) || !std::isfinite(st.loss_sum)) {
+    st.applied = false;  // the norm and the loss are all-reduced: every rank gets here
+    st.nonfinite = true;
+    Kokkos::Profiling::popRegion();
+    return st;
+  }
   st.clip_factor = clipFactor(st.grad_norm, clip_norm);
   m.optimizer->step(space, g, lr, st.clip_factor);
   space.fence();

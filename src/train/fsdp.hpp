@@ -44,6 +44,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -131,8 +132,11 @@ template <class P> class Fsdp {
   /// \brief One optimizer step over this rank's micro-batches (trainStep's contract, with the
   /// world `comm` for the batch counts): gathered forward/backward, reduce-scattered gradients,
   /// clipping by the global norm, the optimizer on the local shard.
+  /// A non-finite loss or gradient norm (every rank sees the same) leaves the weights and
+  /// moments as they were and returns nonfinite (train/stability.hpp decides what follows).
+  /// `before_update` runs between the gradients and the update (the trainer's fault injection).
   StepStats step(const ExecSpace& space, const std::vector<data::MicroBatch>& local, double lr,
-                 double clip_norm, MPI_Comm comm);
+                 double clip_norm, MPI_Comm comm, const std::function<void()>& before_update = {});
 
   /// \brief All-gathers every unit into the model's whole parameter buffer, allocated again for
   /// it (evaluation, the final model file, tests); the next step or reshardAll frees it.

@@ -138,13 +138,13 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
 
   optimizer_options_member = optimizerOptionsFromDeck(o);
   clip_norm_member = o.get<double>("clip_grad_norm");
-  optimizer_member = makeOptimizer<param_t>(
-      optimizer_options_member, model_member->parameters(),
-      wholeLayout(model_member->tensors(),
-                  static_cast<std::int64_t>(model_member->parameters().extent(0)),
-                  esm2FrozenRanges(model_member->tensors(), config.hidden)));
-
   setUpSharding(*deck);
+  if (!fsdp_member)  // sharded runs allocate the full-layout state only for checkpoints
+    optimizer_member = makeOptimizer<param_t>(
+        optimizer_options_member, model_member->parameters(),
+        wholeLayout(model_member->tensors(),
+                    static_cast<std::int64_t>(model_member->parameters().extent(0)),
+                    esm2FrozenRanges(model_member->tensors(), config.hidden)));
 
   total_steps_member = t.get<int>("steps");
   log_every_member = std::max(1, t.get<int>("log_every"));
@@ -258,13 +258,14 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
 }
 
 Optimizer<param_t>& Trainer::optimizer() {
-  if (!optimizer_member) {  // sharded, between checkpoints: a fresh full-layout state
+  if (!optimizer_member) {  // sharded: the full-layout state gathered from the shards
     std::int64_t n = 0;
     for (const auto& u : fsdp_member->units()) n = std::max(n, u.offset + u.count);
     optimizer_member = makeOptimizer<param_t>(
         optimizer_options_member, View1<param_t>("plm::train::full_layout_master", n),
         wholeLayout(model_member->tensors(), n,
                     esm2FrozenRanges(model_member->tensors(), model_member->config().hidden)));
+    fsdp_member->exportFull(ExecSpace(), *optimizer_member);
     optimizer_member->setStepCount(fsdp_member->optimizer().stepCount());
   }
   return *optimizer_member;
@@ -332,7 +333,9 @@ Trainer::RunEnd Trainer::run() {
           "rollback",
           static_cast<long long>(step));
     } else if (fsdp_member) {
-      st = fsdp_member->step(space, local, lr, clip_norm_member, comm_member);
+      optimizer_member.reset();  // a full-layout state gathered before this step is stale now
+      st = fsdp_member->step(space, local, lr, clip_norm_member, comm_member,
+                             [&] { injectFaults(step, true); });
     } else {
       const BatchStats batch = accumulateGradients(space, *model_member, local, comm_member);
       injectFaults(step, true);
@@ -441,8 +444,10 @@ Trainer::RunEnd Trainer::run() {
 }
 
 void Trainer::fullStateForSave(const ExecSpace& space, const std::function<void()>& save) {
+  (void)space;
   if (fsdp_member) {  // checkpoints read the full-layout state, gathered for the save only
-    fsdp_member->exportFull(space, optimizer());
+    optimizer_member.reset();
+    optimizer();
   }
   save();
   if (fsdp_member) optimizer_member.reset();
@@ -549,6 +554,12 @@ void Trainer::injectFaults(std::int64_t step, bool after_gradients) {
   }
   if (after_gradients && inject_nonfinite_member.count(step)) {
     // As a NaN produced on any rank looks after the gradient all-reduce: on every rank.
+    if (fsdp_member) {  // sharded: the first element of every rank's gradient shard
+      Kokkos::deep_copy(Kokkos::subview(fsdp_member->shardGradients(), std::make_pair(0, 1)),
+                        std::numeric_limits<param_t>::quiet_NaN());
+      Kokkos::fence();
+      return;
+    }
     const auto& tensors = model_member->tensors();
     const auto& target = tensors.at(tensors.size() > 2 ? 2 : 0);
     auto one = Kokkos::subview(model_member->gradients(),

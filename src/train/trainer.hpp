@@ -107,7 +107,8 @@ class Trainer {
   model::Esm2<param_t>& model() { return *model_member; }
   /// \brief The full-layout optimizer state checkpoints read and restore into.  Sharded runs
   /// (parallel.shard_degree > 1) hold it only around a save or a restore: it is allocated
-  /// here on demand and released once the shards have taken it.
+  /// here on demand and gathered from the shards (then collective: every rank must call it),
+  /// and released once the shards have taken it back or at the next step.
   Optimizer<param_t>& optimizer();
   const OptimizerOptions& optimizerOptions() const { return optimizer_options_member; }
   /// \brief The high-water mark of Kokkos allocations during this run's first step on this

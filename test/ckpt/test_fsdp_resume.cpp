@@ -12,6 +12,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 
 namespace {
@@ -89,6 +90,56 @@ TEST(FsdpResume, ShardedCheckpointResumesOnAnyLayout) {
           << run << " step " << got[i].step << ": " << got[i].loss << " vs " << reference[i].loss;
     }
     EXPECT_EQ(cursor, reference_cursor) << run;
+  }
+  plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
+}
+
+// A non-finite gradient under sharding (PLM_TEST_NONFINITE: NaN in every rank's gradient
+// shard at step 5) is not applied; `skip` drops the step, `rollback` reloads the checkpoint of
+// step 4 into the shards, replays and skips step 5's batch: both end with the same losses and
+// weights (gathered from the shards), all finite, and differ from the clean run.
+TEST(FsdpResume, NonfiniteStepSkipsOrRollsBackOnShards) {
+  const int world = plm::dist::worldSize();
+  const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fsdp_nan");
+  plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
+  const std::string shard = "parallel.shard_degree=" + std::to_string(world);
+  auto run = [&](const std::string& name, std::vector<std::string> overrides, std::int64_t* skipped,
+                 std::int64_t* rollbacks) {
+    overrides.push_back(shard);
+    overrides.push_back("checkpoint.every=2");
+    plm::train::Trainer t(tinyDeck(dir, name, overrides), MPI_COMM_WORLD);
+    plm::ckpt::installHooks(t, {});
+    t.run();
+    *skipped = t.skippedSteps();
+    *rollbacks = t.rollbacks();
+    auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), t.optimizer().master());
+    return std::vector<float>(host.data(), host.data() + host.extent(0));
+  };
+  std::int64_t skipped = 0, rollbacks = 0;
+  const auto clean = run("clean", {}, &skipped, &rollbacks);
+  setenv("PLM_TEST_NONFINITE", "5", 1);
+  const auto skip = run("skip", {"train.on_nonfinite=skip"}, &skipped, &rollbacks);
+  EXPECT_EQ(skipped, 1);
+  const auto rolled = run("roll", {"train.on_nonfinite=rollback"}, &skipped, &rollbacks);
+  unsetenv("PLM_TEST_NONFINITE");
+  EXPECT_EQ(skipped, 1);
+  EXPECT_EQ(rollbacks, 1);
+  ASSERT_EQ(skip.size(), clean.size());
+  ASSERT_EQ(rolled.size(), clean.size());
+  double differs = 0, worst = 0, largest = 0;
+  for (std::size_t i = 0; i < clean.size(); ++i) {
+    ASSERT_TRUE(std::isfinite(skip[i]) && std::isfinite(rolled[i])) << "element " << i;
+    differs = std::max(differs, double(std::abs(skip[i] - clean[i])));
+    worst = std::max(worst, double(std::abs(skip[i] - rolled[i])));
+    largest = std::max(largest, double(std::abs(clean[i])));
+  }
+  EXPECT_GT(differs, 0.0) << "the NaN step was applied or never injected";
+  EXPECT_LE(worst, 1e-6 * largest) << "rollback and skip end differently";
+  if (plm::dist::worldRank() == 0) {
+    const auto a = plm::test::metricsLosses(dir + "/skip/metrics.jsonl");
+    const auto b = plm::test::metricsLosses(dir + "/roll/metrics.jsonl");
+    EXPECT_EQ(a, b);
+    EXPECT_EQ(a.at(5), "null") << "the skipped step reported a loss";
   }
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }

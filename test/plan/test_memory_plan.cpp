@@ -9,6 +9,7 @@
 //  - The measured state per rank falls with the shard degree (shard 2 < shard 1, 4 < 2).
 // Model: 8 layers of hidden 128 (1.6 M parameters) and micro-batches of 256 tokens, so the
 // sharded state is a sizeable part of the peak next to the activations.
+#include "dist/communicator.hpp"
 #include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
 #include "plan/plan.hpp"
@@ -97,7 +98,8 @@ Measured measure(int shard) {
     out.peak = static_cast<double>(train::AllocationTracker::peak() - base);
   } else {
     dist::ProcessGroups groups(MPI_COMM_WORLD, shard);
-    train::Fsdp<float> fsdp(model, groups.shard(), groups.replicate(), train::AdamWOptions{});
+    train::Fsdp<float> fsdp(model, groups.shard(), groups.replicate(), train::AdamWOptions{}, {},
+                            dist::defaultBackend(groups.shard()));
     out.state = static_cast<double>(train::AllocationTracker::inUse() - base);
     train::AllocationTracker::resetPeak();
     fsdp.step(ExecSpace(), local, 1e-4, 1.0, MPI_COMM_WORLD);
@@ -108,6 +110,10 @@ Measured measure(int shard) {
 
 TEST(MemoryPlan, MeasuredBytesMatchThePlanAndFallWithTheShardDegree) {
   if (!train::AllocationTracker::start()) GTEST_SKIP() << "a Kokkos tool library is loaded";
+  // Device memory with ranks sharing a GPU has no sharding backend (the single-GPU ctest).
+  if (dist::worldSize() > 1 && dist::defaultBackend(MPI_COMM_WORLD) != dist::Backend::Nccl &&
+      !Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemSpace>::accessible)
+    GTEST_SKIP() << "ranks share a GPU: no NCCL";
   const int world = dist::worldSize();
   std::vector<double> states;
   for (int shard = 1; shard <= world; shard *= 2) {
