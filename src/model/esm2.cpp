@@ -204,6 +204,8 @@ template <class T> struct Esm2<T>::Impl {
   View1<std::uint16_t> packed;
   View1<std::int64_t> chunks;
   int num_chunks = 0;
+  std::vector<std::int64_t> packed_seg;  // (master offset, copy offset, count) per tensor
+  std::int64_t packed_elements = 0;
   Outer pw, pg;  // compute weights, gradients
   // fp8 policy: the scaling state, one slot per (layer, GEMM), and the quantised weight copy
   // (fp8_weights) refreshed from the masters: (master offset, copy offset, count) segments
@@ -242,10 +244,17 @@ template <class T> struct Esm2<T>::Impl {
   Work w;
   // placeRange: groups 0..L-1 the layers, L the embeddings, L+1 the head; each one's flat
   // range of tensors and where its views point now (nullptr: into params / grads).
+  // bf16 policy: the group's compute copy is [clo, chi) of `packed` while at home (compute
+  // nullptr), else at `compute`; `chunks` (device, num_chunks) are its cast segments (master
+  // offset from lo, copy offset from clo, count).
   struct Place {
     std::int64_t lo = -1, hi = -1;
     T* params = nullptr;
     T* grads = nullptr;
+    std::uint16_t* compute = nullptr;
+    std::int64_t clo = 0, chi = 0;
+    View1<std::int64_t> chunks;
+    int num_chunks = 0;
   };
   std::vector<Place> places;
   std::int64_t buffer_elements = 0;  // of the whole buffers, also while they are freed
@@ -322,6 +331,85 @@ template <class T> struct Esm2<T>::Impl {
       p.lo = p.lo < 0 ? t.offset : std::min(p.lo, t.offset);
       p.hi = std::max(p.hi, t.offset + t.size);
     }
+    if (bf16) bindGroupCasts();
+  }
+
+  /// The group whose flat range starts in [offset, offset + count) and ends inside it.
+  int groupStartingIn(std::int64_t offset, std::int64_t count) const {
+    for (int g = 0; g < static_cast<int>(places.size()); ++g) {
+      const auto& p = places[g];
+      if (p.lo < offset || p.lo >= offset + count) continue;
+      PLM_REQUIRE(p.hi <= offset + count, "plm::model::placeRange: [" + std::to_string(offset) +
+                                              ", +" + std::to_string(count) +
+                                              ") cuts a group of tensors in two");
+      return g;
+    }
+    throw Error("plm::model::placeRange: no group of tensors starts in [" + std::to_string(offset) +
+                ", +" + std::to_string(count) + ") (a bug)");
+  }
+
+  int groupAt(std::int64_t offset) const {
+    for (int g = 0; g < static_cast<int>(places.size()); ++g)
+      if (places[g].lo <= offset && offset < places[g].hi) return g;
+    throw Error("plm::model: no group of tensors holds offset " + std::to_string(offset) +
+                " (a bug)");
+  }
+
+  /// bf16: each group's cast segments and its contiguous range of the packed copy (bind()
+  /// packs the embeddings, then layer by layer, then the head), so a group's compute copy can
+  /// live outside `packed` (sharded data parallelism) and be cast from wherever its masters are.
+  void bindGroupCasts() {
+    const int groups = static_cast<int>(places.size());
+    std::vector<std::vector<std::int64_t>> seg(groups);
+    for (Place& p : places) p.clo = p.chi = -1;
+    for (std::size_t i = 0; i < packed_seg.size(); i += 3) {
+      Place& p = places[groupAt(packed_seg[i])];
+      const std::int64_t d = packed_seg[i + 1], end = d + (packed_seg[i + 2] + 15) / 16 * 16;
+      p.clo = p.clo < 0 ? d : std::min(p.clo, d);
+      p.chi = std::max(p.chi, end);
+      seg[&p - places.data()].insert(seg[&p - places.data()].end(),
+                                     {packed_seg[i], d, packed_seg[i + 2]});
+    }
+    for (int g = 0; g < groups; ++g) {
+      Place& p = places[g];
+      if (p.clo < 0) p.clo = p.chi = 0;
+      for (int q = 0; q < groups; ++q)  // the ranges must not interleave
+        PLM_REQUIRE(q == g || places[q].clo < 0 || places[q].chi <= p.clo ||
+                        places[q].clo >= p.chi || p.clo == p.chi,
+                    "plm::model: the packed bf16 copy interleaves two groups (a bug)");
+      std::vector<std::int64_t> host;
+      constexpr std::int64_t kChunk = 16384;
+      for (std::size_t i = 0; i < seg[g].size(); i += 3)
+        for (std::int64_t o = 0; o < seg[g][i + 2]; o += kChunk)
+          host.insert(host.end(), {seg[g][i] - p.lo + o, seg[g][i + 1] - p.clo + o,
+                                   std::min(kChunk, seg[g][i + 2] - o)});
+      p.num_chunks = static_cast<int>(host.size() / 3);
+      p.chunks = View1<std::int64_t>("plm::model::group_compute_chunks", host.size());
+      Kokkos::deep_copy(p.chunks,
+                        Kokkos::View<const std::int64_t*, HostSpace>(host.data(), host.size()));
+    }
+  }
+
+  bool anyPlaced() const {
+    for (const Place& p : places)
+      if (p.params != nullptr || p.compute != nullptr) return true;
+    return false;
+  }
+
+  /// bf16: group g's compute copy cast from where its masters are now.
+  void refreshGroup(int g) {
+#if PLM_HAVE_CUDA
+    if constexpr (std::is_same_v<T, float>) {
+      const Place& p = places[g];
+      const T* src = p.params ? p.params : params.data() + p.lo;
+      std::uint16_t* dst = p.compute ? p.compute : packed.data() + p.clo;
+      gpu::castChunks(ctx.space().cuda_stream(), src, reinterpret_cast<gpu::bf16*>(dst),
+                      p.chunks.data(), p.num_chunks);
+      ctx.mark(OpKind::Other);
+    }
+#else
+    (void)g;
+#endif
   }
 
   int groupOf(const std::string& name) const {
@@ -330,9 +418,18 @@ template <class T> struct Esm2<T>::Impl {
     return name.compare(0, 15, "esm.embeddings.") == 0 ? config.num_layers : config.num_layers + 1;
   }
 
-  /// Moves group g's views from where they point now to `to_params` / `to_grads`.
-  void place(int g, T* to_params, T* to_grads) {
+  /// Moves group g's views from where they point now to `to_params` / `to_grads` (and, bf16,
+  /// its compute copy's views to `to_compute`; nullptr: home).
+  void place(int g, T* to_params, T* to_grads, std::uint16_t* to_compute = nullptr) {
     Place& p = places[g];
+    if (bf16) {
+      const auto cbytes = static_cast<std::size_t>(p.chi - p.clo) * 2;
+      char* home = reinterpret_cast<char*>(packed.data() + p.clo);
+      const Relocation rc{p.compute ? reinterpret_cast<const char*>(p.compute) : home, cbytes,
+                          to_compute ? reinterpret_cast<char*>(to_compute) : home};
+      p.compute = to_compute;
+      relocateGroup(g, rc);
+    }
     const std::size_t bytes = static_cast<std::size_t>(p.hi - p.lo) * sizeof(T);
     T* from_params = p.params ? p.params : params.data() + p.lo;
     T* from_grads = p.grads ? p.grads : grads.data() + p.lo;
@@ -342,19 +439,21 @@ template <class T> struct Esm2<T>::Impl {
                         reinterpret_cast<char*>(to_grads ? to_grads : grads.data() + p.lo)};
     p.params = to_params;
     p.grads = to_grads;
-    for (const Relocation& r : {rp, rg}) {
-      if (g < config.num_layers) {
-        layers[g].relocate(r);
-      } else if (g == config.num_layers) {
-        r(pw.embed);
-        r(pg.embed);
-      } else {
-        for (Outer* o : {&pw, &pg}) {
-          for (Vec* v :
-               {&o->lnf_g, &o->lnf_b, &o->head_b, &o->head_ln_g, &o->head_ln_b, &o->head_bias})
-            r(*v);
-          r(o->head_w);
-        }
+    for (const Relocation& r : {rp, rg}) relocateGroup(g, r);
+  }
+
+  void relocateGroup(int g, const Relocation& r) {
+    if (g < config.num_layers) {
+      layers[g].relocate(r);
+    } else if (g == config.num_layers) {
+      r(pw.embed);
+      r(pg.embed);
+    } else {
+      for (Outer* o : {&pw, &pg}) {
+        for (Vec* v :
+             {&o->lnf_g, &o->lnf_b, &o->head_b, &o->head_ln_g, &o->head_ln_b, &o->head_bias})
+          r(*v);
+        r(o->head_w);
       }
     }
   }
@@ -545,6 +644,7 @@ template <class T> struct Esm2<T>::Impl {
 
     if (bf16) {
       packed = View1<std::uint16_t>("plm::model::compute_weights", dst);
+      packed_elements = dst;
       auto* base = reinterpret_cast<char*>(packed.data());
       auto rebase = [&](auto& h) {
         if (h.dtype == DType::BF16) h.data = base + 2 * reinterpret_cast<std::intptr_t>(h.data);
@@ -570,6 +670,7 @@ template <class T> struct Esm2<T>::Impl {
           host_chunks.insert(host_chunks.end(),
                              {seg[i] + o, seg[i + 1] + o, std::min(kChunk, seg[i + 2] - o)});
       num_chunks = static_cast<int>(host_chunks.size() / 3);
+      packed_seg = seg;
       chunks = View1<std::int64_t>("plm::model::compute_chunks", host_chunks.size());
       Kokkos::deep_copy(chunks, Kokkos::View<const std::int64_t*, HostSpace>(host_chunks.data(),
                                                                              host_chunks.size()));
@@ -614,6 +715,10 @@ template <class T> struct Esm2<T>::Impl {
   void refreshCompute() {
     if (fp8_scaling && !bf16) refreshFp8();
     if (!bf16) return;
+    if (anyPlaced()) {  // groups live in outside buffers: one cast per group
+      for (int g = 0; g < static_cast<int>(places.size()); ++g) refreshGroup(g);
+      return;
+    }
 #if PLM_HAVE_CUDA
     if constexpr (std::is_same_v<T, float>) {
       gpu::castChunks(ctx.space().cuda_stream(), params.data(),
@@ -1198,21 +1303,30 @@ template <class T> std::pair<std::int64_t, std::int64_t> Esm2<T>::layerRange(int
   return {lo, hi - lo};
 }
 
-template <class T>
-void Esm2<T>::placeRange(std::int64_t offset, std::int64_t count, T* params, T* grads) {
+template <class T> void Esm2<T>::placeRange(std::int64_t offset, std::int64_t count, T* params,
+                                            T* grads, std::uint16_t* compute) {
   auto& im = *impl_member;
-  PLM_REQUIRE(!im.bf16, "plm::model::placeRange: the bf16 policy keeps one whole compute copy");
-  for (int g = 0; g < static_cast<int>(im.places.size()); ++g) {
-    const auto& p = im.places[g];
-    if (p.lo < offset || p.lo >= offset + count) continue;
-    PLM_REQUIRE(p.hi <= offset + count, "plm::model::placeRange: [" + std::to_string(offset) +
-                                            ", +" + std::to_string(count) +
-                                            ") cuts a group of tensors in two");
-    im.place(g, params, grads);
-    return;
-  }
-  throw Error("plm::model::placeRange: no group of tensors starts in [" + std::to_string(offset) +
-              ", +" + std::to_string(count) + ") (a bug)");
+  const int g = im.groupStartingIn(offset, count);
+  PLM_REQUIRE(!im.bf16 || !im.fp8_scaling,
+              "plm::model::placeRange: the FP8 weight codes of the CUDA path are one whole "
+              "buffer; sharding runs bf16 or fp32");
+  PLM_REQUIRE(im.bf16 || compute == nullptr,
+              "plm::model::placeRange: a compute copy is given but the policy has none");
+  im.place(g, params, grads, compute);
+}
+
+template <class T>
+std::int64_t Esm2<T>::computeElements(std::int64_t offset, std::int64_t count) const {
+  const auto& im = *impl_member;
+  if (!im.bf16) return 0;
+  const auto& p = im.places[im.groupStartingIn(offset, count)];
+  return p.chi - p.clo;
+}
+
+template <class T> void Esm2<T>::refreshComputeRange(std::int64_t offset, std::int64_t count) {
+  auto& im = *impl_member;
+  if (!im.bf16) return;
+  im.refreshGroup(im.groupStartingIn(offset, count));
 }
 
 template <class T> void Esm2<T>::holdWholeBuffers(bool params, bool grads) {
@@ -1231,6 +1345,18 @@ template <class T> void Esm2<T>::holdWholeBuffers(bool params, bool grads) {
   };
   hold(im.params, params, &Impl::Place::params, "plm::model::parameters");
   hold(im.grads, grads, &Impl::Place::grads, "plm::model::gradients");
+  // bf16: the packed compute copy goes and comes with the masters.
+  if (im.bf16 && params != (im.packed.extent(0) > 0)) {
+    if (params) {
+      im.packed = View1<std::uint16_t>("plm::model::compute_weights", im.packed_elements);
+    } else {
+      for (const auto& p : im.places)
+        PLM_REQUIRE(p.compute != nullptr || p.chi == p.clo,
+                    "plm::model::holdWholeBuffers: a group's compute views still point into "
+                    "plm::model::compute_weights");
+      im.packed = View1<std::uint16_t>();
+    }
+  }
 }
 
 template <class T> double Esm2<T>::routerLoss() const { return impl_member->moe_step.objective; }

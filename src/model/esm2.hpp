@@ -150,12 +150,23 @@ template <class T> class Esm2 {
   /// element (nullptr: back into parameters() / gradients()).  The range is one group: a
   /// layer's tensors (layerRange, padding after them allowed), the embeddings (before the
   /// layers) or the head (after them).  The memory stays the caller's; sharded data
-  /// parallelism (train/fsdp.hpp) points a layer at the buffer its all-gather filled.  fp32 and
-  /// fp64 policies only (the bf16 compute copy is one whole buffer).
-  void placeRange(std::int64_t offset, std::int64_t count, T* params, T* grads);
+  /// parallelism (train/fsdp.hpp) points a layer at the buffer its all-gather filled.  Under
+  /// the bf16 policy the group's compute copy (computeElements() bf16 values) moves to
+  /// `compute` as well (nullptr: back into the model's packed copy); the caller then refreshes
+  /// it with refreshComputeRange once the masters are in place.  Not under fp8 on CUDA (its
+  /// weight codes are one whole buffer).
+  void placeRange(std::int64_t offset, std::int64_t count, T* params, T* grads,
+                  std::uint16_t* compute = nullptr);
+  /// \brief bf16 elements of the compute copy of the group placeRange(offset, count) moves
+  /// (0 under other policies).
+  std::int64_t computeElements(std::int64_t offset, std::int64_t count) const;
+  /// \brief bf16 policy: recasts that group's compute copy from its masters, wherever both are
+  /// placed now (one launch on the model's stream; nothing under other policies).
+  void refreshComputeRange(std::int64_t offset, std::int64_t count);
   /// \brief Frees (false) or allocates again (true, zero-filled) the whole-model buffers behind
-  /// parameters() and gradients() (empty views while freed).  Freeing one requires every
-  /// group's views into it to be placed elsewhere (placeRange); views placed elsewhere stay.
+  /// parameters() and gradients() (empty views while freed); the bf16 packed compute copy goes
+  /// and comes with parameters().  Freeing one requires every group's views into it to be
+  /// placed elsewhere (placeRange); views placed elsewhere stay.
   void holdWholeBuffers(bool params, bool grads);
 
   /// \brief The router losses (aux and z, with their coefficients) the last pass added to the

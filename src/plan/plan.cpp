@@ -71,11 +71,24 @@ std::int64_t flatParameterCount(const model::Esm2Config& c) {
          round16(h) + 2 * round16(h) + round16(v);
 }
 
-std::int64_t computeCopyCount(const model::Esm2Config& c) {
+// The bf16 compute copy of the GEMM weights (Esm2's packed copy, src/model/esm2.cpp bind()),
+// per group: the embeddings, one layer, the head.
+struct ComputeCopy {
+  std::int64_t embed = 0, layer = 0, head = 0;
+};
+ComputeCopy computeCopyParts(const model::Esm2Config& c) {
   const std::int64_t h = c.hidden, f = c.ffn, v = c.vocab;
-  const std::int64_t per_layer = round16(3 * h * h) + round16(3 * h) + round16(h * h) +
-                                 round16(f * h) + round16(f) + round16(h * f);
-  return round16(v * h) + c.num_layers * per_layer + round16(h * h) + round16(h);
+  ComputeCopy n;
+  n.layer = round16(3 * h * h) + round16(3 * h) + round16(h * h) + round16(f * h) + round16(f) +
+            round16(h * f);
+  n.embed = round16(v * h);
+  n.head = round16(h * h) + round16(h);
+  return n;
+}
+
+std::int64_t computeCopyCount(const model::Esm2Config& c) {
+  const ComputeCopy n = computeCopyParts(c);
+  return n.embed + c.num_layers * n.layer + n.head;
 }
 
 Activations activationBytes(const model::Esm2Config& config, Compute compute, std::int64_t t,
@@ -201,10 +214,22 @@ void planMemory(const Input& in, Plan& p) {
     const auto& t = text.at(in.optimizer.kind);
     p.memory.push_back({std::string("optimizer states (") + t.first + ")", bytes, t.second});
   }
-  if (bf16)
-    p.memory.push_back({"compute copy of the GEMM weights (bf16)",
-                        2.0 * static_cast<double>(computeCopyCount(c)) / l.shard,
-                        "2 N_gemm / shard"});
+  if (bf16) {
+    // Whole under data parallelism; under sharding only beside the gathered units
+    // (train/fsdp.cpp: the embeddings, the head and the gathered layer slots).
+    const ComputeCopy cc = computeCopyParts(c);
+    const std::int64_t slots = in.reshard_after_forward ? 2 : c.num_layers;
+    if (l.shard == 1)
+      p.memory.push_back({"compute copy of the GEMM weights (bf16)",
+                          2.0 * static_cast<double>(cc.embed + c.num_layers * cc.layer + cc.head),
+                          "2 N_gemm"});
+    else
+      p.memory.push_back({"compute copy of the gathered units (bf16)",
+                          2.0 * static_cast<double>(cc.embed + slots * cc.layer + cc.head),
+                          in.reshard_after_forward
+                              ? "2 (N_gemm_emb + 2 N_gemm_layer + N_gemm_head)"
+                              : "2 (N_gemm_emb + L N_gemm_layer + N_gemm_head)"});
+  }
   if (l.shard > 1) {
     p.memory.push_back({"gathered embeddings, head and layers (sharding)", double(state.gathered),
                         "4 (2 (N_emb + N_head) + (2 gathered + 2 gradient) N_layer)"});
@@ -303,10 +328,14 @@ void planTime(const Input& in, Plan& p) {
                     "layernorm_gbps"});
   double elem_bytes = L * t * (4 * cb * h + 2 * cb * f);
   if (rc == model::Recompute::Layer) elem_bytes += L * t * (2 * cb * h + cb * f);
-  double cast_bytes = bf16 ? 6.0 * static_cast<double>(computeCopyCount(c)) / l.shard : 0.0;
+  // bf16: the compute copy is cast once per step (data parallelism), or beside every all-gather
+  // of a unit under sharding (per micro-batch; again before the backward with resharding).
+  double cast_bytes = bf16 ? 6.0 * static_cast<double>(computeCopyCount(c)) : 0.0;
+  if (l.shard > 1) cast_bytes *= mb * (in.reshard_after_forward ? 2 : 1);
   const double elementwise = (mb * elem_bytes + cast_bytes) / (r.elementwise_gbps * 1e9);
   p.time.push_back({"rotary, casts, epilogues", elementwise,
-                    "(mb L t (4 c h + 2 c f) + 6 N_gemm [bf16]) / elementwise_gbps"});
+                    "(mb L t (4 c h + 2 c f) + 6 N_gemm [bf16; x mb (x 2 resharding) sharded]) / "
+                    "elementwise_gbps"});
   double launches = 20 * L + 20;
   if (rc == model::Recompute::Layer) launches += 8 * L;
   if (rc == model::Recompute::Selective) launches += 3 * L;
@@ -340,12 +369,15 @@ void planTime(const Input& in, Plan& p) {
   const int dp = l.dataParallel() / l.shard;  // replicas that all-reduce
   if (l.shard > 1) {
     const bool spans = l.shard > l.ranks_per_node;
-    const double ag = 2 * (l.shard - 1.0) / l.shard * cb * nb * l.shard;  // gather, twice
+    // The all-gathers move the fp32 masters (train/fsdp.cpp; bf16 casts beside them), twice
+    // per micro-batch with resharding after forward.
+    const double gathers = in.reshard_after_forward ? 2.0 : 1.0;
+    const double ag = gathers * (l.shard - 1.0) / l.shard * 4 * nb * l.shard;
     const double rs = (l.shard - 1.0) / l.shard * 4 * nb * l.shard;
     const double per_mb = (ag + rs) / busbw(l.shard, spans);
     comm += mb * per_mb;
     exposed += mb * std::max(per_mb / L, per_mb - 1.5 * backward_time);
-    comm_formula = "shard: mb (2 (s-1)/s c N + (s-1)/s 4 N) / busbw";
+    comm_formula = "shard: mb (2 [1 without resharding] (s-1)/s 4 N + (s-1)/s 4 N) / busbw";
   }
   if (dp > 1) {
     const bool spans = l.nodes > 1;
@@ -438,8 +470,8 @@ Plan makePlan(const Input& in) {
   planAdvice(in, p);
   if (in.compute == Compute::Fp8)
     p.notes.push_back(
-        "fp8 is a placeholder: plm has no fp8 path yet; planned as bf16 storage with the "
-        "table's fp8 GEMM rate");
+        "fp8 is planned as bf16 storage with the table's fp8 GEMM rate (plm's FP8 path keeps a "
+        "bf16 compute copy and per-step E4M3 weight codes; doc/fp8.md)");
   // What plm itself refuses today (src/model/esm2.cpp): planned anyway, said plainly.
   if (in.compute != Compute::Fp32 && in.rates.kind == "cpu")
     p.notes.push_back("bf16 runs on the CUDA build only; the CPU build trains in fp32");
@@ -450,14 +482,14 @@ Plan makePlan(const Input& in) {
   if (in.compute == Compute::Fp32 && in.rates.kind != "cpu")
     p.notes.push_back(
         "fp32 on a GPU runs the portable Kokkos kernels (the reference path): slow by design");
-  if (in.layout.shard > 1 && in.compute != Compute::Fp32)
+  if (in.layout.shard > 1 && in.compute == Compute::Fp8)
     p.notes.push_back(
-        "plm's sharding runs train.precision: fp32 only today (bf16 with shard > 1 is refused; "
-        "doc/parallelism.md): these bf16 figures are the planned design's");
-  if (in.layout.context > 1)
+        "plm's sharding runs train.precision fp32 or bf16 (fp8 with shard > 1 is refused; "
+        "doc/parallelism.md): these fp8 figures are the planned design's");
+  if (in.layout.context > 1 && in.compute != Compute::Fp32)
     p.notes.push_back(
-        "context parallelism is not in plm yet: these figures are the planned design's "
-        "(doc/plan.md)");
+        "context parallelism runs the portable fp32 kernels (bf16 with context_degree > 1 is "
+        "refused; doc/parallelism.md): these figures are the planned design's");
   return p;
 }
 

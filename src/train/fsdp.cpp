@@ -158,7 +158,13 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   Channel channel[4];             // [0], [1] layer gradients (alternating), [2] head, [3] emb.
   int layer_channel = 0;          // the next layer's gradient buffer
   std::vector<int> grad_channel;  // per unit: the channel whose send buffer holds its gradient
-  View1<P> poison_buf;            // (padded widest layer) NaN, where resharded layers point
+  // bf16 policy: the compute copy of each gathered unit beside its masters (the model casts
+  // it after the all-gather): the outer units' own, one per layer slot, one beside poison_buf.
+  bool bf16 = false;
+  View1<std::uint16_t> outer_compute[2];
+  std::vector<View1<std::uint16_t>> compute_slots;
+  View1<std::uint16_t> poison_compute;
+  View1<P> poison_buf;  // (padded widest layer) NaN, where resharded layers point
   std::vector<char> gathered;
   int pending_unit = -1;  // unit whose prefetched all-gather is in flight
   dist::Work pending_work;
@@ -171,10 +177,11 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   Impl(model::Esm2<P>& m, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& opt,
        const FsdpOptions& opts, dist::Backend backend)
       : model(m), options(opts), layers(m.config().num_layers) {
-    PLM_REQUIRE(m.config().precision == model::Precision::Fp32,
-                "parallel.shard_degree > 1 runs train.precision: fp32 only (the bf16 compute "
-                "copy is not gathered per layer yet); set train.precision: fp32 or "
+    PLM_REQUIRE(m.config().precision != model::Precision::Fp8,
+                "parallel.shard_degree > 1 runs train.precision: fp32 or bf16 (the FP8 weight "
+                "copies are not sharded yet); set train.precision: bf16 or "
                 "parallel.shard_degree: 1");
+    bf16 = m.config().precision == model::Precision::Bf16;
     PLM_CHECK_MPI(MPI_Comm_dup(shard, &shard_mpi));
     shard_comm = dist::makeCommunicator(shard, backend);
     replicate_comm = dist::makeCommunicator(replicate, backend);
@@ -211,6 +218,21 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     if (options.poison) {
       poison_buf = alloc("plm::train::fsdp::poison", widest);
       Kokkos::deep_copy(space, poison_buf, std::numeric_limits<P>::quiet_NaN());
+    }
+    if (bf16) {
+      std::int64_t widest_compute = 0;
+      for (int l = 0; l < layers; ++l)
+        widest_compute = std::max(widest_compute, computeOf(unitOfLayer(l)));
+      for (int k = 0; k < 2; ++k)
+        outer_compute[k] =
+            View1<std::uint16_t>("plm::train::fsdp::outer_compute", computeOf(outer[k]));
+      for (int b = 0; b < 2; ++b)
+        compute_slots.push_back(
+            View1<std::uint16_t>("plm::train::fsdp::gathered_compute", widest_compute));
+      if (options.poison) {
+        poison_compute = View1<std::uint16_t>("plm::train::fsdp::poison_compute", widest_compute);
+        Kokkos::deep_copy(space, poison_compute, kBf16NaN);
+      }
     }
     gathered.assign(units.size(), 0);
     slot_of.assign(units.size(), -1);
@@ -253,9 +275,27 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     if (!shard_comm->deviceMemory()) space.fence();
   }
 
+  static constexpr std::uint16_t kBf16NaN = 0x7FC0;
+
+  std::int64_t computeOf(int u) const {
+    return model.computeElements(units[u].offset, units[u].count);
+  }
+
+  // bf16: the compute buffer that goes with the masters at `params` (nullptr: home).
+  std::uint16_t* computeBeside(const P* params) {
+    if (!bf16 || params == nullptr) return nullptr;
+    for (int k = 0; k < 2; ++k)
+      if (params == outer_params[k].data()) return outer_compute[k].data();
+    if (params == poison_buf.data()) return poison_compute.data();
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (params == slots[i].data()) return compute_slots[i].data();
+    throw Error("plm::train::fsdp: no compute buffer beside a gathered unit (a bug)");
+  }
+
   void place(int u, P* params) {
     const ShardUnit& su = units[u];
-    model.placeRange(su.offset, su.count, params, channel[grad_channel[u]].send.data());
+    model.placeRange(su.offset, su.count, params, channel[grad_channel[u]].send.data(),
+                     computeBeside(params));
   }
 
   // Where a unit's all-gather lands: the embeddings' and head's own buffers, or a free slot of
@@ -267,6 +307,9 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
       slots.push_back(View1<P>(
           Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::train::fsdp::gathered_layer"),
           slots.front().extent(0)));
+      if (bf16)
+        compute_slots.push_back(View1<std::uint16_t>("plm::train::fsdp::gathered_compute",
+                                                     compute_slots.front().extent(0)));
     }
     slot_of[u] = free_slots.back();
     free_slots.pop_back();
@@ -292,6 +335,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
       launchGather(u, to).wait(dist::streamOf(space));
     }
     place(u, to);
+    model.refreshComputeRange(units[u].offset, units[u].count);  // bf16: cast beside it
     gathered[u] = 1;
   }
 
@@ -313,10 +357,12 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
       slot_of[u] = -1;
     }
     if (!options.poison) return;
-    if (isOuter(u))
+    if (isOuter(u)) {
       Kokkos::deep_copy(space, outerParams(u), std::numeric_limits<P>::quiet_NaN());
-    else
+      if (bf16) Kokkos::deep_copy(space, outer_compute[u == headUnit() ? 0 : 1], kBf16NaN);
+    } else {
       place(u, poison_buf.data());
+    }
   }
 
   // Waits for channel c's reduce-scatter and adds the received slice into the gradient shard.
@@ -447,8 +493,10 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     place(u, isOuter(u)       ? outerParams(u).data()
              : options.poison ? poison_buf.data()
                               : slots.front().data());
-    if (isOuter(u) && options.poison)
+    if (isOuter(u) && options.poison) {
       Kokkos::deep_copy(space, outerParams(u), std::numeric_limits<P>::quiet_NaN());
+      if (bf16) Kokkos::deep_copy(space, outer_compute[u == headUnit() ? 0 : 1], kBf16NaN);
+    }
   }
 
   // Every unit resharded; after gatherAll the views leave the whole buffer, which is freed.
@@ -626,6 +674,12 @@ template <class P> FsdpMemory Fsdp<P>::plannedMemory() const {
   FsdpMemory mem = shardedMemory(n, m.shard_comm->size(), buffers, m.options.poison,
                                  static_cast<int>(sizeof(P)));
   mem.optimizer = m.optimizer->stateBytes();  // the configured optimizer's state of the shard
+  if (m.bf16) {  // the compute copies beside the gathered units (2 bytes each)
+    std::int64_t c = m.outer_compute[0].extent(0) + m.outer_compute[1].extent(0) +
+                     buffers * static_cast<std::int64_t>(m.compute_slots.front().extent(0)) +
+                     static_cast<std::int64_t>(m.poison_compute.extent(0));
+    mem.gathered += 2 * c;
+  }
   return mem;
 }
 

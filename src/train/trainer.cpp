@@ -237,10 +237,10 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
     throw collectiveError("parallel.reduce_dtype: " + p.get<std::string>("reduce_dtype") +
                           " is not implemented yet; use fp32");
   if (layout.shard == 1) return;  // plain data parallelism: the gradient-bucket path
-  if (model_member->config().precision != model::Precision::Fp32)
+  if (model_member->config().precision == model::Precision::Fp8)
     throw collectiveError("parallel.shard_degree " + std::to_string(layout.shard) +
-                          " needs train.precision: fp32 (the bf16 compute copy is not gathered "
-                          "per layer yet); use fp32 or parallel.shard_degree: 1");
+                          " runs train.precision: fp32 or bf16 (the FP8 weight copies are not "
+                          "sharded yet); use bf16 or parallel.shard_degree: 1");
   groups_member = std::make_unique<dist::ProcessGroups>(comm_member, layout.shard);
   FsdpOptions fo;
   fo.reshard_after_forward = p.get<bool>("reshard_after_forward");

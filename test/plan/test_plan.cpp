@@ -390,10 +390,13 @@ TEST(Plan, NotesWhatPlmRefusesToday) {
   };
   const auto p = plan::makePlan(in);
   EXPECT_TRUE(has(p, "hidden <= 2560"));
-  EXPECT_TRUE(has(p, "sharding runs train.precision: fp32 only"));
+  EXPECT_FALSE(has(p, "sharding runs")) << "bf16 shards since the compute copy is per unit";
+  in.compute = Compute::Fp8;
+  EXPECT_TRUE(has(plan::makePlan(in), "fp8 with shard > 1 is refused"));
+  in.compute = Compute::Bf16;
   in.layout.shard = 4;
   in.layout.context = 2;
-  EXPECT_TRUE(has(plan::makePlan(in), "context parallelism is not in plm yet"));
+  EXPECT_TRUE(has(plan::makePlan(in), "bf16 with context_degree > 1 is refused"));
   in.compute = Compute::Fp32;
   in.layout.context = 1;
   EXPECT_FALSE(has(plan::makePlan(in), "sharding runs"));
