@@ -213,9 +213,13 @@ template <class TX> void layerNormForward(Stream stream, const TX* x, const floa
   else if (pairs_per_lane <= 40)
     forwardKernel<NX, 40>
         <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
+  else if (pairs_per_lane <= 80)  // esm2_15b (hidden 5120): spills registers, LayerNorm is
+                                  // a small share of that model's step
+    forwardKernel<NX, 80>
+        <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
   else
     throw Error("plm::gpu::layerNormForward: hidden " + std::to_string(cols) +
-                " is larger than the kernels support (2560)");
+                " is larger than the kernels support (5120)");
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -249,9 +253,12 @@ void layerNormBackward(Stream stream, const TDY* dy, const TX* x, const float* g
   else if (pairs_per_lane <= 40)
     launchBackward<NX, NDY, 40>(stream, dys, xs, gamma, mean, rstd, residual, accumulate, dxs,
                                 partial, rows, cols, blocks);
+  else if (pairs_per_lane <= 80)
+    launchBackward<NX, NDY, 80>(stream, dys, xs, gamma, mean, rstd, residual, accumulate, dxs,
+                                partial, rows, cols, blocks);
   else
     throw Error("plm::gpu::layerNormBackward: hidden " + std::to_string(cols) +
-                " is larger than the kernels support (2560)");
+                " is larger than the kernels support (5120)");
   PLM_CHECK_CUDA(cudaGetLastError());
   reducePartialsKernel<<<(2 * cols + 255) / 256, 256, 0, stream>>>(partial, blocks, cols, dgamma,
                                                                    dbeta);

@@ -29,7 +29,7 @@ std::size_t layerNormBackwardWorkspace(std::int64_t rows, int cols);
 /// \brief From dy (rows, cols; fp32 or bf16) and the forward's x, mean, rstd: dgamma, dbeta
 /// (fp32) += their gradients, and the input gradient g.  With `residual` (fp32 (rows, cols)):
 /// residual = (accumulate ? residual : 0) + g and dx = bf16(residual); without: dx = bf16(g).
-/// cols even, at most 2560.
+/// cols even, at most 5120.
 template <class TX, class TDY>
 void layerNormBackward(Stream stream, const TDY* dy, const TX* x, const float* gamma,
                        const float* mean, const float* rstd, float* residual, bool accumulate,

@@ -273,11 +273,11 @@ template <class T> struct Esm2<T>::Impl {
                               std::to_string(config.hidden) + ") and model.ffn (" +
                               std::to_string(config.ffn) +
                               ") to be multiples of 16 (cuBLASLt alignment)");
-      if (config.hidden > 2560)
+      if (config.hidden > 5120)
         throw collectiveError(
-            "train.precision: bf16 supports model.hidden up to 2560 (the "
-            "LayerNorm backward kernels); this model has " +
-            std::to_string(config.hidden) + " (esm2_15b needs a wider kernel)");
+            "train.precision: bf16 supports model.hidden up to 5120 (the LayerNorm kernels); "
+            "this model has " +
+            std::to_string(config.hidden));
       if (config.moe.enabled())
         throw collectiveError(
             "train.precision: bf16 is not available for Mixture-of-Experts models yet (their "

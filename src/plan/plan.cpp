@@ -475,9 +475,9 @@ Plan makePlan(const Input& in) {
   // What plm itself refuses today (src/model/esm2.cpp): planned anyway, said plainly.
   if (in.compute != Compute::Fp32 && in.rates.kind == "cpu")
     p.notes.push_back("bf16 runs on the CUDA build only; the CPU build trains in fp32");
-  if (in.compute != Compute::Fp32 && in.model.hidden > 2560)
+  if (in.compute != Compute::Fp32 && in.model.hidden > 5120)
     p.notes.push_back(
-        "plm's bf16 LayerNorm kernels take hidden <= 2560 today: this model (hidden " +
+        "plm's bf16 LayerNorm kernels take hidden <= 5120 today: this model (hidden " +
         std::to_string(in.model.hidden) + ") is refused in bf16 until a wider kernel lands");
   if (in.compute == Compute::Fp32 && in.rates.kind != "cpu")
     p.notes.push_back(

@@ -19,9 +19,12 @@ using test::DeviceBuffer;
 // (dx written as bf16) and residual (fp32 residual gradient += dx, its bf16 copy written).  Rows
 // cross several blocks of the backward (333 rows of 320 > 32 rows per block) so the fixed-order
 // partial sums of dgamma/dbeta are exercised; a rerun must be bitwise identical.
-TEST(FusedKernels, LayerNormForwardBackward) {
+// Widths: 320 (the small register tile) and 5120 (esm2_15b, the widest tile).
+class LayerNormWidth : public ::testing::TestWithParam<int> {};
+
+TEST_P(LayerNormWidth, ForwardBackward) {
   const std::int64_t rows = 333;
-  const int cols = 320;
+  const int cols = GetParam();
   Bf16Tensor x(test::randomNormal(rows * cols, 1, 2.0f));
   auto g0 = test::randomNormal(cols, 2);
   for (auto& g : g0) g += 1.0f;
@@ -86,6 +89,8 @@ TEST(FusedKernels, LayerNormForwardBackward) {
                     work.get());
   EXPECT_EQ(dgamma.download(), dg1);
 }
+
+INSTANTIATE_TEST_SUITE_P(FusedKernels, LayerNormWidth, ::testing::Values(320, 5120));
 
 TEST(FusedKernels, RotaryPositionsRestartPerSequenceAndInverseUndoes) {
   std::vector<std::int32_t> cu{0, 1, 300, 317, 1341};
