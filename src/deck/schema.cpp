@@ -238,6 +238,12 @@ const std::vector<KeySpec>& keys() {
        "its backward (less memory, one more all-gather per layer); false keeps them to the "
        "backward.",
        any(), {}},
+      {"parallel", "gather_dtype", K::text, "auto",
+       "Element type of the parameter all-gathers under sharding: bf16 moves bf16 copies of the "
+       "shards (half the bytes; the layers then compute on bf16-rounded parameters, LayerNorm "
+       "and biases included, as FSDP2's param_dtype does); fp32 moves the fp32 masters; auto = "
+       "bf16 under train.precision: bf16, else fp32.",
+       any(), {"auto", "fp32", "bf16"}},
       {"parallel", "reduce_dtype", K::text, "fp32",
        "Element type of the gradient reduce-scatter. Only fp32 is implemented; bf16 is "
        "reserved and refused.",

@@ -193,9 +193,12 @@ void planMemory(const Input& in, Plan& p) {
   n.embed_unit = round16(c.vocab * c.hidden);
   n.head_unit = n.flat - n.embed_unit - c.num_layers * n.layer_unit;
   n.layers = c.num_layers;
-  const train::FsdpMemory state =
-      train::shardedMemory(n, l.shard, in.reshard_after_forward ? 2 : c.num_layers);
-  p.memory.push_back({"parameters (fp32 masters)", double(state.params), "4 N / shard"});
+  const train::FsdpMemory state = train::shardedMemory(
+      n, l.shard, in.reshard_after_forward ? 2 : c.num_layers, false, 4, in.gather_bf16);
+  const bool bf16_gathers = in.gather_bf16 && l.shard > 1;
+  p.memory.push_back({bf16_gathers ? "parameters (fp32 masters, bf16 copy of the shard)"
+                                   : "parameters (fp32 masters)",
+                      double(state.params), bf16_gathers ? "(4 + 2) N / shard" : "4 N / shard"});
   p.memory.push_back({"gradients (fp32)", double(state.grads), "4 N / shard"});
   {
     // The optimizer's own byte count over the model's tensor table (what it allocates).
@@ -232,7 +235,10 @@ void planMemory(const Input& in, Plan& p) {
   }
   if (l.shard > 1) {
     p.memory.push_back({"gathered embeddings, head and layers (sharding)", double(state.gathered),
-                        "4 (2 (N_emb + N_head) + (2 gathered + 2 gradient) N_layer)"});
+                        bf16_gathers ? "4 (2 (N_emb + N_head) + (2 gathered + 2 gradient) "
+                                       "N_layer) + 2 (N_emb + N_head + 2 N_layer) bf16 staging"
+                                     : "4 (2 (N_emb + N_head) + (2 gathered + 2 gradient) "
+                                       "N_layer)"});
     p.memory.push_back({"reduce-scatter outputs (sharding)", double(state.staging),
                         "4 (2 N_layer + N_emb + N_head) / shard"});
   }
@@ -372,12 +378,14 @@ void planTime(const Input& in, Plan& p) {
     // The all-gathers move the fp32 masters (train/fsdp.cpp; bf16 casts beside them), twice
     // per micro-batch with resharding after forward.
     const double gathers = in.reshard_after_forward ? 2.0 : 1.0;
-    const double ag = gathers * (l.shard - 1.0) / l.shard * 4 * nb * l.shard;
+    const double ag = gathers * (l.shard - 1.0) / l.shard * (in.gather_bf16 ? 2 : 4) * nb * l.shard;
     const double rs = (l.shard - 1.0) / l.shard * 4 * nb * l.shard;
     const double per_mb = (ag + rs) / busbw(l.shard, spans);
     comm += mb * per_mb;
     exposed += mb * std::max(per_mb / L, per_mb - 1.5 * backward_time);
-    comm_formula = "shard: mb (2 [1 without resharding] (s-1)/s 4 N + (s-1)/s 4 N) / busbw";
+    comm_formula =
+        "shard: mb (2 [1 without resharding] (s-1)/s g N + (s-1)/s 4 N) / busbw, g = 2 with "
+        "bf16 gathers, else 4";
   }
   if (dp > 1) {
     const bool spans = l.nodes > 1;

@@ -48,6 +48,7 @@ struct Input {
   double fill = 0.97;  // real tokens per micro-batch / micro_batch_tokens (packing)
   Layout layout;
   bool reshard_after_forward = true;  // parallel.reshard_after_forward (sharding: gathered layers)
+  bool gather_bf16 = false;           // parallel.gather_dtype resolved (sharding: bf16 gathers)
   Rates rates;
   train::OptimizerOptions optimizer;  // optimizer.name and its settings: the state's bytes
 };

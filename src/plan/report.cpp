@@ -2,6 +2,7 @@
 #include "core/error.hpp"
 #include "data/loader.hpp"
 #include "plan/plan.hpp"
+#include "train/fsdp.hpp"
 #include "train/optim/from_deck.hpp"
 #include "train/trainer.hpp"
 
@@ -56,6 +57,10 @@ Input inputFromDeck(const Teuchos::ParameterList& deck, const Layout& layout, co
   in.layout = layout;
   in.rates = rates;
   in.optimizer = train::optimizerOptionsFromDeck(deck.sublist("optimizer"));
+  in.gather_bf16 = train::gatherInBf16(
+      deck.isSublist("parallel") ? deck.sublist("parallel").get<std::string>("gather_dtype")
+                                 : std::string("auto"),
+      in.compute == Compute::Bf16);
   return in;
 }
 

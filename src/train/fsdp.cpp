@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -106,8 +107,15 @@ ParamLayout shardParamLayout(const std::vector<model::TensorInfo>& tensors,
   return l;
 }
 
+bool gatherInBf16(const std::string& gather_dtype, bool bf16_compute) {
+  if (gather_dtype == "auto") return bf16_compute;
+  if (gather_dtype == "bf16") return true;
+  if (gather_dtype == "fp32") return false;
+  throw Error("parallel.gather_dtype: `" + gather_dtype + "` is not one of auto, fp32, bf16");
+}
+
 FsdpMemory shardedMemory(const ShardSizes& n, int shard, int layer_buffers, bool poison,
-                         int element_bytes) {
+                         int element_bytes, bool gather_bf16) {
   const std::int64_t s = std::max(1, shard);
   const std::int64_t p = element_bytes;
   auto padded = [s](std::int64_t count) { return (count + s - 1) / s * s; };
@@ -130,8 +138,30 @@ FsdpMemory shardedMemory(const ShardSizes& n, int shard, int layer_buffers, bool
                  p;
   // The reduce-scatter outputs of the four gradient buffers, added into the gradient shard.
   mem.staging = (2 * layer / s + padded(n.embed_unit) / s + padded(n.head_unit) / s) * p;
+  if (gather_bf16) {  // the shard's bf16 copy; a bf16 buffer beside each gathered one
+    mem.params += 2 * local;
+    mem.gathered += 2 * (padded(n.embed_unit) + padded(n.head_unit) + layer_buffers * layer);
+  }
   return mem;
 }
+
+namespace {
+// bf16 as 16 raw bits: round to nearest even, NaN kept quiet.
+KOKKOS_INLINE_FUNCTION std::uint16_t bf16Bits(float x) {
+  std::uint32_t bits = 0;
+  memcpy(&bits, &x, sizeof bits);
+  if ((bits & 0x7F800000u) == 0x7F800000u && (bits & 0x007FFFFFu) != 0)
+    return static_cast<std::uint16_t>((bits >> 16) | 0x0040u);
+  bits += 0x7FFFu + ((bits >> 16) & 1u);
+  return static_cast<std::uint16_t>(bits >> 16);
+}
+KOKKOS_INLINE_FUNCTION float bf16Value(std::uint16_t b) {
+  const std::uint32_t bits = static_cast<std::uint32_t>(b) << 16;
+  float x = 0;
+  memcpy(&x, &bits, sizeof x);
+  return x;
+}
+}  // namespace
 
 template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   // One reduce-scatter source: its full-unit send buffer, the slice it receives, and the
@@ -164,6 +194,12 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   View1<std::uint16_t> outer_compute[2];
   std::vector<View1<std::uint16_t>> compute_slots;
   View1<std::uint16_t> poison_compute;
+  // options.gather_bf16: the shard's bf16 copy (recast after every change of the masters) is
+  // what the all-gathers move, into a bf16 buffer beside each gathered fp32 buffer, which is
+  // then widened into it (exact): half the bytes of an fp32 gather.
+  View1<std::uint16_t> shard_bf16;
+  View1<std::uint16_t> outer_stage[2];
+  std::vector<View1<std::uint16_t>> stage_slots;
   View1<P> poison_buf;  // (padded widest layer) NaN, where resharded layers point
   std::vector<char> gathered;
   int pending_unit = -1;  // unit whose prefetched all-gather is in flight
@@ -256,6 +292,16 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     optimizer = makeOptimizer<P>(opt, params_shard,
                                  shardParamLayout(m.tensors(), units, r, m.config().hidden));
     optimizer->setShardGroup(shard_mpi);
+    if (options.gather_bf16) {
+      shard_bf16 = View1<std::uint16_t>("plm::train::fsdp::shard_bf16", total);
+      for (int k = 0; k < 2; ++k)
+        outer_stage[k] =
+            View1<std::uint16_t>("plm::train::fsdp::outer_stage", outer_params[k].extent(0));
+      for (const auto& slot : slots)
+        stage_slots.push_back(
+            View1<std::uint16_t>("plm::train::fsdp::gather_stage", slot.extent(0)));
+      castShardToBf16();
+    }
     space.fence();
   }
 
@@ -310,17 +356,55 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
       if (bf16)
         compute_slots.push_back(View1<std::uint16_t>("plm::train::fsdp::gathered_compute",
                                                      compute_slots.front().extent(0)));
+      if (options.gather_bf16)
+        stage_slots.push_back(
+            View1<std::uint16_t>("plm::train::fsdp::gather_stage", slots.front().extent(0)));
     }
     slot_of[u] = free_slots.back();
     free_slots.pop_back();
     return slots[slot_of[u]].data();
   }
 
-  dist::Work launchGather(int u, P* to) {
+  // The bf16 buffer the gather into fp32 buffer `to` lands in first (gather_bf16).
+  View1<std::uint16_t> stageBeside(const P* to) {
+    for (int k = 0; k < 2; ++k)
+      if (to == outer_params[k].data()) return outer_stage[k];
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (to == slots[i].data()) return stage_slots[i];
+    throw Error("plm::train::fsdp: no bf16 staging buffer beside a gather (a bug)");
+  }
+
+  // `masters`: the fp32 masters even under gather_bf16 (gatherAll: evaluation, model files).
+  dist::Work launchGather(int u, P* to, bool masters = false) {
     const ShardUnit& su = units[u];
     fenceForMpi();
+    if (options.gather_bf16 && !masters)
+      return shard_comm->allGather(shard_bf16.data() + su.local, stageBeside(to).data(), su.slice,
+                                   dist::streamOf(space));
     return shard_comm->allGather(params_shard.data() + su.local, to, su.slice,
                                  dist::streamOf(space));
+  }
+
+  // After unit u's gather into `to` completed: gather_bf16 widens the bf16 values into it.
+  void landGather(int u, P* to) {
+    if (!options.gather_bf16) return;
+    const std::int64_t n = units[u].slice * shard_comm->size();
+    const View1<std::uint16_t> from = stageBeside(to);
+    P* dst = to;
+    Kokkos::parallel_for(
+        "plm::train::fsdp::widen_bf16", Kokkos::RangePolicy<ExecSpace>(space, 0, n),
+        KOKKOS_LAMBDA(const std::int64_t i) { dst[i] = static_cast<P>(bf16Value(from(i))); });
+  }
+
+  // gather_bf16: the shard's bf16 copy, round to nearest even (NaN stays NaN).
+  void castShardToBf16() {
+    if (!options.gather_bf16) return;
+    const View1<P> from = params_shard;
+    const View1<std::uint16_t> to = shard_bf16;
+    Kokkos::parallel_for(
+        "plm::train::fsdp::shard_to_bf16",
+        Kokkos::RangePolicy<ExecSpace>(space, 0, static_cast<std::int64_t>(from.extent(0))),
+        KOKKOS_LAMBDA(const std::int64_t i) { to(i) = bf16Bits(static_cast<float>(from(i))); });
   }
 
   void ensureGathered(int u) {
@@ -334,6 +418,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
       to = home(u);
       launchGather(u, to).wait(dist::streamOf(space));
     }
+    landGather(u, to);
     place(u, to);
     model.refreshComputeRange(units[u].offset, units[u].count);  // bf16: cast beside it
     gathered[u] = 1;
@@ -477,7 +562,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     for (int u = 0; u < static_cast<int>(units.size()); ++u) {
       const ShardUnit& su = units[u];
       View1<P> staging = isOuter(u) ? outerParams(u) : slots.front();
-      launchGather(u, staging.data()).wait(dist::streamOf(space));
+      launchGather(u, staging.data(), true).wait(dist::streamOf(space));
       Kokkos::deep_copy(space,
                         Kokkos::subview(full, std::make_pair(su.offset, su.offset + su.count)),
                         Kokkos::subview(staging, std::make_pair(std::int64_t(0), su.count)));
@@ -579,6 +664,7 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
   }
   st.clip_factor = clipFactor(st.grad_norm, clip_norm);
   m.optimizer->step(space, g, lr, st.clip_factor);
+  m.castShardToBf16();
   space.fence();
   Kokkos::Profiling::popRegion();
   return st;
@@ -646,6 +732,7 @@ template <class P> void Fsdp<P>::importFull(const ExecSpace& space, const Optimi
   takeOwned(space, m.units, r, full.master(), opt.master());
   importState(full, opt);
   if (!opt.mastersAlias()) opt.syncParameters(space);
+  m.castShardToBf16();
   opt.setStepCount(full.stepCount());
   reshardAll(space);
 }
@@ -672,7 +759,7 @@ template <class P> FsdpMemory Fsdp<P>::plannedMemory() const {
   n.embed_unit = m.units[m.embedUnit()].count;
   const int buffers = m.options.reshard_after_forward ? 2 : m.layers;
   FsdpMemory mem = shardedMemory(n, m.shard_comm->size(), buffers, m.options.poison,
-                                 static_cast<int>(sizeof(P)));
+                                 static_cast<int>(sizeof(P)), m.options.gather_bf16);
   mem.optimizer = m.optimizer->stateBytes();  // the configured optimizer's state of the shard
   if (m.bf16) {  // the compute copies beside the gathered units (2 bytes each)
     std::int64_t c = m.outer_compute[0].extent(0) + m.outer_compute[1].extent(0) +

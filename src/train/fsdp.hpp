@@ -53,7 +53,13 @@ namespace plm::train {
 struct FsdpOptions {
   bool reshard_after_forward = true;  // all-gather again before each layer's backward
   bool poison = false;                // fill resharded ranges with NaN (tests, debugging)
+  // All-gather bf16 copies of the shards (parallel.gather_dtype: bf16): the layers compute on
+  // bf16-rounded parameters (FSDP2's param_dtype), half the bytes of an fp32 gather.
+  bool gather_bf16 = false;
 };
+
+/// \brief parallel.gather_dtype resolved: true = bf16 all-gathers ("auto": under bf16 compute).
+bool gatherInBf16(const std::string& gather_dtype, bool bf16_compute);
 
 /// The sharded layout of a job: shard_degree x replicate_degree = ranks.
 struct ParallelLayout {
@@ -114,8 +120,9 @@ struct ShardSizes {
 /// shard 1 is plain data parallelism (whole parameters, gradients and AdamW state);
 /// shard > 1 holds 1/shard of them plus the gathered buffers, with `layer_buffers` gathered
 /// layers (2, or L without resharding after forward) and a NaN layer buffer with `poison`.
+/// `gather_bf16` adds the shard's bf16 copy and a bf16 staging buffer beside each gathered one.
 FsdpMemory shardedMemory(const ShardSizes& sizes, int shard, int layer_buffers = 2,
-                         bool poison = false, int element_bytes = 4);
+                         bool poison = false, int element_bytes = 4, bool gather_bf16 = false);
 
 template <class P> class Fsdp {
  public:
@@ -139,7 +146,8 @@ template <class P> class Fsdp {
                  double clip_norm, MPI_Comm comm, const std::function<void()>& before_update = {});
 
   /// \brief All-gathers every unit into the model's whole parameter buffer, allocated again for
-  /// it (evaluation, the final model file, tests); the next step or reshardAll frees it.
+  /// it (evaluation, the final model file, tests); the next step or reshardAll frees it.  The
+  /// fp32 masters, also under gather_bf16.
   void gatherAll(const ExecSpace& space);
   /// \brief Reshards every unit and frees the model's whole buffer (with `poison`: the layers'
   /// views point at NaN).

@@ -244,6 +244,8 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
   groups_member = std::make_unique<dist::ProcessGroups>(comm_member, layout.shard);
   FsdpOptions fo;
   fo.reshard_after_forward = p.get<bool>("reshard_after_forward");
+  fo.gather_bf16 = gatherInBf16(p.get<std::string>("gather_dtype"),
+                                model_member->config().precision == model::Precision::Bf16);
   fsdp_member = std::make_unique<Fsdp<param_t>>(
       *model_member, groups_member->shard(), groups_member->replicate(), optimizer_options_member,
       fo, dist::defaultBackend(groups_member->shard()));

@@ -24,7 +24,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <string>
 #include <vector>
 
@@ -200,6 +202,50 @@ class SkipGather : public plm::model::LayerHooks {
   int skip_member;
   bool backward_member = false;
 };
+
+// parallel.gather_dtype: bf16 on fp32 compute (the CPU): every layout trains like the same
+// engine at shard 1 (the gathers then round the masters locally) to the bf16 bound, the
+// layers really compute on bf16-rounded parameters (the run differs from fp32 gathers, by
+// less than the rounding can move a 20-step curve), the masters stay fp32 (gatherAll), and
+// the plan counts the bf16 copy.
+TEST(Fsdp, Bf16GathersMatchAcrossLayoutsAndRoundTheLayers) {
+  const int world = plm::dist::worldSize();
+  plm::dist::Backend backend;
+  if (!backendFor(MPI_COMM_WORLD, &backend)) GTEST_SKIP() << "ranks share a GPU: no backend";
+  plm::train::FsdpOptions o;
+  o.poison = true;
+  o.gather_bf16 = true;
+  const TrainRun one = sharded(tinyConfig(), 1, o);
+  for (int shard = 2; shard <= world; shard *= 2)
+    expectSame(one, sharded(tinyConfig(), shard, o),
+               "bf16 gathers, shard " + std::to_string(shard) + " x replicate " +
+                   std::to_string(world / shard),
+               2e-3);
+  const TrainRun fp32 = reference(tinyConfig());
+  double differ = 0;
+  for (std::size_t s = 0; s < fp32.losses.size(); ++s)
+    differ = std::max(differ, std::abs(one.losses[s] - fp32.losses[s]) / fp32.losses[s]);
+  EXPECT_GT(differ, 1e-6) << "bf16 gathers left the layers' parameters unrounded";
+  EXPECT_LT(differ, 2e-2) << "bf16-rounded parameters should train like fp32 ones";
+  bool off_grid = false;  // gatherAll returns the fp32 masters, not their bf16 copies
+  for (double v : one.params) {
+    const float f = static_cast<float>(v);
+    std::uint32_t bits = 0;
+    std::memcpy(&bits, &f, sizeof bits);
+    off_grid = off_grid || (bits & 0xFFFFu) != 0;
+  }
+  EXPECT_TRUE(off_grid) << "gatherAll handed out bf16-rounded parameters";
+  plm::train::ShardSizes n;
+  n.flat = 1000;
+  n.layer_unit = 100;
+  n.embed_unit = 200;
+  n.head_unit = 300;
+  n.layers = 7;
+  const auto fp32_mem = plm::train::shardedMemory(n, 4);
+  const auto bf16_mem = plm::train::shardedMemory(n, 4, 2, false, 4, true);
+  EXPECT_EQ(bf16_mem.params - fp32_mem.params, fp32_mem.params / 2);
+  EXPECT_EQ(bf16_mem.gathered - fp32_mem.gathered, 2 * (200 + 300 + 2 * 100));
+}
 
 TEST(Fsdp, PoisonCatchesAReadBeforeTheAllGather) {
   const int world = plm::dist::worldSize();
