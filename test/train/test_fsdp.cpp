@@ -289,6 +289,14 @@ TEST(Fsdp, Bf16ComputeCopyBesideGatheredUnitsMatchesOneRank) {
   plm::train::FsdpOptions keep;
   keep.reshard_after_forward = false;
   expectSame(ref, sharded(bf16Config(), world, keep), "bf16 reshard_after_forward false", 2e-3);
+  plm::train::FsdpOptions gathers;  // parallel.gather_dtype auto under bf16: bf16 all-gathers
+  gathers.poison = true;
+  gathers.gather_bf16 = true;
+  const TrainRun one = sharded(bf16Config(), 1, gathers);
+  expectSame(ref, one, "bf16 compute, bf16 gathers, shard 1", 2e-2);
+  for (int shard = 2; shard <= world; shard *= 2)
+    expectSame(one, sharded(bf16Config(), shard, gathers),
+               "bf16 compute, bf16 gathers, shard " + std::to_string(shard), 2e-3);
   Esm2Config rc = bf16Config();
   rc.recompute = plm::model::Recompute::Selective;
   plm::train::FsdpOptions poison;
