@@ -61,12 +61,8 @@ def smooth(values, window):
 
 
 def tokens_at(train):
-    """step -> tokens seen after it (the runs log `tokens` per step)."""
-    seen, out = 0, {}
-    for s in sorted(train):
-        seen += int(train[s].get("tokens", 0))
-        out[s] = seen
-    return out
+    """step -> tokens seen after it (`tokens` is cumulative; `interval_tokens` per log line)."""
+    return {s: int(train[s].get("tokens", 0)) for s in sorted(train)}
 
 
 def balance(train, warmup):
@@ -238,7 +234,7 @@ def main():
             ax_b.plot(msteps, low, "--", linewidth=0.6, color=line.get_color(), alpha=0.6)
     ax_b.axhline(a.balance, color="gray", lw=0.8, label=f"{a.balance} (target)")
     ax_b.axvline(a.warmup, color="gray", lw=0.6, ls=":")
-    ax_b.set_yscale("log")
+    ax_b.set_ylim(0, 2.5)  # the first steps reach 3-4 (max) and 0 (min): the target's scale
     ax_b.set_xlabel("optimizer step")
     ax_b.set_title("MoE tokens per expert: max/mean (solid), min/mean (dashed)")
     ax_b.legend(fontsize=7)
