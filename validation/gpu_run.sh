@@ -2,7 +2,13 @@
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
-#                                       fp8_bench fp8_curves context optimizers
+#                                       fp8_bench fp8_curves context optimizers moe moe_curves
+#   moe: test_gpu_moe and test_gpu_moe_bf16 (the bf16 MoE layer of the training step against
+#        the portable fp32 path), bench_gpu_moe, and a short bf16 MoE training run (esm2_8m with
+#        8 experts of 640, top-2; PLM_MOE_STEPS steps) with its tokens/s
+#   moe_curves: validation/moe_curves.py on the packaged mmseqs2 proteins, bf16: esm2_8m dense
+#        against 8 x 640 top-2 (equal active FLOPs), PLM_MOE_CURVE_STEPS steps of
+#        PLM_MOE_CURVE_TOKENS tokens; $OUT/moe_curves.png (-> doc/img/) and the table
 #   fp8: test_gpu_fp8 (every FP8 cast and GEMM layout vs host references) and
 #        bench_gpu_fp8_gemm (650M layer GEMMs bf16 vs FP8 per-tensor vs FP8 block; cast GB/s),
 #        their full logs copied to $OUT (fp8_test.log, fp8_bench.log)
@@ -358,6 +364,54 @@ if has optimizers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     cp "$d/metrics.jsonl" "$final_out/metrics_optimizers_$name.jsonl" 2>/dev/null
     h5ls -r "$d/ckpt/step_000300.h5/optimizer" 2>/dev/null | head -4 >> "$summary"
   done
+fi
+
+if has moe && [[ -x "$pkg/bin/plm" ]]; then
+  for t in test_gpu_moe test_gpu_moe_bf16; do
+    [[ -x "$pkg/bin/$t" ]] || { note "moe: no $t in $pkg/bin"; continue; }
+    timeout 300 "$pkg/bin/$t" > "$out/$t.log" 2>&1
+    note "$t rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/$t.log" | tr '\n' ' ')"
+    grep -E "Failure|Expected|Which is|FAILED|rel" "$out/$t.log" | head -30 | tee -a "$summary"
+  done
+  if [[ -x "$pkg/bin/bench_gpu_moe" ]]; then
+    timeout 300 "$pkg/bin/bench_gpu_moe" > "$out/bench_gpu_moe.log" 2>&1
+    note "bench_gpu_moe rc=$?"
+    cat "$out/bench_gpu_moe.log" >> "$summary"
+  fi
+  # The dense esm2_8m beside it (same tokens, equal active FLOPs), then MoE with each routing.
+  for routing in dense device host; do
+    [[ -f "$pkg/data/train.h5" ]] || break
+    d=/tmp/plm-moe-bf16-$routing; rm -rf "$d"
+    moe=(--set moe.experts=8 --set moe.top_k=2 --set moe.expert_ffn=640 --set moe.bias_balance=true)
+    [[ $routing == dense ]] && moe=()
+    PLM_MOE_ROUTING=$routing timeout 240 "$pkg/bin/plm" train "$repo/inputs/esm2_8m.yaml" --set data.train="$pkg/data/train.h5" \
+      --set data.valid="" --set train.precision=bf16 "${moe[@]}" --set train.steps=${PLM_MOE_STEPS:-60} \
+      --set train.log_every=10 --set schedule.warmup_steps=20 --set data.tokens_per_batch=65536 \
+      --set data.micro_batch_tokens=32768 --set checkpoint.every=0 --set checkpoint.resume=none \
+      --set train.run_dir="$d" --set checkpoint.dir="$d/ckpt" > "$out/moe_train_bf16_$routing.log" 2>&1
+    note "plm train esm2_8m bf16 ($routing; moe = 8 x 640 top-2) rc=$?"
+    grep -E "^step|error|refus" "$out/moe_train_bf16_$routing.log" | tail -4 | tee -a "$summary"
+  done
+fi
+
+if has moe_curves && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # Issue 17's target 2 at the GPU size (doc/performance.md "MoE vs dense training"): same
+  # tokens for both runs; PLM_CURVES_DATA as for fp8_curves (split/ has a validation set).
+  data=${PLM_CURVES_DATA:-$pkg/data}
+  valid=""; [[ -f "$data/valid.h5" ]] && valid="$data/valid.h5"
+  timeout ${PLM_MOE_CURVE_TIMEOUT:-400} python3 "$repo/validation/moe_curves.py" --plm "$pkg/bin/plm" \
+    --deck "$repo/inputs/esm2_8m.yaml" --train "$data/train.h5" --valid "$valid" \
+    --steps ${PLM_MOE_CURVE_STEPS:-300} --work /tmp/plm-moe-curves --warmup 50 \
+    --moe-set moe.experts=8 --moe-set moe.top_k=2 --moe-set moe.expert_ffn=640 \
+    --moe-set moe.bias_balance=true --set train.precision=bf16 \
+    --set data.tokens_per_batch=${PLM_MOE_CURVE_TOKENS:-65536} --set data.micro_batch_tokens=32768 \
+    --set schedule.warmup_steps=30 --set optimizer.lr=1.0e-3 --set train.eval_every=25 \
+    --set data.valid_tokens=131072 --title "esm2_8m (GPU, bf16): dense vs 8 x 640 top-2" \
+    --out "$final_out/moe_curves.png" --table "$out/moe_curves.md" > "$out/moe_curves.log" 2>&1
+  note "moe_curves esm2_8m ${PLM_MOE_CURVE_STEPS:-300} steps rc=$?"
+  grep -vE "^moe_curves: /" "$out/moe_curves.log" | grep -E "moe_curves:|^\||MoE|load" | tee -a "$summary"
+  for r in dense moe; do cp "/tmp/plm-moe-curves/$r/metrics.jsonl" "$out/moe_curves_$r.jsonl" 2>/dev/null; done
+  cp "$out/moe_curves.md" "$final_out/" 2>/dev/null
 fi
 
 if has hf; then

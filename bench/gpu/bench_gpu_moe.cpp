@@ -5,6 +5,11 @@
 // ffn = top_k x expert_ffn.  Tokens are routed by model::route from logits with a per-expert
 // offset (uneven load, max/mean printed); the host routing's time is printed apart.
 //
+// Then the training step's layers: MoeMlp (bf16 path: fp32 router GEMM, host routing, permute,
+// cuBLASLt experts, unpermute; backward: unpermute backward, per-expert dgrad/wgrad with dGELU,
+// router backward, combine) against DenseMlp of ffn = top_k x expert_ffn, forward + backward,
+// wall clock after a device synchronise (the host routing and its copies included).
+//
 //   bench_gpu_moe [tokens]   (default: the shapes of doc/anchors.md §6 "MoE expert GEMMs")
 #include "core/error.hpp"
 #include "gpu/fused.hpp"
@@ -13,6 +18,7 @@
 #include "model/moe.hpp"
 
 #include <cuda_runtime.h>
+#include <Kokkos_Core.hpp>
 
 #include <algorithm>
 #include <chrono>
@@ -20,6 +26,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <vector>
 
@@ -150,12 +157,154 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
       experts_ms, flops / experts_ms / 1e9, unpermute_ms, 100.0 * dense_ms / moe_ms, route_ms);
 }
 
+/// Parameters of one FFN (bf16 weights, fp32 gradients) owned by the benchmark.
+struct Ffn {
+  std::vector<std::unique_ptr<Buffer>> own;
+  plm::model::DenseMlpWeights w, g;
+  Ffn(int hidden, int ffn, unsigned seed, bool b2_bf16) {
+    using plm::model::DType;
+    using plm::model::Mat;
+    auto bf = [&](std::int64_t rows, std::int64_t cols, float scale) {
+      own.emplace_back(randomBf16(rows * cols, seed++, scale));
+      return own.back()->ptr;
+    };
+    auto zero = [&](std::int64_t n) {
+      own.emplace_back(new Buffer(n * 4));
+      PLM_CHECK_CUDA(cudaMemset(own.back()->ptr, 0, n * 4));
+      return own.back()->ptr;
+    };
+    w.w1 = {bf(ffn, hidden, 0.03f), DType::BF16, ffn, hidden, hidden};
+    w.b1 = {bf(ffn, 1, 0.1f), DType::BF16, ffn};
+    w.w2 = {bf(hidden, ffn, 0.03f), DType::BF16, hidden, ffn, ffn};
+    w.b2 = b2_bf16 ? plm::model::Vec{bf(hidden, 1, 0.1f), DType::BF16, hidden}
+                   : plm::model::Vec{zero(hidden), DType::F32, hidden};
+    g.w1 = {zero(std::int64_t(ffn) * hidden), DType::F32, ffn, hidden, hidden};
+    g.b1 = {zero(ffn), DType::F32, ffn};
+    g.w2 = {zero(std::int64_t(ffn) * hidden), DType::F32, hidden, ffn, ffn};
+    g.b2 = {zero(hidden), DType::F32, hidden};
+  }
+};
+
+double medianWallMs(const std::function<void()>& f, int repeats = 10) {
+  for (int i = 0; i < 3; ++i) f();
+  Kokkos::fence();
+  std::vector<double> ms(repeats);
+  for (int i = 0; i < repeats; ++i) {
+    const auto t0 = std::chrono::steady_clock::now();
+    f();
+    Kokkos::fence();
+    ms[i] =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+  }
+  std::sort(ms.begin(), ms.end());
+  return ms[repeats / 2];
+}
+
+void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, int k,
+                int expert_ffn) {
+  using plm::ExecSpace;
+  using plm::model::DenseMlp;
+  using plm::model::DType;
+  using plm::model::FfnBlock;
+  using plm::model::LayerActs;
+  using plm::model::LayerScratch;
+  using plm::model::Mat;
+  using plm::model::MoeConfig;
+  using plm::model::MoeMlp;
+  using plm::model::MoeStep;
+  using plm::model::MoeWeights;
+  using plm::model::OpContext;
+  MoeConfig c;
+  c.experts = experts;
+  c.top_k = k;
+  c.expert_ffn = expert_ffn;
+  c.aux_loss = 0.01;
+  const int ffn = k * expert_ffn;
+  OpContext ctx{ExecSpace()};
+  ctx.cuda();
+  std::unique_ptr<Buffer> h(randomBf16(tokens * hidden, 1, 1.0f)),
+      dout(randomBf16(tokens * hidden, 2, 0.01f));
+  Buffer residual(tokens * hidden * 4), out(tokens * hidden * 4), dh(tokens * hidden * 2),
+      pre(tokens * ffn * 2), act(tokens * ffn * 2), dffn(tokens * ffn * 2);
+  PLM_CHECK_CUDA(cudaMemset(residual.ptr, 0, tokens * hidden * 4));
+  auto mat = [](void* p, DType d, std::int64_t r, std::int64_t cols) {
+    return Mat{p, d, r, cols, cols};
+  };
+  LayerActs saved;
+  saved.ln2 = mat(h->ptr, DType::BF16, tokens, hidden);
+  saved.pre = mat(pre.ptr, DType::BF16, tokens, ffn);
+  saved.act = mat(act.ptr, DType::BF16, tokens, ffn);
+  LayerScratch scratch;
+  scratch.dffn = mat(dffn.ptr, DType::BF16, tokens, ffn);
+  const Mat res = mat(residual.ptr, DType::F32, tokens, hidden);
+  const Mat o = mat(out.ptr, DType::F32, tokens, hidden);
+  const Mat dout_c = mat(dout->ptr, DType::BF16, tokens, hidden);
+  const Mat dhm = mat(dh.ptr, DType::BF16, tokens, hidden);
+
+  Ffn dense_p(hidden, ffn, 100, false);
+  DenseMlp dense(dense_p.w, dense_p.g);
+  auto step = [&](const FfnBlock& b) {
+    b.forward(ctx, saved.ln2, res, o, saved);
+    b.backward(ctx, saved, dout_c, dhm, scratch);
+  };
+  const double dense_ms = medianWallMs([&] { step(dense); });
+
+  std::vector<std::unique_ptr<Ffn>> ex;
+  MoeWeights w, g;
+  std::unique_ptr<Buffer> router(new Buffer(std::size_t(experts) * hidden * 4)),
+      router_g(new Buffer(std::size_t(experts) * hidden * 4));
+  {
+    std::mt19937 gen(9);
+    std::normal_distribution<float> normal(0.0f, 0.02f);
+    std::vector<float> r(std::size_t(experts) * hidden);
+    for (auto& v : r) v = normal(gen);
+    PLM_CHECK_CUDA(cudaMemcpy(router->ptr, r.data(), r.size() * 4, cudaMemcpyHostToDevice));
+    PLM_CHECK_CUDA(cudaMemset(router_g->ptr, 0, r.size() * 4));
+  }
+  w.router = mat(router->ptr, DType::F32, experts, hidden);
+  g.router = mat(router_g->ptr, DType::F32, experts, hidden);
+  for (int e = 0; e < experts; ++e) {
+    ex.emplace_back(new Ffn(hidden, expert_ffn, 200 + 10 * e, true));
+    w.experts.push_back(ex.back()->w);
+    g.experts.push_back(ex.back()->g);
+  }
+  MoeStep ms;
+  ms.loss_weight = 1.0;
+  ms.grad_scale = 1.0;
+  ms.training = true;
+  MoeMlp<float> moe(0, c, hidden, w, g, &ms);
+  const double moe_ms = medianWallMs([&] { step(moe); });
+  const auto& st = moe.stats();
+  double most = 0, sum = 0;
+  for (double v : st.routed) {
+    most = std::max(most, v);
+    sum += v;
+  }
+  const double flops = 3.0 * 4.0 * static_cast<double>(tokens) * hidden * ffn;  // fwd + bwd
+  std::printf(
+      "train %-22s T %lld H %d E %d top-%d F_e %d | load max/mean %.2f | dense fwd+bwd %.3f ms "
+      "(%.0f TFLOP/s) | moe fwd+bwd %.3f ms (%.0f TFLOP/s active) | moe/dense tokens/s %.1f%%\n",
+      name, static_cast<long long>(tokens), hidden, experts, k, expert_ffn,
+      sum > 0 ? most / (sum / experts) : 0.0, dense_ms, flops / dense_ms / 1e9, moe_ms,
+      flops / moe_ms / 1e9, 100.0 * dense_ms / moe_ms);
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  Kokkos::ScopeGuard kokkos(argc, argv);
   const std::int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 0;
   run("650M-like 8 experts top-2", tokens ? tokens : 24576, 1280, 8, 2, 2560);
   run("AIDO.Protein-16B layer", tokens ? tokens : 16384, 2304, 8, 2, 7680);
   run("fine-grained 64 experts top-8", tokens ? tokens : 16384, 1280, 64, 8, 640);
+  // The training step's layers (bf16 MoeMlp vs DenseMlp), forward + backward, with the routing
+  // on the device (the default) and with the host reference (PLM_MOE_ROUTING=host).
+  for (const char* routing : {"device", "host"}) {
+    setenv("PLM_MOE_ROUTING", routing, 1);
+    std::printf("routing on the %s:\n", routing);
+    trainLayer("esm2_8m-like", tokens ? tokens : 32768, 320, 8, 2, 640);
+    trainLayer("650M-like", tokens ? tokens : 24576, 1280, 8, 2, 2560);
+    trainLayer("64 experts top-8", tokens ? tokens : 16384, 1280, 64, 8, 640);
+  }
   return 0;
 }

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 
 namespace plm::gpu {
 namespace {
@@ -64,12 +65,12 @@ __global__ void unpermuteBackwardKernel(const bfloat* dout, const bfloat* y,
 }
 
 __global__ void combineGradientKernel(const bfloat* dx, const std::int32_t* slot_row, bfloat* dh,
-                                      std::int64_t tokens, int k, int hidden) {
+                                      std::int64_t tokens, int k, int hidden, const float* add) {
   const int lane = threadIdx.x % kWarp;
   for (std::int64_t t = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp; t < tokens;
        t += std::int64_t(gridDim.x) * kWarpsPerBlock) {
     for (int c = lane; c < hidden; c += kWarp) {
-      float acc = 0.0f;
+      float acc = add ? add[t * hidden + c] : 0.0f;
       for (int j = 0; j < k; ++j) {
         const std::int32_t p = slot_row[t * k + j];
         if (p >= 0) acc += __bfloat162float(dx[std::int64_t(p) * hidden + c]);
@@ -101,11 +102,11 @@ void moeUnpermuteBackward(Stream stream, const bf16* dout, const bf16* y,
 }
 
 void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_row, bf16* dh,
-                        std::int64_t tokens, int k, int hidden) {
+                        std::int64_t tokens, int k, int hidden, const float* add) {
   if (tokens == 0) return;
   combineGradientKernel<<<blocksForTokens(tokens), kWarp * kWarpsPerBlock, 0, stream>>>(
       reinterpret_cast<const bfloat*>(dx), slot_row, reinterpret_cast<bfloat*>(dh), tokens, k,
-      hidden);
+      hidden, add);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -151,6 +152,271 @@ void expertFfnForward(Gemm& gemm, Stream stream, const std::vector<ExpertWeights
     gemm.run(stream, down);
     at += n;
   }
+}
+
+// ---- routing on the device ---------------------------------------------------------------------
+// Design: one thread per token decides its slots (double, as the host reference); the capacity
+// cut and the permutation need each slot's rank among the earlier slots of its expert, found in
+// chunks of kChunk slots (a rank inside the chunk, counts per chunk, one scan over the chunks per
+// expert); every sum over tokens is a fixed-order block reduction, so a routing is
+// deterministic and independent of the launch shape.
+namespace {
+
+constexpr int kChunk = 256;
+constexpr int kRouteThreads = 128;
+
+std::int64_t chunksOf(std::int64_t slots) { return (slots + kChunk - 1) / kChunk; }
+
+__global__ void routeTokensKernel(RouteArgs a, RouteBuffers b) {
+  const std::int64_t t = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x;
+  if (t >= a.tokens) return;
+  const int e_n = a.experts, k = a.top_k;
+  const float* l = a.logits + t * e_n;
+  double m = -INFINITY;
+  for (int e = 0; e < e_n; ++e) m = fmax(m, double(l[e]));
+  double s = 0;
+  for (int e = 0; e < e_n; ++e) s += exp(double(l[e]) - m);
+  const double lse = m + log(s);
+  double* p = b.prob + t * e_n;
+  double total = 0;
+  for (int e = 0; e < e_n; ++e) {
+    p[e] = a.softmax ? exp(double(l[e]) - m) / s : 1.0 / (1.0 + exp(-double(l[e])));
+    total += p[e];
+  }
+  double h = 0;
+  for (int e = 0; e < e_n; ++e) {
+    const double q = p[e] / total;
+    if (q > 0) h -= q * log(q);
+  }
+  b.lse[t] = lse;
+  b.token_stats[2 * t] = lse * lse;
+  b.token_stats[2 * t + 1] = h;
+  // Top-k by repeated arg-max: descending score, ties to the lower expert (the reference's
+  // partial_sort order).
+  unsigned long long taken[kMaxRouteExperts / 64] = {};
+  double sel = 0;
+  for (int j = 0; j < k; ++j) {
+    int best = -1;
+    double best_score = 0;
+    for (int e = 0; e < e_n; ++e) {
+      if (taken[e / 64] >> (e % 64) & 1ull) continue;
+      const double score = p[e] + (a.bias ? double(a.bias[e]) : 0.0);
+      if (best < 0 || score > best_score) {
+        best = e;
+        best_score = score;
+      }
+    }
+    taken[best / 64] |= 1ull << (best % 64);
+    b.expert[t * k + j] = best;
+    sel += p[best];
+  }
+  for (int j = 0; j < k; ++j) {
+    const int e = b.expert[t * k + j];
+    b.gate[t * k + j] = static_cast<float>(a.normalize_topk ? p[e] / sel : p[e]);
+  }
+}
+
+__global__ void chunkRankKernel(RouteArgs a, RouteBuffers b) {
+  __shared__ std::int32_t chunk[kChunk];
+  const std::int64_t slots = a.tokens * a.top_k;
+  const std::int64_t s = blockIdx.x * std::int64_t(kChunk) + threadIdx.x;
+  const std::int32_t e = s < slots ? b.expert[s] : -1;
+  chunk[threadIdx.x] = e;
+  __syncthreads();
+  if (s < slots) {
+    std::int32_t r = 0;
+    for (int i = 0; i < static_cast<int>(threadIdx.x); ++i) r += chunk[i] == e;
+    b.rank[s] = r;
+  }
+  for (int x = threadIdx.x; x < a.experts; x += blockDim.x) {
+    std::int64_t c = 0;
+    for (int i = 0; i < kChunk; ++i) c += chunk[i] == x;
+    b.chunk_count[blockIdx.x * std::int64_t(a.experts) + x] = c;
+  }
+}
+
+__global__ void scanChunksKernel(RouteArgs a, RouteBuffers b, std::int64_t chunks) {
+  const int e_n = a.experts;
+  for (int e = threadIdx.x; e < e_n; e += blockDim.x) {
+    std::int64_t run = 0;
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const std::int64_t n = b.chunk_count[c * e_n + e];
+      b.chunk_count[c * e_n + e] = run;
+      run += n;
+    }
+    b.counts[e] = run;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    std::int64_t start = 0;
+    for (int e = 0; e < e_n; ++e) {
+      const std::int64_t routed = b.counts[e];
+      const std::int64_t kept = a.capacity > 0 && routed > a.capacity ? a.capacity : routed;
+      b.counts[e_n + e] = kept;
+      b.counts[2 * e_n + e] = start;
+      start += kept;
+    }
+  }
+}
+
+__global__ void placeSlotsKernel(RouteArgs a, RouteBuffers b) {
+  const std::int64_t slots = a.tokens * a.top_k;
+  const std::int64_t s = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x;
+  if (s >= slots) return;
+  const int e = b.expert[s];
+  const std::int64_t r = b.chunk_count[(s / kChunk) * a.experts + e] + b.rank[s];
+  if (a.capacity > 0 && r >= a.capacity) {
+    b.slot_row[s] = -1;
+    return;
+  }
+  const std::int64_t row = b.counts[2 * a.experts + e] + r;
+  b.slot_row[s] = static_cast<std::int32_t>(row);
+  b.row_token[row] = static_cast<std::int32_t>(s / a.top_k);
+  b.row_gate[row] = b.gate[s];
+}
+
+/// Block i < E sums prob(., i); block E the lse^2 and block E + 1 the entropies, fixed order.
+__global__ void routeSumsKernel(RouteArgs a, RouteBuffers b) {
+  __shared__ double part[kChunk];
+  const int i = blockIdx.x, e_n = a.experts;
+  double acc = 0;
+  for (std::int64_t t = threadIdx.x; t < a.tokens; t += blockDim.x)
+    acc += i < e_n ? b.prob[t * e_n + i] : b.token_stats[2 * t + (i - e_n)];
+  part[threadIdx.x] = acc;
+  __syncthreads();
+  for (int w = blockDim.x / 2; w > 0; w /= 2) {
+    if (static_cast<int>(threadIdx.x) < w) part[threadIdx.x] += part[threadIdx.x + w];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) b.sums[i] = part[0];
+}
+
+__global__ void routeBackwardKernel(RouteArgs a, RouteBuffers b, const float* dgate, double z_scale,
+                                    float* dlogits) {
+  const std::int64_t t = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x;
+  if (t >= a.tokens) return;
+  const int e_n = a.experts, k = a.top_k;
+  const double* p = b.prob + t * e_n;
+  const float* l = a.logits + t * e_n;
+  double dp[kMaxRouteExperts];
+  for (int e = 0; e < e_n; ++e) dp[e] = b.aux_dp[e];
+  const std::int64_t s0 = t * k;
+  if (a.normalize_topk) {
+    double sel = 0, inner = 0;
+    for (int j = 0; j < k; ++j) sel += p[b.expert[s0 + j]];
+    for (int j = 0; j < k; ++j)
+      if (b.slot_row[s0 + j] >= 0) inner += double(dgate[s0 + j]) * (p[b.expert[s0 + j]] / sel);
+    for (int j = 0; j < k; ++j) {
+      const double dg = b.slot_row[s0 + j] >= 0 ? double(dgate[s0 + j]) : 0.0;
+      dp[b.expert[s0 + j]] += (dg - inner) / sel;
+    }
+  } else {
+    for (int j = 0; j < k; ++j)
+      if (b.slot_row[s0 + j] >= 0) dp[b.expert[s0 + j]] += double(dgate[s0 + j]);
+  }
+  double dot = 0;
+  if (a.softmax)
+    for (int e = 0; e < e_n; ++e) dot += p[e] * dp[e];
+  const double lse = b.lse[t];
+  for (int e = 0; e < e_n; ++e) {
+    double dl = a.softmax ? p[e] * (dp[e] - dot) : dp[e] * p[e] * (1.0 - p[e]);
+    if (z_scale != 0) dl += z_scale * 2.0 * lse * exp(double(l[e]) - lse) / double(a.tokens);
+    dlogits[t * e_n + e] = static_cast<float>(dl);
+  }
+}
+
+template <class X> X* carve(char*& at, std::int64_t n) {
+  X* p = reinterpret_cast<X*>(at);
+  at += (n * std::int64_t(sizeof(X)) + 255) / 256 * 256;
+  return p;
+}
+
+void checkRouteArgs(const RouteArgs& a) {
+  if (a.experts < 1 || a.experts > kMaxRouteExperts || a.top_k < 1 || a.top_k > a.experts)
+    throw Error("plm::gpu::routeOnDevice: " + std::to_string(a.experts) + " experts, top-" +
+                std::to_string(a.top_k) + " (device routing takes up to " +
+                std::to_string(kMaxRouteExperts) + " experts; a bug in the caller)");
+}
+
+}  // namespace
+
+RouteBuffers routeBuffers(void* workspace, std::int64_t tokens, int experts, int top_k) {
+  char* at = static_cast<char*>(workspace);
+  const std::int64_t slots = tokens * top_k;
+  RouteBuffers b;
+  b.prob = carve<double>(at, tokens * experts);
+  b.lse = carve<double>(at, tokens);
+  b.token_stats = carve<double>(at, 2 * tokens);
+  b.expert = carve<std::int32_t>(at, slots);
+  b.gate = carve<float>(at, slots);
+  b.slot_row = carve<std::int32_t>(at, slots);
+  b.rank = carve<std::int32_t>(at, slots);
+  b.row_token = carve<std::int32_t>(at, slots);
+  b.row_gate = carve<float>(at, slots);
+  b.chunk_count = carve<std::int64_t>(at, chunksOf(slots) * experts);
+  b.counts = carve<std::int64_t>(at, 3 * experts);
+  b.sums = carve<double>(at, experts + 2);
+  b.aux_dp = carve<double>(at, experts);
+  return b;
+}
+
+std::size_t routeWorkspaceBytes(std::int64_t tokens, int experts, int top_k) {
+  RouteBuffers b = routeBuffers(nullptr, tokens, experts, top_k);
+  return reinterpret_cast<std::size_t>(b.aux_dp) +
+         (std::size_t(experts) * sizeof(double) + 255) / 256 * 256;
+}
+
+RouteSummary routeOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers& b) {
+  checkRouteArgs(a);
+  const int e_n = a.experts;
+  RouteSummary out;
+  out.routed.assign(e_n, 0);
+  out.kept.assign(e_n, 0);
+  out.prob_sum.assign(e_n, 0.0);
+  if (a.tokens == 0) return out;
+  const std::int64_t slots = a.tokens * a.top_k, chunks = chunksOf(slots);
+  routeTokensKernel<<<static_cast<unsigned>((a.tokens + kRouteThreads - 1) / kRouteThreads),
+                      kRouteThreads, 0, stream>>>(a, b);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  chunkRankKernel<<<static_cast<unsigned>(chunks), kChunk, 0, stream>>>(a, b);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  scanChunksKernel<<<1, kChunk, 0, stream>>>(a, b, chunks);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  placeSlotsKernel<<<static_cast<unsigned>(chunks), kChunk, 0, stream>>>(a, b);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  routeSumsKernel<<<e_n + 2, kChunk, 0, stream>>>(a, b);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  std::vector<std::int64_t> counts(2 * e_n);
+  std::vector<double> sums(e_n + 2);
+  PLM_CHECK_CUDA(cudaMemcpyAsync(counts.data(), b.counts, counts.size() * sizeof(std::int64_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  PLM_CHECK_CUDA(cudaMemcpyAsync(sums.data(), b.sums, sums.size() * sizeof(double),
+                                 cudaMemcpyDeviceToHost, stream));
+  PLM_CHECK_CUDA(cudaStreamSynchronize(stream));
+  for (int e = 0; e < e_n; ++e) {
+    out.routed[e] = counts[e];
+    out.kept[e] = counts[e_n + e];
+    out.prob_sum[e] = sums[e];
+  }
+  out.lse2_sum = sums[e_n];
+  out.entropy_sum = sums[e_n + 1];
+  return out;
+}
+
+void routeBackwardOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers& b,
+                           const float* dgate, const std::vector<double>& aux_dp, double z_scale,
+                           float* dlogits) {
+  checkRouteArgs(a);
+  if (a.tokens == 0) return;
+  if (static_cast<int>(aux_dp.size()) != a.experts)
+    throw Error("plm::gpu::routeBackwardOnDevice: aux_dp has " + std::to_string(aux_dp.size()) +
+                " entries for " + std::to_string(a.experts) + " experts (a bug)");
+  // Pageable source: the copy is staged before the call returns, so the vector may go.
+  PLM_CHECK_CUDA(cudaMemcpyAsync(b.aux_dp, aux_dp.data(), aux_dp.size() * sizeof(double),
+                                 cudaMemcpyHostToDevice, stream));
+  routeBackwardKernel<<<static_cast<unsigned>((a.tokens + kRouteThreads - 1) / kRouteThreads),
+                        kRouteThreads, 0, stream>>>(a, b, dgate, z_scale, dlogits);
+  PLM_CHECK_CUDA(cudaGetLastError());
 }
 
 }  // namespace plm::gpu

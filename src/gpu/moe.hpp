@@ -33,10 +33,10 @@ void moeUnpermuteBackward(Stream stream, const bf16* dout, const bf16* y,
                           const std::int32_t* slot_row, const float* slot_gate, bf16* dy,
                           float* dgate, std::int64_t tokens, int k, int hidden);
 
-/// \brief dh(t) = sum over the kept slots of token t of dx(row) (fp32 sum, bf16 out; 0 for a
-/// token whose slots were all dropped).
+/// \brief dh(t) = add(t) + sum over the kept slots of token t of dx(row) (fp32 sum, bf16 out);
+/// add (tokens, hidden) fp32 is the router's input gradient, nullptr = 0.
 void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_row, bf16* dh,
-                        std::int64_t tokens, int k, int hidden);
+                        std::int64_t tokens, int k, int hidden, const float* add = nullptr);
 
 /// One expert's bf16 weights (device pointers): W1 (ffn, hidden), b1 (ffn), W2 (hidden, ffn),
 /// b2 (hidden).
@@ -53,5 +53,61 @@ struct ExpertWeights {
 void expertFfnForward(Gemm& gemm, Stream stream, const std::vector<ExpertWeights>& experts,
                       const std::vector<std::int64_t>& rows, const bf16* x, bf16* pre, bf16* act,
                       bf16* y, int hidden, int ffn);
+
+/// The routing of T tokens on the device (the bf16 training path): the same decisions as the host
+/// reference model::route (computed in double from the fp32 logits, top-k by descending score
+/// with ties to the lower expert, the capacity cut in slot order, the stable expert-major
+/// permutation), without moving the logits to the host.  Device buffers, owned by the caller
+/// through DeviceRouting::reserve.  Up to kMaxRouteExperts experts.
+constexpr int kMaxRouteExperts = 256;
+
+struct RouteArgs {
+  std::int64_t tokens = 0;
+  int experts = 0, top_k = 0;
+  bool softmax = true, normalize_topk = true;
+  std::int64_t capacity = 0;      // per expert; 0 = dropless
+  const float* logits = nullptr;  // (T, E)
+  const float* bias = nullptr;    // (E) selection bias or nullptr
+};
+
+/// Device outputs and scratch of one routing (pointers into one allocation the caller sizes
+/// with routeWorkspaceBytes).
+struct RouteBuffers {
+  double* prob = nullptr;            // (T, E) probabilities
+  double* lse = nullptr;             // (T) log-sum-exp of the logits
+  double* token_stats = nullptr;     // (T, 2) lse^2 and the router entropy per token
+  std::int32_t* expert = nullptr;    // (T k) chosen expert per slot
+  float* gate = nullptr;             // (T k) gate per slot
+  std::int32_t* slot_row = nullptr;  // (T k) permuted row or -1 (dropped)
+  std::int32_t* rank = nullptr;      // (T k) scratch: rank within its chunk, then within its expert
+  std::int32_t* row_token = nullptr;    // (T k) token of each row (the first `rows` entries)
+  float* row_gate = nullptr;            // (T k) gate of each row
+  std::int64_t* chunk_count = nullptr;  // (chunks, E) scratch
+  std::int64_t* counts = nullptr;       // (3 E) routed, kept and first row of each expert
+  double* sums = nullptr;    // (E + 2) sum of probabilities per expert, of lse^2, entropy
+  double* aux_dp = nullptr;  // (E) the aux loss's probability gradient (backward)
+};
+
+/// \brief Bytes of device workspace routeOnDevice needs for `tokens` tokens.
+std::size_t routeWorkspaceBytes(std::int64_t tokens, int experts, int top_k);
+/// \brief Splits a workspace of routeWorkspaceBytes into the buffers.
+RouteBuffers routeBuffers(void* workspace, std::int64_t tokens, int experts, int top_k);
+
+/// What the host needs from a device routing (one copy of 4 E + 2 numbers).
+struct RouteSummary {
+  std::vector<std::int64_t> routed, kept;  // (E) slots per expert before / after the cut
+  std::vector<double> prob_sum;            // (E) sum over tokens of the probabilities
+  double lse2_sum = 0, entropy_sum = 0;    // sums over tokens
+};
+
+/// \brief Routes on `stream` and returns the summary (waits for the stream).
+RouteSummary routeOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers& b);
+
+/// \brief The router's logit gradient on the device, as model::routeBackward without the
+/// sequence-level loss: dlogits (T, E) fp32 from the per-slot gate gradients dgate (T k, fp32,
+/// dropped slots ignored), aux_dp (E) = aux_scale d(aux)/d(P_e) per token, and z_scale.
+void routeBackwardOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers& b,
+                           const float* dgate, const std::vector<double>& aux_dp, double z_scale,
+                           float* dlogits);
 
 }  // namespace plm::gpu

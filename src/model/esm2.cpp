@@ -278,10 +278,6 @@ template <class T> struct Esm2<T>::Impl {
             "train.precision: bf16 supports model.hidden up to 5120 (the LayerNorm kernels); "
             "this model has " +
             std::to_string(config.hidden));
-      if (config.moe.enabled())
-        throw collectiveError(
-            "train.precision: bf16 is not available for Mixture-of-Experts models yet (their "
-            "layers run the portable fp32 path; doc/model.md); set train.precision: fp32");
       compute = DType::BF16;
       stats = DType::F32;
       ctx.cuda();  // the cuBLASLt handle and the device loss accumulator, before the first call
@@ -523,13 +519,15 @@ template <class T> struct Esm2<T>::Impl {
     std::vector<DenseMlpGrads> mg(config.num_layers);
     std::vector<LayerNormParams> ln2(config.num_layers), ln2g(config.num_layers);
     std::vector<MoeWeights> moe_w(config.num_layers), moe_g(config.num_layers);
-    // MoE layers compute on the portable path in the master type (MoeMlp refuses bf16).
+    // MoE layers: the router in the master type; under bf16 the experts' packed bf16 copies
+    // (an expert's output is bf16, so its b2 too; the shared experts add into the fp32 stream).
     auto bindMoe = [&](const std::string& p, MoeWeights& mwt, MoeWeights& mgt) {
       auto dense = [&](const std::string& x, DenseMlpWeights& dw, DenseMlpWeights& dg) {
-        dw.w1 = masterMat(params, x + "intermediate.dense.weight");
-        dw.b1 = masterVec(params, x + "intermediate.dense.bias");
-        dw.w2 = masterMat(params, x + "output.dense.weight");
-        dw.b2 = masterVec(params, x + "output.dense.bias");
+        const bool shared = x == p + "shared_experts.";
+        dw.w1 = weight(x + "intermediate.dense.weight");
+        dw.b1 = bias(x + "intermediate.dense.bias");
+        dw.w2 = weight(x + "output.dense.weight");
+        dw.b2 = shared ? masterVec(params, x + "output.dense.bias") : bias(x + "output.dense.bias");
         dg.w1 = masterMat(grads, x + "intermediate.dense.weight");
         dg.b1 = masterVec(grads, x + "intermediate.dense.bias");
         dg.w2 = masterMat(grads, x + "output.dense.weight");
@@ -649,6 +647,12 @@ template <class T> struct Esm2<T>::Impl {
       auto rebase = [&](auto& h) {
         if (h.dtype == DType::BF16) h.data = base + 2 * reinterpret_cast<std::intptr_t>(h.data);
       };
+      auto rebaseMlp = [&](DenseMlpWeights& e) {
+        rebase(e.w1);
+        rebase(e.b1);
+        rebase(e.w2);
+        rebase(e.b2);
+      };
       rebase(pw.embed);
       rebase(pw.head_w);
       rebase(pw.head_b);
@@ -657,7 +661,11 @@ template <class T> struct Esm2<T>::Impl {
         rebase(aw[l].qkv.fused_b);
         rebase(aw[l].wo);
         rebase(aw[l].bo);  // bf16 only for an FP8 layer
-        if (config.moe.isMoeLayer(l)) continue;
+        if (config.moe.isMoeLayer(l)) {
+          rebaseMlp(moe_w[l].shared);
+          for (auto& e : moe_w[l].experts) rebaseMlp(e);
+          continue;
+        }
         rebase(mw[l].w1);
         rebase(mw[l].b1);
         rebase(mw[l].w2);

@@ -4,10 +4,17 @@
 #include "core/error.hpp"
 #include "dist/stream.hpp"
 #include "model/gemm.hpp"
+#include "plm/plm_config.hpp"
+
+#if PLM_HAVE_CUDA
+#include "gpu/moe.hpp"
+#endif
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
+#include <type_traits>
 
 namespace plm::model {
 
@@ -209,6 +216,30 @@ Mat rowsOf(const View1<T>& buf, std::int64_t first, std::int64_t rows, std::int6
   return Mat{buf.data() + first * cols, dtypeOf<T>(), rows, cols, cols};
 }
 
+/// Rows [first, first + rows) of a (., cols) matrix of element type `dtype` kept in storage of
+/// T (a bf16 activation takes half a float's room).
+template <class T> Mat rowsAs(const View1<T>& buf, DType dtype, std::int64_t first,
+                              std::int64_t rows, std::int64_t cols) {
+  char* base = reinterpret_cast<char*>(buf.data()) + first * cols * sizeOf(dtype);
+  return Mat{base, dtype, rows, cols, cols};
+}
+
+#if PLM_HAVE_CUDA
+gpu::bf16* bf16Data(const Mat& m) {
+  if (m.dtype != DType::BF16 || m.ld != m.cols)
+    throw Error("plm::model::MoeMlp: expected a contiguous bf16 matrix, got " +
+                std::string(dtypeName(m.dtype)) + " (a bug)");
+  return static_cast<gpu::bf16*>(m.data);
+}
+#endif
+
+/// Storage of T for n elements of `dtype`.
+template <class T>
+View1<T> growAs(View1<T>& storage, std::int64_t n, DType dtype, const char* label) {
+  const std::int64_t bytes = n * static_cast<std::int64_t>(sizeOf(dtype));
+  return grow(storage, (bytes + std::int64_t(sizeof(T)) - 1) / std::int64_t(sizeof(T)), label);
+}
+
 template <class X>
 View1<X> toDevice(View1<X>& storage, const std::vector<X>& host, const char* label) {
   auto v = grow(storage, static_cast<std::int64_t>(host.size()), label);
@@ -247,7 +278,91 @@ template <class T> struct MoeMlp<T>::State {
   View1<T> logits, slot_gate, row_gate, xperm, y, xexp, pre, act, yexp, spre, sact;
   View1<std::int32_t> slot_row, row_token, to_expert, to_source;
 
+  // Compute precision of the expert activations: the master type on the portable path, bf16
+  // on the CUDA path (train.precision: bf16; the router and the gates stay in the master type).
+  DType cdt = dtypeOf<T>();
+  View1<T> hf_s, dhr_s;  // the router's fp32 copy of a bf16 h, its input gradient (T, H)
+
+  std::int64_t rows = 0;          // permuted rows of the pass (kept slots)
+  bool routed_on_device = false;  // this pass's routing ran on the device (bf16 path)
+#if PLM_HAVE_CUDA
+  gpu::RouteArgs route_args;
+  gpu::RouteBuffers route_bufs;
+  View1<T> route_ws_s;
+#endif
+
+  bool bf16() const { return cdt == DType::BF16; }
+
+  /// The bf16 path routes on the device unless the sequence-level loss needs the host's
+  /// per-token data, or PLM_MOE_ROUTING=host asks for the reference.
+  bool deviceRouting() const {
+    if (!std::is_same_v<T, float> || !bf16() || c.seq_aux_loss > 0) return false;
+    const char* env = std::getenv("PLM_MOE_ROUTING");
+    return !(env && std::string(env) == "host");
+  }
+
+  /// Routes the logits of this pass on the device; the host keeps the summary (counts, losses).
+  void routeDevice(OpContext& ctx, std::int64_t t_n) {
+#if PLM_HAVE_CUDA
+    const int e_n = c.experts, k = c.top_k;
+    gpu::RouteArgs& a = route_args;
+    a.tokens = t_n;
+    a.experts = e_n;
+    a.top_k = k;
+    a.softmax = c.router == RouterKind::Softmax;
+    a.normalize_topk = c.normalize_topk;
+    a.capacity = c.capacity_factor > 0
+                     ? static_cast<std::int64_t>(
+                           std::ceil(c.capacity_factor * t_n * k / static_cast<double>(e_n)))
+                     : 0;
+    a.logits = reinterpret_cast<const float*>(logits.data());
+    a.bias = w.expert_bias.empty() ? nullptr : w.expert_bias.template ptr<float>();
+    const std::size_t bytes = gpu::routeWorkspaceBytes(t_n, e_n, k);
+    View1<T> ws = grow(route_ws_s, static_cast<std::int64_t>((bytes + sizeof(T) - 1) / sizeof(T)),
+                       "plm::model::moe::route_workspace");
+    route_bufs = gpu::routeBuffers(ws.data(), t_n, e_n, k);
+    const gpu::RouteSummary sum = gpu::routeOnDevice(ctx.space().cuda_stream(), a, route_bufs);
+    Routing& r = routing;
+    r = Routing();
+    r.tokens = static_cast<int>(t_n);
+    r.experts = e_n;
+    r.top_k = k;
+    r.routed = sum.routed;
+    r.kept = sum.kept;
+    r.capacity = a.capacity;
+    rows = 0;
+    for (int e = 0; e < e_n; ++e) {
+      rows += r.kept[e];
+      r.dropped += r.routed[e] - r.kept[e];
+    }
+    if (t_n > 0) {
+      for (int e = 0; e < e_n; ++e)
+        r.aux += e_n * (static_cast<double>(r.routed[e]) / (static_cast<double>(t_n) * k)) *
+                 (sum.prob_sum[e] / t_n);
+      r.z = sum.lse2_sum / t_n;
+      r.entropy = sum.entropy_sum / t_n;
+    }
+    const std::int64_t slots = t_n * k;
+    slot_row = View1<std::int32_t>(route_bufs.slot_row, slots);
+    slot_gate = View1<T>(reinterpret_cast<T*>(route_bufs.gate), slots);
+    row_token = View1<std::int32_t>(route_bufs.row_token, slots);
+    row_gate = View1<T>(reinterpret_cast<T*>(route_bufs.row_gate), slots);
+    routed_on_device = true;
+#else
+    (void)ctx;
+    (void)t_n;
+#endif
+  }
   bool distributed() const { return ep.comm != nullptr && ep.comm->size() > 1; }
+
+  /// The router's input in the master type: h itself, or its widened copy when h is bf16.
+  View2<T> routerInput(OpContext& ctx, const Mat& h) {
+    if (h.dtype == dtypeOf<T>()) return h.template view<T>();
+    View1<T> hf = grow(hf_s, h.rows * h.cols, "plm::model::moe::router_input");
+    const Mat dst = rowsOf(hf, 0, h.rows, h.cols);
+    copyToMaster(ctx, h, dst);
+    return dst.template view<T>();
+  }
   std::int64_t sharedWidth() const {
     return static_cast<std::int64_t>(c.shared_experts) * c.expert_ffn;
   }
@@ -354,9 +469,21 @@ MoeMlp<T>::MoeMlp(int layer, const MoeConfig& config, int hidden, const MoeWeigh
   if (static_cast<int>(weights.experts.size()) != config.experts)
     throw Error("plm::model::MoeMlp: expert tensors do not match moe.experts (a bug)");
   if (weights.router.dtype != dtypeOf<T>())
-    throw collectiveError(
-        "moe: Mixture-of-Experts layers compute in fp32 on the portable path for now; set "
-        "train.precision: fp32 (the bf16 grouped-GEMM path is doc/model.md's open item)");
+    throw Error("plm::model::MoeMlp: the router must be in the master type (a bug)");
+  s.cdt = weights.experts.empty() ? dtypeOf<T>() : weights.experts[0].w1.dtype;
+  if (s.bf16()) {
+#if PLM_HAVE_CUDA
+    if (!std::is_same_v<T, float>)
+      throw Error("plm::model::MoeMlp: bf16 experts need fp32 masters (a bug)");
+    if (hidden % 8 != 0 || config.expert_ffn % 8 != 0)
+      throw collectiveError("train.precision: bf16 with moe needs model.hidden (" +
+                            std::to_string(hidden) + ") and moe.expert_ffn (" +
+                            std::to_string(config.expert_ffn) +
+                            ") to be multiples of 8 (cuBLASLt alignment of each expert's rows)");
+#else
+    throw collectiveError("train.precision: bf16 runs on the CUDA build only");
+#endif
+  }
 }
 
 template <class T> MoeMlp<T>::~MoeMlp() = default;
@@ -372,6 +499,11 @@ template <class T> void MoeMlp<T>::setExpertParallel(const ExpertParallel& ep) {
     throw collectiveError(
         "parallel.expert_degree: the expert all-to-all needs NCCL when the model lives in GPU "
         "memory (one GPU per rank); this group fell back to MPI");
+  if (n > 1 && s.bf16())
+    throw collectiveError(
+        "parallel.expert_degree > 1 runs Mixture-of-Experts layers in fp32 so far (the bf16 "
+        "expert all-to-all is doc/model.md's open item); set train.precision: fp32 or "
+        "parallel.expert_degree: 1");
   s.ep = ep;
   s.local_experts = s.c.experts / n;
   s.first_expert = (ep.comm ? ep.comm->rank() : 0) * s.local_experts;
@@ -404,43 +536,51 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   const auto& c = s.c;
   const std::int64_t t_n = h.rows, hid = s.hidden, e_n = c.experts, k = c.top_k;
   const std::int64_t fe = c.expert_ffn;
+  const DType cdt = s.cdt;
   s.tokens = t_n;
 
-  // Router logits (fp32 or the master type, never bf16), then the routing on the host.
+  // Router logits in the master type (fp32 under bf16: the bf16 LN2 output is widened first),
+  // then the routing on the host.
   s.logits = grow(s.logits_s, t_n * e_n, "plm::model::moe::logits");
   if (t_n > 0)
-    gemm(space, Trans::N, Trans::T, T(1), h.template view<T>(), s.w.router.template view<T>(), T(0),
-         View2<T>(s.logits.data(), t_n, e_n));
-  std::vector<T> host(t_n * e_n);
-  Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(host.data(), host.size()), s.logits);
-  std::vector<double> bias;
-  if (!s.w.expert_bias.empty()) {
-    std::vector<T> b(e_n);
-    Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(b.data(), e_n),
-                      s.w.expert_bias.template view<T>());
+    gemm(space, Trans::N, Trans::T, T(1), s.routerInput(ctx, h), s.w.router.template view<T>(),
+         T(0), View2<T>(s.logits.data(), t_n, e_n));
+  s.routed_on_device = false;
+  if (s.deviceRouting()) {
+    s.routeDevice(ctx, t_n);
+  } else {
+    std::vector<T> host(t_n * e_n);
+    Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(host.data(), host.size()), s.logits);
+    std::vector<double> bias;
+    if (!s.w.expert_bias.empty()) {
+      std::vector<T> b(e_n);
+      Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(b.data(), e_n),
+                        s.w.expert_bias.template view<T>());
+      space.fence();
+      bias.assign(b.begin(), b.end());
+    }
     space.fence();
-    bias.assign(b.begin(), b.end());
+    s.logits_host.assign(host.begin(), host.end());
+    s.routing =
+        route(s.logits_host.data(), static_cast<int>(t_n), c, bias.empty() ? nullptr : bias.data());
+    const Routing& hr = s.routing;
+    s.rows = hr.rows();
+    std::vector<std::int32_t> slot_row(hr.row.begin(), hr.row.end());
+    std::vector<T> slot_gate(hr.gate.begin(), hr.gate.end());
+    std::vector<std::int32_t> row_token(hr.row_token.begin(), hr.row_token.end());
+    std::vector<T> row_gate(hr.row_gate.begin(), hr.row_gate.end());
+    s.slot_row = toDevice(s.slot_row_s, slot_row, "plm::model::moe::slot_row");
+    s.slot_gate = toDevice(s.slot_gate_s, slot_gate, "plm::model::moe::slot_gate");
+    s.row_token = toDevice(s.row_token_s, row_token, "plm::model::moe::row_token");
+    s.row_gate = toDevice(s.row_gate_s, row_gate, "plm::model::moe::row_gate");
   }
-  space.fence();
-  s.logits_host.assign(host.begin(), host.end());
-  s.routing =
-      route(s.logits_host.data(), static_cast<int>(t_n), c, bias.empty() ? nullptr : bias.data());
   const Routing& r = s.routing;
-  const std::int64_t rows = r.rows();
-
-  std::vector<std::int32_t> slot_row(r.row.begin(), r.row.end());
-  std::vector<T> slot_gate(r.gate.begin(), r.gate.end());
-  std::vector<std::int32_t> row_token(r.row_token.begin(), r.row_token.end());
-  std::vector<T> row_gate(r.row_gate.begin(), r.row_gate.end());
-  s.slot_row = toDevice(s.slot_row_s, slot_row, "plm::model::moe::slot_row");
-  s.slot_gate = toDevice(s.slot_gate_s, slot_gate, "plm::model::moe::slot_gate");
-  s.row_token = toDevice(s.row_token_s, row_token, "plm::model::moe::row_token");
-  s.row_gate = toDevice(s.row_gate_s, row_gate, "plm::model::moe::row_gate");
+  const std::int64_t rows = s.rows;
 
   // Permute: rows grouped by expert, token order within an expert (stable).
-  s.xperm = grow(s.xperm_s, rows * hid, "plm::model::moe::xperm");
-  s.y = grow(s.y_s, rows * hid, "plm::model::moe::y");
-  if (rows > 0) gatherRows(ctx, h, s.row_token, rowsOf(s.xperm, 0, rows, hid));
+  s.xperm = growAs(s.xperm_s, rows * hid, cdt, "plm::model::moe::xperm");
+  s.y = growAs(s.y_s, rows * hid, cdt, "plm::model::moe::y");
+  if (rows > 0) gatherRows(ctx, h, s.row_token, rowsAs(s.xperm, cdt, 0, rows, hid));
 
   // The rows of this rank's experts: local, or gathered from the group.
   if (s.distributed()) {
@@ -454,23 +594,32 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
     s.xexp = s.xperm;
     s.yexp = s.y;
   }
-  s.pre = grow(s.pre_s, s.expert_rows * fe, "plm::model::moe::pre");
-  s.act = grow(s.act_s, s.expert_rows * fe, "plm::model::moe::act");
+  // The experts, one after another through the dispatch points (cuBLASLt under bf16: bias and
+  // GELU in the up projection's epilogue, the pre-activation kept for backward).
+  s.pre = growAs(s.pre_s, s.expert_rows * fe, cdt, "plm::model::moe::pre");
+  s.act = growAs(s.act_s, s.expert_rows * fe, cdt, "plm::model::moe::act");
   std::int64_t o = 0;
-  for (int i = 0; i < s.local_experts; ++i) {  // the CPU's loop over experts
+  for (int i = 0; i < s.local_experts; ++i) {
     const std::int64_t n = s.local_rows[i];
     const auto& we = s.w.experts[s.first_expert + i];
     if (n > 0) {
-      linearGelu(ctx, rowsOf(s.xexp, o, n, hid), we.w1, we.b1, rowsOf(s.pre, o, n, fe),
-                 rowsOf(s.act, o, n, fe));
-      linear(ctx, rowsOf(s.act, o, n, fe), we.w2, we.b2, rowsOf(s.yexp, o, n, hid));
+      linearGelu(ctx, rowsAs(s.xexp, cdt, o, n, hid), we.w1, we.b1, rowsAs(s.pre, cdt, o, n, fe),
+                 rowsAs(s.act, cdt, o, n, fe));
+      linear(ctx, rowsAs(s.act, cdt, o, n, fe), we.w2, we.b2, rowsAs(s.yexp, cdt, o, n, hid));
     }
     o += n;
   }
   if (s.distributed()) s.fromExperts(ctx, s.yexp, s.y);
 
   // Unpermute with the gates, in a fixed slot order per token (deterministic).
-  {
+  if (s.bf16()) {
+#if PLM_HAVE_CUDA
+    if constexpr (std::is_same_v<T, float>)
+      gpu::moeUnpermute(space.cuda_stream(), reinterpret_cast<const gpu::bf16*>(s.y.data()),
+                        s.slot_row.data(), s.slot_gate.data(), residual.template ptr<float>(),
+                        out.template ptr<float>(), t_n, static_cast<int>(k), static_cast<int>(hid));
+#endif
+  } else {
     auto in = residual.template view<T>();
     auto dst = out.template view<T>();
     auto y = s.y;
@@ -491,11 +640,11 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   }
   if (c.shared_experts > 0 && t_n > 0) {
     const std::int64_t sw = s.sharedWidth();
-    s.spre = grow(s.spre_s, t_n * sw, "plm::model::moe::shared_pre");
-    s.sact = grow(s.sact_s, t_n * sw, "plm::model::moe::shared_act");
-    linearGelu(ctx, h, s.w.shared.w1, s.w.shared.b1, rowsOf(s.spre, 0, t_n, sw),
-               rowsOf(s.sact, 0, t_n, sw));
-    linearResidual(ctx, rowsOf(s.sact, 0, t_n, sw), s.w.shared.w2, s.w.shared.b2, out, out);
+    s.spre = growAs(s.spre_s, t_n * sw, cdt, "plm::model::moe::shared_pre");
+    s.sact = growAs(s.sact_s, t_n * sw, cdt, "plm::model::moe::shared_act");
+    linearGelu(ctx, h, s.w.shared.w1, s.w.shared.b1, rowsAs(s.spre, cdt, 0, t_n, sw),
+               rowsAs(s.sact, cdt, 0, t_n, sw));
+    linearResidual(ctx, rowsAs(s.sact, cdt, 0, t_n, sw), s.w.shared.w2, s.w.shared.b2, out, out);
   }
 
   if (s.step && !s.step->recomputing) {
@@ -526,14 +675,23 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   const auto& c = s.c;
   const Routing& r = s.routing;
   const std::int64_t t_n = s.tokens, hid = s.hidden, e_n = c.experts, k = c.top_k;
-  const std::int64_t fe = c.expert_ffn, rows = r.rows();
+  const std::int64_t fe = c.expert_ffn, rows = s.rows;
+  const DType cdt = s.cdt;
   const Mat& h = saved.ln2;
-  auto dout = dout_c.template view<T>();
 
   // dgate per slot = dout(t) . y(row); dy(row) = gate * dout(t).
   View1<T> dgate = grow(s.dgate_s, t_n * k, "plm::model::moe::dgate");
-  View1<T> dy = grow(s.dy_s, rows * hid, "plm::model::moe::dy");
-  {
+  View1<T> dy = growAs(s.dy_s, rows * hid, cdt, "plm::model::moe::dy");
+  if (s.bf16()) {
+#if PLM_HAVE_CUDA
+    if constexpr (std::is_same_v<T, float>)
+      gpu::moeUnpermuteBackward(space.cuda_stream(), bf16Data(dout_c),
+                                reinterpret_cast<const gpu::bf16*>(s.y.data()), s.slot_row.data(),
+                                s.slot_gate.data(), reinterpret_cast<gpu::bf16*>(dy.data()),
+                                dgate.data(), t_n, static_cast<int>(k), static_cast<int>(hid));
+#endif
+  } else {
+    auto dout = dout_c.template view<T>();
     auto y = s.y;
     auto srow = s.slot_row;
     Kokkos::parallel_for(
@@ -556,9 +714,10 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
         });
   }
 
-  // Expert backward on this rank's experts.
+  // Expert backward on this rank's experts: per expert the weight gradient (and the bias
+  // gradient) and the input gradient, GELU's derivative from the kept pre-activation.
   View1<T> dyexp = dy, dxexp;
-  View1<T> dx = grow(s.dx_s, rows * hid, "plm::model::moe::dx");
+  View1<T> dx = growAs(s.dx_s, rows * hid, cdt, "plm::model::moe::dx");
   if (s.distributed()) {
     dyexp = grow(s.dyexp_s, s.expert_rows * hid, "plm::model::moe::dyexp");
     s.toExperts(ctx, dy, dyexp);
@@ -566,24 +725,73 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   } else {
     dxexp = dx;
   }
-  View1<T> dpre = grow(s.dpre_s, s.expert_rows * fe, "plm::model::moe::dpre");
+  View1<T> dpre = growAs(s.dpre_s, s.expert_rows * fe, cdt, "plm::model::moe::dpre");
   std::int64_t o = 0;
   for (int i = 0; i < s.local_experts; ++i) {
     const std::int64_t n = s.local_rows[i];
     const auto& we = s.w.experts[s.first_expert + i];
     const auto& ge = s.g.experts[s.first_expert + i];
     if (n > 0) {
-      linearBackwardGelu(ctx, rowsOf(s.act, o, n, fe), we.w2, rowsOf(dyexp, o, n, hid),
-                         rowsOf(s.pre, o, n, fe), rowsOf(dpre, o, n, fe), ge.w2, ge.b2);
-      linearBackward(ctx, rowsOf(s.xexp, o, n, hid), we.w1, rowsOf(dpre, o, n, fe),
-                     rowsOf(dxexp, o, n, hid), false, ge.w1, ge.b1);
+      linearBackwardGelu(ctx, rowsAs(s.act, cdt, o, n, fe), we.w2, rowsAs(dyexp, cdt, o, n, hid),
+                         rowsAs(s.pre, cdt, o, n, fe), rowsAs(dpre, cdt, o, n, fe), ge.w2, ge.b2);
+      linearBackward(ctx, rowsAs(s.xexp, cdt, o, n, hid), we.w1, rowsAs(dpre, cdt, o, n, fe),
+                     rowsAs(dxexp, cdt, o, n, hid), false, ge.w1, ge.b1);
     }
     o += n;
   }
   if (s.distributed()) s.fromExperts(ctx, dxexp, dx);
 
-  // dh = sum over a token's kept slots of their input gradients (fixed order).
-  {
+  // Router: gates, aux and z losses to the logits (on the device when it routed, else on the
+  // host), then dWr += dlogits^T h and the input gradient dlogits Wr (added to dh below).
+  const double weight = s.step ? s.step->grad_scale * s.step->loss_weight : 0.0;
+  View1<T> dlogits;
+  if (s.routed_on_device) {
+#if PLM_HAVE_CUDA
+    dlogits = grow(s.dlogits_s, t_n * e_n, "plm::model::moe::dlogits");
+    std::vector<double> aux_dp(e_n, 0.0);
+    for (int e = 0; e < e_n; ++e)
+      aux_dp[e] = weight * c.aux_loss * e_n *
+                  (static_cast<double>(r.routed[e]) / (double(t_n) * k)) / double(t_n);
+    gpu::routeBackwardOnDevice(space.cuda_stream(), s.route_args, s.route_bufs,
+                               reinterpret_cast<const float*>(dgate.data()), aux_dp,
+                               weight * c.z_loss, reinterpret_cast<float*>(dlogits.data()));
+#endif
+  } else {
+    std::vector<T> dgate_t(t_n * k);
+    Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(dgate_t.data(), dgate_t.size()), dgate);
+    space.fence();
+    std::vector<double> dg(dgate_t.begin(), dgate_t.end()), dl(t_n * e_n, 0.0);
+    std::vector<double> dprob;
+    if (c.seq_aux_loss > 0 && s.step && s.step->cu_seqlens && !s.step->cu_seqlens->empty()) {
+      dprob.assign(t_n * e_n, 0.0);
+      sequenceAux(r, s.step->cu_seqlens->data(), static_cast<int>(s.step->cu_seqlens->size()) - 1,
+                  weight * c.seq_aux_loss, dprob.data());
+    }
+    routeBackward(r, c, s.logits_host.data(), dg.data(), weight * c.aux_loss, weight * c.z_loss,
+                  dl.data(), dprob.empty() ? nullptr : dprob.data());
+    std::vector<T> dl_t(dl.begin(), dl.end());
+    dlogits = toDevice(s.dlogits_s, dl_t, "plm::model::moe::dlogits");
+  }
+  View2<T> dl2(dlogits.data(), t_n, e_n);
+
+  if (s.bf16()) {
+    // dh (bf16) = sum over a token's kept slots of dx + dlogits Wr, the router part in fp32.
+#if PLM_HAVE_CUDA
+    if constexpr (std::is_same_v<T, float>) {
+      View1<T> dhr = grow(s.dhr_s, t_n * hid, "plm::model::moe::dh_router");
+      if (t_n > 0) {
+        gemm(space, Trans::T, Trans::N, T(1), dl2, s.routerInput(ctx, h), T(1),
+             s.g.router.template view<T>());
+        gemm(space, Trans::N, Trans::N, T(1), dl2, s.w.router.template view<T>(), T(0),
+             View2<T>(dhr.data(), t_n, hid));
+      }
+      gpu::moeCombineGradient(space.cuda_stream(), reinterpret_cast<const gpu::bf16*>(dx.data()),
+                              s.slot_row.data(), bf16Data(dh), t_n, static_cast<int>(k),
+                              static_cast<int>(hid), dhr.data());
+    }
+#endif
+  } else {
+    // dh = sum over a token's kept slots of their input gradients (fixed order).
     auto dst = dh.template view<T>();
     auto srow = s.slot_row;
     Kokkos::parallel_for(
@@ -598,40 +806,21 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
             dst(t, col) = acc;
           }
         });
-  }
-
-  // Router: gates, aux and z losses to the logits (host), then dh += dlogits Wr,
-  // dWr += dlogits^T h.
-  std::vector<T> dgate_t(t_n * k);
-  Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(dgate_t.data(), dgate_t.size()), dgate);
-  space.fence();
-  std::vector<double> dg(dgate_t.begin(), dgate_t.end()), dl(t_n * e_n, 0.0);
-  const double weight = s.step ? s.step->grad_scale * s.step->loss_weight : 0.0;
-  std::vector<double> dprob;
-  if (c.seq_aux_loss > 0 && s.step && s.step->cu_seqlens && !s.step->cu_seqlens->empty()) {
-    dprob.assign(t_n * e_n, 0.0);
-    sequenceAux(r, s.step->cu_seqlens->data(), static_cast<int>(s.step->cu_seqlens->size()) - 1,
-                weight * c.seq_aux_loss, dprob.data());
-  }
-  routeBackward(r, c, s.logits_host.data(), dg.data(), weight * c.aux_loss, weight * c.z_loss,
-                dl.data(), dprob.empty() ? nullptr : dprob.data());
-  std::vector<T> dl_t(dl.begin(), dl.end());
-  View1<T> dlogits = toDevice(s.dlogits_s, dl_t, "plm::model::moe::dlogits");
-  if (t_n > 0) {
-    View2<T> dl2(dlogits.data(), t_n, e_n);
-    gemm(space, Trans::N, Trans::N, T(1), dl2, s.w.router.template view<T>(), T(1),
-         dh.template view<T>());
-    gemm(space, Trans::T, Trans::N, T(1), dl2, h.template view<T>(), T(1),
-         s.g.router.template view<T>());
+    if (t_n > 0) {
+      gemm(space, Trans::N, Trans::N, T(1), dl2, s.w.router.template view<T>(), T(1),
+           dh.template view<T>());
+      gemm(space, Trans::T, Trans::N, T(1), dl2, h.template view<T>(), T(1),
+           s.g.router.template view<T>());
+    }
   }
 
   if (c.shared_experts > 0 && t_n > 0) {
     const std::int64_t sw = s.sharedWidth();
-    View1<T> sdpre = grow(s.sdpre_s, t_n * sw, "plm::model::moe::shared_dpre");
-    linearBackwardGelu(ctx, rowsOf(s.sact, 0, t_n, sw), s.w.shared.w2, dout_c,
-                       rowsOf(s.spre, 0, t_n, sw), rowsOf(sdpre, 0, t_n, sw), s.g.shared.w2,
-                       s.g.shared.b2);
-    linearBackward(ctx, h, s.w.shared.w1, rowsOf(sdpre, 0, t_n, sw), dh, true, s.g.shared.w1,
+    View1<T> sdpre = growAs(s.sdpre_s, t_n * sw, cdt, "plm::model::moe::shared_dpre");
+    linearBackwardGelu(ctx, rowsAs(s.sact, cdt, 0, t_n, sw), s.w.shared.w2, dout_c,
+                       rowsAs(s.spre, cdt, 0, t_n, sw), rowsAs(sdpre, cdt, 0, t_n, sw),
+                       s.g.shared.w2, s.g.shared.b2);
+    linearBackward(ctx, h, s.w.shared.w1, rowsAs(sdpre, cdt, 0, t_n, sw), dh, true, s.g.shared.w1,
                    s.g.shared.b1);
   }
 }

@@ -13,6 +13,7 @@
 
 #include <cmath>
 #include <deque>
+#include <type_traits>
 
 namespace plm::gpu {
 namespace {
@@ -134,6 +135,121 @@ TEST(MoeKernels, MatchThePortableArithmetic) {
   EXPECT_LT(test::relError(dgate.download(), dgate_ref), 1e-5) << "gate gradients";
   EXPECT_LT(test::relError(test::downloadBf16(dy), dy_ref), 5e-3) << "permuted output gradient";
   EXPECT_LT(test::relError(test::downloadBf16(dh), dh_ref), 5e-3) << "combined input gradient";
+
+  // With the router's input gradient (fp32) added in the same pass.
+  const auto add0 = test::randomNormal(tokens * hidden, 6);
+  DeviceBuffer<float> add(add0);
+  moeCombineGradient(nullptr, dx.get(), slot_row.get(), reinterpret_cast<bf16*>(dh.get()), tokens,
+                     k, hidden, add.get());
+  for (std::size_t i = 0; i < dh_ref.size(); ++i) dh_ref[i] += add0[i];
+  EXPECT_LT(test::relError(test::downloadBf16(dh), dh_ref), 5e-3) << "combine with the addend";
+}
+
+// Device routing against model::route / model::routeBackward (host, double): identical experts,
+// rows and permutation; gates to float rounding; the summary (counts, probability sums, lse^2,
+// entropy) to 1e-12; the logit gradient to float rounding.  Cases: softmax and sigmoid,
+// normalised or not, dropless and capacity cuts, a selection bias that empties an expert, exact
+// ties (duplicated logits: ties go to the lower expert), token counts that cross the 256-slot
+// chunks unevenly, 64 experts top-8, and no tokens at all.
+void checkRouting(model::MoeConfig c, int tokens, bool ties, bool empty_expert,
+                  std::uint64_t seed) {
+  const int e_n = c.experts, k = c.top_k;
+  std::vector<float> logits_f(std::size_t(tokens) * e_n);
+  {
+    auto l = test::randomNormal(logits_f.size(), seed, 1.5f);
+    for (std::size_t i = 0; i < l.size(); ++i) logits_f[i] = l[i] + 0.2f * float(i % e_n);
+    if (ties)
+      for (int t = 0; t < tokens; t += 3)
+        for (int e = 1; e < e_n; e += 2)
+          logits_f[std::size_t(t) * e_n + e] = logits_f[std::size_t(t) * e_n + e - 1];
+  }
+  std::vector<float> bias_f(e_n, 0.0f);
+  for (int e = 0; e < e_n; ++e) bias_f[e] = 0.01f * float(e % 3);
+  if (empty_expert) bias_f[1] = -100.0f;
+  std::vector<double> logits(logits_f.begin(), logits_f.end()), bias(bias_f.begin(), bias_f.end());
+  const model::Routing r = model::route(logits.data(), tokens, c, bias.data());
+
+  DeviceBuffer<float> dl(logits_f), db(bias_f);
+  const std::size_t bytes = routeWorkspaceBytes(tokens, e_n, k);
+  DeviceBuffer<char> ws(bytes);
+  ws.poison();
+  RouteArgs a;
+  a.tokens = tokens;
+  a.experts = e_n;
+  a.top_k = k;
+  a.softmax = c.router == model::RouterKind::Softmax;
+  a.normalize_topk = c.normalize_topk;
+  a.capacity = r.capacity;
+  a.logits = dl.get();
+  a.bias = db.get();
+  const RouteBuffers b = routeBuffers(ws.get(), tokens, e_n, k);
+  const RouteSummary sum = routeOnDevice(nullptr, a, b);
+  EXPECT_EQ(sum.routed, r.routed);
+  EXPECT_EQ(sum.kept, r.kept);
+  if (tokens == 0) return;
+  auto down = [](const auto* p, std::size_t n) {
+    std::vector<std::remove_const_t<std::remove_pointer_t<decltype(p)>>> h(n);
+    PLM_CHECK_CUDA(cudaDeviceSynchronize());
+    PLM_CHECK_CUDA(cudaMemcpy(h.data(), p, n * sizeof(h[0]), cudaMemcpyDeviceToHost));
+    return h;
+  };
+  const std::size_t slots = std::size_t(tokens) * k, rows = r.rows();
+  EXPECT_EQ(down(b.expert, slots), std::vector<std::int32_t>(r.expert.begin(), r.expert.end()));
+  EXPECT_EQ(down(b.slot_row, slots), std::vector<std::int32_t>(r.row.begin(), r.row.end()));
+  EXPECT_EQ(down(b.row_token, rows),
+            std::vector<std::int32_t>(r.row_token.begin(), r.row_token.end()));
+  const auto gate = down(b.gate, slots);
+  const auto row_gate = down(b.row_gate, rows);
+  for (std::size_t s = 0; s < slots; ++s) ASSERT_EQ(gate[s], float(r.gate[s])) << "slot " << s;
+  for (std::size_t p = 0; p < rows; ++p)
+    ASSERT_EQ(row_gate[p], float(r.row_gate[p])) << "row " << p;
+  EXPECT_NEAR(sum.lse2_sum / tokens, r.z, 1e-12 * std::abs(r.z));
+  EXPECT_NEAR(sum.entropy_sum / tokens, r.entropy, 1e-12 * std::abs(r.entropy));
+  double aux = 0;
+  for (int e = 0; e < e_n; ++e) {
+    double p = 0;
+    for (int t = 0; t < tokens; ++t) p += r.prob[std::size_t(t) * e_n + e];
+    EXPECT_NEAR(sum.prob_sum[e], p, 1e-12 * tokens) << "expert " << e;
+    aux += e_n * (double(r.routed[e]) / (double(tokens) * k)) * (sum.prob_sum[e] / tokens);
+  }
+  EXPECT_NEAR(aux, r.aux, 1e-12);
+
+  // Backward: random gate gradients, the aux and z losses.
+  const auto dgate_f = test::randomNormal(slots, seed + 1);
+  const double aux_scale = 0.3, z_scale = 0.05;
+  std::vector<double> aux_dp(e_n);
+  for (int e = 0; e < e_n; ++e)
+    aux_dp[e] = aux_scale * e_n * (double(r.routed[e]) / (double(tokens) * k)) / tokens;
+  DeviceBuffer<float> dgate(dgate_f), dlogits(std::size_t(tokens) * e_n);
+  dlogits.poison();
+  routeBackwardOnDevice(nullptr, a, b, dgate.get(), aux_dp, z_scale, dlogits.get());
+  std::vector<double> dg(dgate_f.begin(), dgate_f.end()), ref(std::size_t(tokens) * e_n);
+  model::routeBackward(r, c, logits.data(), dg.data(), aux_scale, z_scale, ref.data());
+  EXPECT_LT(test::relError(dlogits.download(), ref), 1e-6) << "logit gradient";
+}
+
+TEST(MoeRouting, DeviceMatchesHostReference) {
+  model::MoeConfig c;
+  c.experts = 8;
+  c.top_k = 2;
+  c.expert_ffn = 8;
+  checkRouting(c, 300, false, false, 11);  // dropless softmax, 600 slots: 3 uneven chunks
+  checkRouting(c, 0, false, false, 12);    // no tokens
+  c.capacity_factor = 1.0;
+  checkRouting(c, 1000, true, true, 13);  // capacity cut, ties, an empty expert
+  c.router = model::RouterKind::Sigmoid;
+  c.normalize_topk = false;
+  checkRouting(c, 777, true, false, 14);
+  c.normalize_topk = true;
+  c.capacity_factor = 1.25;
+  checkRouting(c, 129, false, true, 15);
+  c.experts = 64;
+  c.top_k = 8;
+  c.router = model::RouterKind::Softmax;
+  checkRouting(c, 1000, true, true, 16);  // fine-grained
+  c.capacity_factor = 0;
+  c.top_k = 1;
+  checkRouting(c, 513, false, false, 17);  // top-1
 }
 
 }  // namespace
