@@ -2,7 +2,7 @@
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
-#                                       fp8_bench fp8_curves context optimizers moe moe_curves
+#                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves
 #   moe: test_gpu_moe and test_gpu_moe_bf16 (the bf16 MoE layer of the training step against
 #        the portable fp32 path), bench_gpu_moe, and a short bf16 MoE training run (esm2_8m with
 #        8 experts of 640, top-2; PLM_MOE_STEPS steps) with its tokens/s
@@ -204,6 +204,50 @@ if has fsdp && [[ -x "$fsdp_test" ]]; then
     note "plm train esm2_15b fp32 shard $ngpu rc=$?"
     grep -E "^.*(memory:|parallel:|step [0-9]+/)" "$out/fsdp_15b.log" | tee -a "$summary"
   fi
+fi
+
+if has fsdp_bf16 && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # bf16 sharded data parallelism (doc/parallelism.md, Precision) on whatever GPUs there are:
+  # ranks sharing one GPU talk through staged MPI, one GPU per rank through NCCL.
+  #  - test_train_fsdp at 1 and 2 ranks: the bf16 compute copy beside the gathered units, bf16
+  #    and fp32 all-gathers, every layout against one rank, poison;
+  #  - esm2_8m bf16 on the real proteins, 40 steps: shard 2 (bf16 gathers) against 1 rank;
+  #  - a slice of esm2_15b's width (2 layers, hidden 5120, 40 heads, ffn 20480) in bf16 at
+  #    shard 2: the 5120-wide LayerNorm kernels in training, memory per rank.
+  t=$pkg/bin/test_train_fsdp
+  if [[ -x "$t" ]]; then
+    for np in 1 2; do
+      log="$out/fsdp_bf16_test_np$np.log"
+      timeout 300 mpiexec -n $np --oversubscribe "$t" > "$log" 2>&1
+      note "test_train_fsdp np$np rc=$?"
+      grep -E "ranks:|PASSED|FAILED|SKIPPED|Failure|backend" "$log" | tee -a "$summary"
+    done
+  fi
+  common=(--set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=bf16
+          --set data.micro_batch_tokens=16384 --set data.tokens_per_batch=65536
+          --set train.steps=40 --set train.log_every=5 --set checkpoint.every=0
+          --set checkpoint.resume=none --set schedule.warmup_steps=10)
+  for np in 1 2; do
+    dir=/tmp/plm-fsdp-bf16-$np
+    rm -rf "$dir"
+    timeout 300 mpiexec -n $np --oversubscribe "$pkg/bin/plm" train "$repo/inputs/esm2_8m.yaml" \
+      "${common[@]}" --set parallel.shard_degree=$np --set train.run_dir="$dir" \
+      > "$out/fsdp_bf16_8m_np$np.log" 2>&1
+    note "plm train esm2_8m bf16 shard $np rc=$?"
+    grep -E "parallel:|memory|step +40/|tokens/s" "$out/fsdp_bf16_8m_np$np.log" | tail -4 |
+      tee -a "$summary"
+  done
+  python3 "$repo/validation/compare_losses.py" /tmp/plm-fsdp-bf16-1/metrics.jsonl \
+    /tmp/plm-fsdp-bf16-2/metrics.jsonl --steps 40 --tol 2e-2 2>&1 | tail -3 | tee -a "$summary"
+  rm -rf /tmp/plm-fsdp-bf16-wide
+  timeout 300 mpiexec -n 2 --oversubscribe "$pkg/bin/plm" train "$repo/inputs/esm2_8m.yaml" \
+    "${common[@]}" --set model.preset=custom --set model.layers=2 --set model.hidden=5120 \
+    --set model.heads=40 --set model.ffn=20480 --set data.micro_batch_tokens=4096 \
+    --set data.tokens_per_batch=8192 --set train.steps=10 --set train.log_every=1 \
+    --set parallel.shard_degree=2 --set train.run_dir=/tmp/plm-fsdp-bf16-wide \
+    > "$out/fsdp_bf16_wide.log" 2>&1
+  note "plm train hidden-5120 slice bf16 shard 2 rc=$?"
+  grep -E "parallel:|peak|step +(1|10)/" "$out/fsdp_bf16_wide.log" | tail -5 | tee -a "$summary"
 fi
 
 ctx_dir=$pkg/tree/test/context  # packaged with PLM_PKG_CTEST=1
