@@ -2,13 +2,17 @@
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
-#                                       fp8_bench fp8_curves context optimizers
+#                                       fp8_bench fp8_curves context optimizers staged
 #   fp8: test_gpu_fp8 (every FP8 cast and GEMM layout vs host references) and
 #        bench_gpu_fp8_gemm (650M layer GEMMs bf16 vs FP8 per-tensor vs FP8 block; cast GB/s),
 #        their full logs copied to $OUT (fp8_test.log, fp8_bench.log)
 #   optimizers: ESM-2 35M (bf16) trained 300 steps with each optimizer.name (adamw, adamw8bit,
 #         lion, adafactor): bytes of optimizer state per parameter, peak memory, step time,
 #         losses (doc/optimizers.md; the table of doc/performance.md "Optimizers")
+#   staged: multi-rank tests on ONE GPU through staged MPI (dist::Backend::MpiStaged: device
+#         buffers through pinned host buffers and MPI; doc/parallelism.md "Communication
+#         backends"): the staged communicator against plain MPI, FSDP, expert and context
+#         parallelism and the gradient buckets at 2 (and 4) ranks sharing the GPU
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/performance.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
@@ -165,7 +169,8 @@ fi
 fsdp_test=$pkg/tree/test/train/test_train_fsdp  # packaged with PLM_PKG_CTEST=1
 if has fsdp && [[ -x "$fsdp_test" ]]; then
   # Sharded data parallelism over NCCL (fp32; one GPU per rank: nvidia-h200-x2 / -x4): every
-  # layout against one rank, and the poison test.  On one GPU shared by ranks it skips.
+  # layout against one rank, and the poison test.  On one GPU shared by ranks it runs over
+  # staged MPI (the `staged` stage).
   for np in 2 4; do
     log="$out/fsdp_np$np.log"
     timeout 300 mpiexec -n $np --oversubscribe "$fsdp_test" > "$log" 2>&1
@@ -177,8 +182,8 @@ fi
 ctx_dir=$pkg/tree/test/context  # packaged with PLM_PKG_CTEST=1
 if has context && [[ -d "$ctx_dir" ]]; then
   # Context parallelism (fp32 ring attention on the portable kernels, K/V over NCCL
-  # sendRecv with one GPU per rank: nvidia-h200-x2 / -x4; ranks sharing one GPU go through MPI
-  # with host staging): ring attention against whole attention, ESM-2 at context degree 2/4
+  # sendRecv with one GPU per rank: nvidia-h200-x2 / -x4; ranks sharing one GPU go through
+  # staged MPI): ring attention against whole attention, ESM-2 at context degree 2/4
   # against one rank, the 16,384-token sequence at degree 2.
   for t in test_context_ring_attention test_context_model test_context_long_sequence; do
     for np in 2 4; do
@@ -188,6 +193,26 @@ if has context && [[ -d "$ctx_dir" ]]; then
       timeout 600 mpiexec -n $np --oversubscribe "$ctx_dir/$t" > "$log" 2>&1
       note "$t np$np rc=$? $(( $(date +%s) - start ))s"
       grep -E "context degree|PASSED|FAILED|SKIPPED|Failure" "$log" | tee -a "$summary"
+    done
+  done
+fi
+
+tree=$pkg/tree/test  # packaged with PLM_PKG_CTEST=1
+if has staged && [[ -d "$tree" ]]; then
+  # Ranks sharing this GPU: NCCL refuses them, so dist::defaultBackend picks staged MPI (the
+  # "dist: collectives over mpi-staged" line); these tests skipped here before it existed.
+  for run in "dist/test_dist_staged_communicator 1 2 4" "dist/test_dist_gradient_buckets 2 4" \
+             "train/test_train_fsdp 2 4" "ckpt/test_ckpt_fsdp_resume 4" \
+             "ckpt/test_ckpt_moe_expert_parallel 2" "context/test_context_model 2" \
+             "train/test_train_optimizer_shards 2"; do
+    set -- $run
+    t=$1; shift
+    for np in "$@"; do
+      log="$out/staged_$(basename "$t")_np$np.log"
+      start=$(date +%s)
+      timeout 600 mpiexec -n $np --oversubscribe "$tree/$t" > "$log" 2>&1
+      note "staged: $(basename "$t") np$np rc=$? $(( $(date +%s) - start ))s"
+      grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure" "$log" | sort -u | tee -a "$summary"
     done
   done
 fi

@@ -370,8 +370,10 @@ template <class T> void MoeMlp<T>::setExpertParallel(const ExpertParallel& ep) {
   if (n > 1 && !ep.comm->deviceMemory() &&
       !Kokkos::SpaceAccessibility<HostSpace, ExecSpace::memory_space>::accessible)
     throw collectiveError(
-        "parallel.expert_degree: the expert all-to-all needs NCCL when the model lives in GPU "
-        "memory (one GPU per rank); this group fell back to MPI");
+        "parallel.expert_degree: the expert all-to-all needs a device-memory backend when the "
+        "model lives in GPU memory, NCCL (one GPU per rank) or staged MPI (ranks sharing a "
+        "GPU); this group got plain MPI: unset PLM_COMM_BACKEND or set it to auto, nccl or "
+        "mpi-staged");
   s.ep = ep;
   s.local_experts = s.c.experts / n;
   s.first_expert = (ep.comm ? ep.comm->rank() : 0) * s.local_experts;

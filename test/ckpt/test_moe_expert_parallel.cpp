@@ -108,7 +108,7 @@ void expectSame(const std::vector<double>& got, const std::vector<double>& ref,
 
 TEST(ExpertParallel, DegreesGiveTheSameLosses) {
   if (plm::test::noCollectivesForDeviceMemory(MPI_COMM_WORLD))
-    GTEST_SKIP() << "ranks share a GPU: no NCCL, and MPI cannot take device memory";
+    GTEST_SKIP() << "device memory over plain MPI (PLM_COMM_BACKEND=mpi)";
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "moe_ep");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   std::vector<double> reference;
@@ -145,7 +145,7 @@ TEST(ExpertParallel, DegreesGiveTheSameLosses) {
 
 TEST(ExpertParallel, ResumesAtAnotherDegree) {
   if (plm::test::noCollectivesForDeviceMemory(MPI_COMM_WORLD))
-    GTEST_SKIP() << "ranks share a GPU: no NCCL, and MPI cannot take device memory";
+    GTEST_SKIP() << "device memory over plain MPI (PLM_COMM_BACKEND=mpi)";
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "moe_resume");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   const auto ds = degrees();
@@ -189,15 +189,15 @@ void silenceExpertZero(plm::model::Esm2<double>& m) {
 }
 
 TEST(ExpertParallel, ZeroTokenRanksAndExpertsWork) {
-  if (plm::dist::worldSize() > 1 &&
-      !Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible)
-    GTEST_SKIP() << "the test drives the MPI all-to-all, which cannot take device memory";
+  if (plm::test::noCollectivesForDeviceMemory(MPI_COMM_WORLD))
+    GTEST_SKIP() << "device memory over plain MPI (PLM_COMM_BACKEND=mpi)";
   const int world = plm::dist::worldSize(), rank = plm::dist::worldRank();
   std::vector<plm::data::MicroBatch> batches;
   for (int r = 0; r < world; ++r)
     batches.push_back(r == 1 ? plm::data::MicroBatch()
                              : plm::test::makeBatchForRank(r));  // rank 1: no tokens at all
-  auto comm = plm::dist::makeCommunicator(MPI_COMM_WORLD, plm::dist::Backend::Mpi);
+  auto comm =
+      plm::dist::makeCommunicator(MPI_COMM_WORLD, plm::dist::defaultBackend(MPI_COMM_WORLD));
   plm::model::Esm2<double> model(tinyMoe());
   model.initialize(5);
   silenceExpertZero(model);
