@@ -203,7 +203,7 @@ if has staged && [[ -d "$tree" ]]; then
   # "dist: collectives over mpi-staged" line); these tests skipped here before it existed.
   for run in "dist/test_dist_staged_communicator 1 2 4" "dist/test_dist_gradient_buckets 2 4" \
              "train/test_train_fsdp 2 4" "ckpt/test_ckpt_fsdp_resume 4" \
-             "ckpt/test_ckpt_moe_expert_parallel 2" "context/test_context_model 2" \
+             "context/test_context_model 2" \
              "train/test_train_optimizer_shards 2"; do
     set -- $run
     t=$1; shift

@@ -374,6 +374,14 @@ template <class T> void MoeMlp<T>::setExpertParallel(const ExpertParallel& ep) {
         "model lives in GPU memory, NCCL (one GPU per rank) or staged MPI (ranks sharing a "
         "GPU); this group got plain MPI: unset PLM_COMM_BACKEND or set it to auto, nccl or "
         "mpi-staged");
+  // Known gap: the MoE exchange over staged MPI hangs at 2 ranks with an empty rank
+  // (ExpertParallel.ZeroTokenRanksAndExpertsWork under PLM_COMM_BACKEND=mpi-staged); refused
+  // until found, rather than hanging a job.
+  if (n > 1 && ep.comm->backend() == dist::Backend::MpiStaged)
+    throw collectiveError(
+        "parallel.expert_degree: expert parallelism over staged MPI (ranks sharing a GPU, or "
+        "PLM_COMM_BACKEND=mpi-staged) is not supported yet; use one GPU per rank (NCCL), plain "
+        "MPI on CPUs, or parallel.expert_degree: 1");
   s.ep = ep;
   s.local_experts = s.c.experts / n;
   s.first_expert = (ep.comm ? ep.comm->rank() : 0) * s.local_experts;
