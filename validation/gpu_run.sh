@@ -3,6 +3,7 @@
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves
+#                                       staged
 #   moe: test_gpu_moe and test_gpu_moe_bf16 (the bf16 MoE layer of the training step against
 #        the portable fp32 path), bench_gpu_moe, and a short bf16 MoE training run (esm2_8m with
 #        8 experts of 640, top-2; PLM_MOE_STEPS steps) with its tokens/s
@@ -15,6 +16,10 @@
 #   optimizers: ESM-2 35M (bf16) trained 300 steps with each optimizer.name (adamw, adamw8bit,
 #         lion, adafactor): bytes of optimizer state per parameter, peak memory, step time,
 #         losses (doc/optimizers.md; the table of doc/performance.md "Optimizers")
+#   staged: multi-rank tests on ONE GPU through staged MPI (dist::Backend::MpiStaged: device
+#         buffers through pinned host buffers and MPI; doc/parallelism.md "Communication
+#         backends"): the staged communicator against plain MPI, FSDP, expert and context
+#         parallelism and the gradient buckets at 2 (and 4) ranks sharing the GPU
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/performance.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
@@ -171,7 +176,8 @@ fi
 fsdp_test=$pkg/tree/test/train/test_train_fsdp  # packaged with PLM_PKG_CTEST=1
 if has fsdp && [[ -x "$fsdp_test" ]]; then
   # Sharded data parallelism over NCCL (fp32; one GPU per rank: nvidia-h200-x2 / -x4): every
-  # layout against one rank, and the poison test.  On one GPU shared by ranks it skips.
+  # layout against one rank, and the poison test.  On one GPU shared by ranks it runs over
+  # staged MPI (the `staged` stage).
   for np in 2 4; do
     log="$out/fsdp_np$np.log"
     timeout 300 mpiexec -n $np --oversubscribe "$fsdp_test" > "$log" 2>&1
@@ -253,8 +259,8 @@ fi
 ctx_dir=$pkg/tree/test/context  # packaged with PLM_PKG_CTEST=1
 if has context && [[ -d "$ctx_dir" ]]; then
   # Context parallelism (fp32 ring attention on the portable kernels, K/V over NCCL
-  # sendRecv with one GPU per rank: nvidia-h200-x2 / -x4; ranks sharing one GPU go through MPI
-  # with host staging): ring attention against whole attention, ESM-2 at context degree 2/4
+  # sendRecv with one GPU per rank: nvidia-h200-x2 / -x4; ranks sharing one GPU go through
+  # staged MPI): ring attention against whole attention, ESM-2 at context degree 2/4
   # against one rank, the 16,384-token sequence at degree 2.
   for t in test_context_ring_attention test_context_model test_context_long_sequence; do
     for np in 2 4; do
@@ -264,6 +270,26 @@ if has context && [[ -d "$ctx_dir" ]]; then
       timeout 600 mpiexec -n $np --oversubscribe "$ctx_dir/$t" > "$log" 2>&1
       note "$t np$np rc=$? $(( $(date +%s) - start ))s"
       grep -E "context degree|PASSED|FAILED|SKIPPED|Failure" "$log" | tee -a "$summary"
+    done
+  done
+fi
+
+tree=$pkg/tree/test  # packaged with PLM_PKG_CTEST=1
+if has staged && [[ -d "$tree" ]]; then
+  # Ranks sharing this GPU: NCCL refuses them, so dist::defaultBackend picks staged MPI (the
+  # "dist: collectives over mpi-staged" line); these tests skipped here before it existed.
+  for run in "dist/test_dist_staged_communicator 1 2 4" "dist/test_dist_gradient_buckets 2 4" \
+             "train/test_train_fsdp 2 4" "ckpt/test_ckpt_fsdp_resume 4" \
+             "context/test_context_model 2" \
+             "train/test_train_optimizer_shards 2"; do
+    set -- $run
+    t=$1; shift
+    for np in "$@"; do
+      log="$out/staged_$(basename "$t")_np$np.log"
+      start=$(date +%s)
+      timeout 600 mpiexec -n $np --oversubscribe "$tree/$t" > "$log" 2>&1
+      note "staged: $(basename "$t") np$np rc=$? $(( $(date +%s) - start ))s"
+      grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure" "$log" | sort -u | tee -a "$summary"
     done
   done
 fi

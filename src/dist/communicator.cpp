@@ -1,13 +1,18 @@
 #include "dist/communicator.hpp"
 
 #include "core/error.hpp"
+#include "core/log.hpp"
 #include "dist/detail/backends.hpp"
+#include "dist/staged_communicator.hpp"
 #include "plm/plm_config.hpp"
 
 #include <algorithm>
 #include <climits>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <mutex>
+#include <set>
 #include <utility>
 
 namespace plm::dist {
@@ -38,7 +43,14 @@ const char* nameOf(DataType type) {
   return "unknown";
 }
 
-const char* nameOf(Backend backend) { return backend == Backend::Nccl ? "nccl" : "mpi"; }
+const char* nameOf(Backend backend) {
+  switch (backend) {
+    case Backend::Mpi: return "mpi";
+    case Backend::Nccl: return "nccl";
+    case Backend::MpiStaged: return "mpi-staged";
+  }
+  return "unknown";
+}
 
 void Work::wait(Stream stream) {
   if (impl_member) impl_member->wait(stream);
@@ -50,6 +62,7 @@ bool ncclAvailable() { return PLM_HAVE_CUDA != 0; }
 
 std::unique_ptr<Communicator> makeCommunicator(MPI_Comm comm, Backend backend) {
   if (backend == Backend::Mpi) return detail::makeMpiCommunicator(comm);
+  if (backend == Backend::MpiStaged) return makeStagedCommunicator(comm, deviceCopier());
 #if PLM_HAVE_CUDA
   return detail::makeNcclCommunicator(comm);
 #else
@@ -59,12 +72,45 @@ std::unique_ptr<Communicator> makeCommunicator(MPI_Comm comm, Backend backend) {
 #endif
 }
 
+namespace {
+
+/// Logs each distinct choice once per process (defaultBackend runs for every process group).
+Backend chosen(Backend backend, const std::string& why) {
+  static std::mutex mutex;
+  static std::set<std::string> said;
+  const std::string line =
+      std::string("dist: collectives over ") + nameOf(backend) + " (" + why + ")";
+  std::lock_guard<std::mutex> lock(mutex);
+  if (said.insert(line).second) log::info("%s", line.c_str());
+  return backend;
+}
+
+}  // namespace
+
 Backend defaultBackend(MPI_Comm comm) {
+  const char* env = std::getenv("PLM_COMM_BACKEND");
+  const std::string choice = env ? env : "";
+  if (choice == "mpi") return chosen(Backend::Mpi, "PLM_COMM_BACKEND=mpi");
+  if (choice == "mpi-staged") return chosen(Backend::MpiStaged, "PLM_COMM_BACKEND=mpi-staged");
+  if (choice == "nccl") {
+    if (!ncclAvailable())
+      throw Error(
+          "PLM_COMM_BACKEND=nccl: this build of plm has no NCCL; unset PLM_COMM_BACKEND (or "
+          "set auto, mpi or mpi-staged), or build with the `cuda` preset (doc/gpu.md)");
+    return chosen(Backend::Nccl, "PLM_COMM_BACKEND=nccl");
+  }
+  if (!choice.empty() && choice != "auto")
+    throw Error("PLM_COMM_BACKEND=" + choice +
+                ": unknown communication backend; use auto (the default), nccl, mpi or "
+                "mpi-staged (doc/parallelism.md, \"Communication backends\")");
 #if PLM_HAVE_CUDA
-  return detail::ranksOnDistinctGpus(comm) ? Backend::Nccl : Backend::Mpi;
+  if (detail::ranksOnDistinctGpus(comm)) return chosen(Backend::Nccl, "one GPU per rank");
+  return chosen(Backend::MpiStaged,
+                "ranks share a GPU, which NCCL refuses: device buffers are staged through host "
+                "memory; for speed run one rank per GPU");
 #else
   (void)comm;
-  return Backend::Mpi;
+  return chosen(Backend::Mpi, "CPU build, host memory");
 #endif
 }
 

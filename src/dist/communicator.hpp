@@ -4,8 +4,11 @@
 //
 // Design choice: buffers are raw pointer + element count + DataType tag (typed template
 // wrappers below), so the interface needs no Kokkos and the NCCL backend compiles as a plain
-// .cu under nvcc (PLM_CHECK_CUDA_SOURCES).  Pointers are device memory with NCCL and host
-// memory with MPI (deviceMemory() says which); no backend stages through the host.
+// .cu under nvcc (PLM_CHECK_CUDA_SOURCES).  Pointers are device memory with NCCL and staged
+// MPI, host memory with MPI (deviceMemory() says which).  Only staged MPI
+// (dist/staged_communicator.hpp) goes through the host: it copies device buffers into pinned
+// host buffers, runs the MPI backend on them and copies the results back, so ranks that share
+// one GPU (which NCCL refuses) can still run every device-memory collective.
 //
 // Ordering, per backend:
 //   - NCCL: each call records an event on the caller's `Stream`, the communicator's own
@@ -14,6 +17,9 @@
 //   - MPI: non-blocking MPI (MPI_Iallreduce, ...) on a duplicate of the group's MPI_Comm; the
 //     caller fences the producing execution space before the call (the Stream is ignored) and
 //     Work::wait blocks in MPI_Waitall.
+//   - Staged MPI: the call synchronises the caller's `Stream` after queueing the device-to-host
+//     copies, then starts the MPI collective; Work::wait blocks in MPI_Waitall and copies the
+//     results back on the waiting stream (synchronised before it returns).
 // Every rank of the group must issue the same collectives in the same order (MPI and NCCL
 // both require it).  Buffers must stay alive and untouched until wait() returns (MPI) or until
 // the waiting stream has passed the completion event (NCCL).
@@ -60,7 +66,10 @@ struct Stream {
   void* handle = nullptr;
 };
 
-enum class Backend { Mpi, Nccl };
+/// Mpi: host memory.  Nccl: device memory, one GPU per rank.  MpiStaged: device memory through
+/// host staging buffers and MPI (ranks may share a GPU; for correctness runs and small jobs).
+enum class Backend { Mpi, Nccl, MpiStaged };
+/// \brief "mpi", "nccl", "mpi-staged" (the values PLM_COMM_BACKEND takes).
 const char* nameOf(Backend backend);
 
 namespace detail {
@@ -99,8 +108,8 @@ class Communicator {
   virtual int rank() const = 0;
   virtual int size() const = 0;
   virtual Backend backend() const = 0;
-  /// \brief True: buffers are device memory and collectives are ordered on streams (NCCL).
-  /// False: host memory, and the caller fences the producers before a call (MPI).
+  /// \brief True: buffers are device memory and collectives are ordered on streams (NCCL,
+  /// staged MPI).  False: host memory, and the caller fences the producers before a call (MPI).
   virtual bool deviceMemory() const = 0;
 
   /// \brief data[i] = sum over ranks of data[i], in place, for i < count.
@@ -162,15 +171,18 @@ class Communicator {
 
 /// \brief A communicator over the ranks of `comm` (collective over `comm`).  Mpi duplicates
 /// `comm`; Nccl broadcasts a unique id over `comm` and needs one GPU per rank (the current
-/// CUDA device).  Nccl on a build without NCCL throws plm::Error.
+/// CUDA device); MpiStaged is Mpi behind host staging buffers, copying with CUDA on a CUDA
+/// build and with memcpy on a CPU build.  Nccl on a build without NCCL throws plm::Error.
 std::unique_ptr<Communicator> makeCommunicator(MPI_Comm comm, Backend backend);
 
 /// \brief True when this build has the NCCL backend (a CUDA build).
 bool ncclAvailable();
 
-/// \brief The backend for device-resident data on `comm` (collective): Nccl when this build
-/// has NCCL and every rank of `comm` drives its own GPU, else Mpi (CPU builds, or several
-/// ranks sharing one GPU, which NCCL refuses).
+/// \brief The backend for the model's memory on `comm` (collective): Nccl when this build has
+/// NCCL and every rank of `comm` drives its own GPU; MpiStaged on a CUDA build whose ranks share
+/// a GPU (NCCL refuses that); Mpi on a CPU build.  The environment variable PLM_COMM_BACKEND
+/// (auto | nccl | mpi | mpi-staged, the same on every rank) overrides the choice; a bad value
+/// throws plm::Error.  The first choice of each kind is logged with its reason.
 Backend defaultBackend(MPI_Comm comm);
 
 }  // namespace plm::dist

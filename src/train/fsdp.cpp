@@ -224,8 +224,9 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     if (!shard_comm->deviceMemory() &&
         !Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemSpace>::accessible)
       throw Error(
-          "parallel: sharding device memory needs the NCCL backend (one GPU per rank); "
-          "this job would hand device pointers to MPI");
+          "parallel: sharding device memory needs a device-memory backend, NCCL (one GPU per "
+          "rank) or staged MPI (ranks sharing a GPU); this job would hand device pointers to "
+          "plain MPI: unset PLM_COMM_BACKEND or set it to auto, nccl or mpi-staged");
     const int s = shard_comm->size();
     const auto n = static_cast<std::int64_t>(m.parameters().extent(0));
     units = planShardUnits(m.tensors(), n, s);

@@ -59,7 +59,7 @@ struct Layout {
 
 TEST(FsdpResume, ShardedCheckpointResumesOnAnyLayout) {
   if (plm::test::noCollectivesForDeviceMemory(MPI_COMM_WORLD))
-    GTEST_SKIP() << "ranks share a GPU: no NCCL, and MPI cannot take device memory";
+    GTEST_SKIP() << "device memory over plain MPI (PLM_COMM_BACKEND=mpi)";
   if (plm::dist::worldSize() != 4) GTEST_SKIP() << "this test runs at 4 ranks";
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fsdp");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);

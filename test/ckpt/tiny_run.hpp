@@ -27,14 +27,14 @@
 namespace plm::test {
 
 /// True when collectives over `comm` cannot run on the model's memory: device memory (a CUDA
-/// build) with ranks that share a GPU, so NCCL is out and MPI cannot take device pointers (the
-/// single-GPU CUDA ctest at 2 or 4 ranks).  Multi-rank tests of sharded or expert-parallel
-/// training skip there; they run on CPU ranks in CI and with one GPU per rank.
+/// build) while the backend chosen moves host memory only (PLM_COMM_BACKEND=mpi).  Ranks that
+/// share a GPU (the single-GPU CUDA ctest at 2 or 4 ranks) get staged MPI and run; multi-rank
+/// tests of sharded or expert-parallel training skip only where plain MPI was forced.
 inline bool noCollectivesForDeviceMemory(MPI_Comm comm) {
   int size = 1;
   MPI_Comm_size(comm, &size);
   return size > 1 && !Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible &&
-         plm::dist::defaultBackend(comm) != plm::dist::Backend::Nccl;
+         plm::dist::defaultBackend(comm) == plm::dist::Backend::Mpi;
 }
 
 inline int commRank(MPI_Comm comm) {

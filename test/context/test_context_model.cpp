@@ -244,19 +244,22 @@ TEST(ContextModel, DataParallelStepMatchesOneRank) {
 
 TEST(ContextModel, ShardedDataParallelStepMatchesOneRank) {
   const int world = dist::worldSize(), rank = dist::worldRank();
-  if (!Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemSpace>::accessible)
-    GTEST_SKIP() << "the MPI backend needs host memory";
   const Esm2Config c = config(2, 16, 2);
   const int degree = world >= 2 ? 2 : 1;
   const TrainRun ref = referenceRun(c, world / degree);
   for (int shard = 1; shard <= world; shard *= 2) {
     dist::ProcessGroups pg(MPI_COMM_WORLD, shard, degree);
-    auto comm = dist::makeCommunicator(pg.context(), dist::Backend::Mpi);
+    // The backend for the model's memory: MPI on CPUs, NCCL or staged MPI on a GPU.
+    const dist::Backend backend = dist::defaultBackend(pg.context());
+    if (backend == dist::Backend::Mpi &&
+        !Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemSpace>::accessible)
+      GTEST_SKIP() << "device memory over plain MPI (PLM_COMM_BACKEND=mpi)";
+    auto comm = dist::makeCommunicator(pg.context(), backend);
     Esm2<float> m(c);
     m.initialize(9);
     m.setContextParallel(comm.get());
     train::Fsdp<float> fsdp(m, pg.shard(), pg.replicate(), train::AdamWOptions{},
-                            train::FsdpOptions{}, dist::Backend::Mpi);
+                            train::FsdpOptions{}, dist::defaultBackend(pg.shard()));
     TrainRun got;
     for (int step = 1; step <= kSteps; ++step) {
       auto local = data::contextShards(groupBatches(step, rank / degree), degree, comm->rank());

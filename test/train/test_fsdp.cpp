@@ -88,11 +88,12 @@ TrainRun reference(const Esm2Config& config) {
   return r;
 }
 
-// The backend for the model's memory: NCCL with one GPU per rank, MPI on host memory.  Device
-// memory with ranks sharing a GPU (the single-GPU CUDA ctest) has no backend: skipped.
+// The backend for the model's memory: NCCL with one GPU per rank, staged MPI with ranks
+// sharing a GPU (the single-GPU CUDA ctest), MPI on host memory.  Device memory over plain MPI
+// (PLM_COMM_BACKEND=mpi on a CUDA build) has no collectives: skipped.
 bool backendFor(MPI_Comm shard, plm::dist::Backend* backend) {
   *backend = plm::dist::defaultBackend(shard);
-  return *backend == plm::dist::Backend::Nccl ||
+  return *backend != plm::dist::Backend::Mpi ||
          Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible;
 }
 
@@ -150,7 +151,7 @@ void expectSame(const TrainRun& ref, const TrainRun& got, const std::string& wha
 TEST(Fsdp, EveryLayoutMatchesOneRank) {
   const int world = plm::dist::worldSize();
   plm::dist::Backend backend;
-  if (!backendFor(MPI_COMM_WORLD, &backend)) GTEST_SKIP() << "ranks share a GPU: no NCCL";
+  if (!backendFor(MPI_COMM_WORLD, &backend)) GTEST_SKIP() << "device memory over plain MPI";
   const Esm2Config config = tinyConfig();
   const TrainRun ref = reference(config);
   for (int shard = 1; shard <= world; shard *= 2) {
@@ -164,7 +165,7 @@ TEST(Fsdp, EveryLayoutMatchesOneRank) {
 TEST(Fsdp, NoReshardAfterForwardAndRecomputeMatchOneRank) {
   const int world = plm::dist::worldSize();
   plm::dist::Backend backend;
-  if (!backendFor(MPI_COMM_WORLD, &backend)) GTEST_SKIP() << "ranks share a GPU: no NCCL";
+  if (!backendFor(MPI_COMM_WORLD, &backend)) GTEST_SKIP() << "device memory over plain MPI";
   plm::train::FsdpOptions keep;
   keep.poison = true;
   keep.reshard_after_forward = false;
@@ -252,7 +253,7 @@ TEST(Fsdp, PoisonCatchesAReadBeforeTheAllGather) {
   const Esm2Config config = tinyConfig();
   plm::dist::ProcessGroups groups(MPI_COMM_WORLD, world);
   plm::dist::Backend backend;
-  if (!backendFor(groups.shard(), &backend)) GTEST_SKIP() << "ranks share a GPU: no NCCL";
+  if (!backendFor(groups.shard(), &backend)) GTEST_SKIP() << "device memory over plain MPI";
   Esm2<float> model(config);
   model.initialize(11);
   plm::train::FsdpOptions o;
