@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <unordered_map>
 
 namespace plm::model {
 
@@ -167,6 +168,11 @@ bool defaultDeterministic() {
 // ---- context -------------------------------------------------------------------------------
 
 #if PLM_HAVE_CUDA
+// The FP8 casts of activations and gradients are timed as a kind of their own, after the four
+// public ones (kept out of ops.hpp's OpKind so that adding it recompiled nothing else).
+constexpr int kFp8CastKind = static_cast<int>(OpKind::Count);
+constexpr int kProfileKinds = kFp8CastKind + 1;
+
 struct OpContext::Cuda {
   gpu::Gemm gemm;
   std::unique_ptr<gpu::CudnnAttention> cudnn;  // built on first use
@@ -176,7 +182,21 @@ struct OpContext::Cuda {
   std::vector<cudaEvent_t> events;
   std::vector<int> kinds;
   std::size_t marks = 0;
-  double totals[static_cast<int>(OpKind::Count)] = {};
+  double totals[kProfileKinds] = {};
+#if PLM_FP8_CUDA
+  // The E4M3 transposed input X^T (in, T padded to 16) of each FP8 GEMM, written by the
+  // forward's cast in the pass that writes X's codes and read by the weight-gradient GEMM, so
+  // the backward does not cast X again.  `x` (data, rows, cols, ld) names the activation it was
+  // cast from; a forward that does not keep it (evaluation) clears `valid`.  Grow-only.
+  struct Fp8Kept {
+    const void* x = nullptr;
+    std::int64_t rows = 0, cols = 0, ld = 0;
+    void* codes = nullptr;
+    std::size_t bytes = 0;
+    bool valid = false;
+  };
+  std::unordered_map<const Fp8GemmSlot*, Fp8Kept> fp8_kept;
+#endif
 
   Cuda() {
     PLM_CHECK_CUDA(cudaMalloc(&loss, sizeof(double)));
@@ -185,6 +205,9 @@ struct OpContext::Cuda {
   ~Cuda() {
     for (auto e : events) cudaEventDestroy(e);
     cudaFree(loss);
+#if PLM_FP8_CUDA
+    for (auto& kept : fp8_kept) cudaFree(kept.second.codes);
+#endif
   }
   void collect() {
     if (marks < 2) return;
@@ -266,8 +289,9 @@ std::vector<std::pair<std::string, double>> OpContext::profile() {
 #if PLM_HAVE_CUDA
   auto& c = cuda();
   c.collect();
-  const char* names[] = {"gemm (cuBLASLt)", "attention", "layernorm", "other fused"};
-  for (int k = 0; k < static_cast<int>(OpKind::Count); ++k) out.emplace_back(names[k], c.totals[k]);
+  const char* names[] = {"gemm (cuBLASLt)", "attention", "layernorm", "other fused", "fp8 cast"};
+  for (int k = 0; k < kProfileKinds; ++k)
+    if (k != kFp8CastKind || c.totals[k] > 0) out.emplace_back(names[k], c.totals[k]);
 #endif
   return out;
 }
@@ -453,19 +477,25 @@ void inputGradient(OpContext& ctx, const Mat& dy, const Mat& w, const Mat& dx, b
 
 #if PLM_FP8_CUDA
 // ---- FP8 GEMMs on the CUDA path (train.precision: fp8; doc/fp8.md) -------------------------
-// The weight's E4M3 codes and their transpose were cast once per step (esm2.cpp); here the
-// activation and the output gradient are cast per call into grow-only scratch (slots 20-23) with
-// the slot's device scale (delayed: uploaded from Fp8Scaling each step, amax max-accumulated
-// for its endStep) or their own amax (current), and the GEMMs run in Hopper's TN layout
-// (gpu/fp8.hpp's table): forward A = X (T,in), B = W (out,in); dgrad A = dY (T,out), B = W^T
-// (in,out); wgrad A = dY^T (out,T), B = X^T (in,T).  The bias gradient comes from the
-// unquantised dY in the pass that casts it (col_sum).
+// The weight's E4M3 codes and their transpose were cast once per step (esm2.cpp).  Per call and
+// per micro-batch, each Linear layer casts (doc/fp8.md, "Casts per micro-batch"):
+//  - forward: X (T,in) -> E4M3 codes (scratch slot 20) and, in the same pass, X^T (in, T padded
+//    to 16) into the GEMM's kept buffer (OpContext::Cuda::fp8_kept), which its weight-gradient
+//    GEMM reads: X is cast once per forward, never again in the backward;
+//  - backward: dY (T,out) -> E5M2 (hybrid) codes and dY^T (out, T padded) in one pass with its
+//    amax and the bias gradient (column sums of the unquantised dY), shared by dgrad and wgrad.
+// The scale is the slot's device scale (delayed: uploaded from Fp8Scaling each step, amax
+// max-accumulated for its endStep) or the tensor's own amax (current).  The GEMMs run in
+// Hopper's TN layout (gpu/fp8.hpp's table): forward A = X (T,in), B = W (out,in); dgrad A = dY
+// (T,out), B = W^T (in,out); wgrad A = dY^T (out,T), B = X^T (in,T).
 
 std::int64_t pad16(std::int64_t n) { return (n + 15) / 16 * 16; }
 
 gpu::DType gpuFormat(fp8::Format f) {
   return f == fp8::Format::E4M3 ? gpu::DType::E4M3 : gpu::DType::E5M2;
 }
+
+void markFp8Cast(OpContext& ctx) { ctx.mark(static_cast<OpKind>(kFp8CastKind)); }
 
 struct Fp8Operand8 {
   const void* codes = nullptr;
@@ -475,10 +505,11 @@ struct Fp8Operand8 {
 };
 
 /// Casts bf16 operand `o` of the slot's GEMM, x (rows, cols), into scratch: `direct` (rows,
-/// cols) and/or `transposed` (cols, rows); col_sum (optional) += column sums of x.
+/// cols) and/or `transposed` (cols, rows; into `transposed_at` when given); col_sum (optional)
+/// += column sums of x.
 void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& x,
                  Fp8Operand8* direct, Fp8Operand8* transposed, float* col_sum = nullptr,
-                 int scratch_base = 20) {
+                 int scratch_base = 20, void* transposed_at = nullptr) {
   const Fp8Scaling& st = *s.scaling;
   const int k = static_cast<int>(o);
   gpu::Fp8CastArgs a;
@@ -495,11 +526,17 @@ void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& 
   }
   if (transposed) {
     // Rows padded to 16 with zero codes: the weight-gradient GEMM's K (the tokens) runs to the
-    // padded length, as FP8 GEMMs want K and leading dimensions in multiples of 16.
+    // padded length, as FP8 GEMMs want K and leading dimensions in multiples of 16.  Only the
+    // padding columns are zeroed; the cast writes the rest.
     a.ld_out_t = pad16(x.rows);
-    const auto bytes = static_cast<std::size_t>(x.cols * a.ld_out_t);
-    a.out_t = ctx.scratch(scratch_base + 1, bytes);
-    if (a.ld_out_t != x.rows) PLM_CHECK_CUDA(cudaMemsetAsync(a.out_t, 0, bytes, streamOf(ctx)));
+    a.out_t = transposed_at
+                  ? transposed_at
+                  : ctx.scratch(scratch_base + 1, static_cast<std::size_t>(x.cols * a.ld_out_t));
+    if (a.ld_out_t != x.rows)
+      PLM_CHECK_CUDA(cudaMemset2DAsync(static_cast<std::uint8_t*>(a.out_t) + x.rows,
+                                       static_cast<std::size_t>(a.ld_out_t), 0,
+                                       static_cast<std::size_t>(a.ld_out_t - x.rows),
+                                       static_cast<std::size_t>(x.cols), streamOf(ctx)));
     *transposed = {a.out_t, a.ld_out_t, a.out_type, s.scaleInv(k)};
   }
   if (col_sum) {
@@ -519,7 +556,41 @@ void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& 
     }
     gpu::castFp8(streamOf(ctx), a);
   }
-  ctx.mark(OpKind::Other);
+  markFp8Cast(ctx);
+}
+
+/// The slot's kept X^T buffer, grown to hold x's transpose and named after x; nullptr (and the
+/// old one invalidated) where no weight-gradient GEMM will read it: evaluation passes (not
+/// recording) and wgrad: bf16.
+void* keepTransposedInput(OpContext& ctx, const Fp8GemmSlot& s, const Mat& x) {
+  auto& kept = ctx.cuda().fp8_kept[&s];
+  kept.valid = false;
+  if (!s.scaling->recording() || s.scaling->config().wgrad != Fp8Wgrad::Fp8) return nullptr;
+  const auto bytes = static_cast<std::size_t>(x.cols * pad16(x.rows));
+  if (kept.bytes < bytes) {
+    PLM_CHECK_CUDA(cudaFree(kept.codes));  // cudaFree synchronises: only while growing
+    kept.codes = nullptr;
+    kept.bytes = 0;
+    PLM_CHECK_CUDA(cudaMalloc(&kept.codes, bytes));
+    kept.bytes = bytes;
+  }
+  kept.x = x.data;
+  kept.rows = x.rows;
+  kept.cols = x.cols;
+  kept.ld = x.ld;
+  kept.valid = true;
+  return kept.codes;
+}
+
+/// The kept X^T of the slot's last forward if it was cast from this very x; nullptr otherwise.
+const void* keptTransposedInput(OpContext& ctx, const Fp8GemmSlot& s, const Mat& x) {
+  const auto& all = ctx.cuda().fp8_kept;
+  const auto it = all.find(&s);
+  if (it == all.end()) return nullptr;
+  const auto& kept = it->second;
+  const bool same = kept.valid && kept.x == x.data && kept.rows == x.rows && kept.cols == x.cols &&
+                    kept.ld == x.ld;
+  return same ? kept.codes : nullptr;
 }
 
 void setFp8(Mm& m, const Fp8Operand8& a, const Fp8Operand8& b) {
@@ -540,12 +611,14 @@ Fp8Operand8 weightCodes(const Fp8GemmSlot& s, const Mat& w, bool transposed) {
           s.scaleInv(k)};
 }
 
-/// y = x W^T + bias (+ epilogue / residual C) with FP8 operands; the bias is bf16.
+/// y = x W^T + bias (+ epilogue / residual C) with FP8 operands; the bias is bf16.  In training,
+/// x's transposed codes are kept for the weight-gradient GEMM.
 void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& y,
                     gpu::Epilogue epilogue, const Mat* aux, const Mat* residual) {
   const Fp8GemmSlot& s = *w.fp8;
-  Fp8Operand8 xq;
-  castOperand(ctx, s, Fp8Operand::Input, x, &xq, nullptr);
+  Fp8Operand8 xq, xq_t;
+  void* kept = keepTransposedInput(ctx, s, x);
+  castOperand(ctx, s, Fp8Operand::Input, x, &xq, kept ? &xq_t : nullptr, nullptr, 20, kept);
   Mm m;
   m.tb = true;
   m.m = x.rows;
@@ -570,6 +643,7 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
 
 /// dx = (accumulate ? dx : 0) + dY W (epilogue dGELU with aux = pre), dW (+)= dY^T X (fp32,
 /// beta = dw_beta), db += column sums of dY.  wgrad: bf16 runs the bf16 weight-gradient GEMM.
+/// X^T comes from the forward (kept) when it was cast from this x, else it is cast here.
 void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, const Mat& dx,
                      bool accumulate, const Mat& dw, float dw_beta, float* db,
                      gpu::Epilogue epilogue = gpu::Epilogue::None, const Mat* aux = nullptr) {
@@ -593,7 +667,12 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
     return;
   }
   Fp8Operand8 xq_t;
-  castOperand(ctx, s, Fp8Operand::Input, x, nullptr, &xq_t, nullptr, 24);
+  if (const void* kept = keptTransposedInput(ctx, s, x)) {
+    const int k = static_cast<int>(Fp8Operand::Input);
+    xq_t = {kept, pad16(x.rows), gpuFormat(s.scaling->format(Fp8Operand::Input)), s.scaleInv(k)};
+  } else {
+    castOperand(ctx, s, Fp8Operand::Input, x, nullptr, &xq_t, nullptr, 24);
+  }
   Mm m;
   m.tb = true;
   m.m = dy.cols;

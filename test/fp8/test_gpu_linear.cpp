@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <random>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -165,6 +166,29 @@ TEST(Fp8GpuLinear, MatchesTheEmulation) {
     EXPECT_LT(normwise(host(dw), host(dw2)), 5e-4) << name << " wgrad";
     const plm::View2<float> db_2d(db.data(), 1, out), db2_2d(db2.data(), 1, out);
     EXPECT_LT(normwise(host(db_2d), host(db2_2d)), 1e-5) << name << " bias gradient";
+
+    // The weight-gradient GEMM reads X^T kept from the forward's cast (ops.cpp): the same bits
+    // as casting X again in the backward (a context that ran no forward), and a backward on
+    // another x (same shape) casts that x instead of reading the kept copy.
+    const Pair x_other = random(T, in, 0.7f, rng);
+    auto backward = [&](OpContext& c, const Pair& xs) {
+      plm::View2<float> dx_b("dx_b", T, in), dw_b("dw_b", out, in);
+      plm::View1<float> db_b("db_b", out);
+      linearBackward(c, xs.mat(), wm, dy.mat(), matOf(dx_b), false, matOf(dw_b), vecOf(db_b));
+      Kokkos::fence();
+      return std::make_pair(host(dx_b), host(dw_b));
+    };
+    {
+      OpContext fresh{plm::ExecSpace()};
+      const auto recast = backward(fresh, x);
+      EXPECT_TRUE(recast.first == host(dx)) << name << " dgrad, rerun";
+      EXPECT_TRUE(recast.second == host(dw)) << name << " wgrad from the kept X^T vs recast X";
+      const auto other_fresh = backward(fresh, x_other);
+      const auto other_kept = backward(ctx, x_other);
+      EXPECT_TRUE(other_kept.second == other_fresh.second)
+          << name << " a backward on another x read the kept X^T of the forward's x";
+      EXPECT_FALSE(other_kept.second == recast.second) << name << " x_other made no difference";
+    }
   }
 #endif
 }
