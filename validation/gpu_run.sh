@@ -251,7 +251,7 @@ if has fp8_bench && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
     IFS=: read -r preset tokens recompute <<< "$run"
     for prec in ${PLM_FP8_PRECISIONS:-bf16 fp8:delayed fp8:current}; do
       IFS=: read -r p recipe <<< "$prec"
-      log="$out/fp8_bench_${preset}_${tokens}_${p}${recipe:+_$recipe}.log"
+      log="$out/fp8_bench_${preset}_${tokens}${recompute:+_$recompute}_${p}${recipe:+_$recipe}.log"
       PLM_PRECISION=$p PLM_FP8_RECIPE=${recipe:-delayed} timeout 300 "$pkg/bin/bench_gpu_train" \
         "$preset" "$tokens" ${PLM_TRAIN_STEPS:-20} "${recompute:-none}" > "$log" 2>&1
       note "bench_gpu_train $run $prec rc=$?"

@@ -524,20 +524,20 @@ void castFp8Current(Stream stream, const Fp8CastArgs& args, float* scale, int ma
   castFp8(stream, cast);
 }
 
-BlockScaleLayout blockScaleLayout(Fp8Scaling scaling, std::int64_t rows, std::int64_t k) {
+BlockScaleLayout blockScaleLayout(Fp8ScaleMode scaling, std::int64_t rows, std::int64_t k) {
   auto up4 = [](std::int64_t x) { return (x + 3) / 4 * 4; };
   const std::int64_t kb = (k + kBlock - 1) / kBlock;
   switch (scaling) {
-    case Fp8Scaling::Block1x128: return {up4(rows), up4(rows) * kb};
-    case Fp8Scaling::Block128x128: return {up4(kb), up4(kb) * ((rows + kBlock - 1) / kBlock)};
-    case Fp8Scaling::Tensor: return {1, 1};
+    case Fp8ScaleMode::Block1x128: return {up4(rows), up4(rows) * kb};
+    case Fp8ScaleMode::Block128x128: return {up4(kb), up4(kb) * ((rows + kBlock - 1) / kBlock)};
+    case Fp8ScaleMode::Tensor: return {1, 1};
   }
   return {1, 1};
 }
 
 void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
   checkCastTypes("castFp8Block", a.in_type, a.out_type);
-  if (a.scaling == Fp8Scaling::Tensor)
+  if (a.scaling == Fp8ScaleMode::Tensor)
     throw Error(
         "plm::gpu::castFp8Block: scaling must be Block1x128 or Block128x128 (castFp8 "
         "does per-tensor scaling)");
@@ -567,7 +567,7 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
                 a.ld_in,
                 a.out_type == DType::E4M3,
                 fp8Max(a.out_type),
-                a.scaling == Fp8Scaling::Block128x128,
+                a.scaling == Fp8ScaleMode::Block128x128,
                 static_cast<std::uint8_t*>(a.out),
                 a.ld_out,
                 aligned4(a.out, a.ld_out),

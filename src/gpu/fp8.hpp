@@ -34,7 +34,7 @@
 #pragma once
 
 #include "gpu/device.hpp"
-#include "gpu/gemm.hpp"  // DType (BF16, F32, E4M3, E5M2), Fp8Scaling
+#include "gpu/gemm.hpp"  // DType (BF16, F32, E4M3, E5M2), Fp8ScaleMode
 
 #include <cstddef>
 #include <cstdint>
@@ -102,7 +102,7 @@ struct BlockScaleLayout {
   std::int64_t ld = 0;
   std::int64_t count = 0;
 };
-BlockScaleLayout blockScaleLayout(Fp8Scaling scaling, std::int64_t rows, std::int64_t k);
+BlockScaleLayout blockScaleLayout(Fp8ScaleMode scaling, std::int64_t rows, std::int64_t k);
 
 /// \brief A block-scaled cast (E4M3 in both directions in Transformer Engine's recipe; E5M2 is
 /// allowed).  The input (rows, cols) is the operand with cols = K for `out`; the transposed copy
@@ -120,8 +120,8 @@ struct Fp8BlockCastArgs {
   DType in_type = DType::BF16;
   std::int64_t ld_in = 0;
   DType out_type = DType::E4M3;
-  Fp8Scaling scaling = Fp8Scaling::Block1x128;  // Block1x128 or Block128x128
-  void* out = nullptr;                          // optional (rows, cols)
+  Fp8ScaleMode scaling = Fp8ScaleMode::Block1x128;  // Block1x128 or Block128x128
+  void* out = nullptr;                              // optional (rows, cols)
   std::int64_t ld_out = 0;
   float* scale_inv = nullptr;  // required with out
   void* out_t = nullptr;       // optional (cols, rows)

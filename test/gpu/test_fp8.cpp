@@ -395,9 +395,9 @@ TEST(Fp8Cast, RefusesBadArguments) {
   a.out_type = DType::E4M3;
   EXPECT_THROW(castFp8(nullptr, a), Error);  // no scale
   Fp8BlockCastArgs b;
-  b.scaling = Fp8Scaling::Tensor;
+  b.scaling = Fp8ScaleMode::Tensor;
   EXPECT_THROW(castFp8Block(nullptr, b), Error);
-  b.scaling = Fp8Scaling::Block1x128;
+  b.scaling = Fp8ScaleMode::Block1x128;
   b.out = reinterpret_cast<void*>(16);  // no scale_inv
   EXPECT_THROW(castFp8Block(nullptr, b), Error);
   a.scale = reinterpret_cast<const float*>(16);
@@ -413,7 +413,7 @@ struct HostBlock {
 };
 
 HostBlock hostBlockScales(const std::vector<float>& x, std::int64_t rows, std::int64_t k,
-                          bool transposed_view, std::int64_t ld, Fp8Scaling s, DType f) {
+                          bool transposed_view, std::int64_t ld, Fp8ScaleMode s, DType f) {
   // Element (r, kk) of the operand is x[kk * ld + r] when transposed_view, else x[r * ld + kk].
   auto at = [&](std::int64_t r, std::int64_t kk) {
     return transposed_view ? x[kk * ld + r] : x[r * ld + kk];
@@ -421,7 +421,7 @@ HostBlock hostBlockScales(const std::vector<float>& x, std::int64_t rows, std::i
   const BlockScaleLayout layout = blockScaleLayout(s, rows, k);
   HostBlock h{std::vector<float>(layout.count, 1.0f), std::vector<float>(rows * k)};
   const std::int64_t kb = (k + 127) / 128, rb = (rows + 127) / 128;
-  if (s == Fp8Scaling::Block1x128) {
+  if (s == Fp8ScaleMode::Block1x128) {
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t b = 0; b < kb; ++b) {
         float m = 0.0f;
@@ -452,7 +452,7 @@ HostBlock hostBlockScales(const std::vector<float>& x, std::int64_t rows, std::i
 struct BlockCase {
   std::int64_t rows, cols;
   DType in_type, out_type;
-  Fp8Scaling scaling;
+  Fp8ScaleMode scaling;
 };
 
 class Fp8BlockCast : public ::testing::TestWithParam<BlockCase> {};
@@ -525,16 +525,16 @@ TEST_P(Fp8BlockCast, MatchesHost) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Fp8BlockCast,
-    ::testing::Values(BlockCase{256, 384, DType::BF16, DType::E4M3, Fp8Scaling::Block1x128},
-                      BlockCase{256, 384, DType::BF16, DType::E4M3, Fp8Scaling::Block128x128},
-                      BlockCase{200, 300, DType::F32, DType::E4M3, Fp8Scaling::Block1x128},
-                      BlockCase{200, 300, DType::F32, DType::E4M3, Fp8Scaling::Block128x128},
-                      BlockCase{130, 9, DType::BF16, DType::E5M2, Fp8Scaling::Block1x128},
-                      BlockCase{5, 700, DType::BF16, DType::E5M2, Fp8Scaling::Block128x128}),
+    ::testing::Values(BlockCase{256, 384, DType::BF16, DType::E4M3, Fp8ScaleMode::Block1x128},
+                      BlockCase{256, 384, DType::BF16, DType::E4M3, Fp8ScaleMode::Block128x128},
+                      BlockCase{200, 300, DType::F32, DType::E4M3, Fp8ScaleMode::Block1x128},
+                      BlockCase{200, 300, DType::F32, DType::E4M3, Fp8ScaleMode::Block128x128},
+                      BlockCase{130, 9, DType::BF16, DType::E5M2, Fp8ScaleMode::Block1x128},
+                      BlockCase{5, 700, DType::BF16, DType::E5M2, Fp8ScaleMode::Block128x128}),
     [](const ::testing::TestParamInfo<BlockCase>& i) {
       return std::to_string(i.param.rows) + "x" + std::to_string(i.param.cols) + "_" +
              name(i.param.in_type) + "_" + name(i.param.out_type) +
-             (i.param.scaling == Fp8Scaling::Block1x128 ? "_1x128" : "_128x128");
+             (i.param.scaling == Fp8ScaleMode::Block1x128 ? "_1x128" : "_128x128");
     });
 
 // ---------------------------------------------------------------------------------------------
@@ -545,7 +545,7 @@ INSTANTIATE_TEST_SUITE_P(
 struct Operand {
   std::int64_t rows = 0, k = 0, ld = 0;
   DType type = DType::E4M3;
-  Fp8Scaling scaling = Fp8Scaling::Tensor;
+  Fp8ScaleMode scaling = Fp8ScaleMode::Tensor;
   std::unique_ptr<DeviceBuffer<std::uint8_t>> codes;
   std::unique_ptr<DeviceBuffer<float>> scale_inv;
   std::vector<double> value;  // (rows, k)
@@ -554,7 +554,7 @@ struct Operand {
 // Casts a bf16 (src_rows, src_cols) tensor and returns the operand the GEMM needs: the tensor
 // itself (transposed = false: rows = src_rows, k = src_cols) or its transposed copy.
 Operand makeOperand(const Input& src, std::int64_t src_rows, std::int64_t src_cols, bool transposed,
-                    DType type, Fp8Scaling scaling, float per_tensor_scale) {
+                    DType type, Fp8ScaleMode scaling, float per_tensor_scale) {
   Operand o;
   o.rows = transposed ? src_cols : src_rows;
   o.k = transposed ? src_rows : src_cols;
@@ -562,11 +562,11 @@ Operand makeOperand(const Input& src, std::int64_t src_rows, std::int64_t src_co
   o.type = type;
   o.scaling = scaling;
   o.codes = std::make_unique<DeviceBuffer<std::uint8_t>>(o.rows * o.ld);
-  const BlockScaleLayout lay = scaling == Fp8Scaling::Tensor
+  const BlockScaleLayout lay = scaling == Fp8ScaleMode::Tensor
                                    ? BlockScaleLayout{1, 1}
                                    : blockScaleLayout(scaling, o.rows, o.k);
   o.scale_inv = std::make_unique<DeviceBuffer<float>>(lay.count);
-  if (scaling == Fp8Scaling::Tensor) {
+  if (scaling == Fp8ScaleMode::Tensor) {
     DeviceBuffer<float> scale(std::vector<float>{per_tensor_scale});
     Fp8CastArgs a;
     a.rows = src_rows;
@@ -609,9 +609,9 @@ Operand makeOperand(const Input& src, std::int64_t src_rows, std::int64_t src_co
   for (std::int64_t r = 0; r < o.rows; ++r)
     for (std::int64_t kk = 0; kk < o.k; ++kk) {
       double s;
-      if (scaling == Fp8Scaling::Tensor)
+      if (scaling == Fp8ScaleMode::Tensor)
         s = sinv[0];
-      else if (scaling == Fp8Scaling::Block1x128)
+      else if (scaling == Fp8ScaleMode::Block1x128)
         s = sinv[(kk / 128) * lay.ld + r];
       else
         s = sinv[(r / 128) * lay.ld + kk / 128];
@@ -625,8 +625,8 @@ enum class LinearGemm { Forward, Dgrad, Wgrad };
 struct GemmCase {
   const char* name;
   LinearGemm which;
-  DType x_type, grad_type;        // FP8 formats of activations/weights and of gradients
-  Fp8Scaling activation_scaling;  // Tensor or Block1x128 (weights: Tensor or Block128x128)
+  DType x_type, grad_type;          // FP8 formats of activations/weights and of gradients
+  Fp8ScaleMode activation_scaling;  // Tensor or Block1x128 (weights: Tensor or Block128x128)
   DType d_type;
   Epilogue epilogue;  // None, Bias, BiasGeluAux (forward), DGelu (dgrad)
   bool accumulate, amax_d, fast_accum;
@@ -654,8 +654,8 @@ class Fp8Gemm : public ::testing::TestWithParam<GemmCase> {};
 TEST_P(Fp8Gemm, LinearLayerLayout) {
   const GemmCase c = GetParam();
   const std::int64_t T = c.tokens, in_f = 256, out_f = 640;
-  const bool block = c.activation_scaling != Fp8Scaling::Tensor;
-  const Fp8Scaling w_scaling = block ? Fp8Scaling::Block128x128 : Fp8Scaling::Tensor;
+  const bool block = c.activation_scaling != Fp8ScaleMode::Tensor;
+  const Fp8ScaleMode w_scaling = block ? Fp8ScaleMode::Block128x128 : Fp8ScaleMode::Tensor;
   Input x(test::randomNormal(T * in_f, 11, 2.0f), DType::BF16);
   Input w(test::randomNormal(out_f * in_f, 12, 0.05f), DType::BF16);
   Input dy(test::randomNormal(T * out_f, 13, 1e-3f), DType::BF16);
@@ -829,7 +829,7 @@ TEST_P(Fp8Gemm, LinearLayerLayout) {
 }
 
 constexpr DType E4 = DType::E4M3, E5 = DType::E5M2, BF = DType::BF16, F32 = DType::F32;
-constexpr Fp8Scaling PT = Fp8Scaling::Tensor, B1 = Fp8Scaling::Block1x128;
+constexpr Fp8ScaleMode PT = Fp8ScaleMode::Tensor, B1 = Fp8ScaleMode::Block1x128;
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, Fp8Gemm,
@@ -908,12 +908,12 @@ TEST(Fp8GemmArgs, RefusesWhatHopperCannotDo) {
   g.b_type = DType::BF16;
   EXPECT_NE(message().find("in pairs"), std::string::npos) << message();
   g.b_type = DType::E4M3;
-  g.a_scaling = Fp8Scaling::Block1x128;
+  g.a_scaling = Fp8ScaleMode::Block1x128;
   EXPECT_NE(message().find("cannot be mixed"), std::string::npos) << message();
-  g.b_scaling = Fp8Scaling::Block128x128;
-  g.a_scaling = Fp8Scaling::Block128x128;
+  g.b_scaling = Fp8ScaleMode::Block128x128;
+  g.a_scaling = Fp8ScaleMode::Block128x128;
   EXPECT_NE(message().find("128x128 x 128x128"), std::string::npos) << message();
-  g.a_scaling = Fp8Scaling::Block1x128;
+  g.a_scaling = Fp8ScaleMode::Block1x128;
   g.fast_accum = true;
   EXPECT_NE(message().find("fast accumulation"), std::string::npos) << message();
   g.fast_accum = false;
