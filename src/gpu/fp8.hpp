@@ -68,6 +68,13 @@ struct Fp8CastArgs {
   float* col_sum = nullptr;
   bool col_sum_accumulate = false;  // col_sum += instead of =
   void* workspace = nullptr;
+  // Optional: the input is a GELU's pre-activation (bf16 or fp32), and what is cast (its codes,
+  // amax, column sums) is g = bf16(gelu_tanh(in)), the tanh form of cuBLASLt's GELU epilogue,
+  // computed in fp32 from the input; g itself is written (bf16, row stride ld_gelu_out) where
+  // gelu_out is given.  The FFN's GELU output cast in the pass that applies the GELU.
+  bool gelu = false;
+  void* gelu_out = nullptr;
+  std::int64_t ld_gelu_out = 0;
 };
 
 /// \brief Bytes of workspace a cast with col_sum needs (per-tile partial sums).

@@ -194,8 +194,29 @@ struct OpContext::Cuda {
     void* codes = nullptr;
     std::size_t bytes = 0;
     bool valid = false;
+    bool x_written = true;  // false: x's bf16 values were never written (fused GELU cast)
   };
   std::unordered_map<const Fp8GemmSlot*, Fp8Kept> fp8_kept;
+  // An FP8 GEMM input cast by its producer (delayed scaling): a LayerNorm (keyed by its
+  // gamma) or the FFN-in GEMM's GELU (keyed by that GEMM's slot).  `fp8_reader_of` says which
+  // FP8 GEMM read the producer's output last time (learned by that GEMM's forward from
+  // `last_producer`, the output of the op just before it), so that the producer knows the
+  // scale and where the codes go; `fp8_precast` holds the codes waiting for that GEMM's forward
+  // (consumed by it, dropped by any other FP8 forward, which reuses their scratch slot).
+  // PLM_FP8_FUSED_CAST=0 turns it off.
+  struct Producer {
+    const void* y = nullptr;
+    const void* id = nullptr;
+  } last_producer;
+  std::unordered_map<const void*, const Fp8GemmSlot*> fp8_reader_of;
+  struct Fp8Precast {
+    const Fp8GemmSlot* slot = nullptr;
+    const void* x = nullptr;
+    std::int64_t rows = 0, cols = 0, ld = 0;
+    const void* codes = nullptr;
+    std::int64_t ld_codes = 0;
+    bool x_written = true;  // false: the bf16 x does not exist (only these codes and X^T)
+  } fp8_precast;
 #endif
 
   Cuda() {
@@ -298,6 +319,10 @@ std::vector<std::pair<std::string, double>> OpContext::profile() {
 
 void OpContext::mark(OpKind kind) {
 #if PLM_HAVE_CUDA
+#if PLM_FP8_CUDA
+  // A producer's output is linked to the FP8 GEMM that reads it only by the very next op.
+  if (cuda_member) cuda_member->last_producer = {};
+#endif
   if (!cuda_member || !cuda_member->profiling) return;
   auto& c = *cuda_member;
   if (c.marks == c.events.size()) {
@@ -497,6 +522,16 @@ gpu::DType gpuFormat(fp8::Format f) {
 
 void markFp8Cast(OpContext& ctx) { ctx.mark(static_cast<OpKind>(kFp8CastKind)); }
 
+/// Zeroes the padding columns [rows, pad16(rows)) of transposed codes (cols, pad16(rows)): the
+/// weight-gradient GEMM's K runs over the padded tokens; the cast writes the rest.
+void zeroTokenPadding(OpContext& ctx, void* codes_t, std::int64_t rows, std::int64_t cols) {
+  const std::int64_t ld = pad16(rows);
+  if (ld != rows)
+    PLM_CHECK_CUDA(cudaMemset2DAsync(
+        static_cast<std::uint8_t*>(codes_t) + rows, static_cast<std::size_t>(ld), 0,
+        static_cast<std::size_t>(ld - rows), static_cast<std::size_t>(cols), streamOf(ctx)));
+}
+
 struct Fp8Operand8 {
   const void* codes = nullptr;
   std::int64_t ld = 0;
@@ -512,6 +547,7 @@ void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& 
                  int scratch_base = 20, void* transposed_at = nullptr) {
   const Fp8Scaling& st = *s.scaling;
   const int k = static_cast<int>(o);
+  if (direct) ctx.cuda().fp8_precast = {};  // its codes live in the scratch this may overwrite
   gpu::Fp8CastArgs a;
   a.rows = x.rows;
   a.cols = x.cols;
@@ -532,11 +568,7 @@ void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& 
     a.out_t = transposed_at
                   ? transposed_at
                   : ctx.scratch(scratch_base + 1, static_cast<std::size_t>(x.cols * a.ld_out_t));
-    if (a.ld_out_t != x.rows)
-      PLM_CHECK_CUDA(cudaMemset2DAsync(static_cast<std::uint8_t*>(a.out_t) + x.rows,
-                                       static_cast<std::size_t>(a.ld_out_t), 0,
-                                       static_cast<std::size_t>(a.ld_out_t - x.rows),
-                                       static_cast<std::size_t>(x.cols), streamOf(ctx)));
+    zeroTokenPadding(ctx, a.out_t, x.rows, x.cols);
     *transposed = {a.out_t, a.ld_out_t, a.out_type, s.scaleInv(k)};
   }
   if (col_sum) {
@@ -579,6 +611,7 @@ void* keepTransposedInput(OpContext& ctx, const Fp8GemmSlot& s, const Mat& x) {
   kept.cols = x.cols;
   kept.ld = x.ld;
   kept.valid = true;
+  kept.x_written = true;
   return kept.codes;
 }
 
@@ -590,6 +623,11 @@ const void* keptTransposedInput(OpContext& ctx, const Fp8GemmSlot& s, const Mat&
   const auto& kept = it->second;
   const bool same = kept.valid && kept.x == x.data && kept.rows == x.rows && kept.cols == x.cols &&
                     kept.ld == x.ld;
+  if (!same && kept.x == x.data && !kept.x_written)
+    throw Error(
+        "plm::model: an FP8 weight-gradient GEMM needs X^T of a GELU output whose bf16 values were "
+        "never written (its cast was fused into the GELU) and whose kept X^T is gone (a bug); "
+        "PLM_FP8_FUSED_CAST=0 avoids it");
   return same ? kept.codes : nullptr;
 }
 
@@ -611,14 +649,88 @@ Fp8Operand8 weightCodes(const Fp8GemmSlot& s, const Mat& w, bool transposed) {
           s.scaleInv(k)};
 }
 
+bool fusedFp8CastEnabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("PLM_FP8_FUSED_CAST");
+    return !(env && std::string(env) == "0");
+  }();
+  return on;
+}
+
+/// The FP8 GEMM (delayed scaling) that read the output of producer `id` last time, if the
+/// producer should cast for it; nullptr otherwise.
+const Fp8GemmSlot* fp8ReaderOf(OpContext& ctx, const void* id) {
+  if (!fusedFp8CastEnabled()) return nullptr;
+  const auto& all = ctx.cuda().fp8_reader_of;
+  const auto it = all.find(id);
+  if (it == all.end() || it->second->scaling->config().recipe != Fp8Recipe::Delayed) return nullptr;
+  return it->second;
+}
+
+/// Names y as the output of producer `id` for the op that follows (after the producer's mark).
+void noteFp8Producer(OpContext& ctx, const Mat& y, const void* id) {
+  ctx.cuda().last_producer = {y.data, id};
+}
+
+/// The LayerNorm y = LN(x; gamma, beta) with, where an FP8 GEMM read the output of this
+/// LayerNorm (these gamma) before and scales by delayed scaling, that GEMM's input cast fused
+/// in: E4M3 codes into the forward's scratch, X^T into the kept buffer, the amax; the codes are
+/// left in `fp8_precast` for that GEMM's forward.  false: nothing ran (the plain LayerNorm does).
+template <class TX> bool layerNormFp8Cuda(OpContext& ctx, const TX* x, const Vec& gamma,
+                                          const Vec& beta, double eps, const Mat& y,
+                                          const Vec& mean, const Vec& rstd) {
+  const Fp8GemmSlot* reader = fp8ReaderOf(ctx, gamma.data);
+  if (!reader || y.ld != y.cols) return false;
+  const Fp8GemmSlot& s = *reader;
+  const Fp8Scaling& st = *s.scaling;
+  if (st.config().recipe != Fp8Recipe::Delayed) return false;
+  const int k = static_cast<int>(Fp8Operand::Input);
+  gpu::LayerNormFp8Args q;
+  q.out_type = gpuFormat(st.format(Fp8Operand::Input));
+  q.ld_codes = pad16(y.cols);
+  q.codes = ctx.scratch(20, static_cast<std::size_t>(y.rows * q.ld_codes));
+  if (void* kept = keepTransposedInput(ctx, s, y)) {
+    q.codes_t = kept;
+    q.ld_codes_t = pad16(y.rows);
+    zeroTokenPadding(ctx, kept, y.rows, y.cols);
+  }
+  q.scale = s.scale(k);
+  q.scale_inv = s.scaleInv(k);
+  if (st.recording()) {
+    q.amax = s.amaxes + k;
+    q.amax_accumulate = true;
+  }
+  gpu::layerNormForwardFp8(streamOf(ctx), x, vptr<float>(gamma), vptr<float>(beta), mptr<bf16>(y),
+                           vptr<float>(mean), vptr<float>(rstd), y.rows, static_cast<int>(y.cols),
+                           static_cast<float>(eps), q);
+  ctx.cuda().fp8_precast = {&s, y.data, y.rows, y.cols, y.ld, q.codes, q.ld_codes, true};
+  return true;
+}
+
 /// y = x W^T + bias (+ epilogue / residual C) with FP8 operands; the bias is bf16.  In training,
-/// x's transposed codes are kept for the weight-gradient GEMM.
+/// x's transposed codes are kept for the weight-gradient GEMM.  Where the LayerNorm that wrote
+/// x cast it already (layerNormFp8Cuda), its codes are used.
 void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& y,
                     gpu::Epilogue epilogue, const Mat* aux, const Mat* residual) {
   const Fp8GemmSlot& s = *w.fp8;
+  auto& c = ctx.cuda();
+  if (c.last_producer.y && c.last_producer.y == x.data) c.fp8_reader_of[c.last_producer.id] = &s;
+  const auto pre = c.fp8_precast;
+  c.fp8_precast = {};
   Fp8Operand8 xq, xq_t;
-  void* kept = keepTransposedInput(ctx, s, x);
-  castOperand(ctx, s, Fp8Operand::Input, x, &xq, kept ? &xq_t : nullptr, nullptr, 20, kept);
+  const bool precast = pre.slot == &s && pre.x == x.data && pre.rows == x.rows &&
+                       pre.cols == x.cols && pre.ld == x.ld;
+  if (!precast && pre.x == x.data && !pre.x_written)
+    throw Error(
+        "plm::model: an FP8 GEMM reads a GELU output whose bf16 values were never written (its "
+        "cast was fused into the GELU for another GEMM; a bug); PLM_FP8_FUSED_CAST=0 avoids it");
+  if (precast) {
+    const int k = static_cast<int>(Fp8Operand::Input);
+    xq = {pre.codes, pre.ld_codes, gpuFormat(s.scaling->format(Fp8Operand::Input)), s.scaleInv(k)};
+  } else {
+    void* kept = keepTransposedInput(ctx, s, x);
+    castOperand(ctx, s, Fp8Operand::Input, x, &xq, kept ? &xq_t : nullptr, nullptr, 20, kept);
+  }
   Mm m;
   m.tb = true;
   m.m = x.rows;
@@ -639,6 +751,55 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
     m.ldc = residual->ld;
   }
   runGemm(ctx, m);
+}
+
+/// pre = x W^T + b, y = gelu(pre) with FP8 operands.  Where the FP8 GEMM that reads y is known
+/// (delayed scaling), the GEMM writes only pre (Bias epilogue) and one pass applies the GELU and
+/// casts y for that GEMM: codes, X^T (kept), amax; y's bf16 values are then written only where
+/// no kept X^T stands in for them (evaluation, wgrad: bf16).  Otherwise the GEMM's GELU+aux
+/// epilogue writes both and the reader casts y.
+void fp8LinearGeluCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& pre,
+                       const Mat& y) {
+  const Fp8GemmSlot* reader = fp8ReaderOf(ctx, w.fp8);
+  if (!reader || y.ld != y.cols || pre.ld != pre.cols) {
+    fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::BiasGeluAux, &pre, nullptr);
+    noteFp8Producer(ctx, y, w.fp8);
+    return;
+  }
+  fp8ForwardCuda(ctx, x, w, b, pre, gpu::Epilogue::Bias, nullptr, nullptr);
+  const Fp8GemmSlot& s = *reader;
+  const Fp8Scaling& st = *s.scaling;
+  const int k = static_cast<int>(Fp8Operand::Input);
+  gpu::Fp8CastArgs a;
+  a.rows = pre.rows;
+  a.cols = pre.cols;
+  a.in = cptr<bf16>(pre);
+  a.in_type = gpu::DType::BF16;
+  a.ld_in = pre.ld;
+  a.out_type = gpuFormat(st.format(Fp8Operand::Input));
+  a.ld_out = pad16(y.cols);
+  a.out = ctx.scratch(20, static_cast<std::size_t>(y.rows * a.ld_out));
+  void* kept = keepTransposedInput(ctx, s, y);
+  if (kept) {
+    a.out_t = kept;
+    a.ld_out_t = pad16(y.rows);
+    zeroTokenPadding(ctx, kept, y.rows, y.cols);
+    ctx.cuda().fp8_kept[&s].x_written = false;
+  } else {
+    a.gelu_out = y.data;
+    a.ld_gelu_out = y.ld;
+  }
+  a.gelu = true;
+  a.scale = s.scale(k);
+  a.scale_inv = s.scaleInv(k);
+  if (st.recording()) {
+    a.amax = s.amaxes + k;
+    a.amax_accumulate = true;
+  }
+  gpu::castFp8(streamOf(ctx), a);
+  markFp8Cast(ctx);
+  ctx.cuda().fp8_precast = {&s, y.data, y.rows, y.cols, y.ld, a.out, a.ld_out, kept == nullptr};
+  noteFp8Producer(ctx, y, w.fp8);
 }
 
 /// dx = (accumulate ? dx : 0) + dY W (epilogue dGELU with aux = pre), dW (+)= dY^T X (fp32,
@@ -910,6 +1071,14 @@ void layerNorm(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec& beta, 
 #if PLM_HAVE_CUDA
     const auto st = streamOf(ctx);
     const int cols = static_cast<int>(x.cols);
+#if PLM_FP8_CUDA
+    if (isBf16(x) ? layerNormFp8Cuda(ctx, cptr<bf16>(x), gamma, beta, eps, y, mean, rstd)
+                  : layerNormFp8Cuda(ctx, cptr<float>(x), gamma, beta, eps, y, mean, rstd)) {
+      ctx.mark(OpKind::LayerNorm);
+      noteFp8Producer(ctx, y, gamma.data);
+      return;
+    }
+#endif
     if (isBf16(x))
       gpu::layerNormForward(st, cptr<bf16>(x), vptr<float>(gamma), vptr<float>(beta), mptr<bf16>(y),
                             vptr<float>(mean), vptr<float>(rstd), x.rows, cols,
@@ -919,6 +1088,9 @@ void layerNorm(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec& beta, 
                             mptr<bf16>(y), vptr<float>(mean), vptr<float>(rstd), x.rows, cols,
                             static_cast<float>(eps));
     ctx.mark(OpKind::LayerNorm);
+#if PLM_FP8_CUDA
+    noteFp8Producer(ctx, y, gamma.data);
+#endif
     return;
 #else
     noCuda("layerNorm");
@@ -1033,7 +1205,7 @@ void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const 
   if (isBf16(x)) {
 #if PLM_HAVE_CUDA
 #if PLM_FP8_CUDA
-    if (w.fp8) return fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::BiasGeluAux, &pre, nullptr);
+    if (w.fp8) return fp8LinearGeluCuda(ctx, x, w, b, pre, y);
 #endif
     Mm m = forwardGemm(x, w, y);
     expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
