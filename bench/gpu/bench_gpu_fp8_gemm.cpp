@@ -91,22 +91,22 @@ struct GemmBench {
         a8(m * k),
         b8(n * k),
         a_scale(4 *
-                std::max<std::int64_t>(blockScaleLayout(Fp8Scaling::Block1x128, m, k).count, 1)),
-        b_scale(4 * std::max(blockScaleLayout(Fp8Scaling::Block1x128, n, k).count,
-                             blockScaleLayout(Fp8Scaling::Block128x128, n, k).count)) {
+                std::max<std::int64_t>(blockScaleLayout(Fp8ScaleMode::Block1x128, m, k).count, 1)),
+        b_scale(4 * std::max(blockScaleLayout(Fp8ScaleMode::Block1x128, n, k).count,
+                             blockScaleLayout(Fp8ScaleMode::Block128x128, n, k).count)) {
     PLM_CHECK_CUDA(cudaMemset(d.ptr, 0, m * n * 4));  // wgrad accumulates into it
   }
 };
 
 // Fills the FP8 operands through the cast kernels from random bf16 (so the codes and scales are
 // what training would produce).
-void prepare(GemmBench& g, Mode mode, Fp8Scaling b_block, DType a_type, DType b_type) {
+void prepare(GemmBench& g, Mode mode, Fp8ScaleMode b_block, DType a_type, DType b_type) {
   fill(g.a16, g.m * g.k, 1.0f, 1);
   fill(g.b16, g.n * g.k, 0.05f, 2);
   if (mode == Mode::Bf16) return;
   Buffer scale(4), amax(4);
   auto cast = [&](const Buffer& src, std::int64_t rows, const Buffer& dst, const Buffer& s, DType t,
-                  Fp8Scaling sc) {
+                  Fp8ScaleMode sc) {
     if (mode == Mode::Fp8Tensor) {
       Fp8CastArgs c;
       c.rows = rows;
@@ -133,7 +133,7 @@ void prepare(GemmBench& g, Mode mode, Fp8Scaling b_block, DType a_type, DType b_
       castFp8Block(nullptr, c);
     }
   };
-  cast(g.a16, g.m, g.a8, g.a_scale, a_type, Fp8Scaling::Block1x128);
+  cast(g.a16, g.m, g.a8, g.a_scale, a_type, Fp8ScaleMode::Block1x128);
   cast(g.b16, g.n, g.b8, g.b_scale, b_type, b_block);
   PLM_CHECK_CUDA(cudaDeviceSynchronize());
 }
@@ -158,15 +158,15 @@ double timeGemm(Gemm& gemm, GemmBench& g, Kind kind, Mode mode) {
     a.lda = wgrad ? g.m : g.k;
     a.b = g.b16.ptr;
     a.ldb = kind == Kind::Forward ? g.k : g.n;
-    prepare(g, mode, Fp8Scaling::Tensor, DType::E4M3, DType::E4M3);
+    prepare(g, mode, Fp8ScaleMode::Tensor, DType::E4M3, DType::E4M3);
   } else {
     const bool block = mode == Mode::Fp8Block;
     const DType grad = block ? DType::E4M3 : DType::E5M2;
     const DType a_type = kind == Kind::Forward ? DType::E4M3 : grad;
     const DType b_type = DType::E4M3;
-    const Fp8Scaling b_scaling = !block  ? Fp8Scaling::Tensor
-                                 : wgrad ? Fp8Scaling::Block1x128
-                                         : Fp8Scaling::Block128x128;
+    const Fp8ScaleMode b_scaling = !block  ? Fp8ScaleMode::Tensor
+                                   : wgrad ? Fp8ScaleMode::Block1x128
+                                           : Fp8ScaleMode::Block128x128;
     prepare(g, mode, b_scaling, a_type, b_type);
     a.trans_a = false;
     a.trans_b = true;
@@ -178,7 +178,7 @@ double timeGemm(Gemm& gemm, GemmBench& g, Kind kind, Mode mode) {
     a.b_type = b_type;
     a.a_scale_inv = g.a_scale.as<float>();
     a.b_scale_inv = g.b_scale.as<float>();
-    a.a_scaling = block ? Fp8Scaling::Block1x128 : Fp8Scaling::Tensor;
+    a.a_scaling = block ? Fp8ScaleMode::Block1x128 : Fp8ScaleMode::Tensor;
     a.b_scaling = b_scaling;
     a.fast_accum = !block && kind == Kind::Forward;
   }
@@ -305,15 +305,15 @@ void castTable(std::int64_t T) {
             }),
             2 * n);
 
-    const auto lay = blockScaleLayout(Fp8Scaling::Block1x128, rows, cols);
-    const auto lay_t = blockScaleLayout(Fp8Scaling::Block1x128, cols, rows);
+    const auto lay = blockScaleLayout(Fp8ScaleMode::Block1x128, rows, cols);
+    const auto lay_t = blockScaleLayout(Fp8ScaleMode::Block1x128, cols, rows);
     Buffer s(lay.count * 4), s_t(lay_t.count * 4);
     Fp8BlockCastArgs b;
     b.rows = rows;
     b.cols = cols;
     b.in = in.ptr;
     b.ld_in = cols;
-    b.scaling = Fp8Scaling::Block1x128;
+    b.scaling = Fp8ScaleMode::Block1x128;
     b.out = out.ptr;
     b.ld_out = cols;
     b.scale_inv = s.as<float>();
@@ -329,15 +329,15 @@ void castTable(std::int64_t T) {
     // A weight: (F, C) with 128x128 blocks and its transposed copy, once per step.
     Buffer in(F * C * 2), out(F * C), out_t(F * C);
     fill(in, F * C, 0.05f, 10);
-    const auto lay = blockScaleLayout(Fp8Scaling::Block128x128, F, C);
-    const auto lay_t = blockScaleLayout(Fp8Scaling::Block128x128, C, F);
+    const auto lay = blockScaleLayout(Fp8ScaleMode::Block128x128, F, C);
+    const auto lay_t = blockScaleLayout(Fp8ScaleMode::Block128x128, C, F);
     Buffer s(lay.count * 4), s_t(lay_t.count * 4);
     Fp8BlockCastArgs b;
     b.rows = F;
     b.cols = C;
     b.in = in.ptr;
     b.ld_in = C;
-    b.scaling = Fp8Scaling::Block128x128;
+    b.scaling = Fp8ScaleMode::Block128x128;
     b.out = out.ptr;
     b.ld_out = C;
     b.scale_inv = s.as<float>();

@@ -91,7 +91,16 @@ struct CastParams {
   float* scale_inv;
   float* amax;
   float* col_partial;  // (row tiles, cols) or nullptr
+  bool gelu;
+  __nv_bfloat16* gelu_out;
+  std::int64_t ld_gelu_out;
 };
+
+__device__ __forceinline__ float geluTanhBf16(float x) {
+  const float c = 0.7978845608028654f;  // sqrt(2/pi), as gemm.cu's reference
+  return __bfloat162float(
+      __float2bfloat16_rn(0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)))));
+}
 
 __global__ void __launch_bounds__(kThreads) castKernel(CastParams p) {
   __shared__ std::uint8_t tile[kTile][kTile + 4];
@@ -114,6 +123,18 @@ __global__ void __launch_bounds__(kThreads) castKernel(CastParams p) {
       for (int j = 0; j < 4; ++j)
         x[i][j] =
             r < p.rows && c + j < p.cols ? loadIn(p.in, p.in_bf16, r * p.ld_in + c + j) : 0.0f;
+    }
+  }
+  if (p.gelu) {
+#pragma unroll
+    for (int i = 0; i < kTile / 16; ++i) {
+      const std::int64_t r = r0 + tr + 16 * i, c = c0 + 4 * g;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        x[i][j] = r < p.rows && c + j < p.cols ? geluTanhBf16(x[i][j]) : 0.0f;
+        if (p.gelu_out && r < p.rows && c + j < p.cols)
+          p.gelu_out[r * p.ld_gelu_out + c + j] = __float2bfloat16_rn(x[i][j]);
+      }
     }
   }
   if (p.col_partial) {
@@ -445,6 +466,8 @@ float fp8Max(DType format) {
 void castFp8(Stream stream, const Fp8CastArgs& a) {
   checkCastTypes("castFp8", a.in_type, a.out_type);
   if (!a.scale) throw Error("plm::gpu::castFp8: no scale (a device pointer to one fp32)");
+  if (a.gelu_out && (!a.gelu || a.ld_gelu_out < a.cols))
+    throw Error("plm::gpu::castFp8: gelu_out needs gelu and a row stride >= cols");
   zeroAmax(stream, a.amax, a.amax_accumulate);
   if (a.rows == 0 || a.cols == 0) {
     if (a.col_sum && !a.col_sum_accumulate && a.cols > 0)
@@ -472,7 +495,10 @@ void castFp8(Stream stream, const Fp8CastArgs& a) {
                a.scale,
                a.scale_inv,
                a.amax,
-               colPartial("castFp8", a.col_sum, a.workspace)};
+               colPartial("castFp8", a.col_sum, a.workspace),
+               a.gelu,
+               static_cast<__nv_bfloat16*>(a.gelu_out),
+               a.ld_gelu_out};
   castKernel<<<dim3(gridDimOf(a.cols, kTile), gridDimOf(a.rows, kTile)), kThreads, 0, stream>>>(p);
   PLM_CHECK_CUDA(cudaGetLastError());
   finishColSum(stream, a.col_sum, a.col_sum_accumulate, p.col_partial, gridDimOf(a.rows, kTile),
@@ -508,6 +534,10 @@ void scaleFromAmax(Stream stream, const float* amax, DType format, int margin, f
 
 void castFp8Current(Stream stream, const Fp8CastArgs& args, float* scale, int margin) {
   checkCastTypes("castFp8Current", args.in_type, args.out_type);
+  if (args.gelu)
+    throw Error(
+        "plm::gpu::castFp8Current: gelu is not offered with current scaling (its amax pass reads "
+        "the pre-activation); apply the GELU first");
   if (!args.amax || !scale)
     throw Error(
         "plm::gpu::castFp8Current: current scaling needs args.amax and scale (device scalars)");
@@ -524,20 +554,20 @@ void castFp8Current(Stream stream, const Fp8CastArgs& args, float* scale, int ma
   castFp8(stream, cast);
 }
 
-BlockScaleLayout blockScaleLayout(Fp8Scaling scaling, std::int64_t rows, std::int64_t k) {
+BlockScaleLayout blockScaleLayout(Fp8ScaleMode scaling, std::int64_t rows, std::int64_t k) {
   auto up4 = [](std::int64_t x) { return (x + 3) / 4 * 4; };
   const std::int64_t kb = (k + kBlock - 1) / kBlock;
   switch (scaling) {
-    case Fp8Scaling::Block1x128: return {up4(rows), up4(rows) * kb};
-    case Fp8Scaling::Block128x128: return {up4(kb), up4(kb) * ((rows + kBlock - 1) / kBlock)};
-    case Fp8Scaling::Tensor: return {1, 1};
+    case Fp8ScaleMode::Block1x128: return {up4(rows), up4(rows) * kb};
+    case Fp8ScaleMode::Block128x128: return {up4(kb), up4(kb) * ((rows + kBlock - 1) / kBlock)};
+    case Fp8ScaleMode::Tensor: return {1, 1};
   }
   return {1, 1};
 }
 
 void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
   checkCastTypes("castFp8Block", a.in_type, a.out_type);
-  if (a.scaling == Fp8Scaling::Tensor)
+  if (a.scaling == Fp8ScaleMode::Tensor)
     throw Error(
         "plm::gpu::castFp8Block: scaling must be Block1x128 or Block128x128 (castFp8 "
         "does per-tensor scaling)");
@@ -567,7 +597,7 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
                 a.ld_in,
                 a.out_type == DType::E4M3,
                 fp8Max(a.out_type),
-                a.scaling == Fp8Scaling::Block128x128,
+                a.scaling == Fp8ScaleMode::Block128x128,
                 static_cast<std::uint8_t*>(a.out),
                 a.ld_out,
                 aligned4(a.out, a.ld_out),

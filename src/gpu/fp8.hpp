@@ -34,7 +34,7 @@
 #pragma once
 
 #include "gpu/device.hpp"
-#include "gpu/gemm.hpp"  // DType (BF16, F32, E4M3, E5M2), Fp8Scaling
+#include "gpu/gemm.hpp"  // DType (BF16, F32, E4M3, E5M2), Fp8ScaleMode
 
 #include <cstddef>
 #include <cstdint>
@@ -68,6 +68,13 @@ struct Fp8CastArgs {
   float* col_sum = nullptr;
   bool col_sum_accumulate = false;  // col_sum += instead of =
   void* workspace = nullptr;
+  // Optional: the input is a GELU's pre-activation (bf16 or fp32), and what is cast (its codes,
+  // amax, column sums) is g = bf16(gelu_tanh(in)), the tanh form of cuBLASLt's GELU epilogue,
+  // computed in fp32 from the input; g itself is written (bf16, row stride ld_gelu_out) where
+  // gelu_out is given.  The FFN's GELU output cast in the pass that applies the GELU.
+  bool gelu = false;
+  void* gelu_out = nullptr;
+  std::int64_t ld_gelu_out = 0;
 };
 
 /// \brief Bytes of workspace a cast with col_sum needs (per-tile partial sums).
@@ -102,7 +109,7 @@ struct BlockScaleLayout {
   std::int64_t ld = 0;
   std::int64_t count = 0;
 };
-BlockScaleLayout blockScaleLayout(Fp8Scaling scaling, std::int64_t rows, std::int64_t k);
+BlockScaleLayout blockScaleLayout(Fp8ScaleMode scaling, std::int64_t rows, std::int64_t k);
 
 /// \brief A block-scaled cast (E4M3 in both directions in Transformer Engine's recipe; E5M2 is
 /// allowed).  The input (rows, cols) is the operand with cols = K for `out`; the transposed copy
@@ -120,8 +127,8 @@ struct Fp8BlockCastArgs {
   DType in_type = DType::BF16;
   std::int64_t ld_in = 0;
   DType out_type = DType::E4M3;
-  Fp8Scaling scaling = Fp8Scaling::Block1x128;  // Block1x128 or Block128x128
-  void* out = nullptr;                          // optional (rows, cols)
+  Fp8ScaleMode scaling = Fp8ScaleMode::Block1x128;  // Block1x128 or Block128x128
+  void* out = nullptr;                              // optional (rows, cols)
   std::int64_t ld_out = 0;
   float* scale_inv = nullptr;  // required with out
   void* out_t = nullptr;       // optional (cols, rows)

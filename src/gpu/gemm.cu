@@ -43,11 +43,11 @@ const char* typeName(DType t) {
   return "?";
 }
 
-cublasLtMatmulMatrixScale_t ltScaleMode(Fp8Scaling s) {
+cublasLtMatmulMatrixScale_t ltScaleMode(Fp8ScaleMode s) {
   switch (s) {
-    case Fp8Scaling::Tensor: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
-    case Fp8Scaling::Block1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
-    case Fp8Scaling::Block128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
+    case Fp8ScaleMode::Tensor: return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
+    case Fp8ScaleMode::Block1x128: return CUBLASLT_MATMUL_MATRIX_SCALE_VEC128_32F;
+    case Fp8ScaleMode::Block128x128: return CUBLASLT_MATMUL_MATRIX_SCALE_BLK128x128_32F;
   }
   return CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F;
 }
@@ -73,18 +73,18 @@ void checkFp8(const GemmArgs& g) {
     throw Error(where +
                 "a_scale_inv and b_scale_inv are required (device pointers the casts "
                 "wrote)");
-  const bool a_block = g.a_scaling != Fp8Scaling::Tensor;
-  const bool b_block = g.b_scaling != Fp8Scaling::Tensor;
+  const bool a_block = g.a_scaling != Fp8ScaleMode::Tensor;
+  const bool b_block = g.b_scaling != Fp8ScaleMode::Tensor;
   if (a_block != b_block)
     throw Error(where + "per-tensor and block scaling cannot be mixed in one GEMM");
-  if (g.a_scaling == Fp8Scaling::Block128x128 && g.b_scaling == Fp8Scaling::Block128x128)
+  if (g.a_scaling == Fp8ScaleMode::Block128x128 && g.b_scaling == Fp8ScaleMode::Block128x128)
     throw Error(where +
                 "cuBLASLt offers no 128x128 x 128x128 block scaling; give the "
                 "activation or gradient operand 1x128 blocks");
   if (a_block && g.fast_accum)
     throw Error(where + "fast accumulation is not allowed with block scaling");
   // Transformer Engine's observed requirements for block-scaled cuBLASLt GEMMs.
-  if (a_block && (g.n % 8 != 0 || (g.a_scaling == Fp8Scaling::Block1x128 && g.m % 8 != 0)))
+  if (a_block && (g.n % 8 != 0 || (g.a_scaling == Fp8ScaleMode::Block1x128 && g.m % 8 != 0)))
     throw Error(where +
                 "block-scaled FP8 GEMMs need N (and M with 1x128 blocks on A) to be "
                 "multiples of 8; pad the token count");
@@ -361,14 +361,14 @@ __device__ void store(void* p, DType t, std::int64_t i, float v) {
 // An operand element as the GEMM sees it: bf16, or an FP8 code times its scale_inv (element
 // (row, k) of an operand stored (rows, K); FP8 operands are always stored that way).
 __device__ float loadOperand(const void* p, DType t, std::int64_t i, const float* scale_inv,
-                             Fp8Scaling scaling, std::int64_t row, std::int64_t k,
+                             Fp8ScaleMode scaling, std::int64_t row, std::int64_t k,
                              std::int64_t rows, std::int64_t kdim) {
   if (t == DType::BF16) return loadBf16(p, i);
   const __nv_fp8_storage_t code = static_cast<const std::uint8_t*>(p)[i];
   const float x =
       __half2float(__half(__nv_cvt_fp8_to_halfraw(code, t == DType::E4M3 ? __NV_E4M3 : __NV_E5M2)));
-  if (scaling == Fp8Scaling::Tensor) return x * scale_inv[0];
-  if (scaling == Fp8Scaling::Block1x128) {
+  if (scaling == Fp8ScaleMode::Tensor) return x * scale_inv[0];
+  if (scaling == Fp8ScaleMode::Block1x128) {
     const std::int64_t ld = (rows + 3) / 4 * 4;
     return x * scale_inv[(k / 128) * ld + row];
   }

@@ -35,7 +35,7 @@ namespace plm::gpu {
 enum class DType { BF16, F32, E4M3, E5M2 };
 
 /// \brief How the scales of an FP8 GEMM operand are given (fp8.hpp casts write them).
-enum class Fp8Scaling {
+enum class Fp8ScaleMode {
   Tensor,       // one fp32 scale_inv (CUBLASLT_MATMUL_MATRIX_SCALE_SCALAR_32F)
   Block1x128,   // one per 128 elements along K of each row (VEC128_32F); activations/gradients
   Block128x128  // one per 128x128 block (BLK128x128_32F); weights
@@ -74,8 +74,8 @@ struct GemmArgs {
   // FP8 only:
   const float* a_scale_inv = nullptr;  // device: one value (Tensor) or the block scales
   const float* b_scale_inv = nullptr;
-  Fp8Scaling a_scaling = Fp8Scaling::Tensor;
-  Fp8Scaling b_scaling = Fp8Scaling::Tensor;
+  Fp8ScaleMode a_scaling = Fp8ScaleMode::Tensor;
+  Fp8ScaleMode b_scaling = Fp8ScaleMode::Tensor;
   float* amax_d = nullptr;  // optional device scalar: max |D| written
   bool fast_accum = false;
 };

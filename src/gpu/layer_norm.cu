@@ -4,6 +4,7 @@
 #include "core/error.hpp"
 
 #include <cuda_bf16.h>
+#include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -79,6 +80,115 @@ __global__ void forwardKernel(const TX* x, const float* gamma, const float* beta
     mean[row] = mu;
     rstd[row] = rs;
   }
+}
+
+// The FP8 variant: 32 rows per block (8 warps, 4 rows each, each row held in registers as
+// above).  The codes of a row go straight to `codes` (2 per lane, coalesced) and into a shared
+// (32, cols) tile; after the block's rows are done, 8 threads write the 32 codes of one column
+// of the transposed copy (one 32-byte sector each).  Codes and amax come from the bf16-rounded
+// output, as castFp8 reads it.
+constexpr int kFp8Rows = 32;
+
+struct Fp8Out {
+  std::uint8_t* codes;
+  std::int64_t ld;
+  std::uint8_t* codes_t;
+  std::int64_t ld_t;
+  const float* scale;
+  float* scale_inv;
+  float* amax;
+  bool e4m3;
+};
+
+__device__ __forceinline__ std::uint8_t encodeFp8(float v, bool e4m3) {
+  return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, e4m3 ? __NV_E4M3 : __NV_E5M2);
+}
+
+template <class TX, int J> __global__ void __launch_bounds__(256)
+    forwardFp8Kernel(const TX* x, const float* gamma, const float* beta, bfloat* y, float* mean,
+                     float* rstd, std::int64_t rows, int cols, float eps, Fp8Out q) {
+  extern __shared__ std::uint8_t tile[];  // (kFp8Rows, cols + 4) codes, for codes_t
+  const int stride = cols + 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
+  const std::int64_t row0 = blockIdx.x * std::int64_t(kFp8Rows);
+  const float scale = *q.scale;
+  if (q.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *q.scale_inv = 1.0f / scale;
+  const int pairs = cols / 2;
+  unsigned amax_bits = 0;  // |v| as ordered bits: finite < inf < NaN
+  for (int rl = warp; rl < kFp8Rows; rl += kThreads / 32) {
+    const std::int64_t row = row0 + rl;
+    if (row >= rows) break;  // uniform in the warp
+    const TX* xr = x + row * cols;
+    float2 v[J];
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      int i = lane + 32 * j;
+      v[j] = i < pairs ? load2(xr, i) : make_float2(0.0f, 0.0f);
+    }
+    float s = 0.0f;
+#pragma unroll
+    for (int j = 0; j < J; ++j) s += v[j].x + v[j].y;
+    float mu = warpSum(s) / cols;
+    float ss = 0.0f;
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+      if (lane + 32 * j < pairs)
+        ss += (v[j].x - mu) * (v[j].x - mu) + (v[j].y - mu) * (v[j].y - mu);
+    float rs = rsqrtf(warpSum(ss) / cols + eps);
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      int i = lane + 32 * j;
+      if (i < pairs) {
+        float2 g = load2(gamma, i), b = load2(beta, i);
+        const __nv_bfloat162 h =
+            __floats2bfloat162_rn((v[j].x - mu) * rs * g.x + b.x, (v[j].y - mu) * rs * g.y + b.y);
+        if (y) reinterpret_cast<__nv_bfloat162*>(y + row * cols)[i] = h;
+        const float2 f = __bfloat1622float2(h);
+        amax_bits = max(
+            amax_bits, max(__float_as_uint(f.x) & 0x7fffffffu, __float_as_uint(f.y) & 0x7fffffffu));
+        const std::uint16_t two = static_cast<std::uint16_t>(encodeFp8(f.x * scale, q.e4m3) |
+                                                             (encodeFp8(f.y * scale, q.e4m3) << 8));
+        if (q.codes) reinterpret_cast<std::uint16_t*>(q.codes + row * q.ld)[i] = two;
+        if (q.codes_t) *reinterpret_cast<std::uint16_t*>(tile + rl * stride + 2 * i) = two;
+      }
+    }
+    if (lane == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+  }
+  if (q.amax) {
+    const unsigned bits = __reduce_max_sync(0xffffffffu, amax_bits);
+    if (lane == 0 && bits != 0) atomicMax(reinterpret_cast<unsigned*>(q.amax), bits);
+  }
+  if (!q.codes_t) return;
+  __syncthreads();
+  const int nrows = rows - row0 < kFp8Rows ? static_cast<int>(rows - row0) : kFp8Rows;
+  for (int w = threadIdx.x; w < cols * (kFp8Rows / 4); w += blockDim.x) {
+    const int c = w / (kFp8Rows / 4), r = 4 * (w % (kFp8Rows / 4));
+    if (r >= nrows) continue;
+    std::uint8_t* dst = q.codes_t + c * q.ld_t + row0 + r;
+    if (r + 4 <= nrows) {
+      const unsigned b0 = tile[r * stride + c], b1 = tile[(r + 1) * stride + c],
+                     b2 = tile[(r + 2) * stride + c], b3 = tile[(r + 3) * stride + c];
+      *reinterpret_cast<unsigned*>(dst) = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+    } else {
+      for (int k = 0; k < nrows - r; ++k) dst[k] = tile[(r + k) * stride + c];
+    }
+  }
+}
+
+template <class TX, int J> void launchForwardFp8(Stream st, const TX* x, const float* gamma,
+                                                 const float* beta, bfloat* y, float* mean,
+                                                 float* rstd, std::int64_t rows, int cols,
+                                                 float eps, const Fp8Out& q) {
+  const int smem = q.codes_t ? kFp8Rows * (cols + 4) : 0;
+  if (smem > 48 * 1024)
+    PLM_CHECK_CUDA(cudaFuncSetAttribute(forwardFp8Kernel<TX, J>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+  const auto blocks = static_cast<unsigned>((rows + kFp8Rows - 1) / kFp8Rows);
+  forwardFp8Kernel<TX, J>
+      <<<blocks, kThreads, smem, st>>>(x, gamma, beta, y, mean, rstd, rows, cols, eps, q);
 }
 
 // A lane always owns the same column pairs (lane + 32 j), so it sums dgamma and dbeta over all
@@ -223,6 +333,62 @@ template <class TX> void layerNormForward(Stream stream, const TX* x, const floa
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
+template <class TX> void layerNormForwardFp8(Stream stream, const TX* x, const float* gamma,
+                                             const float* beta, bf16* y, float* mean, float* rstd,
+                                             std::int64_t rows, int cols, float eps,
+                                             const LayerNormFp8Args& a) {
+  const char* where = "plm::gpu::layerNormForwardFp8: ";
+  if (a.out_type != DType::E4M3 && a.out_type != DType::E5M2)
+    throw Error(std::string(where) + "the codes must be E4M3 or E5M2");
+  if (!a.scale) throw Error(std::string(where) + "no scale (a device pointer to one fp32)");
+  if (a.codes && (a.ld_codes < cols || a.ld_codes % 2 != 0 ||
+                  reinterpret_cast<std::uintptr_t>(a.codes) % 2 != 0))
+    throw Error(std::string(where) + "codes need an even row stride >= cols and 2-byte alignment");
+  if (a.codes_t && (a.ld_codes_t < rows || a.ld_codes_t % 4 != 0 ||
+                    reinterpret_cast<std::uintptr_t>(a.codes_t) % 4 != 0))
+    throw Error(
+        std::string(where) +
+        "transposed codes need a row stride >= rows, a multiple of 4, and 4-byte alignment");
+  if (a.amax && !a.amax_accumulate)
+    PLM_CHECK_CUDA(cudaMemsetAsync(a.amax, 0, sizeof(float), stream));
+  if (rows == 0) {
+    if (a.scale_inv) {  // still published: a GEMM after an empty cast reads it
+      Fp8Out q{nullptr, 0, nullptr, 0, a.scale, a.scale_inv, nullptr, true};
+      using NX = typename Native<TX>::type;
+      forwardFp8Kernel<NX, 4>
+          <<<1, kThreads, 0, stream>>>(nullptr, gamma, beta, nullptr, mean, rstd, 0, cols, eps, q);
+      PLM_CHECK_CUDA(cudaGetLastError());
+    }
+    return;
+  }
+  using NX = typename Native<TX>::type;
+  const auto* xs = reinterpret_cast<const NX*>(x);
+  auto* ys = reinterpret_cast<bfloat*>(y);
+  const Fp8Out q{static_cast<std::uint8_t*>(a.codes),
+                 a.ld_codes,
+                 static_cast<std::uint8_t*>(a.codes_t),
+                 a.ld_codes_t,
+                 a.scale,
+                 a.scale_inv,
+                 a.amax,
+                 a.out_type == DType::E4M3};
+  const int pairs_per_lane = (cols / 2 + 31) / 32;
+  if (pairs_per_lane <= 4)
+    launchForwardFp8<NX, 4>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
+  else if (pairs_per_lane <= 10)
+    launchForwardFp8<NX, 10>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
+  else if (pairs_per_lane <= 20)
+    launchForwardFp8<NX, 20>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
+  else if (pairs_per_lane <= 40)
+    launchForwardFp8<NX, 40>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
+  else if (pairs_per_lane <= 80)
+    launchForwardFp8<NX, 80>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
+  else
+    throw Error(std::string(where) + "hidden " + std::to_string(cols) +
+                " is larger than the kernels support (5120)");
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
 std::size_t layerNormBackwardWorkspace(std::int64_t rows, int cols) {
   return static_cast<std::size_t>(backwardBlocks(rows)) * 2 * cols * sizeof(float);
 }
@@ -269,6 +435,12 @@ template void layerNormForward<float>(Stream, const float*, const float*, const 
                                       float*, float*, std::int64_t, int, float);
 template void layerNormForward<bf16>(Stream, const bf16*, const float*, const float*, bf16*, float*,
                                      float*, std::int64_t, int, float);
+template void layerNormForwardFp8<float>(Stream, const float*, const float*, const float*, bf16*,
+                                         float*, float*, std::int64_t, int, float,
+                                         const LayerNormFp8Args&);
+template void layerNormForwardFp8<bf16>(Stream, const bf16*, const float*, const float*, bf16*,
+                                        float*, float*, std::int64_t, int, float,
+                                        const LayerNormFp8Args&);
 #define PLM_GPU_LN_BACKWARD(TX, TDY)                                                        \
   template void layerNormBackward<TX, TDY>(Stream, const TDY*, const TX*, const float*,     \
                                            const float*, const float*, float*, bool, bf16*, \

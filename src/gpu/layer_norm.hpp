@@ -11,6 +11,7 @@
 #pragma once
 
 #include "gpu/device.hpp"
+#include "gpu/gemm.hpp"  // DType
 
 #include <cstddef>
 #include <cstdint>
@@ -22,6 +23,30 @@ namespace plm::gpu {
 template <class TX> void layerNormForward(Stream stream, const TX* x, const float* gamma,
                                           const float* beta, bf16* y, float* mean, float* rstd,
                                           std::int64_t rows, int cols, float eps);
+
+/// \brief The FP8 codes of a LayerNorm output, cast in the pass that computes it (delayed
+/// scaling: the scale is a device scalar from earlier steps).  Each code is
+/// fp8(float(bf16(y)) * scale), saturating, nearest-even: exactly what castFp8 (fp8.hpp) writes
+/// from the bf16 output, so the fused and the separate cast agree bit for bit.
+struct LayerNormFp8Args {
+  DType out_type = DType::E4M3;  // E4M3 or E5M2
+  void* codes = nullptr;         // optional (rows, cols), row stride ld_codes (even)
+  std::int64_t ld_codes = 0;
+  void* codes_t = nullptr;      // optional (cols, rows), row stride ld_codes_t (multiple of 4); the
+  std::int64_t ld_codes_t = 0;  // columns from rows on are not written
+  const float* scale = nullptr;  // device scalar, required
+  float* scale_inv = nullptr;    // optional: 1 / scale written
+  float* amax = nullptr;         // optional: max |bf16(y)|, written or max-accumulated
+  bool amax_accumulate = false;
+};
+
+/// \brief layerNormForward (y may be nullptr: no bf16 output) with the FP8 codes of y and, in
+/// the same pass, their transpose and amax: the cast of an FP8 GEMM's input fused into its
+/// producer.  A block normalises 32 rows and writes their transposed codes in 32-byte runs.
+template <class TX> void layerNormForwardFp8(Stream stream, const TX* x, const float* gamma,
+                                             const float* beta, bf16* y, float* mean, float* rstd,
+                                             std::int64_t rows, int cols, float eps,
+                                             const LayerNormFp8Args& fp8);
 
 /// \brief Bytes of `workspace` layerNormBackward needs for (rows, cols).
 std::size_t layerNormBackwardWorkspace(std::int64_t rows, int cols);

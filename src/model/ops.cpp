@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <unordered_map>
 
 namespace plm::model {
 
@@ -167,6 +168,11 @@ bool defaultDeterministic() {
 // ---- context -------------------------------------------------------------------------------
 
 #if PLM_HAVE_CUDA
+// The FP8 casts of activations and gradients are timed as a kind of their own, after the four
+// public ones (kept out of ops.hpp's OpKind so that adding it recompiled nothing else).
+constexpr int kFp8CastKind = static_cast<int>(OpKind::Count);
+constexpr int kProfileKinds = kFp8CastKind + 1;
+
 struct OpContext::Cuda {
   gpu::Gemm gemm;
   std::unique_ptr<gpu::CudnnAttention> cudnn;  // built on first use
@@ -176,7 +182,42 @@ struct OpContext::Cuda {
   std::vector<cudaEvent_t> events;
   std::vector<int> kinds;
   std::size_t marks = 0;
-  double totals[static_cast<int>(OpKind::Count)] = {};
+  double totals[kProfileKinds] = {};
+#if PLM_FP8_CUDA
+  // The E4M3 transposed input X^T (in, T padded to 16) of each FP8 GEMM, written by the
+  // forward's cast in the pass that writes X's codes and read by the weight-gradient GEMM, so
+  // the backward does not cast X again.  `x` (data, rows, cols, ld) names the activation it was
+  // cast from; a forward that does not keep it (evaluation) clears `valid`.  Grow-only.
+  struct Fp8Kept {
+    const void* x = nullptr;
+    std::int64_t rows = 0, cols = 0, ld = 0;
+    void* codes = nullptr;
+    std::size_t bytes = 0;
+    bool valid = false;
+    bool x_written = true;  // false: x's bf16 values were never written (fused GELU cast)
+  };
+  std::unordered_map<const Fp8GemmSlot*, Fp8Kept> fp8_kept;
+  // An FP8 GEMM input cast by its producer (delayed scaling): a LayerNorm (keyed by its
+  // gamma) or the FFN-in GEMM's GELU (keyed by that GEMM's slot).  `fp8_reader_of` says which
+  // FP8 GEMM read the producer's output last time (learned by that GEMM's forward from
+  // `last_producer`, the output of the op just before it), so that the producer knows the
+  // scale and where the codes go; `fp8_precast` holds the codes waiting for that GEMM's forward
+  // (consumed by it, dropped by any other FP8 forward, which reuses their scratch slot).
+  // PLM_FP8_FUSED_CAST=0 turns it off.
+  struct Producer {
+    const void* y = nullptr;
+    const void* id = nullptr;
+  } last_producer;
+  std::unordered_map<const void*, const Fp8GemmSlot*> fp8_reader_of;
+  struct Fp8Precast {
+    const Fp8GemmSlot* slot = nullptr;
+    const void* x = nullptr;
+    std::int64_t rows = 0, cols = 0, ld = 0;
+    const void* codes = nullptr;
+    std::int64_t ld_codes = 0;
+    bool x_written = true;  // false: the bf16 x does not exist (only these codes and X^T)
+  } fp8_precast;
+#endif
 
   Cuda() {
     PLM_CHECK_CUDA(cudaMalloc(&loss, sizeof(double)));
@@ -185,6 +226,9 @@ struct OpContext::Cuda {
   ~Cuda() {
     for (auto e : events) cudaEventDestroy(e);
     cudaFree(loss);
+#if PLM_FP8_CUDA
+    for (auto& kept : fp8_kept) cudaFree(kept.second.codes);
+#endif
   }
   void collect() {
     if (marks < 2) return;
@@ -266,14 +310,19 @@ std::vector<std::pair<std::string, double>> OpContext::profile() {
 #if PLM_HAVE_CUDA
   auto& c = cuda();
   c.collect();
-  const char* names[] = {"gemm (cuBLASLt)", "attention", "layernorm", "other fused"};
-  for (int k = 0; k < static_cast<int>(OpKind::Count); ++k) out.emplace_back(names[k], c.totals[k]);
+  const char* names[] = {"gemm (cuBLASLt)", "attention", "layernorm", "other fused", "fp8 cast"};
+  for (int k = 0; k < kProfileKinds; ++k)
+    if (k != kFp8CastKind || c.totals[k] > 0) out.emplace_back(names[k], c.totals[k]);
 #endif
   return out;
 }
 
 void OpContext::mark(OpKind kind) {
 #if PLM_HAVE_CUDA
+#if PLM_FP8_CUDA
+  // A producer's output is linked to the FP8 GEMM that reads it only by the very next op.
+  if (cuda_member) cuda_member->last_producer = {};
+#endif
   if (!cuda_member || !cuda_member->profiling) return;
   auto& c = *cuda_member;
   if (c.marks == c.events.size()) {
@@ -453,18 +502,34 @@ void inputGradient(OpContext& ctx, const Mat& dy, const Mat& w, const Mat& dx, b
 
 #if PLM_FP8_CUDA
 // ---- FP8 GEMMs on the CUDA path (train.precision: fp8; doc/fp8.md) -------------------------
-// The weight's E4M3 codes and their transpose were cast once per step (esm2.cpp); here the
-// activation and the output gradient are cast per call into grow-only scratch (slots 20-23) with
-// the slot's device scale (delayed: uploaded from Fp8Scaling each step, amax max-accumulated
-// for its endStep) or their own amax (current), and the GEMMs run in Hopper's TN layout
-// (gpu/fp8.hpp's table): forward A = X (T,in), B = W (out,in); dgrad A = dY (T,out), B = W^T
-// (in,out); wgrad A = dY^T (out,T), B = X^T (in,T).  The bias gradient comes from the
-// unquantised dY in the pass that casts it (col_sum).
+// The weight's E4M3 codes and their transpose were cast once per step (esm2.cpp).  Per call and
+// per micro-batch, each Linear layer casts (doc/fp8.md, "Casts per micro-batch"):
+//  - forward: X (T,in) -> E4M3 codes (scratch slot 20) and, in the same pass, X^T (in, T padded
+//    to 16) into the GEMM's kept buffer (OpContext::Cuda::fp8_kept), which its weight-gradient
+//    GEMM reads: X is cast once per forward, never again in the backward;
+//  - backward: dY (T,out) -> E5M2 (hybrid) codes and dY^T (out, T padded) in one pass with its
+//    amax and the bias gradient (column sums of the unquantised dY), shared by dgrad and wgrad.
+// The scale is the slot's device scale (delayed: uploaded from Fp8Scaling each step, amax
+// max-accumulated for its endStep) or the tensor's own amax (current).  The GEMMs run in
+// Hopper's TN layout (gpu/fp8.hpp's table): forward A = X (T,in), B = W (out,in); dgrad A = dY
+// (T,out), B = W^T (in,out); wgrad A = dY^T (out,T), B = X^T (in,T).
 
 std::int64_t pad16(std::int64_t n) { return (n + 15) / 16 * 16; }
 
 gpu::DType gpuFormat(fp8::Format f) {
   return f == fp8::Format::E4M3 ? gpu::DType::E4M3 : gpu::DType::E5M2;
+}
+
+void markFp8Cast(OpContext& ctx) { ctx.mark(static_cast<OpKind>(kFp8CastKind)); }
+
+/// Zeroes the padding columns [rows, pad16(rows)) of transposed codes (cols, pad16(rows)): the
+/// weight-gradient GEMM's K runs over the padded tokens; the cast writes the rest.
+void zeroTokenPadding(OpContext& ctx, void* codes_t, std::int64_t rows, std::int64_t cols) {
+  const std::int64_t ld = pad16(rows);
+  if (ld != rows)
+    PLM_CHECK_CUDA(cudaMemset2DAsync(
+        static_cast<std::uint8_t*>(codes_t) + rows, static_cast<std::size_t>(ld), 0,
+        static_cast<std::size_t>(ld - rows), static_cast<std::size_t>(cols), streamOf(ctx)));
 }
 
 struct Fp8Operand8 {
@@ -475,12 +540,14 @@ struct Fp8Operand8 {
 };
 
 /// Casts bf16 operand `o` of the slot's GEMM, x (rows, cols), into scratch: `direct` (rows,
-/// cols) and/or `transposed` (cols, rows); col_sum (optional) += column sums of x.
+/// cols) and/or `transposed` (cols, rows; into `transposed_at` when given); col_sum (optional)
+/// += column sums of x.
 void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& x,
                  Fp8Operand8* direct, Fp8Operand8* transposed, float* col_sum = nullptr,
-                 int scratch_base = 20) {
+                 int scratch_base = 20, void* transposed_at = nullptr) {
   const Fp8Scaling& st = *s.scaling;
   const int k = static_cast<int>(o);
+  if (direct) ctx.cuda().fp8_precast = {};  // its codes live in the scratch this may overwrite
   gpu::Fp8CastArgs a;
   a.rows = x.rows;
   a.cols = x.cols;
@@ -495,11 +562,13 @@ void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& 
   }
   if (transposed) {
     // Rows padded to 16 with zero codes: the weight-gradient GEMM's K (the tokens) runs to the
-    // padded length, as FP8 GEMMs want K and leading dimensions in multiples of 16.
+    // padded length, as FP8 GEMMs want K and leading dimensions in multiples of 16.  Only the
+    // padding columns are zeroed; the cast writes the rest.
     a.ld_out_t = pad16(x.rows);
-    const auto bytes = static_cast<std::size_t>(x.cols * a.ld_out_t);
-    a.out_t = ctx.scratch(scratch_base + 1, bytes);
-    if (a.ld_out_t != x.rows) PLM_CHECK_CUDA(cudaMemsetAsync(a.out_t, 0, bytes, streamOf(ctx)));
+    a.out_t = transposed_at
+                  ? transposed_at
+                  : ctx.scratch(scratch_base + 1, static_cast<std::size_t>(x.cols * a.ld_out_t));
+    zeroTokenPadding(ctx, a.out_t, x.rows, x.cols);
     *transposed = {a.out_t, a.ld_out_t, a.out_type, s.scaleInv(k)};
   }
   if (col_sum) {
@@ -519,7 +588,47 @@ void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& 
     }
     gpu::castFp8(streamOf(ctx), a);
   }
-  ctx.mark(OpKind::Other);
+  markFp8Cast(ctx);
+}
+
+/// The slot's kept X^T buffer, grown to hold x's transpose and named after x; nullptr (and the
+/// old one invalidated) where no weight-gradient GEMM will read it: evaluation passes (not
+/// recording) and wgrad: bf16.
+void* keepTransposedInput(OpContext& ctx, const Fp8GemmSlot& s, const Mat& x) {
+  auto& kept = ctx.cuda().fp8_kept[&s];
+  kept.valid = false;
+  if (!s.scaling->recording() || s.scaling->config().wgrad != Fp8Wgrad::Fp8) return nullptr;
+  const auto bytes = static_cast<std::size_t>(x.cols * pad16(x.rows));
+  if (kept.bytes < bytes) {
+    PLM_CHECK_CUDA(cudaFree(kept.codes));  // cudaFree synchronises: only while growing
+    kept.codes = nullptr;
+    kept.bytes = 0;
+    PLM_CHECK_CUDA(cudaMalloc(&kept.codes, bytes));
+    kept.bytes = bytes;
+  }
+  kept.x = x.data;
+  kept.rows = x.rows;
+  kept.cols = x.cols;
+  kept.ld = x.ld;
+  kept.valid = true;
+  kept.x_written = true;
+  return kept.codes;
+}
+
+/// The kept X^T of the slot's last forward if it was cast from this very x; nullptr otherwise.
+const void* keptTransposedInput(OpContext& ctx, const Fp8GemmSlot& s, const Mat& x) {
+  const auto& all = ctx.cuda().fp8_kept;
+  const auto it = all.find(&s);
+  if (it == all.end()) return nullptr;
+  const auto& kept = it->second;
+  const bool same = kept.valid && kept.x == x.data && kept.rows == x.rows && kept.cols == x.cols &&
+                    kept.ld == x.ld;
+  if (!same && kept.x == x.data && !kept.x_written)
+    throw Error(
+        "plm::model: an FP8 weight-gradient GEMM needs X^T of a GELU output whose bf16 values were "
+        "never written (its cast was fused into the GELU) and whose kept X^T is gone (a bug); "
+        "PLM_FP8_FUSED_CAST=0 avoids it");
+  return same ? kept.codes : nullptr;
 }
 
 void setFp8(Mm& m, const Fp8Operand8& a, const Fp8Operand8& b) {
@@ -540,12 +649,88 @@ Fp8Operand8 weightCodes(const Fp8GemmSlot& s, const Mat& w, bool transposed) {
           s.scaleInv(k)};
 }
 
-/// y = x W^T + bias (+ epilogue / residual C) with FP8 operands; the bias is bf16.
+bool fusedFp8CastEnabled() {
+  static const bool on = [] {
+    const char* env = std::getenv("PLM_FP8_FUSED_CAST");
+    return !(env && std::string(env) == "0");
+  }();
+  return on;
+}
+
+/// The FP8 GEMM (delayed scaling) that read the output of producer `id` last time, if the
+/// producer should cast for it; nullptr otherwise.
+const Fp8GemmSlot* fp8ReaderOf(OpContext& ctx, const void* id) {
+  if (!fusedFp8CastEnabled()) return nullptr;
+  const auto& all = ctx.cuda().fp8_reader_of;
+  const auto it = all.find(id);
+  if (it == all.end() || it->second->scaling->config().recipe != Fp8Recipe::Delayed) return nullptr;
+  return it->second;
+}
+
+/// Names y as the output of producer `id` for the op that follows (after the producer's mark).
+void noteFp8Producer(OpContext& ctx, const Mat& y, const void* id) {
+  ctx.cuda().last_producer = {y.data, id};
+}
+
+/// The LayerNorm y = LN(x; gamma, beta) with, where an FP8 GEMM read the output of this
+/// LayerNorm (these gamma) before and scales by delayed scaling, that GEMM's input cast fused
+/// in: E4M3 codes into the forward's scratch, X^T into the kept buffer, the amax; the codes are
+/// left in `fp8_precast` for that GEMM's forward.  false: nothing ran (the plain LayerNorm does).
+template <class TX> bool layerNormFp8Cuda(OpContext& ctx, const TX* x, const Vec& gamma,
+                                          const Vec& beta, double eps, const Mat& y,
+                                          const Vec& mean, const Vec& rstd) {
+  const Fp8GemmSlot* reader = fp8ReaderOf(ctx, gamma.data);
+  if (!reader || y.ld != y.cols) return false;
+  const Fp8GemmSlot& s = *reader;
+  const Fp8Scaling& st = *s.scaling;
+  if (st.config().recipe != Fp8Recipe::Delayed) return false;
+  const int k = static_cast<int>(Fp8Operand::Input);
+  gpu::LayerNormFp8Args q;
+  q.out_type = gpuFormat(st.format(Fp8Operand::Input));
+  q.ld_codes = pad16(y.cols);
+  q.codes = ctx.scratch(20, static_cast<std::size_t>(y.rows * q.ld_codes));
+  if (void* kept = keepTransposedInput(ctx, s, y)) {
+    q.codes_t = kept;
+    q.ld_codes_t = pad16(y.rows);
+    zeroTokenPadding(ctx, kept, y.rows, y.cols);
+  }
+  q.scale = s.scale(k);
+  q.scale_inv = s.scaleInv(k);
+  if (st.recording()) {
+    q.amax = s.amaxes + k;
+    q.amax_accumulate = true;
+  }
+  gpu::layerNormForwardFp8(streamOf(ctx), x, vptr<float>(gamma), vptr<float>(beta), mptr<bf16>(y),
+                           vptr<float>(mean), vptr<float>(rstd), y.rows, static_cast<int>(y.cols),
+                           static_cast<float>(eps), q);
+  ctx.cuda().fp8_precast = {&s, y.data, y.rows, y.cols, y.ld, q.codes, q.ld_codes, true};
+  return true;
+}
+
+/// y = x W^T + bias (+ epilogue / residual C) with FP8 operands; the bias is bf16.  In training,
+/// x's transposed codes are kept for the weight-gradient GEMM.  Where the LayerNorm that wrote
+/// x cast it already (layerNormFp8Cuda), its codes are used.
 void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& y,
                     gpu::Epilogue epilogue, const Mat* aux, const Mat* residual) {
   const Fp8GemmSlot& s = *w.fp8;
-  Fp8Operand8 xq;
-  castOperand(ctx, s, Fp8Operand::Input, x, &xq, nullptr);
+  auto& c = ctx.cuda();
+  if (c.last_producer.y && c.last_producer.y == x.data) c.fp8_reader_of[c.last_producer.id] = &s;
+  const auto pre = c.fp8_precast;
+  c.fp8_precast = {};
+  Fp8Operand8 xq, xq_t;
+  const bool precast = pre.slot == &s && pre.x == x.data && pre.rows == x.rows &&
+                       pre.cols == x.cols && pre.ld == x.ld;
+  if (!precast && pre.x == x.data && !pre.x_written)
+    throw Error(
+        "plm::model: an FP8 GEMM reads a GELU output whose bf16 values were never written (its "
+        "cast was fused into the GELU for another GEMM; a bug); PLM_FP8_FUSED_CAST=0 avoids it");
+  if (precast) {
+    const int k = static_cast<int>(Fp8Operand::Input);
+    xq = {pre.codes, pre.ld_codes, gpuFormat(s.scaling->format(Fp8Operand::Input)), s.scaleInv(k)};
+  } else {
+    void* kept = keepTransposedInput(ctx, s, x);
+    castOperand(ctx, s, Fp8Operand::Input, x, &xq, kept ? &xq_t : nullptr, nullptr, 20, kept);
+  }
   Mm m;
   m.tb = true;
   m.m = x.rows;
@@ -568,8 +753,58 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
   runGemm(ctx, m);
 }
 
+/// pre = x W^T + b, y = gelu(pre) with FP8 operands.  Where the FP8 GEMM that reads y is known
+/// (delayed scaling), the GEMM writes only pre (Bias epilogue) and one pass applies the GELU and
+/// casts y for that GEMM: codes, X^T (kept), amax; y's bf16 values are then written only where
+/// no kept X^T stands in for them (evaluation, wgrad: bf16).  Otherwise the GEMM's GELU+aux
+/// epilogue writes both and the reader casts y.
+void fp8LinearGeluCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& pre,
+                       const Mat& y) {
+  const Fp8GemmSlot* reader = fp8ReaderOf(ctx, w.fp8);
+  if (!reader || y.ld != y.cols || pre.ld != pre.cols) {
+    fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::BiasGeluAux, &pre, nullptr);
+    noteFp8Producer(ctx, y, w.fp8);
+    return;
+  }
+  fp8ForwardCuda(ctx, x, w, b, pre, gpu::Epilogue::Bias, nullptr, nullptr);
+  const Fp8GemmSlot& s = *reader;
+  const Fp8Scaling& st = *s.scaling;
+  const int k = static_cast<int>(Fp8Operand::Input);
+  gpu::Fp8CastArgs a;
+  a.rows = pre.rows;
+  a.cols = pre.cols;
+  a.in = cptr<bf16>(pre);
+  a.in_type = gpu::DType::BF16;
+  a.ld_in = pre.ld;
+  a.out_type = gpuFormat(st.format(Fp8Operand::Input));
+  a.ld_out = pad16(y.cols);
+  a.out = ctx.scratch(20, static_cast<std::size_t>(y.rows * a.ld_out));
+  void* kept = keepTransposedInput(ctx, s, y);
+  if (kept) {
+    a.out_t = kept;
+    a.ld_out_t = pad16(y.rows);
+    zeroTokenPadding(ctx, kept, y.rows, y.cols);
+    ctx.cuda().fp8_kept[&s].x_written = false;
+  } else {
+    a.gelu_out = y.data;
+    a.ld_gelu_out = y.ld;
+  }
+  a.gelu = true;
+  a.scale = s.scale(k);
+  a.scale_inv = s.scaleInv(k);
+  if (st.recording()) {
+    a.amax = s.amaxes + k;
+    a.amax_accumulate = true;
+  }
+  gpu::castFp8(streamOf(ctx), a);
+  markFp8Cast(ctx);
+  ctx.cuda().fp8_precast = {&s, y.data, y.rows, y.cols, y.ld, a.out, a.ld_out, kept == nullptr};
+  noteFp8Producer(ctx, y, w.fp8);
+}
+
 /// dx = (accumulate ? dx : 0) + dY W (epilogue dGELU with aux = pre), dW (+)= dY^T X (fp32,
 /// beta = dw_beta), db += column sums of dY.  wgrad: bf16 runs the bf16 weight-gradient GEMM.
+/// X^T comes from the forward (kept) when it was cast from this x, else it is cast here.
 void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, const Mat& dx,
                      bool accumulate, const Mat& dw, float dw_beta, float* db,
                      gpu::Epilogue epilogue = gpu::Epilogue::None, const Mat* aux = nullptr) {
@@ -593,7 +828,12 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
     return;
   }
   Fp8Operand8 xq_t;
-  castOperand(ctx, s, Fp8Operand::Input, x, nullptr, &xq_t, nullptr, 24);
+  if (const void* kept = keptTransposedInput(ctx, s, x)) {
+    const int k = static_cast<int>(Fp8Operand::Input);
+    xq_t = {kept, pad16(x.rows), gpuFormat(s.scaling->format(Fp8Operand::Input)), s.scaleInv(k)};
+  } else {
+    castOperand(ctx, s, Fp8Operand::Input, x, nullptr, &xq_t, nullptr, 24);
+  }
   Mm m;
   m.tb = true;
   m.m = dy.cols;
@@ -831,6 +1071,14 @@ void layerNorm(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec& beta, 
 #if PLM_HAVE_CUDA
     const auto st = streamOf(ctx);
     const int cols = static_cast<int>(x.cols);
+#if PLM_FP8_CUDA
+    if (isBf16(x) ? layerNormFp8Cuda(ctx, cptr<bf16>(x), gamma, beta, eps, y, mean, rstd)
+                  : layerNormFp8Cuda(ctx, cptr<float>(x), gamma, beta, eps, y, mean, rstd)) {
+      ctx.mark(OpKind::LayerNorm);
+      noteFp8Producer(ctx, y, gamma.data);
+      return;
+    }
+#endif
     if (isBf16(x))
       gpu::layerNormForward(st, cptr<bf16>(x), vptr<float>(gamma), vptr<float>(beta), mptr<bf16>(y),
                             vptr<float>(mean), vptr<float>(rstd), x.rows, cols,
@@ -840,6 +1088,9 @@ void layerNorm(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec& beta, 
                             mptr<bf16>(y), vptr<float>(mean), vptr<float>(rstd), x.rows, cols,
                             static_cast<float>(eps));
     ctx.mark(OpKind::LayerNorm);
+#if PLM_FP8_CUDA
+    noteFp8Producer(ctx, y, gamma.data);
+#endif
     return;
 #else
     noCuda("layerNorm");
@@ -954,7 +1205,7 @@ void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const 
   if (isBf16(x)) {
 #if PLM_HAVE_CUDA
 #if PLM_FP8_CUDA
-    if (w.fp8) return fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::BiasGeluAux, &pre, nullptr);
+    if (w.fp8) return fp8LinearGeluCuda(ctx, x, w, b, pre, y);
 #endif
     Mm m = forwardGemm(x, w, y);
     expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");

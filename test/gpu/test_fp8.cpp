@@ -9,6 +9,7 @@
 // differs), through the three GEMMs of a Linear layer in the layouts the casts produce.
 #include "gpu/fp8.hpp"
 #include "gpu/gemm.hpp"
+#include "gpu/layer_norm.hpp"
 #include "gpu_test_util.hpp"
 
 #include <gtest/gtest.h>
@@ -395,9 +396,9 @@ TEST(Fp8Cast, RefusesBadArguments) {
   a.out_type = DType::E4M3;
   EXPECT_THROW(castFp8(nullptr, a), Error);  // no scale
   Fp8BlockCastArgs b;
-  b.scaling = Fp8Scaling::Tensor;
+  b.scaling = Fp8ScaleMode::Tensor;
   EXPECT_THROW(castFp8Block(nullptr, b), Error);
-  b.scaling = Fp8Scaling::Block1x128;
+  b.scaling = Fp8ScaleMode::Block1x128;
   b.out = reinterpret_cast<void*>(16);  // no scale_inv
   EXPECT_THROW(castFp8Block(nullptr, b), Error);
   a.scale = reinterpret_cast<const float*>(16);
@@ -413,7 +414,7 @@ struct HostBlock {
 };
 
 HostBlock hostBlockScales(const std::vector<float>& x, std::int64_t rows, std::int64_t k,
-                          bool transposed_view, std::int64_t ld, Fp8Scaling s, DType f) {
+                          bool transposed_view, std::int64_t ld, Fp8ScaleMode s, DType f) {
   // Element (r, kk) of the operand is x[kk * ld + r] when transposed_view, else x[r * ld + kk].
   auto at = [&](std::int64_t r, std::int64_t kk) {
     return transposed_view ? x[kk * ld + r] : x[r * ld + kk];
@@ -421,7 +422,7 @@ HostBlock hostBlockScales(const std::vector<float>& x, std::int64_t rows, std::i
   const BlockScaleLayout layout = blockScaleLayout(s, rows, k);
   HostBlock h{std::vector<float>(layout.count, 1.0f), std::vector<float>(rows * k)};
   const std::int64_t kb = (k + 127) / 128, rb = (rows + 127) / 128;
-  if (s == Fp8Scaling::Block1x128) {
+  if (s == Fp8ScaleMode::Block1x128) {
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t b = 0; b < kb; ++b) {
         float m = 0.0f;
@@ -452,7 +453,7 @@ HostBlock hostBlockScales(const std::vector<float>& x, std::int64_t rows, std::i
 struct BlockCase {
   std::int64_t rows, cols;
   DType in_type, out_type;
-  Fp8Scaling scaling;
+  Fp8ScaleMode scaling;
 };
 
 class Fp8BlockCast : public ::testing::TestWithParam<BlockCase> {};
@@ -525,16 +526,16 @@ TEST_P(Fp8BlockCast, MatchesHost) {
 
 INSTANTIATE_TEST_SUITE_P(
     Shapes, Fp8BlockCast,
-    ::testing::Values(BlockCase{256, 384, DType::BF16, DType::E4M3, Fp8Scaling::Block1x128},
-                      BlockCase{256, 384, DType::BF16, DType::E4M3, Fp8Scaling::Block128x128},
-                      BlockCase{200, 300, DType::F32, DType::E4M3, Fp8Scaling::Block1x128},
-                      BlockCase{200, 300, DType::F32, DType::E4M3, Fp8Scaling::Block128x128},
-                      BlockCase{130, 9, DType::BF16, DType::E5M2, Fp8Scaling::Block1x128},
-                      BlockCase{5, 700, DType::BF16, DType::E5M2, Fp8Scaling::Block128x128}),
+    ::testing::Values(BlockCase{256, 384, DType::BF16, DType::E4M3, Fp8ScaleMode::Block1x128},
+                      BlockCase{256, 384, DType::BF16, DType::E4M3, Fp8ScaleMode::Block128x128},
+                      BlockCase{200, 300, DType::F32, DType::E4M3, Fp8ScaleMode::Block1x128},
+                      BlockCase{200, 300, DType::F32, DType::E4M3, Fp8ScaleMode::Block128x128},
+                      BlockCase{130, 9, DType::BF16, DType::E5M2, Fp8ScaleMode::Block1x128},
+                      BlockCase{5, 700, DType::BF16, DType::E5M2, Fp8ScaleMode::Block128x128}),
     [](const ::testing::TestParamInfo<BlockCase>& i) {
       return std::to_string(i.param.rows) + "x" + std::to_string(i.param.cols) + "_" +
              name(i.param.in_type) + "_" + name(i.param.out_type) +
-             (i.param.scaling == Fp8Scaling::Block1x128 ? "_1x128" : "_128x128");
+             (i.param.scaling == Fp8ScaleMode::Block1x128 ? "_1x128" : "_128x128");
     });
 
 // ---------------------------------------------------------------------------------------------
@@ -545,7 +546,7 @@ INSTANTIATE_TEST_SUITE_P(
 struct Operand {
   std::int64_t rows = 0, k = 0, ld = 0;
   DType type = DType::E4M3;
-  Fp8Scaling scaling = Fp8Scaling::Tensor;
+  Fp8ScaleMode scaling = Fp8ScaleMode::Tensor;
   std::unique_ptr<DeviceBuffer<std::uint8_t>> codes;
   std::unique_ptr<DeviceBuffer<float>> scale_inv;
   std::vector<double> value;  // (rows, k)
@@ -554,7 +555,7 @@ struct Operand {
 // Casts a bf16 (src_rows, src_cols) tensor and returns the operand the GEMM needs: the tensor
 // itself (transposed = false: rows = src_rows, k = src_cols) or its transposed copy.
 Operand makeOperand(const Input& src, std::int64_t src_rows, std::int64_t src_cols, bool transposed,
-                    DType type, Fp8Scaling scaling, float per_tensor_scale) {
+                    DType type, Fp8ScaleMode scaling, float per_tensor_scale) {
   Operand o;
   o.rows = transposed ? src_cols : src_rows;
   o.k = transposed ? src_rows : src_cols;
@@ -562,11 +563,11 @@ Operand makeOperand(const Input& src, std::int64_t src_rows, std::int64_t src_co
   o.type = type;
   o.scaling = scaling;
   o.codes = std::make_unique<DeviceBuffer<std::uint8_t>>(o.rows * o.ld);
-  const BlockScaleLayout lay = scaling == Fp8Scaling::Tensor
+  const BlockScaleLayout lay = scaling == Fp8ScaleMode::Tensor
                                    ? BlockScaleLayout{1, 1}
                                    : blockScaleLayout(scaling, o.rows, o.k);
   o.scale_inv = std::make_unique<DeviceBuffer<float>>(lay.count);
-  if (scaling == Fp8Scaling::Tensor) {
+  if (scaling == Fp8ScaleMode::Tensor) {
     DeviceBuffer<float> scale(std::vector<float>{per_tensor_scale});
     Fp8CastArgs a;
     a.rows = src_rows;
@@ -609,9 +610,9 @@ Operand makeOperand(const Input& src, std::int64_t src_rows, std::int64_t src_co
   for (std::int64_t r = 0; r < o.rows; ++r)
     for (std::int64_t kk = 0; kk < o.k; ++kk) {
       double s;
-      if (scaling == Fp8Scaling::Tensor)
+      if (scaling == Fp8ScaleMode::Tensor)
         s = sinv[0];
-      else if (scaling == Fp8Scaling::Block1x128)
+      else if (scaling == Fp8ScaleMode::Block1x128)
         s = sinv[(kk / 128) * lay.ld + r];
       else
         s = sinv[(r / 128) * lay.ld + kk / 128];
@@ -625,8 +626,8 @@ enum class LinearGemm { Forward, Dgrad, Wgrad };
 struct GemmCase {
   const char* name;
   LinearGemm which;
-  DType x_type, grad_type;        // FP8 formats of activations/weights and of gradients
-  Fp8Scaling activation_scaling;  // Tensor or Block1x128 (weights: Tensor or Block128x128)
+  DType x_type, grad_type;          // FP8 formats of activations/weights and of gradients
+  Fp8ScaleMode activation_scaling;  // Tensor or Block1x128 (weights: Tensor or Block128x128)
   DType d_type;
   Epilogue epilogue;  // None, Bias, BiasGeluAux (forward), DGelu (dgrad)
   bool accumulate, amax_d, fast_accum;
@@ -654,8 +655,8 @@ class Fp8Gemm : public ::testing::TestWithParam<GemmCase> {};
 TEST_P(Fp8Gemm, LinearLayerLayout) {
   const GemmCase c = GetParam();
   const std::int64_t T = c.tokens, in_f = 256, out_f = 640;
-  const bool block = c.activation_scaling != Fp8Scaling::Tensor;
-  const Fp8Scaling w_scaling = block ? Fp8Scaling::Block128x128 : Fp8Scaling::Tensor;
+  const bool block = c.activation_scaling != Fp8ScaleMode::Tensor;
+  const Fp8ScaleMode w_scaling = block ? Fp8ScaleMode::Block128x128 : Fp8ScaleMode::Tensor;
   Input x(test::randomNormal(T * in_f, 11, 2.0f), DType::BF16);
   Input w(test::randomNormal(out_f * in_f, 12, 0.05f), DType::BF16);
   Input dy(test::randomNormal(T * out_f, 13, 1e-3f), DType::BF16);
@@ -829,7 +830,7 @@ TEST_P(Fp8Gemm, LinearLayerLayout) {
 }
 
 constexpr DType E4 = DType::E4M3, E5 = DType::E5M2, BF = DType::BF16, F32 = DType::F32;
-constexpr Fp8Scaling PT = Fp8Scaling::Tensor, B1 = Fp8Scaling::Block1x128;
+constexpr Fp8ScaleMode PT = Fp8ScaleMode::Tensor, B1 = Fp8ScaleMode::Block1x128;
 
 INSTANTIATE_TEST_SUITE_P(
     Layouts, Fp8Gemm,
@@ -908,18 +909,225 @@ TEST(Fp8GemmArgs, RefusesWhatHopperCannotDo) {
   g.b_type = DType::BF16;
   EXPECT_NE(message().find("in pairs"), std::string::npos) << message();
   g.b_type = DType::E4M3;
-  g.a_scaling = Fp8Scaling::Block1x128;
+  g.a_scaling = Fp8ScaleMode::Block1x128;
   EXPECT_NE(message().find("cannot be mixed"), std::string::npos) << message();
-  g.b_scaling = Fp8Scaling::Block128x128;
-  g.a_scaling = Fp8Scaling::Block128x128;
+  g.b_scaling = Fp8ScaleMode::Block128x128;
+  g.a_scaling = Fp8ScaleMode::Block128x128;
   EXPECT_NE(message().find("128x128 x 128x128"), std::string::npos) << message();
-  g.a_scaling = Fp8Scaling::Block1x128;
+  g.a_scaling = Fp8ScaleMode::Block1x128;
   g.fast_accum = true;
   EXPECT_NE(message().find("fast accumulation"), std::string::npos) << message();
   g.fast_accum = false;
   g.a_scale_inv = nullptr;
   EXPECT_NE(message().find("a_scale_inv"), std::string::npos) << message();
   EXPECT_EQ(gemm.numPlans(), 0u);
+}
+
+// The GELU applied in the cast (Fp8CastArgs::gelu, the FFN's GELU output cast in one pass from
+// the pre-activation): g = bf16(gelu_tanh(pre)) against the host's fp64 GELU within one bf16 ulp
+// (2^-7 |g|) plus the fp32 tanh form's cancellation in the negative tail: 0.5 x (1 + tanh(.))
+// with tanh near -1 loses the low bits of 1 + t, an absolute error of a few fp32 ulps of 1
+// times |x| / 2 (2^-21 |x| allows 8; the H100 run of 2026-11-25 missed 2^-7 |g| alone by ~1e-9
+// at x = -5.06 and gave -0 for gelu(-7) = -2.3e-15, as cuBLASLt's epilogue does).  The codes and
+// transposed codes bit for bit against the host encoder on the g the kernel wrote, the amax
+// exactly max |g|; without gelu_out the same codes.  70 x 200: partial 64x64 tiles and a row
+// stride (200) that allows the 4-code stores but not all columns.
+TEST(Fp8Cast, GeluOfThePreActivation) {
+  const std::int64_t rows = 70, cols = 200, ld_t = 80;
+  for (DType f : {DType::E4M3, DType::E5M2}) {
+    std::vector<float> host = test::randomNormal(rows * cols, 91, 2.5f);
+    Input pre(host, DType::BF16);
+    DeviceBuffer<std::uint16_t> g(rows * cols);
+    DeviceBuffer<std::uint8_t> out(rows * cols), out_t(cols * ld_t);
+    const float sv = f == DType::E4M3 ? 150.0f : 2000.0f;  // saturates the largest
+    DeviceBuffer<float> scale(std::vector<float>{sv}), scale_inv(1), amax(1);
+    g.poison();
+    out.poison();
+    out_t.poison();
+    Fp8CastArgs a;
+    a.rows = rows;
+    a.cols = cols;
+    a.in = pre.get();
+    a.in_type = DType::BF16;
+    a.ld_in = cols;
+    a.out_type = f;
+    a.out = out.get();
+    a.ld_out = cols;
+    a.out_t = out_t.get();
+    a.ld_out_t = ld_t;
+    a.scale = scale.get();
+    a.scale_inv = scale_inv.get();
+    a.amax = amax.get();
+    a.gelu = true;
+    a.gelu_out = g.get();
+    a.ld_gelu_out = cols;
+    castFp8(nullptr, a);
+    const std::vector<float> gv = test::downloadBf16(g);
+    int far = 0;
+    for (std::int64_t i = 0; i < rows * cols; ++i) {
+      const double x = pre.values[i];
+      const double want =
+          0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+      const double tol = std::fabs(want) * 0x1p-7 + std::fabs(x) * 0x1p-21;
+      if (std::fabs(gv[i] - want) > tol && ++far <= 5)
+        ADD_FAILURE() << "gelu(" << x << ") = " << gv[i] << ", fp64 " << want;
+    }
+    EXPECT_EQ(far, 0);
+    const std::string what = "gelu cast " + name(f);
+    expectCodes(out.download(), cols, false, gv, rows, cols, cols, f, sv, what);
+    expectCodes(out_t.download(), ld_t, true, gv, rows, cols, cols, f, sv, what + " transposed");
+    EXPECT_EQ(downloadScalar(amax), maxAbs(gv, rows, cols, cols)) << what;
+    EXPECT_EQ(downloadScalar(scale_inv), 1.0f / sv) << what;
+    const std::vector<std::uint8_t> codes = out.download();
+    out.poison();
+    a.gelu_out = nullptr;
+    a.out_t = nullptr;
+    castFp8(nullptr, a);
+    EXPECT_EQ(out.download(), codes) << what << ": without the bf16 output";
+    a.gelu_out = g.get();
+    a.gelu = false;
+    EXPECT_THROW(castFp8(nullptr, a), Error);  // gelu_out without gelu
+    a.gelu = true;
+    DeviceBuffer<float> cur(1);
+    EXPECT_THROW(castFp8Current(nullptr, a, cur.get()), Error);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The LayerNorm with its output's cast fused in (layerNormForwardFp8)
+
+struct LnCase {
+  std::int64_t rows;
+  int cols;
+  DType in_type;
+  DType out_type;
+};
+
+class Fp8LayerNorm : public ::testing::TestWithParam<LnCase> {};
+
+// The bf16 output, mean and rstd bit for bit as the plain LayerNorm writes them; the codes and
+// the transposed codes bit for bit against the host encoder on that bf16 output times the
+// scale; the amax exactly (written, then max-accumulated); scale_inv = 1 / scale; the transposed
+// copy's columns from `rows` on untouched.  Rows not a multiple of the 32-row block nor of 4 (the
+// byte-wise tail of the transposed store), 1 row, hidden 64 to 1280 (the register widths J 4 to
+// 20), and a scale that saturates the largest values.
+TEST_P(Fp8LayerNorm, MatchesPlainLayerNormAndHostCodes) {
+  const LnCase c = GetParam();
+  const std::int64_t n = c.rows * c.cols;
+  std::vector<float> xh = test::randomNormal(n, 11 + c.rows + c.cols, 2.0f);
+  for (std::int64_t i = 0; i < n; i += 7) xh[i] += 1.5f;  // non-zero means
+  Input x(xh, c.in_type);
+  std::vector<float> gh = test::randomNormal(c.cols, 5, 0.5f), bh = test::randomNormal(c.cols, 6);
+  for (float& g : gh) g += 1.0f;
+  DeviceBuffer<float> gamma(gh), beta(bh);
+  DeviceBuffer<std::uint16_t> y_ref(n), y(n);
+  DeviceBuffer<float> mean_ref(c.rows), rstd_ref(c.rows), mean(c.rows), rstd(c.rows);
+  const float eps = 1e-5f;
+  auto plain = [&](auto* xp) {
+    layerNormForward(nullptr, xp, gamma.get(), beta.get(), reinterpret_cast<bf16*>(y_ref.get()),
+                     mean_ref.get(), rstd_ref.get(), c.rows, c.cols, eps);
+  };
+  const bool bf16_in = c.in_type == DType::BF16;
+  if (bf16_in)
+    plain(reinterpret_cast<const bf16*>(x.get()));
+  else
+    plain(static_cast<const float*>(x.get()));
+
+  const std::int64_t ld = c.cols + 16, ld_t = (c.rows + 3) / 4 * 4 + 8;
+  DeviceBuffer<std::uint8_t> codes(c.rows * ld), codes_t(c.cols * ld_t);
+  PLM_CHECK_CUDA(cudaMemset(codes_t.get(), 0xab, c.cols * ld_t));
+  codes.poison();
+  y.poison();
+  // 3.7 * |y| reaches past 448 in the tails of the E4M3 cases: saturation is exercised.
+  const float scale_value = c.out_type == DType::E4M3 ? 61.3f : 3.7f;
+  DeviceBuffer<float> scale(std::vector<float>{scale_value}), scale_inv(1), amax(1);
+  scale_inv.poison();
+  amax.poison();
+  LayerNormFp8Args q;
+  q.out_type = c.out_type;
+  q.codes = codes.get();
+  q.ld_codes = ld;
+  q.codes_t = codes_t.get();
+  q.ld_codes_t = ld_t;
+  q.scale = scale.get();
+  q.scale_inv = scale_inv.get();
+  q.amax = amax.get();
+  auto fused = [&](auto* xp, bf16* yp) {
+    layerNormForwardFp8(nullptr, xp, gamma.get(), beta.get(), yp, mean.get(), rstd.get(), c.rows,
+                        c.cols, eps, q);
+  };
+  auto run = [&](bf16* yp) {
+    if (bf16_in)
+      fused(reinterpret_cast<const bf16*>(x.get()), yp);
+    else
+      fused(static_cast<const float*>(x.get()), yp);
+  };
+  run(reinterpret_cast<bf16*>(y.get()));
+  const std::string what = "rows " + std::to_string(c.rows) + " cols " + std::to_string(c.cols) +
+                           " " + name(c.in_type) + " -> " + name(c.out_type);
+  EXPECT_EQ(y.download(), y_ref.download()) << what << ": bf16 output";
+  EXPECT_EQ(mean.download(), mean_ref.download()) << what;
+  EXPECT_EQ(rstd.download(), rstd_ref.download()) << what;
+  const std::vector<float> yv = test::downloadBf16(y_ref);
+  expectCodes(codes.download(), ld, false, yv, c.rows, c.cols, c.cols, c.out_type, scale_value,
+              what + " codes");
+  const std::vector<std::uint8_t> t = codes_t.download();
+  expectCodes(t, ld_t, true, yv, c.rows, c.cols, c.cols, c.out_type, scale_value,
+              what + " transposed codes");
+  int touched = 0;
+  for (std::int64_t cc = 0; cc < c.cols; ++cc)
+    for (std::int64_t r = c.rows; r < ld_t; ++r) touched += t[cc * ld_t + r] != 0xab;
+  EXPECT_EQ(touched, 0) << what << ": columns of the transposed copy past rows were written";
+  const float want_amax = maxAbs(yv, c.rows, c.cols, c.cols);
+  EXPECT_EQ(downloadScalar(amax), want_amax) << what;
+  EXPECT_EQ(downloadScalar(scale_inv), 1.0f / scale_value) << what;
+  int saturated = 0;
+  for (float v : yv) saturated += std::fabs(v * scale_value) > hostFp8Max(c.out_type);
+  if (c.out_type == DType::E4M3 && c.rows * c.cols >= 4096)
+    EXPECT_GT(saturated, 0) << what << ": the case should reach saturation";
+
+  // Accumulating amax: a larger value stays, and no bf16 output (y = nullptr) changes nothing.
+  const float big = 1e6f;
+  amax.upload(std::vector<float>{big});
+  q.amax_accumulate = true;
+  q.codes_t = nullptr;
+  codes.poison();
+  run(nullptr);
+  EXPECT_EQ(downloadScalar(amax), big) << what;
+  expectCodes(codes.download(), ld, false, yv, c.rows, c.cols, c.cols, c.out_type, scale_value,
+              what + " codes without the bf16 output");
+  amax.upload(std::vector<float>{0.0f});
+  run(nullptr);
+  EXPECT_EQ(downloadScalar(amax), want_amax) << what << ": accumulated from 0";
+}
+
+INSTANTIATE_TEST_SUITE_P(Shapes, Fp8LayerNorm,
+                         ::testing::Values(LnCase{1, 64, DType::BF16, DType::E4M3},
+                                           LnCase{37, 320, DType::F32, DType::E4M3},
+                                           LnCase{70, 1280, DType::BF16, DType::E4M3},
+                                           LnCase{130, 1280, DType::F32, DType::E5M2},
+                                           LnCase{96, 640, DType::F32, DType::E4M3}));
+
+TEST(Fp8LayerNorm, RefusesBadArguments) {
+  DeviceBuffer<float> x(64), gamma(32), beta(32), mean(2), rstd(2), scale(1);
+  DeviceBuffer<std::uint8_t> codes(256);
+  LayerNormFp8Args q;
+  q.codes = codes.get();
+  q.ld_codes = 32;
+  auto call = [&] {
+    layerNormForwardFp8(nullptr, x.get(), gamma.get(), beta.get(), nullptr, mean.get(), rstd.get(),
+                        2, 32, 1e-5f, q);
+  };
+  EXPECT_THROW(call(), Error);  // no scale
+  q.scale = scale.get();
+  q.out_type = DType::BF16;
+  EXPECT_THROW(call(), Error);
+  q.out_type = DType::E4M3;
+  q.codes_t = codes.get();
+  q.ld_codes_t = 6;  // not a multiple of 4
+  EXPECT_THROW(call(), Error);
+  q.ld_codes_t = 8;
+  EXPECT_NO_THROW(call());
 }
 
 }  // namespace
