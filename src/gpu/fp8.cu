@@ -68,6 +68,22 @@ __device__ __forceinline__ void amaxCommit(unsigned bits, float* amax) {
   if ((threadIdx.x & 31u) == 0 && bits != 0) atomicMax(reinterpret_cast<unsigned*>(amax), bits);
 }
 
+// Block maximum, then one atomic per block: a cast of (24576, 5120) has 30,720 tiles, and one
+// atomic per warp put 245,760 atomics on the one address of its amax.  Every thread of the block
+// must call it (it synchronises).
+template <int kBlockSize>
+__device__ __forceinline__ void amaxCommitBlock(unsigned bits, float* amax) {
+  __shared__ unsigned warp_max[kBlockSize / 32];
+  bits = __reduce_max_sync(0xffffffffu, bits);
+  if ((threadIdx.x & 31u) == 0) warp_max[threadIdx.x / 32] = bits;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    bits = threadIdx.x < kBlockSize / 32 ? warp_max[threadIdx.x] : 0u;
+    bits = __reduce_max_sync(0xffffffffu, bits);
+    if (threadIdx.x == 0 && bits != 0) atomicMax(reinterpret_cast<unsigned*>(amax), bits);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Per-tensor cast
 
@@ -174,7 +190,7 @@ __global__ void __launch_bounds__(kThreads) castKernel(CastParams p) {
     if (p.out && full && p.out_vec)
       *reinterpret_cast<std::uint32_t*>(p.out + r * p.ld_out + c0 + 4 * g) = word;
   }
-  if (p.amax) amaxCommit(amax_bits, p.amax);
+  if (p.amax) amaxCommitBlock<kThreads>(amax_bits, p.amax);  // p.amax: the same in every thread
   if (!p.out_t) return;
   __syncthreads();
   // out_t row c (a column of the tile), 4 consecutive input rows per store.
