@@ -658,6 +658,7 @@ template <class P> const std::vector<ShardUnit>& Fsdp<P>::units() const {
 }
 template <class P> int Fsdp<P>::shardSize() const { return impl_member->shard_comm->size(); }
 template <class P> int Fsdp<P>::shardRank() const { return impl_member->shard_comm->rank(); }
+template <class P> MPI_Comm Fsdp<P>::shardComm() const { return impl_member->shard_mpi; }
 template <class P> model::LayerHooks& Fsdp<P>::hooks() { return *impl_member; }
 
 template <class P> FsdpMemory Fsdp<P>::plannedMemory() const {

@@ -160,6 +160,9 @@ template <class P> class Fsdp {
   const std::vector<ShardUnit>& units() const;
   int shardSize() const;
   int shardRank() const;
+  /// \brief The shard group (this engine's duplicate; for host-side collectives on the
+  /// shards, e.g. checkpoints).
+  MPI_Comm shardComm() const;
   FsdpMemory plannedMemory() const;
 
   /// \brief The hooks the step installs (exposed so tests can wrap them).

@@ -111,6 +111,12 @@ class Trainer {
   /// and released once the shards have taken it back or at the next step.
   Optimizer<param_t>& optimizer();
   const OptimizerOptions& optimizerOptions() const { return optimizer_options_member; }
+  /// \brief Sharded runs: the sharding engine, whose shards checkpoints write and restore
+  /// directly, without optimizer()'s full-layout copy (ckpt/detail/snapshot.hpp); else nullptr.
+  Fsdp<param_t>* sharding() { return fsdp_member.get(); }
+  /// \brief Sharded runs: drops the full-layout state, if any, once the shards were restored
+  /// directly (it would otherwise be taken back into them).  No-op unsharded.
+  void discardFullState();
   /// \brief The high-water mark of Kokkos allocations during this run's first step on this
   /// rank (train::AllocationTracker; -1 if not measured).
   std::int64_t firstStepPeak() const { return first_step_peak_member; }
