@@ -250,9 +250,6 @@ std::vector<std::string> broadcastList(std::vector<std::string> list, MPI_Comm c
 }  // namespace
 
 namespace {
-template <class T> MPI_Datatype mpiType();
-template <> MPI_Datatype mpiType<float>() { return MPI_FLOAT; }
-template <> MPI_Datatype mpiType<std::uint8_t>() { return MPI_UINT8_T; }
 
 template <class T> void shareRowsOf(const std::vector<model::TensorInfo>& tensors, T* values,
                                     MPI_Comm comm, std::int64_t batch_limit) {
@@ -285,8 +282,9 @@ template <class T> void shareRowsOf(const std::vector<model::TensorInfo>& tensor
       at += std::size_t(count);
     }
     receive.resize(std::size_t(total));
-    PLM_CHECK_MPI(MPI_Allgatherv(send.data(), counts[rank], mpiType<T>(), receive.data(),
-                                 counts.data(), displacements.data(), mpiType<T>(), comm));
+    PLM_CHECK_MPI(MPI_Allgatherv(send.data(), counts[rank], detail::mpiTypeOf<T>(), receive.data(),
+                                 counts.data(), displacements.data(), detail::mpiTypeOf<T>(),
+                                 comm));
     for (int r = 0; r < world; ++r) {
       std::size_t from = std::size_t(displacements[r]);
       for (std::size_t i = begin; i < end; ++i) {

@@ -16,11 +16,6 @@ namespace plm::ckpt::detail {
 
 namespace {
 
-template <class T> MPI_Datatype mpiType();
-template <> MPI_Datatype mpiType<float>() { return MPI_FLOAT; }
-template <> MPI_Datatype mpiType<double>() { return MPI_DOUBLE; }
-template <> MPI_Datatype mpiType<std::uint8_t>() { return MPI_UINT8_T; }
-
 bool before(const Segment& a, const Segment& b) {
   return a.tensor != b.tensor ? a.tensor < b.tensor : a.start < b.start;
 }
@@ -123,8 +118,8 @@ template <class T> void redistribute(MPI_Comm comm, const std::vector<std::int64
                     out += n;
                   });
     }
-    PLM_CHECK_MPI(MPI_Alltoallv(send.data(), send_counts.data(), send_at.data(), mpiType<T>(),
-                                receive.data(), recv_counts.data(), recv_at.data(), mpiType<T>(),
+    PLM_CHECK_MPI(MPI_Alltoallv(send.data(), send_counts.data(), send_at.data(), mpiTypeOf<T>(),
+                                receive.data(), recv_counts.data(), recv_at.data(), mpiTypeOf<T>(),
                                 comm));
     for (int r = 0; r < world; ++r) {
       const T* in = receive.data() + recv_at[r];

@@ -19,6 +19,12 @@
 
 namespace plm::ckpt::detail {
 
+/// The MPI datatype of the values checkpoints move between ranks (one definition for ckpt).
+template <class T> MPI_Datatype mpiTypeOf();
+template <> inline MPI_Datatype mpiTypeOf<float>() { return MPI_FLOAT; }
+template <> inline MPI_Datatype mpiTypeOf<double>() { return MPI_DOUBLE; }
+template <> inline MPI_Datatype mpiTypeOf<std::uint8_t>() { return MPI_UINT8_T; }
+
 /// Elements [start, start + count) of tensor `tensor` (row-major) lie at [local, local + count)
 /// of a rank's buffer.
 struct Segment {
