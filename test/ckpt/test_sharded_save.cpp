@@ -4,7 +4,8 @@
 //    layouts that overlap are refused;
 //  - a sharded run's file written by the shards path equals, dataset for dataset and bit for
 //    bit (crc32 attributes included), the file the full-layout path writes from the same state,
-//    for every optimizer kind, at shard = ranks and at 2 shard x 2 replicate;
+//    for every optimizer kind, at shard = ranks and at 2 shard x 2 replicate; so do
+//    asynchronous saves (checkpoint.async);
 //  - the shards path's memory peak during a save stays below this rank's rows of the state plus
 //    one group's staging, derived below, while the full-layout path allocates 12 N or more;
 //  - a sharded checkpoint resumes on the same layout bit for bit (losses and weights) and on
@@ -212,6 +213,31 @@ TEST(ShardedSave, FileEqualsTheFullLayoutPathsBitForBit) {
       t.discardFullState();
       if (plm::dist::worldRank() == 0) expectSameTensors(shards.path, full.path, run);
     }
+  plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
+}
+
+// checkpoint.async: the background saver snapshots the shards path's rows between steps and
+// writes the same files as synchronous saves (MPI without MPI_THREAD_MULTIPLE saves
+// synchronously, and the files are then trivially the same: the test still runs the path).
+TEST(ShardedSave, AsynchronousSavesWriteTheSameFiles) {
+  const int world = plm::dist::worldSize();
+  if (world == 1) GTEST_SKIP() << "sharding needs two ranks at least";
+  if (plm::test::noCollectivesForDeviceMemory(MPI_COMM_WORLD))
+    GTEST_SKIP() << "ranks share a GPU: no NCCL, and MPI cannot take device memory";
+  const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "sharded_async");
+  plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
+  for (const std::string mode : {"false", "true"}) {
+    plm::train::Trainer t(
+        tinyDeck(dir, "async_" + mode,
+                 {"parallel.shard_degree=" + std::to_string(world), "checkpoint.async=" + mode}),
+        MPI_COMM_WORLD);
+    plm::ckpt::installHooks(t);
+    t.run();
+  }
+  if (plm::dist::worldRank() == 0)
+    for (const std::string step : {"step_000003.h5", "step_000006.h5"})
+      expectSameTensors(dir + "/async_false/ckpt/" + step, dir + "/async_true/ckpt/" + step,
+                        "async " + step);
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 
