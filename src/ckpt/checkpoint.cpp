@@ -910,8 +910,7 @@ std::function<void()> readShards(train::Trainer& trainer, hid_t file, const std:
       else
         put(g.buffer.f32, g.f32, g.buffer.table, g.buffer.pieces, g.rows, replicated);
     }
-    if (!optimizer.mastersAlias()) optimizer.syncParameters(ExecSpace());
-    fsdp.reshardAll(ExecSpace());  // gathered copies are stale: the next use gathers again
+    fsdp.restoredShards(ExecSpace());  // derived copies recast, gathered units stale
     Kokkos::fence();
   };
 }

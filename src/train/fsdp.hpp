@@ -152,6 +152,11 @@ template <class P> class Fsdp {
   /// \brief Takes this rank's shards from `full` (after a checkpoint restore into it), with its
   /// step count; the inverse of exportFull.  No communication.
   void importFull(const ExecSpace& space, const Optimizer<P>& full);
+  /// \brief After the shards' masters and state were written directly (a sharded checkpoint
+  /// restore, ckpt/detail/snapshot.hpp): recasts every copy derived from the masters (the
+  /// compute shard when it does not alias them) and reshards every unit, so the next use
+  /// gathers the restored values.  What importFull does after taking its slices.
+  void restoredShards(const ExecSpace& space);
 
   /// \brief This rank's parameter shard (master type; padding elements are 0).
   View1<P> shardParameters() const;
