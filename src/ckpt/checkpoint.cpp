@@ -2,6 +2,7 @@
 #include "ckpt/checkpoint.hpp"
 
 #include "ckpt/detail/agree.hpp"
+#include "ckpt/detail/redistribute.hpp"
 #include "ckpt/detail/rows.hpp"
 #include "ckpt/detail/snapshot.hpp"
 #include "core/log.hpp"
@@ -10,6 +11,7 @@
 #include "io/hdf5.hpp"
 #include "io/model_file.hpp"
 #include "plm/plm_config.hpp"
+#include "train/fsdp.hpp"
 
 #include <zlib.h>
 #include <Kokkos_Core.hpp>
@@ -24,7 +26,9 @@
 #include <cstring>
 #include <ctime>
 #include <filesystem>
+#include <functional>
 #include <future>
+#include <memory>
 #include <type_traits>
 
 namespace plm::ckpt {
@@ -75,20 +79,16 @@ void failPoint(std::int64_t step, const char* phase) {
   ::_exit(86);
 }
 
-// CRC-32 of this rank's rows (io::rowRange) of every tensor of a flat buffer, with their byte
-// counts: (crc, length) pairs, one per tensor.  Touches only host memory and zlib, so it may
-// run on a helper thread while HDF5 writes the same (read-only) buffer.
+// CRC-32 of this rank's rows of every tensor (where `rows` says they lie in `values`), with
+// their byte counts: (crc, length) pairs, one per tensor.  Touches only host memory and zlib,
+// so it may run on a helper thread while HDF5 writes the same (read-only) buffer.
 template <class T>
 std::vector<std::uint64_t> localChecksums(const std::vector<model::TensorInfo>& tensors,
-                                          const T* values, int rank, int world) {
+                                          const T* values, const detail::RowsLayout& rows) {
   std::vector<std::uint64_t> local(2 * tensors.size());
   for (std::size_t i = 0; i < tensors.size(); ++i) {
-    const auto& t = tensors[i];
-    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-    const std::int64_t row_size = rows ? t.size / rows : 0;
-    auto [first, last] = io::rowRange(rows, rank, world);
-    const auto* bytes = reinterpret_cast<const Bytef*>(values + t.offset + first * row_size);
-    const std::uint64_t length = std::uint64_t((last - first) * row_size) * sizeof(T);
+    const auto* bytes = reinterpret_cast<const Bytef*>(values + rows.at[i]);
+    const std::uint64_t length = std::uint64_t(rows.count(i)) * sizeof(T);
     local[2 * i] = crc32_z(crc32_z(0L, Z_NULL, 0), bytes, length);
     local[2 * i + 1] = length;
   }
@@ -116,12 +116,6 @@ std::vector<std::uint32_t> combineChecksums(const std::vector<std::uint64_t>& lo
   return out;
 }
 
-template <class T>
-std::vector<std::uint32_t> checksums(const std::vector<model::TensorInfo>& tensors, const T* values,
-                                     MPI_Comm comm) {
-  return combineChecksums(localChecksums(tensors, values, commRank(comm), commSize(comm)), comm);
-}
-
 void writeChecksums(hid_t file, const std::string& group,
                     const std::vector<model::TensorInfo>& tensors,
                     const std::vector<std::uint32_t>& crcs) {
@@ -132,33 +126,33 @@ void writeChecksums(hid_t file, const std::string& group,
   }
 }
 
-// io::writeTensorGroup for 8-bit codes: this rank's rows of every tensor, at full shape.
-void writeGroup(hid_t file, MPI_Comm comm, const std::string& group,
-                const std::vector<model::TensorInfo>& tensors, const std::uint8_t* values,
-                bool independent) {
-  const int rank = commRank(comm), world = commSize(comm);
+// io::writeTensorGroup from per-tensor rows (fp32 or 8-bit codes): creates `group`/<name> at
+// full shape for every tensor (collective) and writes this rank's rows of each from where
+// `rows` says they lie in `values` (a full-layout buffer or a compact one of these rows only).
+template <class T> void writeRowsGroup(hid_t file, const std::string& group,
+                                       const std::vector<model::TensorInfo>& tensors,
+                                       const T* values, const detail::RowsLayout& rows,
+                                       bool independent) {
   h5::Hid g = h5::exists(file, group)
                   ? h5::Hid(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)))
                   : h5::createGroup(file, group);
-  for (const auto& t : tensors) {
-    h5::Hid dataset = h5::createDataset<std::uint8_t>(g, t.name, t.shape);
-    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-    const std::int64_t row_size = rows ? t.size / rows : 0;
-    auto [first, last] = io::rowRange(rows, rank, world);
-    if (independent && last == first) continue;
-    h5::writeRows<std::uint8_t>(dataset, first, last - first, values + t.offset + first * row_size,
-                                independent);
+  for (std::size_t i = 0; i < tensors.size(); ++i) {
+    h5::Hid dataset = h5::createDataset<T>(g, tensors[i].name, tensors[i].shape);
+    if (independent && rows.row_count[i] == 0) continue;  // nothing to write, no collective
+    h5::writeRows<T>(dataset, rows.first_row[i], rows.row_count[i], values + rows.at[i],
+                     independent);
   }
 }
 
-// Reads `group` into `values` on every rank.  Each rank reads only its own rows (independent
-// transfers, so the file is read once whatever the rank count), checks them against the stored
-// CRC-32s (joined over ranks), and only then are the rows shared.  The group must hold exactly
-// the model's tensors at their shapes.  Any failure is a CorruptCheckpoint on every rank.
-template <class T> void readGroup(hid_t file, MPI_Comm comm, const std::string& group,
+// Reads this rank's rows of `group` (the split `rows` describes, into where it says they lie
+// in `values`; independent transfers, so the ranks of `crc_comm` read the file once), checks
+// them against the stored CRC-32s (the pieces joined over `crc_comm`, whose ranks are the
+// split's), and leaves sharing them to the caller.  The group must hold exactly the model's
+// tensors at their shapes.  Any failure is a CorruptCheckpoint on every rank of `comm`.
+template <class T> void readGroup(hid_t file, MPI_Comm comm, MPI_Comm crc_comm,
+                                  const std::string& group,
                                   const std::vector<model::TensorInfo>& tensors, T* values,
-                                  const std::string& path) {
-  const int rank = commRank(comm), world = commSize(comm);
+                                  const detail::RowsLayout& rows, const std::string& path) {
   std::vector<std::int64_t> stored(tensors.size());
   detail::agree(comm, [&] {
     try {
@@ -180,11 +174,8 @@ template <class T> void readGroup(hid_t file, MPI_Comm comm, const std::string& 
               "checkpoint `" + path + "`: /" + group + "/" + t.name +
               " has no crc32 attribute (incomplete file or not written by plm)");
         stored[i] = h5::readIntAttribute(dataset, "crc32");
-        const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-        const std::int64_t row_size = rows ? t.size / rows : 0;
-        auto [first, last] = io::rowRange(rows, rank, world);
-        if (last > first)
-          h5::readRows<T>(dataset, first, last - first, values + t.offset + first * row_size,
+        if (rows.row_count[i] > 0)
+          h5::readRows<T>(dataset, rows.first_row[i], rows.row_count[i], values + rows.at[i],
                           /*independent=*/true);
       }
       if (info.nlinks != tensors.size())
@@ -197,14 +188,25 @@ template <class T> void readGroup(hid_t file, MPI_Comm comm, const std::string& 
       throw CorruptCheckpoint("checkpoint `" + path + "` cannot be read: " + e.what());
     }
   });
-  const auto crcs = checksums(tensors, values, comm);  // this rank's rows, joined over ranks
-  for (std::size_t i = 0; i < tensors.size(); ++i)
-    if (std::int64_t(crcs[i]) != stored[i])
-      throw CorruptCheckpoint("checkpoint `" + path + "` is damaged: /" + group + "/" +
-                                  tensors[i].name + " does not match its checksum (crc32 " +
-                                  std::to_string(stored[i]) + " stored, " +
-                                  std::to_string(crcs[i]) + " read)",
-                              true);
+  // This rank's rows, joined over the ranks of the split; every rank of `comm` agrees.
+  const auto crcs = combineChecksums(localChecksums(tensors, values, rows), crc_comm);
+  detail::agree(comm, [&] {
+    for (std::size_t i = 0; i < tensors.size(); ++i)
+      if (std::int64_t(crcs[i]) != stored[i])
+        throw CorruptCheckpoint("checkpoint `" + path + "` is damaged: /" + group + "/" +
+                                tensors[i].name + " does not match its checksum (crc32 " +
+                                std::to_string(stored[i]) + " stored, " + std::to_string(crcs[i]) +
+                                " read)");
+  });
+}
+
+// The full-layout read: this rank's rows of the split over `comm`, checked, then shared so
+// that every rank holds every tensor whole in `values`.
+template <class T> void readWholeGroup(hid_t file, MPI_Comm comm, const std::string& group,
+                                       const std::vector<model::TensorInfo>& tensors, T* values,
+                                       const std::string& path) {
+  readGroup(file, comm, comm, group, tensors, values,
+            detail::fullRows(tensors, commRank(comm), commSize(comm)), path);
   detail::shareRows(tensors, values, comm);
 }
 
@@ -248,9 +250,6 @@ std::vector<std::string> broadcastList(std::vector<std::string> list, MPI_Comm c
 }  // namespace
 
 namespace {
-template <class T> MPI_Datatype mpiType();
-template <> MPI_Datatype mpiType<float>() { return MPI_FLOAT; }
-template <> MPI_Datatype mpiType<std::uint8_t>() { return MPI_UINT8_T; }
 
 template <class T> void shareRowsOf(const std::vector<model::TensorInfo>& tensors, T* values,
                                     MPI_Comm comm, std::int64_t batch_limit) {
@@ -283,8 +282,9 @@ template <class T> void shareRowsOf(const std::vector<model::TensorInfo>& tensor
       at += std::size_t(count);
     }
     receive.resize(std::size_t(total));
-    PLM_CHECK_MPI(MPI_Allgatherv(send.data(), counts[rank], mpiType<T>(), receive.data(),
-                                 counts.data(), displacements.data(), mpiType<T>(), comm));
+    PLM_CHECK_MPI(MPI_Allgatherv(send.data(), counts[rank], detail::mpiTypeOf<T>(), receive.data(),
+                                 counts.data(), displacements.data(), detail::mpiTypeOf<T>(),
+                                 comm));
     for (int r = 0; r < world; ++r) {
       std::size_t from = std::size_t(displacements[r]);
       for (std::size_t i = begin; i < end; ++i) {
@@ -298,6 +298,44 @@ template <class T> void shareRowsOf(const std::vector<model::TensorInfo>& tensor
   }
 }
 }  // namespace
+
+namespace {
+detail::RowsLayout rowsOf(const std::vector<model::TensorInfo>& tensors, int rank, int world,
+                          bool compact) {
+  detail::RowsLayout r;
+  r.rank = rank;
+  r.world = world;
+  for (const auto& t : tensors) {
+    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+    const std::int64_t row_size = rows ? t.size / rows : 0;
+    auto [first, last] = io::rowRange(rows, rank, world);
+    r.first_row.push_back(first);
+    r.row_count.push_back(last - first);
+    r.row_size.push_back(row_size);
+    r.at.push_back(compact ? r.size : t.offset + first * row_size);
+    r.size += (last - first) * row_size;
+  }
+  return r;
+}
+}  // namespace
+
+detail::RowsLayout detail::fullRows(const std::vector<model::TensorInfo>& tensors, int rank,
+                                    int world) {
+  return rowsOf(tensors, rank, world, false);
+}
+
+detail::RowsLayout detail::compactRows(const std::vector<model::TensorInfo>& tensors, int rank,
+                                       int world) {
+  return rowsOf(tensors, rank, world, true);
+}
+
+std::vector<detail::Segment> detail::rowSegments(const RowsLayout& rows) {
+  std::vector<Segment> out;
+  for (std::size_t i = 0; i < rows.at.size(); ++i)
+    if (rows.row_count[i] > 0)
+      out.push_back({std::int64_t(i), rows.start(i), rows.count(i), rows.at[i]});
+  return out;
+}
 
 void detail::shareRows(const std::vector<model::TensorInfo>& tensors, float* values, MPI_Comm comm,
                        std::int64_t batch_limit) {
@@ -343,23 +381,17 @@ std::vector<Listed> listCheckpoints(const std::string& dir) {
   return out;
 }
 
-detail::Snapshot detail::takeSnapshot(train::Trainer& trainer, SnapshotBuffers* buffers) {
-  Snapshot snap;
+namespace {
+
+// The full-layout path: the whole-model optimizer's buffers (gathered from the shards by
+// Trainer::optimizer() in a sharded run), each rank's rows read where they lie in them.
+void fullLayoutSnapshot(train::Trainer& trainer, detail::SnapshotBuffers* buffers,
+                        detail::Snapshot& snap) {
   auto& optimizer = trainer.optimizer();
-  auto& model = trainer.model();
-  auto& loader = trainer.trainLoader();
-  snap.state = trainer.state();
-  snap.config = model.config();
-  snap.tensors = model.tensors();
+  const int rank = commRank(trainer.comm()), world = commSize(trainer.comm());
   snap.optimizer_step = optimizer.stepCount();
-  snap.optimizer_kind = train::optimizerName(optimizer.kind());
   snap.optimizer_attributes = optimizer.attributes();
-  snap.micro_batches_per_step = loader.options().micro_batches_per_step;
-  snap.dataset_path = loader.options().path;
-  snap.dataset_sequences = loader.numSequences();
-  snap.dataset_residues = loader.numResidues();
-  snap.deck_yaml = deck::toYaml(trainer.deck());
-  snap.scaling = detail::takeScaling(model);
+  snap.master_rows = detail::fullRows(snap.tensors, rank, world);
   const double start = now();
   // With `buffers`: copies into the saver's pinned buffers (reused from save to save); without:
   // the host views of the optimizer's buffers (on the CPU the buffers themselves, no copy).
@@ -382,6 +414,7 @@ detail::Snapshot detail::takeSnapshot(train::Trainer& trainer, SnapshotBuffers* 
     st.name = b.name;
     st.bytes = b.isBytes();
     st.table = b.table;
+    st.rows = detail::fullRows(b.table, rank, world);
     const std::string label = "plm::ckpt::snapshot_" + b.name;
     if (buffers && st.bytes) {
       st.data = pinned(buffers->bytes[b.name], b.u8, label);
@@ -398,6 +431,129 @@ detail::Snapshot detail::takeSnapshot(train::Trainer& trainer, SnapshotBuffers* 
   }
   Kokkos::fence();
   snap.copy_seconds = now() - start;
+}
+
+std::vector<std::int64_t> tensorSizes(const std::vector<model::TensorInfo>& tensors) {
+  std::vector<std::int64_t> sizes;
+  for (const auto& t : tensors) sizes.push_back(t.size);
+  return sizes;
+}
+
+std::vector<detail::Segment> pieceSegments(const std::vector<train::TensorPiece>& pieces) {
+  std::vector<detail::Segment> out;
+  for (const auto& p : pieces) out.push_back({p.tensor, p.start, p.count, p.local});
+  return out;
+}
+
+// The sharded path: no full-layout state.  Each group's rows of this rank come out of its shard
+// group's shards (redistribute over the shard group: every element of this rank's rows has
+// exactly one owner there) into a compact buffer; replicated state is copied from this rank's
+// own whole copy.  Host mirrors of the shards are the shards themselves on the CPU.
+void shardedSnapshot(train::Trainer& trainer, detail::Snapshot& snap) {
+  train::Fsdp<param_t>& fsdp = *trainer.sharding();
+  const train::Optimizer<param_t>& optimizer = fsdp.optimizer();
+  const MPI_Comm shard = fsdp.shardComm();
+  const int rank = commRank(trainer.comm()), world = commSize(trainer.comm());
+  snap.optimizer_step = optimizer.stepCount();
+  snap.optimizer_attributes = optimizer.attributes();
+  const double start = now();
+
+  snap.master_rows = detail::compactRows(snap.tensors, rank, world);
+  snap.host_master = detail::HostBuffer(
+      Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::ckpt::snapshot_master_rows"),
+      snap.master_rows.size);
+  {
+    const auto master =
+        Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), optimizer.master());
+    detail::redistribute(shard, tensorSizes(snap.tensors), pieceSegments(optimizer.layout().pieces),
+                         master.data(), detail::rowSegments(snap.master_rows),
+                         snap.host_master.data());
+  }
+  snap.master = snap.host_master.data();
+
+  for (const auto& b : optimizer.state()) {
+    detail::SnapshotState st;
+    st.name = b.name;
+    st.bytes = b.isBytes();
+    st.table = b.table;
+    st.rows = detail::compactRows(b.table, rank, world);
+    auto fill = [&](const auto& from, auto& rows_buffer) {
+      using V = std::decay_t<decltype(rows_buffer)>;
+      rows_buffer =
+          V(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::ckpt::snapshot_rows_" + b.name),
+            st.rows.size);
+      const auto local = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), from);
+      if (b.layout == train::StateBuffer::Layout::Pieces) {
+        detail::redistribute(shard, tensorSizes(b.table), pieceSegments(b.pieces), local.data(),
+                             detail::rowSegments(st.rows), rows_buffer.data());
+      } else {  // replicated: this rank's whole copy holds its rows
+        const detail::RowsLayout whole = detail::fullRows(b.table, rank, world);
+        for (std::size_t i = 0; i < b.table.size(); ++i)
+          std::memcpy(rows_buffer.data() + st.rows.at[i], local.data() + whole.at[i],
+                      std::size_t(st.rows.count(i)) * sizeof(local(0)));
+      }
+      st.data = rows_buffer.data();
+    };
+    if (st.bytes)
+      fill(b.u8, st.host_u8);
+    else
+      fill(b.f32, st.host_f32);
+    snap.optimizer_state.push_back(std::move(st));
+  }
+  Kokkos::fence();
+  snap.copy_seconds = now() - start;
+}
+
+}  // namespace
+
+const char* detail::statePathName(StatePath path) {
+  return path == StatePath::Shards ? "shards" : "full layout";
+}
+
+detail::StatePath detail::statePath(train::Trainer& trainer) {
+  // Every optimizer kind's state is either elementwise in the shard layout (moved by
+  // redistribute) or replicated per whole tensor (written from each rank's copy), so every
+  // sharded run saves and loads its shards directly.  A kind with state of neither layout would
+  // return FullLayout here.
+  if (trainer.sharding() == nullptr) return StatePath::FullLayout;
+  return StatePath::Shards;
+}
+
+detail::Snapshot detail::takeSnapshot(train::Trainer& trainer, SnapshotBuffers* buffers) {
+  return takeSnapshot(trainer, buffers, statePath(trainer));
+}
+
+detail::Snapshot detail::takeSnapshot(train::Trainer& trainer, SnapshotBuffers* buffers,
+                                      StatePath path) {
+  PLM_REQUIRE(path == StatePath::FullLayout || trainer.sharding() != nullptr,
+              "ckpt::takeSnapshot: the shards path needs a sharded run");
+  Snapshot snap;
+  auto& model = trainer.model();
+  auto& loader = trainer.trainLoader();
+  snap.state = trainer.state();
+  snap.config = model.config();
+  snap.tensors = model.tensors();
+  snap.optimizer_kind = train::optimizerName(trainer.optimizerOptions().kind);
+  snap.micro_batches_per_step = loader.options().micro_batches_per_step;
+  snap.dataset_path = loader.options().path;
+  snap.dataset_sequences = loader.numSequences();
+  snap.dataset_residues = loader.numResidues();
+  snap.deck_yaml = deck::toYaml(trainer.deck());
+  snap.scaling = detail::takeScaling(model);
+  static bool told = false;  // once per process
+  if (!told && trainer.sharding() != nullptr) {
+    told = true;
+    log::info("checkpoint: sharded run: saves and loads take the %s path (%s)", statePathName(path),
+              path == StatePath::Shards
+                  ? "each rank's rows move between the shards and the file by all-to-all-v in its "
+                    "shard group; no full-layout copy of the state"
+                  : "the full-layout state is gathered for each save: 12 bytes per parameter for "
+                    "AdamW on every rank");
+  }
+  if (path == StatePath::Shards)
+    shardedSnapshot(trainer, snap);
+  else
+    fullLayoutSnapshot(trainer, buffers, snap);
   return snap;
 }
 
@@ -437,17 +593,24 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
     std::string name;
     const std::vector<model::TensorInfo>* table;
     const void* data;
+    const detail::RowsLayout* rows;  // where this rank's rows lie in `data`
     bool bytes;
   };
-  std::vector<Group> groups = {{"model", &tensors, snap.master, false}};
+  std::vector<Group> groups = {{"model", &tensors, snap.master, &snap.master_rows, false}};
   for (const auto& st : snap.optimizer_state)
-    groups.push_back({"optimizer/" + st.name, &st.table, st.data, st.bytes});
-  auto crc_pending = std::async(std::launch::async, [&groups, rank, world] {
+    groups.push_back({"optimizer/" + st.name, &st.table, st.data, &st.rows, st.bytes});
+  for (const auto& g : groups)
+    PLM_REQUIRE(g.rows->rank == rank && g.rows->world == world,
+                "ckpt::writeSnapshot: the snapshot was taken for rank " +
+                    std::to_string(g.rows->rank) + " of " + std::to_string(g.rows->world) +
+                    ", the communicator is rank " + std::to_string(rank) + " of " +
+                    std::to_string(world));
+  auto crc_pending = std::async(std::launch::async, [&groups] {
     std::vector<std::vector<std::uint64_t>> out;
     for (const auto& g : groups)
       out.push_back(
-          g.bytes ? localChecksums(*g.table, static_cast<const std::uint8_t*>(g.data), rank, world)
-                  : localChecksums(*g.table, static_cast<const float*>(g.data), rank, world));
+          g.bytes ? localChecksums(*g.table, static_cast<const std::uint8_t*>(g.data), *g.rows)
+                  : localChecksums(*g.table, static_cast<const float*>(g.data), *g.rows));
     return out;
   });
   {
@@ -460,7 +623,7 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
     extra.integers["tokens_seen"] = state.tokens_seen;
     io::writeExtraAttributes(file, extra);
 
-    io::writeTensorGroup(file, comm, "model", tensors, snap.master, independent_transfers);
+    writeRowsGroup(file, "model", tensors, snap.master, snap.master_rows, independent_transfers);
     failPoint(state.step, "model");
     {
       h5::Hid g = h5::createGroup(file, "optimizer");
@@ -476,11 +639,11 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
     for (std::size_t i = 1; i < groups.size(); ++i) {
       const Group& g = groups[i];
       if (g.bytes)
-        writeGroup(file, comm, g.name, *g.table, static_cast<const std::uint8_t*>(g.data),
-                   independent_transfers);
+        writeRowsGroup(file, g.name, *g.table, static_cast<const std::uint8_t*>(g.data), *g.rows,
+                       independent_transfers);
       else
-        io::writeTensorGroup(file, comm, g.name, *g.table, static_cast<const float*>(g.data),
-                             independent_transfers);
+        writeRowsGroup(file, g.name, *g.table, static_cast<const float*>(g.data), *g.rows,
+                       independent_transfers);
       if (i == 1) failPoint(state.step, "optimizer");
     }
     const auto local = crc_pending.get();
@@ -626,6 +789,134 @@ Header readHeader(const std::string& path) {
   return h;
 }
 
+namespace {
+
+// The full-layout load: every rank reads its rows of the split over the trainer's ranks, checks
+// them and all-gathers the rest, into host buffers of the whole-model optimizer's shape
+// (Trainer::optimizer(); a sharded run then takes its slices from it: releaseFullState).
+std::function<void()> readFullLayout(train::Trainer& trainer, hid_t file, const std::string& path) {
+  const MPI_Comm comm = trainer.comm();
+  auto& optimizer = trainer.optimizer();
+  const auto& tensors = trainer.model().tensors();
+  struct Read {
+    std::vector<float> master;
+    std::vector<train::StateBuffer> buffers;
+    std::vector<std::vector<float>> floats;
+    std::vector<std::vector<std::uint8_t>> bytes;
+  };
+  auto read = std::make_shared<Read>();
+  read->master.assign(optimizer.master().extent(0), 0.0f);
+  read->buffers = optimizer.state();
+  read->floats.resize(read->buffers.size());
+  read->bytes.resize(read->buffers.size());
+  readWholeGroup(file, comm, "model", tensors, read->master.data(), path);
+  for (std::size_t i = 0; i < read->buffers.size(); ++i) {
+    const auto& b = read->buffers[i];
+    const std::string group = "optimizer/" + b.name;
+    if (b.isBytes()) {
+      read->bytes[i].assign(b.u8.extent(0), 0);
+      readWholeGroup(file, comm, group, b.table, read->bytes[i].data(), path);
+    } else {
+      read->floats[i].assign(b.f32.extent(0), 0.0f);
+      readWholeGroup(file, comm, group, b.table, read->floats[i].data(), path);
+    }
+  }
+  return [read, &optimizer] {
+    auto put = [](const auto& target, const auto& values) {
+      auto host = Kokkos::create_mirror_view(Kokkos::HostSpace(), target);
+      std::memcpy(host.data(), values.data(), values.size() * sizeof(values[0]));
+      Kokkos::deep_copy(target, host);
+    };
+    put(optimizer.master(), read->master);
+    for (std::size_t i = 0; i < read->buffers.size(); ++i) {
+      if (read->buffers[i].isBytes())
+        put(read->buffers[i].u8, read->bytes[i]);
+      else
+        put(read->buffers[i].f32, read->floats[i]);
+    }
+    if (!optimizer.mastersAlias()) optimizer.syncParameters(ExecSpace());
+    Kokkos::fence();
+  };
+}
+
+// The sharded load: no full-layout state.  Rank s of each shard group (of S) reads rows
+// io::rowRange(rows, s, S) of every tensor into a compact buffer (so each shard group reads
+// the file once) and checks them (CRC pieces joined over the shard group); applying moves them
+// into the shards with the inverse redistribute.  Replicated state is read the same way and
+// all-gathered in the shard group (it is per whole tensor and small).
+std::function<void()> readShards(train::Trainer& trainer, hid_t file, const std::string& path) {
+  const MPI_Comm comm = trainer.comm();
+  train::Fsdp<param_t>& fsdp = *trainer.sharding();
+  train::Optimizer<param_t>& optimizer = fsdp.optimizer();
+  const MPI_Comm shard = fsdp.shardComm();
+  const int s = commRank(shard), shards = commSize(shard);
+  const auto& tensors = trainer.model().tensors();
+  struct Group {
+    train::StateBuffer buffer;  // the shard's buffer (unset for the master)
+    detail::RowsLayout rows;
+    detail::HostBuffer f32;  // compact rows, or the whole replicated buffer
+    Kokkos::View<std::uint8_t*, Kokkos::HostSpace> u8;
+  };
+  auto groups = std::make_shared<std::vector<Group>>();
+  auto readInto = [&](Group& g, const std::string& name,
+                      const std::vector<model::TensorInfo>& table, bool bytes, bool replicated,
+                      std::int64_t whole) {
+    g.rows =
+        replicated ? detail::fullRows(table, s, shards) : detail::compactRows(table, s, shards);
+    const std::int64_t n = replicated ? whole : g.rows.size;
+    const std::string label = "plm::ckpt::load_rows_" + name;
+    if (bytes) {
+      g.u8 = decltype(g.u8)(label, n);
+      readGroup(file, comm, shard, name, table, g.u8.data(), g.rows, path);
+      if (replicated) detail::shareRows(table, g.u8.data(), shard);
+    } else {
+      g.f32 = detail::HostBuffer(label, n);
+      readGroup(file, comm, shard, name, table, g.f32.data(), g.rows, path);
+      if (replicated) detail::shareRows(table, g.f32.data(), shard);
+    }
+  };
+  groups->emplace_back();
+  readInto(groups->back(), "model", tensors, false, false, 0);
+  for (const auto& b : optimizer.state()) {
+    groups->emplace_back();
+    groups->back().buffer = b;
+    readInto(groups->back(), "optimizer/" + b.name, b.table, b.isBytes(),
+             b.layout == train::StateBuffer::Layout::Replicated, b.full_size);
+  }
+  return [groups, &trainer, &fsdp, &optimizer, shard, tensors] {
+    trainer.discardFullState();  // an older full-layout copy must not be taken back
+    // Padding elements of the shards stay 0, as importFull leaves them.
+    auto put = [&](const auto& target, const auto& compact,
+                   const std::vector<model::TensorInfo>& table,
+                   const std::vector<train::TensorPiece>& pieces, const detail::RowsLayout& rows,
+                   bool replicated) {
+      auto host = Kokkos::create_mirror_view(Kokkos::HostSpace(), target);
+      if (replicated) {
+        std::memcpy(host.data(), compact.data(), host.extent(0) * sizeof(host(0)));
+      } else {
+        Kokkos::deep_copy(host, 0);
+        detail::redistribute(shard, tensorSizes(table), detail::rowSegments(rows), compact.data(),
+                             pieceSegments(pieces), host.data());
+      }
+      Kokkos::deep_copy(target, host);
+    };
+    const Group& m = groups->front();
+    put(optimizer.master(), m.f32, tensors, optimizer.layout().pieces, m.rows, false);
+    for (std::size_t i = 1; i < groups->size(); ++i) {
+      const Group& g = (*groups)[i];
+      const bool replicated = g.buffer.layout == train::StateBuffer::Layout::Replicated;
+      if (g.buffer.isBytes())
+        put(g.buffer.u8, g.u8, g.buffer.table, g.buffer.pieces, g.rows, replicated);
+      else
+        put(g.buffer.f32, g.f32, g.buffer.table, g.buffer.pieces, g.rows, replicated);
+    }
+    fsdp.restoredShards(ExecSpace());  // derived copies recast, gathered units stale
+    Kokkos::fence();
+  };
+}
+
+}  // namespace
+
 Header load(train::Trainer& trainer, const std::string& path) {
   const MPI_Comm comm = trainer.comm();
   Header header;
@@ -644,13 +935,6 @@ Header load(train::Trainer& trainer, const std::string& path) {
     throw collectiveError(message);
   }
 
-  auto& optimizer = trainer.optimizer();
-  const auto& tensors = trainer.model().tensors();
-  const std::size_t n = optimizer.master().extent(0);
-  std::vector<float> master(n);
-  const auto buffers = optimizer.state();
-  std::vector<std::vector<float>> floats(buffers.size());
-  std::vector<std::vector<std::uint8_t>> bytes(buffers.size());
   h5::Hid file;
   detail::agree(comm, [&] {
     try {
@@ -659,18 +943,11 @@ Header load(train::Trainer& trainer, const std::string& path) {
       throw CorruptCheckpoint("checkpoint `" + path + "` cannot be opened: " + e.what());
     }
   });
-  readGroup(file, comm, "model", tensors, master.data(), path);
-  for (std::size_t i = 0; i < buffers.size(); ++i) {
-    const auto& b = buffers[i];
-    const std::string group = "optimizer/" + b.name;
-    if (b.isBytes()) {
-      bytes[i].assign(b.u8.extent(0), 0);
-      readGroup(file, comm, group, b.table, bytes[i].data(), path);
-    } else {
-      floats[i].assign(b.f32.extent(0), 0.0f);
-      readGroup(file, comm, group, b.table, floats[i].data(), path);
-    }
-  }
+  // Reads and checks every tensor group; what it returns puts them into the trainer.
+  const detail::StatePath state_path = detail::statePath(trainer);
+  const std::function<void()> apply = state_path == detail::StatePath::Shards
+                                          ? readShards(trainer, file, path)
+                                          : readFullLayout(trainer, file, path);
   detail::ScalingState scaling;
   detail::agree(comm, [&] { scaling = detail::readScaling(file, path); });
   file.reset();
@@ -679,22 +956,10 @@ Header load(train::Trainer& trainer, const std::string& path) {
                           ") does not fit this run: " + why);
 
   // Everything checked: only now does the trainer change.
-  auto put = [](const auto& target, const auto& values) {
-    auto host = Kokkos::create_mirror_view(Kokkos::HostSpace(), target);
-    std::memcpy(host.data(), values.data(), values.size() * sizeof(values[0]));
-    Kokkos::deep_copy(target, host);
-  };
-  put(optimizer.master(), master);
-  for (std::size_t i = 0; i < buffers.size(); ++i) {
-    if (buffers[i].isBytes())
-      put(buffers[i].u8, bytes[i]);
-    else
-      put(buffers[i].f32, floats[i]);
-  }
-  if (!optimizer.mastersAlias()) optimizer.syncParameters(ExecSpace());
-  Kokkos::fence();
+  apply();
   trainer.restore(header.state);
-  optimizer.setStepCount(header.optimizer_step);
+  (state_path == detail::StatePath::Shards ? trainer.sharding()->optimizer() : trainer.optimizer())
+      .setStepCount(header.optimizer_step);
   detail::restoreScaling(scaling, trainer.model());
 
   for (const auto& c : changes.harmless)

@@ -35,10 +35,14 @@
 //    (crc32_combine joins them, so neither the checksum nor the file depends on the rank
 //    count), on a helper thread while HDF5 writes, so it adds no time when the write is the
 //    slower of the two.
+//  - Sharded runs (parallel.shard_degree > 1) build no full-layout state: each rank's rows move
+//    between the shards and the file by an all-to-all-v inside its shard group
+//    (detail/snapshot.hpp, detail/redistribute.hpp); the file is the same.
 //  - Loading reads each rank's rows once, verifies their CRCs, all-gathers them into host
-//    buffers, and only then touches the trainer: a corrupt checkpoint leaves the trainer as it
-//    was, and `resume: auto` falls back to the previous one.  Every check ends the same way on
-//    every rank (one agreed, collective error), so no rank is left waiting in a collective.
+//    buffers (sharded: moves them into the shards instead), and only then touches the trainer: a
+//    corrupt checkpoint leaves the trainer as it was, and `resume: auto` falls back to the previous
+//    one.  Every check ends the same way on every rank (one agreed, collective error), so no rank
+//    is left waiting in a collective.
 //  - What may differ between the checkpoint and the resuming run is decided key by key
 //    (compareDecks): the model shape and the meaning of the data stream must match; run length,
 //    logging, evaluation, checkpoint cadence, optimizer and schedule settings may change and are

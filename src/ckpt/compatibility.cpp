@@ -132,7 +132,7 @@ std::vector<std::string> incompatibilities(const Header& header, train::Trainer&
                       " sequences, " + std::to_string(loader.numResidues()) +
                       " residues, so the saved data cursor would point elsewhere");
 
-  const std::string mine_kind = train::optimizerName(trainer.optimizer().kind());
+  const std::string mine_kind = train::optimizerName(trainer.optimizerOptions().kind);
   if (header.optimizer_kind != mine_kind)
     reasons.push_back("optimizer.name: the checkpoint holds " + header.optimizer_kind +
                       " state, this run asks for " + mine_kind +

@@ -738,6 +738,15 @@ template <class P> void Fsdp<P>::importFull(const ExecSpace& space, const Optimi
   reshardAll(space);
 }
 
+template <class P> void Fsdp<P>::restoredShards(const ExecSpace& space) {
+  Impl& m = *impl_member;
+  m.space = space;
+  Optimizer<P>& opt = *m.optimizer;
+  // Every copy importFull refreshes after its slices are taken must be refreshed here too.
+  if (!opt.mastersAlias()) opt.syncParameters(space);
+  reshardAll(space);
+}
+
 template <class P> View1<P> Fsdp<P>::shardParameters() const { return impl_member->params_shard; }
 template <class P> View1<P> Fsdp<P>::shardGradients() const { return impl_member->grads_shard; }
 template <class P> Optimizer<P>& Fsdp<P>::optimizer() { return *impl_member->optimizer; }
@@ -746,6 +755,7 @@ template <class P> const std::vector<ShardUnit>& Fsdp<P>::units() const {
 }
 template <class P> int Fsdp<P>::shardSize() const { return impl_member->shard_comm->size(); }
 template <class P> int Fsdp<P>::shardRank() const { return impl_member->shard_comm->rank(); }
+template <class P> MPI_Comm Fsdp<P>::shardComm() const { return impl_member->shard_mpi; }
 template <class P> model::LayerHooks& Fsdp<P>::hooks() { return *impl_member; }
 
 template <class P> FsdpMemory Fsdp<P>::plannedMemory() const {

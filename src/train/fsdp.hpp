@@ -160,6 +160,11 @@ template <class P> class Fsdp {
   /// \brief Takes this rank's shards from `full` (after a checkpoint restore into it), with its
   /// step count; the inverse of exportFull.  No communication.
   void importFull(const ExecSpace& space, const Optimizer<P>& full);
+  /// \brief After the shards' masters and state were written directly (a sharded checkpoint
+  /// restore, ckpt/detail/snapshot.hpp): recasts every copy derived from the masters (the
+  /// compute shard when it does not alias them) and reshards every unit, so the next use
+  /// gathers the restored values.  What importFull does after taking its slices.
+  void restoredShards(const ExecSpace& space);
 
   /// \brief This rank's parameter shard (master type; padding elements are 0).
   View1<P> shardParameters() const;
@@ -168,6 +173,9 @@ template <class P> class Fsdp {
   const std::vector<ShardUnit>& units() const;
   int shardSize() const;
   int shardRank() const;
+  /// \brief The shard group (this engine's duplicate; for host-side collectives on the
+  /// shards, e.g. checkpoints).
+  MPI_Comm shardComm() const;
   FsdpMemory plannedMemory() const;
 
   /// \brief The hooks the step installs (exposed so tests can wrap them).

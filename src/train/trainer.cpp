@@ -279,10 +279,16 @@ void Trainer::releaseFullState() {
   optimizer_member.reset();
 }
 
+void Trainer::discardFullState() {
+  if (fsdp_member) optimizer_member.reset();
+}
+
 void Trainer::restore(const TrainState& state) {
   state_member = state;
   train_loader_member->seek(state.cursor);
-  optimizer().setStepCount(state.step);
+  // Sharded, with the shards restored directly: no full-layout state to allocate.
+  (fsdp_member && !optimizer_member ? fsdp_member->optimizer() : optimizer())
+      .setStepCount(state.step);
 }
 
 BatchStats Trainer::validate() {
@@ -447,10 +453,9 @@ Trainer::RunEnd Trainer::run() {
 
 void Trainer::fullStateForSave(const ExecSpace& space, const std::function<void()>& save) {
   (void)space;
-  if (fsdp_member) {  // checkpoints read the full-layout state, gathered for the save only
-    optimizer_member.reset();
-    optimizer();
-  }
+  // Sharded: a checkpoint that reads the full-layout state gathers it on demand (optimizer());
+  // one that writes the shards directly never allocates it.  Either way it lasts one save.
+  if (fsdp_member) optimizer_member.reset();
   save();
   if (fsdp_member) optimizer_member.reset();
 }

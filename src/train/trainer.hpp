@@ -105,12 +105,18 @@ class Trainer {
   void restore(const TrainState& state);
 
   model::Esm2<param_t>& model() { return *model_member; }
-  /// \brief The full-layout optimizer state checkpoints read and restore into.  Sharded runs
-  /// (parallel.shard_degree > 1) hold it only around a save or a restore: it is allocated
-  /// here on demand and gathered from the shards (then collective: every rank must call it),
-  /// and released once the shards have taken it back or at the next step.
+  /// \brief The full-layout optimizer state (unsharded runs: the optimizer itself).  Sharded
+  /// runs (parallel.shard_degree > 1) allocate it here only on demand, gathered from the shards
+  /// (then collective: every rank must call it), and release it once the shards have taken it
+  /// back or at the next save; their checkpoints never call it (sharding()).
   Optimizer<param_t>& optimizer();
   const OptimizerOptions& optimizerOptions() const { return optimizer_options_member; }
+  /// \brief Sharded runs: the sharding engine, whose shards checkpoints write and restore
+  /// directly, without optimizer()'s full-layout copy (ckpt/detail/snapshot.hpp); else nullptr.
+  Fsdp<param_t>* sharding() { return fsdp_member.get(); }
+  /// \brief Sharded runs: drops the full-layout state, if any, once the shards were restored
+  /// directly (it would otherwise be taken back into them).  No-op unsharded.
+  void discardFullState();
   /// \brief The high-water mark of Kokkos allocations during this run's first step on this
   /// rank (train::AllocationTracker; -1 if not measured).
   std::int64_t firstStepPeak() const { return first_step_peak_member; }
@@ -150,8 +156,7 @@ class Trainer {
   OptimizerOptions optimizer_options_member;  // optimizer.name and its hyper-parameters
   std::unique_ptr<Optimizer<param_t>> optimizer_member;
   // parallel.shard_degree > 1: the sharding engine; optimizer_member then holds the
-  // full-layout state only around checkpoints (exported before a save, imported after a
-  // restore) and is null in between.
+  // full-layout state only when optimizer() was asked for it, and is null otherwise.
   std::unique_ptr<dist::ProcessGroups> groups_member;
   std::unique_ptr<Fsdp<param_t>> fsdp_member;
   std::int64_t first_step_peak_member = -1;
