@@ -744,6 +744,7 @@ template <class P> void Fsdp<P>::restoredShards(const ExecSpace& space) {
   Optimizer<P>& opt = *m.optimizer;
   // Every copy importFull refreshes after its slices are taken must be refreshed here too.
   if (!opt.mastersAlias()) opt.syncParameters(space);
+  m.castShardToBf16();  // gather_bf16: the bf16 copy of the restored shard
   reshardAll(space);
 }
 
