@@ -94,6 +94,34 @@ TEST(FsdpResume, ShardedCheckpointResumesOnAnyLayout) {
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 
+// parallel.gather_dtype: bf16 at shard = ranks: the all-gathers move the shards' bf16 copies,
+// so a resume must recast them from the restored masters.  3 + 3 steps equal 6 uninterrupted
+// (a stale bf16 copy after the restore would train the next steps on other weights).
+TEST(FsdpResume, Bf16GathersResumeExactly) {
+  if (plm::test::noCollectivesForDeviceMemory(MPI_COMM_WORLD))
+    GTEST_SKIP() << "device memory over plain MPI (PLM_COMM_BACKEND=mpi)";
+  const int world = plm::dist::worldSize();
+  if (world < 2) GTEST_SKIP() << "sharding needs two ranks";
+  const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fsdp_bf16");
+  plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
+  const std::vector<std::string> common = {"parallel.shard_degree=" + std::to_string(world),
+                                           "parallel.gather_dtype=bf16"};
+  auto with = [&](std::vector<std::string> extra) {
+    extra.insert(extra.end(), common.begin(), common.end());
+    return extra;
+  };
+  const auto reference = train(
+      tinyDeck(dir, "reference", with({"checkpoint.every=0", "train.steps=6"})), MPI_COMM_WORLD);
+  auto got = train(tinyDeck(dir, "resumed", with({"train.steps=3"})), MPI_COMM_WORLD);
+  const auto more = train(tinyDeck(dir, "resumed", with({"train.steps=6"})), MPI_COMM_WORLD);
+  got.insert(got.end(), more.begin(), more.end());
+  ASSERT_EQ(got.size(), reference.size());
+  for (std::size_t i = 0; i < got.size(); ++i)
+    EXPECT_LE(std::abs(got[i].loss - reference[i].loss), 1e-6 * std::abs(reference[i].loss))
+        << "step " << got[i].step << ": " << got[i].loss << " vs " << reference[i].loss;
+  plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
+}
+
 // A non-finite gradient under sharding (PLM_TEST_NONFINITE: NaN in every rank's gradient
 // shard at step 5) is not applied; `skip` drops the step, `rollback` reloads the checkpoint of
 // step 4 into the shards, replays and skips step 5's batch: both end with the same losses and
