@@ -220,6 +220,12 @@ if has fsdp_bf16 && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   #  - esm2_8m bf16 on the real proteins, 40 steps: shard 2 (bf16 gathers) against 1 rank;
   #  - a slice of esm2_15b's width (2 layers, hidden 5120, 40 heads, ffn 20480) in bf16 at
   #    shard 2: the 5120-wide LayerNorm kernels in training, memory per rank.
+  if [[ -x "$pkg/bin/test_dist_staged_communicator" ]]; then
+    timeout 120 mpiexec -n 2 --oversubscribe "$pkg/bin/test_dist_staged_communicator" \
+      > "$out/staged_np2.log" 2>&1
+    note "test_dist_staged_communicator np2 rc=$?"
+    grep -E "PASSED|FAILED|Failure|backend" "$out/staged_np2.log" | head -5 | tee -a "$summary"
+  fi
   t=$pkg/bin/test_train_fsdp
   if [[ -x "$t" ]]; then
     for np in 1 2; do
