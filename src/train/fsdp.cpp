@@ -220,7 +220,10 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     bf16 = m.config().precision == model::Precision::Bf16;
     PLM_CHECK_MPI(MPI_Comm_dup(shard, &shard_mpi));
     shard_comm = dist::makeCommunicator(shard, backend);
-    replicate_comm = dist::makeCommunicator(replicate, backend);
+    // The replicas of a shard may share a GPU where the shard's ranks do not (NCCL refuses
+    // that): device-memory backends are chosen per group, host memory stays on MPI.
+    replicate_comm = dist::makeCommunicator(
+        replicate, backend == dist::Backend::Mpi ? backend : dist::defaultBackend(replicate));
     if (!shard_comm->deviceMemory() &&
         !Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemSpace>::accessible)
       throw Error(

@@ -125,8 +125,14 @@ TrainRun sharded(const Esm2Config& config, int shard, const plm::train::FsdpOpti
 // differs in its last fp32 bits can round to a neighbouring bf16 value (relative step 2^-8) in
 // the compute copy, so the bound is the bf16 one; a stale or mis-placed compute copy is off by
 // far more (the loss of an untrained layer, or NaN from the poison buffers).
+//
+// Parameters after 20 steps get their own bound under bf16: where a gradient element is tiny,
+// AdamW's update is about +-lr whatever its size, so a bf16 rounding that flips its sign moves
+// that parameter by up to 2 lr (3e-3 at the peak here) per step; measured on the H100 at 2
+// ranks: 0.7% of the largest parameter (the loss to 7e-5).
 void expectSame(const TrainRun& ref, const TrainRun& got, const std::string& what,
-                double tol = 1e-5) {
+                double tol = 1e-5, double param_tol = -1) {
+  if (param_tol < 0) param_tol = tol;
   ASSERT_EQ(ref.losses.size(), got.losses.size());
   double worst = 0;
   for (std::size_t s = 0; s < ref.losses.size(); ++s) {
@@ -142,7 +148,7 @@ void expectSame(const TrainRun& ref, const TrainRun& got, const std::string& wha
     max_abs = std::max(max_abs, std::abs(ref.params[i]));
     max_diff = std::max(max_diff, std::abs(ref.params[i] - got.params[i]));
   }
-  EXPECT_LE(max_diff, tol * max_abs) << what << ": parameters after the run differ";
+  EXPECT_LE(max_diff, param_tol * max_abs) << what << ": parameters after the run differ";
   if (plm::dist::worldRank() == 0)
     std::printf("%s on %d ranks: worst relative loss difference %.3g, parameters %.3g\n",
                 what.c_str(), plm::dist::worldSize(), worst, max_diff / max_abs);
@@ -285,24 +291,25 @@ TEST(Fsdp, Bf16ComputeCopyBesideGatheredUnitsMatchesOneRank) {
     expectSame(
         ref, sharded(bf16Config(), shard, o),
         "bf16 shard " + std::to_string(shard) + " x replicate " + std::to_string(world / shard),
-        2e-3);
+        2e-3, 3e-2);
   }
   plm::train::FsdpOptions keep;
   keep.reshard_after_forward = false;
-  expectSame(ref, sharded(bf16Config(), world, keep), "bf16 reshard_after_forward false", 2e-3);
+  expectSame(ref, sharded(bf16Config(), world, keep), "bf16 reshard_after_forward false", 2e-3,
+             3e-2);
   plm::train::FsdpOptions gathers;  // parallel.gather_dtype auto under bf16: bf16 all-gathers
   gathers.poison = true;
   gathers.gather_bf16 = true;
   const TrainRun one = sharded(bf16Config(), 1, gathers);
-  expectSame(ref, one, "bf16 compute, bf16 gathers, shard 1", 2e-2);
+  expectSame(ref, one, "bf16 compute, bf16 gathers, shard 1", 2e-3, 3e-2);
   for (int shard = 2; shard <= world; shard *= 2)
     expectSame(one, sharded(bf16Config(), shard, gathers),
-               "bf16 compute, bf16 gathers, shard " + std::to_string(shard), 2e-3);
+               "bf16 compute, bf16 gathers, shard " + std::to_string(shard), 2e-3, 3e-2);
   Esm2Config rc = bf16Config();
   rc.recompute = plm::model::Recompute::Selective;
   plm::train::FsdpOptions poison;
   poison.poison = true;
-  expectSame(reference(rc), sharded(rc, world, poison), "bf16 recompute selective", 2e-3);
+  expectSame(reference(rc), sharded(rc, world, poison), "bf16 recompute selective", 2e-3, 3e-2);
 }
 
 TEST(Fsdp, Bf16PoisonCatchesAReadBeforeTheAllGather) {
