@@ -260,6 +260,28 @@ void planMemory(const Input& in, Plan& p) {
   const double batch =
       20.0 * static_cast<double>(t) + 2.0 * 4 * c.max_positions * (c.headDim() / 2);
   p.memory.push_back({"batch and rotary tables", batch, "20 t + 2 x 4 P d/2"});
+  if (in.compute == Compute::Fp8) {
+    // The FP8 layers' weight copies (src/model/esm2.cpp): on the GPU the E4M3 codes of each GEMM
+    // weight and of its transpose; on the CPU emulation one quantised master-typed copy.  With
+    // fp8.wgrad: fp8 the GPU forward keeps each GEMM input's X^T codes for the weight gradient
+    // (src/model/ops.cpp), one byte per element of the four inputs (t x h three times, t x f).
+    std::int64_t fl = 0;
+    for (int layer = 0; layer < c.num_layers; ++layer)
+      fl += c.fp8.fp8Layer(layer, c.num_layers) ? 1 : 0;
+    const std::int64_t h = c.hidden, f = c.ffn;
+    const std::int64_t weights = 4 * h * h + 2 * h * f;
+    if (in.rates.kind == "cpu") {
+      p.memory.push_back({"FP8 quantised weight copy (CPU emulation)",
+                          4.0 * static_cast<double>(fl * weights), "4 L_fp8 (4 h^2 + 2 h f)"});
+    } else {
+      p.memory.push_back({"FP8 weight codes (E4M3 and transposed)",
+                          2.0 * static_cast<double>(fl * weights), "2 L_fp8 (4 h^2 + 2 h f)"});
+      if (c.fp8.wgrad == model::Fp8Wgrad::Fp8)
+        p.memory.push_back({"activations: FP8 X^T codes kept for the weight gradients",
+                            static_cast<double>(fl * round16(t) * (3 * h + f)),
+                            "L_fp8 pad16(t) (3 h + f)"});
+    }
+  }
   double comm = 0;
   std::string comm_formula = "none (one data-parallel rank, no sharding or context split)";
   if (l.dataParallel() > 1 || l.shard > 1 || l.context > 1) {
@@ -478,8 +500,9 @@ Plan makePlan(const Input& in) {
   planAdvice(in, p);
   if (in.compute == Compute::Fp8)
     p.notes.push_back(
-        "fp8 is planned as bf16 storage with the table's fp8 GEMM rate (plm's FP8 path keeps a "
-        "bf16 compute copy and per-step E4M3 weight codes; doc/fp8.md)");
+        "fp8 is planned as bf16 storage plus the FP8 weight codes and kept X^T codes, with the "
+        "table's fp8 GEMM rate for the GEMMs (the FP8 casts are not timed separately; "
+        "doc/fp8.md)");
   // What plm itself refuses today (src/model/esm2.cpp): planned anyway, said plainly.
   if (in.compute != Compute::Fp32 && in.rates.kind == "cpu")
     p.notes.push_back("bf16 runs on the CUDA build only; the CPU build trains in fp32");
