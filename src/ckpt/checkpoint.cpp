@@ -383,6 +383,17 @@ std::vector<Listed> listCheckpoints(const std::string& dir) {
 
 namespace {
 
+// One optimizer state buffer's entry of a snapshot, before its data: name, kind, tensor table and
+// the rows this rank writes (in the full layout or compacted).
+detail::SnapshotState stateHeader(const train::StateBuffer& b, detail::RowsLayout rows) {
+  detail::SnapshotState st;
+  st.name = b.name;
+  st.bytes = b.isBytes();
+  st.table = b.table;
+  st.rows = std::move(rows);
+  return st;
+}
+
 // The full-layout path: the whole-model optimizer's buffers (gathered from the shards by
 // Trainer::optimizer() in a sharded run), each rank's rows read where they lie in them.
 void fullLayoutSnapshot(train::Trainer& trainer, detail::SnapshotBuffers* buffers,
@@ -410,11 +421,7 @@ void fullLayoutSnapshot(train::Trainer& trainer, detail::SnapshotBuffers* buffer
     snap.master = snap.host_master.data();
   }
   for (const auto& b : optimizer.state()) {
-    detail::SnapshotState st;
-    st.name = b.name;
-    st.bytes = b.isBytes();
-    st.table = b.table;
-    st.rows = detail::fullRows(b.table, rank, world);
+    detail::SnapshotState st = stateHeader(b, detail::fullRows(b.table, rank, world));
     const std::string label = "plm::ckpt::snapshot_" + b.name;
     if (buffers && st.bytes) {
       st.data = pinned(buffers->bytes[b.name], b.u8, label);
@@ -472,11 +479,7 @@ void shardedSnapshot(train::Trainer& trainer, detail::Snapshot& snap) {
   snap.master = snap.host_master.data();
 
   for (const auto& b : optimizer.state()) {
-    detail::SnapshotState st;
-    st.name = b.name;
-    st.bytes = b.isBytes();
-    st.table = b.table;
-    st.rows = detail::compactRows(b.table, rank, world);
+    detail::SnapshotState st = stateHeader(b, detail::compactRows(b.table, rank, world));
     auto fill = [&](const auto& from, auto& rows_buffer) {
       using V = std::decay_t<decltype(rows_buffer)>;
       rows_buffer =
