@@ -17,37 +17,10 @@
 
 namespace {
 
+using plm::test::onFirstRanks;
 using plm::test::tinyDeck;
-
-struct Record {
-  std::int64_t step = 0, tokens = 0, masked = 0;
-  double loss = 0;
-};
-
-void onFirstRanks(int n, const std::function<void(MPI_Comm)>& body) {
-  MPI_Comm sub = MPI_COMM_NULL;
-  const int rank = plm::dist::worldRank();
-  MPI_Comm_split(MPI_COMM_WORLD, rank < n ? 0 : MPI_UNDEFINED, rank, &sub);
-  if (sub != MPI_COMM_NULL) {
-    body(sub);
-    MPI_Comm_free(&sub);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-}
-
-std::vector<Record> train(Teuchos::RCP<Teuchos::ParameterList> deck, MPI_Comm comm,
-                          plm::data::Cursor* final_cursor = nullptr) {
-  std::vector<Record> records;
-  plm::train::Trainer t(deck, comm);
-  plm::train::Trainer::Hooks extra;
-  extra.on_step = [&](plm::train::Trainer& tr, const plm::train::StepStats& s) {
-    records.push_back({tr.state().step, s.tokens, s.masked, s.loss()});
-  };
-  plm::ckpt::installHooks(t, extra);
-  t.run();
-  if (final_cursor) *final_cursor = t.state().cursor;
-  return records;
-}
+using plm::test::trainRecords;
+using Record = plm::test::StepRecord;
 
 struct Layout {
   int ranks, shard;
@@ -64,8 +37,8 @@ TEST(FsdpResume, ShardedCheckpointResumesOnAnyLayout) {
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fsdp");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   plm::data::Cursor reference_cursor;
-  const auto reference =
-      train(tinyDeck(dir, "reference", {"checkpoint.every=0"}), MPI_COMM_WORLD, &reference_cursor);
+  const auto reference = trainRecords(tinyDeck(dir, "reference", {"checkpoint.every=0"}),
+                                      MPI_COMM_WORLD, &reference_cursor);
   ASSERT_EQ(reference.size(), 6u);
 
   for (auto [a, b] : {std::pair{Layout{4, 4}, Layout{2, 2}}, std::pair{Layout{4, 4}, Layout{1, 1}},
@@ -74,10 +47,10 @@ TEST(FsdpResume, ShardedCheckpointResumesOnAnyLayout) {
     std::vector<Record> got;
     plm::data::Cursor cursor;
     onFirstRanks(a.ranks,
-                 [&](MPI_Comm comm) { got = train(tinyDeck(dir, run, a.deck("3")), comm); });
+                 [&](MPI_Comm comm) { got = trainRecords(tinyDeck(dir, run, a.deck("3")), comm); });
     ASSERT_EQ(plm::ckpt::listCheckpoints(dir + "/" + run + "/ckpt").size(), 1u) << run;
     onFirstRanks(b.ranks, [&](MPI_Comm comm) {
-      auto more = train(tinyDeck(dir, run, b.deck("6")), comm, &cursor);
+      auto more = trainRecords(tinyDeck(dir, run, b.deck("6")), comm, &cursor);
       got.insert(got.end(), more.begin(), more.end());
     });
     if (plm::dist::worldRank() != 0) continue;  // rank 0 took part in every run
@@ -110,10 +83,10 @@ TEST(FsdpResume, Bf16GathersResumeExactly) {
     extra.insert(extra.end(), common.begin(), common.end());
     return extra;
   };
-  const auto reference = train(
+  const auto reference = trainRecords(
       tinyDeck(dir, "reference", with({"checkpoint.every=0", "train.steps=6"})), MPI_COMM_WORLD);
-  auto got = train(tinyDeck(dir, "resumed", with({"train.steps=3"})), MPI_COMM_WORLD);
-  const auto more = train(tinyDeck(dir, "resumed", with({"train.steps=6"})), MPI_COMM_WORLD);
+  auto got = trainRecords(tinyDeck(dir, "resumed", with({"train.steps=3"})), MPI_COMM_WORLD);
+  const auto more = trainRecords(tinyDeck(dir, "resumed", with({"train.steps=6"})), MPI_COMM_WORLD);
   got.insert(got.end(), more.begin(), more.end());
   ASSERT_EQ(got.size(), reference.size());
   for (std::size_t i = 0; i < got.size(); ++i)

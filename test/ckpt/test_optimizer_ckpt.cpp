@@ -20,7 +20,9 @@
 
 namespace {
 
+using plm::test::onFirstRanks;
 using plm::test::tinyDeck;
+using plm::test::trainLosses;
 namespace h5 = plm::io::h5;
 
 template <class T> std::vector<T> host(const plm::View1<T>& v) {
@@ -99,30 +101,6 @@ TEST(OptimizerCheckpoint, EveryKindRoundTripsAndOthersAreRefused) {
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 
-// Runs `body` on a communicator of world ranks 0..n-1; the others wait.
-void onFirstRanks(int n, const std::function<void(MPI_Comm)>& body) {
-  MPI_Comm sub = MPI_COMM_NULL;
-  const int rank = plm::dist::worldRank();
-  MPI_Comm_split(MPI_COMM_WORLD, rank < n ? 0 : MPI_UNDEFINED, rank, &sub);
-  if (sub != MPI_COMM_NULL) {
-    body(sub);
-    MPI_Comm_free(&sub);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-}
-
-std::vector<double> train(Teuchos::RCP<Teuchos::ParameterList> deck, MPI_Comm comm) {
-  std::vector<double> losses;
-  plm::train::Trainer t(deck, comm);
-  plm::train::Trainer::Hooks extra;
-  extra.on_step = [&](plm::train::Trainer&, const plm::train::StepStats& s) {
-    losses.push_back(s.loss());
-  };
-  plm::ckpt::installHooks(t, extra);
-  t.run();
-  return losses;
-}
-
 TEST(OptimizerCheckpoint, ShardedStateResumesOnOtherRankCounts) {
   if (plm::dist::worldSize() != 4) GTEST_SKIP() << "runs at 4 ranks";
   if (!Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible &&
@@ -139,19 +117,19 @@ TEST(OptimizerCheckpoint, ShardedStateResumesOnOtherRankCounts) {
       return more;
     };
     const auto reference =
-        train(tinyDeck(dir, kind + "_ref", with({"checkpoint.every=0"})), MPI_COMM_WORLD);
+        trainLosses(tinyDeck(dir, kind + "_ref", with({"checkpoint.every=0"})), MPI_COMM_WORLD);
     ASSERT_EQ(reference.size(), 6u);
     for (auto [n, m] : {std::pair{2, 4}, std::pair{4, 1}}) {
       const std::string run = kind + "_n" + std::to_string(n) + "m" + std::to_string(m);
       onFirstRanks(n, [&](MPI_Comm comm) {
-        train(tinyDeck(dir, run,
-                       with({"train.steps=3", "parallel.shard_degree=" + std::to_string(n)})),
-              comm);
+        trainLosses(tinyDeck(dir, run,
+                             with({"train.steps=3", "parallel.shard_degree=" + std::to_string(n)})),
+                    comm);
       });
       std::vector<double> resumed;
       onFirstRanks(m, [&](MPI_Comm comm) {
-        resumed =
-            train(tinyDeck(dir, run, with({"parallel.shard_degree=" + std::to_string(m)})), comm);
+        resumed = trainLosses(
+            tinyDeck(dir, run, with({"parallel.shard_degree=" + std::to_string(m)})), comm);
       });
       if (plm::dist::worldRank() >= m) continue;
       ASSERT_EQ(resumed.size(), 3u) << run;

@@ -14,58 +14,30 @@
 
 namespace {
 
+using plm::test::onFirstRanks;
 using plm::test::tinyDeck;
-
-struct Record {
-  std::int64_t step = 0, tokens = 0, masked = 0;
-  double loss = 0;
-};
-
-// Runs `body` on a communicator of world ranks 0..n-1; the others wait.
-void onFirstRanks(int n, const std::function<void(MPI_Comm)>& body) {
-  MPI_Comm sub = MPI_COMM_NULL;
-  const int rank = plm::dist::worldRank();
-  MPI_Comm_split(MPI_COMM_WORLD, rank < n ? 0 : MPI_UNDEFINED, rank, &sub);
-  if (sub != MPI_COMM_NULL) {
-    body(sub);
-    MPI_Comm_free(&sub);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
-}
-
-std::vector<Record> train(Teuchos::RCP<Teuchos::ParameterList> deck, MPI_Comm comm,
-                          plm::data::Cursor* final_cursor = nullptr) {
-  std::vector<Record> records;
-  plm::train::Trainer t(deck, comm);
-  plm::train::Trainer::Hooks extra;
-  extra.on_step = [&](plm::train::Trainer& tr, const plm::train::StepStats& s) {
-    records.push_back({tr.state().step, s.tokens, s.masked, s.loss()});
-  };
-  plm::ckpt::installHooks(t, extra);
-  t.run();
-  if (final_cursor) *final_cursor = t.state().cursor;
-  return records;
-}
+using plm::test::trainRecords;
+using Record = plm::test::StepRecord;
 
 TEST(RankChange, ResumesOnAnyRankCount) {
   ASSERT_EQ(plm::dist::worldSize(), 4) << "this test runs at 4 ranks";
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "ranks");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   plm::data::Cursor reference_cursor;
-  const auto reference =
-      train(tinyDeck(dir, "reference", {"checkpoint.every=0"}), MPI_COMM_WORLD, &reference_cursor);
+  const auto reference = trainRecords(tinyDeck(dir, "reference", {"checkpoint.every=0"}),
+                                      MPI_COMM_WORLD, &reference_cursor);
   ASSERT_EQ(reference.size(), 6u);
 
   for (auto [n, m] : {std::pair{2, 1}, std::pair{1, 4}, std::pair{4, 2}}) {
     const std::string run = "n" + std::to_string(n) + "m" + std::to_string(m);
     std::vector<Record> got;
     plm::data::Cursor cursor;
-    onFirstRanks(n,
-                 [&](MPI_Comm comm) { got = train(tinyDeck(dir, run, {"train.steps=3"}), comm); });
+    onFirstRanks(
+        n, [&](MPI_Comm comm) { got = trainRecords(tinyDeck(dir, run, {"train.steps=3"}), comm); });
     const auto listed = plm::ckpt::listCheckpoints(dir + "/" + run + "/ckpt");
     ASSERT_EQ(listed.size(), 1u) << run;
     onFirstRanks(m, [&](MPI_Comm comm) {
-      auto more = train(tinyDeck(dir, run, {"train.steps=6"}), comm, &cursor);
+      auto more = trainRecords(tinyDeck(dir, run, {"train.steps=6"}), comm, &cursor);
       got.insert(got.end(), more.begin(), more.end());
     });
     if (plm::dist::worldRank() != 0) continue;  // rank 0 took part in every run

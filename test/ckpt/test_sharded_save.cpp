@@ -31,6 +31,7 @@
 
 namespace {
 
+using plm::test::onFirstRanks;
 using plm::test::tinyDeck;
 namespace ckd = plm::ckpt::detail;
 namespace h5 = plm::io::h5;
@@ -321,18 +322,6 @@ RunResult train(const std::string& dir, const std::string& run, std::vector<std:
   t.run();
   out.master = fullMaster(t);
   return out;
-}
-
-// Runs `body` on a communicator of world ranks 0..n-1; the others wait.
-void onFirstRanks(int n, const std::function<void(MPI_Comm)>& body) {
-  MPI_Comm sub = MPI_COMM_NULL;
-  MPI_Comm_split(MPI_COMM_WORLD, plm::dist::worldRank() < n ? 0 : MPI_UNDEFINED,
-                 plm::dist::worldRank(), &sub);
-  if (sub != MPI_COMM_NULL) {
-    body(sub);
-    MPI_Comm_free(&sub);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
 }
 
 // A run checkpointed at step 3 continues to step 6 under another layout.  From shard = ranks:

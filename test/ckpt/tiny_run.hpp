@@ -8,6 +8,7 @@
 #include "ckpt/checkpoint.hpp"
 #include "deck/deck.hpp"
 #include "dist/communicator.hpp"
+#include "dist/runtime.hpp"
 #include "io/dataset.hpp"
 #include "train/trainer.hpp"
 
@@ -18,6 +19,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <random>
 #include <sstream>
@@ -125,6 +127,47 @@ inline std::map<std::int64_t, std::string> metricsLosses(const std::string& path
     out[std::stoll(field("step"))] = field("loss");
   }
   return out;
+}
+
+/// Runs `body` on a communicator of world ranks 0..n-1; the others wait.
+inline void onFirstRanks(int n, const std::function<void(MPI_Comm)>& body) {
+  MPI_Comm sub = MPI_COMM_NULL;
+  const int rank = dist::worldRank();
+  MPI_Comm_split(MPI_COMM_WORLD, rank < n ? 0 : MPI_UNDEFINED, rank, &sub);
+  if (sub != MPI_COMM_NULL) {
+    body(sub);
+    MPI_Comm_free(&sub);
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+/// One optimizer step of a run as the resume tests compare it.
+struct StepRecord {
+  std::int64_t step = 0, tokens = 0, masked = 0;
+  double loss = 0;
+};
+
+/// Trains `deck` on `comm` with the checkpoint hooks installed; a record per step, and the
+/// final data cursor if `final_cursor` is given.
+inline std::vector<StepRecord> trainRecords(Teuchos::RCP<Teuchos::ParameterList> deck,
+                                            MPI_Comm comm, data::Cursor* final_cursor = nullptr) {
+  std::vector<StepRecord> records;
+  train::Trainer t(deck, comm);
+  train::Trainer::Hooks extra;
+  extra.on_step = [&](train::Trainer& tr, const train::StepStats& s) {
+    records.push_back({tr.state().step, s.tokens, s.masked, s.loss()});
+  };
+  ckpt::installHooks(t, extra);
+  t.run();
+  if (final_cursor) *final_cursor = t.state().cursor;
+  return records;
+}
+
+/// The per-step losses of trainRecords.
+inline std::vector<double> trainLosses(Teuchos::RCP<Teuchos::ParameterList> deck, MPI_Comm comm) {
+  std::vector<double> losses;
+  for (const auto& r : trainRecords(deck, comm)) losses.push_back(r.loss);
+  return losses;
 }
 
 /// Thrown by a hook to stop a run as a kill would (after the step's checkpoint, if any).
