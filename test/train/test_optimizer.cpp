@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "train/adamw.hpp"
 #include "train/schedule.hpp"
+#include "views.hpp"
 
 #include <gtest/gtest.h>
 
@@ -14,6 +15,8 @@ namespace {
 
 using plm::View1;
 using plm::model::TensorInfo;
+using plm::test::fromView;
+using plm::test::toView;
 using plm::train::AdamW;
 using plm::train::AdamWOptions;
 using plm::train::FrozenRange;
@@ -33,19 +36,6 @@ std::vector<float> randomVector(std::size_t n, std::mt19937& gen, double scale) 
   std::vector<float> v(n);
   for (auto& x : v) x = static_cast<float>(normal(gen));
   return v;
-}
-
-template <class T> View1<T> toView(const std::vector<T>& v) {
-  View1<T> d("test", v.size());
-  auto h = Kokkos::create_mirror_view(d);
-  for (std::size_t i = 0; i < v.size(); ++i) h(i) = v[i];
-  Kokkos::deep_copy(d, h);
-  return d;
-}
-
-template <class T> std::vector<T> fromView(View1<T> d) {
-  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), d);
-  return std::vector<T>(h.data(), h.data() + h.extent(0));
 }
 
 // torch.optim.AdamW for one element, in double.
