@@ -9,6 +9,7 @@
 #include "gpu/gemm.hpp"
 #include "gpu/layer_norm.hpp"
 
+#include "bench_util.hpp"
 #include "core/error.hpp"
 
 #include <cuda_bf16.h>
@@ -26,62 +27,6 @@
 namespace {
 
 using namespace plm::gpu;
-
-struct Buffer {
-  void* ptr = nullptr;
-  explicit Buffer(std::size_t bytes) { PLM_CHECK_CUDA(cudaMalloc(&ptr, bytes ? bytes : 16)); }
-  ~Buffer() { cudaFree(ptr); }
-  Buffer(const Buffer&) = delete;
-  template <class T> T* as() const { return static_cast<T*>(ptr); }
-};
-
-__global__ void fillKernel(__nv_bfloat16* p, std::size_t n, float scale, unsigned seed) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::size_t(gridDim.x) * blockDim.x) {
-    unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = __float2bfloat16(scale * ((h & 0xffff) / 32768.0f - 1.0f));
-  }
-}
-__global__ void fillFloatKernel(float* p, std::size_t n, float scale, unsigned seed) {
-  for (std::size_t i = blockIdx.x * std::size_t(blockDim.x) + threadIdx.x; i < n;
-       i += std::size_t(gridDim.x) * blockDim.x) {
-    unsigned h = static_cast<unsigned>(i) * 2654435761u ^ seed;
-    h ^= h >> 13;
-    h *= 0x5bd1e995u;
-    h ^= h >> 15;
-    p[i] = scale * ((h & 0xffff) / 32768.0f - 1.0f);
-  }
-}
-void fill(const Buffer& b, std::size_t n, float scale, unsigned seed) {
-  fillKernel<<<1024, 256>>>(b.as<__nv_bfloat16>(), n, scale, seed);
-  PLM_CHECK_CUDA(cudaGetLastError());
-}
-void fillF(const Buffer& b, std::size_t n, float scale, unsigned seed) {
-  fillFloatKernel<<<1024, 256>>>(b.as<float>(), n, scale, seed);
-  PLM_CHECK_CUDA(cudaGetLastError());
-}
-
-double medianMs(const std::function<void()>& fn, int warmup = 3, int iters = 15) {
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t a, b;
-  PLM_CHECK_CUDA(cudaEventCreate(&a));
-  PLM_CHECK_CUDA(cudaEventCreate(&b));
-  std::vector<float> ms(iters);
-  for (int i = 0; i < iters; ++i) {
-    PLM_CHECK_CUDA(cudaEventRecord(a));
-    fn();
-    PLM_CHECK_CUDA(cudaEventRecord(b));
-    PLM_CHECK_CUDA(cudaEventSynchronize(b));
-    PLM_CHECK_CUDA(cudaEventElapsedTime(&ms[i], a, b));
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[iters / 2];
-}
 
 void row(const std::string& name, double ms, double flops, double bytes) {
   std::printf("%-44s %9.3f ms", name.c_str(), ms);
