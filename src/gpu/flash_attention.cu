@@ -140,6 +140,28 @@ __device__ __forceinline__ SeqBlock seqOf(const std::int32_t* cu, int s) {
   return {a, b - a};
 }
 
+// The key/value double buffer of the forward and dQ kernels at key block j (of nblocks): starts
+// the copy of block j + 1 into the other half of ks/vs (each (2, BN, D + kPad)) and waits until
+// block j has landed in half j & 1.
+template <int BN, int D, int THREADS>
+__device__ __forceinline__ void nextKeyValueBlock(bfloat* ks, bfloat* vs, const bfloat* kg,
+                                                  const bfloat* vg, const FlashParams& p, int len,
+                                                  int j, int nblocks) {
+  constexpr int LD = D + kPad;
+  if (j + 1 < nblocks) {
+    const int next = (j + 1) * BN, other = (j & 1) ^ 1;
+    loadTile<BN, D, THREADS>(ks + other * BN * LD, kg + next * p.k_stride, p.k_stride, len - next,
+                             p.head_dim);
+    loadTile<BN, D, THREADS>(vs + other * BN * LD, vg + next * p.v_stride, p.v_stride, len - next,
+                             p.head_dim);
+    cpAsyncCommit();
+    cpAsyncWait<1>();
+  } else {
+    cpAsyncWait<0>();
+  }
+  __syncthreads();
+}
+
 // ---------------------------------------------------------------------------------------------
 // Forward: CTA = 64 queries (4 warps x 16 rows) of one head of one sequence.
 
@@ -177,18 +199,7 @@ template <int D, int BN> __global__ void __launch_bounds__(128) flashForwardKern
 
   for (int j = 0; j < nblocks; ++j) {
     int buf = j & 1;
-    if (j + 1 < nblocks) {
-      int next = (j + 1) * BN;
-      loadTile<BN, D, THREADS>(ks + (buf ^ 1) * BN * LD, kg + next * p.k_stride, p.k_stride,
-                               seq.len - next, p.head_dim);
-      loadTile<BN, D, THREADS>(vs + (buf ^ 1) * BN * LD, vg + next * p.v_stride, p.v_stride,
-                               seq.len - next, p.head_dim);
-      cpAsyncCommit();
-      cpAsyncWait<1>();
-    } else {
-      cpAsyncWait<0>();
-    }
-    __syncthreads();
+    nextKeyValueBlock<BN, D, THREADS>(ks, vs, kg, vg, p, seq.len, j, nblocks);
     if (j == 0) {
 #pragma unroll
       for (int kc = 0; kc < D / 16; ++kc) loadA(qf[kc], qs, LD, warp * 16, kc * 16, lane);
@@ -508,18 +519,7 @@ template <int D, int BN> __global__ void __launch_bounds__(128)
 
   for (int j = 0; j < nblocks; ++j) {
     int buf = j & 1;
-    if (j + 1 < nblocks) {
-      int next = (j + 1) * BN;
-      loadTile<BN, D, THREADS>(ks + (buf ^ 1) * BN * LD, kg + next * p.k_stride, p.k_stride,
-                               seq.len - next, p.head_dim);
-      loadTile<BN, D, THREADS>(vs + (buf ^ 1) * BN * LD, vg + next * p.v_stride, p.v_stride,
-                               seq.len - next, p.head_dim);
-      cpAsyncCommit();
-      cpAsyncWait<1>();
-    } else {
-      cpAsyncWait<0>();
-    }
-    __syncthreads();
+    nextKeyValueBlock<BN, D, THREADS>(ks, vs, kg, vg, p, seq.len, j, nblocks);
     if (j == 0) {
 #pragma unroll
       for (int kc = 0; kc < D / 16; ++kc) {
