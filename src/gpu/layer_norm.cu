@@ -43,17 +43,13 @@ __device__ __forceinline__ void store2(bfloat* p, std::int64_t i, float a, float
   reinterpret_cast<__nv_bfloat162*>(p)[i] = __floats2bfloat162_rn(a, b);
 }
 
-// One warp per row, the row held in registers (J >= pairs / 32 float2 per lane): x is read from
-// memory once, with all of a lane's loads in flight together, instead of once per pass.
+// A warp's row of `cols` values into registers (lane holds pairs lane + 32 j, zeros past the
+// end; J >= cols / 64), with its mean and 1 / sqrt(variance + eps) (two passes over the
+// registers, the biased variance as torch.nn.LayerNorm).
 template <class TX, int J>
-__global__ void forwardKernel(const TX* x, const float* gamma, const float* beta, bfloat* y,
-                              float* mean, float* rstd, std::int64_t rows, int cols, float eps) {
-  std::int64_t row = blockIdx.x * std::int64_t(blockDim.x / 32) + threadIdx.x / 32;
-  int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const TX* xr = x + row * cols;
-  int pairs = cols / 2;
-  float2 v[J];
+__device__ __forceinline__ void loadRowStats(const TX* xr, int cols, float eps, int lane,
+                                             float2 (&v)[J], float& mu, float& rs) {
+  const int pairs = cols / 2;
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     int i = lane + 32 * j;
@@ -62,12 +58,26 @@ __global__ void forwardKernel(const TX* x, const float* gamma, const float* beta
   float s = 0.0f;
 #pragma unroll
   for (int j = 0; j < J; ++j) s += v[j].x + v[j].y;
-  float mu = warpSum(s) / cols;
+  mu = warpSum(s) / cols;
   float ss = 0.0f;
 #pragma unroll
   for (int j = 0; j < J; ++j)
     if (lane + 32 * j < pairs) ss += (v[j].x - mu) * (v[j].x - mu) + (v[j].y - mu) * (v[j].y - mu);
-  float rs = rsqrtf(warpSum(ss) / cols + eps);
+  rs = rsqrtf(warpSum(ss) / cols + eps);
+}
+
+// One warp per row, the row held in registers (J >= pairs / 32 float2 per lane): x is read from
+// memory once, with all of a lane's loads in flight together, instead of once per pass.
+template <class TX, int J>
+__global__ void forwardKernel(const TX* x, const float* gamma, const float* beta, bfloat* y,
+                              float* mean, float* rstd, std::int64_t rows, int cols, float eps) {
+  std::int64_t row = blockIdx.x * std::int64_t(blockDim.x / 32) + threadIdx.x / 32;
+  int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  int pairs = cols / 2;
+  float2 v[J];
+  float mu, rs;
+  loadRowStats<TX, J>(x + row * cols, cols, eps, lane, v, mu, rs);
 #pragma unroll
   for (int j = 0; j < J; ++j) {
     int i = lane + 32 * j;
@@ -118,23 +128,9 @@ template <class TX, int J> __global__ void __launch_bounds__(256)
   for (int rl = warp; rl < kFp8Rows; rl += kThreads / 32) {
     const std::int64_t row = row0 + rl;
     if (row >= rows) break;  // uniform in the warp
-    const TX* xr = x + row * cols;
     float2 v[J];
-#pragma unroll
-    for (int j = 0; j < J; ++j) {
-      int i = lane + 32 * j;
-      v[j] = i < pairs ? load2(xr, i) : make_float2(0.0f, 0.0f);
-    }
-    float s = 0.0f;
-#pragma unroll
-    for (int j = 0; j < J; ++j) s += v[j].x + v[j].y;
-    float mu = warpSum(s) / cols;
-    float ss = 0.0f;
-#pragma unroll
-    for (int j = 0; j < J; ++j)
-      if (lane + 32 * j < pairs)
-        ss += (v[j].x - mu) * (v[j].x - mu) + (v[j].y - mu) * (v[j].y - mu);
-    float rs = rsqrtf(warpSum(ss) / cols + eps);
+    float mu, rs;
+    loadRowStats<TX, J>(x + row * cols, cols, eps, lane, v, mu, rs);
 #pragma unroll
     for (int j = 0; j < J; ++j) {
       int i = lane + 32 * j;
