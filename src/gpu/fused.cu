@@ -333,26 +333,34 @@ void rotary(Stream stream, bf16* q, std::int64_t q_stride, bf16* k, std::int64_t
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
-void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight, bf16* out,
-                      const std::int32_t* cu_seqlens, int num_seqs, int cols, int mask_id,
-                      bool token_dropout) {
+namespace {
+
+template <class TOut> void launchEmbeddingForward(Stream stream, const std::uint8_t* ids,
+                                                  const bf16* weight, TOut* out,
+                                                  const std::int32_t* cu_seqlens, int num_seqs,
+                                                  int cols, int mask_id, bool token_dropout) {
   if (num_seqs == 0) return;
   PLM_REQUIRE(cols % 2 == 0, "plm::gpu::embeddingForward: cols must be even");
   dim3 grid(num_seqs, (cols / 2 + 63) / 64);
-  embeddingForwardKernel<bf16>
+  embeddingForwardKernel<TOut>
       <<<grid, 256, 0, stream>>>(ids, weight, out, cu_seqlens, cols, mask_id, token_dropout);
   PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+}  // namespace
+
+void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight, bf16* out,
+                      const std::int32_t* cu_seqlens, int num_seqs, int cols, int mask_id,
+                      bool token_dropout) {
+  launchEmbeddingForward(stream, ids, weight, out, cu_seqlens, num_seqs, cols, mask_id,
+                         token_dropout);
 }
 
 void embeddingForward(Stream stream, const std::uint8_t* ids, const bf16* weight, float* out,
                       const std::int32_t* cu_seqlens, int num_seqs, int cols, int mask_id,
                       bool token_dropout) {
-  if (num_seqs == 0) return;
-  PLM_REQUIRE(cols % 2 == 0, "plm::gpu::embeddingForward: cols must be even");
-  dim3 grid(num_seqs, (cols / 2 + 63) / 64);
-  embeddingForwardKernel<float>
-      <<<grid, 256, 0, stream>>>(ids, weight, out, cu_seqlens, cols, mask_id, token_dropout);
-  PLM_CHECK_CUDA(cudaGetLastError());
+  launchEmbeddingForward(stream, ids, weight, out, cu_seqlens, num_seqs, cols, mask_id,
+                         token_dropout);
 }
 
 std::size_t embeddingBackwardWorkspace(int num_seqs, int vocab, int cols) {
