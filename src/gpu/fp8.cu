@@ -298,7 +298,10 @@ struct BlockParams {
   std::int64_t ld_out;
   bool out_vec;
   float* scale_inv;
-  std::int64_t sld;  // blockScaleLayout(...).ld of out's scales
+  std::int64_t sld;       // blockScaleLayout(...).ld of out's scales (of the body's with a tail)
+  std::int64_t out_rows;  // rows of out written (rows, or body + 8 with a tail: zero codes)
+  std::int64_t tail;      // split_tail: the body's rows, where the tail's 8 rows start; else -1
+  std::int64_t tail_scales;
   std::uint8_t* out_t;
   std::int64_t ld_out_t;
   bool out_t_vec;
@@ -391,9 +394,15 @@ __global__ void __launch_bounds__(kBlockThreads) blockCastKernel(BlockParams p) 
       }
     }
   } else if (t < kBlock) {
-    // out: K = cols, its 1x128 block index is cb, row r0 + t (padding rows up to sld).
-    if (p.out && r0 + t < p.sld)
-      p.scale_inv[cb * p.sld + r0 + t] = r0 + t < p.rows ? 1.0f / row_scale[t] : 1.0f;
+    // out: K = cols, its 1x128 block index is cb, row r0 + t (padding rows up to sld; with a
+    // tail, its 8 rows in their own layout after the body's).
+    const std::int64_t r = r0 + t;
+    const float inv = r < p.rows ? 1.0f / row_scale[t] : 1.0f;
+    if (p.out && r < p.sld) {
+      p.scale_inv[cb * p.sld + r] = inv;
+    } else if (p.out && p.tail >= 0 && r < p.tail + 8) {
+      p.scale_inv[p.tail_scales + cb * 8 + (r - p.tail)] = inv;
+    }
     // out_t: rows of out_t are the columns c0 + t, K = rows, block index rb.
     if (p.out_t && c0 + t < p.sld_t)
       p.scale_inv_t[rb * p.sld_t + c0 + t] = c0 + t < p.cols ? 1.0f / col_scale[t] : 1.0f;
@@ -405,7 +414,7 @@ __global__ void __launch_bounds__(kBlockThreads) blockCastKernel(BlockParams p) 
   if (p.out) {
     for (int lr = tr; lr < kBlock; lr += kBlockThreads / 32) {
       const std::int64_t r = r0 + lr;
-      if (r >= p.rows) break;
+      if (r >= p.out_rows) break;  // rows past `rows` (a tail's) load as 0: zero codes
       const float s = row_scale[lr];
       const std::int64_t c = c0 + 4 * g;
       std::uint32_t word = 0;
@@ -596,6 +605,25 @@ BlockScaleLayout blockScaleLayout(Fp8ScaleMode scaling, std::int64_t rows, std::
   return {1, 1};
 }
 
+BlockTailSplit blockTailSplit(std::int64_t rows, std::int64_t k) {
+  BlockTailSplit s;
+  if (rows % 8 == 0) {
+    s.body = s.rows = rows;
+    s.tail_scales = s.count = blockScaleLayout(Fp8ScaleMode::Block1x128, rows, k).count;
+    return s;
+  }
+  s.body = rows / 8 * 8;
+  s.rows = s.body + 8;
+  s.tail_scales = (blockScaleLayout(Fp8ScaleMode::Block1x128, s.body, k).count + 63) / 64 * 64;
+  s.count = s.tail_scales + blockScaleLayout(Fp8ScaleMode::Block1x128, 8, k).count;
+  return s;
+}
+
+std::size_t fp8BlockTensorBytes(Fp8ScaleMode scaling, std::int64_t rows, std::int64_t cols) {
+  return static_cast<std::size_t>((rows * cols + 255) / 256 * 256 +
+                                  blockScaleLayout(scaling, rows, cols).count * 4);
+}
+
 void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
   checkCastTypes("castFp8Block", a.in_type, a.out_type);
   if (a.scaling == Fp8ScaleMode::Tensor)
@@ -613,6 +641,10 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
     return;
   }
   checkGrid("castFp8Block", a.rows, kBlock);
+  const bool tail = a.split_tail && a.out && a.rows % 8 != 0;
+  if (tail && a.scaling != Fp8ScaleMode::Block1x128)
+    throw Error("plm::gpu::castFp8Block: split_tail is for Block1x128 operands (the GEMM's A)");
+  const BlockTailSplit split = blockTailSplit(a.rows, a.cols);
   // Above the 48 KiB default: opt in once per process (thread-safe static initialisation).
   static const bool smem_opt_in = [] {
     PLM_CHECK_CUDA(cudaFuncSetAttribute(blockCastKernel,
@@ -633,7 +665,10 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
                 a.ld_out,
                 aligned4(a.out, a.ld_out),
                 a.scale_inv,
-                blockScaleLayout(a.scaling, a.rows, a.cols).ld,
+                blockScaleLayout(a.scaling, tail ? split.body : a.rows, a.cols).ld,
+                tail ? split.rows : a.rows,
+                tail ? split.body : -1,
+                split.tail_scales,
                 static_cast<std::uint8_t*>(a.out_t),
                 a.ld_out_t,
                 aligned4(a.out_t, a.ld_out_t),
