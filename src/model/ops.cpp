@@ -552,7 +552,7 @@ bool blockScaling(const Fp8GemmSlot& s) { return s.scaling->config().recipe == F
 
 /// Block scaling: casts bf16 operand x (rows, cols) with 1x128 blocks (E4M3, power-of-two
 /// scales) into scratch: `direct` (rows, cols; a zero-padded 8-row tail where rows is not a
-/// multiple of 8, runBlockGemm's second GEMM) and/or `transposed` (cols, rows padded to 16: its
+/// multiple of 8, runFp8Gemm's tail GEMM) and/or `transposed` (cols, rows padded to 16: its
 /// own 1x128 blocks along the tokens; into `transposed_at` with its scales at
 /// `transposed_scales_at` when given); col_sum (optional) += column sums of x.
 void castOperandBlock(OpContext& ctx, const Mat& x, Fp8Operand8* direct, Fp8Operand8* transposed,
