@@ -1,9 +1,10 @@
 // The CUDA FP8 path of the GEMM dispatch points (ops.cpp: cast + cuBLASLt FP8 GEMM in Hopper's
 // TN layout) against the portable emulation (fp8_gemm.hpp) on the same values: a Linear layer
-// with bf16 x (T, in), W (out, in), bias and dY, per-tensor delayed and current scaling.  Both
-// sides quantise the same numbers with the same scales, so they differ only by the order (and
-// Hopper's FP8 accumulator) of the fp32 sums: 5e-4 norm-wise; a wrong scale, format or operand
-// layout gives errors of 1e-2 and more.  Checks forward, dgrad, wgrad and the bias gradient.
+// with bf16 x (T, in), W (out, in), bias and dY, per-tensor delayed and current scaling, and
+// block scaling (BlockScalingMatchesTheEmulation).  Both sides quantise the same numbers with the
+// same scales, so they differ only by the order (and Hopper's FP8 accumulator) of the fp32 sums:
+// 5e-4 norm-wise; a wrong scale, format or operand layout gives errors of 1e-2 and more.  Checks
+// forward, dgrad, wgrad and the bias gradient.
 #include "model/fp8_gemm.hpp"
 #include "model/fp8_scaling.hpp"
 #include "model/ops.hpp"
