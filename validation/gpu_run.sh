@@ -349,8 +349,8 @@ if has fp8_curves && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # Issue 10's accuracy evidence (doc/fp8.md): esm2_35m on the packaged mmseqs2 proteins in
   # bf16 and each FP8 recipe, PLM_FP8_STEPS steps (>= 2000 for doc/performance.md), loss curves
   # into $OUT/fp8_loss.png (-> doc/img/) and the final-loss table; exit 1 = a recipe beyond 1%.
-  # Block scaling is CPU-only so far (doc/fp8.md); 3 runs of 2000 steps x 32k tokens fit the
-  # 10-minute command limit of a device call (PLM_FP8_RECIPES=current runs one recipe alone).
+  # 3 runs of 2000 steps x 32k tokens fit the 10-minute command limit of a device call
+  # (PLM_FP8_RECIPES=block runs one recipe alone: delayed, current or block).
   # Needs the CUDA build's FP8 path: a build that refuses train.precision: fp8 fails here.
   # PLM_CURVES_DATA: a folder with train.h5 and valid.h5 (plm prep --valid-fraction 0.05);
   # default $pkg/data.

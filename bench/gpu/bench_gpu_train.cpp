@@ -10,7 +10,7 @@
 // Also times a forward-only pass (evaluation) over the same batches.
 //
 //   bench_gpu_train PRESET [tokens_per_micro_batch] [steps] [none|layer|selective]
-//   PLM_PRECISION=fp8 [PLM_FP8_RECIPE=delayed|current] times the FP8 policy (doc/fp8.md); the
+//   PLM_PRECISION=fp8 [PLM_FP8_RECIPE=delayed|current|block] times the FP8 policy (doc/fp8.md); the
 //   step then ends with Esm2::endFp8Step, as in training.
 #include "core/error.hpp"
 #include "data/synthetic.hpp"

@@ -5,8 +5,8 @@
 // them as one 32-bit word where the output allows it (4-byte aligned rows), byte by byte at the
 // edges.  The transposed copy is written from the tile of codes in shared memory, again 4 codes
 // per store.  Block cast: 128x128 tiles (one 128x128 block, 128 1x128 row blocks and 128 128x1
-// column blocks), the input staged in shared memory as fp32 so that the block amaxes and the
-// codes come from one read of global memory.
+// column blocks) held in registers, so that the block amaxes and the codes come from one read
+// of global memory (blockCastKernel says how).
 #include "gpu/fp8.hpp"
 
 #include "core/error.hpp"
@@ -282,15 +282,16 @@ __global__ void scaleFromAmaxKernel(const float* amax, float fp8_max, int margin
 
 constexpr int kBlock = 128;
 constexpr int kBlockThreads = 256;
-constexpr int kBlockLd = kBlock + 1;  // fp32 tile row stride (no bank conflicts down a column)
-constexpr std::size_t kBlockSmem =
-    sizeof(float) * (kBlock * kBlockLd + 2 * kBlock);  // tile + row and column scales
+constexpr int kBlockWarps = kBlockThreads / 32;
+constexpr int kBlockRows = kBlock / kBlockWarps;  // rows of the tile per warp (16)
+constexpr int kBlockLdT = kBlock + 4;             // bytes per row of the transposed code tile
 
 struct BlockParams {
   std::int64_t rows, cols;
   const void* in;
   bool in_bf16;
   std::int64_t ld_in;
+  bool in_vec;  // 4-element loads allowed (aligned base and row stride)
   bool e4m3;
   float fp8_max;
   bool square;  // 128x128 blocks (else 1x128)
@@ -298,7 +299,10 @@ struct BlockParams {
   std::int64_t ld_out;
   bool out_vec;
   float* scale_inv;
-  std::int64_t sld;  // blockScaleLayout(...).ld of out's scales
+  std::int64_t sld;       // blockScaleLayout(...).ld of out's scales (of the body's with a tail)
+  std::int64_t out_rows;  // rows of out written (rows, or body + 8 with a tail: zero codes)
+  std::int64_t tail;      // split_tail: the body's rows, where the tail's 8 rows start; else -1
+  std::int64_t tail_scales;
   std::uint8_t* out_t;
   std::int64_t ld_out_t;
   bool out_t_vec;
@@ -317,68 +321,89 @@ __device__ __forceinline__ float pow2Scale(unsigned amax_bits, float fp8_max) {
   return __uint_as_float(__float_as_uint(s) & 0xff800000u);
 }
 
-__global__ void __launch_bounds__(kBlockThreads) blockCastKernel(BlockParams p) {
-  extern __shared__ float smem[];
-  float* tile = smem;                           // [kBlock][kBlockLd]
-  float* row_scale = smem + kBlock * kBlockLd;  // [kBlock]: scale of row r's 1x128 block
-  float* col_scale = row_scale + kBlock;        // [kBlock]: scale of column c's 128x1 block
-  __shared__ unsigned row_amax[kBlock], col_amax[kBlock];
+// One 128x128 tile per thread block, held in registers: warp w has rows 16w..16w+15 of the tile,
+// lane l columns 4l..4l+3 (one 8- or 16-byte load per row).  A row's amax (its 1x128 block) is a
+// warp reduction; a column's (its 128x1 block) the maximum of the 8 warps' partials in shared
+// memory, as are the column sums (16 rows per warp in order, then the warps in order: fixed,
+// deterministic).  The codes of `out` go straight from registers to global memory, 4 per store;
+// those of `out_t` through a byte tile in shared memory, so that each row of out_t is written as
+// 128 consecutive bytes.  (The previous version staged the tile in 66 KB of fp32 shared memory
+// and reduced rows and columns with 128-step loops: 0.5-0.67 TB/s.)
+__global__ void __launch_bounds__(kBlockThreads, 2) blockCastKernel(BlockParams p) {
+  __shared__ unsigned col_part[kBlockWarps][kBlock];
+  __shared__ float sum_part[kBlockWarps][kBlock];
+  __shared__ float col_scale[kBlock];
+  __shared__ unsigned warp_bits[kBlockWarps];
+  __shared__ __align__(16) std::uint8_t tile_t[kBlock][kBlockLdT];  // [column][row] codes
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kBlock;
   const std::int64_t c0 = static_cast<std::int64_t>(blockIdx.x) * kBlock;
-  const int t = threadIdx.x;
+  const std::int64_t rw = r0 + warp * kBlockRows;  // this warp's first row
+  const std::int64_t cl = c0 + 4 * lane;           // this lane's first column
+  const bool full_cols = cl + 3 < p.cols;
 
-  // Load: a warp reads 32 consecutive elements of a row.  Padding outside the tensor is 0.
-#pragma unroll 8
-  for (int e = t; e < kBlock * kBlock; e += kBlockThreads) {
-    const int lr = e / kBlock, lc = e % kBlock;
-    const std::int64_t r = r0 + lr, c = c0 + lc;
-    tile[lr * kBlockLd + lc] =
-        r < p.rows && c < p.cols ? loadIn(p.in, p.in_bf16, r * p.ld_in + c) : 0.0f;
-  }
-  __syncthreads();
-  // Row and column amaxes: threads 0..127 take a row each, 128..255 a column each.
-  {
-    unsigned bits = 0;
-    if (t < kBlock) {
-      for (int j = 0; j < kBlock; ++j) bits = max(bits, absBits(tile[t * kBlockLd + j]));
-      row_amax[t] = bits;
+  // Loads, all in flight together.  Padding outside the tensor is 0.
+  float v[kBlockRows][4];
+#pragma unroll
+  for (int i = 0; i < kBlockRows; ++i) {
+    const std::int64_t r = rw + i;
+    if (r < p.rows && full_cols) {
+      load4(p.in, p.in_bf16, p.in_vec, r * p.ld_in + cl, v[i]);
     } else {
-      const int c = t - kBlock;
-      float sum = 0.0f;
-      for (int j = 0; j < kBlock; ++j) {
-        const float v = tile[j * kBlockLd + c];
-        bits = max(bits, absBits(v));
-        sum += v;
-      }
-      col_amax[c] = bits;
-      if (p.col_partial && c0 + c < p.cols) p.col_partial[blockIdx.y * p.cols + c0 + c] = sum;
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        v[i][j] =
+            r < p.rows && cl + j < p.cols ? loadIn(p.in, p.in_bf16, r * p.ld_in + cl + j) : 0.0f;
     }
   }
-  __syncthreads();
-  if (t < kBlock) {
-    // The tile's amax (the 128x128 block's, and the tensor's share) as a block reduction over
-    // the row amaxes: every thread < 128 reads all 128 (cheap, and no second barrier phase).
-    unsigned tile_bits = 0;
-    if (p.square || (p.amax && t == 0))
-      for (int j = 0; j < kBlock; ++j) tile_bits = max(tile_bits, row_amax[j]);
-    if (p.amax && t == 0 && tile_bits != 0)
-      atomicMax(reinterpret_cast<unsigned*>(p.amax), tile_bits);
-    if (p.square) {
-      const float s = pow2Scale(tile_bits, p.fp8_max);
-      row_scale[t] = s;
-      col_scale[t] = s;
-    } else {
-      row_scale[t] = pow2Scale(row_amax[t], p.fp8_max);
-      col_scale[t] = pow2Scale(col_amax[t], p.fp8_max);
-    }
+  // Row amaxes (every lane gets its rows'), column partials and sums over this warp's rows.
+  unsigned row_bits[kBlockRows];
+  unsigned tile_bits = 0;
+#pragma unroll
+  for (int i = 0; i < kBlockRows; ++i) {
+    unsigned b =
+        max(max(absBits(v[i][0]), absBits(v[i][1])), max(absBits(v[i][2]), absBits(v[i][3])));
+    row_bits[i] = __reduce_max_sync(0xffffffffu, b);
+    tile_bits = max(tile_bits, row_bits[i]);
   }
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    unsigned b = 0;
+    float sum = 0.0f;
+#pragma unroll
+    for (int i = 0; i < kBlockRows; ++i) {
+      b = max(b, absBits(v[i][j]));
+      sum += v[i][j];
+    }
+    col_part[warp][4 * lane + j] = b;
+    sum_part[warp][4 * lane + j] = sum;
+  }
+  if (lane == 0) warp_bits[warp] = tile_bits;
+  __syncthreads();
+  tile_bits = 0;
+#pragma unroll
+  for (int w = 0; w < kBlockWarps; ++w) tile_bits = max(tile_bits, warp_bits[w]);
+  if (threadIdx.x < kBlock) {
+    const int c = threadIdx.x;
+    unsigned b = 0;
+    float sum = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kBlockWarps; ++w) {
+      b = max(b, col_part[w][c]);
+      sum += sum_part[w][c];
+    }
+    col_scale[c] = pow2Scale(p.square ? tile_bits : b, p.fp8_max);
+    if (p.col_partial && c0 + c < p.cols) p.col_partial[blockIdx.y * p.cols + c0 + c] = sum;
+  }
+  if (p.amax && threadIdx.x == 0 && tile_bits != 0)
+    atomicMax(reinterpret_cast<unsigned*>(p.amax), tile_bits);
   __syncthreads();
 
   // Scale factors (scale_inv), with the layout's padding written as 1.
   const std::int64_t rb = blockIdx.y, cb = blockIdx.x;
   if (p.square) {
-    if (t == 0) {
-      const float inv = 1.0f / row_scale[0];
+    if (threadIdx.x == 0) {
+      const float inv = 1.0f / col_scale[0];
       if (p.out) {
         p.scale_inv[rb * p.sld + cb] = inv;
         if (cb == gridDim.x - 1)
@@ -390,52 +415,75 @@ __global__ void __launch_bounds__(kBlockThreads) blockCastKernel(BlockParams p) 
           for (std::int64_t k = rb + 1; k < p.sld_t; ++k) p.scale_inv_t[cb * p.sld_t + k] = 1.0f;
       }
     }
-  } else if (t < kBlock) {
-    // out: K = cols, its 1x128 block index is cb, row r0 + t (padding rows up to sld).
-    if (p.out && r0 + t < p.sld)
-      p.scale_inv[cb * p.sld + r0 + t] = r0 + t < p.rows ? 1.0f / row_scale[t] : 1.0f;
+  } else {
+    // out: K = cols, its 1x128 block index is cb; lane i writes row rw + i (padding rows up to
+    // sld; with a tail, its 8 rows in their own layout after the body's).
+    if (p.out) {
+#pragma unroll
+      for (int i = 0; i < kBlockRows; ++i) {
+        if (lane != i) continue;
+        const std::int64_t r = rw + i;
+        const float inv = r < p.rows ? 1.0f / pow2Scale(row_bits[i], p.fp8_max) : 1.0f;
+        if (r < p.sld) {
+          p.scale_inv[cb * p.sld + r] = inv;
+        } else if (p.tail >= 0 && r < p.tail + 8) {
+          p.scale_inv[p.tail_scales + cb * 8 + (r - p.tail)] = inv;
+        }
+      }
+    }
     // out_t: rows of out_t are the columns c0 + t, K = rows, block index rb.
-    if (p.out_t && c0 + t < p.sld_t)
-      p.scale_inv_t[rb * p.sld_t + c0 + t] = c0 + t < p.cols ? 1.0f / col_scale[t] : 1.0f;
+    if (p.out_t && threadIdx.x < kBlock && c0 + threadIdx.x < p.sld_t)
+      p.scale_inv_t[rb * p.sld_t + c0 + threadIdx.x] =
+          c0 + threadIdx.x < p.cols ? 1.0f / col_scale[threadIdx.x] : 1.0f;
   }
 
-  // Codes.  out: thread handles 4 consecutive columns of one row; out_t: 4 consecutive rows of
-  // one column (= 4 consecutive elements of an out_t row).
-  const int g = t % 32, tr = t / 32;  // 32 groups of 4 = 128 columns, 8 rows per pass
+  // Codes of out: 4 per store, rows up to out_rows (rows past `rows` are zeros: zero codes).
   if (p.out) {
-    for (int lr = tr; lr < kBlock; lr += kBlockThreads / 32) {
-      const std::int64_t r = r0 + lr;
-      if (r >= p.rows) break;
-      const float s = row_scale[lr];
-      const std::int64_t c = c0 + 4 * g;
+#pragma unroll
+    for (int i = 0; i < kBlockRows; ++i) {
+      const std::int64_t r = rw + i;
+      if (r >= p.out_rows) break;
+      const float s = p.square ? col_scale[0] : pow2Scale(row_bits[i], p.fp8_max);
       std::uint32_t word = 0;
+#pragma unroll
       for (int j = 0; j < 4; ++j)
-        word |= static_cast<std::uint32_t>(encode(tile[lr * kBlockLd + 4 * g + j] * s, p.e4m3))
-                << (8 * j);
-      if (p.out_vec && c + 3 < p.cols) {
-        *reinterpret_cast<std::uint32_t*>(p.out + r * p.ld_out + c) = word;
+        word |= static_cast<std::uint32_t>(encode(v[i][j] * s, p.e4m3)) << (8 * j);
+      if (p.out_vec && full_cols) {
+        *reinterpret_cast<std::uint32_t*>(p.out + r * p.ld_out + cl) = word;
       } else {
-        for (int j = 0; j < 4 && c + j < p.cols; ++j)
-          p.out[r * p.ld_out + c + j] = static_cast<std::uint8_t>(word >> (8 * j));
+        for (int j = 0; j < 4 && cl + j < p.cols; ++j)
+          p.out[r * p.ld_out + cl + j] = static_cast<std::uint8_t>(word >> (8 * j));
       }
     }
   }
-  if (p.out_t) {
-    for (int lc = tr; lc < kBlock; lc += kBlockThreads / 32) {
-      const std::int64_t c = c0 + lc;
-      if (c >= p.cols) break;
-      const float s = col_scale[lc];
-      const std::int64_t r = r0 + 4 * g;
+  if (!p.out_t) return;
+    // Codes of out_t: column 4 lane + j of 4 consecutive rows as one word into the byte tile.
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float s = col_scale[4 * lane + j];
+#pragma unroll
+    for (int i = 0; i < kBlockRows; i += 4) {
       std::uint32_t word = 0;
-      for (int j = 0; j < 4; ++j)
-        word |= static_cast<std::uint32_t>(encode(tile[(4 * g + j) * kBlockLd + lc] * s, p.e4m3))
-                << (8 * j);
-      if (p.out_t_vec && r + 3 < p.rows) {
-        *reinterpret_cast<std::uint32_t*>(p.out_t + c * p.ld_out_t + r) = word;
-      } else {
-        for (int j = 0; j < 4 && r + j < p.rows; ++j)
-          p.out_t[c * p.ld_out_t + r + j] = static_cast<std::uint8_t>(word >> (8 * j));
-      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+        word |= static_cast<std::uint32_t>(encode(v[i + q][j] * s, p.e4m3)) << (8 * q);
+      *reinterpret_cast<std::uint32_t*>(&tile_t[4 * lane + j][warp * kBlockRows + i]) = word;
+    }
+  }
+  __syncthreads();
+  // Row c of out_t (input column c0 + c): 128 codes, lane l writes input rows r0 + 4l..4l+3.
+  const std::int64_t r = r0 + 4 * lane;
+#pragma unroll 4
+  for (int k = 0; k < kBlockRows; ++k) {
+    const int c = warp * kBlockRows + k;
+    if (c0 + c >= p.cols) break;
+    const std::uint32_t word = *reinterpret_cast<const std::uint32_t*>(&tile_t[c][4 * lane]);
+    std::uint8_t* dst = p.out_t + (c0 + c) * p.ld_out_t;
+    if (p.out_t_vec && r + 3 < p.rows) {
+      *reinterpret_cast<std::uint32_t*>(dst + r) = word;
+    } else {
+      for (int q = 0; q < 4 && r + q < p.rows; ++q)
+        dst[r + q] = static_cast<std::uint8_t>(word >> (8 * q));
     }
   }
 }
@@ -596,6 +644,25 @@ BlockScaleLayout blockScaleLayout(Fp8ScaleMode scaling, std::int64_t rows, std::
   return {1, 1};
 }
 
+BlockTailSplit blockTailSplit(std::int64_t rows, std::int64_t k) {
+  BlockTailSplit s;
+  if (rows % 8 == 0) {
+    s.body = s.rows = rows;
+    s.tail_scales = s.count = blockScaleLayout(Fp8ScaleMode::Block1x128, rows, k).count;
+    return s;
+  }
+  s.body = rows / 8 * 8;
+  s.rows = s.body + 8;
+  s.tail_scales = (blockScaleLayout(Fp8ScaleMode::Block1x128, s.body, k).count + 63) / 64 * 64;
+  s.count = s.tail_scales + blockScaleLayout(Fp8ScaleMode::Block1x128, 8, k).count;
+  return s;
+}
+
+std::size_t fp8BlockTensorBytes(Fp8ScaleMode scaling, std::int64_t rows, std::int64_t cols) {
+  return static_cast<std::size_t>((rows * cols + 255) / 256 * 256 +
+                                  blockScaleLayout(scaling, rows, cols).count * 4);
+}
+
 void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
   checkCastTypes("castFp8Block", a.in_type, a.out_type);
   if (a.scaling == Fp8ScaleMode::Tensor)
@@ -613,19 +680,16 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
     return;
   }
   checkGrid("castFp8Block", a.rows, kBlock);
-  // Above the 48 KiB default: opt in once per process (thread-safe static initialisation).
-  static const bool smem_opt_in = [] {
-    PLM_CHECK_CUDA(cudaFuncSetAttribute(blockCastKernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kBlockSmem)));
-    return true;
-  }();
-  (void)smem_opt_in;
+  const bool tail = a.split_tail && a.out && a.rows % 8 != 0;
+  if (tail && a.scaling != Fp8ScaleMode::Block1x128)
+    throw Error("plm::gpu::castFp8Block: split_tail is for Block1x128 operands (the GEMM's A)");
+  const BlockTailSplit split = blockTailSplit(a.rows, a.cols);
   BlockParams p{a.rows,
                 a.cols,
                 a.in,
                 a.in_type == DType::BF16,
                 a.ld_in,
+                inputVectorizable(a.in, a.in_type, a.ld_in),
                 a.out_type == DType::E4M3,
                 fp8Max(a.out_type),
                 a.scaling == Fp8ScaleMode::Block128x128,
@@ -633,7 +697,10 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
                 a.ld_out,
                 aligned4(a.out, a.ld_out),
                 a.scale_inv,
-                blockScaleLayout(a.scaling, a.rows, a.cols).ld,
+                blockScaleLayout(a.scaling, tail ? split.body : a.rows, a.cols).ld,
+                tail ? split.rows : a.rows,
+                tail ? split.body : -1,
+                split.tail_scales,
                 static_cast<std::uint8_t*>(a.out_t),
                 a.ld_out_t,
                 aligned4(a.out_t, a.ld_out_t),
@@ -641,8 +708,8 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
                 blockScaleLayout(a.scaling, a.cols, a.rows).ld,
                 a.amax,
                 colPartial("castFp8Block", a.col_sum, a.workspace)};
-  blockCastKernel<<<dim3(gridDimOf(a.cols, kBlock), gridDimOf(a.rows, kBlock)), kBlockThreads,
-                    kBlockSmem, stream>>>(p);
+  blockCastKernel<<<dim3(gridDimOf(a.cols, kBlock), gridDimOf(a.rows, kBlock)), kBlockThreads, 0,
+                    stream>>>(p);
   PLM_CHECK_CUDA(cudaGetLastError());
   finishColSum(stream, a.col_sum, a.col_sum_accumulate, p.col_partial, gridDimOf(a.rows, kBlock),
                a.cols);

@@ -139,9 +139,39 @@ struct Fp8BlockCastArgs {
   float* col_sum = nullptr;  // optional, as in Fp8CastArgs
   bool col_sum_accumulate = false;
   void* workspace = nullptr;  // fp8ColSumWorkspace(rows, cols) bytes with col_sum
+  // Block1x128 `out` as the A operand of GEMMs whose M (= rows) must be a multiple of 8
+  // (cuBLASLt's block-scaled GEMM): true writes it for two GEMMs over the same codes, the body
+  // (rows rounded down to 8) and an 8-row tail whose rows past `rows` are zero codes (`out`
+  // needs blockTailSplit().rows rows); scale_inv holds the body's scales
+  // (blockScaleLayout(Block1x128, body, cols)) and, from blockTailSplit().tail_scales on, the
+  // tail's (blockScaleLayout(Block1x128, 8, cols)).  Ignored where rows is a multiple of 8.
+  bool split_tail = false;
 };
 
 /// \brief One pass over the input per 128x128 tile (block amaxes, scales, codes, both copies).
 void castFp8Block(Stream stream, const Fp8BlockCastArgs& args);
+
+/// \brief castFp8Block's split_tail layout of a Block1x128 operand (rows, k): body rows (rows
+/// rounded down to 8), rows of codes (body + 8), the offset of the tail's scales (a 256-byte
+/// boundary) and the scale count in all.  Where rows is a multiple of 8 there is no tail: body =
+/// rows, and tail_scales = count = blockScaleLayout(Block1x128, rows, k).count.
+struct BlockTailSplit {
+  std::int64_t body = 0, rows = 0;
+  std::int64_t tail_scales = 0, count = 0;
+  bool split() const { return rows != body; }
+};
+BlockTailSplit blockTailSplit(std::int64_t rows, std::int64_t k);
+
+/// \brief An FP8 copy of a (rows, cols) tensor with its block scales in one allocation: the codes
+/// (row stride cols) and, from the next 256-byte boundary, scale_inv in blockScaleLayout(scaling,
+/// rows, cols).  Bytes in all, and where the scales start given the codes.
+std::size_t fp8BlockTensorBytes(Fp8ScaleMode scaling, std::int64_t rows, std::int64_t cols);
+inline float* fp8BlockTensorScales(void* codes, std::int64_t rows, std::int64_t cols) {
+  return reinterpret_cast<float*>(static_cast<std::uint8_t*>(codes) +
+                                  (rows * cols + 255) / 256 * 256);
+}
+inline const float* fp8BlockTensorScales(const void* codes, std::int64_t rows, std::int64_t cols) {
+  return fp8BlockTensorScales(const_cast<void*>(codes), rows, cols);
+}
 
 }  // namespace plm::gpu

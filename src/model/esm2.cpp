@@ -293,13 +293,6 @@ template <class T> struct Esm2<T>::Impl {
           "train.precision: fp8 needs the FP8 kernels of src/gpu/fp8.hpp, which this CUDA build "
           "lacks (doc/fp8.md); use train.precision: bf16 on the GPU or run fp8 on a CPU build");
 #endif
-#if PLM_FP8_CUDA
-      if (config.fp8.recipe == Fp8Recipe::Block)
-        throw collectiveError(
-            "fp8.recipe: block runs on the CPU emulation only so far (cuBLASLt's block-scaled "
-            "GEMM wants token counts in multiples of 8, which packed micro-batches are not; "
-            "doc/fp8.md); use fp8.recipe: delayed or current on the GPU");
-#endif
       if (config.moe.enabled())
         throw collectiveError(
             "train.precision: fp8 is not available for Mixture-of-Experts models yet; set "
@@ -750,11 +743,20 @@ template <class T> struct Esm2<T>::Impl {
         fp8_cuda_weights.emplace_back(const_cast<Fp8GemmSlot*>(m->fp8), *m);
     }
     auto padded = [](std::int64_t n) { return (n + 255) / 256 * 256; };
+    // Block scaling: each copy's 128x128 scale_inv follows its codes (ops.cpp reads them there).
+    auto copy = [&](std::int64_t rows, std::int64_t cols) {
+#if PLM_FP8_CUDA
+      if (config.fp8.recipe == Fp8Recipe::Block)
+        return padded(static_cast<std::int64_t>(
+            gpu::fp8BlockTensorBytes(gpu::Fp8ScaleMode::Block128x128, rows, cols)));
+#endif
+      return padded(rows * cols);
+    };
     std::int64_t bytes = 0;
     std::vector<std::int64_t> at;
     for (const auto& w : fp8_cuda_weights) {
       at.push_back(bytes);
-      bytes += 2 * padded(w.second.rows * w.second.cols);
+      bytes += copy(w.second.rows, w.second.cols) + copy(w.second.cols, w.second.rows);
     }
     fp8_codes = View1<std::uint8_t>("plm::model::fp8_codes", bytes);
     const std::int64_t slots = static_cast<std::int64_t>(fp8_slots.size());
@@ -769,7 +771,7 @@ template <class T> struct Esm2<T>::Impl {
       Fp8GemmSlot* slot = fp8_cuda_weights[i].first;
       const Mat& m = fp8_cuda_weights[i].second;
       slot->w_codes = fp8_codes.data() + at[i];
-      slot->wt_codes = fp8_codes.data() + at[i] + padded(m.rows * m.cols);
+      slot->wt_codes = fp8_codes.data() + at[i] + copy(m.rows, m.cols);
     }
   }
 
@@ -793,6 +795,24 @@ template <class T> struct Esm2<T>::Impl {
     PLM_CHECK_CUDA(cudaStreamSynchronize(stream));  // fp8_host is pageable and reused
     const int w = static_cast<int>(Fp8Operand::Weight);
     for (const auto& [slot, m] : fp8_cuda_weights) {
+      if (st.config().recipe == Fp8Recipe::Block) {  // 128x128 blocks, the scales after the codes
+        gpu::Fp8BlockCastArgs a;
+        a.rows = m.rows;
+        a.cols = m.cols;
+        a.in = m.data;
+        a.in_type = gpu::DType::BF16;
+        a.ld_in = m.ld;
+        a.out_type = gpu::DType::E4M3;
+        a.scaling = gpu::Fp8ScaleMode::Block128x128;
+        a.out = const_cast<void*>(slot->w_codes);
+        a.ld_out = m.cols;
+        a.scale_inv = gpu::fp8BlockTensorScales(a.out, m.rows, m.cols);
+        a.out_t = const_cast<void*>(slot->wt_codes);
+        a.ld_out_t = m.rows;
+        a.scale_inv_t = gpu::fp8BlockTensorScales(a.out_t, m.cols, m.rows);
+        gpu::castFp8Block(stream, a);
+        continue;
+      }
       gpu::Fp8CastArgs a;
       a.rows = m.rows;
       a.cols = m.cols;

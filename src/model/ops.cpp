@@ -192,6 +192,7 @@ struct OpContext::Cuda {
     const void* x = nullptr;
     std::int64_t rows = 0, cols = 0, ld = 0;
     void* codes = nullptr;
+    float* scales = nullptr;  // block scaling: X^T's 1x128 scale_inv, inside the codes' buffer
     std::size_t bytes = 0;
     bool valid = false;
     bool x_written = true;  // false: x's bf16 values were never written (fused GELU cast)
@@ -398,6 +399,7 @@ struct Mm {
   gpu::DType a_type = gpu::DType::BF16, b_type = gpu::DType::BF16;  // FP8: both E4M3/E5M2
   const float* a_scale_inv = nullptr;
   const float* b_scale_inv = nullptr;
+  gpu::Fp8ScaleMode a_scaling = gpu::Fp8ScaleMode::Tensor, b_scaling = gpu::Fp8ScaleMode::Tensor;
 #endif
 };
 
@@ -428,6 +430,8 @@ void runGemm(OpContext& ctx, const Mm& x) {
   g.b_type = x.b_type;
   g.a_scale_inv = x.a_scale_inv;
   g.b_scale_inv = x.b_scale_inv;
+  g.a_scaling = x.a_scaling;
+  g.b_scaling = x.b_scaling;
 #endif
   ctx.cuda().gemm.run(streamOf(ctx), g);
   ctx.mark(OpKind::Gemm);
@@ -537,7 +541,126 @@ struct Fp8Operand8 {
   std::int64_t ld = 0;
   gpu::DType type = gpu::DType::E4M3;
   const float* scale_inv = nullptr;
+  gpu::Fp8ScaleMode scaling = gpu::Fp8ScaleMode::Tensor;
+  // A Block1x128 A operand whose rows are not a multiple of 8 (castFp8Block's split_tail): the
+  // body's rows (the 8-row tail's codes follow them) and the tail's scales; -1: no tail.
+  std::int64_t body = -1;
+  const float* tail_scale_inv = nullptr;
 };
+
+bool blockScaling(const Fp8GemmSlot& s) { return s.scaling->config().recipe == Fp8Recipe::Block; }
+
+/// Block scaling: casts bf16 operand x (rows, cols) with 1x128 blocks (E4M3, power-of-two
+/// scales) into scratch: `direct` (rows, cols; a zero-padded 8-row tail where rows is not a
+/// multiple of 8, runFp8Gemm's tail GEMM) and/or `transposed` (cols, rows padded to 16: its
+/// own 1x128 blocks along the tokens; into `transposed_at` with its scales at
+/// `transposed_scales_at` when given); col_sum (optional) += column sums of x.
+void castOperandBlock(OpContext& ctx, const Mat& x, Fp8Operand8* direct, Fp8Operand8* transposed,
+                      float* col_sum = nullptr, int scratch_base = 20,
+                      void* transposed_at = nullptr, float* transposed_scales_at = nullptr) {
+  constexpr auto vec = gpu::Fp8ScaleMode::Block1x128;
+  if (direct) ctx.cuda().fp8_precast = {};
+  gpu::Fp8BlockCastArgs a;
+  a.rows = x.rows;
+  a.cols = x.cols;
+  a.in = cptr<bf16>(x);
+  a.in_type = gpu::DType::BF16;
+  a.ld_in = x.ld;
+  a.out_type = gpu::DType::E4M3;  // E4M3 both ways under block scaling
+  a.scaling = vec;
+  if (direct) {
+    const gpu::BlockTailSplit split = gpu::blockTailSplit(x.rows, x.cols);
+    a.ld_out = pad16(x.cols);
+    a.out = ctx.scratch(scratch_base, static_cast<std::size_t>(split.rows * a.ld_out));
+    a.scale_inv = static_cast<float*>(
+        ctx.scratch(scratch_base + 10, static_cast<std::size_t>(split.count) * sizeof(float)));
+    a.split_tail = split.split();
+    *direct = {a.out, a.ld_out, a.out_type, a.scale_inv, vec};
+    if (split.split()) {
+      direct->body = split.body;
+      direct->tail_scale_inv = a.scale_inv + split.tail_scales;
+    }
+  }
+  if (transposed) {
+    a.ld_out_t = pad16(x.rows);
+    a.out_t = transposed_at
+                  ? transposed_at
+                  : ctx.scratch(scratch_base + 1, static_cast<std::size_t>(x.cols * a.ld_out_t));
+    a.scale_inv_t =
+        transposed_scales_at
+            ? transposed_scales_at
+            : static_cast<float*>(ctx.scratch(
+                  scratch_base + 11,
+                  static_cast<std::size_t>(gpu::blockScaleLayout(vec, x.cols, x.rows).count) *
+                      sizeof(float)));
+    zeroTokenPadding(ctx, a.out_t, x.rows, x.cols);
+    *transposed = {a.out_t, a.ld_out_t, a.out_type, a.scale_inv_t, vec};
+  }
+  if (col_sum) {
+    a.col_sum = col_sum;
+    a.col_sum_accumulate = true;
+    a.workspace = ctx.scratch(scratch_base + 2, gpu::fp8ColSumWorkspace(x.rows, x.cols));
+  }
+  gpu::castFp8Block(streamOf(ctx), a);
+  markFp8Cast(ctx);
+}
+
+/// Copies `rows` rows of `cols` elements of `bytes` each between row-strided device matrices.
+void copyRows(OpContext& ctx, void* dst, std::int64_t ld_dst, const void* src, std::int64_t ld_src,
+              std::int64_t rows, std::int64_t cols, std::size_t bytes) {
+  PLM_CHECK_CUDA(cudaMemcpy2DAsync(
+      dst, static_cast<std::size_t>(ld_dst) * bytes, src, static_cast<std::size_t>(ld_src) * bytes,
+      static_cast<std::size_t>(cols) * bytes, static_cast<std::size_t>(rows),
+      cudaMemcpyDeviceToDevice, streamOf(ctx)));
+}
+
+/// Runs the FP8 GEMM m whose A operand is `a`.  cuBLASLt's block-scaled GEMM wants M (the
+/// tokens) in multiples of 8; where a 1x128 A was cast with a tail (rows not a multiple of 8),
+/// the body's rows run as one GEMM straight into D (and C, aux), and the tail as an 8-row GEMM
+/// on the tail's codes (zero rows past M) into scratch, of which the real rows are copied into
+/// D (and the GELU's aux): C's tail rows (the residual, or D itself when accumulating) and a
+/// dGELU's aux rows are copied in first.
+void runFp8Gemm(OpContext& ctx, const Mm& m, const Fp8Operand8& a) {
+  if (a.body < 0) return runGemm(ctx, m);
+  const std::int64_t body = a.body, tail = m.m - body;
+  PLM_REQUIRE(tail > 0 && tail < 8,
+              "plm::model: an FP8 block tail of " + std::to_string(tail) + " rows (a bug)");
+  if (body > 0) {
+    Mm b = m;
+    b.m = body;
+    runGemm(ctx, b);
+  }
+  const Mat& d = *m.d;
+  const std::size_t es = d.dtype == DType::BF16 ? 2 : 4;
+  const Mat dt{ctx.scratch(36, 8 * static_cast<std::size_t>(m.n) * es), d.dtype, 8, m.n, m.n};
+  auto row = [](const void* p, std::int64_t r, std::int64_t ld, std::size_t bytes) {
+    return static_cast<const std::uint8_t*>(p) + static_cast<std::size_t>(r * ld) * bytes;
+  };
+  Mm t = m;
+  t.m = 8;
+  t.a = row(m.a, body, m.lda, 1);
+  t.a_scale_inv = a.tail_scale_inv;
+  t.d = &dt;
+  if (m.beta != 0.0f) {
+    copyRows(ctx, dt.data, dt.ld, m.c ? row(m.c, body, m.ldc, es) : row(d.data, body, d.ld, es),
+             m.c ? m.ldc : d.ld, tail, m.n, es);
+    t.c = nullptr;
+    t.ldc = 0;
+  }
+  if (m.aux) {
+    t.aux = ctx.scratch(37, 8 * static_cast<std::size_t>(m.n) * 2);
+    t.ldaux = m.n;
+    if (m.epilogue == gpu::Epilogue::DGelu)
+      copyRows(ctx, t.aux, t.ldaux, row(m.aux, body, m.ldaux, 2), m.ldaux, tail, m.n, 2);
+  }
+  runGemm(ctx, t);
+  copyRows(ctx, const_cast<std::uint8_t*>(row(d.data, body, d.ld, es)), d.ld, dt.data, dt.ld, tail,
+           m.n, es);
+  if (m.aux && m.epilogue == gpu::Epilogue::BiasGeluAux)
+    copyRows(ctx, const_cast<std::uint8_t*>(row(m.aux, body, m.ldaux, 2)), m.ldaux, t.aux, t.ldaux,
+             tail, m.n, 2);
+  ctx.mark(OpKind::Other);
+}
 
 /// Casts bf16 operand `o` of the slot's GEMM, x (rows, cols), into scratch: `direct` (rows,
 /// cols) and/or `transposed` (cols, rows; into `transposed_at` when given); col_sum (optional)
@@ -598,7 +721,10 @@ void* keepTransposedInput(OpContext& ctx, const Fp8GemmSlot& s, const Mat& x) {
   auto& kept = ctx.cuda().fp8_kept[&s];
   kept.valid = false;
   if (!s.scaling->recording() || s.scaling->config().wgrad != Fp8Wgrad::Fp8) return nullptr;
-  const auto bytes = static_cast<std::size_t>(x.cols * pad16(x.rows));
+  const bool block = blockScaling(s);
+  const auto bytes =
+      block ? gpu::fp8BlockTensorBytes(gpu::Fp8ScaleMode::Block1x128, x.cols, pad16(x.rows))
+            : static_cast<std::size_t>(x.cols * pad16(x.rows));
   if (kept.bytes < bytes) {
     PLM_CHECK_CUDA(cudaFree(kept.codes));  // cudaFree synchronises: only while growing
     kept.codes = nullptr;
@@ -606,6 +732,7 @@ void* keepTransposedInput(OpContext& ctx, const Fp8GemmSlot& s, const Mat& x) {
     PLM_CHECK_CUDA(cudaMalloc(&kept.codes, bytes));
     kept.bytes = bytes;
   }
+  kept.scales = block ? gpu::fp8BlockTensorScales(kept.codes, x.cols, pad16(x.rows)) : nullptr;
   kept.x = x.data;
   kept.rows = x.rows;
   kept.cols = x.cols;
@@ -640,13 +767,21 @@ void setFp8(Mm& m, const Fp8Operand8& a, const Fp8Operand8& b) {
   m.ldb = b.ld;
   m.b_type = b.type;
   m.b_scale_inv = b.scale_inv;
+  m.a_scaling = a.scaling;
+  m.b_scaling = b.scaling;
 }
 
 /// The weight's codes as the B operand: W (out, in) for the forward, W^T (in, out) for dgrad.
+/// Under block scaling each copy carries its 128x128 scale_inv after its codes
+/// (gpu::fp8BlockTensorScales; esm2.cpp's bindFp8Cuda lays them out so).
 Fp8Operand8 weightCodes(const Fp8GemmSlot& s, const Mat& w, bool transposed) {
   const int k = static_cast<int>(Fp8Operand::Weight);
-  return {transposed ? s.wt_codes : s.w_codes, transposed ? w.rows : w.cols, gpu::DType::E4M3,
-          s.scaleInv(k)};
+  const void* codes = transposed ? s.wt_codes : s.w_codes;
+  const std::int64_t rows = transposed ? w.cols : w.rows, cols = transposed ? w.rows : w.cols;
+  if (blockScaling(s))
+    return {codes, cols, gpu::DType::E4M3, gpu::fp8BlockTensorScales(codes, rows, cols),
+            gpu::Fp8ScaleMode::Block128x128};
+  return {codes, cols, gpu::DType::E4M3, s.scaleInv(k)};
 }
 
 bool fusedFp8CastEnabled() {
@@ -727,6 +862,10 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
   if (precast) {
     const int k = static_cast<int>(Fp8Operand::Input);
     xq = {pre.codes, pre.ld_codes, gpuFormat(s.scaling->format(Fp8Operand::Input)), s.scaleInv(k)};
+  } else if (blockScaling(s)) {
+    void* kept = keepTransposedInput(ctx, s, x);
+    castOperandBlock(ctx, x, &xq, kept ? &xq_t : nullptr, nullptr, 20, kept,
+                     kept ? c.fp8_kept[&s].scales : nullptr);
   } else {
     void* kept = keepTransposedInput(ctx, s, x);
     castOperand(ctx, s, Fp8Operand::Input, x, &xq, kept ? &xq_t : nullptr, nullptr, 20, kept);
@@ -750,7 +889,7 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
     m.c = residual->data;
     m.ldc = residual->ld;
   }
-  runGemm(ctx, m);
+  runFp8Gemm(ctx, m, xq);
 }
 
 /// pre = x W^T + b, y = gelu(pre) with FP8 operands.  Where the FP8 GEMM that reads y is known
@@ -760,6 +899,24 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
 /// epilogue writes both and the reader casts y.
 void fp8LinearGeluCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& pre,
                        const Mat& y) {
+  if (blockScaling(*w.fp8)) {
+    // The GEMM writes the pre-activation (Bias epilogue: cuBLASLt's GELU_AUX_BIAS is not known
+    // to take block scales), one pass the GELU of its bf16 values (castFp8's gelu, no codes).
+    fp8ForwardCuda(ctx, x, w, b, pre, gpu::Epilogue::Bias, nullptr, nullptr);
+    gpu::Fp8CastArgs a;
+    a.rows = pre.rows;
+    a.cols = pre.cols;
+    a.in = cptr<bf16>(pre);
+    a.in_type = gpu::DType::BF16;
+    a.ld_in = pre.ld;
+    a.scale = w.fp8->scale(static_cast<int>(Fp8Operand::Input));  // read, unused: no codes
+    a.gelu = true;
+    a.gelu_out = mptr<bf16>(y);
+    a.ld_gelu_out = y.ld;
+    gpu::castFp8(streamOf(ctx), a);
+    ctx.mark(OpKind::Other);
+    return;
+  }
   const Fp8GemmSlot* reader = fp8ReaderOf(ctx, w.fp8);
   if (!reader || y.ld != y.cols || pre.ld != pre.cols) {
     fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::BiasGeluAux, &pre, nullptr);
@@ -810,9 +967,13 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
                      gpu::Epilogue epilogue = gpu::Epilogue::None, const Mat* aux = nullptr) {
   const Fp8GemmSlot& s = *w.fp8;
   const bool fp8_wgrad = s.scaling->config().wgrad == Fp8Wgrad::Fp8;
+  const bool block = blockScaling(s);
   Fp8Operand8 dyq, dyq_t;
-  castOperand(ctx, s, Fp8Operand::Grad, dy, &dyq, fp8_wgrad ? &dyq_t : nullptr,
-              fp8_wgrad ? db : nullptr);
+  if (block)
+    castOperandBlock(ctx, dy, &dyq, fp8_wgrad ? &dyq_t : nullptr, fp8_wgrad ? db : nullptr);
+  else
+    castOperand(ctx, s, Fp8Operand::Grad, dy, &dyq, fp8_wgrad ? &dyq_t : nullptr,
+                fp8_wgrad ? db : nullptr);
   if (!dx.empty()) {
     Mm m;
     m.tb = true;
@@ -821,7 +982,7 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
     m.k = dy.cols;
     setFp8(m, dyq, weightCodes(s, w, true));
     setInputGradientOutput(m, dx, accumulate, epilogue, aux);
-    runGemm(ctx, m);
+    runFp8Gemm(ctx, m, dyq);
   }
   if (!fp8_wgrad) {  // high precision: the bf16 GEMM, the bias gradient from its epilogue
     weightGradient(ctx, x, dy, dw, db, dw_beta);
@@ -831,6 +992,12 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
   if (const void* kept = keptTransposedInput(ctx, s, x)) {
     const int k = static_cast<int>(Fp8Operand::Input);
     xq_t = {kept, pad16(x.rows), gpuFormat(s.scaling->format(Fp8Operand::Input)), s.scaleInv(k)};
+    if (block) {
+      xq_t.scale_inv = ctx.cuda().fp8_kept[&s].scales;
+      xq_t.scaling = gpu::Fp8ScaleMode::Block1x128;
+    }
+  } else if (block) {
+    castOperandBlock(ctx, x, nullptr, &xq_t, nullptr, 24);
   } else {
     castOperand(ctx, s, Fp8Operand::Input, x, nullptr, &xq_t, nullptr, 24);
   }

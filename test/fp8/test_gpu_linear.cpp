@@ -1,9 +1,10 @@
 // The CUDA FP8 path of the GEMM dispatch points (ops.cpp: cast + cuBLASLt FP8 GEMM in Hopper's
 // TN layout) against the portable emulation (fp8_gemm.hpp) on the same values: a Linear layer
-// with bf16 x (T, in), W (out, in), bias and dY, per-tensor delayed and current scaling.  Both
-// sides quantise the same numbers with the same scales, so they differ only by the order (and
-// Hopper's FP8 accumulator) of the fp32 sums: 5e-4 norm-wise; a wrong scale, format or operand
-// layout gives errors of 1e-2 and more.  Checks forward, dgrad, wgrad and the bias gradient.
+// with bf16 x (T, in), W (out, in), bias and dY, per-tensor delayed and current scaling, and
+// block scaling (BlockScalingMatchesTheEmulation).  Both sides quantise the same numbers with the
+// same scales, so they differ only by the order (and Hopper's FP8 accumulator) of the fp32 sums:
+// 5e-4 norm-wise; a wrong scale, format or operand layout gives errors of 1e-2 and more.  Checks
+// forward, dgrad, wgrad and the bias gradient.
 #include "model/fp8_gemm.hpp"
 #include "model/fp8_scaling.hpp"
 #include "model/ops.hpp"
@@ -81,6 +82,19 @@ double normwise(const std::vector<float>& got, const std::vector<float>& want) {
     w += double(want[i]) * want[i];
   }
   return std::sqrt(d / w);
+}
+
+Mat bf16Mat(plm::View1<std::uint16_t>& v, std::int64_t rows, std::int64_t cols) {
+  v = plm::View1<std::uint16_t>("bf16", rows * cols);
+  return Mat{v.data(), DType::BF16, rows, cols, cols};
+}
+
+std::vector<float> hostBf16(const plm::View1<std::uint16_t>& v) {
+  std::vector<std::uint16_t> b(v.size());
+  Kokkos::deep_copy(Kokkos::View<std::uint16_t*, Kokkos::HostSpace>(b.data(), b.size()), v);
+  std::vector<float> f(b.size());
+  for (std::size_t i = 0; i < b.size(); ++i) f[i] = fromBf16(b[i]);
+  return f;
 }
 #endif
 
@@ -193,6 +207,138 @@ TEST(Fp8GpuLinear, MatchesTheEmulation) {
 #endif
 }
 
+// Block scaling (Transformer Engine's Float8BlockScaling) through the same dispatch points:
+// 1x128 casts of X and dY (and of their transposes for wgrad), 128x128 weight blocks with their
+// scales after the codes (as the model lays them out), E4M3 both ways.  cuBLASLt's block-scaled
+// GEMM wants M (the tokens) in multiples of 8: T = 150 and 5 run a body GEMM (none for 5) and an
+// 8-row tail GEMM (ops.cpp's runFp8Gemm), 256 none.  in = 320 and out = 192 give partial 128
+// blocks on both sides of the weight and along K.  Against the emulation on the same values
+// (5e-4 as above: both quantise with the same power-of-two block scales); the residual (C) and
+// accumulating dgrad copy C's tail rows in, the FFN's GELU (Bias epilogue + a GELU pass) and
+// dGELU (aux tail rows copied in) against the emulation's GEMMs and the tanh GELU on the host
+// (bf16 outputs: 5e-3).  The wgrad from the X^T kept by the forward is bitwise the one recast
+// by a fresh context.
+TEST(Fp8GpuLinear, BlockScalingMatchesTheEmulation) {
+#if !PLM_FP8_CUDA
+  GTEST_SKIP() << "no FP8 kernels (gpu/fp8.hpp) in this build";
+#else
+  using plm::gpu::Fp8ScaleMode;
+  const std::int64_t in = 320, out = 192;
+  std::mt19937 rng(17);
+  const Pair w = random(out, in, 0.05f, rng), b = random(1, out, 0.1f, rng);
+  Fp8Config c;
+  c.recipe = Fp8Recipe::Block;
+  Fp8Scaling scaling(c, 1);
+  scaling.setRecording(true);
+  Fp8GemmSlot slot{&scaling, 0, Fp8Gemm::FfnIn};
+  constexpr int kS = Fp8GemmSlot::kScaleStride;
+  plm::View1<float> dev("scales", 6 * kS + 3);
+  Kokkos::deep_copy(dev, 1.0f);
+  slot.scales = dev.data();
+  slot.amaxes = dev.data() + 6 * kS;
+  const std::size_t w_bytes = plm::gpu::fp8BlockTensorBytes(Fp8ScaleMode::Block128x128, out, in);
+  const std::size_t wt_at = (w_bytes + 255) / 256 * 256;
+  plm::View1<std::uint8_t> codes(
+      "codes", wt_at + plm::gpu::fp8BlockTensorBytes(Fp8ScaleMode::Block128x128, in, out));
+  slot.w_codes = codes.data();
+  slot.wt_codes = codes.data() + wt_at;
+  {
+    plm::gpu::Fp8BlockCastArgs a;
+    a.rows = out;
+    a.cols = in;
+    a.in = w.bf.data();
+    a.ld_in = in;
+    a.scaling = Fp8ScaleMode::Block128x128;
+    a.out = codes.data();
+    a.ld_out = in;
+    a.scale_inv = plm::gpu::fp8BlockTensorScales(a.out, out, in);
+    a.out_t = codes.data() + wt_at;
+    a.ld_out_t = out;
+    a.scale_inv_t = plm::gpu::fp8BlockTensorScales(a.out_t, in, out);
+    plm::gpu::castFp8Block(plm::ExecSpace().cuda_stream(), a);
+  }
+  Mat wm = w.mat();
+  wm.fp8 = &slot;
+  const Vec bias{b.bf.data(), DType::BF16, out};
+  Fp8GemmSlot emu{&scaling, 0, Fp8Gemm::FfnIn};
+  plm::View2<float> wq("wq", out, in);
+  fp8QuantizeOperand(plm::ExecSpace(), emu, Fp8Operand::Weight, Fp8Blocks::Square, false, w.f32,
+                     wq);
+  const plm::View1<float> b32(b.f32.data(), out);
+  auto gelu = [](double x) {
+    return 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
+  };
+  auto geluGrad = [](double x) {
+    const double u = 0.7978845608028654 * (x + 0.044715 * x * x * x), t = std::tanh(u);
+    return 0.5 * (1.0 + t) +
+           0.5 * x * (1.0 - t * t) * 0.7978845608028654 * (1.0 + 3.0 * 0.044715 * x * x);
+  };
+  for (const std::int64_t T : {std::int64_t(150), std::int64_t(5), std::int64_t(256)}) {
+    const std::string name = "T=" + std::to_string(T);
+    const Pair x = random(T, in, 1.5f, rng), dy = random(T, out, 2e-3f, rng);
+    const Pair res = random(T, out, 0.5f, rng), dx0 = random(T, in, 1e-3f, rng);
+    const Pair pre_in = random(T, in, 1.0f, rng);  // a pre-activation for the dGELU backward
+    OpContext ctx{plm::ExecSpace()};
+    plm::View2<float> y("y", T, out), yr("yr", T, out), dx("dx", T, in), dxa("dxa", T, in);
+    plm::View2<float> dw("dw", out, in), dw_a("dw_a", out, in);
+    plm::View1<float> db("db", out), db_a("db_a", out);
+    Kokkos::deep_copy(yr, res.f32);
+    Kokkos::deep_copy(dxa, dx0.f32);
+    linear(ctx, x.mat(), wm, bias, matOf(y));
+    linearBackward(ctx, x.mat(), wm, dy.mat(), matOf(dx), false, matOf(dw), vecOf(db));
+    linearResidual(ctx, x.mat(), wm, bias, matOf(res.f32), matOf(yr));
+    linearBackward(ctx, x.mat(), wm, dy.mat(), matOf(dxa), true, matOf(dw_a), vecOf(db_a));
+    // The FFN's GELU forward (bf16 pre and act) and the dGELU backward (bf16 dpre).
+    plm::View1<std::uint16_t> pre_v, act_v, dpre_v;
+    const Mat pre = bf16Mat(pre_v, T, out), act = bf16Mat(act_v, T, out);
+    const Mat dpre = bf16Mat(dpre_v, T, in);
+    plm::View2<float> dw_g("dw_g", out, in);
+    plm::View1<float> db_g("db_g", out);
+    linearGelu(ctx, x.mat(), wm, bias, pre, act);
+    linearBackwardGelu(ctx, x.mat(), wm, dy.mat(), pre_in.mat(), dpre, matOf(dw_g), vecOf(db_g));
+    Kokkos::fence();
+
+    plm::View2<float> y2("y2", T, out), dx2("dx2", T, in), dw2("dw2", out, in);
+    plm::View1<float> db2("db2", out);
+    fp8LinearForward(ctx, emu, x.f32, wq, b32, 0.0f, y2);
+    fp8LinearBackward(ctx, emu, x.f32, wq, dy.f32, 0.0f, dx2, dw2, db2);
+    Kokkos::fence();
+    const auto hy = host(y2), hdx = host(dx2), hdw = host(dw2), hres = host(res.f32),
+               hdx0 = host(dx0.f32), hpre_in = host(pre_in.f32);
+    EXPECT_LT(normwise(host(y), hy), 5e-4) << name << " forward";
+    EXPECT_LT(normwise(host(dx), hdx), 5e-4) << name << " dgrad";
+    EXPECT_LT(normwise(host(dw), hdw), 5e-4) << name << " wgrad";
+    const plm::View2<float> db_2d(db.data(), 1, out), db2_2d(db2.data(), 1, out);
+    EXPECT_LT(normwise(host(db_2d), host(db2_2d)), 1e-5) << name << " bias gradient";
+    std::vector<float> want_r(hy.size()), want_a(hdx.size()), want_act(hy.size()),
+        want_dpre(hdx.size());
+    for (std::size_t i = 0; i < hy.size(); ++i) {
+      want_r[i] = hy[i] + hres[i];
+      want_act[i] = static_cast<float>(gelu(hy[i]));
+    }
+    for (std::size_t i = 0; i < hdx.size(); ++i) {
+      want_a[i] = hdx0[i] + hdx[i];
+      want_dpre[i] = static_cast<float>(hdx[i] * geluGrad(hpre_in[i]));
+    }
+    EXPECT_LT(normwise(host(yr), want_r), 5e-4) << name << " forward with the residual (C)";
+    EXPECT_LT(normwise(host(dxa), want_a), 5e-4) << name << " accumulating dgrad";
+    EXPECT_TRUE(host(dw_a) == host(dw)) << name << " wgrad, second backward";
+    EXPECT_LT(normwise(hostBf16(pre_v), hy), 5e-3) << name << " GELU forward: pre-activation";
+    EXPECT_LT(normwise(hostBf16(act_v), want_act), 5e-3) << name << " GELU forward: output";
+    EXPECT_LT(normwise(hostBf16(dpre_v), want_dpre), 5e-3) << name << " dGELU backward";
+    {
+      OpContext fresh{plm::ExecSpace()};
+      plm::View2<float> dx_f("dx_f", T, in), dw_f("dw_f", out, in);
+      plm::View1<float> db_f("db_f", out);
+      linearBackward(fresh, x.mat(), wm, dy.mat(), matOf(dx_f), false, matOf(dw_f), vecOf(db_f));
+      Kokkos::fence();
+      EXPECT_TRUE(host(dw_f) == host(dw)) << name << " wgrad from the kept X^T vs recast X";
+      EXPECT_TRUE(host(dx_f) == host(dx)) << name << " dgrad, rerun";
+    }
+  }
+#endif
+}
+
 #if PLM_FP8_CUDA
 // One FP8 GEMM's device state (scales of `scaling`, the weight's codes and transpose), as the
 // model sets it up once per step.
@@ -239,18 +385,6 @@ struct DeviceSlot {
   }
 };
 
-Mat bf16Mat(plm::View1<std::uint16_t>& v, std::int64_t rows, std::int64_t cols) {
-  v = plm::View1<std::uint16_t>("bf16", rows * cols);
-  return Mat{v.data(), DType::BF16, rows, cols, cols};
-}
-
-std::vector<float> hostBf16(const plm::View1<std::uint16_t>& v) {
-  std::vector<std::uint16_t> b(v.size());
-  Kokkos::deep_copy(Kokkos::View<std::uint16_t*, Kokkos::HostSpace>(b.data(), b.size()), v);
-  std::vector<float> f(b.size());
-  for (std::size_t i = 0; i < b.size(); ++i) f[i] = fromBf16(b[i]);
-  return f;
-}
 #endif
 
 // The casts fused into their producers (ops.cpp, delayed scaling): a LayerNorm -> FFN-in
