@@ -18,39 +18,10 @@ the exit status 1 when a recipe misses it).  Exit status 1 also when a run fails
 metrics; 2 when matplotlib is missing (scripts/setup-debian.sh installs python3-matplotlib).
 """
 import argparse
-import json
 import os
-import shlex
-import subprocess
 import sys
-import time
 
-
-def load(run_dir):
-    train, evals = {}, {}
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return train, evals
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if r.get("kind") == "train" and "loss" in r:
-                train[int(r["step"])] = float(r["loss"])
-            elif r.get("kind") == "eval" and "valid_loss" in r:
-                evals[int(r["step"])] = float(r["valid_loss"])
-    return train, evals
-
-
-def smooth(values, window):
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
+from run_metrics import smooth, tail_mean, train_run
 
 
 def main():
@@ -86,33 +57,21 @@ def main():
     results = []
     for label, precision, recipe in runs:
         name = label.replace(" ", "_")
-        run_dir = os.path.join(os.path.abspath(a.work), name)
         sets = [f"train.precision={precision}", f"train.steps={a.steps}",
-                f"data.train={a.train}", f"data.valid={a.valid}", f"train.run_dir={run_dir}",
-                f"checkpoint.dir={run_dir}/ckpt", "checkpoint.resume=none",
-                "checkpoint.every=0"]
+                f"data.train={a.train}", f"data.valid={a.valid}"]
         if recipe:
             sets.append(f"fp8.recipe={recipe}")
-        sets += a.sets
-        cmd = shlex.split(a.launcher) + [a.plm, "train", a.deck]
-        for s in sets:
-            cmd += ["--set", s]
-        print("fp8_curves:", " ".join(shlex.quote(c) for c in cmd), flush=True)
-        start = time.time()
-        with open(os.path.join(os.path.abspath(a.work), name + ".log"), "w") as log:
-            rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-        train, evals = load(run_dir)
-        print(f"fp8_curves: {label}: rc={rc}, {len(train)} steps logged, "
-              f"{time.time() - start:.0f} s", flush=True)
-        if rc != 0 or not train:
+        rc, records, evals = train_run("fp8_curves", a.plm, a.deck, a.launcher, a.work, name,
+                                       sets + a.sets)
+        if rc != 0 or not records:
             print(f"fp8_curves: {label} failed; see {a.work}/{name}.log", file=sys.stderr)
             return 1
-        results.append((label, train, evals))
+        results.append((label, records, evals))
 
     fig, (ax_train, ax_valid) = plt.subplots(1, 2, figsize=(13, 4.8))
     for label, train, evals in results:
         steps = sorted(train)
-        losses = [train[s] for s in steps]
+        losses = [train[s]["loss"] for s in steps]
         line, = ax_train.plot(steps, smooth(losses, max(1, len(steps) // 50)), label=label)
         ax_train.plot(steps, losses, color=line.get_color(), alpha=0.2, linewidth=0.7)
         if evals:
@@ -132,11 +91,6 @@ def main():
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     fig.savefig(a.out, dpi=110)
-
-    def tail_mean(train):
-        steps = sorted(train)
-        k = max(1, len(steps) // 20)
-        return sum(train[s] for s in steps[-k:]) / k
 
     base_valid = results[0][2][max(results[0][2])] if results[0][2] else None
     base_train = tail_mean(results[0][1])

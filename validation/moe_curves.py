@@ -24,40 +24,12 @@ of steps <= --balance).  Exit status 1 when a run fails or logs nothing; 2 witho
 import argparse
 import json
 import os
-import shlex
 import statistics
-import subprocess
 import sys
-import time
+
+from run_metrics import load, smooth, tail_mean, train_run
 
 RUNS = ("dense", "moe")
-
-
-def load(run_dir):
-    train, evals = {}, {}
-    path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return train, evals
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            if r.get("kind") == "train" and "loss" in r:
-                train[int(r["step"])] = r
-            elif r.get("kind") == "eval" and "valid_loss" in r:
-                evals[int(r["step"])] = float(r["valid_loss"])
-    return train, evals
-
-
-def smooth(values, window):
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
-    return out
 
 
 def tokens_at(train):
@@ -78,25 +50,6 @@ def balance(train, warmup):
                 hi.setdefault(l["layer"], []).append(l["tokens_per_expert_max"] / mean)
                 lo.setdefault(l["layer"], []).append(l["tokens_per_expert_min"] / mean)
     return hi, lo, steps
-
-
-def run(a, name, extra):
-    run_dir = os.path.join(os.path.abspath(a.work), name)
-    sets = [f"train.steps={a.steps}", f"data.train={a.train}", f"data.valid={a.valid}",
-            f"train.run_dir={run_dir}", f"checkpoint.dir={run_dir}/ckpt",
-            "checkpoint.resume=none", "checkpoint.every=0", "train.log_every=1"]
-    sets += a.sets + extra
-    cmd = shlex.split(a.launcher) + [a.plm, "train", a.deck]
-    for s in sets:
-        cmd += ["--set", s]
-    print("moe_curves:", " ".join(shlex.quote(c) for c in cmd), flush=True)
-    start = time.time()
-    with open(os.path.join(os.path.abspath(a.work), name + ".log"), "w") as log:
-        rc = subprocess.call(cmd, stdout=log, stderr=subprocess.STDOUT)
-    train, _ = load(run_dir)
-    print(f"moe_curves: {name}: rc={rc}, {len(train)} steps logged, "
-          f"{time.time() - start:.0f} s", flush=True)
-    return rc == 0 and bool(train)
 
 
 def main():
@@ -129,7 +82,10 @@ def main():
             ap.error("--train, --steps and --moe-set are needed unless --plot-only")
         os.makedirs(a.work, exist_ok=True)
         for name, extra in (("dense", a.dense_sets), ("moe", a.moe_sets)):
-            if not run(a, name, extra):
+            sets = [f"train.steps={a.steps}", f"data.train={a.train}", f"data.valid={a.valid}",
+                    "train.log_every=1"] + a.sets + extra
+            rc, train, _ = train_run("moe_curves", a.plm, a.deck, a.launcher, a.work, name, sets)
+            if rc != 0 or not train:
                 print(f"moe_curves: {name} failed; see {a.work}/{name}.log", file=sys.stderr)
                 return 1
 
@@ -147,11 +103,6 @@ def main():
 
     def last_valid(evals):
         return (max(evals), evals[max(evals)]) if evals else (None, None)
-
-    def tail_mean(train):
-        steps = sorted(train)
-        k = max(1, len(steps) // 20)
-        return sum(train[s]["loss"] for s in steps[-k:]) / k
 
     rows = ["| run | parameters | tokens | final training loss | final validation loss |",
             "|---|---|---|---|---|"]
