@@ -1,0 +1,140 @@
+// The experts' dispatch point (see moe_experts.hpp): the loop over the ordinary dispatch points,
+// or on CUDA with bf16 the grouped launches of gpu/moe_grouped.hpp.
+#include "model/moe_experts.hpp"
+
+#include "core/error.hpp"
+#include "plm/plm_config.hpp"
+#if PLM_HAVE_CUDA
+#include "gpu/moe_grouped.hpp"
+#endif
+
+#include <string>
+
+namespace plm::model {
+namespace {
+
+/// Rows [first, first + rows) of m.
+Mat rowsOf(const Mat& m, std::int64_t first, std::int64_t rows) {
+  return Mat{static_cast<char*>(m.data) + first * m.ld * static_cast<std::int64_t>(sizeOf(m.dtype)),
+             m.dtype,
+             rows,
+             m.cols,
+             m.ld,
+             m.fp8};
+}
+
+#if PLM_HAVE_CUDA
+/// Scratch slot of OpContext holding the grouped launches' argument arrays.
+constexpr int kGroupedScratch = 40;
+
+bool contiguousBf16(const Mat& m) { return m.dtype == DType::BF16 && m.ld == m.cols; }
+
+/// Whether this call takes the grouped path: bf16 activations, bf16 weights (not FP8), fp32
+/// gradients, and gpu::chooseExpertGemm says Grouped for this shape.
+bool useGrouped(const std::vector<ExpertRows>& experts, const Mat& x, const Mat& pre,
+                bool backward) {
+  if (experts.empty() || !contiguousBf16(x) || !contiguousBf16(pre)) return false;
+  for (const auto& e : experts) {
+    if (e.w->w1.fp8 || e.w->w2.fp8 || e.w->w1.dtype != DType::BF16 ||
+        e.w->w2.dtype != DType::BF16 || e.w->b1.dtype != DType::BF16 ||
+        e.w->b2.dtype != DType::BF16)
+      return false;
+    if (backward && (e.g->w1.dtype != DType::F32 || e.g->w2.dtype != DType::F32 ||
+                     e.g->b1.dtype != DType::F32 || e.g->b2.dtype != DType::F32))
+      return false;
+  }
+  return gpu::chooseExpertGemm(gpu::expertGemmFromEnv(), static_cast<int>(experts.size()),
+                               static_cast<int>(x.cols),
+                               static_cast<int>(pre.cols)) == gpu::ExpertGemm::Grouped;
+}
+
+template <class E> const E* as(const void* p) { return static_cast<const E*>(p); }
+
+std::vector<gpu::ExpertWeights> weightsOf(const std::vector<ExpertRows>& experts,
+                                          std::vector<std::int64_t>& rows) {
+  std::vector<gpu::ExpertWeights> w(experts.size());
+  rows.resize(experts.size());
+  for (std::size_t e = 0; e < experts.size(); ++e) {
+    const DenseMlpWeights& x = *experts[e].w;
+    w[e] = {as<gpu::bf16>(x.w1.data), as<gpu::bf16>(x.b1.data), as<gpu::bf16>(x.w2.data),
+            as<gpu::bf16>(x.b2.data)};
+    rows[e] = experts[e].rows;
+  }
+  return w;
+}
+
+void* groupedWorkspace(OpContext& ctx, std::size_t experts, std::size_t& bytes) {
+  bytes = gpu::groupedExpertWorkspaceBytes(static_cast<int>(experts));
+  return ctx.scratch(kGroupedScratch, bytes);
+}
+#endif
+
+}  // namespace
+
+void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
+                    const Mat& pre, const Mat& act, const Mat& y) {
+#if PLM_HAVE_CUDA
+  if (useGrouped(experts, x, pre, false)) {
+    std::vector<std::int64_t> rows;
+    const auto w = weightsOf(experts, rows);
+    std::size_t bytes = 0;
+    void* ws = groupedWorkspace(ctx, experts.size(), bytes);
+    gpu::groupedExpertForward(ctx.space().cuda_stream(), w, rows, as<gpu::bf16>(x.data),
+                              static_cast<gpu::bf16*>(pre.data), static_cast<gpu::bf16*>(act.data),
+                              static_cast<gpu::bf16*>(y.data), static_cast<int>(x.cols),
+                              static_cast<int>(pre.cols), ws, bytes);
+    ctx.mark(OpKind::Gemm);
+    return;
+  }
+#endif
+  std::int64_t o = 0;
+  for (const auto& e : experts) {
+    if (e.rows > 0) {
+      linearGelu(ctx, rowsOf(x, o, e.rows), e.w->w1, e.w->b1, rowsOf(pre, o, e.rows),
+                 rowsOf(act, o, e.rows));
+      linear(ctx, rowsOf(act, o, e.rows), e.w->w2, e.w->b2, rowsOf(y, o, e.rows));
+    }
+    o += e.rows;
+  }
+}
+
+void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
+                     const Mat& pre, const Mat& act, const Mat& dy, const Mat& dpre,
+                     const Mat& dx) {
+  for (const auto& e : experts)
+    if (!e.g) throw Error("plm::model::expertsBackward: an expert without gradients (a bug)");
+#if PLM_HAVE_CUDA
+  if (useGrouped(experts, x, pre, true) && contiguousBf16(dy) && contiguousBf16(dpre) &&
+      contiguousBf16(dx) && contiguousBf16(act)) {
+    std::vector<std::int64_t> rows;
+    const auto w = weightsOf(experts, rows);
+    std::vector<gpu::ExpertGrads> g(experts.size());
+    for (std::size_t i = 0; i < experts.size(); ++i) {
+      const DenseMlpGrads& ge = *experts[i].g;
+      g[i] = {static_cast<float*>(ge.w1.data), static_cast<float*>(ge.b1.data),
+              static_cast<float*>(ge.w2.data), static_cast<float*>(ge.b2.data)};
+    }
+    std::size_t bytes = 0;
+    void* ws = groupedWorkspace(ctx, experts.size(), bytes);
+    gpu::groupedExpertBackward(ctx.space().cuda_stream(), w, g, rows, as<gpu::bf16>(x.data),
+                               as<gpu::bf16>(pre.data), as<gpu::bf16>(act.data),
+                               as<gpu::bf16>(dy.data), static_cast<gpu::bf16*>(dpre.data),
+                               static_cast<gpu::bf16*>(dx.data), static_cast<int>(x.cols),
+                               static_cast<int>(pre.cols), ws, bytes);
+    ctx.mark(OpKind::Gemm);
+    return;
+  }
+#endif
+  std::int64_t o = 0;
+  for (const auto& e : experts) {
+    if (e.rows > 0) {
+      linearBackwardGelu(ctx, rowsOf(act, o, e.rows), e.w->w2, rowsOf(dy, o, e.rows),
+                         rowsOf(pre, o, e.rows), rowsOf(dpre, o, e.rows), e.g->w2, e.g->b2);
+      linearBackward(ctx, rowsOf(x, o, e.rows), e.w->w1, rowsOf(dpre, o, e.rows),
+                     rowsOf(dx, o, e.rows), false, e.g->w1, e.g->b1);
+    }
+    o += e.rows;
+  }
+}
+
+}  // namespace plm::model
