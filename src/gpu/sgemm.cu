@@ -12,14 +12,6 @@
 namespace plm::gpu {
 namespace {
 
-void checkCublas(cublasStatus_t s, const char* call, const char* file, int line) {
-  if (s != CUBLAS_STATUS_SUCCESS)
-    throw Error(std::string("cuBLAS error ") + cublasGetStatusName(s) + " (" +
-                cublasGetStatusString(s) + ") in " + call + " at " + file + ":" +
-                std::to_string(line));
-}
-#define PLM_CHECK_CUBLAS(call) checkCublas((call), #call, __FILE__, __LINE__)
-
 /// One handle per thread, never destroyed: destroying it after the CUDA runtime has shut down
 /// (static destruction at exit) crashes, and the process owns one at most per thread.
 cublasHandle_t handle() {
