@@ -50,22 +50,26 @@ bool useGrouped(const std::vector<ExpertRows>& experts, const Mat& x, const Mat&
 
 template <class E> const E* as(const void* p) { return static_cast<const E*>(p); }
 
-std::vector<gpu::ExpertWeights> weightsOf(const std::vector<ExpertRows>& experts,
-                                          std::vector<std::int64_t>& rows) {
-  std::vector<gpu::ExpertWeights> w(experts.size());
-  rows.resize(experts.size());
-  for (std::size_t e = 0; e < experts.size(); ++e) {
-    const DenseMlpWeights& x = *experts[e].w;
-    w[e] = {as<gpu::bf16>(x.w1.data), as<gpu::bf16>(x.b1.data), as<gpu::bf16>(x.w2.data),
-            as<gpu::bf16>(x.b2.data)};
-    rows[e] = experts[e].rows;
-  }
-  return w;
-}
+/// What a grouped launch needs besides the tensors: the experts' bf16 weights, their row
+/// counts and the argument workspace (OpContext scratch).
+struct GroupedCall {
+  std::vector<gpu::ExpertWeights> w;
+  std::vector<std::int64_t> rows;
+  void* workspace = nullptr;
+  std::size_t bytes = 0;
+};
 
-void* groupedWorkspace(OpContext& ctx, std::size_t experts, std::size_t& bytes) {
-  bytes = gpu::groupedExpertWorkspaceBytes(static_cast<int>(experts));
-  return ctx.scratch(kGroupedScratch, bytes);
+GroupedCall groupedCall(OpContext& ctx, const std::vector<ExpertRows>& experts) {
+  GroupedCall c;
+  for (const auto& e : experts) {
+    const DenseMlpWeights& x = *e.w;
+    c.w.push_back({as<gpu::bf16>(x.w1.data), as<gpu::bf16>(x.b1.data), as<gpu::bf16>(x.w2.data),
+                   as<gpu::bf16>(x.b2.data)});
+    c.rows.push_back(e.rows);
+  }
+  c.bytes = gpu::groupedExpertWorkspaceBytes(static_cast<int>(experts.size()));
+  c.workspace = ctx.scratch(kGroupedScratch, c.bytes);
+  return c;
 }
 #endif
 
@@ -75,14 +79,11 @@ void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, cons
                     const Mat& pre, const Mat& act, const Mat& y) {
 #if PLM_HAVE_CUDA
   if (useGrouped(experts, x, pre, false)) {
-    std::vector<std::int64_t> rows;
-    const auto w = weightsOf(experts, rows);
-    std::size_t bytes = 0;
-    void* ws = groupedWorkspace(ctx, experts.size(), bytes);
-    gpu::groupedExpertForward(ctx.space().cuda_stream(), w, rows, as<gpu::bf16>(x.data),
+    const GroupedCall c = groupedCall(ctx, experts);
+    gpu::groupedExpertForward(ctx.space().cuda_stream(), c.w, c.rows, as<gpu::bf16>(x.data),
                               static_cast<gpu::bf16*>(pre.data), static_cast<gpu::bf16*>(act.data),
                               static_cast<gpu::bf16*>(y.data), static_cast<int>(x.cols),
-                              static_cast<int>(pre.cols), ws, bytes);
+                              static_cast<int>(pre.cols), c.workspace, c.bytes);
     ctx.mark(OpKind::Gemm);
     return;
   }
@@ -106,21 +107,18 @@ void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, con
 #if PLM_HAVE_CUDA
   if (useGrouped(experts, x, pre, true) && contiguousBf16(dy) && contiguousBf16(dpre) &&
       contiguousBf16(dx) && contiguousBf16(act)) {
-    std::vector<std::int64_t> rows;
-    const auto w = weightsOf(experts, rows);
+    const GroupedCall c = groupedCall(ctx, experts);
     std::vector<gpu::ExpertGrads> g(experts.size());
     for (std::size_t i = 0; i < experts.size(); ++i) {
       const DenseMlpGrads& ge = *experts[i].g;
       g[i] = {static_cast<float*>(ge.w1.data), static_cast<float*>(ge.b1.data),
               static_cast<float*>(ge.w2.data), static_cast<float*>(ge.b2.data)};
     }
-    std::size_t bytes = 0;
-    void* ws = groupedWorkspace(ctx, experts.size(), bytes);
-    gpu::groupedExpertBackward(ctx.space().cuda_stream(), w, g, rows, as<gpu::bf16>(x.data),
+    gpu::groupedExpertBackward(ctx.space().cuda_stream(), c.w, g, c.rows, as<gpu::bf16>(x.data),
                                as<gpu::bf16>(pre.data), as<gpu::bf16>(act.data),
                                as<gpu::bf16>(dy.data), static_cast<gpu::bf16*>(dpre.data),
                                static_cast<gpu::bf16*>(dx.data), static_cast<int>(x.cols),
-                               static_cast<int>(pre.cols), ws, bytes);
+                               static_cast<int>(pre.cols), c.workspace, c.bytes);
     ctx.mark(OpKind::Gemm);
     return;
   }
