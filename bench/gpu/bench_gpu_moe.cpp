@@ -4,13 +4,14 @@
 // 1. Forward kernels: MoE = permute (gatherRows in the host routing's order) + the experts'
 //    GEMMs + the fused gate-weighted unpermute with the residual; the experts run both ways, as
 //    the loop of cuBLASLt calls (bias+GELU up, bias down) and as CUTLASS grouped launches
-//    (gpu/moe_grouped.hpp; where this build has them); dense = the same two GEMMs over all tokens
-//    with ffn = top_k x expert_ffn.  Tokens are routed by model::route from logits with a
-//    per-expert offset (uneven load, max/mean printed).
+//    (gpu/moe_grouped.hpp; tiles 128x128 and 256x128; where this build has them); dense = the same
+//    two GEMMs over all tokens with ffn = top_k x expert_ffn.  Tokens are routed by model::route
+//    from logits with a per-expert offset (uneven load, max/mean printed).
 // 2. The training step's layers: MoeMlp (bf16 path: fp32 router GEMM on cuBLAS, device routing,
 //    permute, experts, unpermute; backward: unpermute backward, expert dgrad/wgrad with dGELU,
 //    router backward, combine) against DenseMlp of ffn = top_k x expert_ffn, forward and forward
-//    + backward, wall clock after a device synchronise, for PLM_MOE_GEMM = loop and grouped.
+//    + backward, wall clock after a device synchronise, for PLM_MOE_GEMM = loop and grouped
+//    (CTA tile 128 and 256, PLM_MOE_GROUPED_TILE).
 //    The phase split comes from OpContext's per-kind CUDA-event profile (expert GEMMs = "gemm";
 //    the rest of the layer: router GEMMs, routing, permute, unpermute, combine, bias/GELU passes).
 //
@@ -98,14 +99,18 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
     expertFfnForward(gemm, nullptr, weights, r.kept, xperm.as<bf16>(), pre.as<bf16>(),
                      act.as<bf16>(), y.as<bf16>(), hidden, expert_ffn);
   });
-  double grouped_ms = 0;
+  double grouped_ms[2] = {0, 0};  // tiles 128 and 256 (PLM_MOE_GROUPED_TILE)
   if (groupedExpertGemmAvailable()) {
     const std::size_t bytes = groupedExpertWorkspaceBytes(experts);
     Buffer ws(bytes);
-    grouped_ms = medianMs([&] {
-      groupedExpertForward(nullptr, weights, r.kept, xperm.as<bf16>(), pre.as<bf16>(),
-                           act.as<bf16>(), y.as<bf16>(), hidden, expert_ffn, ws.ptr, bytes);
-    });
+    for (int t = 0; t < 2; ++t) {
+      setenv("PLM_MOE_GROUPED_TILE", t ? "256" : "128", 1);
+      grouped_ms[t] = medianMs([&] {
+        groupedExpertForward(nullptr, weights, r.kept, xperm.as<bf16>(), pre.as<bf16>(),
+                             act.as<bf16>(), y.as<bf16>(), hidden, expert_ffn, ws.ptr, bytes);
+      });
+    }
+    unsetenv("PLM_MOE_GROUPED_TILE");
   }
   const double unpermute_ms = medianMs([&] {
     moeUnpermute(nullptr, y.as<bf16>(), slot_row.as<std::int32_t>(), slot_gate.as<float>(),
@@ -133,13 +138,15 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
       name, static_cast<long long>(tokens), hidden, experts, k, expert_ffn, most / mean,
       static_cast<long long>(r.dropped), dense_ms, dense_flops / dense_ms / 1e9, moe_ms, permute_ms,
       experts_ms, flops / experts_ms / 1e9, unpermute_ms, 100.0 * dense_ms / moe_ms, route_ms);
-  if (grouped_ms > 0) {
-    const double g_ms = permute_ms + grouped_ms + unpermute_ms;
-    std::printf(
-        "%-28s   experts grouped %.3f ms (%.0f TFLOP/s) vs loop %.3f ms (%.0f TFLOP/s) | "
-        "moe/dense tokens/s grouped %.1f%% loop %.1f%%\n",
-        "", grouped_ms, flops / grouped_ms / 1e9, experts_ms, flops / experts_ms / 1e9,
-        100.0 * dense_ms / g_ms, 100.0 * dense_ms / moe_ms);
+  if (grouped_ms[0] > 0) {
+    for (int t = 0; t < 2; ++t) {
+      const double g_ms = permute_ms + grouped_ms[t] + unpermute_ms;
+      std::printf(
+          "%-28s   experts grouped (tile %d) %.3f ms (%.0f TFLOP/s) vs loop %.3f ms "
+          "(%.0f TFLOP/s) | moe/dense tokens/s grouped %.1f%% loop %.1f%%\n",
+          "", t ? 256 : 128, grouped_ms[t], flops / grouped_ms[t] / 1e9, experts_ms,
+          flops / experts_ms / 1e9, 100.0 * dense_ms / g_ms, 100.0 * dense_ms / moe_ms);
+    }
   } else {
     std::printf("%-28s   experts grouped: not in this build or not an sm_90 GPU\n", "");
   }
@@ -268,12 +275,14 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
       "(%.0f TFLOP/s)\n",
       name, static_cast<long long>(tokens), hidden, experts, k, expert_ffn, dense_fwd_ms, dense_ms,
       flops / dense_ms / 1e9);
-  for (const char* mode : {"loop", "grouped"}) {
-    if (std::strcmp(mode, "grouped") == 0 && !plm::gpu::groupedExpertGemmAvailable()) {
-      std::printf("  grouped: not in this build or not an sm_90 GPU\n");
+  for (const char* mode : {"loop", "grouped", "grouped256"}) {
+    const bool grouped = std::strncmp(mode, "grouped", 7) == 0;
+    if (grouped && !plm::gpu::groupedExpertGemmAvailable()) {
+      std::printf("  %s: not in this build or not an sm_90 GPU\n", mode);
       continue;
     }
-    setenv("PLM_MOE_GEMM", mode, 1);
+    setenv("PLM_MOE_GEMM", grouped ? "grouped" : "loop", 1);
+    setenv("PLM_MOE_GROUPED_TILE", std::strcmp(mode, "grouped256") == 0 ? "256" : "128", 1);
     const double fwd_ms = medianWallMs([&] { moe.forward(ctx, saved.ln2, res, o, saved); });
     const double moe_ms = medianWallMs([&] { step(moe); });
     // One profiled step: the expert (and shared) GEMMs are "gemm"; the rest of the layer is the
@@ -290,7 +299,7 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
       (kind.rfind("gemm", 0) == 0 ? gemm_ms : other_ms) += t;
     ctx.setProfiling(false);
     std::printf(
-        "  %-7s moe fwd %.3f ms (%.1f%% of dense fwd) | fwd+bwd %.3f ms (%.0f TFLOP/s active) | "
+        "  %-10s moe fwd %.3f ms (%.1f%% of dense fwd) | fwd+bwd %.3f ms (%.0f TFLOP/s active) | "
         "bwd %.3f ms | profiled step %.3f ms: expert GEMMs %.3f, marked other %.3f, unmarked "
         "(router GEMMs, routing, permute, unpermute, combine) %.3f | moe/dense tokens/s "
         "%.1f%%\n",
@@ -298,6 +307,7 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
         one_ms, gemm_ms, other_ms, one_ms - gemm_ms - other_ms, 100.0 * dense_ms / moe_ms);
   }
   unsetenv("PLM_MOE_GEMM");
+  unsetenv("PLM_MOE_GROUPED_TILE");
   const auto& st = moe.stats();
   double most = 0, sum = 0;
   for (double v : st.routed) {

@@ -5,7 +5,6 @@
 
 #include "core/error.hpp"
 #include "gpu/detail/grouped_gemm.hpp"
-#include "gpu/fused.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -19,7 +18,8 @@ namespace plm::gpu {
 namespace detail {
 bool groupedCompiled() { return false; }
 std::size_t groupedWorkspaceBytes(GroupedLayout, int) { return 0; }
-void groupedRun(Stream, GroupedLayout, const GroupedProblem*, int, float, void*, std::size_t) {
+void groupedRun(Stream, GroupedLayout, GroupedTile, const GroupedProblem*, int, float, void*,
+                std::size_t) {
   throw Error(
       "plm::gpu: the grouped expert GEMM is not in this build (CUTLASS was not found when it "
       "was configured: run scripts/get-cutlass.sh and reconfigure, or set PLM_MOE_GEMM=loop)");
@@ -92,6 +92,32 @@ __global__ void biasGeluKernel(RowBlocks blocks, bfloat* pre, bfloat* act, int c
   }
 }
 
+/// dx = dy * gelu_tanh'(pre) (fused.cu's geluTanhBackward, 16 bytes per thread); in place
+/// (dx == dy) allowed.
+__global__ void geluBackwardVec8Kernel(const bfloat* dy, const bfloat* pre, bfloat* dx,
+                                       std::int64_t n8) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n8;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    uint4 d = reinterpret_cast<const uint4*>(dy)[i];
+    const uint4 p = reinterpret_cast<const uint4*>(pre)[i];
+    auto* dv = reinterpret_cast<__nv_bfloat162*>(&d);
+    const auto* pv = reinterpret_cast<const __nv_bfloat162*>(&p);
+    for (int j = 0; j < 4; ++j) {
+      const float2 g = __bfloat1622float2(dv[j]), x2 = __bfloat1622float2(pv[j]);
+      float out[2];
+      const float xs[2] = {x2.x, x2.y}, gs[2] = {g.x, g.y};
+      for (int h = 0; h < 2; ++h) {
+        const float x = xs[h], t = tanhf(c * (x + 0.044715f * x * x * x));
+        out[h] = gs[h] * (0.5f * (1.0f + t) +
+                          0.5f * x * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * x * x));
+      }
+      dv[j] = __floats2bfloat162_rn(out[0], out[1]);
+    }
+    reinterpret_cast<uint4*>(dx)[i] = d;
+  }
+}
+
 constexpr int kSumWarps = 8;
 constexpr int kSumCols = 64;  // per block: 32 lanes x 2 columns
 
@@ -140,6 +166,15 @@ std::vector<GroupedProblem> problemsOf(const std::vector<std::int64_t>& rows, Ma
   return out;
 }
 
+/// The CTA tile of the grouped launches: PLM_MOE_GROUPED_TILE=128 (default) or 256.
+detail::GroupedTile groupedTile() {
+  const char* v = std::getenv("PLM_MOE_GROUPED_TILE");
+  if (!v || !*v || std::string(v) == "128") return detail::GroupedTile::Small;
+  if (std::string(v) == "256") return detail::GroupedTile::Large;
+  throw Error("environment variable PLM_MOE_GROUPED_TILE: '" + std::string(v) +
+              "' is not a grouped GEMM tile; use 128 or 256");
+}
+
 /// One grouped launch; the workspace holds one argument block per layout, so the launches of
 /// one layer can queue back to back.
 void runGrouped(Stream stream, GroupedLayout layout, const std::vector<GroupedProblem>& p,
@@ -148,7 +183,7 @@ void runGrouped(Stream stream, GroupedLayout layout, const std::vector<GroupedPr
   if (per < detail::groupedWorkspaceBytes(layout, experts))
     throw Error("plm::gpu: grouped expert workspace of " + std::to_string(bytes) +
                 " bytes is too small (a bug: size it with groupedExpertWorkspaceBytes)");
-  detail::groupedRun(stream, layout, p.data(), static_cast<int>(p.size()), beta,
+  detail::groupedRun(stream, layout, groupedTile(), p.data(), static_cast<int>(p.size()), beta,
                      static_cast<char*>(workspace) + per * static_cast<int>(layout), per);
 }
 
@@ -245,6 +280,8 @@ void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& exper
   if (rows.size() != experts.size())
     throw Error("plm::gpu::groupedExpertForward: " + std::to_string(rows.size()) +
                 " row counts for " + std::to_string(experts.size()) + " experts (a bug)");
+  checkCols(hidden, "groupedExpertForward");
+  checkCols(ffn, "groupedExpertForward");
   const int e_n = static_cast<int>(experts.size());
   const auto up = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
     return GroupedProblem{
@@ -276,6 +313,8 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
     throw Error("plm::gpu::groupedExpertBackward: " + std::to_string(rows.size()) +
                 " row counts and " + std::to_string(grads.size()) + " gradients for " +
                 std::to_string(experts.size()) + " experts (a bug)");
+  checkCols(hidden, "groupedExpertBackward");
+  checkCols(ffn, "groupedExpertBackward");
   const int e_n = static_cast<int>(experts.size());
   std::int64_t total = 0;
   for (auto n : rows) total += n;
@@ -287,7 +326,14 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
   });
   if (dact.empty()) return;
   runGrouped(stream, GroupedLayout::Dgrad, dact, 0.0f, workspace, workspace_bytes, e_n);
-  geluTanhBackward(stream, dpre, pre, dpre, total * ffn);
+  {
+    const std::int64_t n8 = total * ffn / 8;  // ffn % 8 == 0 (checked by chooseExpertGemm)
+    geluBackwardVec8Kernel<<<static_cast<unsigned>(std::min<std::int64_t>((n8 + 255) / 256, 4096)),
+                             256, 0, stream>>>(reinterpret_cast<const bfloat*>(dpre),
+                                               reinterpret_cast<const bfloat*>(pre),
+                                               reinterpret_cast<bfloat*>(dpre), n8);
+    PLM_CHECK_CUDA(cudaGetLastError());
+  }
   // dW2 (hidden, ffn) += dy^T act; dW1 (ffn, hidden) += dpre^T x.
   const auto dw2 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
     return GroupedProblem{

@@ -6,8 +6,8 @@
 // routing's permutation lays them out); experts without rows are left out of the group (their
 // weight gradients are not touched).  The grouped GEMMs have no bias/GELU epilogue, so the
 // forward runs grouped x W1^T, one fused pass pre += b1, act = gelu_tanh(pre) (16-byte vectors),
-// grouped act W2^T and one pass y += b2; the backward runs grouped dy W2, dGELU in place,
-// grouped dW2 += dy^T act and dW1 += dpre^T x (fp32, accumulated), the bias gradients as
+// grouped act W2^T and one pass y += b2; the backward runs grouped dy W2, dGELU in place (16 bytes
+// a thread), grouped dW2 += dy^T act and dW1 += dpre^T x (fp32, accumulated), the bias gradients as
 // fixed-order column sums per expert, and grouped dx = dpre W1.  The per-launch arguments go
 // to the device as kernel parameters (no copy, no synchronisation).  Which path runs is chosen
 // here (ExpertGemm), by the measured crossover (doc/performance.md "MoE grouped GEMM"): the

@@ -24,6 +24,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 
+#include <algorithm>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -37,17 +38,20 @@ using Shape3 = ProblemShape::UnderlyingProblemShape;
 
 /// One grouped GEMM: A and B layouts in CUTLASS's terms (B is (K,N): ColumnMajor = stored
 /// (N,K) row-major), D row-major of ElementD, C = D when it has a type (Wgrad's beta).
-/// Cooperative 128x128x64 tiles in 1x2 clusters: the usual bf16 choice on the H100; the
-/// experts' row counts are not multiples of anything, so the tile in M is kept at 128.
-template <class LayoutA, class LayoutB, class ElementD, class ElementC> struct GroupedKernel {
+/// Cooperative kernel; two tile configurations (the two usual bf16 choices on the H100):
+/// 128x128x64 in 1x2 clusters (Small) and 256x128x64 in 2x1 clusters (Large, fewer tiles for
+/// large experts, more waste on ragged row blocks).
+template <class LayoutA, class LayoutB, class ElementD, class ElementC, class TileShape_,
+          class ClusterShape_>
+struct GroupedKernel {
   using ElementAB = cutlass::bfloat16_t;
   using Acc = float;
   using LayoutD = cutlass::layout::RowMajor;
   static constexpr int kAlignAB = 8;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 16 / int(sizeof(float));
-  using TileShape = Shape<_128, _128, _64>;
-  using ClusterShape = Shape<_1, _2, _1>;
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc, ElementC, LayoutD*, kAlignC,
@@ -68,12 +72,24 @@ template <class LayoutA, class LayoutB, class ElementD, class ElementC> struct G
   using CPtr = std::conditional_t<std::is_void_v<ElementC>, const void*, const ElementC*>;
 };
 
-using ForwardKernel = GroupedKernel<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor,
-                                    cutlass::bfloat16_t, void>;
-using DgradKernel =
-    GroupedKernel<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t, void>;
-using WgradKernel =
-    GroupedKernel<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, float>;
+struct Small {
+  using Tile = Shape<_128, _128, _64>;
+  using Cluster = Shape<_1, _2, _1>;
+};
+struct Large {
+  using Tile = Shape<_256, _128, _64>;
+  using Cluster = Shape<_2, _1, _1>;
+};
+
+template <class C> using ForwardKernel =
+    GroupedKernel<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
+                  void, typename C::Tile, typename C::Cluster>;
+template <class C> using DgradKernel =
+    GroupedKernel<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t, void,
+                  typename C::Tile, typename C::Cluster>;
+template <class C> using WgradKernel =
+    GroupedKernel<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, float,
+                  typename C::Tile, typename C::Cluster>;
 
 /// A packed stride with its one run-time entry (the leading dimension) set.
 template <class S> __host__ __device__ S strideOf(std::int64_t ld) {
@@ -223,29 +239,42 @@ bool groupedCompiled() { return true; }
 
 std::size_t groupedWorkspaceBytes(GroupedLayout layout, int groups) {
   switch (layout) {
-    case GroupedLayout::Forward: return workspaceBytes<ForwardKernel>(groups);
-    case GroupedLayout::Dgrad: return workspaceBytes<DgradKernel>(groups);
-    case GroupedLayout::Wgrad: return workspaceBytes<WgradKernel>(groups);
+    case GroupedLayout::Forward:
+      return std::max(workspaceBytes<ForwardKernel<Small>>(groups),
+                      workspaceBytes<ForwardKernel<Large>>(groups));
+    case GroupedLayout::Dgrad:
+      return std::max(workspaceBytes<DgradKernel<Small>>(groups),
+                      workspaceBytes<DgradKernel<Large>>(groups));
+    case GroupedLayout::Wgrad:
+      return std::max(workspaceBytes<WgradKernel<Small>>(groups),
+                      workspaceBytes<WgradKernel<Large>>(groups));
   }
   return 0;
 }
 
-void groupedRun(Stream stream, GroupedLayout layout, const GroupedProblem* problems, int groups,
-                float beta, void* workspace, std::size_t workspace_bytes) {
+void groupedRun(Stream stream, GroupedLayout layout, GroupedTile tile,
+                const GroupedProblem* problems, int groups, float beta, void* workspace,
+                std::size_t workspace_bytes) {
   if (groups == 0) return;
   if (groups < 0 || groups > kMaxGroups)
     throw Error("plm::gpu::groupedRun: " + std::to_string(groups) + " groups (at most " +
                 std::to_string(kMaxGroups) + "; a bug in the caller)");
+  const bool large = tile == GroupedTile::Large;
+  auto run = [&](auto small_kernel, auto large_kernel, float b, const char* what) {
+    using S = decltype(small_kernel);
+    using L = decltype(large_kernel);
+    if (large)
+      runKernel<L>(stream, problems, groups, b, workspace, workspace_bytes, what);
+    else
+      runKernel<S>(stream, problems, groups, b, workspace, workspace_bytes, what);
+  };
   switch (layout) {
     case GroupedLayout::Forward:
-      return runKernel<ForwardKernel>(stream, problems, groups, 0.0f, workspace, workspace_bytes,
-                                      "forward");
+      return run(ForwardKernel<Small>{}, ForwardKernel<Large>{}, 0.0f, "forward");
     case GroupedLayout::Dgrad:
-      return runKernel<DgradKernel>(stream, problems, groups, 0.0f, workspace, workspace_bytes,
-                                    "dgrad");
+      return run(DgradKernel<Small>{}, DgradKernel<Large>{}, 0.0f, "dgrad");
     case GroupedLayout::Wgrad:
-      return runKernel<WgradKernel>(stream, problems, groups, beta, workspace, workspace_bytes,
-                                    "wgrad");
+      return run(WgradKernel<Small>{}, WgradKernel<Large>{}, beta, "wgrad");
   }
 }
 

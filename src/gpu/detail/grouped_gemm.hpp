@@ -18,6 +18,9 @@ namespace plm::gpu::detail {
 enum class GroupedLayout { Forward, Dgrad, Wgrad };
 constexpr int kGroupedLayouts = 3;
 
+/// The CTA tile: Small = 128x128x64 in 1x2 clusters, Large = 256x128x64 in 2x1 clusters.
+enum class GroupedTile { Small, Large };
+
 /// One group (one expert): sizes, device pointers and row strides (elements) as stored.
 struct GroupedProblem {
   int m = 0, n = 0, k = 0;
@@ -36,14 +39,15 @@ constexpr int kMaxGroups = 256;
 bool groupedCompiled();
 
 /// \brief Device workspace bytes groupedRun needs for `groups` groups of `layout` (argument
-/// arrays and CUTLASS's own workspace).
+/// arrays and CUTLASS's own workspace), either tile.
 std::size_t groupedWorkspaceBytes(GroupedLayout layout, int groups);
 
 /// \brief Enqueues all groups in one kernel launch on `stream`: the argument arrays are written
 /// on the device by a setup kernel whose parameter holds the problems (no host copy, no sync).
 /// Groups must have m, n, k > 0; pointers 16-byte aligned; n, k and the leading dimensions
 /// multiples of 8.  `beta` applies to Wgrad only (1 accumulates into D).
-void groupedRun(Stream stream, GroupedLayout layout, const GroupedProblem* problems, int groups,
-                float beta, void* workspace, std::size_t workspace_bytes);
+void groupedRun(Stream stream, GroupedLayout layout, GroupedTile tile,
+                const GroupedProblem* problems, int groups, float beta, void* workspace,
+                std::size_t workspace_bytes);
 
 }  // namespace plm::gpu::detail
