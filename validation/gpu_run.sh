@@ -456,7 +456,7 @@ if has moe_grouped; then
   : > "$out/moe_grouped_tests.log"
   for t in test_gpu_moe_grouped test_gpu_moe test_gpu_moe_bf16; do
     [[ -x "$pkg/bin/$t" ]] || { note "moe_grouped: no $t in $pkg/bin"; continue; }
-    timeout 120 "$pkg/bin/$t" > "$out/$t.log" 2>&1
+    timeout ${PLM_MOE_TEST_TIMEOUT:-120} "$pkg/bin/$t" > "$out/$t.log" 2>&1
     note "$t rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$out/$t.log" | tr '\n' ' ')"
     grep -E "Failure|Expected|Which is|FAILED|rel|SKIPPED" "$out/$t.log" | head -30 | tee -a "$summary"
     cat "$out/$t.log" >> "$out/moe_grouped_tests.log"
