@@ -213,7 +213,7 @@ bool groupedExpertGemmAvailable() {
   return ok;
 }
 
-ExpertGemm chooseExpertGemm(ExpertGemm asked, int experts, int hidden, int ffn) {
+ExpertGemm chooseExpertGemm(ExpertGemm asked, int experts, int hidden, int ffn, bool backward) {
   const bool shapes_ok = experts <= kMaxGroups && hidden % 8 == 0 && ffn % 8 == 0;
   if (asked == ExpertGemm::Grouped) {
     if (!groupedExpertGemmAvailable())
@@ -234,10 +234,14 @@ ExpertGemm chooseExpertGemm(ExpertGemm asked, int experts, int hidden, int ffn) 
   }
   if (asked == ExpertGemm::Loop || !shapes_ok || !groupedExpertGemmAvailable())
     return ExpertGemm::Loop;
-  // The crossover measured on one H100 (doc/performance.md "MoE grouped GEMM"): one launch wins
-  // once the experts are many (their per-expert GEMMs too small to fill the GPU one at a time);
-  // with few large experts cuBLASLt's per-shape kernels with fused epilogues win.
-  return experts >= 16 ? ExpertGemm::Grouped : ExpertGemm::Loop;
+  // The crossover measured on one H100 (doc/performance.md "MoE grouped GEMM", training layer
+  // forward and backward apart): one launch wins once the experts are many (a per-expert GEMM
+  // too small to fill the GPU); forward, cuBLASLt's fused bias + GELU epilogue beats the grouped
+  // GEMM's extra passes at 8 experts; backward (five launches per expert in the loop, four
+  // grouped ones in all) grouped wins up to the 650M-like experts, the loop at AIDO-like ones.
+  if (experts >= 16) return ExpertGemm::Grouped;
+  const std::int64_t weight = std::int64_t(hidden) * ffn;
+  return backward && weight <= (std::int64_t(8) << 20) ? ExpertGemm::Grouped : ExpertGemm::Loop;
 }
 
 std::size_t groupedExpertWorkspaceBytes(int experts) {

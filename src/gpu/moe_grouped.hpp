@@ -34,9 +34,14 @@ ExpertGemm parseExpertGemm(const std::string& value, const std::string& where);
 ExpertGemm expertGemmFromEnv();
 /// \brief True when the grouped kernels are compiled in (CUTLASS found) and the device is sm_90.
 bool groupedExpertGemmAvailable();
-/// \brief Loop or Grouped for a layer of `experts` experts (hidden, ffn); Grouped asked for
-/// where it is not available throws plm::Error saying so.
-ExpertGemm chooseExpertGemm(ExpertGemm asked, int experts, int hidden, int ffn);
+/// \brief Loop or Grouped for the forward (backward = false) or backward GEMMs of a layer of
+/// `experts` experts (hidden, ffn); Grouped asked for where it is not available throws
+/// plm::Error saying so.  Auto, from the H100 measurements of doc/performance.md "MoE grouped
+/// GEMM": forward grouped from 16 experts on (cuBLASLt's fused bias/GELU epilogues win below);
+/// backward grouped from 16 experts on or while an expert's weight (hidden x ffn) is at most
+/// 8M elements (650M-like 1280 x 2560 grouped, AIDO-like 2304 x 7680 looped).
+ExpertGemm chooseExpertGemm(ExpertGemm asked, int experts, int hidden, int ffn,
+                            bool backward = false);
 
 /// fp32 gradients of one expert (device pointers), accumulated (+=).
 struct ExpertGrads {

@@ -44,8 +44,8 @@ bool useGrouped(const std::vector<ExpertRows>& experts, const Mat& x, const Mat&
       return false;
   }
   return gpu::chooseExpertGemm(gpu::expertGemmFromEnv(), static_cast<int>(experts.size()),
-                               static_cast<int>(x.cols),
-                               static_cast<int>(pre.cols)) == gpu::ExpertGemm::Grouped;
+                               static_cast<int>(x.cols), static_cast<int>(pre.cols),
+                               backward) == gpu::ExpertGemm::Grouped;
 }
 
 template <class E> const E* as(const void* p) { return static_cast<const E*>(p); }

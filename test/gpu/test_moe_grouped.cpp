@@ -189,6 +189,12 @@ TEST(MoeGrouped, ChoiceAndErrors) {
   EXPECT_EQ(chooseExpertGemm(ExpertGemm::Auto, 64, 1280, 636), ExpertGemm::Loop);
   if (groupedExpertGemmAvailable()) {
     EXPECT_EQ(chooseExpertGemm(ExpertGemm::Auto, 64, 1280, 640), ExpertGemm::Grouped);
+    EXPECT_EQ(chooseExpertGemm(ExpertGemm::Auto, 64, 1280, 640, true), ExpertGemm::Grouped);
+    // The measured crossover: 8 experts forward by the loop; backward grouped at 1280 x 2560,
+    // looped at 2304 x 7680.
+    EXPECT_EQ(chooseExpertGemm(ExpertGemm::Auto, 8, 1280, 2560), ExpertGemm::Loop);
+    EXPECT_EQ(chooseExpertGemm(ExpertGemm::Auto, 8, 1280, 2560, true), ExpertGemm::Grouped);
+    EXPECT_EQ(chooseExpertGemm(ExpertGemm::Auto, 8, 2304, 7680, true), ExpertGemm::Loop);
     EXPECT_THROW(chooseExpertGemm(ExpertGemm::Grouped, 8, 1280, 636), Error);
   } else {
     EXPECT_THROW(chooseExpertGemm(ExpertGemm::Grouped, 8, 1280, 640), Error);
