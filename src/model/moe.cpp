@@ -615,7 +615,7 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
       blocks[i] = {&s.w.experts[s.first_expert + i], nullptr, s.local_rows[i]};
     const std::int64_t n = s.expert_rows;
     expertsForward(ctx, blocks, rowsAs(s.xexp, cdt, 0, n, hid), rowsAs(s.pre, cdt, 0, n, fe),
-                   rowsAs(s.act, cdt, 0, n, fe), rowsAs(s.yexp, cdt, 0, n, hid));
+                   rowsAs(s.act, cdt, 0, n, fe), rowsAs(s.yexp, cdt, 0, n, hid), c.expert_gemm);
   }
   if (s.distributed()) s.fromExperts(ctx, s.yexp, s.y);
 
@@ -742,7 +742,7 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
     const std::int64_t n = s.expert_rows;
     expertsBackward(ctx, blocks, rowsAs(s.xexp, cdt, 0, n, hid), rowsAs(s.pre, cdt, 0, n, fe),
                     rowsAs(s.act, cdt, 0, n, fe), rowsAs(dyexp, cdt, 0, n, hid),
-                    rowsAs(dpre, cdt, 0, n, fe), rowsAs(dxexp, cdt, 0, n, hid));
+                    rowsAs(dpre, cdt, 0, n, fe), rowsAs(dxexp, cdt, 0, n, hid), c.expert_gemm);
   }
   if (s.distributed()) s.fromExperts(ctx, dxexp, dx);
 

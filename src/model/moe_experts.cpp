@@ -31,8 +31,8 @@ bool contiguousBf16(const Mat& m) { return m.dtype == DType::BF16 && m.ld == m.c
 
 /// Whether this call takes the grouped path: bf16 activations, bf16 weights (not FP8), fp32
 /// gradients, and gpu::chooseExpertGemm says Grouped for this shape.
-bool useGrouped(const std::vector<ExpertRows>& experts, const Mat& x, const Mat& pre,
-                bool backward) {
+bool useGrouped(const std::vector<ExpertRows>& experts, const Mat& x, const Mat& pre, bool backward,
+                ExpertGemmMode mode) {
   if (experts.empty() || !contiguousBf16(x) || !contiguousBf16(pre)) return false;
   for (const auto& e : experts) {
     if (e.w->w1.fp8 || e.w->w2.fp8 || e.w->w1.dtype != DType::BF16 ||
@@ -43,9 +43,13 @@ bool useGrouped(const std::vector<ExpertRows>& experts, const Mat& x, const Mat&
                      e.g->b1.dtype != DType::F32 || e.g->b2.dtype != DType::F32))
       return false;
   }
-  return gpu::chooseExpertGemm(gpu::expertGemmFromEnv(), static_cast<int>(experts.size()),
-                               static_cast<int>(x.cols), static_cast<int>(pre.cols),
-                               backward) == gpu::ExpertGemm::Grouped;
+  gpu::ExpertGemm asked = gpu::expertGemmFromEnv();  // the environment overrides the deck
+  if (asked == gpu::ExpertGemm::Auto)
+    asked = mode == ExpertGemmMode::Loop      ? gpu::ExpertGemm::Loop
+            : mode == ExpertGemmMode::Grouped ? gpu::ExpertGemm::Grouped
+                                              : gpu::ExpertGemm::Auto;
+  return gpu::chooseExpertGemm(asked, static_cast<int>(experts.size()), static_cast<int>(x.cols),
+                               static_cast<int>(pre.cols), backward) == gpu::ExpertGemm::Grouped;
 }
 
 template <class E> const E* as(const void* p) { return static_cast<const E*>(p); }
@@ -76,9 +80,9 @@ GroupedCall groupedCall(OpContext& ctx, const std::vector<ExpertRows>& experts) 
 }  // namespace
 
 void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
-                    const Mat& pre, const Mat& act, const Mat& y) {
+                    const Mat& pre, const Mat& act, const Mat& y, ExpertGemmMode mode) {
 #if PLM_HAVE_CUDA
-  if (useGrouped(experts, x, pre, false)) {
+  if (useGrouped(experts, x, pre, false, mode)) {
     const GroupedCall c = groupedCall(ctx, experts);
     gpu::groupedExpertForward(ctx.space().cuda_stream(), c.w, c.rows, as<gpu::bf16>(x.data),
                               static_cast<gpu::bf16*>(pre.data), static_cast<gpu::bf16*>(act.data),
@@ -87,6 +91,8 @@ void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, cons
     ctx.mark(OpKind::Gemm);
     return;
   }
+#else
+  (void)mode;  // the choice exists on the CUDA build only
 #endif
   std::int64_t o = 0;
   for (const auto& e : experts) {
@@ -100,12 +106,12 @@ void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, cons
 }
 
 void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
-                     const Mat& pre, const Mat& act, const Mat& dy, const Mat& dpre,
-                     const Mat& dx) {
+                     const Mat& pre, const Mat& act, const Mat& dy, const Mat& dpre, const Mat& dx,
+                     ExpertGemmMode mode) {
   for (const auto& e : experts)
     if (!e.g) throw Error("plm::model::expertsBackward: an expert without gradients (a bug)");
 #if PLM_HAVE_CUDA
-  if (useGrouped(experts, x, pre, true) && contiguousBf16(dy) && contiguousBf16(dpre) &&
+  if (useGrouped(experts, x, pre, true, mode) && contiguousBf16(dy) && contiguousBf16(dpre) &&
       contiguousBf16(dx) && contiguousBf16(act)) {
     const GroupedCall c = groupedCall(ctx, experts);
     std::vector<gpu::ExpertGrads> g(experts.size());
@@ -122,6 +128,8 @@ void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, con
     ctx.mark(OpKind::Gemm);
     return;
   }
+#else
+  (void)mode;
 #endif
   std::int64_t o = 0;
   for (const auto& e : experts) {
