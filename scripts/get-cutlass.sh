@@ -16,21 +16,14 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$version" && -f "$prefix/include/cutl
   echo "get-cutlass: $prefix holds CUTLASS $version; nothing to do"
   exit 0
 fi
-pip=${PIP:-python3 -m pip}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
-$pip download --quiet --no-deps --only-binary=:all: --dest "$work" "nvidia-cutlass==$version" ||
-  $pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 \
-    --dest "$work" "nvidia-cutlass==$version"
-wheel=$(ls "$work"/nvidia_cutlass-*.whl | head -1)
-python3 - "$wheel" "$work/x" <<'PY'
-import sys, zipfile
-keep = ("cutlass_library/source/include/", "cutlass_library/source/tools/util/include/")
-with zipfile.ZipFile(sys.argv[1]) as z:
-    z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith(keep)])
-PY
+# shellcheck source=scripts/wheel-headers.sh
+source "$(dirname "$0")/wheel-headers.sh"
+wheel_extract nvidia-cutlass "$version" "$work" cutlass_library/source/include/ \
+  cutlass_library/source/tools/util/include/
 src="$work/x/cutlass_library/source"
-[[ -f "$src/include/cutlass/cutlass.h" ]] || { echo "get-cutlass: $wheel has no cutlass_library/source/include/cutlass/cutlass.h" >&2; exit 1; }
+[[ -f "$src/include/cutlass/cutlass.h" ]] || { echo "get-cutlass: the nvidia-cutlass $version wheel has no cutlass_library/source/include/cutlass/cutlass.h" >&2; exit 1; }
 [[ -f "$src/include/cutlass/gemm/group_array_problem_shape.hpp" ]] ||
   { echo "get-cutlass: CUTLASS $version has no grouped-GEMM problem shape (need 3.5 or newer)" >&2; exit 1; }
 mkdir -p "$prefix"
