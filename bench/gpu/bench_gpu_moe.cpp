@@ -10,8 +10,8 @@
 // 2. The training step's layers: MoeMlp (bf16 path: fp32 router GEMM on cuBLAS, device routing,
 //    permute, experts, unpermute; backward: unpermute backward, expert dgrad/wgrad with dGELU,
 //    router backward, combine) against DenseMlp of ffn = top_k x expert_ffn, forward and forward
-//    + backward, wall clock after a device synchronise, for PLM_MOE_GEMM = loop and grouped
-//    (CTA tile 128 and 256, PLM_MOE_GROUPED_TILE).
+//    + backward, wall clock after a device synchronise, for PLM_MOE_GEMM = loop, grouped (CTA
+//    tile 128 and 256, PLM_MOE_GROUPED_TILE) and auto (the per-direction pick).
 //    The phase split comes from OpContext's per-kind CUDA-event profile (expert GEMMs = "gemm";
 //    the rest of the layer: router GEMMs, routing, permute, unpermute, combine, bias/GELU passes).
 //
@@ -275,13 +275,14 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
       "(%.0f TFLOP/s)\n",
       name, static_cast<long long>(tokens), hidden, experts, k, expert_ffn, dense_fwd_ms, dense_ms,
       flops / dense_ms / 1e9);
-  for (const char* mode : {"loop", "grouped", "grouped256"}) {
+  // auto: the pick of gpu::chooseExpertGemm per direction (moe.expert_gemm's default).
+  for (const char* mode : {"loop", "grouped", "grouped256", "auto"}) {
     const bool grouped = std::strncmp(mode, "grouped", 7) == 0;
     if (grouped && !plm::gpu::groupedExpertGemmAvailable()) {
       std::printf("  %s: not in this build or not an sm_90 GPU\n", mode);
       continue;
     }
-    setenv("PLM_MOE_GEMM", grouped ? "grouped" : "loop", 1);
+    setenv("PLM_MOE_GEMM", grouped ? "grouped" : mode, 1);
     setenv("PLM_MOE_GROUPED_TILE", std::strcmp(mode, "grouped256") == 0 ? "256" : "128", 1);
     const double fwd_ms = medianWallMs([&] { moe.forward(ctx, saved.ln2, res, o, saved); });
     const double moe_ms = medianWallMs([&] { step(moe); });
