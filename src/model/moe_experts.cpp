@@ -24,8 +24,9 @@ Mat rowsOf(const Mat& m, std::int64_t first, std::int64_t rows) {
 }
 
 #if PLM_HAVE_CUDA
-/// Scratch slot of OpContext holding the grouped launches' argument arrays.
-constexpr int kGroupedScratch = 40;
+/// Scratch slot of OpContext holding the grouped launches' argument arrays (ops.cpp's slots
+/// run to the high 30s; 64 keeps clear of them).
+constexpr int kGroupedScratch = 64;
 
 bool contiguousBf16(const Mat& m) { return m.dtype == DType::BF16 && m.ld == m.cols; }
 
