@@ -85,6 +85,19 @@ if(PLM_HAVE_CUDA OR PLM_CHECK_CUDA_SOURCES)
   endif()
   message(STATUS "plm: cuDNN attention: ${PLM_HAVE_CUDNN} (library ${PLM_CUDNN_LIBRARY}, "
     "frontend ${PLM_CUDNN_FRONTEND_INCLUDE_DIR}; scripts/get-cudnn-frontend.sh installs the frontend)")
+  # CUTLASS's SM90 grouped GEMM for the MoE experts (src/gpu/moe_grouped_sm90a.cu): header-only,
+  # from PyPI's nvidia-cutlass wheel (scripts/get-cutlass.sh puts it in /opt/plm-deps/cutlass).
+  # Optional: without it the experts' GEMMs run as a loop of cuBLASLt calls.
+  option(PLM_WITH_CUTLASS "Build the CUTLASS grouped expert GEMM where its headers are found" ON)
+  find_path(PLM_CUTLASS_INCLUDE_DIR cutlass/gemm/group_array_problem_shape.hpp
+    HINTS $ENV{PLM_CUTLASS}/include /opt/plm-deps/cutlass/include)
+  set(PLM_HAVE_CUTLASS OFF)
+  if(PLM_WITH_CUTLASS AND PLM_CUTLASS_INCLUDE_DIR)
+    set(PLM_HAVE_CUTLASS ON)
+  endif()
+  message(STATUS "plm: CUTLASS grouped expert GEMM: ${PLM_HAVE_CUTLASS} (headers "
+    "${PLM_CUTLASS_INCLUDE_DIR}; scripts/get-cutlass.sh installs them, else the loop of cuBLASLt "
+    "calls is the only expert path)")
 endif()
 
 if(PLM_ENABLE_TESTS)

@@ -20,6 +20,11 @@ work=${PLM_DEPS_WORK:-/tmp/plm-deps-build}
 jobs=${JOBS:-$(nproc)}
 cuda_arch=HOPPER90   # Kokkos_ARCH_<name>; sm_90
 
+# The header-only GPU dependencies first (each a no-op when already installed): CUTLASS for the
+# grouped expert GEMM (optional: plm falls back to a loop of cuBLASLt calls without it).
+bash "$repo/scripts/get-cutlass.sh" ||
+  echo "build-deps-cuda: note: CUTLASS headers not installed; the grouped expert GEMM is left out" >&2
+
 stamp_of_patches() { cat "$repo"/patches/*.patch | sha256sum | cut -d' ' -f1; }
 stamp="$prefix/.plm-deps-stamp"
 if [[ -f "$stamp" && "$(cat "$stamp")" == "$(stamp_of_patches)" ]]; then

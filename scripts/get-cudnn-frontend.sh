@@ -14,20 +14,13 @@ if [[ -f "$stamp" && "$(cat "$stamp")" == "$version" && -f "$prefix/include/cudn
   echo "get-cudnn-frontend: $prefix holds cudnn-frontend $version; nothing to do"
   exit 0
 fi
-pip=${PIP:-python3 -m pip}
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
+# shellcheck source=scripts/wheel-headers.sh
+source "$(dirname "$0")/wheel-headers.sh"
 # The wheel is platform-tagged (it also carries Python bindings); any x86_64 build has the same headers.
-$pip download --quiet --no-deps --only-binary=:all: --dest "$work" "nvidia-cudnn-frontend==$version" ||
-  $pip download --quiet --no-deps --only-binary=:all: --python-version 3.11 --platform manylinux_2_28_x86_64 \
-    --dest "$work" "nvidia-cudnn-frontend==$version"
-wheel=$(ls "$work"/nvidia_cudnn_frontend-*.whl | head -1)
-python3 - "$wheel" "$work/x" <<'PY'
-import sys, zipfile
-with zipfile.ZipFile(sys.argv[1]) as z:
-    z.extractall(sys.argv[2], [n for n in z.namelist() if n.startswith("include/")])
-PY
-[[ -f "$work/x/include/cudnn_frontend.h" ]] || { echo "get-cudnn-frontend: $wheel has no include/cudnn_frontend.h" >&2; exit 1; }
+wheel_extract nvidia-cudnn-frontend "$version" "$work" include/
+[[ -f "$work/x/include/cudnn_frontend.h" ]] || { echo "get-cudnn-frontend: the nvidia-cudnn-frontend $version wheel has no include/cudnn_frontend.h" >&2; exit 1; }
 mkdir -p "$prefix"
 rm -rf "$prefix/include"
 cp -r "$work/x/include" "$prefix/include"

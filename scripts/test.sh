@@ -21,6 +21,9 @@ if [ -n "$nvcc" ] && [ "${PLM_CHECK_CUDA_SOURCES:-ON}" != OFF ]; then
   # them the check still compiles everything else.
   bash scripts/get-cudnn-frontend.sh ||
     echo "note: the cuDNN frontend headers could not be installed; cudnn_attention.cu is checked without cuDNN"
+  # Likewise CUTLASS's headers (PyPI wheel) for the grouped expert GEMM (moe_grouped_sm90a.cu).
+  bash scripts/get-cutlass.sh ||
+    echo "note: the CUTLASS headers could not be installed; the grouped expert GEMM is not checked"
 fi
 
 echo "== configure ($build_dir)"

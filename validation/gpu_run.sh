@@ -3,7 +3,11 @@
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves
-#                                       staged
+#                                       staged moe_grouped
+#   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
+#        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
+#        layer with PLM_MOE_GEMM=grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
+#        and training layer); logs copied to $OUT (moe_grouped_tests.log, bench_gpu_moe.log)
 #   moe: test_gpu_moe and test_gpu_moe_bf16 (the bf16 MoE layer of the training step against
 #        the portable fp32 path), bench_gpu_moe, and a short bf16 MoE training run (esm2_8m with
 #        8 experts of 640, top-2; PLM_MOE_STEPS steps) with its tokens/s
@@ -446,6 +450,24 @@ if has optimizers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     cp "$d/metrics.jsonl" "$final_out/metrics_optimizers_$name.jsonl" 2>/dev/null
     h5ls -r "$d/ckpt/step_000300.h5/optimizer" 2>/dev/null | head -4 >> "$summary"
   done
+fi
+
+if has moe_grouped; then
+  : > "$out/moe_grouped_tests.log"
+  for t in test_gpu_moe_grouped test_gpu_moe test_gpu_moe_bf16; do
+    [[ -x "$pkg/bin/$t" ]] || { note "moe_grouped: no $t in $pkg/bin"; continue; }
+    timeout ${PLM_MOE_TEST_TIMEOUT:-120} "$pkg/bin/$t" > "$out/$t.log" 2>&1
+    note "$t rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$out/$t.log" | tr '\n' ' ')"
+    grep -E "Failure|Expected|Which is|FAILED|rel|SKIPPED" "$out/$t.log" | head -30 | tee -a "$summary"
+    cat "$out/$t.log" >> "$out/moe_grouped_tests.log"
+  done
+  cp "$out/moe_grouped_tests.log" "$final_out/" 2>/dev/null
+  if [[ -x "$pkg/bin/bench_gpu_moe" ]]; then
+    timeout ${PLM_MOE_BENCH_TIMEOUT:-200} "$pkg/bin/bench_gpu_moe" > "$out/bench_gpu_moe.log" 2>&1
+    note "bench_gpu_moe rc=$?"
+    cat "$out/bench_gpu_moe.log" >> "$summary"
+    cp "$out/bench_gpu_moe.log" "$final_out/" 2>/dev/null
+  fi
 fi
 
 if has moe && [[ -x "$pkg/bin/plm" ]]; then

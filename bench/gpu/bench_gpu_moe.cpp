@@ -1,21 +1,29 @@
-// MoE layer against a dense FFN of the same active FLOPs, one GPU, bf16, forward (CUDA events,
-// median of timed repeats after a warm-up).  MoE = permute (gatherRows in the host routing's
-// order) + the experts' GEMMs (a loop of cuBLASLt calls, bias+GELU up, bias down) + the fused
-// gate-weighted unpermute with the residual; dense = the same two GEMMs over all tokens with
-// ffn = top_k x expert_ffn.  Tokens are routed by model::route from logits with a per-expert
-// offset (uneven load, max/mean printed); the host routing's time is printed apart.
+// MoE layer against a dense FFN of the same active FLOPs, one GPU, bf16 (CUDA events, median of
+// timed repeats after a warm-up).
 //
-// Then the training step's layers: MoeMlp (bf16 path: fp32 router GEMM, host routing, permute,
-// cuBLASLt experts, unpermute; backward: unpermute backward, per-expert dgrad/wgrad with dGELU,
-// router backward, combine) against DenseMlp of ffn = top_k x expert_ffn, forward + backward,
-// wall clock after a device synchronise (the host routing and its copies included).
+// 1. Forward kernels: MoE = permute (gatherRows in the host routing's order) + the experts'
+//    GEMMs + the fused gate-weighted unpermute with the residual; the experts run both ways, as
+//    the loop of cuBLASLt calls (bias+GELU up, bias down) and as CUTLASS grouped launches
+//    (gpu/moe_grouped.hpp; tiles 128x128 and 256x128; where this build has them); dense = the same
+//    two GEMMs over all tokens with ffn = top_k x expert_ffn.  Tokens are routed by model::route
+//    from logits with a per-expert offset (uneven load, max/mean printed).
+// 2. The training step's layers: MoeMlp (bf16 path: fp32 router GEMM on cuBLAS, device routing,
+//    permute, experts, unpermute; backward: unpermute backward, expert dgrad/wgrad with dGELU,
+//    router backward, combine) against DenseMlp of ffn = top_k x expert_ffn, forward and forward
+//    + backward, wall clock after a device synchronise, for PLM_MOE_GEMM = loop, grouped (CTA
+//    tile 128 and 256, PLM_MOE_GROUPED_TILE) and auto (the per-direction pick).
+//    The phase split comes from OpContext's per-kind CUDA-event profile (expert GEMMs = "gemm";
+//    the rest of the layer: router GEMMs, routing, permute, unpermute, combine, bias/GELU passes).
 //
 //   bench_gpu_moe [tokens]   (default: the shapes of doc/anchors.md §6 "MoE expert GEMMs")
 #include "core/error.hpp"
 #include "gpu/fused.hpp"
 #include "gpu/gemm.hpp"
 #include "gpu/moe.hpp"
+#include "gpu/moe_grouped.hpp"
 #include "model/moe.hpp"
+
+#include "bench_util.hpp"
 
 #include <cuda_runtime.h>
 #include <Kokkos_Core.hpp>
@@ -34,48 +42,10 @@ namespace {
 
 using namespace plm::gpu;
 
-std::uint16_t bf16Bits(float f) {
-  std::uint32_t u;
-  std::memcpy(&u, &f, 4);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return static_cast<std::uint16_t>(u >> 16);
-}
-
-struct Buffer {
-  void* ptr = nullptr;
-  explicit Buffer(std::size_t bytes) { PLM_CHECK_CUDA(cudaMalloc(&ptr, bytes ? bytes : 16)); }
-  ~Buffer() { cudaFree(ptr); }
-  Buffer(const Buffer&) = delete;
-  template <class T> T* as() const { return static_cast<T*>(ptr); }
-};
-
 Buffer* randomBf16(std::size_t n, unsigned seed, float scale) {
-  std::mt19937 gen(seed);
-  std::uniform_real_distribution<float> u(-scale, scale);
-  std::vector<std::uint16_t> host(n);
-  for (auto& h : host) h = bf16Bits(u(gen));
   auto* b = new Buffer(n * 2);
-  PLM_CHECK_CUDA(cudaMemcpy(b->ptr, host.data(), n * 2, cudaMemcpyHostToDevice));
+  fill(*b, n, scale, seed);
   return b;
-}
-
-double medianMs(const std::function<void()>& f, int repeats = 20) {
-  for (int i = 0; i < 3; ++i) f();
-  cudaEvent_t a, b;
-  PLM_CHECK_CUDA(cudaEventCreate(&a));
-  PLM_CHECK_CUDA(cudaEventCreate(&b));
-  std::vector<float> ms(repeats);
-  for (int i = 0; i < repeats; ++i) {
-    PLM_CHECK_CUDA(cudaEventRecord(a));
-    f();
-    PLM_CHECK_CUDA(cudaEventRecord(b));
-    PLM_CHECK_CUDA(cudaEventSynchronize(b));
-    PLM_CHECK_CUDA(cudaEventElapsedTime(&ms[i], a, b));
-  }
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  std::sort(ms.begin(), ms.end());
-  return ms[repeats / 2];
 }
 
 void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, int expert_ffn) {
@@ -129,6 +99,19 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
     expertFfnForward(gemm, nullptr, weights, r.kept, xperm.as<bf16>(), pre.as<bf16>(),
                      act.as<bf16>(), y.as<bf16>(), hidden, expert_ffn);
   });
+  double grouped_ms[2] = {0, 0};  // tiles 128 and 256 (PLM_MOE_GROUPED_TILE)
+  if (groupedExpertGemmAvailable()) {
+    const std::size_t bytes = groupedExpertWorkspaceBytes(experts);
+    Buffer ws(bytes);
+    for (int t = 0; t < 2; ++t) {
+      setenv("PLM_MOE_GROUPED_TILE", t ? "256" : "128", 1);
+      grouped_ms[t] = medianMs([&] {
+        groupedExpertForward(nullptr, weights, r.kept, xperm.as<bf16>(), pre.as<bf16>(),
+                             act.as<bf16>(), y.as<bf16>(), hidden, expert_ffn, ws.ptr, bytes);
+      });
+    }
+    unsetenv("PLM_MOE_GROUPED_TILE");
+  }
   const double unpermute_ms = medianMs([&] {
     moeUnpermute(nullptr, y.as<bf16>(), slot_row.as<std::int32_t>(), slot_gate.as<float>(),
                  residual.as<float>(), out.as<float>(), tokens, k, hidden);
@@ -155,6 +138,18 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
       name, static_cast<long long>(tokens), hidden, experts, k, expert_ffn, most / mean,
       static_cast<long long>(r.dropped), dense_ms, dense_flops / dense_ms / 1e9, moe_ms, permute_ms,
       experts_ms, flops / experts_ms / 1e9, unpermute_ms, 100.0 * dense_ms / moe_ms, route_ms);
+  if (grouped_ms[0] > 0) {
+    for (int t = 0; t < 2; ++t) {
+      const double g_ms = permute_ms + grouped_ms[t] + unpermute_ms;
+      std::printf(
+          "%-28s   experts grouped (tile %d) %.3f ms (%.0f TFLOP/s) vs loop %.3f ms "
+          "(%.0f TFLOP/s) | moe/dense tokens/s grouped %.1f%% loop %.1f%%\n",
+          "", t ? 256 : 128, grouped_ms[t], flops / grouped_ms[t] / 1e9, experts_ms,
+          flops / experts_ms / 1e9, 100.0 * dense_ms / g_ms, 100.0 * dense_ms / moe_ms);
+    }
+  } else {
+    std::printf("%-28s   experts grouped: not in this build or not an sm_90 GPU\n", "");
+  }
 }
 
 /// Parameters of one FFN (bf16 weights, fp32 gradients) owned by the benchmark.
@@ -248,6 +243,7 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
     b.backward(ctx, saved, dout_c, dhm, scratch);
   };
   const double dense_ms = medianWallMs([&] { step(dense); });
+  const double dense_fwd_ms = medianWallMs([&] { dense.forward(ctx, saved.ln2, res, o, saved); });
 
   std::vector<std::unique_ptr<Ffn>> ex;
   MoeWeights w, g;
@@ -273,20 +269,53 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
   ms.grad_scale = 1.0;
   ms.training = true;
   MoeMlp<float> moe(0, c, hidden, w, g, &ms);
-  const double moe_ms = medianWallMs([&] { step(moe); });
+  const double flops = 3.0 * 4.0 * static_cast<double>(tokens) * hidden * ffn;  // fwd + bwd
+  std::printf(
+      "train %-22s T %lld H %d E %d top-%d F_e %d | dense fwd %.3f ms, fwd+bwd %.3f ms "
+      "(%.0f TFLOP/s)\n",
+      name, static_cast<long long>(tokens), hidden, experts, k, expert_ffn, dense_fwd_ms, dense_ms,
+      flops / dense_ms / 1e9);
+  // auto: the pick of gpu::chooseExpertGemm per direction (moe.expert_gemm's default).
+  for (const char* mode : {"loop", "grouped", "grouped256", "auto"}) {
+    const bool grouped = std::strncmp(mode, "grouped", 7) == 0;
+    if (grouped && !plm::gpu::groupedExpertGemmAvailable()) {
+      std::printf("  %s: not in this build or not an sm_90 GPU\n", mode);
+      continue;
+    }
+    setenv("PLM_MOE_GEMM", grouped ? "grouped" : mode, 1);
+    setenv("PLM_MOE_GROUPED_TILE", std::strcmp(mode, "grouped256") == 0 ? "256" : "128", 1);
+    const double fwd_ms = medianWallMs([&] { moe.forward(ctx, saved.ln2, res, o, saved); });
+    const double moe_ms = medianWallMs([&] { step(moe); });
+    // One profiled step: the expert (and shared) GEMMs are "gemm"; the rest of the layer is the
+    // remainder of the step's time.
+    Kokkos::fence();
+    ctx.setProfiling(true);
+    const auto t0 = std::chrono::steady_clock::now();
+    step(moe);
+    Kokkos::fence();
+    const double one_ms =
+        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    double gemm_ms = 0, other_ms = 0;
+    for (const auto& [kind, t] : ctx.profile())
+      (kind.rfind("gemm", 0) == 0 ? gemm_ms : other_ms) += t;
+    ctx.setProfiling(false);
+    std::printf(
+        "  %-10s moe fwd %.3f ms (%.1f%% of dense fwd) | fwd+bwd %.3f ms (%.0f TFLOP/s active) | "
+        "bwd %.3f ms | profiled step %.3f ms: expert GEMMs %.3f, marked other %.3f, unmarked "
+        "(router GEMMs, routing, permute, unpermute, combine) %.3f | moe/dense tokens/s "
+        "%.1f%%\n",
+        mode, fwd_ms, 100.0 * dense_fwd_ms / fwd_ms, moe_ms, flops / moe_ms / 1e9, moe_ms - fwd_ms,
+        one_ms, gemm_ms, other_ms, one_ms - gemm_ms - other_ms, 100.0 * dense_ms / moe_ms);
+  }
+  unsetenv("PLM_MOE_GEMM");
+  unsetenv("PLM_MOE_GROUPED_TILE");
   const auto& st = moe.stats();
   double most = 0, sum = 0;
   for (double v : st.routed) {
     most = std::max(most, v);
     sum += v;
   }
-  const double flops = 3.0 * 4.0 * static_cast<double>(tokens) * hidden * ffn;  // fwd + bwd
-  std::printf(
-      "train %-22s T %lld H %d E %d top-%d F_e %d | load max/mean %.2f | dense fwd+bwd %.3f ms "
-      "(%.0f TFLOP/s) | moe fwd+bwd %.3f ms (%.0f TFLOP/s active) | moe/dense tokens/s %.1f%%\n",
-      name, static_cast<long long>(tokens), hidden, experts, k, expert_ffn,
-      sum > 0 ? most / (sum / experts) : 0.0, dense_ms, flops / dense_ms / 1e9, moe_ms,
-      flops / moe_ms / 1e9, 100.0 * dense_ms / moe_ms);
+  std::printf("  load max/mean %.2f\n", sum > 0 ? most / (sum / experts) : 0.0);
 }
 
 }  // namespace
@@ -297,14 +326,13 @@ int main(int argc, char** argv) {
   run("650M-like 8 experts top-2", tokens ? tokens : 24576, 1280, 8, 2, 2560);
   run("AIDO.Protein-16B layer", tokens ? tokens : 16384, 2304, 8, 2, 7680);
   run("fine-grained 64 experts top-8", tokens ? tokens : 16384, 1280, 64, 8, 640);
-  // The training step's layers (bf16 MoeMlp vs DenseMlp), forward + backward, with the routing
-  // on the device (the default) and with the host reference (PLM_MOE_ROUTING=host).
-  for (const char* routing : {"device", "host"}) {
-    setenv("PLM_MOE_ROUTING", routing, 1);
-    std::printf("routing on the %s:\n", routing);
-    trainLayer("esm2_8m-like", tokens ? tokens : 32768, 320, 8, 2, 640);
-    trainLayer("650M-like", tokens ? tokens : 24576, 1280, 8, 2, 2560);
-    trainLayer("64 experts top-8", tokens ? tokens : 16384, 1280, 64, 8, 640);
-  }
+  run("esm2_8m-like 8 experts top-2", tokens ? tokens : 32768, 320, 8, 2, 640);
+  // The training step's layers (bf16 MoeMlp vs DenseMlp), forward + backward, routing on the
+  // device (the bf16 path's default).
+  setenv("PLM_MOE_ROUTING", "device", 1);
+  trainLayer("esm2_8m-like", tokens ? tokens : 32768, 320, 8, 2, 640);
+  trainLayer("650M-like", tokens ? tokens : 24576, 1280, 8, 2, 2560);
+  trainLayer("AIDO-like", tokens ? tokens : 16384, 2304, 8, 2, 7680);
+  trainLayer("64 experts top-8", tokens ? tokens : 16384, 1280, 64, 8, 640);
   return 0;
 }

@@ -291,6 +291,12 @@ const std::vector<KeySpec>& keys() {
        "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, used only to select experts, "
        "moves by bias_rate toward the mean load after every step.", any(), {}},
       {"moe", "bias_rate", K::real, "0.001", "Step of the bias_balance update.", above(0), {}},
+      {"moe", "expert_gemm", K::text, "auto",
+       "How the experts' GEMMs run under train.precision bf16 on the GPU: loop = one cuBLASLt "
+       "call per expert (bias and GELU fused), grouped = one CUTLASS SM90 grouped GEMM launch per "
+       "GEMM for all experts (Hopper; needs the CUTLASS build), auto = by the crossover measured "
+       "on the H100 (doc/performance.md). The environment variable PLM_MOE_GEMM overrides it.",
+       any(), {"auto", "loop", "grouped"}},
       {"parallel", "context_degree", K::integer, "1",
        "Context parallelism: this many consecutive ranks share every micro-batch, each holding "
        "2 of the 2 x context_degree chunks of every sequence; attention runs as ring attention "

@@ -9,6 +9,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <cstdlib>
+#include <initializer_list>
 
 namespace plm::gpu {
 namespace {
@@ -80,12 +83,134 @@ __global__ void combineGradientKernel(const bfloat* dx, const std::int32_t* slot
   }
 }
 
+// ---- 16-byte versions (hidden a multiple of 8, 16-byte aligned rows): each lane moves 8 bf16
+// (one uint4) and 8 fp32 (two float4) at a time.  Per element the sums run in the same order as
+// the scalar kernels above (residual / add first, then the slots in order), so unpermute and
+// combine give the same bits; the gate gradient's dot product is summed per lane in another
+// order (fp32 rounding differs).
+
+struct Vec8 {
+  float v[8];
+};
+
+__device__ __forceinline__ Vec8 loadBf16x8(const bfloat* p) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const auto* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+  Vec8 r;
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    r.v[2 * j] = f.x;
+    r.v[2 * j + 1] = f.y;
+  }
+  return r;
+}
+
+__device__ __forceinline__ void storeBf16x8(bfloat* p, const Vec8& x) {
+  uint4 raw;
+  auto* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+  for (int j = 0; j < 4; ++j) h[j] = __floats2bfloat162_rn(x.v[2 * j], x.v[2 * j + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+__device__ __forceinline__ Vec8 loadF32x8(const float* p) {
+  const float4 a = reinterpret_cast<const float4*>(p)[0], b = reinterpret_cast<const float4*>(p)[1];
+  return Vec8{{a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w}};
+}
+
+__device__ __forceinline__ void storeF32x8(float* p, const Vec8& x) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(x.v[0], x.v[1], x.v[2], x.v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(x.v[4], x.v[5], x.v[6], x.v[7]);
+}
+
+__global__ void unpermuteVec8Kernel(const bfloat* y, const std::int32_t* slot_row,
+                                    const float* slot_gate, const float* residual, float* out,
+                                    std::int64_t tokens, int k, int hidden) {
+  const int lane = threadIdx.x % kWarp;
+  for (std::int64_t t = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp; t < tokens;
+       t += std::int64_t(gridDim.x) * kWarpsPerBlock) {
+    for (int c = lane * 8; c < hidden; c += kWarp * 8) {
+      Vec8 acc = loadF32x8(residual + t * hidden + c);
+      for (int j = 0; j < k; ++j) {
+        const std::int32_t p = slot_row[t * k + j];
+        if (p < 0) continue;
+        const float g = slot_gate[t * k + j];
+        const Vec8 v = loadBf16x8(y + std::int64_t(p) * hidden + c);
+        for (int i = 0; i < 8; ++i) acc.v[i] += g * v.v[i];
+      }
+      storeF32x8(out + t * hidden + c, acc);
+    }
+  }
+}
+
+__global__ void unpermuteBackwardVec8Kernel(const bfloat* dout, const bfloat* y,
+                                            const std::int32_t* slot_row, const float* slot_gate,
+                                            bfloat* dy, float* dgate, std::int64_t tokens, int k,
+                                            int hidden) {
+  const int lane = threadIdx.x % kWarp;
+  for (std::int64_t t = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp; t < tokens;
+       t += std::int64_t(gridDim.x) * kWarpsPerBlock) {
+    for (int j = 0; j < k; ++j) {
+      const std::int32_t p = slot_row[t * k + j];
+      float dot = 0.0f;
+      if (p >= 0) {
+        const float g = slot_gate[t * k + j];
+        for (int c = lane * 8; c < hidden; c += kWarp * 8) {
+          const Vec8 d = loadBf16x8(dout + t * hidden + c);
+          const Vec8 v = loadBf16x8(y + std::int64_t(p) * hidden + c);
+          Vec8 out;
+          for (int i = 0; i < 8; ++i) {
+            dot += d.v[i] * v.v[i];
+            out.v[i] = g * d.v[i];
+          }
+          storeBf16x8(dy + std::int64_t(p) * hidden + c, out);
+        }
+      }
+      for (int offset = kWarp / 2; offset > 0; offset /= 2)
+        dot += __shfl_xor_sync(0xffffffffu, dot, offset);
+      if (lane == 0) dgate[t * k + j] = dot;
+    }
+  }
+}
+
+__global__ void combineGradientVec8Kernel(const bfloat* dx, const std::int32_t* slot_row,
+                                          bfloat* dh, std::int64_t tokens, int k, int hidden,
+                                          const float* add) {
+  const int lane = threadIdx.x % kWarp;
+  for (std::int64_t t = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp; t < tokens;
+       t += std::int64_t(gridDim.x) * kWarpsPerBlock) {
+    for (int c = lane * 8; c < hidden; c += kWarp * 8) {
+      Vec8 acc = add ? loadF32x8(add + t * hidden + c) : Vec8{};
+      for (int j = 0; j < k; ++j) {
+        const std::int32_t p = slot_row[t * k + j];
+        if (p < 0) continue;
+        const Vec8 v = loadBf16x8(dx + std::int64_t(p) * hidden + c);
+        for (int i = 0; i < 8; ++i) acc.v[i] += v.v[i];
+      }
+      storeBf16x8(dh + t * hidden + c, acc);
+    }
+  }
+}
+
+/// The 16-byte kernels need hidden % 8 == 0 and every base pointer 16-byte aligned.
+bool vec8(int hidden, std::initializer_list<const void*> ptrs) {
+  if (hidden % 8 != 0 || std::getenv("PLM_MOE_SCALAR_KERNELS")) return false;
+  for (const void* p : ptrs)
+    if (p && reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
 }  // namespace
 
 void moeUnpermute(Stream stream, const bf16* y, const std::int32_t* slot_row,
                   const float* slot_gate, const float* residual, float* out, std::int64_t tokens,
                   int k, int hidden) {
   if (tokens == 0) return;
+  if (vec8(hidden, {y, residual, out})) {
+    unpermuteVec8Kernel<<<blocksForTokens(tokens), kWarp * kWarpsPerBlock, 0, stream>>>(
+        reinterpret_cast<const bfloat*>(y), slot_row, slot_gate, residual, out, tokens, k, hidden);
+    PLM_CHECK_CUDA(cudaGetLastError());
+    return;
+  }
   unpermuteKernel<<<blocksForTokens(tokens), kWarp * kWarpsPerBlock, 0, stream>>>(
       reinterpret_cast<const bfloat*>(y), slot_row, slot_gate, residual, out, tokens, k, hidden);
   PLM_CHECK_CUDA(cudaGetLastError());
@@ -95,6 +220,13 @@ void moeUnpermuteBackward(Stream stream, const bf16* dout, const bf16* y,
                           const std::int32_t* slot_row, const float* slot_gate, bf16* dy,
                           float* dgate, std::int64_t tokens, int k, int hidden) {
   if (tokens == 0) return;
+  if (vec8(hidden, {dout, y, dy})) {
+    unpermuteBackwardVec8Kernel<<<blocksForTokens(tokens), kWarp * kWarpsPerBlock, 0, stream>>>(
+        reinterpret_cast<const bfloat*>(dout), reinterpret_cast<const bfloat*>(y), slot_row,
+        slot_gate, reinterpret_cast<bfloat*>(dy), dgate, tokens, k, hidden);
+    PLM_CHECK_CUDA(cudaGetLastError());
+    return;
+  }
   unpermuteBackwardKernel<<<blocksForTokens(tokens), kWarp * kWarpsPerBlock, 0, stream>>>(
       reinterpret_cast<const bfloat*>(dout), reinterpret_cast<const bfloat*>(y), slot_row,
       slot_gate, reinterpret_cast<bfloat*>(dy), dgate, tokens, k, hidden);
@@ -104,6 +236,13 @@ void moeUnpermuteBackward(Stream stream, const bf16* dout, const bf16* y,
 void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_row, bf16* dh,
                         std::int64_t tokens, int k, int hidden, const float* add) {
   if (tokens == 0) return;
+  if (vec8(hidden, {dx, dh, add})) {
+    combineGradientVec8Kernel<<<blocksForTokens(tokens), kWarp * kWarpsPerBlock, 0, stream>>>(
+        reinterpret_cast<const bfloat*>(dx), slot_row, reinterpret_cast<bfloat*>(dh), tokens, k,
+        hidden, add);
+    PLM_CHECK_CUDA(cudaGetLastError());
+    return;
+  }
   combineGradientKernel<<<blocksForTokens(tokens), kWarp * kWarpsPerBlock, 0, stream>>>(
       reinterpret_cast<const bfloat*>(dx), slot_row, reinterpret_cast<bfloat*>(dh), tokens, k,
       hidden, add);

@@ -6,10 +6,13 @@
 // Design: the routing (top-k, capacity, the stable permutation) stays the host reference of
 // model/moe.cpp; these kernels consume its index arrays.  Permuting the tokens is gatherRows
 // (gpu/fused.hpp).  Every reduction runs in a fixed order (one warp per token, slots in order),
-// so results are deterministic.  bf16 activations, fp32 gates and residual stream (the bf16
+// so results are deterministic; where hidden is a multiple of 8 and the rows 16-byte aligned,
+// each lane moves 16 bytes at a time (PLM_MOE_SCALAR_KERNELS=1 forces the scalar kernels, for
+// tests).  bf16 activations, fp32 gates and residual stream (the bf16
 // policy of the model).  The expert GEMMs are a loop of cuBLASLt calls, one up (bias + GELU,
 // pre-activation kept) and one down (bias) per expert with rows; experts without rows launch
-// nothing.  Plain references are in test/gpu/test_moe.cpp.
+// nothing (moe_grouped.hpp has the grouped launches).  Plain references are in
+// test/gpu/test_moe.cpp.
 #pragma once
 
 #include "gpu/device.hpp"

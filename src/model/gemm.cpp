@@ -2,6 +2,10 @@
 #include "model/gemm.hpp"
 
 #include "core/error.hpp"
+#include "plm/plm_config.hpp"
+#if PLM_HAVE_CUDA
+#include "gpu/sgemm.hpp"
+#endif
 
 #include <KokkosBlas3_gemm.hpp>
 
@@ -68,6 +72,22 @@ template <class T> void gemmPortable(const ExecSpace& space, Trans trans_a, Tran
 
 template <class T> void gemm(const ExecSpace& space, Trans trans_a, Trans trans_b, T alpha,
                              const View2<T>& a, const View2<T>& b, T beta, const View2<T>& c) {
+#if PLM_HAVE_CUDA
+  // fp32 on the GPU: cuBLAS (pedantic fp32, no TF32); k == 0 stays with the portable kernel,
+  // which scales C by beta as the accumulation rule says.
+  if constexpr (std::is_same_v<T, float> && !std::is_same_v<MemSpace, HostSpace>) {
+    std::int64_t m, n, k;
+    checkShapes(trans_a, trans_b, a, b, c, m, n, k);
+    if (m == 0 || n == 0) return;
+    if (k > 0) {
+      gpu::sgemm(space.cuda_stream(), trans_a == Trans::T, trans_b == Trans::T, m, n, k, alpha,
+                 a.data(), static_cast<std::int64_t>(a.stride(0)), b.data(),
+                 static_cast<std::int64_t>(b.stride(0)), beta, c.data(),
+                 static_cast<std::int64_t>(c.stride(0)));
+      return;
+    }
+  }
+#endif
   if constexpr (vendorBlas<T>()) {
     std::int64_t m, n, k;
     checkShapes(trans_a, trans_b, a, b, c, m, n, k);

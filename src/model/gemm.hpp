@@ -5,8 +5,9 @@
 //   - host, float/double: KokkosBlas::gemm with the BLAS TPL (OpenBLAS on the CPU build), called
 //     on the transposed problem C^T = op(B)^T op(A)^T through column-major (LayoutLeft)
 //     unmanaged views of the same memory, so no copy is made;
+//   - CUDA build, float: cuBLAS sgemm in true fp32 (gpu/sgemm.hpp) on the space's stream;
 //   - anything else: gemmPortable, a plain Kokkos kernel (also the reference in tests).
-// The CUDA build adds its cuBLASLt branch here and nowhere else.
+// The CUDA build adds its vendor branch here and nowhere else.
 #pragma once
 
 #include "core/types.hpp"

@@ -4,6 +4,7 @@
 #include "core/error.hpp"
 #include "dist/stream.hpp"
 #include "model/gemm.hpp"
+#include "model/moe_experts.hpp"
 #include "plm/plm_config.hpp"
 
 #if PLM_HAVE_CUDA
@@ -604,20 +605,17 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
     s.xexp = s.xperm;
     s.yexp = s.y;
   }
-  // The experts, one after another through the dispatch points (cuBLASLt under bf16: bias and
-  // GELU in the up projection's epilogue, the pre-activation kept for backward).
+  // The experts through their dispatch point (model/moe_experts.hpp: one after another, or on
+  // CUDA with bf16 one grouped launch per GEMM), the pre-activation kept for backward.
   s.pre = growAs(s.pre_s, s.expert_rows * fe, cdt, "plm::model::moe::pre");
   s.act = growAs(s.act_s, s.expert_rows * fe, cdt, "plm::model::moe::act");
-  std::int64_t o = 0;
-  for (int i = 0; i < s.local_experts; ++i) {
-    const std::int64_t n = s.local_rows[i];
-    const auto& we = s.w.experts[s.first_expert + i];
-    if (n > 0) {
-      linearGelu(ctx, rowsAs(s.xexp, cdt, o, n, hid), we.w1, we.b1, rowsAs(s.pre, cdt, o, n, fe),
-                 rowsAs(s.act, cdt, o, n, fe));
-      linear(ctx, rowsAs(s.act, cdt, o, n, fe), we.w2, we.b2, rowsAs(s.yexp, cdt, o, n, hid));
-    }
-    o += n;
+  {
+    std::vector<ExpertRows> blocks(s.local_experts);
+    for (int i = 0; i < s.local_experts; ++i)
+      blocks[i] = {&s.w.experts[s.first_expert + i], nullptr, s.local_rows[i]};
+    const std::int64_t n = s.expert_rows;
+    expertsForward(ctx, blocks, rowsAs(s.xexp, cdt, 0, n, hid), rowsAs(s.pre, cdt, 0, n, fe),
+                   rowsAs(s.act, cdt, 0, n, fe), rowsAs(s.yexp, cdt, 0, n, hid), c.expert_gemm);
   }
   if (s.distributed()) s.fromExperts(ctx, s.yexp, s.y);
 
@@ -736,18 +734,15 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
     dxexp = dx;
   }
   View1<T> dpre = growAs(s.dpre_s, s.expert_rows * fe, cdt, "plm::model::moe::dpre");
-  std::int64_t o = 0;
-  for (int i = 0; i < s.local_experts; ++i) {
-    const std::int64_t n = s.local_rows[i];
-    const auto& we = s.w.experts[s.first_expert + i];
-    const auto& ge = s.g.experts[s.first_expert + i];
-    if (n > 0) {
-      linearBackwardGelu(ctx, rowsAs(s.act, cdt, o, n, fe), we.w2, rowsAs(dyexp, cdt, o, n, hid),
-                         rowsAs(s.pre, cdt, o, n, fe), rowsAs(dpre, cdt, o, n, fe), ge.w2, ge.b2);
-      linearBackward(ctx, rowsAs(s.xexp, cdt, o, n, hid), we.w1, rowsAs(dpre, cdt, o, n, fe),
-                     rowsAs(dxexp, cdt, o, n, hid), false, ge.w1, ge.b1);
-    }
-    o += n;
+  {
+    std::vector<ExpertRows> blocks(s.local_experts);
+    for (int i = 0; i < s.local_experts; ++i)
+      blocks[i] = {&s.w.experts[s.first_expert + i], &s.g.experts[s.first_expert + i],
+                   s.local_rows[i]};
+    const std::int64_t n = s.expert_rows;
+    expertsBackward(ctx, blocks, rowsAs(s.xexp, cdt, 0, n, hid), rowsAs(s.pre, cdt, 0, n, fe),
+                    rowsAs(s.act, cdt, 0, n, fe), rowsAs(dyexp, cdt, 0, n, hid),
+                    rowsAs(dpre, cdt, 0, n, fe), rowsAs(dxexp, cdt, 0, n, hid), c.expert_gemm);
   }
   if (s.distributed()) s.fromExperts(ctx, dxexp, dx);
 

@@ -11,6 +11,11 @@ namespace plm::model {
 
 enum class RouterKind { Softmax, Sigmoid };
 
+/// How the experts' GEMMs run under bf16 on the GPU (model/moe_experts.hpp): Auto picks by the
+/// measured crossover, Loop = one cuBLASLt call per expert, Grouped = one CUTLASS grouped launch
+/// per GEMM.  The environment variable PLM_MOE_GEMM overrides it (benchmarks).
+enum class ExpertGemmMode { Auto, Loop, Grouped };
+
 /// The `moe` deck section.  experts == 0: a dense model (no MoE layer at all).
 struct MoeConfig {
   int experts = 0;
@@ -25,6 +30,7 @@ struct MoeConfig {
   double seq_aux_loss = 0;     // per-sequence load-balancing loss coefficient (DeepSeek-V3)
   double z_loss = 0;           // router z-loss coefficient
   bool bias_balance = false;   // aux-loss-free expert bias (DeepSeek-V3)
+  ExpertGemmMode expert_gemm = ExpertGemmMode::Auto;
   double bias_rate = 1e-3;
 
   bool enabled() const { return experts > 0; }
@@ -39,6 +45,14 @@ inline RouterKind parseRouter(const std::string& name) {
   if (name == "sigmoid") return RouterKind::Sigmoid;
   throw collectiveError("moe.router: unknown router '" + name + "'; use softmax or sigmoid");
 }
+/// \brief "auto" | "loop" | "grouped"; a collective plm::Error otherwise.
+inline ExpertGemmMode parseExpertGemm(const std::string& name) {
+  if (name == "auto") return ExpertGemmMode::Auto;
+  if (name == "loop") return ExpertGemmMode::Loop;
+  if (name == "grouped") return ExpertGemmMode::Grouped;
+  throw collectiveError("moe.expert_gemm: unknown mode '" + name + "'; use auto, loop or grouped");
+}
+
 inline const char* routerName(RouterKind r) {
   return r == RouterKind::Softmax ? "softmax" : "sigmoid";
 }

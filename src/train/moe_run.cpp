@@ -35,6 +35,7 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.seq_aux_loss = m.get<double>("seq_aux_loss");
   c.bias_balance = m.get<bool>("bias_balance");
   c.bias_rate = m.get<double>("bias_rate");
+  c.expert_gemm = model::parseExpertGemm(m.get<std::string>("expert_gemm"));
 }
 
 template <class P>

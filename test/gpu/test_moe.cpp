@@ -3,7 +3,8 @@
 // looped cuBLASLt expert FFNs, the fused gate-weighted unpermute with the residual, its backward
 // (gate gradients and the permuted output gradient) and the combine of the input gradient.  The
 // routing drops slots (capacity 1.0) and leaves one expert without rows (selection bias -100),
-// so the kernels see dropped slots, a token with none kept and an empty expert.
+// so the kernels see dropped slots, a token with none kept and an empty expert.  The unpermute,
+// its backward and the combine run twice: their 16-byte kernels and the scalar ones.
 #include "gpu/fused.hpp"
 #include "gpu/moe.hpp"
 #include "gpu_test_util.hpp"
@@ -12,6 +13,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <deque>
 #include <type_traits>
 
@@ -25,7 +27,7 @@ double geluTanh(double x) {
   return 0.5 * x * (1.0 + std::tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)));
 }
 
-TEST(MoeKernels, MatchThePortableArithmetic) {
+void checkKernels() {
   const int tokens = 300, hidden = 64, ffn = 96, experts = 8, k = 2;
   model::MoeConfig c;
   c.experts = experts;
@@ -143,6 +145,15 @@ TEST(MoeKernels, MatchThePortableArithmetic) {
                      k, hidden, add.get());
   for (std::size_t i = 0; i < dh_ref.size(); ++i) dh_ref[i] += add0[i];
   EXPECT_LT(test::relError(test::downloadBf16(dh), dh_ref), 5e-3) << "combine with the addend";
+}
+
+// hidden 64: the 16-byte kernels; PLM_MOE_SCALAR_KERNELS=1 the scalar ones, same references.
+TEST(MoeKernels, MatchThePortableArithmetic) { checkKernels(); }
+
+TEST(MoeKernels, ScalarKernelsMatchThePortableArithmetic) {
+  setenv("PLM_MOE_SCALAR_KERNELS", "1", 1);
+  checkKernels();
+  unsetenv("PLM_MOE_SCALAR_KERNELS");
 }
 
 // Device routing against model::route / model::routeBackward (host, double): identical experts,

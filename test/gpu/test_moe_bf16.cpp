@@ -13,12 +13,16 @@
 // relative (L2) error, the threshold is 3% (5% for the router, whose gradient is a sum over
 // tokens of dot products of rounded rows).  A wrong index, gate or transposition errs by 30% to
 // 100%.  Reruns are bitwise identical (no float atomics) and gradients accumulate (+=).
+// GroupedExperts.* repeat the comparison with the grouped expert GEMMs (PLM_MOE_GEMM=grouped),
+// 64 experts top-8 among them.
+#include "gpu/moe_grouped.hpp"
 #include "gpu_test_util.hpp"
 #include "model/moe.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <deque>
 #include <memory>
 #include <string>
@@ -253,6 +257,37 @@ TEST(MoeBf16, CapacityEmptyExpertSharedExpertsSigmoid) {
   c.router = RouterKind::Sigmoid;
   c.seq_aux_loss = 0.0;
   compare(c, 257, 128, true);
+}
+
+/// The same comparisons with the experts' GEMMs forced to CUTLASS's grouped launches
+/// (gpu/moe_grouped.hpp) through the dispatch point's environment override.
+class GroupedExperts : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    if (!gpu::groupedExpertGemmAvailable()) GTEST_SKIP() << "no CUTLASS build or not sm_90";
+    setenv("PLM_MOE_GEMM", "grouped", 1);
+  }
+  void TearDown() override { unsetenv("PLM_MOE_GEMM"); }
+};
+
+TEST_F(GroupedExperts, DroplessMatchesFp32) { compare(config(), 300, 64, false); }
+
+TEST_F(GroupedExperts, CapacityEmptyExpertSharedExpertsSigmoid) {
+  auto c = config();
+  c.capacity_factor = 1.0;
+  c.shared_experts = 1;
+  c.bias_balance = true;  // the selection bias that empties expert 3 is the balancing bias
+  c.router = RouterKind::Sigmoid;
+  compare(c, 257, 128, true);
+}
+
+TEST_F(GroupedExperts, SixtyFourExpertsTopEight) {
+  auto c = config();
+  c.experts = 64;
+  c.top_k = 8;
+  c.expert_ffn = 32;
+  c.bias_balance = true;
+  compare(c, 200, 64, true);
 }
 
 }  // namespace

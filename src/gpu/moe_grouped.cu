@@ -1,0 +1,370 @@
+// Grouped expert GEMMs (see moe_grouped.hpp for the design): the plm-facing half.  The CUTLASS
+// kernels live in moe_grouped_sm90a.cu; without CUTLASS this file supplies their "not built"
+// answers so the loop stays the only path.
+#include "gpu/moe_grouped.hpp"
+
+#include "core/error.hpp"
+#include "gpu/detail/grouped_gemm.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdlib>
+
+namespace plm::gpu {
+
+#if !PLM_HAVE_CUTLASS
+namespace detail {
+bool groupedCompiled() { return false; }
+std::size_t groupedWorkspaceBytes(GroupedLayout, int) { return 0; }
+void groupedRun(Stream, GroupedLayout, GroupedTile, const GroupedProblem*, int, float, void*,
+                std::size_t) {
+  throw Error(
+      "plm::gpu: the grouped expert GEMM is not in this build (CUTLASS was not found when it "
+      "was configured: run scripts/get-cutlass.sh and reconfigure, or set PLM_MOE_GEMM=loop)");
+}
+}  // namespace detail
+#endif
+
+namespace {
+
+using bfloat = __nv_bfloat16;
+using detail::GroupedLayout;
+using detail::GroupedProblem;
+using detail::kMaxGroups;
+
+/// Per-expert row blocks and one pointer each, as a kernel parameter (at most kMaxGroups).
+struct RowBlocks {
+  int groups = 0;
+  std::int64_t offset[kMaxGroups + 1];
+  const void* ptr[kMaxGroups];
+};
+
+RowBlocks rowBlocks(const std::vector<std::int64_t>& rows, const void* const* ptrs,
+                    const char* what) {
+  if (rows.size() > std::size_t(kMaxGroups))
+    throw Error(std::string("plm::gpu::") + what + ": " + std::to_string(rows.size()) +
+                " experts (at most " + std::to_string(kMaxGroups) + "; a bug in the caller)");
+  RowBlocks b;
+  b.groups = static_cast<int>(rows.size());
+  b.offset[0] = 0;
+  for (int e = 0; e < b.groups; ++e) {
+    b.offset[e + 1] = b.offset[e] + rows[e];
+    b.ptr[e] = ptrs[e];
+  }
+  return b;
+}
+
+std::int64_t maxRows(const std::vector<std::int64_t>& rows) {
+  return rows.empty() ? 0 : *std::max_element(rows.begin(), rows.end());
+}
+
+__device__ __forceinline__ float geluTanh(float x) {
+  const float c = 0.7978845608028654f;  // sqrt(2/pi), as gemm.cu's reference
+  return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
+}
+
+/// Eight bf16 (16 bytes) per thread; blockIdx.y is the expert.
+__global__ void biasGeluKernel(RowBlocks blocks, bfloat* pre, bfloat* act, int cols) {
+  const int e = blockIdx.y;
+  const std::int64_t first = blocks.offset[e], n = (blocks.offset[e + 1] - first) * cols / 8;
+  const auto* bias = static_cast<const bfloat*>(blocks.ptr[e]);
+  const int vec_cols = cols / 8;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t at = first * cols + i * 8;
+    const int c = static_cast<int>(i % vec_cols) * 8;
+    uint4 p = *reinterpret_cast<const uint4*>(pre + at);
+    auto* pv = reinterpret_cast<__nv_bfloat162*>(&p);
+    uint4 a;
+    auto* av = reinterpret_cast<__nv_bfloat162*>(&a);
+    for (int j = 0; j < 4; ++j) {
+      // The bias is read element by element: a parameter slice need not be 16-byte aligned.
+      const float2 x = __bfloat1622float2(pv[j]);
+      const float v0 = x.x + __bfloat162float(bias[c + 2 * j]);
+      const float v1 = x.y + __bfloat162float(bias[c + 2 * j + 1]);
+      pv[j] = __floats2bfloat162_rn(v0, v1);
+      av[j] = __floats2bfloat162_rn(geluTanh(v0), geluTanh(v1));
+    }
+    *reinterpret_cast<uint4*>(pre + at) = p;
+    if (act) *reinterpret_cast<uint4*>(act + at) = a;
+  }
+}
+
+/// dx = dy * gelu_tanh'(pre) (fused.cu's geluTanhBackward, 16 bytes per thread); in place
+/// (dx == dy) allowed.
+__global__ void geluBackwardVec8Kernel(const bfloat* dy, const bfloat* pre, bfloat* dx,
+                                       std::int64_t n8) {
+  const float c = 0.7978845608028654f;  // sqrt(2 / pi)
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n8;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    uint4 d = reinterpret_cast<const uint4*>(dy)[i];
+    const uint4 p = reinterpret_cast<const uint4*>(pre)[i];
+    auto* dv = reinterpret_cast<__nv_bfloat162*>(&d);
+    const auto* pv = reinterpret_cast<const __nv_bfloat162*>(&p);
+    for (int j = 0; j < 4; ++j) {
+      const float2 g = __bfloat1622float2(dv[j]), x2 = __bfloat1622float2(pv[j]);
+      float out[2];
+      const float xs[2] = {x2.x, x2.y}, gs[2] = {g.x, g.y};
+      for (int h = 0; h < 2; ++h) {
+        const float x = xs[h], t = tanhf(c * (x + 0.044715f * x * x * x));
+        out[h] = gs[h] * (0.5f * (1.0f + t) +
+                          0.5f * x * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * x * x));
+      }
+      dv[j] = __floats2bfloat162_rn(out[0], out[1]);
+    }
+    reinterpret_cast<uint4*>(dx)[i] = d;
+  }
+}
+
+constexpr int kSumWarps = 8;
+constexpr int kSumCols = 64;  // per block: 32 lanes x 2 columns
+
+/// Block (column tile, expert): warp w sums rows w, w + 8, ...; the 8 partial sums are added in
+/// warp order, so the result does not depend on timing.
+__global__ void biasGradKernel(RowBlocks blocks, const bfloat* d, int cols) {
+  __shared__ float part[kSumWarps][kSumCols];
+  const int e = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const std::int64_t first = blocks.offset[e], last = blocks.offset[e + 1];
+  const int c = blockIdx.x * kSumCols + lane * 2;
+  float s0 = 0, s1 = 0;
+  if (c < cols)
+    for (std::int64_t r = first + warp; r < last; r += kSumWarps) {
+      const float2 v =
+          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(d + r * cols + c));
+      s0 += v.x;
+      s1 += v.y;
+    }
+  part[warp][lane * 2] = s0;
+  part[warp][lane * 2 + 1] = s1;
+  __syncthreads();
+  const int col = blockIdx.x * kSumCols + static_cast<int>(threadIdx.x);
+  if (threadIdx.x < kSumCols && col < cols && last > first) {
+    float s = 0;
+    for (int w = 0; w < kSumWarps; ++w) s += part[w][threadIdx.x];
+    float* db = static_cast<float*>(const_cast<void*>(blocks.ptr[e]));
+    db[col] += s;
+  }
+}
+
+void checkCols(int cols, const char* what) {
+  if (cols % 8 != 0)
+    throw Error(std::string("plm::gpu::") + what + ": " + std::to_string(cols) +
+                " columns (the grouped expert path needs multiples of 8; a bug in the caller)");
+}
+
+/// The groups of experts with rows, each a problem of `layout`.
+template <class Make>
+std::vector<GroupedProblem> problemsOf(const std::vector<std::int64_t>& rows, Make make) {
+  std::vector<GroupedProblem> out;
+  std::int64_t at = 0;
+  for (std::size_t e = 0; e < rows.size(); ++e) {
+    if (rows[e] > 0) out.push_back(make(e, at, rows[e]));
+    at += rows[e];
+  }
+  return out;
+}
+
+/// The CTA tile of the grouped launches: PLM_MOE_GROUPED_TILE=128 (default) or 256.
+detail::GroupedTile groupedTile() {
+  const char* v = std::getenv("PLM_MOE_GROUPED_TILE");
+  if (!v || !*v || std::string(v) == "128") return detail::GroupedTile::Small;
+  if (std::string(v) == "256") return detail::GroupedTile::Large;
+  throw Error("environment variable PLM_MOE_GROUPED_TILE: '" + std::string(v) +
+              "' is not a grouped GEMM tile; use 128 or 256");
+}
+
+/// One grouped launch; the workspace holds one argument block per layout, so the launches of
+/// one layer can queue back to back.
+void runGrouped(Stream stream, GroupedLayout layout, const std::vector<GroupedProblem>& p,
+                float beta, void* workspace, std::size_t bytes, int experts) {
+  const std::size_t per = bytes / detail::kGroupedLayouts;
+  if (per < detail::groupedWorkspaceBytes(layout, experts))
+    throw Error("plm::gpu: grouped expert workspace of " + std::to_string(bytes) +
+                " bytes is too small (a bug: size it with groupedExpertWorkspaceBytes)");
+  detail::groupedRun(stream, layout, groupedTile(), p.data(), static_cast<int>(p.size()), beta,
+                     static_cast<char*>(workspace) + per * static_cast<int>(layout), per);
+}
+
+}  // namespace
+
+ExpertGemm parseExpertGemm(const std::string& value, const std::string& where) {
+  if (value == "auto") return ExpertGemm::Auto;
+  if (value == "loop") return ExpertGemm::Loop;
+  if (value == "grouped") return ExpertGemm::Grouped;
+  throw Error(where + ": '" + value + "' is not an expert GEMM mode; use auto, loop or grouped");
+}
+
+ExpertGemm expertGemmFromEnv() {
+  const char* v = std::getenv("PLM_MOE_GEMM");
+  return v && *v ? parseExpertGemm(v, "environment variable PLM_MOE_GEMM") : ExpertGemm::Auto;
+}
+
+bool groupedExpertGemmAvailable() {
+  static const bool ok = [] {
+    if (!detail::groupedCompiled()) return false;
+    int device = 0, major = 0, minor = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) return false;
+    PLM_CHECK_CUDA(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+    PLM_CHECK_CUDA(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
+    return major == 9 && minor == 0;  // sm_90a code runs on sm_90 only
+  }();
+  return ok;
+}
+
+ExpertGemm chooseExpertGemm(ExpertGemm asked, int experts, int hidden, int ffn, bool backward) {
+  const bool shapes_ok = experts <= kMaxGroups && hidden % 8 == 0 && ffn % 8 == 0;
+  if (asked == ExpertGemm::Grouped) {
+    if (!groupedExpertGemmAvailable())
+      throw Error("plm::gpu: the grouped expert GEMM was asked for (PLM_MOE_GEMM=grouped) but " +
+                  std::string(detail::groupedCompiled()
+                                  ? "this GPU is not an sm_90 (Hopper) device"
+                                  : "this build has no CUTLASS "
+                                    "(scripts/get-cutlass.sh, then reconfigure)") +
+                  "; use PLM_MOE_GEMM=loop or auto");
+    if (!shapes_ok)
+      throw Error(
+          "plm::gpu: the grouped expert GEMM needs hidden and expert ffn multiples of 8 "
+          "and at most " +
+          std::to_string(kMaxGroups) + " experts (got " + std::to_string(experts) + " x " +
+          std::to_string(ffn) + ", hidden " + std::to_string(hidden) +
+          "); use PLM_MOE_GEMM=loop or auto");
+    return ExpertGemm::Grouped;
+  }
+  if (asked == ExpertGemm::Loop || !shapes_ok || !groupedExpertGemmAvailable())
+    return ExpertGemm::Loop;
+  // The crossover measured on one H100 (doc/performance.md "MoE grouped GEMM", training layer
+  // forward and backward apart): one launch wins once the experts are many (a per-expert GEMM
+  // too small to fill the GPU); forward, cuBLASLt's fused bias + GELU epilogue beats the grouped
+  // GEMM's extra passes at 8 experts; backward (five launches per expert in the loop, four
+  // grouped ones in all) grouped wins up to the 650M-like experts, the loop at AIDO-like ones.
+  if (experts >= 16) return ExpertGemm::Grouped;
+  const std::int64_t weight = std::int64_t(hidden) * ffn;
+  return backward && weight <= (std::int64_t(8) << 20) ? ExpertGemm::Grouped : ExpertGemm::Loop;
+}
+
+std::size_t groupedExpertWorkspaceBytes(int experts) {
+  std::size_t per = 0;
+  for (int l = 0; l < detail::kGroupedLayouts; ++l)
+    per = std::max(per, detail::groupedWorkspaceBytes(static_cast<GroupedLayout>(l), experts));
+  return per * detail::kGroupedLayouts;
+}
+
+void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias,
+                    const std::vector<std::int64_t>& rows, bf16* pre, bf16* act, int cols) {
+  checkCols(cols, "expertBiasGelu");
+  const std::int64_t most = maxRows(rows);
+  if (most == 0) return;
+  const RowBlocks b =
+      rowBlocks(rows, reinterpret_cast<const void* const*>(bias.data()), "expertBiasGelu");
+  const std::int64_t per_block = 256;
+  const unsigned gx = static_cast<unsigned>(
+      std::min<std::int64_t>((most * cols / 8 + per_block - 1) / per_block, 1024));
+  biasGeluKernel<<<dim3(gx, b.groups), per_block, 0, stream>>>(
+      b, reinterpret_cast<bfloat*>(pre), reinterpret_cast<bfloat*>(act), cols);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void expertBiasGradient(Stream stream, const std::vector<float*>& db,
+                        const std::vector<std::int64_t>& rows, const bf16* d, int cols) {
+  if (cols % 2 != 0) checkCols(cols, "expertBiasGradient");
+  if (maxRows(rows) == 0) return;
+  const RowBlocks b =
+      rowBlocks(rows, reinterpret_cast<const void* const*>(db.data()), "expertBiasGradient");
+  biasGradKernel<<<dim3((cols + kSumCols - 1) / kSumCols, b.groups), kSumWarps * 32, 0, stream>>>(
+      b, reinterpret_cast<const bfloat*>(d), cols);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& experts,
+                          const std::vector<std::int64_t>& rows, const bf16* x, bf16* pre,
+                          bf16* act, bf16* y, int hidden, int ffn, void* workspace,
+                          std::size_t workspace_bytes) {
+  if (rows.size() != experts.size())
+    throw Error("plm::gpu::groupedExpertForward: " + std::to_string(rows.size()) +
+                " row counts for " + std::to_string(experts.size()) + " experts (a bug)");
+  checkCols(hidden, "groupedExpertForward");
+  checkCols(ffn, "groupedExpertForward");
+  const int e_n = static_cast<int>(experts.size());
+  const auto up = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{
+        static_cast<int>(n), ffn, hidden, x + at * hidden, hidden, experts[e].w1, hidden,
+        pre + at * ffn,      ffn};
+  });
+  if (up.empty()) return;
+  runGrouped(stream, GroupedLayout::Forward, up, 0.0f, workspace, workspace_bytes, e_n);
+  std::vector<const bf16*> b1(e_n), b2(e_n);
+  for (int e = 0; e < e_n; ++e) {
+    b1[e] = experts[e].b1;
+    b2[e] = experts[e].b2;
+  }
+  expertBiasGelu(stream, b1, rows, pre, act, ffn);
+  const auto down = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{static_cast<int>(n), hidden, ffn, act + at * ffn, ffn, experts[e].w2, ffn,
+                          y + at * hidden,     hidden};
+  });
+  runGrouped(stream, GroupedLayout::Forward, down, 0.0f, workspace, workspace_bytes, e_n);
+  expertBiasGelu(stream, b2, rows, y, nullptr, hidden);
+}
+
+void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& experts,
+                           const std::vector<ExpertGrads>& grads,
+                           const std::vector<std::int64_t>& rows, const bf16* x, const bf16* pre,
+                           const bf16* act, const bf16* dy, bf16* dpre, bf16* dx, int hidden,
+                           int ffn, void* workspace, std::size_t workspace_bytes) {
+  if (rows.size() != experts.size() || grads.size() != experts.size())
+    throw Error("plm::gpu::groupedExpertBackward: " + std::to_string(rows.size()) +
+                " row counts and " + std::to_string(grads.size()) + " gradients for " +
+                std::to_string(experts.size()) + " experts (a bug)");
+  checkCols(hidden, "groupedExpertBackward");
+  checkCols(ffn, "groupedExpertBackward");
+  const int e_n = static_cast<int>(experts.size());
+  std::int64_t total = 0;
+  for (auto n : rows) total += n;
+  // dact = dy W2 (into dpre), then dpre = dact * gelu'(pre) in place.
+  const auto dact = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{
+        static_cast<int>(n), ffn, hidden, dy + at * hidden, hidden, experts[e].w2, ffn,
+        dpre + at * ffn,     ffn};
+  });
+  if (dact.empty()) return;
+  runGrouped(stream, GroupedLayout::Dgrad, dact, 0.0f, workspace, workspace_bytes, e_n);
+  {
+    const std::int64_t n8 = total * ffn / 8;  // ffn % 8 == 0 (checked by chooseExpertGemm)
+    geluBackwardVec8Kernel<<<static_cast<unsigned>(std::min<std::int64_t>((n8 + 255) / 256, 4096)),
+                             256, 0, stream>>>(reinterpret_cast<const bfloat*>(dpre),
+                                               reinterpret_cast<const bfloat*>(pre),
+                                               reinterpret_cast<bfloat*>(dpre), n8);
+    PLM_CHECK_CUDA(cudaGetLastError());
+  }
+  // dW2 (hidden, ffn) += dy^T act; dW1 (ffn, hidden) += dpre^T x.
+  const auto dw2 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{
+        hidden,      ffn, static_cast<int>(n), dy + at * hidden, hidden, act + at * ffn, ffn,
+        grads[e].w2, ffn};
+  });
+  runGrouped(stream, GroupedLayout::Wgrad, dw2, 1.0f, workspace, workspace_bytes, e_n);
+  const auto dw1 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{
+        ffn,         hidden, static_cast<int>(n), dpre + at * ffn, ffn, x + at * hidden, hidden,
+        grads[e].w1, hidden};
+  });
+  runGrouped(stream, GroupedLayout::Wgrad, dw1, 1.0f, workspace, workspace_bytes, e_n);
+  std::vector<float*> db1(e_n), db2(e_n);
+  for (int e = 0; e < e_n; ++e) {
+    db1[e] = grads[e].b1;
+    db2[e] = grads[e].b2;
+  }
+  expertBiasGradient(stream, db2, rows, dy, hidden);
+  expertBiasGradient(stream, db1, rows, dpre, ffn);
+  // dx = dpre W1.
+  const auto dxp = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{
+        static_cast<int>(n), hidden, ffn, dpre + at * ffn, ffn, experts[e].w1, hidden,
+        dx + at * hidden,    hidden};
+  });
+  runGrouped(stream, GroupedLayout::Dgrad, dxp, 0.0f, workspace, workspace_bytes, e_n);
+}
+
+}  // namespace plm::gpu

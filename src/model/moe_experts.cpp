@@ -1,0 +1,147 @@
+// The experts' dispatch point (see moe_experts.hpp): the loop over the ordinary dispatch points,
+// or on CUDA with bf16 the grouped launches of gpu/moe_grouped.hpp.
+#include "model/moe_experts.hpp"
+
+#include "core/error.hpp"
+#include "plm/plm_config.hpp"
+#if PLM_HAVE_CUDA
+#include "gpu/moe_grouped.hpp"
+#endif
+
+#include <string>
+
+namespace plm::model {
+namespace {
+
+/// Rows [first, first + rows) of m.
+Mat rowsOf(const Mat& m, std::int64_t first, std::int64_t rows) {
+  return Mat{static_cast<char*>(m.data) + first * m.ld * static_cast<std::int64_t>(sizeOf(m.dtype)),
+             m.dtype,
+             rows,
+             m.cols,
+             m.ld,
+             m.fp8};
+}
+
+#if PLM_HAVE_CUDA
+/// Scratch slot of OpContext holding the grouped launches' argument arrays (ops.cpp's slots
+/// run to the high 30s; 64 keeps clear of them).
+constexpr int kGroupedScratch = 64;
+
+bool contiguousBf16(const Mat& m) { return m.dtype == DType::BF16 && m.ld == m.cols; }
+
+/// Whether this call takes the grouped path: bf16 activations, bf16 weights (not FP8), fp32
+/// gradients, and gpu::chooseExpertGemm says Grouped for this shape.
+bool useGrouped(const std::vector<ExpertRows>& experts, const Mat& x, const Mat& pre, bool backward,
+                ExpertGemmMode mode) {
+  if (experts.empty() || !contiguousBf16(x) || !contiguousBf16(pre)) return false;
+  for (const auto& e : experts) {
+    if (e.w->w1.fp8 || e.w->w2.fp8 || e.w->w1.dtype != DType::BF16 ||
+        e.w->w2.dtype != DType::BF16 || e.w->b1.dtype != DType::BF16 ||
+        e.w->b2.dtype != DType::BF16)
+      return false;
+    if (backward && (e.g->w1.dtype != DType::F32 || e.g->w2.dtype != DType::F32 ||
+                     e.g->b1.dtype != DType::F32 || e.g->b2.dtype != DType::F32))
+      return false;
+  }
+  gpu::ExpertGemm asked = gpu::expertGemmFromEnv();  // the environment overrides the deck
+  if (asked == gpu::ExpertGemm::Auto)
+    asked = mode == ExpertGemmMode::Loop      ? gpu::ExpertGemm::Loop
+            : mode == ExpertGemmMode::Grouped ? gpu::ExpertGemm::Grouped
+                                              : gpu::ExpertGemm::Auto;
+  return gpu::chooseExpertGemm(asked, static_cast<int>(experts.size()), static_cast<int>(x.cols),
+                               static_cast<int>(pre.cols), backward) == gpu::ExpertGemm::Grouped;
+}
+
+template <class E> const E* as(const void* p) { return static_cast<const E*>(p); }
+
+/// What a grouped launch needs besides the tensors: the experts' bf16 weights, their row
+/// counts and the argument workspace (OpContext scratch).
+struct GroupedCall {
+  std::vector<gpu::ExpertWeights> w;
+  std::vector<std::int64_t> rows;
+  void* workspace = nullptr;
+  std::size_t bytes = 0;
+};
+
+GroupedCall groupedCall(OpContext& ctx, const std::vector<ExpertRows>& experts) {
+  GroupedCall c;
+  for (const auto& e : experts) {
+    const DenseMlpWeights& x = *e.w;
+    c.w.push_back({as<gpu::bf16>(x.w1.data), as<gpu::bf16>(x.b1.data), as<gpu::bf16>(x.w2.data),
+                   as<gpu::bf16>(x.b2.data)});
+    c.rows.push_back(e.rows);
+  }
+  c.bytes = gpu::groupedExpertWorkspaceBytes(static_cast<int>(experts.size()));
+  c.workspace = ctx.scratch(kGroupedScratch, c.bytes);
+  return c;
+}
+#endif
+
+}  // namespace
+
+void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
+                    const Mat& pre, const Mat& act, const Mat& y, ExpertGemmMode mode) {
+#if PLM_HAVE_CUDA
+  if (useGrouped(experts, x, pre, false, mode)) {
+    const GroupedCall c = groupedCall(ctx, experts);
+    gpu::groupedExpertForward(ctx.space().cuda_stream(), c.w, c.rows, as<gpu::bf16>(x.data),
+                              static_cast<gpu::bf16*>(pre.data), static_cast<gpu::bf16*>(act.data),
+                              static_cast<gpu::bf16*>(y.data), static_cast<int>(x.cols),
+                              static_cast<int>(pre.cols), c.workspace, c.bytes);
+    ctx.mark(OpKind::Gemm);
+    return;
+  }
+#else
+  (void)mode;  // the choice exists on the CUDA build only
+#endif
+  std::int64_t o = 0;
+  for (const auto& e : experts) {
+    if (e.rows > 0) {
+      linearGelu(ctx, rowsOf(x, o, e.rows), e.w->w1, e.w->b1, rowsOf(pre, o, e.rows),
+                 rowsOf(act, o, e.rows));
+      linear(ctx, rowsOf(act, o, e.rows), e.w->w2, e.w->b2, rowsOf(y, o, e.rows));
+    }
+    o += e.rows;
+  }
+}
+
+void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
+                     const Mat& pre, const Mat& act, const Mat& dy, const Mat& dpre, const Mat& dx,
+                     ExpertGemmMode mode) {
+  for (const auto& e : experts)
+    if (!e.g) throw Error("plm::model::expertsBackward: an expert without gradients (a bug)");
+#if PLM_HAVE_CUDA
+  if (useGrouped(experts, x, pre, true, mode) && contiguousBf16(dy) && contiguousBf16(dpre) &&
+      contiguousBf16(dx) && contiguousBf16(act)) {
+    const GroupedCall c = groupedCall(ctx, experts);
+    std::vector<gpu::ExpertGrads> g(experts.size());
+    for (std::size_t i = 0; i < experts.size(); ++i) {
+      const DenseMlpGrads& ge = *experts[i].g;
+      g[i] = {static_cast<float*>(ge.w1.data), static_cast<float*>(ge.b1.data),
+              static_cast<float*>(ge.w2.data), static_cast<float*>(ge.b2.data)};
+    }
+    gpu::groupedExpertBackward(ctx.space().cuda_stream(), c.w, g, c.rows, as<gpu::bf16>(x.data),
+                               as<gpu::bf16>(pre.data), as<gpu::bf16>(act.data),
+                               as<gpu::bf16>(dy.data), static_cast<gpu::bf16*>(dpre.data),
+                               static_cast<gpu::bf16*>(dx.data), static_cast<int>(x.cols),
+                               static_cast<int>(pre.cols), c.workspace, c.bytes);
+    ctx.mark(OpKind::Gemm);
+    return;
+  }
+#else
+  (void)mode;
+#endif
+  std::int64_t o = 0;
+  for (const auto& e : experts) {
+    if (e.rows > 0) {
+      linearBackwardGelu(ctx, rowsOf(act, o, e.rows), e.w->w2, rowsOf(dy, o, e.rows),
+                         rowsOf(pre, o, e.rows), rowsOf(dpre, o, e.rows), e.g->w2, e.g->b2);
+      linearBackward(ctx, rowsOf(x, o, e.rows), e.w->w1, rowsOf(dpre, o, e.rows),
+                     rowsOf(dx, o, e.rows), false, e.g->w1, e.g->b1);
+    }
+    o += e.rows;
+  }
+}
+
+}  // namespace plm::model

@@ -1,0 +1,42 @@
+// The dispatch point of a MoE layer's experts: their FFNs over contiguous row blocks (expert
+// i's rows follow expert i-1's, the routing's permutation order).
+//
+// Paths: fp32 / fp64 and FP8 weights run the experts one after another through the ordinary
+// dispatch points (linearGelu + linear forward; linearBackwardGelu + linearBackward backward);
+// bf16 on CUDA asks src/gpu (gpu::chooseExpertGemm: the deck's moe.expert_gemm, overridden by
+// the environment variable PLM_MOE_GEMM = auto | loop | grouped; Auto by the measured crossover,
+// per direction) whether to run that loop of cuBLASLt
+// calls or CUTLASS's grouped GEMM, one launch per GEMM for all experts (gpu/moe_grouped.hpp).
+// Accumulation: weight and bias gradients accumulate (+=); pre, act, y, dpre and dx are
+// written (=).
+#pragma once
+
+#include "model/encoder_layer.hpp"
+#include "model/moe_config.hpp"
+#include "model/ops.hpp"
+
+#include <cstdint>
+#include <vector>
+
+namespace plm::model {
+
+/// One expert's weights (its gradients for the backward, else nullptr) and its number of rows.
+struct ExpertRows {
+  const DenseMlpWeights* w = nullptr;
+  const DenseMlpGrads* g = nullptr;
+  std::int64_t rows = 0;
+};
+
+/// \brief For each expert's row block: pre = x W1^T + b1, act = gelu_tanh(pre),
+/// y = act W2^T + b2.  x, y (sum rows, H); pre, act (sum rows, F).
+void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
+                    const Mat& pre, const Mat& act, const Mat& y,
+                    ExpertGemmMode mode = ExpertGemmMode::Auto);
+
+/// \brief The experts' backward from dy (sum rows, H): dpre = (dy W2) gelu'(pre),
+/// dx = dpre W1, and g->w2 += dy^T act, g->b2 += sum dy, g->w1 += dpre^T x, g->b1 += sum dpre.
+void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
+                     const Mat& pre, const Mat& act, const Mat& dy, const Mat& dpre, const Mat& dx,
+                     ExpertGemmMode mode = ExpertGemmMode::Auto);
+
+}  // namespace plm::model
