@@ -71,6 +71,26 @@ template <class P> void silenceExpertZero(model::Esm2<P>& m) {
   }
 }
 
+/// A 2-layer MoE model in fp32 masters for the float precisions (hidden 32, 4 heads; 4 experts
+/// of width 32, a multiple of 16 as the GPU's FP8 GEMMs want, top-2, capacity factor 1.5, a
+/// shared expert, bias balancing so an expert can be silenced).
+inline model::Esm2Config floatMoeConfig(model::Precision precision) {
+  model::Esm2Config c;
+  c.num_layers = 2;
+  c.hidden = 32;
+  c.heads = 4;
+  c.ffn = 64;
+  c.precision = precision;
+  c.fp8.amax_history = 4;
+  c.moe.experts = 4;
+  c.moe.top_k = 2;
+  c.moe.expert_ffn = 32;
+  c.moe.capacity_factor = 1.5;
+  c.moe.shared_experts = 1;
+  c.moe.bias_balance = true;
+  return c;
+}
+
 /// How the ranks' summed gradients compare with one rank's.
 struct GradientMatch {
   double max_diff = 0, max_abs = 0;  // largest |difference| and |reference| over every element

@@ -207,18 +207,7 @@ TEST(ExpertParallel, Bf16RowsMatchOneRank) {
   if (!PLM_HAVE_CUDA) GTEST_SKIP() << "train.precision: bf16 runs on the CUDA build only";
   if (noExpertParallelBackend())
     GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
-  plm::model::Esm2Config c;
-  c.num_layers = 2;
-  c.hidden = 32;
-  c.heads = 4;
-  c.ffn = 64;
-  c.precision = plm::model::Precision::Bf16;
-  c.moe.experts = 4;
-  c.moe.top_k = 2;
-  c.moe.expert_ffn = 32;
-  c.moe.capacity_factor = 1.5;
-  c.moe.shared_experts = 1;
-  c.moe.bias_balance = true;
+  const auto c = plm::test::floatMoeConfig(plm::model::Precision::Bf16);
   auto comm =
       plm::dist::makeCommunicator(MPI_COMM_WORLD, plm::dist::defaultBackend(MPI_COMM_WORLD));
   const auto m = plm::test::expertParallelVsOneRank<float>(c, comm.get(), true, false);
