@@ -1319,6 +1319,12 @@ template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch
   if (batch.numTokens() == 0 && !batch.context) {  // a rank with no micro-batch this step
     im.host_cu.clear();
     im.beginMoe(0.0, grad_scale, true);
+    // Its experts still compute other ranks' rows: with the compute copy of this step, and
+    // (fp8) recording their amaxes as a training pass.
+    if (im.expert_parallel) {
+      if (im.fp8_scaling) im.fp8_scaling->setRecording(true);
+      if (refresh_weights) im.refreshCompute();
+    }
     im.idleMoePass(true);
     return 0.0;
   }
@@ -1342,6 +1348,10 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
   if (batch.numTokens() == 0 && !batch.context) {
     im.host_cu.clear();
     im.beginMoe(0.0, 0.0, false);
+    if (im.expert_parallel) {  // as in forwardBackward
+      if (im.fp8_scaling) im.fp8_scaling->setRecording(false);
+      if (refresh_weights) im.refreshCompute();
+    }
     im.idleMoePass(false);
     if (outputs && outputs->want_logits)
       outputs->logits = View2<T>("plm::model::logits", 0, im.config.vocab);

@@ -228,15 +228,19 @@ TEST(Fp8Moe, ResumesExactlyAndAtAnotherDegree) {
 // One pass's gradients, FP8 experts vs fp32 experts at the same weights and batch (delayed
 // after one calibration pass; current; block): doc/fp8.md's tolerance (relative L2 of the whole
 // gradient < 0.25, cosine > 0.95 per expert weight gradient; measured 0.13-0.16 on the dense
-// model) with the experts' GEMMs as two more FP8 GEMMs per layer.  The expert gradients must
-// differ from fp32's (the experts did run in FP8), and every expert that got rows recorded its
-// input and gradient amaxes in its own slots (delayed).
+// model) with the experts' GEMMs as two more FP8 GEMMs per layer (measured: delayed 0.155,
+// current 0.17, block 0.087; worst cosine 0.970).  That the experts ran in FP8 shows in their
+// slots: every expert recorded its input (and, in layer 0, gradient) amaxes there (delayed).
 TEST(Fp8Moe, ExpertsNearFp32AndUseTheirSlots) {
   PLM_SKIP_WITHOUT_FP8();
   auto config = [](Precision p, Fp8Recipe recipe) {
     auto c = plm::test::floatMoeConfig(p);
     c.fp8.recipe = recipe;
-    c.moe.capacity_factor = 0;  // dropless
+    // Every expert for every token (top-4 of 4, dropless): a top-k choice near a tie may flip
+    // under FP8 rounding and move an expert's gradient by O(1) (measured with top-2: the
+    // router's gradient cosine 0.18 under current scaling), which says nothing of the GEMMs.
+    c.moe.top_k = 4;
+    c.moe.capacity_factor = 0;
     return c;
   };
   const auto batch = plm::test::makeBatchForRank(3);
@@ -259,7 +263,7 @@ TEST(Fp8Moe, ExpertsNearFp32AndUseTheirSlots) {
   for (Fp8Recipe r : {Fp8Recipe::Delayed, Fp8Recipe::Current, Fp8Recipe::Block}) {
     plm::model::Esm2<float> m(config(Precision::Fp8, r));
     const auto g8 = grads(m, r == Fp8Recipe::Delayed);
-    double num = 0, den = 0, worst_cos = 1, expert_diff = 0;
+    double num = 0, den = 0, worst_cos = 1;
     for (const auto& t : m.tensors()) {
       double d = 0, a = 0, b = 0, ab = 0;
       for (std::int64_t i = t.offset; i < t.offset + t.size; ++i) {
@@ -271,14 +275,12 @@ TEST(Fp8Moe, ExpertsNearFp32AndUseTheirSlots) {
       num += d;
       den += b;
       const bool expert = t.name.find(".moe.experts.") != std::string::npos;
-      if (expert) expert_diff += d;
       if (expert && t.name.find(".weight") != std::string::npos && b > 0)
         worst_cos = std::min(worst_cos, ab / std::sqrt(a * b));
     }
     const double rel = std::sqrt(num / den);
     EXPECT_LT(rel, 0.25) << plm::model::fp8RecipeName(r);
     EXPECT_GT(worst_cos, 0.95) << plm::model::fp8RecipeName(r);
-    EXPECT_GT(expert_diff, 0.0) << plm::model::fp8RecipeName(r) << ": experts ran unquantised";
     std::printf("fp8 %s MoE vs %s: gradient relative L2 %.3g, worst expert-weight cosine %.4f\n",
                 plm::model::fp8RecipeName(r), plm::model::precisionName(high), rel, worst_cos);
     if (r != Fp8Recipe::Delayed) continue;
@@ -294,8 +296,13 @@ TEST(Fp8Moe, ExpertsNearFp32AndUseTheirSlots) {
         using plm::model::Fp8Gemm;
         using plm::model::Fp8Operand;
         const bool got_rows = stats[l].routed[e] > 0;
+        EXPECT_TRUE(got_rows) << "layer " << l << " expert " << e << " (top-4 of 4)";
+        // The last layer's output gradient is zero on unlabelled tokens (the LM head runs on
+        // labelled rows only), so only layer 0's experts surely see a gradient.
+        std::vector<Fp8Operand> operands = {Fp8Operand::Input};
+        if (l == 0) operands.push_back(Fp8Operand::Grad);
         for (Fp8Gemm g : {Fp8Gemm::FfnIn, Fp8Gemm::FfnOut})
-          for (Fp8Operand o : {Fp8Operand::Input, Fp8Operand::Grad})
+          for (Fp8Operand o : operands)
             EXPECT_EQ(lastAmax(s.expertIndex(l, e, g, o)) > 0, got_rows)
                 << "layer " << l << " expert " << e << " " << plm::model::fp8GemmName(g) << " "
                 << plm::model::fp8OperandName(o);
