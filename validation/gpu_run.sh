@@ -295,7 +295,8 @@ if has moe_ep; then
       [[ -x "$pkg/bin/$t" ]] || { note "moe_ep: $t not packaged"; continue; }
       log="$out/moe_ep_${t}_np$np.log"
       start=$(date +%s)
-      timeout 300 mpiexec -n $np --oversubscribe "$pkg/bin/$t" --gtest_filter="$filter" > "$log" 2>&1
+      timeout ${PLM_MOE_EP_TIMEOUT:-300} mpiexec -n $np --oversubscribe "$pkg/bin/$t" \
+        --gtest_filter="$filter" > "$log" 2>&1
       note "moe_ep: $t np$np rc=$? $(( $(date +%s) - start ))s"
       grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure|relative|expert degree" "$log" |
         sort -u | tee -a "$summary"
