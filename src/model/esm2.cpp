@@ -1170,20 +1170,24 @@ template <class T> struct Esm2<T>::Impl {
   /// runs on zero rows, in the order of the collectives of a rank with tokens.
   void idleMoePass(bool backward) {
     if (!expert_parallel || moe_blocks.empty()) return;
+    // Zero rows in each tensor's own type, as a pass with tokens hands them over: the LN2
+    // output and the gradients in the compute precision (bf16 on the bf16 and FP8 paths, whose
+    // kernels refuse another type), the residual stream in the master type.
     const std::int64_t h = config.hidden;
-    Mat empty{nullptr, master, 0, h, h};
+    const Mat none{nullptr, compute, 0, h, h};
+    const Mat stream{nullptr, master, 0, h, h};
     LayerActs acts;
-    acts.ln2 = empty;
+    acts.ln2 = none;
     LayerScratch scratch;
-    for (auto* block : moe_blocks) block->forward(ctx, empty, empty, empty, acts);
+    for (auto* block : moe_blocks) block->forward(ctx, none, stream, stream, acts);
     if (!backward) return;
     for (auto it = moe_blocks.rbegin(); it != moe_blocks.rend(); ++it) {
       if (config.recompute == Recompute::Layer) {
         moe_step.recomputing = true;
-        (*it)->forward(ctx, empty, empty, empty, acts);
+        (*it)->forward(ctx, none, stream, stream, acts);
         moe_step.recomputing = false;
       }
-      (*it)->backward(ctx, acts, empty, empty, scratch);
+      (*it)->backward(ctx, acts, none, none, scratch);
     }
   }
 
