@@ -3,11 +3,14 @@
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves
-#                                       staged moe_grouped
+#                                       staged moe_grouped moe_ep
 #   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
 #        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
 #        layer with PLM_MOE_GEMM=grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
 #        and training layer); logs copied to $OUT (moe_grouped_tests.log, bench_gpu_moe.log)
+#   moe_ep: expert parallelism on ONE GPU at 2 ranks (staged MPI) against 1 rank, bf16 and FP8
+#         experts (test_ckpt_moe_expert_parallel, test_fp8_moe; PLM_MOE_EP_FILTER narrows
+#         test_fp8_moe), and the staged all-to-all-v with one-sided ranks
 #   moe: test_gpu_moe and test_gpu_moe_bf16 (the bf16 MoE layer of the training step against
 #        the portable fp32 path), bench_gpu_moe, and a short bf16 MoE training run (esm2_8m with
 #        8 experts of 640, top-2; PLM_MOE_STEPS steps) with its tokens/s
@@ -280,6 +283,27 @@ if has context && [[ -d "$ctx_dir" ]]; then
       timeout 600 mpiexec -n $np --oversubscribe "$ctx_dir/$t" > "$log" 2>&1
       note "$t np$np rc=$? $(( $(date +%s) - start ))s"
       grep -E "context degree|PASSED|FAILED|SKIPPED|Failure" "$log" | tee -a "$summary"
+    done
+  done
+fi
+
+if has moe_ep; then
+  for run in "test_dist_staged_communicator 2 *AllToAllV*" \
+             "test_ckpt_moe_expert_parallel 1 2 ExpertParallel.Bf16*:ExpertParallel.Zero*" \
+             "test_fp8_moe 1 2 ${PLM_MOE_EP_FILTER:-*}"; do
+    set -f  # the filters are gtest patterns, not file globs
+    set -- $run
+    set +f
+    t=$1 filter=${!#}
+    for np in "${@:2:$#-2}"; do
+      [[ -x "$pkg/bin/$t" ]] || { note "moe_ep: $t not packaged"; continue; }
+      log="$out/moe_ep_${t}_np$np.log"
+      start=$(date +%s)
+      timeout ${PLM_MOE_EP_TIMEOUT:-300} mpiexec -n $np --oversubscribe "$pkg/bin/$t" \
+        --gtest_filter="$filter" > "$log" 2>&1
+      note "moe_ep: $t np$np rc=$? $(( $(date +%s) - start ))s"
+      grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure|relative|expert degree" "$log" |
+        sort -u | tee -a "$summary"
     done
   done
 fi

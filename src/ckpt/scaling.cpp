@@ -15,6 +15,8 @@ template <class P> ScalingState takeScaling(model::Esm2<P>& model) {
   if (const model::Fp8Scaling* f = model.fp8Scaling()) {
     s.config = f->config();
     s.layers = f->numLayers();
+    s.moe_layers = f->numMoeLayers();
+    s.experts = f->numExperts();
     s.steps = f->steps();
     s.histories = f->histories();
     s.scales = f->scales();
@@ -37,6 +39,8 @@ void writeScaling(hid_t file, const ScalingState& s, MPI_Comm comm) {
   h5::writeAttribute(g, "wgrad", std::string(model::fp8WgradName(c.wgrad)));
   h5::writeAttribute(g, "steps", s.steps);
   h5::writeAttribute(g, "layers", std::int64_t(s.layers));
+  h5::writeAttribute(g, "moe_layers", std::int64_t(s.moe_layers));
+  h5::writeAttribute(g, "experts", std::int64_t(s.experts));
   int rank = 0;
   PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
   const std::int64_t rows = static_cast<std::int64_t>(s.scales.size());
@@ -65,10 +69,16 @@ ScalingState readScaling(hid_t file, const std::string& path) {
     c.wgrad = model::parseFp8Wgrad(h5::readStringAttribute(g, "wgrad"));
     s.steps = h5::readIntAttribute(g, "steps");
     s.layers = static_cast<int>(h5::readIntAttribute(g, "layers"));
+    if (h5::hasAttribute(g, "experts")) {  // written since FP8 experts
+      s.moe_layers = static_cast<int>(h5::readIntAttribute(g, "moe_layers"));
+      s.experts = static_cast<int>(h5::readIntAttribute(g, "experts"));
+    }
     h5::Hid hist = h5::openDataset(g, "amax_history");
     h5::Hid scale = h5::openDataset(g, "scale");
     const auto hs = h5::datasetShape(hist), ss = h5::datasetShape(scale);
-    const std::int64_t rows = std::int64_t(s.layers) * model::fp8_gemms * model::fp8_operands;
+    const std::int64_t rows =
+        (std::int64_t(s.layers) * model::fp8_gemms + std::int64_t(s.moe_layers) * s.experts * 2) *
+        model::fp8_operands;
     if (hs.size() != 2 || hs[0] != rows || hs[1] != c.amax_history || ss.size() != 1 ||
         ss[0] != rows)
       throw CorruptCheckpoint("checkpoint `" + path +
@@ -105,6 +115,11 @@ template <class P> std::string scalingRefusal(const ScalingState& stored, model:
   if (stored.layers != now->numLayers())
     return "/scaling holds " + std::to_string(stored.layers) + " layers, the model has " +
            std::to_string(now->numLayers());
+  if (stored.moe_layers != now->numMoeLayers() || stored.experts != now->numExperts())
+    return "/scaling holds FP8 slots for " + std::to_string(stored.moe_layers) + " MoE layers of " +
+           std::to_string(stored.experts) + " experts, the model has " +
+           std::to_string(now->numMoeLayers()) + " of " + std::to_string(now->numExperts()) +
+           " (moe.experts or moe.every changed; parallel.expert_degree may change freely)";
   return {};
 }
 

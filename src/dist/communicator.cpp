@@ -290,6 +290,17 @@ class MpiCommunicator final : public Communicator {
       rc[q] = toInt(recv_counts[q], "allToAllV");
       rd[q] = toInt(recv_offsets[q], "allToAllV");
     }
+    // Open MPI's non-blocking all-to-all-v (libnbc) takes send == recv for MPI_IN_PLACE and
+    // then sends from the receive buffer with the receive counts: a rank that sends nothing
+    // but receives would hang the exchange.  Such a rank's send buffer is never read, so it
+    // gets a distinct one; real overlap is the caller's bug.
+    if (send == recv && std::any_of(rc, rc + p, [](int c) { return c > 0; })) {
+      PLM_REQUIRE(std::all_of(sc, sc + p, [](int c) { return c == 0; }),
+                  "dist::allToAllV: the send and receive buffers are the same; all-to-all-v "
+                  "has no in-place form here, pass separate buffers");
+      work->scratch.resize(1);
+      send = work->scratch.data();
+    }
     work->requests.emplace_back();
     PLM_CHECK_MPI(MPI_Ialltoallv(send, sc, sd, mpiDataType(type), recv, rc, rd, mpiDataType(type),
                                  comm_member, &work->requests.back()));

@@ -43,6 +43,9 @@ namespace {
 
 constexpr std::size_t kAlign = 64;  // each staged region starts on its own cache line
 std::size_t aligned(std::size_t bytes) { return (bytes + kAlign - 1) / kAlign * kAlign; }
+/// The offset of a region that follows one of `bytes`: aligned, and past the first region's
+/// start even when that region is empty, so two regions never share an address.
+std::size_t regionAfter(std::size_t bytes) { return aligned(std::max<std::size_t>(bytes, 1)); }
 
 /// Host staging buffers of one communicator, shared with its in-flight works (which may outlive
 /// it).  A buffer belongs to one collective from its start until its Work completes.
@@ -240,7 +243,11 @@ class StagedCommunicator final : public Communicator {
     if (send_extent == 0 && recv_extent == 0)  // still collective; MPI touches no buffer
       return mpi_member->allToAllV(send, send_counts, send_offsets, recv, recv_counts, recv_offsets,
                                    type, stream);
-    const std::size_t recv_base = aligned(static_cast<std::size_t>(send_extent) * width);
+    // The receive region starts after the send region and never at its start, also when this
+    // rank sends nothing: a receive buffer equal to the send buffer is MPI_IN_PLACE to Open
+    // MPI's non-blocking all-to-all-v (libnbc), which then sends from the receive buffer with
+    // the receive counts, and a rank that sends nothing but receives hangs the exchange.
+    const std::size_t recv_base = regionAfter(static_cast<std::size_t>(send_extent) * width);
     Launch l = begin(recv_base + static_cast<std::size_t>(recv_extent) * width, stream);
     std::vector<Piece> in;
     auto* send_bytes = static_cast<unsigned char*>(const_cast<void*>(send));
@@ -271,12 +278,12 @@ class StagedCommunicator final : public Communicator {
     const std::size_t width = sizeOf(type);
     const std::size_t out = static_cast<std::size_t>(send_count) * width;
     const std::size_t back = static_cast<std::size_t>(recv_count) * width;
-    Launch l = begin(aligned(out) + back, stream);
+    Launch l = begin(regionAfter(out) + back, stream);
     if (out > 0) stageIn(l, {{const_cast<void*>(send), 0, out}}, stream);
     l.work->inner =
-        mpi_member->sendRecv(l.staging()->at(0), send_count, dest, l.staging()->at(aligned(out)),
-                             recv_count, source, type, stream);
-    if (back > 0) l.back = {{recv, aligned(out), back}};
+        mpi_member->sendRecv(l.staging()->at(0), send_count, dest,
+                             l.staging()->at(regionAfter(out)), recv_count, source, type, stream);
+    if (back > 0) l.back = {{recv, regionAfter(out), back}};
     return finish(std::move(l));
   }
 

@@ -211,7 +211,7 @@ template <class T> struct Esm2<T>::Impl {
   // (fp8_weights) refreshed from the masters: (master offset, copy offset, count) segments
   // gathered per GEMM weight (q, k, v stacked), quantised as one tensor each.
   std::unique_ptr<Fp8Scaling> fp8_scaling;
-  std::vector<Fp8GemmSlot> fp8_slots;  // (layers * 4)
+  std::vector<Fp8GemmSlot> fp8_slots;  // (layers * 4 + moe layers * experts * 2)
   View1<T> fp8_weights;
   struct Fp8Weight {
     const Fp8GemmSlot* slot;
@@ -293,15 +293,27 @@ template <class T> struct Esm2<T>::Impl {
           "train.precision: fp8 needs the FP8 kernels of src/gpu/fp8.hpp, which this CUDA build "
           "lacks (doc/fp8.md); use train.precision: bf16 on the GPU or run fp8 on a CPU build");
 #endif
-      if (config.moe.enabled())
-        throw collectiveError(
-            "train.precision: fp8 is not available for Mixture-of-Experts models yet; set "
-            "train.precision: fp32 or moe.experts: 0");
-      fp8_scaling = std::make_unique<Fp8Scaling>(config.fp8, config.num_layers);
-      fp8_slots.resize(std::size_t(config.num_layers) * fp8_gemms);
+      if (bf16 && config.moe.enabled() && config.moe.expert_ffn % 16 != 0)
+        throw collectiveError("train.precision: fp8 with moe on the GPU needs moe.expert_ffn (" +
+                              std::to_string(config.moe.expert_ffn) +
+                              ") to be a multiple of 16 (the FP8 GEMMs' inner dimension)");
+      // Dense slots (layers x 4), then two per routed expert of each MoE layer (up, down); a
+      // MoE layer's FFN slots serve its shared experts.
+      std::vector<int> moe_layers;
+      for (int l = 0; l < config.num_layers; ++l)
+        if (config.moe.isMoeLayer(l)) moe_layers.push_back(l);
+      fp8_scaling = std::make_unique<Fp8Scaling>(config.fp8, config.num_layers, moe_layers,
+                                                 config.moe.experts);
+      fp8_slots.resize(std::size_t(config.num_layers) * fp8_gemms +
+                       moe_layers.size() * std::size_t(config.moe.experts) * 2);
       for (int l = 0; l < config.num_layers; ++l)
         for (int g = 0; g < fp8_gemms; ++g)
           fp8_slots[l * fp8_gemms + g] = {fp8_scaling.get(), l, static_cast<Fp8Gemm>(g)};
+      std::size_t at = std::size_t(config.num_layers) * fp8_gemms;
+      for (int l : moe_layers)
+        for (int e = 0; e < config.moe.experts; ++e)
+          for (Fp8Gemm g : {Fp8Gemm::FfnIn, Fp8Gemm::FfnOut})
+            fp8_slots[at++] = {fp8_scaling.get(), l, g, e};
     }
     auto table = buildTable(config);
     for (auto& e : table) {
@@ -448,6 +460,21 @@ template <class T> struct Esm2<T>::Impl {
   }
 
   const TensorInfo& info(const std::string& name) const { return tensors[index.at(name)]; }
+  // fp8_slots[i] is the GEMM whose operands are scaling tensors 3i, 3i + 1, 3i + 2.
+  Fp8GemmSlot* denseSlot(int layer, Fp8Gemm g) {
+    return &fp8_slots[fp8_scaling->index(layer, g, Fp8Operand::Input) / fp8_operands];
+  }
+  /// Routed expert `e`'s up (FfnIn) or down (FfnOut) GEMM in MoE layer `layer`.
+  Fp8GemmSlot* expertSlot(int layer, int e, Fp8Gemm g) {
+    return &fp8_slots[fp8_scaling->expertIndex(layer, e, g, Fp8Operand::Input) / fp8_operands];
+  }
+  /// The FFNs of an MoE layer that own FP8 GEMMs: its routed experts, then its shared experts.
+  static std::vector<DenseMlpWeights*> moeMlps(MoeWeights& m) {
+    std::vector<DenseMlpWeights*> out;
+    for (auto& e : m.experts) out.push_back(&e);
+    if (!m.shared.w1.empty()) out.push_back(&m.shared);
+    return out;
+  }
   Mat masterMat(const View1<T>& buf, const std::string& name) {
     const auto& t = info(name);
     return Mat{buf.data() + t.offset, master, t.shape[0], t.shape[1], t.shape[1]};
@@ -512,15 +539,41 @@ template <class T> struct Esm2<T>::Impl {
     std::vector<DenseMlpGrads> mg(config.num_layers);
     std::vector<LayerNormParams> ln2(config.num_layers), ln2g(config.num_layers);
     std::vector<MoeWeights> moe_w(config.num_layers), moe_g(config.num_layers);
+    // fp8 weights refer to offsets into fp8_weights until it exists.
+    std::int64_t fp8_at = 0;
+    fp8_list.clear();
+    auto fp8Weight = [&](Fp8GemmSlot* slot, const std::vector<std::string>& names) -> Mat {
+      Fp8Weight fw{slot, fp8_at, 0, 0, {}};
+      for (const auto& name : names) {
+        const auto& t = info(name);
+        fw.from.push_back(t.offset);
+        fw.rows += t.shape[0];
+        fw.cols = t.shape[1];
+      }
+      fp8_list.push_back(fw);
+      fp8_at += fw.rows * fw.cols;
+      return Mat{reinterpret_cast<void*>(fw.at), master, fw.rows, fw.cols, fw.cols, fw.slot};
+    };
     // MoE layers: the router in the master type; under bf16 the experts' packed bf16 copies
     // (an expert's output is bf16, so its b2 too; the shared experts add into the fp32 stream).
-    auto bindMoe = [&](const std::string& p, MoeWeights& mwt, MoeWeights& mgt) {
-      auto dense = [&](const std::string& x, DenseMlpWeights& dw, DenseMlpWeights& dg) {
+    // Under fp8 (an FP8 layer) the expert and shared-expert weights carry their slots: the
+    // quantised copy on the CPU, the packed bf16 copy (and bf16 biases) on CUDA.
+    auto bindMoe = [&](int l, const std::string& p, MoeWeights& mwt, MoeWeights& mgt) {
+      const bool fp8 = fp8_scaling && config.fp8.fp8Layer(l, config.num_layers);
+      auto dense = [&](const std::string& x, DenseMlpWeights& dw, DenseMlpWeights& dg,
+                       Fp8GemmSlot* up, Fp8GemmSlot* down) {
         const bool shared = x == p + "shared_experts.";
-        dw.w1 = weight(x + "intermediate.dense.weight");
+        dw.w1 = fp8 && !bf16 ? fp8Weight(up, {x + "intermediate.dense.weight"})
+                             : weight(x + "intermediate.dense.weight");
         dw.b1 = bias(x + "intermediate.dense.bias");
-        dw.w2 = weight(x + "output.dense.weight");
-        dw.b2 = shared ? masterVec(params, x + "output.dense.bias") : bias(x + "output.dense.bias");
+        dw.w2 = fp8 && !bf16 ? fp8Weight(down, {x + "output.dense.weight"})
+                             : weight(x + "output.dense.weight");
+        dw.b2 = shared && !(fp8 && bf16) ? masterVec(params, x + "output.dense.bias")
+                                         : bias(x + "output.dense.bias");
+        if (fp8 && bf16) {
+          dw.w1.fp8 = up;
+          dw.w2.fp8 = down;
+        }
         dg.w1 = masterMat(grads, x + "intermediate.dense.weight");
         dg.b1 = masterVec(grads, x + "intermediate.dense.bias");
         dg.w2 = masterMat(grads, x + "output.dense.weight");
@@ -532,23 +585,13 @@ template <class T> struct Esm2<T>::Impl {
       mwt.experts.resize(config.moe.experts);
       mgt.experts.resize(config.moe.experts);
       for (int e = 0; e < config.moe.experts; ++e)
-        dense(p + "experts." + std::to_string(e) + ".", mwt.experts[e], mgt.experts[e]);
-      if (config.moe.shared_experts > 0) dense(p + "shared_experts.", mwt.shared, mgt.shared);
-    };
-    // fp8 weights refer to offsets into fp8_weights until it exists.
-    std::int64_t fp8_at = 0;
-    fp8_list.clear();
-    auto fp8Weight = [&](int l, Fp8Gemm g, const std::vector<std::string>& names) -> Mat {
-      Fp8Weight fw{&fp8_slots[l * fp8_gemms + static_cast<int>(g)], fp8_at, 0, 0, {}};
-      for (const auto& name : names) {
-        const auto& t = info(name);
-        fw.from.push_back(t.offset);
-        fw.rows += t.shape[0];
-        fw.cols = t.shape[1];
-      }
-      fp8_list.push_back(fw);
-      fp8_at += fw.rows * fw.cols;
-      return Mat{reinterpret_cast<void*>(fw.at), master, fw.rows, fw.cols, fw.cols, fw.slot};
+        dense(p + "experts." + std::to_string(e) + ".", mwt.experts[e], mgt.experts[e],
+              fp8 ? expertSlot(l, e, Fp8Gemm::FfnIn) : nullptr,
+              fp8 ? expertSlot(l, e, Fp8Gemm::FfnOut) : nullptr);
+      if (config.moe.shared_experts > 0)
+        dense(p + "shared_experts.", mwt.shared, mgt.shared,
+              fp8 ? denseSlot(l, Fp8Gemm::FfnIn) : nullptr,
+              fp8 ? denseSlot(l, Fp8Gemm::FfnOut) : nullptr);
     };
     for (int l = 0; l < config.num_layers; ++l) {
       const std::string pre = "esm.encoder.layer." + std::to_string(l) + ".";
@@ -580,7 +623,7 @@ template <class T> struct Esm2<T>::Impl {
       g.ln_g = masterVec(grads, pre + "attention.LayerNorm.weight");
       g.ln_b = masterVec(grads, pre + "attention.LayerNorm.bias");
       if (config.moe.isMoeLayer(l)) {
-        bindMoe(pre + "moe.", moe_w[l], moe_g[l]);
+        bindMoe(l, pre + "moe.", moe_w[l], moe_g[l]);
       } else {
         mw[l].w1 = weight(pre + "intermediate.dense.weight");
         mw[l].b1 = bias(pre + "intermediate.dense.bias");
@@ -593,16 +636,18 @@ template <class T> struct Esm2<T>::Impl {
       }
       if (fp8_scaling && bf16 && config.fp8.fp8Layer(l, config.num_layers)) {
         // CUDA: the packed bf16 weights carry the slot; FP8 GEMMs take bf16 biases.
-        auto slot = [&](Fp8Gemm g) { return &fp8_slots[l * fp8_gemms + static_cast<int>(g)]; };
-        a.qkv.fused_w.fp8 = slot(Fp8Gemm::Qkv);
-        a.wo.fp8 = slot(Fp8Gemm::AttnOut);
-        mw[l].w1.fp8 = slot(Fp8Gemm::FfnIn);
-        mw[l].w2.fp8 = slot(Fp8Gemm::FfnOut);
+        a.qkv.fused_w.fp8 = denseSlot(l, Fp8Gemm::Qkv);
+        a.wo.fp8 = denseSlot(l, Fp8Gemm::AttnOut);
         a.bo = bias(pre + "attention.output.dense.bias");
-        mw[l].b2 = bias(pre + "output.dense.bias");
+        if (!config.moe.isMoeLayer(l)) {  // an MoE layer's FFN slots went to its shared experts
+          mw[l].w1.fp8 = denseSlot(l, Fp8Gemm::FfnIn);
+          mw[l].w2.fp8 = denseSlot(l, Fp8Gemm::FfnOut);
+          mw[l].b2 = bias(pre + "output.dense.bias");
+        }
       } else if (fp8_scaling && config.fp8.fp8Layer(l, config.num_layers)) {
-        const Mat qkv = fp8Weight(
-            l, Fp8Gemm::Qkv, {self + "query.weight", self + "key.weight", self + "value.weight"});
+        const Mat qkv =
+            fp8Weight(denseSlot(l, Fp8Gemm::Qkv),
+                      {self + "query.weight", self + "key.weight", self + "value.weight"});
         const std::int64_t h = config.hidden;
         Mat* parts[3] = {&a.qkv.wq, &a.qkv.wk, &a.qkv.wv};
         for (int i = 0; i < 3; ++i) {  // rows [i H, (i + 1) H) of the stacked copy
@@ -611,9 +656,11 @@ template <class T> struct Esm2<T>::Impl {
           parts[i]->data =
               reinterpret_cast<void*>(reinterpret_cast<std::intptr_t>(qkv.data) + i * h * h);
         }
-        a.wo = fp8Weight(l, Fp8Gemm::AttnOut, {pre + "attention.output.dense.weight"});
-        mw[l].w1 = fp8Weight(l, Fp8Gemm::FfnIn, {pre + "intermediate.dense.weight"});
-        mw[l].w2 = fp8Weight(l, Fp8Gemm::FfnOut, {pre + "output.dense.weight"});
+        a.wo = fp8Weight(denseSlot(l, Fp8Gemm::AttnOut), {pre + "attention.output.dense.weight"});
+        if (!config.moe.isMoeLayer(l)) {
+          mw[l].w1 = fp8Weight(denseSlot(l, Fp8Gemm::FfnIn), {pre + "intermediate.dense.weight"});
+          mw[l].w2 = fp8Weight(denseSlot(l, Fp8Gemm::FfnOut), {pre + "output.dense.weight"});
+        }
       }
       ln2[l] = {masterVec(params, pre + "LayerNorm.weight"),
                 masterVec(params, pre + "LayerNorm.bias")};
@@ -675,7 +722,7 @@ template <class T> struct Esm2<T>::Impl {
       chunks = View1<std::int64_t>("plm::model::compute_chunks", host_chunks.size());
       Kokkos::deep_copy(chunks, Kokkos::View<const std::int64_t*, HostSpace>(host_chunks.data(),
                                                                              host_chunks.size()));
-      if (fp8_scaling) bindFp8Cuda(aw, mw);
+      if (fp8_scaling) bindFp8Cuda(aw, mw, moe_w);
     }
 
     if (fp8_scaling && !bf16) {
@@ -690,6 +737,10 @@ template <class T> struct Esm2<T>::Impl {
         rebase(aw[l].wo);
         rebase(mw[l].w1);
         rebase(mw[l].w2);
+        for (DenseMlpWeights* e : moeMlps(moe_w[l])) {
+          rebase(e->w1);
+          rebase(e->w2);
+        }
       }
     }
 
@@ -734,12 +785,19 @@ template <class T> struct Esm2<T>::Impl {
 
   /// CUDA fp8: device scales and amaxes per slot, E4M3 codes of each FP8 weight and of its
   /// transpose (256-byte aligned), pointed to by the slots.
-  void bindFp8Cuda(const std::vector<AttentionWeights>& aw,
-                   const std::vector<DenseMlpWeights>& mw) {
+  void bindFp8Cuda(const std::vector<AttentionWeights>& aw, const std::vector<DenseMlpWeights>& mw,
+                   std::vector<MoeWeights>& moe_w) {
     fp8_cuda_weights.clear();
     for (int l = 0; l < config.num_layers; ++l) {
       if (!config.fp8.fp8Layer(l, config.num_layers)) continue;
-      for (const Mat* m : {&aw[l].qkv.fused_w, &aw[l].wo, &mw[l].w1, &mw[l].w2})
+      std::vector<const Mat*> gemms = {&aw[l].qkv.fused_w, &aw[l].wo};
+      if (config.moe.isMoeLayer(l)) {
+        for (const DenseMlpWeights* e : moeMlps(moe_w[l]))
+          gemms.insert(gemms.end(), {&e->w1, &e->w2});
+      } else {
+        gemms.insert(gemms.end(), {&mw[l].w1, &mw[l].w2});
+      }
+      for (const Mat* m : gemms)
         fp8_cuda_weights.emplace_back(const_cast<Fp8GemmSlot*>(m->fp8), *m);
     }
     auto padded = [](std::int64_t n) { return (n + 255) / 256 * 256; };
@@ -1112,20 +1170,24 @@ template <class T> struct Esm2<T>::Impl {
   /// runs on zero rows, in the order of the collectives of a rank with tokens.
   void idleMoePass(bool backward) {
     if (!expert_parallel || moe_blocks.empty()) return;
+    // Zero rows in each tensor's own type, as a pass with tokens hands them over: the LN2
+    // output and the gradients in the compute precision (bf16 on the bf16 and FP8 paths, whose
+    // kernels refuse another type), the residual stream in the master type.
     const std::int64_t h = config.hidden;
-    Mat empty{nullptr, master, 0, h, h};
+    const Mat none{nullptr, compute, 0, h, h};
+    const Mat stream{nullptr, master, 0, h, h};
     LayerActs acts;
-    acts.ln2 = empty;
+    acts.ln2 = none;
     LayerScratch scratch;
-    for (auto* block : moe_blocks) block->forward(ctx, empty, empty, empty, acts);
+    for (auto* block : moe_blocks) block->forward(ctx, none, stream, stream, acts);
     if (!backward) return;
     for (auto it = moe_blocks.rbegin(); it != moe_blocks.rend(); ++it) {
       if (config.recompute == Recompute::Layer) {
         moe_step.recomputing = true;
-        (*it)->forward(ctx, empty, empty, empty, acts);
+        (*it)->forward(ctx, none, stream, stream, acts);
         moe_step.recomputing = false;
       }
-      (*it)->backward(ctx, acts, empty, empty, scratch);
+      (*it)->backward(ctx, acts, none, none, scratch);
     }
   }
 
@@ -1261,6 +1323,12 @@ template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch
   if (batch.numTokens() == 0 && !batch.context) {  // a rank with no micro-batch this step
     im.host_cu.clear();
     im.beginMoe(0.0, grad_scale, true);
+    // Its experts still compute other ranks' rows: with the compute copy of this step, and
+    // (fp8) recording their amaxes as a training pass.
+    if (im.expert_parallel) {
+      if (im.fp8_scaling) im.fp8_scaling->setRecording(true);
+      if (refresh_weights) im.refreshCompute();
+    }
     im.idleMoePass(true);
     return 0.0;
   }
@@ -1284,6 +1352,10 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
   if (batch.numTokens() == 0 && !batch.context) {
     im.host_cu.clear();
     im.beginMoe(0.0, 0.0, false);
+    if (im.expert_parallel) {  // as in forwardBackward
+      if (im.fp8_scaling) im.fp8_scaling->setRecording(false);
+      if (refresh_weights) im.refreshCompute();
+    }
     im.idleMoePass(false);
     if (outputs && outputs->want_logits)
       outputs->logits = View2<T>("plm::model::logits", 0, im.config.vocab);

@@ -105,12 +105,31 @@ float powerOfTwoScale(float amax, float fp8_max) {
   return s;
 }
 
-Fp8Scaling::Fp8Scaling(const Fp8Config& config, int num_layers)
-    : config_member(config), layers_member(num_layers) {
+Fp8Scaling::Fp8Scaling(const Fp8Config& config, int num_layers, const std::vector<int>& moe_layers,
+                       int experts)
+    : config_member(config),
+      layers_member(num_layers),
+      moe_layers_member(moe_layers),
+      experts_member(moe_layers.empty() ? 0 : experts) {
   config_member.validate(num_layers);
+  if (!std::is_sorted(moe_layers.begin(), moe_layers.end()) ||
+      (!moe_layers.empty() && (moe_layers.front() < 0 || moe_layers.back() >= num_layers)) ||
+      experts < 0)
+    throw Error("plm::model::Fp8Scaling: MoE layers or expert count out of range (a bug)");
   history_member.assign(std::size_t(numTensors()) * hist(), 0.0f);
   scale_member.assign(numTensors(), 1.0f);
   scale_inv_member.assign(numTensors(), 1.0f);
+}
+
+int Fp8Scaling::expertIndex(int layer, int expert, Fp8Gemm g, Fp8Operand o) const {
+  const auto at = std::lower_bound(moe_layers_member.begin(), moe_layers_member.end(), layer);
+  if (at == moe_layers_member.end() || *at != layer || expert < 0 || expert >= experts_member ||
+      (g != Fp8Gemm::FfnIn && g != Fp8Gemm::FfnOut))
+    throw Error("plm::model::Fp8Scaling: no expert slot for layer " + std::to_string(layer) +
+                ", expert " + std::to_string(expert) + ", " + fp8GemmName(g) + " (a bug)");
+  const int moe = static_cast<int>(at - moe_layers_member.begin());
+  const int gemm = (moe * experts_member + expert) * 2 + (g == Fp8Gemm::FfnOut ? 1 : 0);
+  return (layers_member * fp8_gemms + gemm) * fp8_operands + static_cast<int>(o);
 }
 
 void Fp8Scaling::record(int t, float amax) {

@@ -3,7 +3,11 @@
 // Every encoder layer outside the deck's bf16 ranges runs its four GEMMs (QKV, attention output,
 // FFN in, FFN out) in FP8; each GEMM has three operands: the input activation (E4M3), the
 // weight (E4M3) and the output gradient (E5M2 under `hybrid`, E4M3 under `e4m3` and always
-// under block scaling).
+// under block scaling).  In a Mixture-of-Experts layer the FFN slots serve the shared experts,
+// and each routed expert has two GEMMs of its own (up = FFN in, down = FFN out), with slots per
+// (MoE layer, global expert), after the dense ones: an expert's state is the same on every rank
+// (the amax reduction spans them all), whichever rank computes it, so it does not depend on
+// parallel.expert_degree.
 //  - Delayed: one amax history per operand (length amax_history); the current step's amax is
 //    history[0] (the max over every cast of the step, all micro-batches); at the end of the step
 //    the current amaxes of all operands are reduced over the data-parallel group in ONE
@@ -93,18 +97,28 @@ float currentScale(float amax, float fp8_max);
 /// amax is 0 or not finite).
 float powerOfTwoScale(float amax, float fp8_max);
 
-/// \brief The scaling state of every FP8 GEMM operand of the model (layers x 4 GEMMs x 3).
+/// \brief The scaling state of every FP8 GEMM operand of the model: layers x 4 GEMMs x 3, then
+/// MoE layers x experts x 2 GEMMs (up, down) x 3.
 class Fp8Scaling {
  public:
-  Fp8Scaling(const Fp8Config& config, int num_layers);
+  /// `moe_layers`: the MoE layers in increasing order, each with `experts` routed experts.
+  Fp8Scaling(const Fp8Config& config, int num_layers, const std::vector<int>& moe_layers = {},
+             int experts = 0);
 
   const Fp8Config& config() const { return config_member; }
   int numLayers() const { return layers_member; }
-  /// Number of operands, layers * 4 * 3 (the bf16 layers' stay at their initial state).
-  int numTensors() const { return layers_member * fp8_gemms * fp8_operands; }
+  int numMoeLayers() const { return static_cast<int>(moe_layers_member.size()); }
+  int numExperts() const { return experts_member; }
+  /// Number of operands (the bf16 layers' stay at their initial state).
+  int numTensors() const {
+    return (layers_member * fp8_gemms + numMoeLayers() * experts_member * 2) * fp8_operands;
+  }
   int index(int layer, Fp8Gemm g, Fp8Operand o) const {
     return (layer * fp8_gemms + static_cast<int>(g)) * fp8_operands + static_cast<int>(o);
   }
+  /// \brief The operand of routed expert `expert`'s GEMM `g` (FfnIn = up, FfnOut = down) in MoE
+  /// layer `layer`; plm::Error for a layer that is not an MoE layer or another GEMM.
+  int expertIndex(int layer, int expert, Fp8Gemm g, Fp8Operand o) const;
   /// \brief The format an operand is cast to.
   fp8::Format format(Fp8Operand o) const {
     return o == Fp8Operand::Grad ? config_member.gradFormat() : fp8::Format::E4M3;
@@ -143,6 +157,8 @@ class Fp8Scaling {
 
   Fp8Config config_member;
   int layers_member = 0;
+  std::vector<int> moe_layers_member;
+  int experts_member = 0;
   std::vector<float> history_member;  // (tensors, amax_history)
   std::vector<float> scale_member;    // (tensors)
   std::vector<float> scale_inv_member;
@@ -156,13 +172,17 @@ struct Fp8GemmSlot {
   Fp8Scaling* scaling = nullptr;
   int layer = 0;
   Fp8Gemm gemm = Fp8Gemm::Qkv;
+  int expert = -1;  // a routed expert's GEMM (gemm FfnIn = up, FfnOut = down); -1: dense
   // The CUDA path (bf16 storage): this GEMM's device data, set by the model.
   const void* w_codes = nullptr;   // (out, in) E4M3 copy of the weight, row stride in
   const void* wt_codes = nullptr;  // (in, out) its transpose, row stride out
   float* scales = nullptr;         // device: per operand (input, weight, grad) scale, scale_inv
   float* amaxes = nullptr;         // device: per operand, this step's amax (delayed)
 
-  int index(Fp8Operand o) const { return scaling->index(layer, gemm, o); }
+  int index(Fp8Operand o) const {
+    return expert < 0 ? scaling->index(layer, gemm, o)
+                      : scaling->expertIndex(layer, expert, gemm, o);
+  }
   /// Floats between two device scales: cuBLASLt reads the scale_inv of an operand through
   /// A/B_SCALE_POINTER, and 4-byte neighbours were refused (NOT_SUPPORTED) on the H100; each
   /// scale gets its own 256-byte line, as a separate allocation would.

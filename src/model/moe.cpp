@@ -369,10 +369,12 @@ template <class T> struct MoeMlp<T>::State {
   }
 
   /// Sends rows (H wide, grouped by destination in `counts`) to the ranks of the group and
-  /// receives theirs; MPI moves host memory after a fence, NCCL orders on the stream.
+  /// receives theirs; MPI moves host memory after a fence, NCCL and staged MPI order on the
+  /// stream.  Rows are in the compute precision: bf16 rows move as bf16 (half fp32's bytes).
   void exchange(OpContext& ctx, const View1<T>& send, const std::vector<std::int64_t>& send_counts,
                 const View1<T>& recv, const std::vector<std::int64_t>& recv_counts) const {
     const int n = ep.comm->size();
+    const dist::DataType type = bf16() ? dist::DataType::BFloat16 : dist::DataTypeOf<T>::value;
     std::vector<std::int64_t> sc(n), so(n), rc(n), ro(n);
     std::int64_t a = 0, b = 0;
     for (int q = 0; q < n; ++q) {
@@ -385,7 +387,7 @@ template <class T> struct MoeMlp<T>::State {
     }
     const auto stream = dist::streamOf(ctx.space());
     if (!ep.comm->deviceMemory()) ctx.space().fence();
-    ep.comm->allToAllV(send.data(), sc, so, recv.data(), rc, ro, stream).wait(stream);
+    ep.comm->allToAllV(send.data(), sc, so, recv.data(), rc, ro, type, stream).wait(stream);
   }
 
   /// Counts first: every rank learns how many rows of each of its experts each rank sends;
@@ -436,19 +438,19 @@ template <class T> struct MoeMlp<T>::State {
 
   /// Routed rows (local permuted order) to the experts' ranks, expert-major there.
   void toExperts(OpContext& ctx, const View1<T>& local, const View1<T>& at_experts) {
-    View1<T> recv = grow(recv_s, expert_rows * hidden, "plm::model::moe::recv");
+    View1<T> recv = growAs(recv_s, expert_rows * hidden, cdt, "plm::model::moe::recv");
     exchange(ctx, local, send_rows, recv, recv_rows);
     if (expert_rows > 0)
-      gatherRows(ctx, rowsOf(recv, 0, expert_rows, hidden), to_expert,
-                 rowsOf(at_experts, 0, expert_rows, hidden));
+      gatherRows(ctx, rowsAs(recv, cdt, 0, expert_rows, hidden), to_expert,
+                 rowsAs(at_experts, cdt, 0, expert_rows, hidden));
   }
 
   /// The experts' rows (expert-major) back to the ranks that routed them (local order).
   void fromExperts(OpContext& ctx, const View1<T>& at_experts, const View1<T>& local) {
-    View1<T> send = grow(recv_s, expert_rows * hidden, "plm::model::moe::recv");
+    View1<T> send = growAs(recv_s, expert_rows * hidden, cdt, "plm::model::moe::recv");
     if (expert_rows > 0)
-      gatherRows(ctx, rowsOf(at_experts, 0, expert_rows, hidden), to_source,
-                 rowsOf(send, 0, expert_rows, hidden));
+      gatherRows(ctx, rowsAs(at_experts, cdt, 0, expert_rows, hidden), to_source,
+                 rowsAs(send, cdt, 0, expert_rows, hidden));
     exchange(ctx, send, recv_rows, local, send_rows);
   }
 };
@@ -502,19 +504,6 @@ template <class T> void MoeMlp<T>::setExpertParallel(const ExpertParallel& ep) {
         "model lives in GPU memory, NCCL (one GPU per rank) or staged MPI (ranks sharing a "
         "GPU); this group got plain MPI: unset PLM_COMM_BACKEND or set it to auto, nccl or "
         "mpi-staged");
-  // Known gap: the MoE exchange over staged MPI hangs at 2 ranks with an empty rank
-  // (ExpertParallel.ZeroTokenRanksAndExpertsWork under PLM_COMM_BACKEND=mpi-staged); refused
-  // until found, rather than hanging a job.
-  if (n > 1 && ep.comm->backend() == dist::Backend::MpiStaged)
-    throw collectiveError(
-        "parallel.expert_degree: expert parallelism over staged MPI (ranks sharing a GPU, or "
-        "PLM_COMM_BACKEND=mpi-staged) is not supported yet; use one GPU per rank (NCCL), plain "
-        "MPI on CPUs, or parallel.expert_degree: 1");
-  if (n > 1 && s.bf16())
-    throw collectiveError(
-        "parallel.expert_degree > 1 runs Mixture-of-Experts layers in fp32 so far (the bf16 "
-        "expert all-to-all is doc/model.md's open item); set train.precision: fp32 or "
-        "parallel.expert_degree: 1");
   s.ep = ep;
   s.local_experts = s.c.experts / n;
   s.first_expert = (ep.comm ? ep.comm->rank() : 0) * s.local_experts;
@@ -596,9 +585,9 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   // The rows of this rank's experts: local, or gathered from the group.
   if (s.distributed()) {
     s.plan();
-    s.xexp = grow(s.xexp_s, s.expert_rows * hid, "plm::model::moe::xexp");
+    s.xexp = growAs(s.xexp_s, s.expert_rows * hid, cdt, "plm::model::moe::xexp");
     s.toExperts(ctx, s.xperm, s.xexp);
-    s.yexp = grow(s.yexp_s, s.expert_rows * hid, "plm::model::moe::yexp");
+    s.yexp = growAs(s.yexp_s, s.expert_rows * hid, cdt, "plm::model::moe::yexp");
   } else {
     s.expert_rows = rows;
     s.local_rows = r.kept;
@@ -727,9 +716,9 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   View1<T> dyexp = dy, dxexp;
   View1<T> dx = growAs(s.dx_s, rows * hid, cdt, "plm::model::moe::dx");
   if (s.distributed()) {
-    dyexp = grow(s.dyexp_s, s.expert_rows * hid, "plm::model::moe::dyexp");
+    dyexp = growAs(s.dyexp_s, s.expert_rows * hid, cdt, "plm::model::moe::dyexp");
     s.toExperts(ctx, dy, dyexp);
-    dxexp = grow(s.dxexp_s, s.expert_rows * hid, "plm::model::moe::dxexp");
+    dxexp = growAs(s.dxexp_s, s.expert_rows * hid, cdt, "plm::model::moe::dxexp");
   } else {
     dxexp = dx;
   }

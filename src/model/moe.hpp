@@ -11,7 +11,11 @@
 // for any fused kernel, and deterministic.  Tensors move with the gather/combine kernels of
 // moe.cpp.
 // Expert parallelism: with an expert communicator of E_p ranks, rank r of it computes experts
-// [r E/E_p, (r+1) E/E_p); routed rows travel there and back with all-to-all-v (counts first).
+// [r E/E_p, (r+1) E/E_p); routed rows travel there and back with all-to-all-v (counts first),
+// in the compute precision (bf16 rows on the bf16 path; MPI, NCCL or staged MPI).
+// Precision: the experts' GEMMs follow their weight handles (fp32, bf16, or FP8 when a handle
+// carries an FP8 slot: one per expert and projection, doc/fp8.md "Experts"); the router stays in
+// the master type.
 // Every rank keeps the full expert tensors in the model's table (stored by name, so a
 // checkpoint resumes at any degree); the gradients of experts a rank does not compute stay
 // zero there, so the data-parallel sum over all ranks is the expert-data-parallel reduction.

@@ -196,6 +196,50 @@ TEST(StagedCommunicator, AllToAllVBitwiseAsMpiWithEmptyRanksAndGaps) {
   EXPECT_THROW(c.staged->allToAllV(&x, wrong, wrong, &x, wrong, wrong), plm::Error);
 }
 
+// One-sided ranks: even ranks send (to odd ranks) and receive nothing, odd ranks receive and
+// send nothing: the MoE exchange's shape when a rank has no tokens or hosts no routed rows.  A
+// rank with an empty send side once had its receive region at the same staging address as its
+// (empty) send region, which Open MPI's libnbc took for MPI_IN_PLACE and sent the receive
+// counts from it, to ranks that expected nothing: the exchange hung.  Also
+// through the plain MPI backend with send == recv on a rank that sends nothing.
+TEST(StagedCommunicator, AllToAllVWithOnlySendingAndOnlyReceivingRanks) {
+  Pair c;
+  // Blocks over Open MPI's shared-memory eager limit (4 KiB): a stray in-place send of that
+  // size waits for a receive that is never posted (small ones completed unseen).
+  auto n = [&](int from, int to) -> std::int64_t {
+    return (from % 2 == 0 && to % 2 == 1) ? 3000 * (from + to + 1) : 0;
+  };
+  std::vector<std::int64_t> sc(c.p), so(c.p), rc(c.p), ro(c.p);
+  std::int64_t sent = 0, received = 0;
+  for (int q = 0; q < c.p; ++q) {
+    sc[q] = n(c.me, q);
+    so[q] = sent;
+    sent += sc[q];
+    rc[q] = n(q, c.me);
+    ro[q] = received;
+    received += rc[q];
+  }
+  const auto send = randomBuffer<float>(c.me, std::max<std::int64_t>(sent, 1), 9);
+  std::vector<float> staged(std::max<std::int64_t>(received, 1), -7.0f), plain = staged;
+  c.staged->allToAllV(send.data(), sc, so, staged.data(), rc, ro).wait();
+  c.mpi->allToAllV(send.data(), sc, so, plain.data(), rc, ro).wait();
+  EXPECT_TRUE(bitwiseEqual(staged, plain));
+  // What each sender put in its block for this rank, element by element.
+  for (int q = 0; q < c.p; ++q) {
+    if (rc[q] == 0) continue;
+    std::int64_t at = 0;
+    for (int t = 0; t < c.me; ++t) at += n(q, t);
+    const auto theirs = randomBuffer<float>(q, std::max<std::int64_t>(at + rc[q], 1), 9);
+    for (std::int64_t i = 0; i < rc[q]; ++i)
+      ASSERT_EQ(staged[ro[q] + i], theirs[at + i]) << "from rank " << q << ", element " << i;
+  }
+  // Plain MPI with the receive buffer passed as the send buffer by a rank that sends nothing.
+  std::vector<float> same(staged.size(), -7.0f);
+  const float* out = sent == 0 ? same.data() : send.data();
+  c.mpi->allToAllV(out, sc, so, same.data(), rc, ro).wait();
+  EXPECT_TRUE(bitwiseEqual(same, plain));
+}
+
 TEST(StagedCommunicator, SendRecvAroundARingBitwiseAsMpi) {
   Pair c;
   const int next = (c.me + 1) % c.p, prev = (c.me + c.p - 1) % c.p;

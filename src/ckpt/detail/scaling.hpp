@@ -4,11 +4,16 @@
 //
 //   /scaling                 attribute precision ("fp32" | "bf16" | "fp8"); under fp8 also
 //                            recipe, format, amax_history, amax_reduce, margin,
-//                            first_layers_bf16, last_layers_bf16, wgrad, steps, layers
-//   /scaling/amax_history    float32 (layers * 4 GEMMs * 3 operands, amax_history); row
-//                            (layer * 4 + gemm) * 3 + operand, gemm in qkv, attention_out,
-//                            ffn_in, ffn_out order, operand in input, weight, grad order;
-//                            column 0 is the step in progress (0 right after a step)
+//                            first_layers_bf16, last_layers_bf16, wgrad, steps, layers,
+//                            moe_layers, experts (absent before FP8 experts: 0)
+//   /scaling/amax_history    float32 ((layers * 4 + moe_layers * experts * 2) * 3 operands,
+//                            amax_history); row (layer * 4 + gemm) * 3 + operand, gemm in qkv,
+//                            attention_out, ffn_in, ffn_out order, operand in input, weight,
+//                            grad order; then the routed experts' rows
+//                            (layers * 4 + (moe * experts + expert) * 2 + down) * 3 + operand,
+//                            moe the MoE layer's ordinal, down 0 (up projection) or 1; an
+//                            expert's rows are by global expert, so any parallel.expert_degree
+//                            reads them; column 0 is the step in progress (0 after a step)
 //   /scaling/scale           float32 (rows): the scales the next step uses
 #pragma once
 
@@ -28,6 +33,7 @@ struct ScalingState {
   model::Precision precision = model::Precision::Fp32;
   model::Fp8Config config;
   int layers = 0;
+  int moe_layers = 0, experts = 0;  // the routed experts' slots (FP8 MoE)
   std::int64_t steps = 0;
   std::vector<float> histories, scales;
 };
