@@ -895,13 +895,24 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
 /// pre = x W^T + b, y = gelu(pre) with FP8 operands.  Where the FP8 GEMM that reads y is known
 /// (delayed scaling), the GEMM writes only pre (Bias epilogue) and one pass applies the GELU and
 /// casts y for that GEMM: codes, X^T (kept), amax; y's bf16 values are then written only where
-/// no kept X^T stands in for them (evaluation, wgrad: bf16).  Otherwise the GEMM's GELU+aux
-/// epilogue writes both and the reader casts y.
+/// no kept X^T stands in for them (evaluation, wgrad: bf16).  Block scaling, and delayed scaling
+/// before its reader is known, write pre and y = gelu(bf16 pre) by the same two launches without
+/// the cast; otherwise (current scaling, unfused casts) the GEMM's GELU+aux epilogue writes both.
+/// The reader then casts y.
 void fp8LinearGeluCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& pre,
                        const Mat& y) {
-  if (blockScaling(*w.fp8)) {
-    // The GEMM writes the pre-activation (Bias epilogue: cuBLASLt's GELU_AUX_BIAS is not known
-    // to take block scales), one pass the GELU of its bf16 values (castFp8's gelu, no codes).
+  // The GEMM writes the pre-activation (Bias epilogue), one pass the GELU of its bf16 values
+  // (castFp8's gelu, no codes): under block scaling (cuBLASLt's GELU_AUX_BIAS is not known to
+  // take block scales), and under delayed scaling with fused casts where no reader is known yet
+  // (the first micro-batch of a process): the fused pass below also takes the GELU of the bf16
+  // pre-activation, so the first micro-batch after a resume computes the activations of an
+  // uninterrupted run bit for bit (the epilogue's GELU of the fp32 pre-activation differs by a
+  // bf16 rounding; test_fp8_moe's ResumesExactlyAndAtAnotherDegree on CUDA caught it).
+  const Fp8GemmSlot* reader = fp8ReaderOf(ctx, w.fp8);
+  const bool contiguous = y.ld == y.cols && pre.ld == pre.cols;
+  const bool first_delayed = !reader && contiguous && fusedFp8CastEnabled() &&
+                             w.fp8->scaling->config().recipe == Fp8Recipe::Delayed;
+  if (blockScaling(*w.fp8) || first_delayed) {
     fp8ForwardCuda(ctx, x, w, b, pre, gpu::Epilogue::Bias, nullptr, nullptr);
     gpu::Fp8CastArgs a;
     a.rows = pre.rows;
@@ -915,10 +926,10 @@ void fp8LinearGeluCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b,
     a.ld_gelu_out = y.ld;
     gpu::castFp8(streamOf(ctx), a);
     ctx.mark(OpKind::Other);
+    if (first_delayed) noteFp8Producer(ctx, y, w.fp8);
     return;
   }
-  const Fp8GemmSlot* reader = fp8ReaderOf(ctx, w.fp8);
-  if (!reader || y.ld != y.cols || pre.ld != pre.cols) {
+  if (!reader || !contiguous) {
     fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::BiasGeluAux, &pre, nullptr);
     noteFp8Producer(ctx, y, w.fp8);
     return;
