@@ -11,11 +11,14 @@
 //    permute, experts, unpermute; backward: unpermute backward, expert dgrad/wgrad with dGELU,
 //    router backward, combine) against DenseMlp of ffn = top_k x expert_ffn, forward and forward
 //    + backward, wall clock after a device synchronise, for PLM_MOE_GEMM = loop, grouped (CTA
-//    tile 128 and 256, PLM_MOE_GROUPED_TILE) and auto (the per-direction pick).
+//    tile 128 and 256, PLM_MOE_GROUPED_TILE) and auto (the per-direction pick), the latter also
+//    with each dgrad/wgrad tile (PLM_MOE_GROUPED_TILE=F,D,W).  The first part also times the
+//    grouped backward per dgrad/wgrad tile and the bias gradients alone.
 //    The phase split comes from OpContext's per-kind CUDA-event profile (expert GEMMs = "gemm";
 //    the rest of the layer: router GEMMs, routing, permute, unpermute, combine, bias/GELU passes).
 //
-//   bench_gpu_moe [tokens]   (default: the shapes of doc/anchors.md §6 "MoE expert GEMMs")
+//   bench_gpu_moe [tokens [name]]   (default: the shapes of doc/anchors.md §6 "MoE expert
+//   GEMMs"; tokens 0 = each shape's own; name: only the shapes whose name contains it, e.g. 650M)
 #include "core/error.hpp"
 #include "gpu/fused.hpp"
 #include "gpu/gemm.hpp"
@@ -36,6 +39,7 @@
 #include <functional>
 #include <memory>
 #include <random>
+#include <string>
 #include <vector>
 
 namespace {
@@ -112,6 +116,47 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
     }
     unsetenv("PLM_MOE_GROUPED_TILE");
   }
+  // The grouped backward (dgrad, dGELU, wgrad, bias gradients, dx) per dgrad/wgrad tile, and the
+  // bias gradients (fixed-order column sums of dy and dpre) alone.
+  const char* bwd_tiles[] = {"128,128,128", "128,128,256", "128,256,128", "128,256,256"};
+  double grouped_bwd_ms[4] = {0, 0, 0, 0};
+  double bias_grad_ms = 0;
+  {
+    std::unique_ptr<Buffer> dy_perm(randomBf16(rows * hidden, 3, 0.01f));
+    Buffer dpre_perm(rows * expert_ffn * 2), dx_perm(rows * hidden * 2);
+    std::vector<std::unique_ptr<Buffer>> gbuf;
+    std::vector<ExpertGrads> grads;
+    std::vector<float*> db1, db2;
+    const std::size_t wn = std::size_t(expert_ffn) * hidden;
+    for (int e = 0; e < experts; ++e) {
+      for (std::size_t n : {wn, std::size_t(expert_ffn), wn, std::size_t(hidden)}) {
+        gbuf.emplace_back(new Buffer(n * 4));
+        PLM_CHECK_CUDA(cudaMemset(gbuf.back()->ptr, 0, n * 4));
+      }
+      const std::size_t at = gbuf.size() - 4;
+      grads.push_back({gbuf[at]->as<float>(), gbuf[at + 1]->as<float>(), gbuf[at + 2]->as<float>(),
+                       gbuf[at + 3]->as<float>()});
+      db1.push_back(grads.back().b1);
+      db2.push_back(grads.back().b2);
+    }
+    bias_grad_ms = medianMs([&] {
+      expertBiasGradient(nullptr, db2, r.kept, dy_perm->as<bf16>(), hidden);
+      expertBiasGradient(nullptr, db1, r.kept, pre.as<bf16>(), expert_ffn);
+    });
+    if (groupedExpertGemmAvailable()) {
+      const std::size_t bytes = groupedExpertWorkspaceBytes(experts);
+      Buffer ws(bytes);
+      for (int t = 0; t < 4; ++t) {
+        setenv("PLM_MOE_GROUPED_TILE", bwd_tiles[t], 1);
+        grouped_bwd_ms[t] = medianMs([&] {
+          groupedExpertBackward(nullptr, weights, grads, r.kept, xperm.as<bf16>(), pre.as<bf16>(),
+                                act.as<bf16>(), dy_perm->as<bf16>(), dpre_perm.as<bf16>(),
+                                dx_perm.as<bf16>(), hidden, expert_ffn, ws.ptr, bytes);
+        });
+      }
+      unsetenv("PLM_MOE_GROUPED_TILE");
+    }
+  }
   const double unpermute_ms = medianMs([&] {
     moeUnpermute(nullptr, y.as<bf16>(), slot_row.as<std::int32_t>(), slot_gate.as<float>(),
                  residual.as<float>(), out.as<float>(), tokens, k, hidden);
@@ -147,9 +192,17 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
           "", t ? 256 : 128, grouped_ms[t], flops / grouped_ms[t] / 1e9, experts_ms,
           flops / experts_ms / 1e9, 100.0 * dense_ms / g_ms, 100.0 * dense_ms / moe_ms);
     }
+    for (int t = 0; t < 4; ++t)
+      std::printf(
+          "%-28s   backward grouped (PLM_MOE_GROUPED_TILE=%s) %.3f ms (%.0f TFLOP/s, the four "
+          "GEMMs with dGELU and bias gradients)\n",
+          "", bwd_tiles[t], grouped_bwd_ms[t], 2.0 * flops / grouped_bwd_ms[t] / 1e9);
   } else {
     std::printf("%-28s   experts grouped: not in this build or not an sm_90 GPU\n", "");
   }
+  const double bias_bytes = 2.0 * static_cast<double>(rows) * (hidden + expert_ffn);
+  std::printf("%-28s   bias gradients (column sums of dy and dpre) %.3f ms (%.0f GB/s read)\n", "",
+              bias_grad_ms, bias_bytes / bias_grad_ms / 1e6);
 }
 
 /// Parameters of one FFN (bf16 weights, fp32 gradients) owned by the benchmark.
@@ -276,14 +329,28 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
       name, static_cast<long long>(tokens), hidden, experts, k, expert_ffn, dense_fwd_ms, dense_ms,
       flops / dense_ms / 1e9);
   // auto: the pick of gpu::chooseExpertGemm per direction (moe.expert_gemm's default).
-  for (const char* mode : {"loop", "grouped", "grouped256", "auto"}) {
-    const bool grouped = std::strncmp(mode, "grouped", 7) == 0;
-    if (grouped && !plm::gpu::groupedExpertGemmAvailable()) {
+  // Each mode: its label, PLM_MOE_GEMM and PLM_MOE_GROUPED_TILE ("" = the built-in default);
+  // auto-DxWy = the per-direction pick with dgrad tile x and wgrad tile y.
+  struct Mode {
+    const char* label;
+    const char* gemm;
+    const char* tile;
+  };
+  for (const Mode& m :
+       {Mode{"loop", "loop", ""}, Mode{"grouped", "grouped", "128"},
+        Mode{"grouped256", "grouped", "256"}, Mode{"auto", "auto", ""},
+        Mode{"auto-D128W256", "auto", "128,128,256"}, Mode{"auto-D256W128", "auto", "128,256,128"},
+        Mode{"auto-D256W256", "auto", "128,256,256"}}) {
+    const char* mode = m.label;
+    if (std::strcmp(m.gemm, "loop") != 0 && !plm::gpu::groupedExpertGemmAvailable()) {
       std::printf("  %s: not in this build or not an sm_90 GPU\n", mode);
       continue;
     }
-    setenv("PLM_MOE_GEMM", grouped ? "grouped" : mode, 1);
-    setenv("PLM_MOE_GROUPED_TILE", std::strcmp(mode, "grouped256") == 0 ? "256" : "128", 1);
+    setenv("PLM_MOE_GEMM", m.gemm, 1);
+    if (*m.tile)
+      setenv("PLM_MOE_GROUPED_TILE", m.tile, 1);
+    else
+      unsetenv("PLM_MOE_GROUPED_TILE");
     const double fwd_ms = medianWallMs([&] { moe.forward(ctx, saved.ln2, res, o, saved); });
     const double moe_ms = medianWallMs([&] { step(moe); });
     // One profiled step: the expert (and shared) GEMMs are "gemm"; the rest of the layer is the
@@ -300,7 +367,7 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
       (kind.rfind("gemm", 0) == 0 ? gemm_ms : other_ms) += t;
     ctx.setProfiling(false);
     std::printf(
-        "  %-10s moe fwd %.3f ms (%.1f%% of dense fwd) | fwd+bwd %.3f ms (%.0f TFLOP/s active) | "
+        "  %-13s moe fwd %.3f ms (%.1f%% of dense fwd) | fwd+bwd %.3f ms (%.0f TFLOP/s active) | "
         "bwd %.3f ms | profiled step %.3f ms: expert GEMMs %.3f, marked other %.3f, unmarked "
         "(router GEMMs, routing, permute, unpermute, combine) %.3f | moe/dense tokens/s "
         "%.1f%%\n",
@@ -323,16 +390,23 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
 int main(int argc, char** argv) {
   Kokkos::ScopeGuard kokkos(argc, argv);
   const std::int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 0;
-  run("650M-like 8 experts top-2", tokens ? tokens : 24576, 1280, 8, 2, 2560);
-  run("AIDO.Protein-16B layer", tokens ? tokens : 16384, 2304, 8, 2, 7680);
-  run("fine-grained 64 experts top-8", tokens ? tokens : 16384, 1280, 64, 8, 640);
-  run("esm2_8m-like 8 experts top-2", tokens ? tokens : 32768, 320, 8, 2, 640);
+  // Only the shapes whose name contains argv[2] (e.g. "650M"), where given.
+  const std::string only = argc > 2 ? argv[2] : "";
+  auto pick = [&](const char* name) { return std::string(name).find(only) != std::string::npos; };
+  if (pick("650M-like"))
+    run("650M-like 8 experts top-2", tokens ? tokens : 24576, 1280, 8, 2, 2560);
+  if (pick("AIDO-like")) run("AIDO.Protein-16B layer", tokens ? tokens : 16384, 2304, 8, 2, 7680);
+  if (pick("64 experts top-8"))
+    run("fine-grained 64 experts top-8", tokens ? tokens : 16384, 1280, 64, 8, 640);
+  if (pick("esm2_8m-like"))
+    run("esm2_8m-like 8 experts top-2", tokens ? tokens : 32768, 320, 8, 2, 640);
   // The training step's layers (bf16 MoeMlp vs DenseMlp), forward + backward, routing on the
   // device (the bf16 path's default).
   setenv("PLM_MOE_ROUTING", "device", 1);
-  trainLayer("esm2_8m-like", tokens ? tokens : 32768, 320, 8, 2, 640);
-  trainLayer("650M-like", tokens ? tokens : 24576, 1280, 8, 2, 2560);
-  trainLayer("AIDO-like", tokens ? tokens : 16384, 2304, 8, 2, 7680);
-  trainLayer("64 experts top-8", tokens ? tokens : 16384, 1280, 64, 8, 640);
+  if (pick("esm2_8m-like")) trainLayer("esm2_8m-like", tokens ? tokens : 32768, 320, 8, 2, 640);
+  if (pick("650M-like")) trainLayer("650M-like", tokens ? tokens : 24576, 1280, 8, 2, 2560);
+  if (pick("AIDO-like")) trainLayer("AIDO-like", tokens ? tokens : 16384, 2304, 8, 2, 7680);
+  if (pick("64 experts top-8"))
+    trainLayer("64 experts top-8", tokens ? tokens : 16384, 1280, 64, 8, 640);
   return 0;
 }

@@ -92,59 +92,86 @@ __global__ void biasGeluKernel(RowBlocks blocks, bfloat* pre, bfloat* act, int c
   }
 }
 
-/// dx = dy * gelu_tanh'(pre) (fused.cu's geluTanhBackward, 16 bytes per thread); in place
-/// (dx == dy) allowed.
-__global__ void geluBackwardVec8Kernel(const bfloat* dy, const bfloat* pre, bfloat* dx,
-                                       std::int64_t n8) {
+/// d = d * gelu_tanh'(p) for 8 bf16 (fused.cu's geluTanhBackward), rounded to bf16.
+__device__ __forceinline__ void geluBackward8(uint4& d, const uint4& p) {
   const float c = 0.7978845608028654f;  // sqrt(2 / pi)
-  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n8;
-       i += std::int64_t(gridDim.x) * blockDim.x) {
-    uint4 d = reinterpret_cast<const uint4*>(dy)[i];
-    const uint4 p = reinterpret_cast<const uint4*>(pre)[i];
-    auto* dv = reinterpret_cast<__nv_bfloat162*>(&d);
-    const auto* pv = reinterpret_cast<const __nv_bfloat162*>(&p);
-    for (int j = 0; j < 4; ++j) {
-      const float2 g = __bfloat1622float2(dv[j]), x2 = __bfloat1622float2(pv[j]);
-      float out[2];
-      const float xs[2] = {x2.x, x2.y}, gs[2] = {g.x, g.y};
-      for (int h = 0; h < 2; ++h) {
-        const float x = xs[h], t = tanhf(c * (x + 0.044715f * x * x * x));
-        out[h] = gs[h] * (0.5f * (1.0f + t) +
-                          0.5f * x * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * x * x));
-      }
-      dv[j] = __floats2bfloat162_rn(out[0], out[1]);
+  auto* dv = reinterpret_cast<__nv_bfloat162*>(&d);
+  const auto* pv = reinterpret_cast<const __nv_bfloat162*>(&p);
+  for (int j = 0; j < 4; ++j) {
+    const float2 g = __bfloat1622float2(dv[j]), x2 = __bfloat1622float2(pv[j]);
+    float out[2];
+    const float xs[2] = {x2.x, x2.y}, gs[2] = {g.x, g.y};
+    for (int h = 0; h < 2; ++h) {
+      const float x = xs[h], t = tanhf(c * (x + 0.044715f * x * x * x));
+      out[h] = gs[h] * (0.5f * (1.0f + t) +
+                        0.5f * x * (1.0f - t * t) * c * (1.0f + 3.0f * 0.044715f * x * x));
     }
-    reinterpret_cast<uint4*>(dx)[i] = d;
+    dv[j] = __floats2bfloat162_rn(out[0], out[1]);
   }
 }
 
-constexpr int kSumWarps = 8;
-constexpr int kSumCols = 64;  // per block: 32 lanes x 2 columns
+// Bias gradients: a block owns kSumCols columns of one expert; its kSumRowLanes row lanes each
+// sum every kSumRowLanes-th row (16-byte loads, kSumUnroll rows in flight per thread, added in
+// row order), then a fixed tree adds the lanes, so the result does not depend on timing.
+constexpr int kSumThreads = 512;
+constexpr int kSumColLanes = 4;                           // 4 x 8 bf16 = 32 columns
+constexpr int kSumCols = kSumColLanes * 8;                // per block
+constexpr int kSumRowLanes = kSumThreads / kSumColLanes;  // 128
+constexpr int kSumUnroll = 4;
 
-/// Block (column tile, expert): warp w sums rows w, w + 8, ...; the 8 partial sums are added in
-/// warp order, so the result does not depend on timing.
-__global__ void biasGradKernel(RowBlocks blocks, const bfloat* d, int cols) {
-  __shared__ float part[kSumWarps][kSumCols];
-  const int e = blockIdx.y, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+/// Block (column tile, expert); cols % 8 == 0.  kGelu: the rows read are dact, turned into
+/// dpre = dact * gelu_tanh'(pre) (written to out, in place allowed) before they are summed, so
+/// the backward's dGELU and its b1 gradient take one pass.
+template <bool kGelu> __global__ void __launch_bounds__(kSumThreads)
+    biasGradKernel(RowBlocks blocks, const bfloat* d, const bfloat* pre, bfloat* out, int cols) {
+  __shared__ float part[kSumRowLanes][kSumCols + 1];  // +1: no bank conflicts on the tree
+  const int e = blockIdx.y, lane = threadIdx.x / kSumColLanes, cl = threadIdx.x % kSumColLanes;
   const std::int64_t first = blocks.offset[e], last = blocks.offset[e + 1];
-  const int c = blockIdx.x * kSumCols + lane * 2;
-  float s0 = 0, s1 = 0;
-  if (c < cols)
-    for (std::int64_t r = first + warp; r < last; r += kSumWarps) {
-      const float2 v =
-          __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(d + r * cols + c));
-      s0 += v.x;
-      s1 += v.y;
+  const int c = blockIdx.x * kSumCols + cl * 8;
+  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  auto at = [&](std::int64_t r) { return r * cols + c; };
+  auto read = [](const bfloat* p) { return *reinterpret_cast<const uint4*>(p); };
+  // dGELU (kGelu) and the sum of one row's 8 values; `out` may alias d, so every load of an
+  // unrolled step is issued before its stores.
+  auto add = [&](uint4 v, const uint4& p, std::int64_t r) {
+    if constexpr (kGelu) {
+      geluBackward8(v, p);
+      *reinterpret_cast<uint4*>(out + at(r)) = v;
     }
-  part[warp][lane * 2] = s0;
-  part[warp][lane * 2 + 1] = s1;
+    const auto* h = reinterpret_cast<const __nv_bfloat162*>(&v);
+    for (int j = 0; j < 4; ++j) {
+      const float2 f = __bfloat1622float2(h[j]);
+      s[2 * j] += f.x;
+      s[2 * j + 1] += f.y;
+    }
+  };
+  if (c < cols) {
+    std::int64_t r = first + lane;
+    for (; r + (kSumUnroll - 1) * kSumRowLanes < last; r += kSumUnroll * kSumRowLanes) {
+      uint4 v[kSumUnroll], p[kSumUnroll] = {};
+      for (int u = 0; u < kSumUnroll; ++u) {
+        v[u] = read(d + at(r + u * kSumRowLanes));
+        if constexpr (kGelu) p[u] = read(pre + at(r + u * kSumRowLanes));
+      }
+      for (int u = 0; u < kSumUnroll; ++u) add(v[u], p[u], r + u * kSumRowLanes);
+    }
+    for (; r < last; r += kSumRowLanes) {
+      uint4 p{};
+      if constexpr (kGelu) p = read(pre + at(r));
+      add(read(d + at(r)), p, r);
+    }
+  }
+  for (int j = 0; j < 8; ++j) part[lane][cl * 8 + j] = s[j];
   __syncthreads();
+  for (int half = kSumRowLanes / 2; half > 0; half /= 2) {
+    for (int i = threadIdx.x; i < half * kSumCols; i += kSumThreads)
+      part[i / kSumCols][i % kSumCols] += part[i / kSumCols + half][i % kSumCols];
+    __syncthreads();
+  }
   const int col = blockIdx.x * kSumCols + static_cast<int>(threadIdx.x);
   if (threadIdx.x < kSumCols && col < cols && last > first) {
-    float s = 0;
-    for (int w = 0; w < kSumWarps; ++w) s += part[w][threadIdx.x];
     float* db = static_cast<float*>(const_cast<void*>(blocks.ptr[e]));
-    db[col] += s;
+    db[col] += part[0][threadIdx.x];
   }
 }
 
@@ -166,13 +193,39 @@ std::vector<GroupedProblem> problemsOf(const std::vector<std::int64_t>& rows, Ma
   return out;
 }
 
-/// The CTA tile of the grouped launches: PLM_MOE_GROUPED_TILE=128 (default) or 256.
-detail::GroupedTile groupedTile() {
+/// The CTA tile of each layout's grouped launches when PLM_MOE_GROUPED_TILE is unset: forward
+/// 128x128, dgrad 256x128, wgrad 128x128, the best of the four dgrad x wgrad pairs at the
+/// 650M-like and the 64-expert training layers (H200, validation/gpu_logs/moe70_h200: wgrad
+/// 256x128 lost 0.19-0.45 ms, dgrad 256x128 gained 0.02-0.04 ms per backward).
+constexpr detail::GroupedTile kDefaultTile[detail::kGroupedLayouts] = {
+    detail::GroupedTile::Small, detail::GroupedTile::Large, detail::GroupedTile::Small};
+
+detail::GroupedTile tileOf(const std::string& v, const std::string& all) {
+  if (v == "128") return detail::GroupedTile::Small;
+  if (v == "256") return detail::GroupedTile::Large;
+  throw Error("environment variable PLM_MOE_GROUPED_TILE: '" + all +
+              "' is not a grouped GEMM tile; use 128 or 256 for every launch, or three of them "
+              "for forward, dgrad and wgrad (e.g. 128,256,256)");
+}
+
+/// The CTA tile of a `layout` launch: PLM_MOE_GROUPED_TILE = 128 | 256 (every layout) or
+/// F,D,W (forward, dgrad, wgrad, each 128 or 256); unset, kDefaultTile.
+detail::GroupedTile groupedTile(GroupedLayout layout) {
   const char* v = std::getenv("PLM_MOE_GROUPED_TILE");
-  if (!v || !*v || std::string(v) == "128") return detail::GroupedTile::Small;
-  if (std::string(v) == "256") return detail::GroupedTile::Large;
-  throw Error("environment variable PLM_MOE_GROUPED_TILE: '" + std::string(v) +
-              "' is not a grouped GEMM tile; use 128 or 256");
+  if (!v || !*v) return kDefaultTile[static_cast<int>(layout)];
+  const std::string all(v);
+  if (all.find(',') == std::string::npos) return tileOf(all, all);
+  std::vector<std::string> part;
+  for (std::size_t at = 0;;) {
+    const std::size_t comma = all.find(',', at);
+    part.push_back(all.substr(at, comma - at));
+    if (comma == std::string::npos) break;
+    at = comma + 1;
+  }
+  if (part.size() != std::size_t(detail::kGroupedLayouts)) tileOf("", all);  // throws
+  detail::GroupedTile tile[detail::kGroupedLayouts];
+  for (int l = 0; l < detail::kGroupedLayouts; ++l) tile[l] = tileOf(part[l], all);  // all valid
+  return tile[static_cast<int>(layout)];
 }
 
 /// One grouped launch; the workspace holds one argument block per layout, so the launches of
@@ -183,8 +236,8 @@ void runGrouped(Stream stream, GroupedLayout layout, const std::vector<GroupedPr
   if (per < detail::groupedWorkspaceBytes(layout, experts))
     throw Error("plm::gpu: grouped expert workspace of " + std::to_string(bytes) +
                 " bytes is too small (a bug: size it with groupedExpertWorkspaceBytes)");
-  detail::groupedRun(stream, layout, groupedTile(), p.data(), static_cast<int>(p.size()), beta,
-                     static_cast<char*>(workspace) + per * static_cast<int>(layout), per);
+  detail::groupedRun(stream, layout, groupedTile(layout), p.data(), static_cast<int>(p.size()),
+                     beta, static_cast<char*>(workspace) + per * static_cast<int>(layout), per);
 }
 
 }  // namespace
@@ -266,15 +319,24 @@ void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias,
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
-void expertBiasGradient(Stream stream, const std::vector<float*>& db,
-                        const std::vector<std::int64_t>& rows, const bf16* d, int cols) {
-  if (cols % 2 != 0) checkCols(cols, "expertBiasGradient");
+/// The bias-gradient kernel's launch (kGelu: see biasGradKernel).
+template <bool kGelu> void biasGradient(Stream stream, const std::vector<float*>& db,
+                                        const std::vector<std::int64_t>& rows, const bf16* d,
+                                        const bf16* pre, bf16* out, int cols) {
+  checkCols(cols, "expertBiasGradient");
   if (maxRows(rows) == 0) return;
   const RowBlocks b =
       rowBlocks(rows, reinterpret_cast<const void* const*>(db.data()), "expertBiasGradient");
-  biasGradKernel<<<dim3((cols + kSumCols - 1) / kSumCols, b.groups), kSumWarps * 32, 0, stream>>>(
-      b, reinterpret_cast<const bfloat*>(d), cols);
+  biasGradKernel<kGelu>
+      <<<dim3((cols + kSumCols - 1) / kSumCols, b.groups), kSumThreads, 0, stream>>>(
+          b, reinterpret_cast<const bfloat*>(d), reinterpret_cast<const bfloat*>(pre),
+          reinterpret_cast<bfloat*>(out), cols);
   PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void expertBiasGradient(Stream stream, const std::vector<float*>& db,
+                        const std::vector<std::int64_t>& rows, const bf16* d, int cols) {
+  biasGradient<false>(stream, db, rows, d, nullptr, nullptr, cols);
 }
 
 void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& experts,
@@ -320,9 +382,13 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
   checkCols(hidden, "groupedExpertBackward");
   checkCols(ffn, "groupedExpertBackward");
   const int e_n = static_cast<int>(experts.size());
-  std::int64_t total = 0;
-  for (auto n : rows) total += n;
-  // dact = dy W2 (into dpre), then dpre = dact * gelu'(pre) in place.
+  std::vector<float*> db1(e_n), db2(e_n);
+  for (int e = 0; e < e_n; ++e) {
+    db1[e] = grads[e].b1;
+    db2[e] = grads[e].b2;
+  }
+  // dact = dy W2 (into dpre), then dpre = dact * gelu'(pre) in place with db1 += sum dpre in
+  // the same pass.
   const auto dact = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
     return GroupedProblem{
         static_cast<int>(n), ffn, hidden, dy + at * hidden, hidden, experts[e].w2, ffn,
@@ -330,14 +396,7 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
   });
   if (dact.empty()) return;
   runGrouped(stream, GroupedLayout::Dgrad, dact, 0.0f, workspace, workspace_bytes, e_n);
-  {
-    const std::int64_t n8 = total * ffn / 8;  // ffn % 8 == 0 (checked by chooseExpertGemm)
-    geluBackwardVec8Kernel<<<static_cast<unsigned>(std::min<std::int64_t>((n8 + 255) / 256, 4096)),
-                             256, 0, stream>>>(reinterpret_cast<const bfloat*>(dpre),
-                                               reinterpret_cast<const bfloat*>(pre),
-                                               reinterpret_cast<bfloat*>(dpre), n8);
-    PLM_CHECK_CUDA(cudaGetLastError());
-  }
+  biasGradient<true>(stream, db1, rows, dpre, pre, dpre, ffn);
   // dW2 (hidden, ffn) += dy^T act; dW1 (ffn, hidden) += dpre^T x.
   const auto dw2 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
     return GroupedProblem{
@@ -351,13 +410,7 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
         grads[e].w1, hidden};
   });
   runGrouped(stream, GroupedLayout::Wgrad, dw1, 1.0f, workspace, workspace_bytes, e_n);
-  std::vector<float*> db1(e_n), db2(e_n);
-  for (int e = 0; e < e_n; ++e) {
-    db1[e] = grads[e].b1;
-    db2[e] = grads[e].b2;
-  }
   expertBiasGradient(stream, db2, rows, dy, hidden);
-  expertBiasGradient(stream, db1, rows, dpre, ffn);
   // dx = dpre W1.
   const auto dxp = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
     return GroupedProblem{

@@ -6,12 +6,13 @@
 // routing's permutation lays them out); experts without rows are left out of the group (their
 // weight gradients are not touched).  The grouped GEMMs have no bias/GELU epilogue, so the
 // forward runs grouped x W1^T, one fused pass pre += b1, act = gelu_tanh(pre) (16-byte vectors),
-// grouped act W2^T and one pass y += b2; the backward runs grouped dy W2, dGELU in place (16 bytes
-// a thread), grouped dW2 += dy^T act and dW1 += dpre^T x (fp32, accumulated), the bias gradients as
-// fixed-order column sums per expert, and grouped dx = dpre W1.  The per-launch arguments go
-// to the device as kernel parameters (no copy, no synchronisation).  Which path runs is chosen
-// here (ExpertGemm), by the measured crossover (doc/performance.md "MoE grouped GEMM"): the
-// grouped launch wins when experts are many and small, the loop when they are few and large.
+// grouped act W2^T and one pass y += b2; the backward runs grouped dy W2, then one pass (16 bytes
+// a thread) that applies dGELU in place and sums the b1 gradient, grouped dW2 += dy^T act and
+// dW1 += dpre^T x (fp32, accumulated), the b2 gradient, and grouped dx = dpre W1; the bias
+// gradients are fixed-order column sums per expert (bitwise reproducible).  The per-launch
+// arguments go to the device as kernel parameters (no copy, no synchronisation).  Which path runs
+// is chosen here (ExpertGemm), by the measured crossover (doc/performance.md "MoE grouped GEMM"):
+// the grouped launch wins when experts are many and small, the loop when they are few and large.
 #pragma once
 
 #include "gpu/device.hpp"
@@ -75,7 +76,8 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
 void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias,
                     const std::vector<std::int64_t>& rows, bf16* pre, bf16* act, int cols);
 
-/// \brief Per expert e: db[e][c] += sum over its rows of d(r, c) (fp32, fixed order).
+/// \brief Per expert e: db[e][c] += sum over its rows of d(r, c) (fp32, in an order fixed by
+/// the shape alone: bitwise reproducible); cols a multiple of 8, d 16-byte aligned.
 void expertBiasGradient(Stream stream, const std::vector<float*>& db,
                         const std::vector<std::int64_t>& rows, const bf16* d, int cols);
 

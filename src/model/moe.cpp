@@ -282,7 +282,9 @@ template <class T> struct MoeMlp<T>::State {
   // Compute precision of the expert activations: the master type on the portable path, bf16
   // on the CUDA path (train.precision: bf16; the router and the gates stay in the master type).
   DType cdt = dtypeOf<T>();
-  View1<T> hf_s, dhr_s;  // the router's fp32 copy of a bf16 h, its input gradient (T, H)
+  View1<T> hf_s, dhr_s;         // the router's fp32 copy of a bf16 h, its input gradient (T, H)
+  const void* hf_of = nullptr;  // the bf16 h that hf_s holds widened (rows x cols)
+  std::int64_t hf_rows = 0, hf_cols = 0;
 
   std::int64_t rows = 0;          // permuted rows of the pass (kept slots)
   bool routed_on_device = false;  // this pass's routing ran on the device (bf16 path)
@@ -356,12 +358,21 @@ template <class T> struct MoeMlp<T>::State {
   }
   bool distributed() const { return ep.comm != nullptr && ep.comm->size() > 1; }
 
-  /// The router's input in the master type: h itself, or its widened copy when h is bf16.
-  View2<T> routerInput(OpContext& ctx, const Mat& h) {
+  /// The router's input in the master type: h itself, or its widened copy when h is bf16.  The
+  /// forward always widens; the backward (`again`) reuses the forward's copy when h is the
+  /// forward's input (the saved LN2 output, as the rest of this state presumes), which saves
+  /// one read of h and one write of its fp32 copy per backward.
+  View2<T> routerInput(OpContext& ctx, const Mat& h, bool again = false) {
     if (h.dtype == dtypeOf<T>()) return h.template view<T>();
-    View1<T> hf = grow(hf_s, h.rows * h.cols, "plm::model::moe::router_input");
+    const bool same = again && hf_of == h.data && hf_rows == h.rows && hf_cols == h.cols;
+    View1<T> hf = same ? hf_s : grow(hf_s, h.rows * h.cols, "plm::model::moe::router_input");
     const Mat dst = rowsOf(hf, 0, h.rows, h.cols);
-    copyToMaster(ctx, h, dst);
+    if (!same) {
+      copyToMaster(ctx, h, dst);
+      hf_of = h.data;
+      hf_rows = h.rows;
+      hf_cols = h.cols;
+    }
     return dst.template view<T>();
   }
   std::int64_t sharedWidth() const {
@@ -774,7 +785,7 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
     if constexpr (std::is_same_v<T, float>) {
       View1<T> dhr = grow(s.dhr_s, t_n * hid, "plm::model::moe::dh_router");
       if (t_n > 0) {
-        gemm(space, Trans::T, Trans::N, T(1), dl2, s.routerInput(ctx, h), T(1),
+        gemm(space, Trans::T, Trans::N, T(1), dl2, s.routerInput(ctx, h, true), T(1),
              s.g.router.template view<T>());
         gemm(space, Trans::N, Trans::N, T(1), dl2, s.w.router.template view<T>(), T(0),
              View2<T>(dhr.data(), t_n, hid));

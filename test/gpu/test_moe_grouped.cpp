@@ -19,6 +19,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <deque>
 #include <numeric>
 
@@ -177,6 +178,69 @@ TEST(MoeGrouped, SixtyFourExpertsManyEmpty) {
   std::vector<std::int64_t> rows(64);
   for (int e = 0; e < 64; ++e) rows[e] = e % 5 == 0 ? 0 : (e * 37) % 61;
   checkGrouped(rows, 64, 40);
+}
+
+TEST(MoeGrouped, PerLayoutTiles) {
+  // PLM_MOE_GROUPED_TILE=F,D,W: each layout with the other tile than its neighbour, so every
+  // layout runs its 256x128 kernel in one of the two cases (the ragged rows of the test above).
+  for (const char* tiles : {"256,128,256", "128,256,128"}) {
+    SCOPED_TRACE(tiles);
+    setenv("PLM_MOE_GROUPED_TILE", tiles, 1);
+    checkGrouped({0, 1, 13, 64, 100, 0, 257, 7}, 136, 200);
+  }
+  if (groupedExpertGemmAvailable()) {
+    // Two tiles for three layouts, or a tile that does not exist: a clear error, no launch.
+    DeviceBuffer<std::uint16_t> x(8 * 64), pre(8 * 64), act(8 * 64), y(8 * 64);
+    Bf16Tensor w(test::randomNormal(64 * 64, 3, 0.1f)), b(test::randomNormal(64, 4, 0.1f));
+    const std::size_t bytes = groupedExpertWorkspaceBytes(1);
+    DeviceBuffer<char> ws(bytes);
+    for (const char* bad : {"128,256", "64", "128,128,512"}) {
+      setenv("PLM_MOE_GROUPED_TILE", bad, 1);
+      EXPECT_THROW(
+          groupedExpertForward(nullptr, {{w.get(), b.get(), w.get(), b.get()}}, {8}, bits(x),
+                               bits(pre), bits(act), bits(y), 64, 64, ws.get(), bytes),
+          Error)
+          << bad;
+    }
+  }
+  unsetenv("PLM_MOE_GROUPED_TILE");
+}
+
+TEST(MoeGrouped, BiasGradientColumnSums) {
+  // Needs no CUTLASS.  An expert of 4,099 rows (more than the kernel's 4 x 128 rows in flight,
+  // not a multiple of them), empty ones (untouched), 136 columns (a partial 32-column tile);
+  // accumulated onto non-zero values; a second run from the same start is bitwise equal.
+  const std::vector<std::int64_t> rows = {0, 1, 4099, 515, 0, 130};
+  const int cols = 136, e_n = static_cast<int>(rows.size());
+  const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t(0));
+  Bf16Tensor d(test::randomNormal(total * cols, 21));
+  std::vector<std::vector<float>> g0;
+  std::deque<DeviceBuffer<float>> db;
+  std::vector<float*> ptr;
+  for (int e = 0; e < e_n; ++e) {
+    g0.push_back(test::randomNormal(cols, 40 + e, 0.5f));
+    db.emplace_back(g0.back());
+    ptr.push_back(db.back().get());
+  }
+  expertBiasGradient(nullptr, ptr, rows, d.get(), cols);
+  std::vector<std::vector<float>> first_run;
+  std::int64_t at = 0;
+  for (int e = 0; e < e_n; ++e) {
+    std::vector<double> ref(g0[e].begin(), g0[e].end());
+    for (std::int64_t r = at; r < at + rows[e]; ++r)
+      for (int c = 0; c < cols; ++c) ref[c] += d.values[r * cols + c];
+    first_run.push_back(db[e].download());
+    if (rows[e] == 0)
+      EXPECT_EQ(first_run.back(), g0[e]) << "expert " << e << " has no rows but was touched";
+    else
+      EXPECT_LT(relError(first_run.back(), ref), 1e-5) << "expert " << e;
+    at += rows[e];
+  }
+  for (int e = 0; e < e_n; ++e) db[e].upload(g0[e]);
+  expertBiasGradient(nullptr, ptr, rows, d.get(), cols);
+  for (int e = 0; e < e_n; ++e)
+    EXPECT_EQ(db[e].download(), first_run[e]) << "expert " << e << ": rerun not bitwise equal";
+  EXPECT_THROW(expertBiasGradient(nullptr, ptr, rows, d.get(), 12), Error) << "cols % 8 != 0";
 }
 
 TEST(MoeGrouped, ChoiceAndErrors) {
