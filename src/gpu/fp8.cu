@@ -310,6 +310,9 @@ struct BlockParams {
   std::int64_t sld_t;
   float* amax;
   float* col_partial;
+  bool gelu;
+  __nv_bfloat16* gelu_out;
+  std::int64_t ld_gelu_out;
 };
 
 // Transformer Engine's power-of-two scale from a block amax (bits of |x|).
@@ -354,6 +357,18 @@ __global__ void __launch_bounds__(kBlockThreads, 2) blockCastKernel(BlockParams 
       for (int j = 0; j < 4; ++j)
         v[i][j] =
             r < p.rows && cl + j < p.cols ? loadIn(p.in, p.in_bf16, r * p.ld_in + cl + j) : 0.0f;
+    }
+  }
+  if (p.gelu) {  // castKernel's GELU, element for element: the same bf16 values
+#pragma unroll
+    for (int i = 0; i < kBlockRows; ++i) {
+      const std::int64_t r = rw + i;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const bool in = r < p.rows && cl + j < p.cols;
+        v[i][j] = in ? geluTanhBf16(v[i][j]) : 0.0f;
+        if (p.gelu_out && in) p.gelu_out[r * p.ld_gelu_out + cl + j] = __float2bfloat16_rn(v[i][j]);
+      }
     }
   }
   // Row amaxes (every lane gets its rows'), column partials and sums over this warp's rows.
@@ -679,6 +694,8 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
       PLM_CHECK_CUDA(cudaMemsetAsync(a.col_sum, 0, a.cols * sizeof(float), stream));
     return;
   }
+  if (a.gelu_out && (!a.gelu || a.ld_gelu_out < a.cols))
+    throw Error("plm::gpu::castFp8Block: gelu_out needs gelu and a row stride >= cols");
   checkGrid("castFp8Block", a.rows, kBlock);
   const bool tail = a.split_tail && a.out && a.rows % 8 != 0;
   if (tail && a.scaling != Fp8ScaleMode::Block1x128)
@@ -707,7 +724,10 @@ void castFp8Block(Stream stream, const Fp8BlockCastArgs& a) {
                 a.scale_inv_t,
                 blockScaleLayout(a.scaling, a.cols, a.rows).ld,
                 a.amax,
-                colPartial("castFp8Block", a.col_sum, a.workspace)};
+                colPartial("castFp8Block", a.col_sum, a.workspace),
+                a.gelu,
+                static_cast<__nv_bfloat16*>(a.gelu_out),
+                a.ld_gelu_out};
   blockCastKernel<<<dim3(gridDimOf(a.cols, kBlock), gridDimOf(a.rows, kBlock)), kBlockThreads, 0,
                     stream>>>(p);
   PLM_CHECK_CUDA(cudaGetLastError());

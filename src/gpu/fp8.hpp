@@ -146,6 +146,14 @@ struct Fp8BlockCastArgs {
   // (blockScaleLayout(Block1x128, body, cols)) and, from blockTailSplit().tail_scales on, the
   // tail's (blockScaleLayout(Block1x128, 8, cols)).  Ignored where rows is a multiple of 8.
   bool split_tail = false;
+  // Optional, as in Fp8CastArgs: the input is a GELU's pre-activation and what is cast (codes,
+  // block and tensor amaxes, column sums) is g = bf16(gelu_tanh(in)), the exact values castFp8's
+  // gelu pass writes, so the codes equal those of castFp8Block on that pass's output bit for
+  // bit; g (bf16) is written to gelu_out (row stride ld_gelu_out) where given.  The FFN's GELU
+  // output cast under block scaling in the pass that applies the GELU.
+  bool gelu = false;
+  void* gelu_out = nullptr;
+  std::int64_t ld_gelu_out = 0;
 };
 
 /// \brief One pass over the input per 128x128 tile (block amaxes, scales, codes, both copies).

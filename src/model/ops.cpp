@@ -173,6 +173,22 @@ bool defaultDeterministic() {
 constexpr int kFp8CastKind = static_cast<int>(OpKind::Count);
 constexpr int kProfileKinds = kFp8CastKind + 1;
 
+#if PLM_FP8_CUDA
+/// An FP8 GEMM operand on the device: codes (row stride ld) and their scale_inv (one device
+/// scalar, or the block scales of `scaling`).
+struct Fp8Operand8 {
+  const void* codes = nullptr;
+  std::int64_t ld = 0;
+  gpu::DType type = gpu::DType::E4M3;
+  const float* scale_inv = nullptr;
+  gpu::Fp8ScaleMode scaling = gpu::Fp8ScaleMode::Tensor;
+  // A Block1x128 A operand whose rows are not a multiple of 8 (castFp8Block's split_tail): the
+  // body's rows (the 8-row tail's codes follow them) and the tail's scales; -1: no tail.
+  std::int64_t body = -1;
+  const float* tail_scale_inv = nullptr;
+};
+#endif
+
 struct OpContext::Cuda {
   gpu::Gemm gemm;
   std::unique_ptr<gpu::CudnnAttention> cudnn;  // built on first use
@@ -198,12 +214,12 @@ struct OpContext::Cuda {
     bool x_written = true;  // false: x's bf16 values were never written (fused GELU cast)
   };
   std::unordered_map<const Fp8GemmSlot*, Fp8Kept> fp8_kept;
-  // An FP8 GEMM input cast by its producer (delayed scaling): a LayerNorm (keyed by its
-  // gamma) or the FFN-in GEMM's GELU (keyed by that GEMM's slot).  `fp8_reader_of` says which
-  // FP8 GEMM read the producer's output last time (learned by that GEMM's forward from
-  // `last_producer`, the output of the op just before it), so that the producer knows the
-  // scale and where the codes go; `fp8_precast` holds the codes waiting for that GEMM's forward
-  // (consumed by it, dropped by any other FP8 forward, which reuses their scratch slot).
+  // An FP8 GEMM input cast by its producer: a LayerNorm (keyed by its gamma; delayed scaling)
+  // or the FFN-in GEMM's GELU (keyed by that GEMM's slot; delayed and block scaling).
+  // `fp8_reader_of` says which FP8 GEMM read the producer's output last time (learned by that
+  // GEMM's forward from `last_producer`, the output of the op just before it), so that the producer
+  // knows the scale and where the codes go; `fp8_precast` holds the codes waiting for that GEMM's
+  // forward (consumed by it, dropped by any other FP8 forward, which reuses their scratch slot).
   // PLM_FP8_FUSED_CAST=0 turns it off.
   struct Producer {
     const void* y = nullptr;
@@ -214,8 +230,7 @@ struct OpContext::Cuda {
     const Fp8GemmSlot* slot = nullptr;
     const void* x = nullptr;
     std::int64_t rows = 0, cols = 0, ld = 0;
-    const void* codes = nullptr;
-    std::int64_t ld_codes = 0;
+    Fp8Operand8 codes;      // the GEMM's A operand as the producer cast it
     bool x_written = true;  // false: the bf16 x does not exist (only these codes and X^T)
   } fp8_precast;
 #endif
@@ -536,74 +551,7 @@ void zeroTokenPadding(OpContext& ctx, void* codes_t, std::int64_t rows, std::int
         static_cast<std::size_t>(ld - rows), static_cast<std::size_t>(cols), streamOf(ctx)));
 }
 
-struct Fp8Operand8 {
-  const void* codes = nullptr;
-  std::int64_t ld = 0;
-  gpu::DType type = gpu::DType::E4M3;
-  const float* scale_inv = nullptr;
-  gpu::Fp8ScaleMode scaling = gpu::Fp8ScaleMode::Tensor;
-  // A Block1x128 A operand whose rows are not a multiple of 8 (castFp8Block's split_tail): the
-  // body's rows (the 8-row tail's codes follow them) and the tail's scales; -1: no tail.
-  std::int64_t body = -1;
-  const float* tail_scale_inv = nullptr;
-};
-
 bool blockScaling(const Fp8GemmSlot& s) { return s.scaling->config().recipe == Fp8Recipe::Block; }
-
-/// Block scaling: casts bf16 operand x (rows, cols) with 1x128 blocks (E4M3, power-of-two
-/// scales) into scratch: `direct` (rows, cols; a zero-padded 8-row tail where rows is not a
-/// multiple of 8, runFp8Gemm's tail GEMM) and/or `transposed` (cols, rows padded to 16: its
-/// own 1x128 blocks along the tokens; into `transposed_at` with its scales at
-/// `transposed_scales_at` when given); col_sum (optional) += column sums of x.
-void castOperandBlock(OpContext& ctx, const Mat& x, Fp8Operand8* direct, Fp8Operand8* transposed,
-                      float* col_sum = nullptr, int scratch_base = 20,
-                      void* transposed_at = nullptr, float* transposed_scales_at = nullptr) {
-  constexpr auto vec = gpu::Fp8ScaleMode::Block1x128;
-  if (direct) ctx.cuda().fp8_precast = {};
-  gpu::Fp8BlockCastArgs a;
-  a.rows = x.rows;
-  a.cols = x.cols;
-  a.in = cptr<bf16>(x);
-  a.in_type = gpu::DType::BF16;
-  a.ld_in = x.ld;
-  a.out_type = gpu::DType::E4M3;  // E4M3 both ways under block scaling
-  a.scaling = vec;
-  if (direct) {
-    const gpu::BlockTailSplit split = gpu::blockTailSplit(x.rows, x.cols);
-    a.ld_out = pad16(x.cols);
-    a.out = ctx.scratch(scratch_base, static_cast<std::size_t>(split.rows * a.ld_out));
-    a.scale_inv = static_cast<float*>(
-        ctx.scratch(scratch_base + 10, static_cast<std::size_t>(split.count) * sizeof(float)));
-    a.split_tail = split.split();
-    *direct = {a.out, a.ld_out, a.out_type, a.scale_inv, vec};
-    if (split.split()) {
-      direct->body = split.body;
-      direct->tail_scale_inv = a.scale_inv + split.tail_scales;
-    }
-  }
-  if (transposed) {
-    a.ld_out_t = pad16(x.rows);
-    a.out_t = transposed_at
-                  ? transposed_at
-                  : ctx.scratch(scratch_base + 1, static_cast<std::size_t>(x.cols * a.ld_out_t));
-    a.scale_inv_t =
-        transposed_scales_at
-            ? transposed_scales_at
-            : static_cast<float*>(ctx.scratch(
-                  scratch_base + 11,
-                  static_cast<std::size_t>(gpu::blockScaleLayout(vec, x.cols, x.rows).count) *
-                      sizeof(float)));
-    zeroTokenPadding(ctx, a.out_t, x.rows, x.cols);
-    *transposed = {a.out_t, a.ld_out_t, a.out_type, a.scale_inv_t, vec};
-  }
-  if (col_sum) {
-    a.col_sum = col_sum;
-    a.col_sum_accumulate = true;
-    a.workspace = ctx.scratch(scratch_base + 2, gpu::fp8ColSumWorkspace(x.rows, x.cols));
-  }
-  gpu::castFp8Block(streamOf(ctx), a);
-  markFp8Cast(ctx);
-}
 
 /// Copies `rows` rows of `cols` elements of `bytes` each between row-strided device matrices.
 void copyRows(OpContext& ctx, void* dst, std::int64_t ld_dst, const void* src, std::int64_t ld_src,
@@ -662,43 +610,107 @@ void runFp8Gemm(OpContext& ctx, const Mm& m, const Fp8Operand8& a) {
   ctx.mark(OpKind::Other);
 }
 
-/// Casts bf16 operand `o` of the slot's GEMM, x (rows, cols), into scratch: `direct` (rows,
-/// cols) and/or `transposed` (cols, rows; into `transposed_at` when given); col_sum (optional)
-/// += column sums of x.
-void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& x,
-                 Fp8Operand8* direct, Fp8Operand8* transposed, float* col_sum = nullptr,
-                 int scratch_base = 20, void* transposed_at = nullptr) {
-  const Fp8Scaling& st = *s.scaling;
-  const int k = static_cast<int>(o);
-  if (direct) ctx.cuda().fp8_precast = {};  // its codes live in the scratch this may overwrite
-  gpu::Fp8CastArgs a;
+/// Where castOperand puts an operand's codes, and what else its pass does.
+struct CastTo {
+  Fp8Operand8* direct = nullptr;      // (rows, cols) codes, into scratch `scratch_base`
+  Fp8Operand8* transposed = nullptr;  // (cols, rows padded to 16) codes
+  float* col_sum = nullptr;           // += column sums of x (a bias gradient)
+  int scratch_base = 20;
+  void* transposed_at = nullptr;          // the transposed codes go here (the kept X^T) when given
+  float* transposed_scales_at = nullptr;  // block scaling: and their scales here
+  bool gelu = false;                      // x is a GELU's pre-activation: gelu(x) is what is cast
+  void* gelu_out = nullptr;  // with gelu: bf16 gelu(x) also written here (optional, ld = cols)
+};
+
+/// The fields castFp8's and castFp8Block's arguments share: the bf16 input x and the outputs.
+template <class Args> void castInputOf(Args& a, const Mat& x, const CastTo& to) {
   a.rows = x.rows;
   a.cols = x.cols;
   a.in = cptr<bf16>(x);
   a.in_type = gpu::DType::BF16;
   a.ld_in = x.ld;
-  a.out_type = gpuFormat(st.format(o));
-  if (direct) {
-    a.ld_out = pad16(x.cols);
-    a.out = ctx.scratch(scratch_base, static_cast<std::size_t>(x.rows * a.ld_out));
-    *direct = {a.out, a.ld_out, a.out_type, s.scaleInv(k)};
-  }
-  if (transposed) {
-    // Rows padded to 16 with zero codes: the weight-gradient GEMM's K (the tokens) runs to the
-    // padded length, as FP8 GEMMs want K and leading dimensions in multiples of 16.  Only the
-    // padding columns are zeroed; the cast writes the rest.
-    a.ld_out_t = pad16(x.rows);
-    a.out_t = transposed_at
-                  ? transposed_at
-                  : ctx.scratch(scratch_base + 1, static_cast<std::size_t>(x.cols * a.ld_out_t));
-    zeroTokenPadding(ctx, a.out_t, x.rows, x.cols);
-    *transposed = {a.out_t, a.ld_out_t, a.out_type, s.scaleInv(k)};
-  }
-  if (col_sum) {
-    a.col_sum = col_sum;
+  a.gelu = to.gelu;
+  a.gelu_out = to.gelu_out;
+  a.ld_gelu_out = x.cols;
+}
+
+/// Casts bf16 operand `o` of the slot's GEMM, x (rows, cols), with the slot's recipe: per-tensor
+/// scales (delayed: the slot's device scale, its amax max-accumulated while recording; current:
+/// the tensor's own amax first) or 1x128 blocks (block: E4M3, power-of-two scales; `direct`
+/// with a zero-padded 8-row tail where rows is not a multiple of 8, runFp8Gemm's tail GEMM;
+/// `transposed` with its own 1x128 blocks along the tokens).  The transposed copy's token
+/// columns are zero-padded to 16: the weight-gradient GEMM's K runs over the padded tokens, as
+/// FP8 GEMMs want K and leading dimensions in multiples of 16; the cast writes the rest.
+void castOperand(OpContext& ctx, const Fp8GemmSlot& s, Fp8Operand o, const Mat& x,
+                 const CastTo& to) {
+  const Fp8Scaling& st = *s.scaling;
+  const int k = static_cast<int>(o);
+  const int base = to.scratch_base;
+  if (to.direct) ctx.cuda().fp8_precast = {};  // its codes live in the scratch this may overwrite
+  auto codes = [&](int slot, std::int64_t rows, std::int64_t ld) {
+    return ctx.scratch(slot, static_cast<std::size_t>(rows * ld));
+  };
+  auto transposedCodes = [&] {
+    void* t = to.transposed_at ? to.transposed_at : codes(base + 1, x.cols, pad16(x.rows));
+    zeroTokenPadding(ctx, t, x.rows, x.cols);
+    return t;
+  };
+  auto colSum = [&](auto& a) {
+    if (!to.col_sum) return;
+    a.col_sum = to.col_sum;
     a.col_sum_accumulate = true;
-    a.workspace = ctx.scratch(scratch_base + 2, gpu::fp8ColSumWorkspace(x.rows, x.cols));
+    a.workspace = ctx.scratch(base + 2, gpu::fp8ColSumWorkspace(x.rows, x.cols));
+  };
+  if (blockScaling(s)) {
+    constexpr auto vec = gpu::Fp8ScaleMode::Block1x128;
+    gpu::Fp8BlockCastArgs a;
+    castInputOf(a, x, to);
+    a.out_type = gpu::DType::E4M3;  // E4M3 both ways under block scaling
+    a.scaling = vec;
+    if (to.direct) {
+      const gpu::BlockTailSplit split = gpu::blockTailSplit(x.rows, x.cols);
+      a.ld_out = pad16(x.cols);
+      a.out = codes(base, split.rows, a.ld_out);
+      a.scale_inv = static_cast<float*>(
+          ctx.scratch(base + 10, static_cast<std::size_t>(split.count) * sizeof(float)));
+      a.split_tail = split.split();
+      *to.direct = {a.out, a.ld_out, a.out_type, a.scale_inv, vec};
+      if (split.split()) {
+        to.direct->body = split.body;
+        to.direct->tail_scale_inv = a.scale_inv + split.tail_scales;
+      }
+    }
+    if (to.transposed) {
+      a.ld_out_t = pad16(x.rows);
+      a.out_t = transposedCodes();
+      a.scale_inv_t =
+          to.transposed_scales_at
+              ? to.transposed_scales_at
+              : static_cast<float*>(ctx.scratch(
+                    base + 11,
+                    static_cast<std::size_t>(gpu::blockScaleLayout(vec, x.cols, x.rows).count) *
+                        sizeof(float)));
+      *to.transposed = {a.out_t, a.ld_out_t, a.out_type, a.scale_inv_t, vec};
+    }
+    colSum(a);
+    gpu::castFp8Block(streamOf(ctx), a);
+    markFp8Cast(ctx);
+    return;
   }
+  gpu::Fp8CastArgs a;
+  castInputOf(a, x, to);
+  a.out_type = gpuFormat(st.format(o));
+  if (to.direct) {
+    a.ld_out = pad16(x.cols);
+    a.out = codes(base, x.rows, a.ld_out);
+    *to.direct = {a.out, a.ld_out, a.out_type, s.scaleInv(k)};
+  }
+  if (to.transposed) {
+    a.ld_out_t = pad16(x.rows);
+    a.out_t = transposedCodes();
+    *to.transposed = {a.out_t, a.ld_out_t, a.out_type, s.scaleInv(k)};
+  }
+  colSum(a);
   a.scale_inv = s.scaleInv(k);
   if (st.config().recipe == Fp8Recipe::Current) {
     a.amax = s.amaxes + k;
@@ -792,13 +804,14 @@ bool fusedFp8CastEnabled() {
   return on;
 }
 
-/// The FP8 GEMM (delayed scaling) that read the output of producer `id` last time, if the
-/// producer should cast for it; nullptr otherwise.
+/// The FP8 GEMM that read the output of producer `id` last time, if the producer should cast
+/// for it (delayed and block scaling: the scales do not need the whole tensor's amax first);
+/// nullptr otherwise.
 const Fp8GemmSlot* fp8ReaderOf(OpContext& ctx, const void* id) {
   if (!fusedFp8CastEnabled()) return nullptr;
   const auto& all = ctx.cuda().fp8_reader_of;
   const auto it = all.find(id);
-  if (it == all.end() || it->second->scaling->config().recipe != Fp8Recipe::Delayed) return nullptr;
+  if (it == all.end() || it->second->scaling->config().recipe == Fp8Recipe::Current) return nullptr;
   return it->second;
 }
 
@@ -838,7 +851,8 @@ template <class TX> bool layerNormFp8Cuda(OpContext& ctx, const TX* x, const Vec
   gpu::layerNormForwardFp8(streamOf(ctx), x, vptr<float>(gamma), vptr<float>(beta), mptr<bf16>(y),
                            vptr<float>(mean), vptr<float>(rstd), y.rows, static_cast<int>(y.cols),
                            static_cast<float>(eps), q);
-  ctx.cuda().fp8_precast = {&s, y.data, y.rows, y.cols, y.ld, q.codes, q.ld_codes, true};
+  const Fp8Operand8 codes{q.codes, q.ld_codes, q.out_type, s.scaleInv(k)};
+  ctx.cuda().fp8_precast = {&s, y.data, y.rows, y.cols, y.ld, codes, true};
   return true;
 }
 
@@ -860,15 +874,16 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
         "plm::model: an FP8 GEMM reads a GELU output whose bf16 values were never written (its "
         "cast was fused into the GELU for another GEMM; a bug); PLM_FP8_FUSED_CAST=0 avoids it");
   if (precast) {
-    const int k = static_cast<int>(Fp8Operand::Input);
-    xq = {pre.codes, pre.ld_codes, gpuFormat(s.scaling->format(Fp8Operand::Input)), s.scaleInv(k)};
-  } else if (blockScaling(s)) {
-    void* kept = keepTransposedInput(ctx, s, x);
-    castOperandBlock(ctx, x, &xq, kept ? &xq_t : nullptr, nullptr, 20, kept,
-                     kept ? c.fp8_kept[&s].scales : nullptr);
+    xq = pre.codes;
   } else {
-    void* kept = keepTransposedInput(ctx, s, x);
-    castOperand(ctx, s, Fp8Operand::Input, x, &xq, kept ? &xq_t : nullptr, nullptr, 20, kept);
+    CastTo to;
+    to.direct = &xq;
+    to.transposed_at = keepTransposedInput(ctx, s, x);
+    if (to.transposed_at) {
+      to.transposed = &xq_t;
+      to.transposed_scales_at = c.fp8_kept[&s].scales;
+    }
+    castOperand(ctx, s, Fp8Operand::Input, x, to);
   }
   Mm m;
   m.tb = true;
@@ -893,80 +908,61 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
 }
 
 /// pre = x W^T + b, y = gelu(pre) with FP8 operands.  Where the FP8 GEMM that reads y is known
-/// (delayed scaling), the GEMM writes only pre (Bias epilogue) and one pass applies the GELU and
-/// casts y for that GEMM: codes, X^T (kept), amax; y's bf16 values are then written only where
-/// no kept X^T stands in for them (evaluation, wgrad: bf16).  Block scaling, and delayed scaling
-/// before its reader is known, write pre and y = gelu(bf16 pre) by the same two launches without
-/// the cast; otherwise (current scaling, unfused casts) the GEMM's GELU+aux epilogue writes both.
-/// The reader then casts y.
+/// (delayed and block scaling), the GEMM writes only pre (Bias epilogue) and one pass applies
+/// the GELU and casts y for that GEMM with its recipe: codes, X^T (kept), amax (delayed) or
+/// block scales (block); y's bf16 values are then written only where no kept X^T stands in for
+/// them (evaluation, wgrad: bf16).  Otherwise (the first micro-batch, current scaling) y is
+/// written in bf16 and its reader casts it: by the GEMM's GELU+aux epilogue, or by the Bias
+/// epilogue and one GELU pass under block scaling (cuBLASLt's GELU_AUX_BIAS is not known to take
+/// block scales; test_gpu_fp8 checked Bias and dGELU) and under delayed scaling with fused casts
+/// (the fused pass takes the GELU of the bf16 pre-activation, the epilogue of the fp32 one: a
+/// bf16 rounding apart, so a resumed run's first micro-batch would leave the uninterrupted run;
+/// test_fp8_moe's ResumesExactlyAndAtAnotherDegree on CUDA caught it).
 void fp8LinearGeluCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& pre,
                        const Mat& y) {
-  // The GEMM writes the pre-activation (Bias epilogue), one pass the GELU of its bf16 values
-  // (castFp8's gelu, no codes): under block scaling (cuBLASLt's GELU_AUX_BIAS is not known to
-  // take block scales), and under delayed scaling with fused casts where no reader is known yet
-  // (the first micro-batch of a process): the fused pass below also takes the GELU of the bf16
-  // pre-activation, so the first micro-batch after a resume computes the activations of an
-  // uninterrupted run bit for bit (the epilogue's GELU of the fp32 pre-activation differs by a
-  // bf16 rounding; test_fp8_moe's ResumesExactlyAndAtAnotherDegree on CUDA caught it).
   const Fp8GemmSlot* reader = fp8ReaderOf(ctx, w.fp8);
   const bool contiguous = y.ld == y.cols && pre.ld == pre.cols;
-  const bool first_delayed = !reader && contiguous && fusedFp8CastEnabled() &&
-                             w.fp8->scaling->config().recipe == Fp8Recipe::Delayed;
-  if (blockScaling(*w.fp8) || first_delayed) {
-    fp8ForwardCuda(ctx, x, w, b, pre, gpu::Epilogue::Bias, nullptr, nullptr);
-    gpu::Fp8CastArgs a;
-    a.rows = pre.rows;
-    a.cols = pre.cols;
-    a.in = cptr<bf16>(pre);
-    a.in_type = gpu::DType::BF16;
-    a.ld_in = pre.ld;
-    a.scale = w.fp8->scale(static_cast<int>(Fp8Operand::Input));  // read, unused: no codes
-    a.gelu = true;
-    a.gelu_out = mptr<bf16>(y);
-    a.ld_gelu_out = y.ld;
-    gpu::castFp8(streamOf(ctx), a);
-    ctx.mark(OpKind::Other);
-    if (first_delayed) noteFp8Producer(ctx, y, w.fp8);
-    return;
-  }
   if (!reader || !contiguous) {
-    fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::BiasGeluAux, &pre, nullptr);
+    const bool gelu_pass = blockScaling(*w.fp8) ||
+                           (contiguous && fusedFp8CastEnabled() &&
+                            w.fp8->scaling->config().recipe == Fp8Recipe::Delayed);
+    if (gelu_pass) {
+      fp8ForwardCuda(ctx, x, w, b, pre, gpu::Epilogue::Bias, nullptr, nullptr);
+      gpu::Fp8CastArgs a;
+      a.rows = pre.rows;
+      a.cols = pre.cols;
+      a.in = cptr<bf16>(pre);
+      a.in_type = gpu::DType::BF16;
+      a.ld_in = pre.ld;
+      a.scale = w.fp8->scale(static_cast<int>(Fp8Operand::Input));  // read, unused: no codes
+      a.gelu = true;
+      a.gelu_out = mptr<bf16>(y);
+      a.ld_gelu_out = y.ld;
+      gpu::castFp8(streamOf(ctx), a);
+      ctx.mark(OpKind::Other);
+    } else {
+      fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::BiasGeluAux, &pre, nullptr);
+    }
     noteFp8Producer(ctx, y, w.fp8);
     return;
   }
   fp8ForwardCuda(ctx, x, w, b, pre, gpu::Epilogue::Bias, nullptr, nullptr);
   const Fp8GemmSlot& s = *reader;
-  const Fp8Scaling& st = *s.scaling;
-  const int k = static_cast<int>(Fp8Operand::Input);
-  gpu::Fp8CastArgs a;
-  a.rows = pre.rows;
-  a.cols = pre.cols;
-  a.in = cptr<bf16>(pre);
-  a.in_type = gpu::DType::BF16;
-  a.ld_in = pre.ld;
-  a.out_type = gpuFormat(st.format(Fp8Operand::Input));
-  a.ld_out = pad16(y.cols);
-  a.out = ctx.scratch(20, static_cast<std::size_t>(y.rows * a.ld_out));
-  void* kept = keepTransposedInput(ctx, s, y);
-  if (kept) {
-    a.out_t = kept;
-    a.ld_out_t = pad16(y.rows);
-    zeroTokenPadding(ctx, kept, y.rows, y.cols);
-    ctx.cuda().fp8_kept[&s].x_written = false;
+  Fp8Operand8 codes, codes_t;
+  CastTo to;
+  to.direct = &codes;
+  to.gelu = true;
+  to.transposed_at = keepTransposedInput(ctx, s, y);
+  if (to.transposed_at) {
+    to.transposed = &codes_t;
+    to.transposed_scales_at = ctx.cuda().fp8_kept[&s].scales;
   } else {
-    a.gelu_out = y.data;
-    a.ld_gelu_out = y.ld;
+    to.gelu_out = y.data;
   }
-  a.gelu = true;
-  a.scale = s.scale(k);
-  a.scale_inv = s.scaleInv(k);
-  if (st.recording()) {
-    a.amax = s.amaxes + k;
-    a.amax_accumulate = true;
-  }
-  gpu::castFp8(streamOf(ctx), a);
-  markFp8Cast(ctx);
-  ctx.cuda().fp8_precast = {&s, y.data, y.rows, y.cols, y.ld, a.out, a.ld_out, kept == nullptr};
+  castOperand(ctx, s, Fp8Operand::Input, pre, to);  // clears fp8_precast
+  // The kept X^T and the codes are named after y, the GEMM's input, not pre.
+  if (to.transposed_at) ctx.cuda().fp8_kept[&s].x_written = false;
+  ctx.cuda().fp8_precast = {&s, y.data, y.rows, y.cols, y.ld, codes, !to.transposed_at};
   noteFp8Producer(ctx, y, w.fp8);
 }
 
@@ -980,11 +976,13 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
   const bool fp8_wgrad = s.scaling->config().wgrad == Fp8Wgrad::Fp8;
   const bool block = blockScaling(s);
   Fp8Operand8 dyq, dyq_t;
-  if (block)
-    castOperandBlock(ctx, dy, &dyq, fp8_wgrad ? &dyq_t : nullptr, fp8_wgrad ? db : nullptr);
-  else
-    castOperand(ctx, s, Fp8Operand::Grad, dy, &dyq, fp8_wgrad ? &dyq_t : nullptr,
-                fp8_wgrad ? db : nullptr);
+  CastTo to;
+  to.direct = &dyq;
+  if (fp8_wgrad) {
+    to.transposed = &dyq_t;
+    to.col_sum = db;
+  }
+  castOperand(ctx, s, Fp8Operand::Grad, dy, to);
   if (!dx.empty()) {
     Mm m;
     m.tb = true;
@@ -1007,10 +1005,11 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
       xq_t.scale_inv = ctx.cuda().fp8_kept[&s].scales;
       xq_t.scaling = gpu::Fp8ScaleMode::Block1x128;
     }
-  } else if (block) {
-    castOperandBlock(ctx, x, nullptr, &xq_t, nullptr, 24);
   } else {
-    castOperand(ctx, s, Fp8Operand::Input, x, nullptr, &xq_t, nullptr, 24);
+    CastTo to;
+    to.transposed = &xq_t;
+    to.scratch_base = 24;
+    castOperand(ctx, s, Fp8Operand::Input, x, to);
   }
   Mm m;
   m.tb = true;

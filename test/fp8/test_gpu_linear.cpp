@@ -341,7 +341,12 @@ TEST(Fp8GpuLinear, BlockScalingMatchesTheEmulation) {
 
 #if PLM_FP8_CUDA
 // One FP8 GEMM's device state (scales of `scaling`, the weight's codes and transpose), as the
-// model sets it up once per step.
+// model sets it up once per step; under block scaling each copy with its 128x128 scales after
+// its codes (as esm2.cpp's bindFp8Cuda).
+std::size_t blockWeightBytes(std::int64_t out, std::int64_t in) {
+  using plm::gpu::Fp8ScaleMode;
+  return plm::gpu::fp8BlockTensorBytes(Fp8ScaleMode::Block128x128, out, in);
+}
 struct DeviceSlot {
   Fp8GemmSlot slot;
   plm::View1<float> dev;
@@ -349,7 +354,7 @@ struct DeviceSlot {
   DeviceSlot(Fp8Scaling& scaling, Fp8Gemm gemm, const Pair& w)
       : slot{&scaling, 0, gemm},
         dev("scales", 6 * Fp8GemmSlot::kScaleStride + 3),
-        codes("codes", 2 * w.f32.size()) {
+        codes("codes", 2 * blockWeightBytes(w.f32.extent(0), w.f32.extent(1)) + 256) {
     constexpr int kS = Fp8GemmSlot::kScaleStride;
     const std::int64_t out = w.f32.extent(0), in = w.f32.extent(1);
     std::vector<float> hs(6 * kS + 3, 0.0f);
@@ -362,6 +367,24 @@ struct DeviceSlot {
     slot.scales = dev.data();
     slot.amaxes = dev.data() + 6 * kS;
     slot.w_codes = codes.data();
+    if (scaling.config().recipe == Fp8Recipe::Block) {
+      const std::size_t wt_at = (blockWeightBytes(out, in) + 255) / 256 * 256;
+      slot.wt_codes = codes.data() + wt_at;
+      plm::gpu::Fp8BlockCastArgs a;
+      a.rows = out;
+      a.cols = in;
+      a.in = w.bf.data();
+      a.ld_in = in;
+      a.scaling = plm::gpu::Fp8ScaleMode::Block128x128;
+      a.out = codes.data();
+      a.ld_out = in;
+      a.scale_inv = plm::gpu::fp8BlockTensorScales(a.out, out, in);
+      a.out_t = codes.data() + wt_at;
+      a.ld_out_t = out;
+      a.scale_inv_t = plm::gpu::fp8BlockTensorScales(a.out_t, in, out);
+      plm::gpu::castFp8Block(plm::ExecSpace().cuda_stream(), a);
+      return;
+    }
     slot.wt_codes = codes.data() + out * in;
     plm::gpu::Fp8CastArgs a;
     a.rows = out;
@@ -401,10 +424,14 @@ struct DeviceSlot {
 // measured 1.21% on the FFN-out output and weight gradient): 3e-2.  An evaluation pass (no X^T
 // kept) still writes the bf16 GELU output, and its FFN-out output is the training pass's bit
 // for bit (the same codes from the same pre-activation).
-TEST(Fp8GpuLinear, FusedProducerCasts) {
-#if !PLM_FP8_CUDA
-  GTEST_SKIP() << "no FP8 kernels (gpu/fp8.hpp) in this build";
-#else
+//
+// Block scaling: only the GELU output is cast by its producer (castFp8Block with gelu); the
+// separate path's GELU is taken of the same bf16 pre-activation (castFp8's gelu pass, then the
+// 1x128 cast), so the fused pass must give every output bit for bit the separate one's; T = 150
+// runs the 8-row tail (split_tail) of the fused codes.
+#if PLM_FP8_CUDA
+void fusedProducerCasts(Fp8Recipe recipe) {
+  const bool block = recipe == Fp8Recipe::Block;
   const std::int64_t T = 150, H = 256, F = 512;  // T: a partial 32-row LayerNorm block, padding
   std::mt19937 rng(9);
   const Pair xin = random(T, H, 2.0f, rng), w1 = random(F, H, 0.06f, rng),
@@ -421,13 +448,15 @@ TEST(Fp8GpuLinear, FusedProducerCasts) {
     Kokkos::deep_copy(beta, Kokkos::View<float*, Kokkos::HostSpace>(bt.data(), H));
   }
   Fp8Config c;
-  c.recipe = Fp8Recipe::Delayed;
+  c.recipe = recipe;
   Fp8Scaling scaling(c, 1);
   scaling.setRecording(true);
-  for (Fp8Gemm g : {Fp8Gemm::FfnIn, Fp8Gemm::FfnOut})  // scales of a previous step
-    for (int o = 0; o < 3; ++o)
-      scaling.record(scaling.index(0, g, Fp8Operand(o)), o == 0 ? 5.0f : o == 1 ? 0.25f : 2e-2f);
-  scaling.endStep(MPI_COMM_NULL);
+  if (!block) {
+    for (Fp8Gemm g : {Fp8Gemm::FfnIn, Fp8Gemm::FfnOut})  // scales of a previous step
+      for (int o = 0; o < 3; ++o)
+        scaling.record(scaling.index(0, g, Fp8Operand(o)), o == 0 ? 5.0f : o == 1 ? 0.25f : 2e-2f);
+    scaling.endStep(MPI_COMM_NULL);
+  }
   DeviceSlot s1(scaling, Fp8Gemm::FfnIn, w1), s2(scaling, Fp8Gemm::FfnOut, w2);
   Mat w1m = w1.mat(), w2m = w2.mat();
   w1m.fp8 = &s1.slot;
@@ -467,16 +496,32 @@ TEST(Fp8GpuLinear, FusedProducerCasts) {
   const std::vector<float> act_separate = hostBf16(act_v);
   Kokkos::deep_copy(act_v, std::uint16_t(0x7fc0));  // NaN: the fused pass need not write it
   const Pass fused = pass(ctx);
+  int written = 0;
+  for (float v : hostBf16(act_v)) written += !std::isnan(v);
+  EXPECT_EQ(written, 0) << "the fused GELU pass wrote the bf16 output that its X^T replaces (or "
+                           "the second pass did not take the fused path)";
+  if (block) {
+    EXPECT_TRUE(fused.pre == separate.pre) << "block: FFN-in output";
+    EXPECT_TRUE(fused.y == separate.y) << "block: FFN-out forward from the GELU pass's codes";
+    EXPECT_TRUE(fused.dw2 == separate.dw2) << "block: FFN-out wgrad from the GELU pass's X^T";
+    EXPECT_TRUE(fused.dw1 == separate.dw1) << "block: FFN-in wgrad";
+    scaling.setRecording(false);
+    Kokkos::deep_copy(act_v, std::uint16_t(0x7fc0));
+    plm::View2<float> y_eval("y_eval", T, H);
+    layerNorm(ctx, xin.mat(), vecOf(gamma), vecOf(beta), 1e-5, ln, vecOf(mean), vecOf(rstd));
+    linearGelu(ctx, ln, w1m, bias1, pre, act);
+    linear(ctx, act, w2m, bias2, matOf(y_eval));
+    Kokkos::fence();
+    EXPECT_TRUE(hostBf16(act_v) == act_separate) << "block evaluation: bf16 GELU output";
+    EXPECT_TRUE(host(y_eval) == fused.y) << "block evaluation vs training pass, FFN-out output";
+    return;
+  }
   EXPECT_LT(normwise(fused.pre, separate.pre), 1e-5) << "FFN-in from the LayerNorm's codes";
   EXPECT_EQ(fused.amax1[0], separate.amax1[0]) << "the LayerNorm output's amax";
   EXPECT_NEAR(fused.amax2[0], separate.amax2[0], 1e-2 * separate.amax2[0]) << "GELU amax";
   EXPECT_LT(normwise(fused.y, separate.y), 3e-2) << "FFN-out forward";
   EXPECT_LT(normwise(fused.dw2, separate.dw2), 3e-2) << "FFN-out wgrad from the GELU's X^T";
   EXPECT_LT(normwise(fused.dw1, separate.dw1), 3e-2) << "FFN-in wgrad";
-  int written = 0;
-  for (float v : hostBf16(act_v)) written += !std::isnan(v);
-  EXPECT_EQ(written, 0) << "the fused GELU pass wrote the bf16 output that its X^T replaces (or "
-                           "the second pass did not take the fused path)";
   {
     // The X^T the fused LayerNorm kept is the separate cast's: wgrad of FFN-in from a fresh
     // context (which casts the bf16 LayerNorm output again) with the same dpre.
@@ -500,6 +545,22 @@ TEST(Fp8GpuLinear, FusedProducerCasts) {
   EXPECT_LT(normwise(hostBf16(act_v), act_separate), 3e-2) << "evaluation: bf16 GELU output";
   EXPECT_LT(normwise(host(y_eval), separate.y), 3e-2) << "evaluation forward";
   EXPECT_TRUE(host(y_eval) == fused.y) << "evaluation vs training pass, FFN-out output";
+}
+#endif
+
+TEST(Fp8GpuLinear, FusedProducerCasts) {
+#if !PLM_FP8_CUDA
+  GTEST_SKIP() << "no FP8 kernels (gpu/fp8.hpp) in this build";
+#else
+  fusedProducerCasts(Fp8Recipe::Delayed);
+#endif
+}
+
+TEST(Fp8GpuLinear, FusedProducerCastsBlockScaling) {
+#if !PLM_FP8_CUDA
+  GTEST_SKIP() << "no FP8 kernels (gpu/fp8.hpp) in this build";
+#else
+  fusedProducerCasts(Fp8Recipe::Block);
 #endif
 }
 
