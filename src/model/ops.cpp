@@ -923,9 +923,9 @@ void fp8LinearGeluCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b,
   const Fp8GemmSlot* reader = fp8ReaderOf(ctx, w.fp8);
   const bool contiguous = y.ld == y.cols && pre.ld == pre.cols;
   if (!reader || !contiguous) {
-    const bool gelu_pass = blockScaling(*w.fp8) ||
-                           (contiguous && fusedFp8CastEnabled() &&
-                            w.fp8->scaling->config().recipe == Fp8Recipe::Delayed);
+    const bool gelu_pass =
+        blockScaling(*w.fp8) || (contiguous && fusedFp8CastEnabled() &&
+                                 w.fp8->scaling->config().recipe == Fp8Recipe::Delayed);
     if (gelu_pass) {
       fp8ForwardCuda(ctx, x, w, b, pre, gpu::Epilogue::Bias, nullptr, nullptr);
       gpu::Fp8CastArgs a;
