@@ -210,6 +210,27 @@ template <class T> void readWholeGroup(hid_t file, MPI_Comm comm, const std::str
   detail::shareRows(tensors, values, comm);
 }
 
+// readWholeGroup for a model holding `placement`'s experts: this rank's rows of heldLayout,
+// checked, then shared: the tensors every rank holds over `comm`, the held experts' over the
+// ranks holding them (the expert-data-parallel group).
+template <class T> void readHeldGroup(hid_t file, MPI_Comm comm, const std::string& group,
+                                      const std::vector<model::TensorInfo>& table, T* values,
+                                      const model::ExpertPlacement& placement, int experts,
+                                      const std::string& path) {
+  if (!placement.sharded()) return readWholeGroup(file, comm, group, table, values, path);
+  const int rank = commRank(comm);
+  const detail::HeldLayout held =
+      detail::heldLayout(table, placement, experts, rank, commSize(comm));
+  readGroup(file, comm, comm, group, held.tensors, values, held.rows, path);
+  std::vector<model::TensorInfo> dense, routed;
+  for (const auto& t : table) (model::expertOfTensor(t.name) >= 0 ? routed : dense).push_back(t);
+  detail::shareRows(dense, values, comm);
+  MPI_Comm holders = MPI_COMM_NULL;
+  PLM_CHECK_MPI(MPI_Comm_split(comm, placement.rank, rank, &holders));
+  detail::shareRows(routed, values, holders);
+  PLM_CHECK_MPI(MPI_Comm_free(&holders));
+}
+
 void fsyncPath(const std::string& path, bool directory) {
   const int fd = ::open(path.c_str(), (directory ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
   PLM_CHECK_SYS(fd >= 0, ("open " + path).c_str());
@@ -324,6 +345,23 @@ detail::RowsLayout detail::fullRows(const std::vector<model::TensorInfo>& tensor
   return rowsOf(tensors, rank, world, false);
 }
 
+detail::HeldLayout detail::heldLayout(const std::vector<model::TensorInfo>& table,
+                                      const model::ExpertPlacement& placement, int experts,
+                                      int rank, int world) {
+  HeldLayout out;
+  out.rows.rank = rank;
+  out.rows.world = world;
+  for (const auto& r : model::heldRows(table, placement, experts, rank, world)) {
+    out.tensors.push_back(r.tensor);
+    out.rows.first_row.push_back(r.first_row);
+    out.rows.row_count.push_back(r.row_count);
+    out.rows.row_size.push_back(r.rowSize());
+    out.rows.at.push_back(r.row_count > 0 ? r.tensor.offset + r.first_row * r.rowSize() : 0);
+    out.rows.size += r.row_count * r.rowSize();
+  }
+  return out;
+}
+
 detail::RowsLayout detail::compactRows(const std::vector<model::TensorInfo>& tensors, int rank,
                                        int world) {
   return rowsOf(tensors, rank, world, true);
@@ -402,7 +440,12 @@ void fullLayoutSnapshot(train::Trainer& trainer, detail::SnapshotBuffers* buffer
   const int rank = commRank(trainer.comm()), world = commSize(trainer.comm());
   snap.optimizer_step = optimizer.stepCount();
   snap.optimizer_attributes = optimizer.attributes();
-  snap.master_rows = detail::fullRows(snap.tensors, rank, world);
+  // Expert parallelism: the file holds every expert; each rank writes rows of those it holds.
+  const model::ExpertPlacement& held = trainer.model().expertPlacement();
+  const int experts = snap.config.moe.experts;
+  detail::HeldLayout master = detail::heldLayout(snap.tensors, held, experts, rank, world);
+  snap.tensors = std::move(master.tensors);
+  snap.master_rows = std::move(master.rows);
   const double start = now();
   // With `buffers`: copies into the saver's pinned buffers (reused from save to save); without:
   // the host views of the optimizer's buffers (on the CPU the buffers themselves, no copy).
@@ -421,7 +464,9 @@ void fullLayoutSnapshot(train::Trainer& trainer, detail::SnapshotBuffers* buffer
     snap.master = snap.host_master.data();
   }
   for (const auto& b : optimizer.state()) {
-    detail::SnapshotState st = stateHeader(b, detail::fullRows(b.table, rank, world));
+    detail::HeldLayout layout = detail::heldLayout(b.table, held, experts, rank, world);
+    detail::SnapshotState st = stateHeader(b, std::move(layout.rows));
+    st.table = std::move(layout.tensors);
     const std::string label = "plm::ckpt::snapshot_" + b.name;
     if (buffers && st.bytes) {
       st.data = pinned(buffers->bytes[b.name], b.u8, label);
@@ -812,16 +857,18 @@ std::function<void()> readFullLayout(train::Trainer& trainer, hid_t file, const 
   read->buffers = optimizer.state();
   read->floats.resize(read->buffers.size());
   read->bytes.resize(read->buffers.size());
-  readWholeGroup(file, comm, "model", tensors, read->master.data(), path);
+  const model::ExpertPlacement& held = trainer.model().expertPlacement();
+  const int experts = trainer.model().config().moe.experts;
+  readHeldGroup(file, comm, "model", tensors, read->master.data(), held, experts, path);
   for (std::size_t i = 0; i < read->buffers.size(); ++i) {
     const auto& b = read->buffers[i];
     const std::string group = "optimizer/" + b.name;
     if (b.isBytes()) {
       read->bytes[i].assign(b.u8.extent(0), 0);
-      readWholeGroup(file, comm, group, b.table, read->bytes[i].data(), path);
+      readHeldGroup(file, comm, group, b.table, read->bytes[i].data(), held, experts, path);
     } else {
       read->floats[i].assign(b.f32.extent(0), 0.0f);
-      readWholeGroup(file, comm, group, b.table, read->floats[i].data(), path);
+      readHeldGroup(file, comm, group, b.table, read->floats[i].data(), held, experts, path);
     }
   }
   return [read, &optimizer] {

@@ -120,22 +120,31 @@ std::pair<std::int64_t, std::int64_t> rowRange(std::int64_t rows, int rank, int 
   return {rows * rank / world, rows * (rank + 1) / world};
 }
 
+void writeTensorRows(hid_t file, const std::string& group,
+                     const std::vector<model::TensorRows>& rows, const float* values,
+                     bool independent) {
+  h5::Hid g = h5::exists(file, group)
+                  ? h5::Hid(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)))
+                  : h5::createGroup(file, group);
+  for (const auto& r : rows) {
+    h5::Hid dataset = h5::createDataset<float>(g, r.tensor.name, r.tensor.shape);
+    if (independent && r.row_count == 0) continue;  // nothing to write, no collective to join
+    const float* from =
+        r.row_count > 0 ? values + r.tensor.offset + r.first_row * r.rowSize() : values;
+    h5::writeRows<float>(dataset, r.first_row, r.row_count, from, independent);
+  }
+}
+
 void writeTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
                       const std::vector<model::TensorInfo>& tensors, const float* values,
                       bool independent) {
   const int rank = commRank(comm), world = commSize(comm);
-  h5::Hid g = h5::exists(file, group)
-                  ? h5::Hid(PLM_CHECK_H5(H5Gopen2(file, group.c_str(), H5P_DEFAULT)))
-                  : h5::createGroup(file, group);
+  std::vector<model::TensorRows> rows;
   for (const auto& t : tensors) {
-    h5::Hid dataset = h5::createDataset<float>(g, t.name, t.shape);
-    const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
-    const std::int64_t row_size = rows ? t.size / rows : 0;
-    auto [first, last] = rowRange(rows, rank, world);
-    if (independent && last == first) continue;  // nothing to write, no collective to join
-    h5::writeRows<float>(dataset, first, last - first, values + t.offset + first * row_size,
-                         independent);
+    auto [first, last] = rowRange(t.shape.empty() ? 1 : t.shape[0], rank, world);
+    rows.push_back({t, first, last - first});
   }
+  writeTensorRows(file, group, rows, values, independent);
 }
 
 void readTensorGroup(hid_t file, MPI_Comm /*comm*/, const std::string& group,
@@ -174,6 +183,15 @@ void writeModelFile(const std::string& path, MPI_Comm comm, const model::Esm2Con
   writeConfigAttributes(file, config);
   writeExtraAttributes(file, extra);
   writeTensorGroup(file, comm, "model", tensors, values);
+}
+
+void writeModelFile(const std::string& path, MPI_Comm comm, const model::Esm2Config& config,
+                    const std::vector<model::TensorRows>& rows, const float* values,
+                    const ModelAttributes& extra) {
+  h5::Hid file = h5::createFile(path, comm);
+  writeConfigAttributes(file, config);
+  writeExtraAttributes(file, extra);
+  writeTensorRows(file, "model", rows, values);
 }
 
 model::Esm2Config readModelConfig(const std::string& path) {

@@ -17,6 +17,7 @@
 // /model has tensors the model does not know (a config mismatch would otherwise load silently).
 #pragma once
 
+#include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
 #include "model/esm2.hpp"
 
@@ -59,6 +60,11 @@ std::pair<std::int64_t, std::int64_t> rowRange(std::int64_t rows, int rank, int 
 void writeTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
                       const std::vector<model::TensorInfo>& tensors, const float* values,
                       bool independent = false);
+/// \brief writeTensorGroup of `rows` (model::heldRows): every rank passes the same tensors, in
+/// the same order (dataset creation is collective), and writes its rows of each from `values`.
+void writeTensorRows(hid_t file, const std::string& group,
+                     const std::vector<model::TensorRows>& rows, const float* values,
+                     bool independent = false);
 /// \brief Collective over `comm`: every rank reads every tensor of `group` whole into the flat
 /// buffer `values`. Throws plm::Error if a tensor is missing, has another shape, or the group
 /// holds a tensor not in `tensors`. `path` is only used in messages.
@@ -70,6 +76,11 @@ void readTensorGroup(hid_t file, MPI_Comm comm, const std::string& group,
 /// /model from the flat fp32 buffer `values` (host memory, laid out as `tensors`).
 void writeModelFile(const std::string& path, MPI_Comm comm, const model::Esm2Config& config,
                     const std::vector<model::TensorInfo>& tensors, const float* values,
+                    const ModelAttributes& extra = {});
+/// \brief The same with each rank's rows given (model::heldRows: ranks holding part of the
+/// experts write the whole model together).
+void writeModelFile(const std::string& path, MPI_Comm comm, const model::Esm2Config& config,
+                    const std::vector<model::TensorRows>& rows, const float* values,
                     const ModelAttributes& extra = {});
 
 /// \brief Reads the model config of a plm model file or checkpoint (any rank alone, no
@@ -89,7 +100,11 @@ template <class Model> void writeModelFile(const std::string& path, MPI_Comm com
   auto host = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), device);
   std::vector<float> values(host.extent(0));
   for (std::size_t i = 0; i < values.size(); ++i) values[i] = static_cast<float>(host(i));
-  writeModelFile(path, comm, model.config(), model.tensors(), values.data(), extra);
+  writeModelFile(
+      path, comm, model.config(),
+      model::heldRows(model.tensors(), model.expertPlacement(), model.config().moe.experts,
+                      dist::commRank(comm), dist::commSize(comm)),
+      values.data(), extra);
 }
 
 /// \brief Collective: loads /model of `path` into `model`'s parameters (checked by name and

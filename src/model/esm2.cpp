@@ -24,6 +24,7 @@
 #include "core/error.hpp"
 #include "data/context_split.hpp"
 #include "dist/communicator.hpp"
+#include "io/model_file.hpp"
 #include "model/context_parallel.hpp"
 #include "model/embedding.hpp"
 #include "model/encoder_layer.hpp"
@@ -55,14 +56,22 @@ enum class InitKind { Normal, Zero, One };
 struct TableEntry {
   TensorInfo info;
   InitKind init;
+  std::uint64_t stream;  // the tensor's index in the whole model's table (its random stream)
 };
 
-std::vector<TableEntry> buildTable(const Esm2Config& c) {
+// The tensors `held` holds (every tensor but other ranks' routed experts), in model order.
+std::vector<TableEntry> buildTable(const Esm2Config& c, const ExpertPlacement& held = {}) {
   std::vector<TableEntry> table;
   std::int64_t offset = 0;
+  std::uint64_t stream = 0;
   const std::int64_t h = c.hidden, f = c.ffn, v = c.vocab;
   auto add = [&](const std::string& name, std::vector<std::int64_t> shape, bool decay,
                  InitKind init) {
+    const int expert = expertOfTensor(name);
+    if (expert >= 0 && !held.holds(expert, c.moe.experts)) {
+      ++stream;
+      return;
+    }
     TensorInfo t;
     t.name = name;
     t.shape = shape;
@@ -72,7 +81,7 @@ std::vector<TableEntry> buildTable(const Esm2Config& c) {
     t.weight_decay = decay;
     // Keep every tensor 64-byte aligned in the flat buffer (vector loads, future sharding).
     offset += (t.size + 15) / 16 * 16;
-    table.push_back({t, init});
+    table.push_back({t, init, stream++});
   };
   auto linear = [&](const std::string& prefix, std::int64_t out, std::int64_t in) {
     add(prefix + ".weight", {out, in}, true, InitKind::Normal);
@@ -157,10 +166,106 @@ constexpr int kLogitsLdBf16 = 40;  // vocab 33 padded to 16-byte bf16 rows for c
 
 }  // namespace
 
-std::vector<TensorInfo> tensorTable(const Esm2Config& config) {
+std::vector<TensorInfo> tensorTable(const Esm2Config& config, const ExpertPlacement& experts) {
   std::vector<TensorInfo> out;
-  for (auto& e : buildTable(config)) out.push_back(std::move(e.info));
+  for (auto& e : buildTable(config, experts)) out.push_back(std::move(e.info));
   return out;
+}
+
+namespace {
+// "...moe.experts.<e>." of `name` with <e> replaced by `expert`.
+std::string renameExpert(const std::string& name, int expert) {
+  static const std::string key = ".moe.experts.";
+  const std::size_t at = name.find(key) + key.size();
+  const std::size_t end = name.find('.', at);
+  return name.substr(0, at) + std::to_string(expert) + name.substr(end);
+}
+std::string layerPrefix(const std::string& name) { return name.substr(0, name.find(".moe.")); }
+}  // namespace
+
+WholeTable wholeTable(const std::vector<TensorInfo>& table, const ExpertPlacement& placement,
+                      int experts) {
+  WholeTable out;
+  const int n = placement.count(std::max(experts, 1)), first = placement.first(experts);
+  for (std::size_t i = 0; i < table.size();) {
+    if (!placement.sharded() || expertOfTensor(table[i].name) < 0) {
+      out.tensors.push_back(table[i]);
+      out.local.push_back(static_cast<int>(i));
+      ++i;
+      continue;
+    }
+    // One layer's held experts: n sets of m entries, expert `first` first.
+    const std::string layer = layerPrefix(table[i].name);
+    std::size_t end = i;
+    while (end < table.size() && expertOfTensor(table[end].name) >= 0 &&
+           layerPrefix(table[end].name) == layer)
+      ++end;
+    const std::size_t run = end - i;
+    const std::size_t m = run / static_cast<std::size_t>(n);
+    PLM_REQUIRE(m > 0 && m * static_cast<std::size_t>(n) == run,
+                "plm::model::wholeTable: the held experts of " + layer +
+                    " are not equal sets of tensors (a bug)");
+    for (std::size_t k = 0; k < run; ++k)
+      PLM_REQUIRE(
+          expertOfTensor(table[i + k].name) == first + static_cast<int>(k / m) &&
+              table[i + k].name == renameExpert(table[i + k % m].name, first + int(k / m)),
+          "plm::model::wholeTable: unexpected expert tensor " + table[i + k].name + " (a bug)");
+    for (int e = 0; e < experts; ++e)
+      for (std::size_t j = 0; j < m; ++j) {
+        if (placement.holds(e, experts)) {
+          const std::size_t at = i + static_cast<std::size_t>(e - first) * m + j;
+          out.tensors.push_back(table[at]);
+          out.local.push_back(static_cast<int>(at));
+        } else {
+          TensorInfo t = table[i + j];
+          t.name = renameExpert(t.name, e);
+          t.offset = -1;
+          out.tensors.push_back(t);
+          out.local.push_back(-1);
+        }
+      }
+    i = end;
+  }
+  return out;
+}
+
+std::vector<TensorRows> heldRows(const std::vector<TensorInfo>& table,
+                                 const ExpertPlacement& placement, int experts, int rank,
+                                 int world) {
+  const WholeTable whole = wholeTable(table, placement, experts);
+  const int holders = std::max(1, world / placement.degree);
+  std::vector<TensorRows> out;
+  for (std::size_t i = 0; i < whole.tensors.size(); ++i) {
+    TensorRows r;
+    r.tensor = whole.tensors[i];
+    const std::int64_t rows = r.tensor.shape.empty() ? 1 : r.tensor.shape[0];
+    const bool expert = placement.sharded() && expertOfTensor(r.tensor.name) >= 0;
+    if (whole.local[i] >= 0) {
+      auto [first, last] = expert ? io::rowRange(rows, rank / placement.degree, holders)
+                                  : io::rowRange(rows, rank, world);
+      r.first_row = first;
+      r.row_count = last - first;
+    }
+    out.push_back(std::move(r));
+  }
+  return out;
+}
+
+std::vector<std::pair<std::int64_t, std::int64_t>> expertRuns(
+    const std::vector<TensorInfo>& table) {
+  std::vector<std::pair<std::int64_t, std::int64_t>> runs;
+  std::string layer;
+  for (const auto& t : table) {
+    if (expertOfTensor(t.name) < 0) continue;
+    const std::string l = layerPrefix(t.name);
+    if (runs.empty() || l != layer) {
+      runs.push_back({t.offset, t.size});
+      layer = l;
+    } else {
+      runs.back().second = t.offset + t.size - runs.back().first;
+    }
+  }
+  return runs;
 }
 
 template <class T> struct Esm2<T>::Impl {
@@ -194,6 +299,8 @@ template <class T> struct Esm2<T>::Impl {
   Esm2Config config;
   std::vector<TensorInfo> tensors;
   std::vector<InitKind> init_kinds;
+  std::vector<std::uint64_t> init_streams;  // per tensor: its random stream (whole-model index)
+  ExpertPlacement held;                     // the routed experts this rank holds
   std::unordered_map<std::string, std::size_t> index;
   View1<T> params;  // (numParameters + alignment padding)
   View1<T> grads;   // same layout
@@ -259,8 +366,14 @@ template <class T> struct Esm2<T>::Impl {
   std::vector<Place> places;
   std::int64_t buffer_elements = 0;  // of the whole buffers, also while they are freed
 
-  explicit Impl(const Esm2Config& c) : config(c), ctx(ExecSpace()) {
+  Impl(const Esm2Config& c, const ExpertPlacement& experts)
+      : config(c), held(experts), ctx(ExecSpace()) {
     config.validate();
+    if (held.degree < 1 || held.rank < 0 || held.rank >= held.degree ||
+        (held.sharded() && (!config.moe.enabled() || config.moe.experts % held.degree != 0)))
+      throw collectiveError("parallel.expert_degree = " + std::to_string(held.degree) +
+                            " must divide moe.experts = " + std::to_string(config.moe.experts) +
+                            " of an MoE model (expert rank " + std::to_string(held.rank) + ")");
     // fp8 on the CUDA build: the bf16 policy with the FP8 GEMMs of gpu/fp8.hpp.
     bf16 =
         config.precision == Precision::Bf16 || (PLM_FP8_CUDA && config.precision == Precision::Fp8);
@@ -315,11 +428,12 @@ template <class T> struct Esm2<T>::Impl {
           for (Fp8Gemm g : {Fp8Gemm::FfnIn, Fp8Gemm::FfnOut})
             fp8_slots[at++] = {fp8_scaling.get(), l, g, e};
     }
-    auto table = buildTable(config);
+    auto table = buildTable(config, held);
     for (auto& e : table) {
       index[e.info.name] = tensors.size();
       tensors.push_back(e.info);
       init_kinds.push_back(e.init);
+      init_streams.push_back(e.stream);
     }
     const std::int64_t n = bufferSize(table);
     buffer_elements = n;
@@ -460,6 +574,13 @@ template <class T> struct Esm2<T>::Impl {
   }
 
   const TensorInfo& info(const std::string& name) const { return tensors[index.at(name)]; }
+  /// A model holding part of the experts computes only inside its expert group.
+  void requireHeldExperts() const {
+    if (held.sharded() && !expert_parallel)
+      throw Error("plm::model: this model holds the experts of rank " + std::to_string(held.rank) +
+                  " of " + std::to_string(held.degree) +
+                  " only; give it its expert group (setExpertParallel) before a pass (a bug)");
+  }
   // fp8_slots[i] is the GEMM whose operands are scaling tensors 3i, 3i + 1, 3i + 2.
   Fp8GemmSlot* denseSlot(int layer, Fp8Gemm g) {
     return &fp8_slots[fp8_scaling->index(layer, g, Fp8Operand::Input) / fp8_operands];
@@ -471,7 +592,8 @@ template <class T> struct Esm2<T>::Impl {
   /// The FFNs of an MoE layer that own FP8 GEMMs: its routed experts, then its shared experts.
   static std::vector<DenseMlpWeights*> moeMlps(MoeWeights& m) {
     std::vector<DenseMlpWeights*> out;
-    for (auto& e : m.experts) out.push_back(&e);
+    for (auto& e : m.experts)
+      if (e.w1.rows > 0) out.push_back(&e);  // held by this rank
     if (!m.shared.w1.empty()) out.push_back(&m.shared);
     return out;
   }
@@ -582,12 +704,13 @@ template <class T> struct Esm2<T>::Impl {
       mwt.router = masterMat(params, p + "router.weight");
       mgt.router = masterMat(grads, p + "router.weight");
       if (config.moe.bias_balance) mwt.expert_bias = masterVec(params, p + "router.expert_bias");
-      mwt.experts.resize(config.moe.experts);
+      mwt.experts.resize(config.moe.experts);  // other ranks' experts stay empty (rows 0)
       mgt.experts.resize(config.moe.experts);
       for (int e = 0; e < config.moe.experts; ++e)
-        dense(p + "experts." + std::to_string(e) + ".", mwt.experts[e], mgt.experts[e],
-              fp8 ? expertSlot(l, e, Fp8Gemm::FfnIn) : nullptr,
-              fp8 ? expertSlot(l, e, Fp8Gemm::FfnOut) : nullptr);
+        if (held.holds(e, config.moe.experts))
+          dense(p + "experts." + std::to_string(e) + ".", mwt.experts[e], mgt.experts[e],
+                fp8 ? expertSlot(l, e, Fp8Gemm::FfnIn) : nullptr,
+                fp8 ? expertSlot(l, e, Fp8Gemm::FfnOut) : nullptr);
       if (config.moe.shared_experts > 0)
         dense(p + "shared_experts.", mwt.shared, mgt.shared,
               fp8 ? denseSlot(l, Fp8Gemm::FfnIn) : nullptr,
@@ -703,7 +826,8 @@ template <class T> struct Esm2<T>::Impl {
         rebase(aw[l].bo);  // bf16 only for an FP8 layer
         if (config.moe.isMoeLayer(l)) {
           rebaseMlp(moe_w[l].shared);
-          for (auto& e : moe_w[l].experts) rebaseMlp(e);
+          for (auto& e : moe_w[l].experts)
+            if (e.w1.rows > 0) rebaseMlp(e);  // held by this rank
           continue;
         }
         rebase(mw[l].w1);
@@ -1250,7 +1374,8 @@ template <class T> struct Esm2<T>::Impl {
   }
 };
 
-template <class T> Esm2<T>::Esm2(const Esm2Config& config) : impl_member(new Impl(config)) {}
+template <class T> Esm2<T>::Esm2(const Esm2Config& config, const ExpertPlacement& experts)
+    : impl_member(new Impl(config, experts)) {}
 
 template <class T> Esm2<T>::~Esm2() { delete impl_member; }
 
@@ -1284,7 +1409,7 @@ template <class T> void Esm2<T>::initialize(std::uint64_t seed) {
     const auto& t = im.tensors[i];
     const int kind = static_cast<int>(im.init_kinds[i]);
     const std::int64_t offset = t.offset;
-    const std::uint64_t stream = i;
+    const std::uint64_t stream = im.init_streams[i];  // any placement draws the same values
     Kokkos::parallel_for(
         "plm::model::initialize", Kokkos::RangePolicy<ExecSpace>(space, 0, t.size),
         KOKKOS_LAMBDA(const std::int64_t e) {
@@ -1319,6 +1444,7 @@ template <class T> void Esm2<T>::endFp8Step(MPI_Comm comm) {
 template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale,
                                                    bool refresh_weights) {
   auto& im = *impl_member;
+  im.requireHeldExperts();
   // A context shard without tokens still runs the pass: its ring steps pass the others' K/V on.
   if (batch.numTokens() == 0 && !batch.context) {  // a rank with no micro-batch this step
     im.host_cu.clear();
@@ -1349,6 +1475,7 @@ template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch
 template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
                                            ForwardOutputs<T>* outputs, bool refresh_weights) {
   auto& im = *impl_member;
+  im.requireHeldExperts();
   if (batch.numTokens() == 0 && !batch.context) {
     im.host_cu.clear();
     im.beginMoe(0.0, 0.0, false);
@@ -1482,11 +1609,21 @@ template <class T> void Esm2<T>::balanceExpertBias(const std::vector<std::vector
 
 template <class T> void Esm2<T>::setExpertParallel(dist::Communicator* comm) {
   auto& im = *impl_member;
+  const int size = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;
+  if (im.held.sharded() && (size != im.held.degree || rank != im.held.rank))
+    throw Error("plm::model::setExpertParallel: the model holds the experts of rank " +
+                std::to_string(im.held.rank) + " of " + std::to_string(im.held.degree) +
+                "; the expert group has this rank at " + std::to_string(rank) + " of " +
+                std::to_string(size) + " (a bug)");
   for (auto* block : im.moe_blocks) block->setExpertParallel(ExpertParallel{comm});
   im.expert_parallel = comm != nullptr && comm->size() > 1;
 }
 
 template <class T> bool Esm2<T>::expertParallel() const { return impl_member->expert_parallel; }
+
+template <class T> const ExpertPlacement& Esm2<T>::expertPlacement() const {
+  return impl_member->held;
+}
 
 template <class T> void Esm2<T>::setContextParallel(dist::Communicator* comm) {
   auto& im = *impl_member;

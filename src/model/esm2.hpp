@@ -71,8 +71,42 @@ struct TensorInfo {
 };
 
 /// \brief The tensor table of a model with `config`, without allocating it (planner, optimizer
-/// memory): the same entries and offsets as Esm2::tensors().
-std::vector<TensorInfo> tensorTable(const Esm2Config& config);
+/// memory): the same entries and offsets as Esm2::tensors() of a model built with `experts`
+/// (only the routed experts it holds; the default holds all).
+std::vector<TensorInfo> tensorTable(const Esm2Config& config, const ExpertPlacement& experts = {});
+
+/// A rank's table with the routed experts it does not hold put back, as files store the model.
+struct WholeTable {
+  std::vector<TensorInfo> tensors;  // whole-model order; offset into the rank's buffer, or -1
+  std::vector<int> local;           // per entry: its index in the rank's table, -1 = not held
+};
+/// \brief `table` (a rank's tensor table, or one derived from it entry by entry, such as an
+/// optimizer state's) with the experts `placement` does not hold inserted where they belong,
+/// named by global expert and shaped as the held ones (all experts of a layer have one shape).
+/// Identity for a placement that holds every expert.  Throws plm::Error if the held experts'
+/// entries are not one contiguous run of equal sets per layer (a bug).
+WholeTable wholeTable(const std::vector<TensorInfo>& table, const ExpertPlacement& placement,
+                      int experts);
+/// One tensor as a file stores it, and the rows of it (dimension 0) one rank writes and reads.
+struct TensorRows {
+  TensorInfo tensor;  // whole-model name and shape; offset into the rank's buffer, or -1
+  std::int64_t first_row = 0, row_count = 0;
+  std::int64_t rowSize() const {
+    const std::int64_t rows = tensor.shape.empty() ? 1 : tensor.shape[0];
+    return rows ? tensor.size / rows : 0;
+  }
+};
+/// \brief The tensors a file stores for ranks holding `placement`'s experts, from rank `rank`'s
+/// `table` (wholeTable), with the rows rank `rank` of `world` writes and reads: a tensor every
+/// rank holds is split over all ranks (io::rowRange(rows, rank, world)); a routed expert's
+/// tensor over the world / degree ranks holding it (the rank / degree-th of them, in rank
+/// order); another rank's expert not at all.
+std::vector<TensorRows> heldRows(const std::vector<TensorInfo>& table,
+                                 const ExpertPlacement& placement, int experts, int rank,
+                                 int world);
+/// \brief [offset, offset + count) runs of the flat buffer holding routed experts' tensors, one
+/// per MoE layer (alignment padding between them included), in buffer order.
+std::vector<std::pair<std::int64_t, std::int64_t>> expertRuns(const std::vector<TensorInfo>& table);
 
 /// Optional outputs of a forward pass (device views, allocated by the model).
 template <class T> struct ForwardOutputs {
@@ -100,7 +134,9 @@ class LayerHooks {
 
 template <class T> class Esm2 {
  public:
-  explicit Esm2(const Esm2Config& config);
+  /// `experts`: the routed experts this rank holds (expert parallelism shards them in memory;
+  /// setExpertParallel must then get a group of that degree with this rank at that rank).
+  explicit Esm2(const Esm2Config& config, const ExpertPlacement& experts = {});
   ~Esm2();
   Esm2(const Esm2&) = delete;
   Esm2& operator=(const Esm2&) = delete;
@@ -186,6 +222,8 @@ template <class T> class Esm2 {
   void setExpertParallel(dist::Communicator* comm);
   /// \brief True when MoE layers exchange tokens with other ranks (passes are collective).
   bool expertParallel() const;
+  /// \brief The routed experts this model holds (its construction argument).
+  const ExpertPlacement& expertPlacement() const;
 
   /// \brief Context parallelism over `comm` (not owned; nullptr = none): micro-batches that are
   /// context shards of this rank (data::contextShard with comm's size and rank) run their

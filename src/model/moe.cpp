@@ -484,7 +484,9 @@ MoeMlp<T>::MoeMlp(int layer, const MoeConfig& config, int hidden, const MoeWeigh
     throw Error("plm::model::MoeMlp: expert tensors do not match moe.experts (a bug)");
   if (weights.router.dtype != dtypeOf<T>())
     throw Error("plm::model::MoeMlp: the router must be in the master type (a bug)");
-  s.cdt = weights.experts.empty() ? dtypeOf<T>() : weights.experts[0].w1.dtype;
+  s.cdt = dtypeOf<T>();
+  for (auto it = weights.experts.rbegin(); it != weights.experts.rend(); ++it)
+    if (it->w1.rows > 0) s.cdt = it->w1.dtype;  // the first expert this rank holds
   if (s.bf16()) {
 #if PLM_HAVE_CUDA
     if (!std::is_same_v<T, float>)
@@ -515,9 +517,16 @@ template <class T> void MoeMlp<T>::setExpertParallel(const ExpertParallel& ep) {
         "model lives in GPU memory, NCCL (one GPU per rank) or staged MPI (ranks sharing a "
         "GPU); this group got plain MPI: unset PLM_COMM_BACKEND or set it to auto, nccl or "
         "mpi-staged");
+  const int local = s.c.experts / n, first = (ep.comm ? ep.comm->rank() : 0) * local;
+  for (int e = 0; e < s.c.experts; ++e)
+    if ((e >= first && e < first + local) && s.w.experts[e].w1.rows == 0)
+      throw Error("plm::model::MoeMlp: expert " + std::to_string(e) + " of layer " +
+                  std::to_string(s.layer) +
+                  " is computed on this rank but not held by it (the model's expert placement "
+                  "does not match the expert group; a bug)");
   s.ep = ep;
-  s.local_experts = s.c.experts / n;
-  s.first_expert = (ep.comm ? ep.comm->rank() : 0) * s.local_experts;
+  s.local_experts = local;
+  s.first_expert = first;
 }
 
 template <class T> void MoeMlp<T>::relocate(const Relocation& r) {

@@ -39,6 +39,35 @@ struct MoeConfig {
   void validate(int hidden) const;
 };
 
+/// Which routed experts this rank holds in memory (parallel.expert_degree): rank `rank` of an
+/// expert group of `degree` ranks holds experts [rank E/degree, (rank + 1) E/degree) of every MoE
+/// layer (parameters, gradients, optimizer state); the router, shared experts and dense tensors
+/// are held whole on every rank.  The default holds every expert (degree 1).
+struct ExpertPlacement {
+  int degree = 1;
+  int rank = 0;
+  int count(int experts) const { return experts / degree; }
+  int first(int experts) const { return rank * count(experts); }
+  bool holds(int expert, int experts) const {
+    return expert >= first(experts) && expert < first(experts) + count(experts);
+  }
+  bool sharded() const { return degree > 1; }
+};
+
+/// \brief The routed expert a parameter name belongs to ("...moe.experts.<e>.<...>"), -1 for any
+/// other tensor (router, shared experts, dense layers).
+inline int expertOfTensor(const std::string& name) {
+  static const std::string key = ".moe.experts.";
+  const std::size_t at = name.find(key);
+  if (at == std::string::npos) return -1;
+  std::size_t end = at + key.size();
+  int e = 0;
+  bool digits = false;
+  for (; end < name.size() && name[end] >= '0' && name[end] <= '9'; ++end, digits = true)
+    e = 10 * e + (name[end] - '0');
+  return digits && end < name.size() && name[end] == '.' ? e : -1;
+}
+
 /// \brief "softmax" | "sigmoid"; a collective plm::Error otherwise.  Inline: io reads it too.
 inline RouterKind parseRouter(const std::string& name) {
   if (name == "softmax") return RouterKind::Softmax;

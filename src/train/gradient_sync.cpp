@@ -1,6 +1,7 @@
 #include "train/gradient_sync.hpp"
 
 #include "core/error.hpp"
+#include "dist/process_groups.hpp"
 
 #include <algorithm>
 #include <map>
@@ -67,12 +68,76 @@ template <class P> GradientSync<P>::GradientSync(model::Esm2<P>& model, MPI_Comm
     : comm_member(dist::makeCommunicator(comm, backend)) {
   View1<P> grads = model.gradients();
   ranges_member = backwardOrderRanges(model.tensors(), static_cast<std::int64_t>(grads.extent(0)));
+  const model::ExpertPlacement& held = model.expertPlacement();
+  if (!held.sharded()) {
+    buckets_member = std::make_unique<dist::GradientBuckets<P>>(grads, ranges_member, *comm_member,
+                                                                bucket_bytes);
+    return;
+  }
+  // Each range less the experts' run inside it (a layer's routed experts are one run).
+  const auto runs = model::expertRuns(model.tensors());
+  std::vector<dist::BufferRange> dense_order;
+  for (const auto& r : ranges_member) {
+    std::vector<dist::BufferRange> pieces;
+    int inside = -1;
+    std::int64_t at = r.offset;
+    for (std::size_t i = 0; i < runs.size(); ++i) {
+      const auto [offset, count] = runs[i];
+      if (offset < r.offset || offset + count > r.offset + r.count) continue;
+      PLM_REQUIRE(inside < 0, "train::GradientSync: two expert runs in one range (a bug)");
+      inside = static_cast<int>(expert_runs_member.size());
+      expert_runs_member.push_back({offset, count});
+      if (offset > at) pieces.push_back({at, offset - at});
+      at = offset + count;
+    }
+    if (r.offset + r.count > at) pieces.push_back({at, r.offset + r.count - at});
+    dense_order.insert(dense_order.end(), pieces.begin(), pieces.end());
+    pieces_member.push_back(std::move(pieces));
+    expert_run_member.push_back(inside);
+  }
+  PLM_REQUIRE(expert_runs_member.size() == runs.size(),
+              "train::GradientSync: an expert run crosses a layer range (a bug)");
   buckets_member =
-      std::make_unique<dist::GradientBuckets<P>>(grads, ranges_member, *comm_member, bucket_bytes);
+      std::make_unique<dist::GradientBuckets<P>>(grads, dense_order, *comm_member, bucket_bytes);
+  const int rank = dist::commRank(comm);
+  PLM_CHECK_MPI(MPI_Comm_split(comm, held.rank, rank, &expert_data_member));
+  if (dist::commSize(expert_data_member) > 1 && !expert_runs_member.empty()) {
+    expert_comm_member = dist::makeCommunicator(expert_data_member, backend);
+    expert_buckets_member = std::make_unique<dist::GradientBuckets<P>>(
+        grads, expert_runs_member, *expert_comm_member, bucket_bytes);
+  }
+}
+
+template <class P> GradientSync<P>::~GradientSync() {
+  expert_buckets_member.reset();
+  expert_comm_member.reset();
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (expert_data_member != MPI_COMM_NULL && !finalized) MPI_Comm_free(&expert_data_member);
+}
+
+template <class P> void GradientSync<P>::ready(const ExecSpace& space, int index) {
+  if (pieces_member.empty()) {
+    const auto& r = ranges_member.at(static_cast<std::size_t>(index));
+    buckets_member->ready(space, r.offset, r.count);
+    return;
+  }
+  for (const auto& p : pieces_member.at(static_cast<std::size_t>(index)))
+    buckets_member->ready(space, p.offset, p.count);
+  const int run = expert_run_member[static_cast<std::size_t>(index)];
+  if (run >= 0 && expert_buckets_member) {
+    const auto& r = expert_runs_member[static_cast<std::size_t>(run)];
+    expert_buckets_member->ready(space, r.offset, r.count);
+  }
 }
 
 template <class P> void GradientSync<P>::readyAll(const ExecSpace& space) {
-  for (const auto& r : ranges_member) buckets_member->ready(space, r.offset, r.count);
+  for (std::size_t i = 0; i < ranges_member.size(); ++i) ready(space, static_cast<int>(i));
+}
+
+template <class P> void GradientSync<P>::finish(const ExecSpace& space) {
+  buckets_member->finish(space);
+  if (expert_buckets_member) expert_buckets_member->finish(space);
 }
 
 template class GradientSync<float>;

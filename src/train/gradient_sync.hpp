@@ -35,28 +35,47 @@ namespace plm::train {
 std::vector<dist::BufferRange> backwardOrderRanges(const std::vector<model::TensorInfo>& tensors,
                                                    std::int64_t buffer_size);
 
+/// Expert parallelism (a model holding part of the routed experts, model::ExpertPlacement):
+/// the routed experts' gradients of each MoE layer (one run of the buffer, model::expertRuns)
+/// are summed over the expert-data-parallel group instead (the ranks holding the same experts:
+/// every degree-th rank), in buckets of their own over a communicator of that group; the rest
+/// of each range over `comm` as above.  With one rank per expert group position (ranks ==
+/// degree) the experts' gradients are already whole and are not reduced at all.
 template <class P> class GradientSync {
  public:
-  /// \brief Collective over `comm`: makes the communicator (`backend`) and plans the buckets
+  /// \brief Collective over `comm`: makes the communicators (`backend`) and plans the buckets
   /// over `model.gradients()`.
   GradientSync(model::Esm2<P>& model, MPI_Comm comm, dist::Backend backend,
                std::int64_t bucket_bytes = dist::default_bucket_bytes);
+  ~GradientSync();
+  GradientSync(const GradientSync&) = delete;
+  GradientSync& operator=(const GradientSync&) = delete;
 
+  /// \brief The buckets over `comm` (every range, less the routed experts' runs).
   dist::GradientBuckets<P>& buckets() { return *buckets_member; }
   dist::Communicator& communicator() { return *comm_member; }
   const std::vector<dist::BufferRange>& ranges() const { return ranges_member; }
   /// \brief Index into ranges() of encoder layer `layer` (of `num_layers`).
   static int rangeOfLayer(int layer, int num_layers) { return 1 + (num_layers - 1 - layer); }
 
+  /// \brief Marks ranges()[index] final: its buckets over `comm`, and its experts' run.
+  void ready(const ExecSpace& space, int index);
   /// \brief Marks every range ready, in backward order (when no per-layer hook marked any).
   void readyAll(const ExecSpace& space);
   /// \brief Waits for every bucket; afterwards the gradients are summed over the ranks.
-  void finish(const ExecSpace& space) { buckets_member->finish(space); }
+  void finish(const ExecSpace& space);
 
  private:
   std::unique_ptr<dist::Communicator> comm_member;
   std::vector<dist::BufferRange> ranges_member;  // backward order
   std::unique_ptr<dist::GradientBuckets<P>> buckets_member;
+  // Expert parallelism: per range, its pieces reduced over `comm` and its experts' run (-1 none).
+  std::vector<std::vector<dist::BufferRange>> pieces_member;
+  std::vector<int> expert_run_member;
+  std::vector<dist::BufferRange> expert_runs_member;  // backward order
+  MPI_Comm expert_data_member = MPI_COMM_NULL;        // the expert-data-parallel group
+  std::unique_ptr<dist::Communicator> expert_comm_member;
+  std::unique_ptr<dist::GradientBuckets<P>> expert_buckets_member;
 };
 
 }  // namespace plm::train

@@ -11,6 +11,15 @@
 
 namespace plm::train {
 
+namespace {
+// Unique parameters of the model's table (the decoder is tied to the embedding).
+template <class P> std::int64_t heldParameters(const model::Esm2<P>& model) {
+  std::int64_t n = 0;
+  for (const auto& t : model.tensors()) n += t.size;
+  return n;
+}
+}  // namespace
+
 void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& config) {
   if (!deck.isSublist("moe")) return;
   const auto& m = deck.sublist("moe");
@@ -38,22 +47,35 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.expert_gemm = model::parseExpertGemm(m.get<std::string>("expert_gemm"));
 }
 
+model::ExpertPlacement expertPlacement(const Teuchos::ParameterList& deck,
+                                       const model::Esm2Config& config, MPI_Comm comm) {
+  const auto& moe = config.moe;
+  const int degree =
+      deck.isSublist("parallel") ? deck.sublist("parallel").get<int>("expert_degree") : 1;
+  const int world = dist::commSize(comm);
+  if (degree < 1)
+    throw collectiveError("parallel.expert_degree = " + std::to_string(degree) +
+                          " must be at least 1");
+  if (degree > 1 && !moe.enabled())
+    throw collectiveError("parallel.expert_degree = " + std::to_string(degree) +
+                          " needs a Mixture-of-Experts model (set moe.experts or an MoE preset)");
+  if (world % degree != 0)
+    throw collectiveError("parallel.expert_degree = " + std::to_string(degree) +
+                          " must divide the number of ranks (" + std::to_string(world) + ")");
+  if (moe.enabled() && moe.experts % degree != 0)
+    throw collectiveError("parallel.expert_degree = " + std::to_string(degree) +
+                          " must divide moe.experts = " + std::to_string(moe.experts));
+  return model::ExpertPlacement{degree, dist::commRank(comm) % degree};
+}
+
 template <class P>
 MoeRun<P>::MoeRun(const Teuchos::ParameterList& deck, model::Esm2<P>& model, MPI_Comm comm)
     : comm_member(comm) {
   const auto& moe = model.config().moe;
-  degree_member =
-      deck.isSublist("parallel") ? deck.sublist("parallel").get<int>("expert_degree") : 1;
-  const int world = dist::commSize(comm);
-  if (degree_member > 1 && !moe.enabled())
-    throw collectiveError("parallel.expert_degree = " + std::to_string(degree_member) +
-                          " needs a Mixture-of-Experts model (set moe.experts or an MoE preset)");
-  if (world % degree_member != 0)
-    throw collectiveError("parallel.expert_degree = " + std::to_string(degree_member) +
-                          " must divide the number of ranks (" + std::to_string(world) + ")");
-  if (moe.enabled() && moe.experts % degree_member != 0)
-    throw collectiveError("parallel.expert_degree = " + std::to_string(degree_member) +
-                          " must divide moe.experts = " + std::to_string(moe.experts));
+  degree_member = expertPlacement(deck, model.config(), comm).degree;
+  if (model.expertPlacement().degree != degree_member)
+    throw Error("plm::train::MoeRun: the model was built for expert degree " +
+                std::to_string(model.expertPlacement().degree) + " (a bug)");
   if (degree_member > 1) {
     groups_member = std::make_unique<dist::ProcessGroups>(comm, degree_member);
     expert_comm_member = dist::makeCommunicator(groups_member->shard(),
@@ -66,13 +88,14 @@ MoeRun<P>::MoeRun(const Teuchos::ParameterList& deck, model::Esm2<P>& model, MPI
     for (int l = 0; l < cfg.num_layers; ++l) moe_layers += moe.isMoeLayer(l) ? 1 : 0;
     log::info(
         "moe: %d of %d layers with %d experts of ffn %d (+%d shared), top-%d %s router%s, %s; "
-        "%lld parameters, %lld active per token; expert degree %d",
+        "%lld parameters, %lld active per token; expert degree %d (%lld parameters held "
+        "per rank)",
         moe_layers, cfg.num_layers, moe.experts, moe.expert_ffn, moe.shared_experts, moe.top_k,
         model::routerName(moe.router), moe.normalize_topk ? " (normalised)" : "",
         moe.capacity_factor > 0 ? ("capacity factor " + std::to_string(moe.capacity_factor)).c_str()
                                 : "dropless",
         static_cast<long long>(cfg.numParameters()), static_cast<long long>(cfg.activeParameters()),
-        degree_member);
+        degree_member, static_cast<long long>(heldParameters(model)));
   }
   for (const auto& s : model.moeStats()) {
     model::MoeLayerStats z;

@@ -26,6 +26,13 @@ namespace plm::train {
 /// preset's, then the section's defaults: top_k 2, every 1, expert_ffn = ffn / top_k).
 void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& config);
 
+/// \brief Collective checks of parallel.expert_degree against `config` and `comm`'s ranks, and
+/// this rank's expert placement: the degree consecutive ranks of an expert group
+/// (dist::ProcessGroups' shard groups) hold the experts in rank order, so rank r holds the
+/// experts of position r % degree (model::ExpertPlacement).
+model::ExpertPlacement expertPlacement(const Teuchos::ParameterList& deck,
+                                       const model::Esm2Config& config, MPI_Comm comm);
+
 /// The routing statistics of one MoE layer over an interval, reduced over all ranks.
 struct MoeLayerSummary {
   int layer = 0;
@@ -36,7 +43,8 @@ struct MoeLayerSummary {
 template <class P> class MoeRun {
  public:
   /// Collective over `comm`: builds the expert-parallel group (parallel.expert_degree
-  /// consecutive ranks) and hands it to the model.
+  /// consecutive ranks) and hands it to the model, which must have been built with
+  /// expertPlacement(deck, config, comm).
   MoeRun(const Teuchos::ParameterList& deck, model::Esm2<P>& model, MPI_Comm comm);
   ~MoeRun();
 

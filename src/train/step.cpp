@@ -9,6 +9,7 @@
 #include "dist/runtime.hpp"
 #include "train/gradient_sync.hpp"
 
+#include <cmath>
 #include <memory>
 
 namespace plm::train {
@@ -132,10 +133,7 @@ template <class P> class BucketHooks : public model::LayerHooks {
     if (!head_done_member) mark(0);
     head_done_member = true;
   }
-  void mark(int index) {
-    const auto& r = sync_member.ranges().at(index);
-    sync_member.buckets().ready(space_member, r.offset, r.count);
-  }
+  void mark(int index) { sync_member.ready(space_member, index); }
   GradientSync<P>& sync_member;
   ExecSpace space_member;
   int layers_member;
@@ -221,12 +219,36 @@ template <class P> StepStats trainStep(const ExecSpace& space, model::Esm2<P>& m
                                        const std::vector<data::MicroBatch>& local, double lr,
                                        double clip_norm, MPI_Comm comm) {
   const BatchStats batch = accumulateGradients(space, model, local, comm);
-  return finishStep(space, model, optimizer, batch, lr, clip_norm);
+  return finishStep(space, model, optimizer, batch, lr, clip_norm, comm);
+}
+
+template <class P> double gradientNorm(const ExecSpace& space, const model::Esm2<P>& model,
+                                       View1<P> grads, MPI_Comm comm) {
+  const model::ExpertPlacement& held = model.expertPlacement();
+  if (!held.sharded()) return globalNorm(space, grads);
+  PLM_REQUIRE(comm != MPI_COMM_NULL,
+              "train::gradientNorm: a model holding part of the experts needs the step's ranks");
+  // Everything but the routed experts is identical on every rank; each expert's (reduced)
+  // gradient is held by world / degree ranks, so the world sum counts it that many times.
+  double dense = 0, experts = 0;
+  std::int64_t at = 0;
+  auto sumSquares = [&](std::int64_t begin, std::int64_t end) {
+    const double norm = globalNorm(space, View1<P>(grads.data() + begin, end - begin));
+    return norm * norm;
+  };
+  for (const auto& [offset, count] : model::expertRuns(model.tensors())) {
+    dense += sumSquares(at, offset);
+    experts += sumSquares(offset, offset + count);
+    at = offset + count;
+  }
+  dense += sumSquares(at, static_cast<std::int64_t>(grads.extent(0)));
+  const double replicas = static_cast<double>(dist::commSize(comm) / held.degree);
+  return std::sqrt(dense + dist::allreduceSum(experts, comm) / replicas);
 }
 
 template <class P> StepStats finishStep(const ExecSpace& space, model::Esm2<P>& model,
                                         Optimizer<P>& optimizer, const BatchStats& batch, double lr,
-                                        double clip_norm) {
+                                        double clip_norm, MPI_Comm comm) {
   StepStats st;
   static_cast<BatchStats&>(st) = batch;
   st.lr = lr;
@@ -241,7 +263,7 @@ template <class P> StepStats finishStep(const ExecSpace& space, model::Esm2<P>& 
   Kokkos::Profiling::pushRegion("plm::train::optimizerStep");
   View1<P> grads = model.gradients();
   optimizer.maskGradients(space, grads);
-  st.grad_norm = globalNorm(space, grads);
+  st.grad_norm = gradientNorm(space, model, grads, comm);
   if (!std::isfinite(st.grad_norm) || !std::isfinite(st.loss_sum)) {
     // Every rank holds the same all-reduced gradient and loss, so all of them get here; the
     // weights and moments stay as they were (train/stability.hpp decides what happens next).
@@ -291,7 +313,7 @@ template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& m
   template StepStats trainStep<P>(const ExecSpace&, model::Esm2<P>&, Optimizer<P>&,                \
                                   const std::vector<data::MicroBatch>&, double, double, MPI_Comm); \
   template StepStats finishStep<P>(const ExecSpace&, model::Esm2<P>&, Optimizer<P>&,               \
-                                   const BatchStats&, double, double);                             \
+                                   const BatchStats&, double, double, MPI_Comm);                   \
   template BatchStats evaluate<P>(const ExecSpace&, model::Esm2<P>&, data::Loader&, std::int64_t,  \
                                   MPI_Comm);
 

@@ -66,9 +66,16 @@ template <class P> StepStats trainStep(const ExecSpace& space, model::Esm2<P>& m
 /// \brief The second half of trainStep, after accumulateGradients gave `batch`: the padding-row
 /// mask, global-norm clipping and one optimizer update, unless the batch had no masked token or its
 /// loss or gradient norm is not finite (then nothing changes; `applied` false, `nonfinite`).
+/// `comm`: the step's ranks, needed (collective) when the model holds part of the experts.
 template <class P> StepStats finishStep(const ExecSpace& space, model::Esm2<P>& model,
                                         Optimizer<P>& optimizer, const BatchStats& batch, double lr,
-                                        double clip_norm);
+                                        double clip_norm, MPI_Comm comm = MPI_COMM_NULL);
+
+/// \brief The global gradient norm: globalNorm of `grads` (reduced, identical on every rank), or,
+/// when `model` holds part of the routed experts, the dense part plus every expert's once
+/// (one all-reduce over `comm`).
+template <class P> double gradientNorm(const ExecSpace& space, const model::Esm2<P>& model,
+                                       View1<P> grads, MPI_Comm comm);
 
 /// \brief Forward-only loss over a single-pass loader (seeked to its start first), at most
 /// `max_steps` loader steps (0 = the whole pass), summed over `comm`.

@@ -128,7 +128,9 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   model::Esm2Config config = modelConfigFromDeck(*deck);
   // bf16: the model's dispatch points compute in bf16 on the CUDA build over the same fp32
   // masters (doc/gpu.md); other builds throw a collective error naming the fix.
-  model_member = std::make_unique<model::Esm2<param_t>>(config);
+  // Expert parallelism shards the routed experts: this rank holds its group position's only.
+  model_member =
+      std::make_unique<model::Esm2<param_t>>(config, expertPlacement(*deck, config, comm));
   state_member.init_seed = static_cast<std::uint64_t>(t.get<int>("seed"));
   state_member.data_seed = static_cast<std::uint64_t>(d.get<int>("seed"));
   model_member->initialize(state_member.init_seed);
@@ -237,6 +239,13 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
     throw collectiveError("parallel.reduce_dtype: " + p.get<std::string>("reduce_dtype") +
                           " is not implemented yet; use fp32");
   if (layout.shard == 1) return;  // plain data parallelism: the gradient-bucket path
+  if (model_member->expertPlacement().sharded())
+    throw collectiveError(
+        "parallel.shard_degree " + std::to_string(layout.shard) + " with parallel.expert_degree " +
+        std::to_string(model_member->expertPlacement().degree) +
+        ": sharding the dense parameters (FSDP) beside sharded experts is not implemented yet; "
+        "use parallel.shard_degree: 1 with expert parallelism, or parallel.expert_degree: 1 "
+        "with FSDP");
   if (model_member->config().precision == model::Precision::Fp8)
     throw collectiveError("parallel.shard_degree " + std::to_string(layout.shard) +
                           " runs train.precision: fp32 or bf16 (the FP8 weight copies are not "
@@ -347,7 +356,8 @@ Trainer::RunEnd Trainer::run() {
     } else {
       const BatchStats batch = accumulateGradients(space, *model_member, local, comm_member);
       injectFaults(step, true);
-      st = finishStep(space, *model_member, *optimizer_member, batch, lr, clip_norm_member);
+      st = finishStep(space, *model_member, *optimizer_member, batch, lr, clip_norm_member,
+                      comm_member);
     }
     moe_member->afterStep(*model_member);
     phase::set("between steps");

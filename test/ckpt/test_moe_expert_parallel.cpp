@@ -3,6 +3,7 @@
 //    relative over 20 steps, with capacity dropping, aux/z losses and bias balancing on;
 //  - a run checkpointed at one expert degree resumes at another and continues as the
 //    uninterrupted run does (experts are stored by name, every degree reads the same file);
+//  - a rank holds only its experts (table, buffers, initial values by name, the file layout);
 //  - a rank without tokens and an expert that receives none still work: gradients summed over
 //    the ranks equal a single-rank computation over the same micro-batches.
 #include "moe_ep_check.hpp"
@@ -92,6 +93,24 @@ TEST(ExpertParallel, DegreesGiveTheSameLosses) {
   // and its tensors (by name) load into that model and give the same loss.
   const std::string file = dir + "/ep1/model.h5";
   const auto config = plm::io::readModelConfig(file);
+  // The largest degree's ranks wrote their experts' rows into one file with every expert: it
+  // loads whole and matches the one-rank run's weights (same training up to summation order).
+  if (degrees().size() > 1) {
+    const std::string sharded = dir + "/ep" + std::to_string(degrees().back()) + "/model.h5";
+    plm::model::Esm2<float> a(config), b(config);
+    plm::io::readModelInto(file, MPI_COMM_WORLD, a);
+    plm::io::readModelInto(sharded, MPI_COMM_WORLD, b);
+    auto ha = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), a.parameters());
+    auto hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b.parameters());
+    for (const auto& t : a.tensors()) {
+      double diff = 0, scale = 0;
+      for (std::int64_t i = t.offset; i < t.offset + t.size; ++i) {
+        diff = std::max(diff, std::abs(double(ha(i)) - double(hb(i))));
+        scale = std::max(scale, std::abs(double(ha(i))));
+      }
+      EXPECT_LE(diff, 1e-4 * scale + 1e-7) << t.name << " of " << sharded;
+    }
+  }
   EXPECT_EQ(config.moe.experts, 4);
   EXPECT_EQ(config.moe.top_k, 2);
   EXPECT_EQ(config.moe.expert_ffn, 24);
@@ -113,18 +132,27 @@ TEST(ExpertParallel, ResumesAtAnotherDegree) {
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "moe_resume");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   const auto ds = degrees();
-  const int first = ds.back(), second = ds.front();  // e.g. 4 -> 1 on four ranks
-  auto ref_settings = moeSettings(first, 20);
+  // Saved at the largest degree and resumed at 1 (each rank's rows of its experts written,
+  // every expert read back whole), the other way (each rank reads its experts' rows and
+  // shares them with the ranks holding the same experts), and at a middle degree on both
+  // sides (two ranks hold each expert on four ranks).
+  std::vector<std::pair<int, int>> cases = {{ds.back(), ds.front()}};
+  if (ds.size() > 1) cases.push_back({ds.front(), ds.back()});
+  if (ds.size() == 3) cases.push_back({ds[1], ds[1]});
+  auto ref_settings = moeSettings(ds.front(), 20);
   ref_settings.push_back("checkpoint.every=0");
   const auto reference = train(tinyDeck(dir, "reference", ref_settings), MPI_COMM_WORLD);
-  auto a = moeSettings(first, 10);
-  a.push_back("checkpoint.every=10");
-  train(tinyDeck(dir, "resumed", a), MPI_COMM_WORLD);
-  auto b = moeSettings(second, 20);
-  b.push_back("checkpoint.every=10");
-  const auto continued = train(tinyDeck(dir, "resumed", b), MPI_COMM_WORLD);
-  expectSame(continued, reference,
-             "resume at degree " + std::to_string(second) + " from " + std::to_string(first), 10);
+  for (const auto& [first, second] : cases) {
+    const std::string run = "resumed" + std::to_string(first) + std::to_string(second);
+    auto a = moeSettings(first, 10);
+    a.push_back("checkpoint.every=10");
+    train(tinyDeck(dir, run, a), MPI_COMM_WORLD);
+    auto b = moeSettings(second, 20);
+    b.push_back("checkpoint.every=10");
+    const auto continued = train(tinyDeck(dir, run, b), MPI_COMM_WORLD);
+    expectSame(continued, reference,
+               "resume at degree " + std::to_string(second) + " from " + std::to_string(first), 10);
+  }
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 
@@ -142,6 +170,56 @@ plm::model::Esm2Config tinyMoe() {
   c.moe.z_loss = 0.01;
   c.moe.bias_balance = true;
   return c;
+}
+
+// A rank holds only its experts: its table lists the routed experts of its position and no
+// other, its buffers are that much smaller, and the values it initialises are the whole
+// model's (every tensor draws from its whole-model random stream).
+TEST(ExpertParallel, RanksHoldOnlyTheirExperts) {
+  const auto config = tinyMoe();
+  plm::model::Esm2<double> whole(config);
+  whole.initialize(7);
+  auto hw = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), whole.parameters());
+  std::int64_t expert_elements = 0;
+  for (const auto& t : whole.tensors())
+    if (plm::model::expertOfTensor(t.name) >= 0) expert_elements += t.size;
+  ASSERT_GT(expert_elements, 0);
+  for (int degree : {1, 2, 4})
+    for (int rank = 0; rank < degree; ++rank) {
+      const plm::model::ExpertPlacement held{degree, rank};
+      plm::model::Esm2<double> part(config, held);
+      part.initialize(7);
+      std::int64_t elements = 0, expert_tensors = 0;
+      auto hp = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), part.parameters());
+      for (const auto& t : part.tensors()) {
+        elements += t.size;
+        const int e = plm::model::expertOfTensor(t.name);
+        if (e >= 0) {
+          ++expert_tensors;
+          EXPECT_TRUE(held.holds(e, 4)) << t.name << " on rank " << rank << " of " << degree;
+        }
+        const auto& w = whole.tensor(t.name);
+        for (std::int64_t i = 0; i < t.size; ++i)
+          ASSERT_EQ(hp(t.offset + i), hw(w.offset + i)) << t.name;
+      }
+      std::int64_t whole_elements = 0;
+      for (const auto& t : whole.tensors()) whole_elements += t.size;
+      EXPECT_EQ(elements, whole_elements - expert_elements + expert_elements / degree);
+      EXPECT_EQ(expert_tensors, 2 * 4 * 4 / degree);  // 2 layers x 4 tensors per expert
+      EXPECT_EQ(part.tensors().size(), plm::model::tensorTable(config, held).size());
+      // The file layout puts every expert back, named by global expert, in model order.
+      const auto file = plm::model::wholeTable(part.tensors(), held, 4);
+      ASSERT_EQ(file.tensors.size(), whole.tensors().size());
+      for (std::size_t i = 0; i < file.tensors.size(); ++i) {
+        EXPECT_EQ(file.tensors[i].name, whole.tensors()[i].name);
+        EXPECT_EQ(file.tensors[i].shape, whole.tensors()[i].shape);
+        EXPECT_EQ(file.local[i] >= 0,
+                  plm::model::expertOfTensor(file.tensors[i].name) < 0 ||
+                      held.holds(plm::model::expertOfTensor(file.tensors[i].name), 4));
+      }
+      // A pass needs the expert group the model was built for.
+      if (degree > 1) EXPECT_THROW(part.forward(plm::test::makeBatchForRank(0)), plm::Error);
+    }
 }
 
 TEST(ExpertParallel, ZeroTokenRanksAndExpertsWork) {

@@ -31,6 +31,17 @@ struct RowsLayout {
 RowsLayout fullRows(const std::vector<model::TensorInfo>& tensors, int rank, int world);
 /// \brief The rows back to back in table order, in a buffer of `size` elements.
 RowsLayout compactRows(const std::vector<model::TensorInfo>& tensors, int rank, int world);
+/// A table as the file stores it for ranks holding part of the experts, with this rank's rows.
+struct HeldLayout {
+  std::vector<model::TensorInfo> tensors;  // every tensor of the whole model (model::heldRows)
+  RowsLayout rows;  // where this rank's rows of each lie in the full-layout buffer of `table`
+};
+/// \brief model::heldRows of `table` (a rank's table, or an optimizer state's derived from it) as
+/// a rows layout into the full-layout buffer laid out as `table`.  For a placement holding
+/// every expert: `table` itself and fullRows(table, rank, world).
+HeldLayout heldLayout(const std::vector<model::TensorInfo>& table,
+                      const model::ExpertPlacement& placement, int experts, int rank, int world);
+
 /// \brief The segments of a rows layout (redistribute's description of it).
 std::vector<Segment> rowSegments(const RowsLayout& rows);
 
