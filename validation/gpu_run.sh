@@ -3,7 +3,7 @@
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves
-#                                       staged moe_grouped moe_ep
+#                                       staged moe_grouped moe_ep moe_nccl
 #   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
 #        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
 #        layer with PLM_MOE_GEMM=grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
@@ -12,6 +12,13 @@
 #   moe_ep: expert parallelism on ONE GPU at 2 ranks (staged MPI) against 1 rank, bf16 and FP8
 #         experts (test_ckpt_moe_expert_parallel, test_fp8_moe; PLM_MOE_EP_FILTER narrows
 #         test_fp8_moe), and the staged all-to-all-v with one-sided ranks
+#   moe_nccl: expert parallelism with one GPU per rank (NCCL all-to-all-v; nvidia-h100-x2 or
+#         -x4): test_ckpt_moe_expert_parallel and test_fp8_moe at 2 (and 4) ranks (expert degrees
+#         1/2/4 equal, resume across degrees, ranks holding only their experts, bf16 rows and FP8
+#         experts against one rank), then esm2_8m with 8 x 640 experts, top-2, bf16 on the
+#         packaged proteins: one GPU at expert degree 1 against all GPUs at degree = GPUs (and 2
+#         on four), the same 32,768 x GPUs tokens per step: losses compared, tokens/s, parameters
+#         held per rank, and PLM_PROFILE=1's GPU time per kind (the all-to-all's share); PLM_MOE_NCCL_STEPS
 #   moe: test_gpu_moe and test_gpu_moe_bf16 (the bf16 MoE layer of the training step against
 #        the portable fp32 path), bench_gpu_moe, and a short bf16 MoE training run (esm2_8m with
 #        8 experts of 640, top-2; PLM_MOE_STEPS steps) with its tokens/s
@@ -307,6 +314,50 @@ if has moe_ep; then
         sort -u | tee -a "$summary"
     done
   done
+fi
+
+if has moe_nccl; then
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  nps=(2)
+  [[ $ngpu -ge 4 ]] && nps=(2 4)
+  for t in test_ckpt_moe_expert_parallel test_fp8_moe; do
+    for np in "${nps[@]}"; do
+      [[ -x "$pkg/bin/$t" ]] || { note "moe_nccl: $t not packaged"; continue; }
+      log="$out/moe_nccl_${t}_np$np.log"
+      start=$(date +%s)
+      timeout ${PLM_MOE_NCCL_TIMEOUT:-240} mpiexec -n $np --oversubscribe "$pkg/bin/$t" > "$log" 2>&1
+      note "moe_nccl: $t np$np rc=$? $(( $(date +%s) - start ))s"
+      grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure|relative|expert degree|largest" \
+        "$log" | sort -u | tee -a "$summary"
+    done
+  done
+  if [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" && $ngpu -ge 2 ]]; then
+    steps=${PLM_MOE_NCCL_STEPS:-40}
+    runs=("1 1" "$ngpu $ngpu")
+    [[ $ngpu -ge 4 ]] && runs+=("$ngpu 2")
+    for run in "${runs[@]}"; do
+      set -- $run
+      np=$1 deg=$2
+      d=/tmp/plm-moe-nccl-$np-$deg
+      rm -rf "$d"
+      PLM_PROFILE=1 timeout 300 mpiexec -n $np --oversubscribe "$pkg/bin/plm" train \
+        "$repo/inputs/esm2_8m.yaml" --set data.train="$pkg/data/train.h5" --set data.valid= \
+        --set train.precision=bf16 --set moe.experts=8 --set moe.top_k=2 --set moe.expert_ffn=640 \
+        --set moe.bias_balance=true --set parallel.expert_degree=$deg \
+        --set data.tokens_per_batch=$((32768 * ngpu)) --set data.micro_batch_tokens=32768 \
+        --set train.steps=$steps --set train.log_every=1 --set schedule.warmup_steps=10 \
+        --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
+        > "$out/moe_nccl_train_np${np}_deg$deg.log" 2>&1
+      note "plm train esm2_8m + 8 x 640 bf16, $np GPU(s), expert degree $deg rc=$?"
+      grep -E "moe: |collectives over|memory" "$out/moe_nccl_train_np${np}_deg$deg.log" | head -4 |
+        tee -a "$summary"
+      grep -E "profile:|step +[0-9]+/" "$out/moe_nccl_train_np${np}_deg$deg.log" | tail -4 |
+        tee -a "$summary"
+      [[ $np -gt 1 ]] && python3 "$repo/validation/compare_losses.py" \
+        /tmp/plm-moe-nccl-1-1/metrics.jsonl "$d/metrics.jsonl" --steps $steps --tol 3e-2 2>&1 |
+        tail -2 | tee -a "$summary"
+    done
+  fi
 fi
 
 tree=$pkg/tree/test  # packaged with PLM_PKG_CTEST=1

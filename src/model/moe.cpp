@@ -397,8 +397,10 @@ template <class T> struct MoeMlp<T>::State {
       b += rc[q];
     }
     const auto stream = dist::streamOf(ctx.space());
+    ctx.mark(OpKind::Other);  // profiling: what came before is not the exchange
     if (!ep.comm->deviceMemory()) ctx.space().fence();
     ep.comm->allToAllV(send.data(), sc, so, recv.data(), rc, ro, type, stream).wait(stream);
+    ctx.mark(OpKind::Dispatch);
   }
 
   /// Counts first: every rank learns how many rows of each of its experts each rank sends;
@@ -604,7 +606,9 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
 
   // The rows of this rank's experts: local, or gathered from the group.
   if (s.distributed()) {
-    s.plan();
+    ctx.mark(OpKind::Other);
+    s.plan();  // the counts' exchange, with a host synchronisation
+    ctx.mark(OpKind::Dispatch);
     s.xexp = growAs(s.xexp_s, s.expert_rows * hid, cdt, "plm::model::moe::xexp");
     s.toExperts(ctx, s.xperm, s.xexp);
     s.yexp = growAs(s.yexp_s, s.expert_rows * hid, cdt, "plm::model::moe::yexp");

@@ -16,9 +16,11 @@
 // Precision: the experts' GEMMs follow their weight handles (fp32, bf16, or FP8 when a handle
 // carries an FP8 slot: one per expert and projection, doc/fp8.md "Experts"); the router stays in
 // the master type.
-// Every rank keeps the full expert tensors in the model's table (stored by name, so a
-// checkpoint resumes at any degree); the gradients of experts a rank does not compute stay
-// zero there, so the data-parallel sum over all ranks is the expert-data-parallel reduction.
+// A model built with an ExpertPlacement holds only its experts (the others' entries of
+// MoeWeights::experts stay empty, rows 0): its expert group must be the one it was built for.
+// A model holding every expert may still join an expert group (tests): it computes its group
+// position's experts, and the others' gradients stay zero.  Tensors are stored by name, so a
+// checkpoint resumes at any degree.
 //
 // Accumulation rule: as DenseMlp (parameter gradients +=, activations =); the router losses
 // add loss_weight * (aux_loss * aux + z_loss * z) to the objective (see MoeStep).

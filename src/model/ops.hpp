@@ -148,7 +148,9 @@ class OpContext;
 AttentionKernel attentionKernelFor(const OpContext& ctx, int head_dim);
 
 /// Per-kind timing of the launches of a stream (CUDA events); see Esm2::setProfiling.
-enum class OpKind { Gemm, Attention, LayerNorm, Other, Count };
+/// What a launch's time counts as under profiling (OpContext::setProfiling).  Dispatch: the
+/// MoE layers' token all-to-alls between the ranks of an expert group (with their waits).
+enum class OpKind { Gemm, Attention, LayerNorm, Other, Dispatch, Count };
 
 /// \brief Where operations run: the execution space instance, the attention tiles of the
 /// portable kernels, and the state of the CUDA path (cuBLASLt handle and plan cache, grow-only

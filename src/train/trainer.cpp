@@ -21,6 +21,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
@@ -167,6 +168,10 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
     if (colon2 == 0) inject_stall_rank_member = -1;
   }
   run_dir_member = t.get<std::string>("run_dir");
+  if (const char* p = std::getenv("PLM_PROFILE"); p && std::string(p) == "1") {
+    profile_member = true;  // CUDA events around every launch of the training passes
+    model_member->setProfiling(true);
+  }
   const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   peak_member = peakTflopsPerDevice(t.get<double>("peak_tflops"), precision,
                                     std::max(1, cores / std::max(1, dist::localSize())));
@@ -630,7 +635,22 @@ void Trainer::logStep(const StepStats& last, double seconds) {
       steps_this_run_member > 0 ? train_seconds_member / steps_this_run_member : 0;
   const double eta = per_step * static_cast<double>(total_steps_member - state_member.step);
   const auto moe = moe_member->takeInterval();
+  std::string profile;
+  if (profile_member) {  // this rank's GPU time per kind over the interval (empty on a CPU)
+    double total = 0;
+    const auto kinds = model_member->profile();
+    for (const auto& [kind, ms] : kinds) total += ms;
+    const double steps = static_cast<double>(std::max<std::int64_t>(1, in.steps));
+    for (const auto& [kind, ms] : kinds) {
+      char part[96];
+      std::snprintf(part, sizeof(part), "%s%s %.2f ms (%.0f%%)", profile.empty() ? "" : ", ",
+                    kind.c_str(), ms / steps, 100 * ms / std::max(total, 1e-9));
+      profile += part;
+    }
+    model_member->setProfiling(true);  // a new interval
+  }
   if (rank_member != 0) return;
+  if (!profile.empty()) log::info("profile: GPU time per step on rank 0: %s", profile.c_str());
   log::info(
       "step %lld/%lld | loss %.4f | ppl %.3f | lr %.3e | grad-norm %.3f | %.0f tok/s | "
       "%.4g TFLOP/s | MFU %.2f%% | mem %s | ETA %s%s",

@@ -192,6 +192,7 @@ class Trainer {
     double loss_sum = 0.0, flops = 0.0, seconds = 0.0;
   } interval_member;
   double train_seconds_member = 0.0;  // optimizer-step time of this run (no evaluation)
+  bool profile_member = false;        // PLM_PROFILE=1: per-kind GPU time in each progress line
   std::int64_t steps_this_run_member = 0;
 };
 
