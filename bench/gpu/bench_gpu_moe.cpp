@@ -45,11 +45,8 @@
 namespace {
 
 // The PLM_MOE_GROUPED_TILE values (forward, dgrad, wgrad) timed for the grouped backward and
-// the auto training layer: the default of ac6e217 (128,256,128) first, then the cooperative
-// 128x128 / 256x128 / 128x256 and pingpong 128x128 choices for dgrad and wgrad.
-constexpr const char* kBwdTile[] = {"128,256,128",       "128,128,128",     "128,pp128,128",
-                                    "128,128x256,128",   "128,256,128x256", "128,256,pp128",
-                                    "128,pp128,128x256", "128,pp128,pp128", "128,128x256,128x256"};
+// the auto training layer: the default (128,256,128) first, then the other dgrad x wgrad pairs.
+constexpr const char* kBwdTile[] = {"128,256,128", "128,128,128", "128,128,256", "128,256,256"};
 constexpr int kBwdTiles = sizeof(kBwdTile) / sizeof(kBwdTile[0]);
 
 using namespace plm::gpu;

@@ -12,7 +12,6 @@
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
-#include <string>
 
 namespace plm::gpu {
 namespace {
@@ -68,31 +67,13 @@ __global__ void unpermuteBackwardKernel(const bfloat* dout, const bfloat* y,
   }
 }
 
-/// The router's input gradient of token t in the combine pass (CombineRouter): r(t, c) =
-/// sum over e in order of dlogits(t, e) Wr(e, c), fp32; zero without it.
-struct CombineRouter {
-  const float* dlogits = nullptr;  // (tokens, experts)
-  const float* w = nullptr;        // (experts, hidden)
-  int experts = 0;
-};
-
-__device__ __forceinline__ float routerTerm(const CombineRouter& r, std::int64_t t, int c,
-                                            int hidden) {
-  float acc = 0.0f;
-  for (int e = 0; e < r.experts; ++e)
-    acc += r.dlogits[t * r.experts + e] * __ldg(r.w + std::int64_t(e) * hidden + c);
-  return acc;
-}
-
 __global__ void combineGradientKernel(const bfloat* dx, const std::int32_t* slot_row, bfloat* dh,
-                                      std::int64_t tokens, int k, int hidden, const float* add,
-                                      CombineRouter router) {
+                                      std::int64_t tokens, int k, int hidden, const float* add) {
   const int lane = threadIdx.x % kWarp;
   for (std::int64_t t = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp; t < tokens;
        t += std::int64_t(gridDim.x) * kWarpsPerBlock) {
     for (int c = lane; c < hidden; c += kWarp) {
       float acc = add ? add[t * hidden + c] : 0.0f;
-      if (router.experts > 0) acc += routerTerm(router, t, c, hidden);
       for (int j = 0; j < k; ++j) {
         const std::int32_t p = slot_row[t * k + j];
         if (p >= 0) acc += __bfloat162float(dx[std::int64_t(p) * hidden + c]);
@@ -193,14 +174,12 @@ __global__ void unpermuteBackwardVec8Kernel(const bfloat* dout, const bfloat* y,
 
 __global__ void combineGradientVec8Kernel(const bfloat* dx, const std::int32_t* slot_row,
                                           bfloat* dh, std::int64_t tokens, int k, int hidden,
-                                          const float* add, CombineRouter router) {
+                                          const float* add) {
   const int lane = threadIdx.x % kWarp;
   for (std::int64_t t = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp; t < tokens;
        t += std::int64_t(gridDim.x) * kWarpsPerBlock) {
     for (int c = lane * 8; c < hidden; c += kWarp * 8) {
       Vec8 acc = add ? loadF32x8(add + t * hidden + c) : Vec8{};
-      if (router.experts > 0)
-        for (int i = 0; i < 8; ++i) acc.v[i] += routerTerm(router, t, c + i, hidden);
       for (int j = 0; j < k; ++j) {
         const std::int32_t p = slot_row[t * k + j];
         if (p < 0) continue;
@@ -210,121 +189,6 @@ __global__ void combineGradientVec8Kernel(const bfloat* dx, const std::int32_t* 
       storeBf16x8(dh + t * hidden + c, acc);
     }
   }
-}
-
-// ---- The router on the bf16 LN2 output itself (no fp32 copy of it): logits = h Wr^T and
-// dWr += dlogits^T h, fp32 arithmetic on the exactly widened bf16 values, fixed orders.
-
-constexpr int kRouterTokensPerWarp = 4;  // tokens sharing one read of Wr's 8 columns
-constexpr int kRouterExpertChunk = 8;    // experts per weight-gradient block (8 x 8 accumulators)
-constexpr int kRouterGradWarps = 4;
-constexpr int kRouterGradCols = kWarp * 8;  // 256 columns per weight-gradient block
-constexpr int kRouterMaxSlices = 128;
-constexpr std::int64_t kRouterSliceTokens = 192;
-
-/// Warp per kRouterTokensPerWarp tokens: lane l sums columns [8 l + 256 i, +8) for every expert,
-/// then a fixed xor tree adds the lanes.
-__global__ void routerLogitsKernel(const bfloat* h, const float* w, float* logits,
-                                   std::int64_t tokens, int hidden, int experts) {
-  const int lane = threadIdx.x % kWarp;
-  const std::int64_t warp = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp;
-  const std::int64_t t0 = warp * kRouterTokensPerWarp;
-  if (t0 >= tokens) return;
-  float acc[kRouterTokensPerWarp][kRouterBf16MaxExperts] = {};
-  for (int c = lane * 8; c < hidden; c += kWarp * 8) {
-    Vec8 x[kRouterTokensPerWarp];
-    for (int u = 0; u < kRouterTokensPerWarp; ++u)
-      x[u] = t0 + u < tokens ? loadBf16x8(h + (t0 + u) * hidden + c) : Vec8{};
-#pragma unroll
-    for (int e = 0; e < kRouterBf16MaxExperts; ++e) {
-      if (e >= experts) break;
-      float wv[8];
-      for (int i = 0; i < 8; ++i) wv[i] = __ldg(w + std::int64_t(e) * hidden + c + i);
-      for (int u = 0; u < kRouterTokensPerWarp; ++u)
-        for (int i = 0; i < 8; ++i) acc[u][e] += x[u].v[i] * wv[i];
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < kRouterBf16MaxExperts; ++e) {
-    if (e >= experts) break;
-    for (int u = 0; u < kRouterTokensPerWarp; ++u) {
-      float v = acc[u][e];
-      for (int offset = kWarp / 2; offset > 0; offset /= 2)
-        v += __shfl_xor_sync(0xffffffffu, v, offset);
-      if (lane == 0 && t0 + u < tokens) logits[(t0 + u) * experts + e] = v;
-    }
-  }
-}
-
-/// Block (column tile, expert chunk, token slice): warp w sums tokens slice + w, + 4, ... in
-/// order, lane l columns [8 l, +8) of the tile, for kRouterExpertChunk experts; a fixed tree adds
-/// the warps; the slice's sums go to partial (slices, experts, hidden).
-__global__ void __launch_bounds__(kRouterGradWarps* kWarp)
-    routerGradKernel(const float* dlogits, const bfloat* h, float* partial, std::int64_t tokens,
-                     int hidden, int experts, int slices) {
-  __shared__ float part[kRouterGradWarps][kRouterExpertChunk][kRouterGradCols];
-  const int warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
-  const int c = blockIdx.x * kRouterGradCols + lane * 8, e0 = blockIdx.y * kRouterExpertChunk,
-            slice = blockIdx.z;
-  const int chunk = experts - e0 < kRouterExpertChunk ? experts - e0 : kRouterExpertChunk;
-  const std::int64_t per = (tokens + slices - 1) / slices;
-  const std::int64_t first = slice * per < tokens ? slice * per : tokens,
-                     last = first + per < tokens ? first + per : tokens;
-  float acc[kRouterExpertChunk][8] = {};
-  if (c < hidden)
-    for (std::int64_t t = first + warp; t < last; t += kRouterGradWarps) {
-      const Vec8 x = loadBf16x8(h + t * hidden + c);
-#pragma unroll
-      for (int e = 0; e < kRouterExpertChunk; ++e) {
-        if (e >= chunk) break;
-        const float g = dlogits[t * experts + e0 + e];
-        for (int i = 0; i < 8; ++i) acc[e][i] += g * x.v[i];
-      }
-    }
-  for (int e = 0; e < kRouterExpertChunk; ++e)
-    for (int i = 0; i < 8; ++i) part[warp][e][lane * 8 + i] = acc[e][i];
-  __syncthreads();
-  for (int half = kRouterGradWarps / 2; half > 0; half /= 2) {
-    for (int i = threadIdx.x; i < half * kRouterExpertChunk * kRouterGradCols;
-         i += kRouterGradWarps * kWarp) {
-      const int wi = i / (kRouterExpertChunk * kRouterGradCols),
-                e = i / kRouterGradCols % kRouterExpertChunk, col = i % kRouterGradCols;
-      part[wi][e][col] += part[wi + half][e][col];
-    }
-    __syncthreads();
-  }
-  for (int i = threadIdx.x; i < chunk * kRouterGradCols; i += kRouterGradWarps * kWarp) {
-    const int e = i / kRouterGradCols, col = blockIdx.x * kRouterGradCols + i % kRouterGradCols;
-    if (col < hidden)
-      partial[(std::int64_t(slice) * experts + e0 + e) * hidden + col] =
-          part[0][e][i % kRouterGradCols];
-  }
-}
-
-/// dw[i] += the slices' sums of element i (expert-major (experts, hidden)) in slice order.
-__global__ void routerGradFinishKernel(const float* partial, float* dw, std::int64_t n,
-                                       int slices) {
-  const std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x;
-  if (i >= n) return;
-  float sum = 0.0f;
-  for (int k = 0; k < slices; ++k) sum += partial[std::int64_t(k) * n + i];
-  dw[i] += sum;
-}
-
-int routerSlices(std::int64_t tokens) {
-  return static_cast<int>(std::clamp<std::int64_t>(
-      (tokens + kRouterSliceTokens - 1) / kRouterSliceTokens, 1, kRouterMaxSlices));
-}
-
-void checkRouterBf16(std::int64_t tokens, int hidden, int experts, const void* h,
-                     const char* what) {
-  if (tokens < 0 || hidden % 8 != 0 || experts < 1 || experts > kRouterBf16MaxExperts ||
-      reinterpret_cast<std::uintptr_t>(h) % 16 != 0)
-    throw Error(std::string("plm::gpu::") + what + ": " + std::to_string(experts) +
-                " experts, hidden " + std::to_string(hidden) + " (needs 1 to " +
-                std::to_string(kRouterBf16MaxExperts) +
-                " experts, hidden a multiple of 8 and h 16-byte aligned: routerBf16Fits; a bug "
-                "in the caller)");
 }
 
 /// The 16-byte kernels need hidden % 8 == 0 and every base pointer 16-byte aligned.
@@ -370,71 +234,18 @@ void moeUnpermuteBackward(Stream stream, const bf16* dout, const bf16* y,
 }
 
 void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_row, bf16* dh,
-                        std::int64_t tokens, int k, int hidden, const float* add,
-                        const float* dlogits, const float* router_w, int experts) {
+                        std::int64_t tokens, int k, int hidden, const float* add) {
   if (tokens == 0) return;
-  if ((dlogits || router_w || experts != 0) &&
-      (!dlogits || !router_w || experts <= 0 || experts > kCombineRouterMaxExperts))
-    throw Error(
-        "plm::gpu::moeCombineGradient: the router term needs dlogits, the router weight "
-        "and 1 to " +
-        std::to_string(kCombineRouterMaxExperts) + " experts (got " + std::to_string(experts) +
-        "; a bug in the caller)");
-  const CombineRouter router{dlogits, router_w, experts};
   if (vec8(hidden, {dx, dh, add})) {
     combineGradientVec8Kernel<<<blocksForTokens(tokens), kWarp * kWarpsPerBlock, 0, stream>>>(
         reinterpret_cast<const bfloat*>(dx), slot_row, reinterpret_cast<bfloat*>(dh), tokens, k,
-        hidden, add, router);
+        hidden, add);
     PLM_CHECK_CUDA(cudaGetLastError());
     return;
   }
   combineGradientKernel<<<blocksForTokens(tokens), kWarp * kWarpsPerBlock, 0, stream>>>(
       reinterpret_cast<const bfloat*>(dx), slot_row, reinterpret_cast<bfloat*>(dh), tokens, k,
-      hidden, add, router);
-  PLM_CHECK_CUDA(cudaGetLastError());
-}
-
-bool routerBf16Fits(int hidden, int experts, const void* h) {
-  return hidden % 8 == 0 && experts >= 1 && experts <= kRouterBf16MaxExperts &&
-         reinterpret_cast<std::uintptr_t>(h) % 16 == 0;
-}
-
-void routerLogitsBf16(Stream stream, const bf16* h, const float* w, float* logits,
-                      std::int64_t tokens, int hidden, int experts) {
-  checkRouterBf16(tokens, hidden, experts, h, "routerLogitsBf16");
-  if (tokens == 0) return;
-  const std::int64_t warps = (tokens + kRouterTokensPerWarp - 1) / kRouterTokensPerWarp;
-  routerLogitsKernel<<<static_cast<unsigned>((warps + kWarpsPerBlock - 1) / kWarpsPerBlock),
-                       kWarp * kWarpsPerBlock, 0, stream>>>(reinterpret_cast<const bfloat*>(h), w,
-                                                            logits, tokens, hidden, experts);
-  PLM_CHECK_CUDA(cudaGetLastError());
-}
-
-std::size_t routerWeightGradWorkspaceBytes(std::int64_t tokens, int hidden, int experts) {
-  return std::size_t(routerSlices(tokens)) * std::max(experts, 0) * std::max(hidden, 0) *
-         sizeof(float);
-}
-
-void routerWeightGradBf16(Stream stream, const float* dlogits, const bf16* h, float* dw,
-                          std::int64_t tokens, int hidden, int experts, void* workspace,
-                          std::size_t workspace_bytes) {
-  checkRouterBf16(tokens, hidden, experts, h, "routerWeightGradBf16");
-  if (tokens == 0) return;
-  if (workspace_bytes < routerWeightGradWorkspaceBytes(tokens, hidden, experts))
-    throw Error("plm::gpu::routerWeightGradBf16: workspace of " + std::to_string(workspace_bytes) +
-                " bytes, " +
-                std::to_string(routerWeightGradWorkspaceBytes(tokens, hidden, experts)) +
-                " needed (a bug: size it with routerWeightGradWorkspaceBytes)");
-  const int slices = routerSlices(tokens);
-  auto* partial = static_cast<float*>(workspace);
-  routerGradKernel<<<dim3((hidden + kRouterGradCols - 1) / kRouterGradCols,
-                          (experts + kRouterExpertChunk - 1) / kRouterExpertChunk, slices),
-                     kRouterGradWarps * kWarp, 0, stream>>>(
-      dlogits, reinterpret_cast<const bfloat*>(h), partial, tokens, hidden, experts, slices);
-  PLM_CHECK_CUDA(cudaGetLastError());
-  const std::int64_t n = std::int64_t(experts) * hidden;
-  routerGradFinishKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(partial, dw, n,
-                                                                                     slices);
+      hidden, add);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

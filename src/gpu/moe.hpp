@@ -36,44 +36,10 @@ void moeUnpermuteBackward(Stream stream, const bf16* dout, const bf16* y,
                           const std::int32_t* slot_row, const float* slot_gate, bf16* dy,
                           float* dgate, std::int64_t tokens, int k, int hidden);
 
-/// Most experts for the bf16 router kernels below (their accumulators are registers).
-constexpr int kRouterBf16MaxExperts = 16;
-
-/// \brief True when the bf16 router kernels take this shape: hidden a multiple of 8, 1 to
-/// kRouterBf16MaxExperts experts, h 16-byte aligned (rows contiguous).
-bool routerBf16Fits(int hidden, int experts, const void* h);
-
-/// \brief logits (tokens, experts) fp32 = h Wr^T with h (tokens, hidden) bf16 read as is and
-/// Wr (experts, hidden) fp32: the bf16 values widened exactly, fp32 products and sums in a fixed
-/// order (8 columns per lane in column order, then an xor tree over the 32 lanes).  Replaces
-/// widening h to an fp32 copy and an SGEMM.  Needs routerBf16Fits.
-void routerLogitsBf16(Stream stream, const bf16* h, const float* w, float* logits,
-                      std::int64_t tokens, int hidden, int experts);
-
-/// \brief The scratch bytes routerWeightGradBf16 needs (per-slice sums).
-std::size_t routerWeightGradWorkspaceBytes(std::int64_t tokens, int hidden, int experts);
-
-/// \brief dw (experts, hidden) fp32 += dlogits^T h, dlogits (tokens, experts) fp32, h (tokens,
-/// hidden) bf16: per token slice a fixed-order sum (4 warps over the slice's tokens, a tree over
-/// the warps), then the slices in order; bitwise reproducible.  Needs routerBf16Fits and a
-/// device workspace of routerWeightGradWorkspaceBytes.
-void routerWeightGradBf16(Stream stream, const float* dlogits, const bf16* h, float* dw,
-                          std::int64_t tokens, int hidden, int experts, void* workspace,
-                          std::size_t workspace_bytes);
-
-/// Most experts for moeCombineGradient's router term (its weight is read per token from L1).
-constexpr int kCombineRouterMaxExperts = 16;
-
-/// \brief dh(t) = add(t) + r(t) + sum over the kept slots of token t of dx(row) (fp32 sum, in
-/// that order, bf16 out).  add (tokens, hidden) fp32 is the router's input gradient computed
-/// apart, nullptr = 0; r(t, c) = sum over e in order of dlogits(t, e) router_w(e, c) computes it
-/// in this pass instead (dlogits (tokens, experts), router_w (experts, hidden) fp32, 1 to
-/// kCombineRouterMaxExperts experts; nullptr / 0 = none), saving the (tokens, hidden) fp32
-/// product's write and read.
+/// \brief dh(t) = add(t) + sum over the kept slots of token t of dx(row) (fp32 sum, bf16 out);
+/// add (tokens, hidden) fp32 is the router's input gradient, nullptr = 0.
 void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_row, bf16* dh,
-                        std::int64_t tokens, int k, int hidden, const float* add = nullptr,
-                        const float* dlogits = nullptr, const float* router_w = nullptr,
-                        int experts = 0);
+                        std::int64_t tokens, int k, int hidden, const float* add = nullptr);
 
 /// One expert's bf16 weights (device pointers): W1 (ffn, hidden), b1 (ffn), W2 (hidden, ffn),
 /// b2 (hidden).

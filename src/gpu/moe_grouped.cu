@@ -116,8 +116,9 @@ __device__ __forceinline__ void geluBackward8(uint4& d, const uint4& p) {
 // a row per load) take every kSumRowLanes-th row with kSumUnroll rows in flight per thread, added
 // in row order; a fixed tree adds the lanes; the slice's sums go to a scratch row.  2: per
 // expert and column, the slices' sums are added in slice order onto db.  The row slices give
-// the launch enough blocks to fill the GPU with 8 experts (one block per column tile and expert
-// read at 1.7 TB/s on the H100, validation/gpu_logs/merged_ac6e217_h100).
+// the launch enough blocks to fill the GPU with 8 experts: at 650M-like the two sums read 2.3
+// TB/s on the H100 against 1.6 TB/s for one block per column tile and expert
+// (validation/gpu_logs/moeperf_h100).
 constexpr int kSumThreads = 256;
 constexpr int kSumColLanes = 32;                          // a warp: 32 x 8 bf16 of one row
 constexpr int kSumCols = kSumColLanes * 8;                // 256 columns per block
@@ -230,33 +231,21 @@ std::vector<GroupedProblem> problemsOf(const std::vector<std::int64_t>& rows, Ma
 constexpr detail::GroupedTile kDefaultTile[detail::kGroupedLayouts] = {
     detail::GroupedTile::Small, detail::GroupedTile::Large, detail::GroupedTile::Small};
 
-/// The tile named `v` for `layout` (detail::groupedTileName's names); `all` is the whole
-/// PLM_MOE_GROUPED_TILE value, for the message.
-detail::GroupedTile tileOf(const std::string& v, const std::string& all, GroupedLayout layout) {
-  for (int t = 0; t < detail::kGroupedTiles; ++t) {
-    const auto tile = static_cast<detail::GroupedTile>(t);
-    if (v != detail::groupedTileName(tile)) continue;
-    if (!detail::groupedTileBuilt(layout, tile))
-      throw Error("environment variable PLM_MOE_GROUPED_TILE: '" + all + "': " + v +
-                  " is built for the dgrad and wgrad launches only; give the forward 128 or 256 "
-                  "(F,D,W, e.g. 128," +
-                  v + "," + v + ")");
-    return tile;
-  }
+detail::GroupedTile tileOf(const std::string& v, const std::string& all) {
+  if (v == "128") return detail::GroupedTile::Small;
+  if (v == "256") return detail::GroupedTile::Large;
   throw Error("environment variable PLM_MOE_GROUPED_TILE: '" + all +
               "' is not a grouped GEMM tile; use 128 or 256 for every launch, or three of them "
-              "for forward, dgrad and wgrad (forward 128 or 256; dgrad and wgrad also 128x256 "
-              "or pp128), e.g. 128,256,128");
+              "for forward, dgrad and wgrad (e.g. 128,256,256)");
 }
 
 /// The CTA tile of a `layout` launch: PLM_MOE_GROUPED_TILE = 128 | 256 (every layout) or
-/// F,D,W (forward, dgrad, wgrad; see tileOf); unset, kDefaultTile.
+/// F,D,W (forward, dgrad, wgrad, each 128 or 256); unset, kDefaultTile.
 detail::GroupedTile groupedTile(GroupedLayout layout) {
   const char* v = std::getenv("PLM_MOE_GROUPED_TILE");
   if (!v || !*v) return kDefaultTile[static_cast<int>(layout)];
   const std::string all(v);
-  if (all.find(',') == std::string::npos)
-    return tileOf(all, all, GroupedLayout::Forward);  // every layout: 128 or 256
+  if (all.find(',') == std::string::npos) return tileOf(all, all);
   std::vector<std::string> part;
   for (std::size_t at = 0;;) {
     const std::size_t comma = all.find(',', at);
@@ -264,11 +253,9 @@ detail::GroupedTile groupedTile(GroupedLayout layout) {
     if (comma == std::string::npos) break;
     at = comma + 1;
   }
-  if (part.size() != std::size_t(detail::kGroupedLayouts))
-    tileOf("", all, GroupedLayout::Forward);  // throws
+  if (part.size() != std::size_t(detail::kGroupedLayouts)) tileOf("", all);  // throws
   detail::GroupedTile tile[detail::kGroupedLayouts];
-  for (int l = 0; l < detail::kGroupedLayouts; ++l)  // all valid, or none is used
-    tile[l] = tileOf(part[l], all, static_cast<GroupedLayout>(l));
+  for (int l = 0; l < detail::kGroupedLayouts; ++l) tile[l] = tileOf(part[l], all);  // all valid
   return tile[static_cast<int>(layout)];
 }
 
@@ -360,6 +347,7 @@ std::size_t groupedExpertWorkspaceBytes(int experts, int hidden, int ffn) {
   return gemmWorkspaceBytes(experts) +
          expertBiasGradientWorkspaceBytes(experts, std::max(hidden, ffn));
 }
+
 void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias,
                     const std::vector<std::int64_t>& rows, bf16* pre, bf16* act, int cols) {
   checkCols(cols, "expertBiasGelu");

@@ -5,10 +5,6 @@
 // strides) are written on the device by a small setup kernel that takes the problems as its
 // parameter, so a launch needs no host-to-device copy and no synchronisation.
 //
-// Four configurations (GroupedTile): cooperative 128x128 (1x2 clusters), 256x128 (2x1),
-// 128x256 (2x1), and pingpong 128x128 (1x2); the forward layout is built with the first two only
-// (each instantiation is minutes of nvcc).
-//
 // Compiled for sm_90a alone (wgmma and the TMA descriptor updates the ptr-array kernels need
 // are sm_90a instructions), only where the CUTLASS headers were found (gpu.cmake), as CUDA
 // with nvcc directly: Kokkos' nvcc_wrapper fixes one -arch for every file.
@@ -41,9 +37,12 @@ using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;  //
 using Shape3 = ProblemShape::UnderlyingProblemShape;
 
 /// One grouped GEMM: A and B layouts in CUTLASS's terms (B is (K,N): ColumnMajor = stored
-/// (N,K) row-major), D row-major of ElementD, C = D when it has a type (Wgrad's beta), and one
-/// configuration C (CTA tile, cluster, cooperative or pingpong kernel schedule).
-template <class LayoutA, class LayoutB, class ElementD, class ElementC, class C>
+/// (N,K) row-major), D row-major of ElementD, C = D when it has a type (Wgrad's beta).
+/// Cooperative kernel; two tile configurations (the two usual bf16 choices on the H100):
+/// 128x128x64 in 1x2 clusters (Small) and 256x128x64 in 2x1 clusters (Large, fewer tiles for
+/// large experts, more waste on ragged row blocks).
+template <class LayoutA, class LayoutB, class ElementD, class ElementC, class TileShape_,
+          class ClusterShape_>
 struct GroupedKernel {
   using ElementAB = cutlass::bfloat16_t;
   using Acc = float;
@@ -51,19 +50,19 @@ struct GroupedKernel {
   static constexpr int kAlignAB = 8;
   static constexpr int kAlignD = 16 / sizeof(ElementD);
   static constexpr int kAlignC = std::is_void_v<ElementC> ? kAlignD : 16 / int(sizeof(float));
-  using TileShape = typename C::Tile;
-  using ClusterShape = typename C::Cluster;
+  using TileShape = TileShape_;
+  using ClusterShape = ClusterShape_;
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,
       cutlass::epilogue::collective::EpilogueTileAuto, Acc, Acc, ElementC, LayoutD*, kAlignC,
-      ElementD, LayoutD*, kAlignD, typename C::EpilogueSchedule,
+      ElementD, LayoutD*, kAlignD, cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative,
       cutlass::epilogue::fusion::LinearCombination<ElementD, Acc>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementAB, LayoutA*, kAlignAB, ElementAB,
       LayoutB*, kAlignAB, Acc, TileShape, ClusterShape,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
-      typename C::KernelSchedule>::CollectiveOp;
+      cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
   using StrideA = typename Kernel::InternalStrideA;
@@ -73,42 +72,24 @@ struct GroupedKernel {
   using CPtr = std::conditional_t<std::is_void_v<ElementC>, const void*, const ElementC*>;
 };
 
-/// The configurations (GroupedTile).  Cooperative: both consumer warp groups share one tile;
-/// pingpong: each warp group owns a tile and its epilogue overlaps the other's main loop (for
-/// short-K GEMMs, where the epilogue is a large share of a tile's time).
-struct Cooperative {
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
-};
-struct Pingpong {
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
-};
-struct Small : Cooperative {  // GroupedTile::Small
+struct Small {
   using Tile = Shape<_128, _128, _64>;
   using Cluster = Shape<_1, _2, _1>;
 };
-struct Large : Cooperative {  // GroupedTile::Large
+struct Large {
   using Tile = Shape<_256, _128, _64>;
   using Cluster = Shape<_2, _1, _1>;
-};
-struct Wide : Cooperative {  // GroupedTile::Wide
-  using Tile = Shape<_128, _256, _64>;
-  using Cluster = Shape<_2, _1, _1>;
-};
-struct Ping : Pingpong {  // GroupedTile::Ping
-  using Tile = Shape<_128, _128, _64>;
-  using Cluster = Shape<_1, _2, _1>;
 };
 
 template <class C> using ForwardKernel =
     GroupedKernel<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t,
-                  void, C>;
+                  void, typename C::Tile, typename C::Cluster>;
 template <class C> using DgradKernel =
     GroupedKernel<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t, void,
-                  C>;
+                  typename C::Tile, typename C::Cluster>;
 template <class C> using WgradKernel =
-    GroupedKernel<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, float, C>;
+    GroupedKernel<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float, float,
+                  typename C::Tile, typename C::Cluster>;
 
 /// A packed stride with its one run-time entry (the leading dimension) set.
 template <class S> __host__ __device__ S strideOf(std::int64_t ld) {
@@ -252,38 +233,6 @@ template <class K> void runKernel(Stream stream, const GroupedProblem* problems,
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
-/// The configurations built for each layout: the forward (grouped at 16 experts and more)
-/// keeps the two cooperative ones; the backward layouts have all four.
-template <GroupedLayout L, template <class> class K> struct Built {
-  static constexpr bool backward = L != GroupedLayout::Forward;
-  static std::size_t workspace(int groups) {
-    std::size_t most = std::max(workspaceBytes<K<Small>>(groups), workspaceBytes<K<Large>>(groups));
-    if constexpr (backward)
-      most = std::max({most, workspaceBytes<K<Wide>>(groups), workspaceBytes<K<Ping>>(groups)});
-    return most;
-  }
-  static void run(GroupedTile tile, Stream stream, const GroupedProblem* problems, int groups,
-                  float beta, void* workspace, std::size_t bytes, const char* what) {
-    switch (tile) {
-      case GroupedTile::Small:
-        return runKernel<K<Small>>(stream, problems, groups, beta, workspace, bytes, what);
-      case GroupedTile::Large:
-        return runKernel<K<Large>>(stream, problems, groups, beta, workspace, bytes, what);
-      case GroupedTile::Wide:
-      case GroupedTile::Ping:
-        if constexpr (backward) {
-          if (tile == GroupedTile::Wide)
-            return runKernel<K<Wide>>(stream, problems, groups, beta, workspace, bytes, what);
-          return runKernel<K<Ping>>(stream, problems, groups, beta, workspace, bytes, what);
-        }
-        throw Error(std::string("plm::gpu::groupedRun(") + what + "): the " +
-                    groupedTileName(tile) +
-                    " configuration is built for the backward layouts only; use 128 or 256 for "
-                    "the forward (PLM_MOE_GROUPED_TILE=F,D,W)");
-    }
-  }
-};
-
 }  // namespace
 
 bool groupedCompiled() { return true; }
@@ -291,9 +240,14 @@ bool groupedCompiled() { return true; }
 std::size_t groupedWorkspaceBytes(GroupedLayout layout, int groups) {
   switch (layout) {
     case GroupedLayout::Forward:
-      return Built<GroupedLayout::Forward, ForwardKernel>::workspace(groups);
-    case GroupedLayout::Dgrad: return Built<GroupedLayout::Dgrad, DgradKernel>::workspace(groups);
-    case GroupedLayout::Wgrad: return Built<GroupedLayout::Wgrad, WgradKernel>::workspace(groups);
+      return std::max(workspaceBytes<ForwardKernel<Small>>(groups),
+                      workspaceBytes<ForwardKernel<Large>>(groups));
+    case GroupedLayout::Dgrad:
+      return std::max(workspaceBytes<DgradKernel<Small>>(groups),
+                      workspaceBytes<DgradKernel<Large>>(groups));
+    case GroupedLayout::Wgrad:
+      return std::max(workspaceBytes<WgradKernel<Small>>(groups),
+                      workspaceBytes<WgradKernel<Large>>(groups));
   }
   return 0;
 }
@@ -305,16 +259,22 @@ void groupedRun(Stream stream, GroupedLayout layout, GroupedTile tile,
   if (groups < 0 || groups > kMaxGroups)
     throw Error("plm::gpu::groupedRun: " + std::to_string(groups) + " groups (at most " +
                 std::to_string(kMaxGroups) + "; a bug in the caller)");
+  const bool large = tile == GroupedTile::Large;
+  auto run = [&](auto small_kernel, auto large_kernel, float b, const char* what) {
+    using S = decltype(small_kernel);
+    using L = decltype(large_kernel);
+    if (large)
+      runKernel<L>(stream, problems, groups, b, workspace, workspace_bytes, what);
+    else
+      runKernel<S>(stream, problems, groups, b, workspace, workspace_bytes, what);
+  };
   switch (layout) {
     case GroupedLayout::Forward:
-      return Built<GroupedLayout::Forward, ForwardKernel>::run(
-          tile, stream, problems, groups, 0.0f, workspace, workspace_bytes, "forward");
+      return run(ForwardKernel<Small>{}, ForwardKernel<Large>{}, 0.0f, "forward");
     case GroupedLayout::Dgrad:
-      return Built<GroupedLayout::Dgrad, DgradKernel>::run(tile, stream, problems, groups, 0.0f,
-                                                           workspace, workspace_bytes, "dgrad");
+      return run(DgradKernel<Small>{}, DgradKernel<Large>{}, 0.0f, "dgrad");
     case GroupedLayout::Wgrad:
-      return Built<GroupedLayout::Wgrad, WgradKernel>::run(tile, stream, problems, groups, beta,
-                                                           workspace, workspace_bytes, "wgrad");
+      return run(WgradKernel<Small>{}, WgradKernel<Large>{}, beta, "wgrad");
   }
 }
 

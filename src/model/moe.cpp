@@ -283,7 +283,6 @@ template <class T> struct MoeMlp<T>::State {
   // on the CUDA path (train.precision: bf16; the router and the gates stay in the master type).
   DType cdt = dtypeOf<T>();
   View1<T> hf_s, dhr_s;         // the router's fp32 copy of a bf16 h, its input gradient (T, H)
-  View1<T> rgrad_s;             // routerWeightGradBf16's per-slice sums (slices, E, H)
   const void* hf_of = nullptr;  // the bf16 h that hf_s holds widened (rows x cols)
   std::int64_t hf_rows = 0, hf_cols = 0;
 
@@ -296,19 +295,6 @@ template <class T> struct MoeMlp<T>::State {
 #endif
 
   bool bf16() const { return cdt == DType::BF16; }
-
-  /// The bf16 path's router reads the bf16 h itself (gpu::routerLogitsBf16 and
-  /// routerWeightGradBf16: no fp32 copy of h, no SGEMMs) where the kernels take the shape: up to
-  /// gpu::kRouterBf16MaxExperts experts, contiguous rows, hidden a multiple of 8.
-  bool routerOnBf16(const Mat& h) const {
-#if PLM_HAVE_CUDA
-    return std::is_same_v<T, float> && bf16() && h.dtype == DType::BF16 && h.ld == h.cols &&
-           gpu::routerBf16Fits(static_cast<int>(h.cols), c.experts, h.data);
-#else
-    (void)h;
-    return false;
-#endif
-  }
 
   /// The bf16 path routes on the device unless the sequence-level loss needs the host's
   /// per-token data, or PLM_MOE_ROUTING=host asks for the reference.
@@ -564,19 +550,12 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   const DType cdt = s.cdt;
   s.tokens = t_n;
 
-  // Router logits in the master type (fp32 under bf16: the bf16 LN2 output read as is by
-  // routerLogitsBf16 where it fits, else widened first and an SGEMM), then the routing.
+  // Router logits in the master type (fp32 under bf16: the bf16 LN2 output is widened first),
+  // then the routing on the host.
   s.logits = grow(s.logits_s, t_n * e_n, "plm::model::moe::logits");
-  if (t_n > 0 && s.routerOnBf16(h)) {
-#if PLM_HAVE_CUDA
-    if constexpr (std::is_same_v<T, float>)
-      gpu::routerLogitsBf16(space.cuda_stream(), bf16Data(h), s.w.router.template view<T>().data(),
-                            s.logits.data(), t_n, static_cast<int>(h.cols), static_cast<int>(e_n));
-#endif
-  } else if (t_n > 0) {
+  if (t_n > 0)
     gemm(space, Trans::N, Trans::T, T(1), s.routerInput(ctx, h), s.w.router.template view<T>(),
          T(0), View2<T>(s.logits.data(), t_n, e_n));
-  }
   s.routed_on_device = false;
   if (s.deviceRouting()) {
     s.routeDevice(ctx, t_n);
@@ -801,34 +780,19 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   View2<T> dl2(dlogits.data(), t_n, e_n);
 
   if (s.bf16()) {
-    // dh (bf16) = sum over a token's kept slots of dx + dlogits Wr, the router part in fp32:
-    // computed in the combine pass itself for up to gpu::kCombineRouterMaxExperts experts (the
-    // router weight stays in L1; no (T, H) fp32 product written and read back), else by cuBLAS.
+    // dh (bf16) = sum over a token's kept slots of dx + dlogits Wr, the router part in fp32.
 #if PLM_HAVE_CUDA
     if constexpr (std::is_same_v<T, float>) {
-      const bool fused = e_n <= gpu::kCombineRouterMaxExperts;
-      View1<T> dhr;
-      if (!fused) dhr = grow(s.dhr_s, t_n * hid, "plm::model::moe::dh_router");
-      const View2<T> wr = s.w.router.template view<T>();
-      if (t_n > 0 && s.routerOnBf16(h)) {
-        const std::size_t bytes =
-            gpu::routerWeightGradWorkspaceBytes(t_n, static_cast<int>(hid), static_cast<int>(e_n));
-        View1<T> part = grow(s.rgrad_s, static_cast<std::int64_t>(bytes / sizeof(T)),
-                             "plm::model::moe::router_grad_slices");
-        gpu::routerWeightGradBf16(space.cuda_stream(), dl2.data(), bf16Data(h),
-                                  s.g.router.template view<T>().data(), t_n, static_cast<int>(hid),
-                                  static_cast<int>(e_n), part.data(), bytes);
-      } else if (t_n > 0) {
+      View1<T> dhr = grow(s.dhr_s, t_n * hid, "plm::model::moe::dh_router");
+      if (t_n > 0) {
         gemm(space, Trans::T, Trans::N, T(1), dl2, s.routerInput(ctx, h, true), T(1),
              s.g.router.template view<T>());
+        gemm(space, Trans::N, Trans::N, T(1), dl2, s.w.router.template view<T>(), T(0),
+             View2<T>(dhr.data(), t_n, hid));
       }
-      if (t_n > 0 && !fused)
-        gemm(space, Trans::N, Trans::N, T(1), dl2, wr, T(0), View2<T>(dhr.data(), t_n, hid));
       gpu::moeCombineGradient(space.cuda_stream(), reinterpret_cast<const gpu::bf16*>(dx.data()),
                               s.slot_row.data(), bf16Data(dh), t_n, static_cast<int>(k),
-                              static_cast<int>(hid), fused ? nullptr : dhr.data(),
-                              fused ? dl2.data() : nullptr, fused ? wr.data() : nullptr,
-                              fused ? static_cast<int>(e_n) : 0);
+                              static_cast<int>(hid), dhr.data());
     }
 #endif
   } else {

@@ -5,7 +5,6 @@
 // routing drops slots (capacity 1.0) and leaves one expert without rows (selection bias -100),
 // so the kernels see dropped slots, a token with none kept and an empty expert.  The unpermute,
 // its backward and the combine run twice: their 16-byte kernels and the scalar ones.
-#include "core/error.hpp"
 #include "gpu/fused.hpp"
 #include "gpu/moe.hpp"
 #include "gpu_test_util.hpp"
@@ -146,34 +145,6 @@ void checkKernels() {
                      k, hidden, add.get());
   for (std::size_t i = 0; i < dh_ref.size(); ++i) dh_ref[i] += add0[i];
   EXPECT_LT(test::relError(test::downloadBf16(dh), dh_ref), 5e-3) << "combine with the addend";
-
-  // The router's input gradient dlogits Wr computed in the same pass (3 experts), after the
-  // addend; then a bitwise rerun, and the router term's bad arguments refused.
-  const int e_r = 3;
-  const auto dl0 = test::randomNormal(tokens * e_r, 7), wr0 = test::randomNormal(e_r * hidden, 8);
-  DeviceBuffer<float> dl(dl0), wr(wr0);
-  dh.poison();
-  moeCombineGradient(nullptr, dx.get(), slot_row.get(), reinterpret_cast<bf16*>(dh.get()), tokens,
-                     k, hidden, add.get(), dl.get(), wr.get(), e_r);
-  for (int t = 0; t < tokens; ++t)
-    for (int o = 0; o < hidden; ++o)
-      for (int e = 0; e < e_r; ++e)
-        dh_ref[t * hidden + o] += double(dl0[t * e_r + e]) * wr0[e * hidden + o];
-  const auto dh_router = dh.download();
-  EXPECT_LT(test::relError(test::downloadBf16(dh), dh_ref), 5e-3) << "combine with the router";
-  moeCombineGradient(nullptr, dx.get(), slot_row.get(), reinterpret_cast<bf16*>(dh.get()), tokens,
-                     k, hidden, add.get(), dl.get(), wr.get(), e_r);
-  EXPECT_EQ(dh.download(), dh_router) << "combine with the router: rerun not bitwise equal";
-  EXPECT_THROW(
-      moeCombineGradient(nullptr, dx.get(), slot_row.get(), reinterpret_cast<bf16*>(dh.get()),
-                         tokens, k, hidden, nullptr, dl.get(), nullptr, e_r),
-      plm::Error)
-      << "router term without its weight";
-  EXPECT_THROW(moeCombineGradient(nullptr, dx.get(), slot_row.get(),
-                                  reinterpret_cast<bf16*>(dh.get()), tokens, k, hidden, nullptr,
-                                  dl.get(), wr.get(), kCombineRouterMaxExperts + 1),
-               plm::Error)
-      << "too many experts for the router term";
 }
 
 // hidden 64: the 16-byte kernels; PLM_MOE_SCALAR_KERNELS=1 the scalar ones, same references.
@@ -183,62 +154,6 @@ TEST(MoeKernels, ScalarKernelsMatchThePortableArithmetic) {
   setenv("PLM_MOE_SCALAR_KERNELS", "1", 1);
   checkKernels();
   unsetenv("PLM_MOE_SCALAR_KERNELS");
-}
-
-// The router on the bf16 h: logits = h Wr^T and dWr += dlogits^T h against double references.
-// 1,001 tokens (not a multiple of the 4 tokens per warp; 6 slices of 167 for the weight
-// gradient, the last one short), hidden 264 (a full 256-column tile and a partial one), 3 experts
-// and 12 (two expert chunks of the gradient kernel, the second partial), 16 (the most); the
-// gradient accumulates onto non-zero values; reruns are bitwise equal; bad shapes are refused.
-TEST(MoeKernels, RouterOnBf16MatchesReference) {
-  const std::int64_t tokens = 1001;
-  const int hidden = 264;
-  Bf16Tensor h(test::randomNormal(tokens * hidden, 31));
-  for (int experts : {3, 12, kRouterBf16MaxExperts}) {
-    SCOPED_TRACE(experts);
-    ASSERT_TRUE(routerBf16Fits(hidden, experts, h.get()));
-    const auto w0 = test::randomNormal(std::size_t(experts) * hidden, 32, 0.1f);
-    const auto dl0 = test::randomNormal(tokens * experts, 33);
-    const auto g0 = test::randomNormal(std::size_t(experts) * hidden, 34, 0.5f);
-    DeviceBuffer<float> w(w0), dl(dl0), g(g0), logits(tokens * experts);
-    logits.poison();
-    routerLogitsBf16(nullptr, h.get(), w.get(), logits.get(), tokens, hidden, experts);
-    const std::size_t bytes = routerWeightGradWorkspaceBytes(tokens, hidden, experts);
-    DeviceBuffer<char> ws(bytes);
-    routerWeightGradBf16(nullptr, dl.get(), h.get(), g.get(), tokens, hidden, experts, ws.get(),
-                         bytes);
-    std::vector<double> logits_ref(tokens * experts, 0.0), g_ref(g0.begin(), g0.end());
-    for (std::int64_t t = 0; t < tokens; ++t)
-      for (int e = 0; e < experts; ++e)
-        for (int c = 0; c < hidden; ++c) {
-          const double x = h.values[t * hidden + c];
-          logits_ref[t * experts + e] += x * w0[std::size_t(e) * hidden + c];
-          g_ref[std::size_t(e) * hidden + c] += double(dl0[t * experts + e]) * x;
-        }
-    const auto logits_d = logits.download(), g_d = g.download();
-    EXPECT_LT(test::relError(logits_d, logits_ref), 1e-5) << "router logits";
-    EXPECT_LT(test::relError(g_d, g_ref), 1e-5) << "router weight gradient";
-    routerLogitsBf16(nullptr, h.get(), w.get(), logits.get(), tokens, hidden, experts);
-    g.upload(g0);
-    routerWeightGradBf16(nullptr, dl.get(), h.get(), g.get(), tokens, hidden, experts, ws.get(),
-                         bytes);
-    EXPECT_EQ(logits.download(), logits_d) << "router logits: rerun not bitwise equal";
-    EXPECT_EQ(g.download(), g_d) << "router weight gradient: rerun not bitwise equal";
-    EXPECT_THROW(routerWeightGradBf16(nullptr, dl.get(), h.get(), g.get(), tokens, hidden, experts,
-                                      ws.get(), bytes - 4),
-                 plm::Error)
-        << "workspace too small";
-  }
-  DeviceBuffer<float> w(std::size_t(17) * hidden), logits(tokens * 17);
-  EXPECT_FALSE(routerBf16Fits(hidden, kRouterBf16MaxExperts + 1, h.get()));
-  EXPECT_FALSE(routerBf16Fits(12, 3, h.get()));
-  EXPECT_THROW(routerLogitsBf16(nullptr, h.get(), w.get(), logits.get(), tokens, hidden,
-                                kRouterBf16MaxExperts + 1),
-               plm::Error)
-      << "too many experts";
-  EXPECT_THROW(routerLogitsBf16(nullptr, h.get(), w.get(), logits.get(), tokens / 8, 12, 3),
-               plm::Error)
-      << "hidden not a multiple of 8";
 }
 
 // Device routing against model::route / model::routeBackward (host, double): identical experts,

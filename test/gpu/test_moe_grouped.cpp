@@ -181,11 +181,9 @@ TEST(MoeGrouped, SixtyFourExpertsManyEmpty) {
 }
 
 TEST(MoeGrouped, PerLayoutTiles) {
-  // PLM_MOE_GROUPED_TILE=F,D,W: every configuration built for a layout runs in one of the
-  // cases (forward 128x128 and 256x128; dgrad and wgrad also cooperative 128x256 and pingpong
-  // 128x128), on the ragged rows of the test above, against the host references and the loop.
-  for (const char* tiles :
-       {"256,128,256", "128,256,128", "128,128x256,pp128", "256,pp128,128x256"}) {
+  // PLM_MOE_GROUPED_TILE=F,D,W: each layout with the other tile than its neighbour, so every
+  // layout runs its 256x128 kernel in one of the two cases (the ragged rows of the test above).
+  for (const char* tiles : {"256,128,256", "128,256,128"}) {
     SCOPED_TRACE(tiles);
     setenv("PLM_MOE_GROUPED_TILE", tiles, 1);
     checkGrouped({0, 1, 13, 64, 100, 0, 257, 7}, 136, 200);
@@ -196,9 +194,7 @@ TEST(MoeGrouped, PerLayoutTiles) {
     Bf16Tensor w(test::randomNormal(64 * 64, 3, 0.1f)), b(test::randomNormal(64, 4, 0.1f));
     const std::size_t bytes = groupedExpertWorkspaceBytes(1, 64, 64);
     DeviceBuffer<char> ws(bytes);
-    // The backward-only configurations for the forward: refused with the same clear error.
-    for (const char* bad :
-         {"128,256", "64", "128,128,512", "128x256", "pp128", "pp128,128,128", "128,pp,128"}) {
+    for (const char* bad : {"128,256", "64", "128,128,512"}) {
       setenv("PLM_MOE_GROUPED_TILE", bad, 1);
       EXPECT_THROW(
           groupedExpertForward(nullptr, {{w.get(), b.get(), w.get(), b.get()}}, {8}, bits(x),

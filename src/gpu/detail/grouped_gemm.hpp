@@ -18,25 +18,8 @@ namespace plm::gpu::detail {
 enum class GroupedLayout { Forward, Dgrad, Wgrad };
 constexpr int kGroupedLayouts = 3;
 
-/// The CTA tile and kernel schedule (PLM_MOE_GROUPED_TILE names in brackets):
-///   Small = 128x128x64 cooperative in 1x2 clusters ("128"),
-///   Large = 256x128x64 cooperative in 2x1 clusters ("256"),
-///   Wide  = 128x256x64 cooperative in 2x1 clusters ("128x256"; Dgrad and Wgrad only),
-///   Ping  = 128x128x64 pingpong in 1x2 clusters ("pp128"; Dgrad and Wgrad only).
-enum class GroupedTile { Small, Large, Wide, Ping };
-constexpr int kGroupedTiles = 4;
-
-/// \brief The PLM_MOE_GROUPED_TILE name of `tile` ("128", "256", "128x256", "pp128").
-inline const char* groupedTileName(GroupedTile tile) {
-  constexpr const char* names[kGroupedTiles] = {"128", "256", "128x256", "pp128"};
-  return names[static_cast<int>(tile)];
-}
-
-/// \brief True when `tile` is built for `layout` (Wide and Ping: the backward layouts only).
-inline bool groupedTileBuilt(GroupedLayout layout, GroupedTile tile) {
-  return layout != GroupedLayout::Forward || tile == GroupedTile::Small ||
-         tile == GroupedTile::Large;
-}
+/// The CTA tile: Small = 128x128x64 in 1x2 clusters, Large = 256x128x64 in 2x1 clusters.
+enum class GroupedTile { Small, Large };
 
 /// One group (one expert): sizes, device pointers and row strides (elements) as stored.
 struct GroupedProblem {
@@ -56,7 +39,7 @@ constexpr int kMaxGroups = 256;
 bool groupedCompiled();
 
 /// \brief Device workspace bytes groupedRun needs for `groups` groups of `layout` (argument
-/// arrays and CUTLASS's own workspace), any tile.
+/// arrays and CUTLASS's own workspace), either tile.
 std::size_t groupedWorkspaceBytes(GroupedLayout layout, int groups);
 
 /// \brief Enqueues all groups in one kernel launch on `stream`: the argument arrays are written
