@@ -44,6 +44,11 @@
 
 namespace {
 
+// The PLM_MOE_GROUPED_TILE values (forward, dgrad, wgrad) timed for the grouped backward and
+// the auto training layer: the default (128,256,128) first, then the other dgrad x wgrad pairs.
+constexpr const char* kBwdTile[] = {"128,256,128", "128,128,128", "128,128,256", "128,256,256"};
+constexpr int kBwdTiles = sizeof(kBwdTile) / sizeof(kBwdTile[0]);
+
 using namespace plm::gpu;
 
 Buffer* randomBf16(std::size_t n, unsigned seed, float scale) {
@@ -105,7 +110,7 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
   });
   double grouped_ms[2] = {0, 0};  // tiles 128 and 256 (PLM_MOE_GROUPED_TILE)
   if (groupedExpertGemmAvailable()) {
-    const std::size_t bytes = groupedExpertWorkspaceBytes(experts);
+    const std::size_t bytes = groupedExpertWorkspaceBytes(experts, hidden, expert_ffn);
     Buffer ws(bytes);
     for (int t = 0; t < 2; ++t) {
       setenv("PLM_MOE_GROUPED_TILE", t ? "256" : "128", 1);
@@ -118,8 +123,7 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
   }
   // The grouped backward (dgrad, dGELU, wgrad, bias gradients, dx) per dgrad/wgrad tile, and the
   // bias gradients (fixed-order column sums of dy and dpre) alone.
-  const char* bwd_tiles[] = {"128,128,128", "128,128,256", "128,256,128", "128,256,256"};
-  double grouped_bwd_ms[4] = {0, 0, 0, 0};
+  double grouped_bwd_ms[kBwdTiles] = {};
   double bias_grad_ms = 0;
   {
     std::unique_ptr<Buffer> dy_perm(randomBf16(rows * hidden, 3, 0.01f));
@@ -139,15 +143,17 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
       db1.push_back(grads.back().b1);
       db2.push_back(grads.back().b2);
     }
+    const std::size_t sum_bytes = expertBiasGradientWorkspaceBytes(experts, expert_ffn);
+    Buffer sum_ws(sum_bytes);
     bias_grad_ms = medianMs([&] {
-      expertBiasGradient(nullptr, db2, r.kept, dy_perm->as<bf16>(), hidden);
-      expertBiasGradient(nullptr, db1, r.kept, pre.as<bf16>(), expert_ffn);
+      expertBiasGradient(nullptr, db2, r.kept, dy_perm->as<bf16>(), hidden, sum_ws.ptr, sum_bytes);
+      expertBiasGradient(nullptr, db1, r.kept, pre.as<bf16>(), expert_ffn, sum_ws.ptr, sum_bytes);
     });
     if (groupedExpertGemmAvailable()) {
-      const std::size_t bytes = groupedExpertWorkspaceBytes(experts);
+      const std::size_t bytes = groupedExpertWorkspaceBytes(experts, hidden, expert_ffn);
       Buffer ws(bytes);
-      for (int t = 0; t < 4; ++t) {
-        setenv("PLM_MOE_GROUPED_TILE", bwd_tiles[t], 1);
+      for (int t = 0; t < kBwdTiles; ++t) {
+        setenv("PLM_MOE_GROUPED_TILE", kBwdTile[t], 1);
         grouped_bwd_ms[t] = medianMs([&] {
           groupedExpertBackward(nullptr, weights, grads, r.kept, xperm.as<bf16>(), pre.as<bf16>(),
                                 act.as<bf16>(), dy_perm->as<bf16>(), dpre_perm.as<bf16>(),
@@ -192,11 +198,11 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
           "", t ? 256 : 128, grouped_ms[t], flops / grouped_ms[t] / 1e9, experts_ms,
           flops / experts_ms / 1e9, 100.0 * dense_ms / g_ms, 100.0 * dense_ms / moe_ms);
     }
-    for (int t = 0; t < 4; ++t)
+    for (int t = 0; t < kBwdTiles; ++t)
       std::printf(
           "%-28s   backward grouped (PLM_MOE_GROUPED_TILE=%s) %.3f ms (%.0f TFLOP/s, the four "
           "GEMMs with dGELU and bias gradients)\n",
-          "", bwd_tiles[t], grouped_bwd_ms[t], 2.0 * flops / grouped_bwd_ms[t] / 1e9);
+          "", kBwdTile[t], grouped_bwd_ms[t], 2.0 * flops / grouped_bwd_ms[t] / 1e9);
   } else {
     std::printf("%-28s   experts grouped: not in this build or not an sm_90 GPU\n", "");
   }
@@ -330,17 +336,16 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
       flops / dense_ms / 1e9);
   // auto: the pick of gpu::chooseExpertGemm per direction (moe.expert_gemm's default).
   // Each mode: its label, PLM_MOE_GEMM and PLM_MOE_GROUPED_TILE ("" = the built-in default);
-  // auto-DxWy = the per-direction pick with dgrad tile x and wgrad tile y.
+  // a tile triple as the label = the per-direction pick with those tiles (kBwdTile).
   struct Mode {
     const char* label;
     const char* gemm;
     const char* tile;
   };
-  for (const Mode& m :
-       {Mode{"loop", "loop", ""}, Mode{"grouped", "grouped", "128"},
-        Mode{"grouped256", "grouped", "256"}, Mode{"auto", "auto", ""},
-        Mode{"auto-D128W256", "auto", "128,128,256"}, Mode{"auto-D256W128", "auto", "128,256,128"},
-        Mode{"auto-D256W256", "auto", "128,256,256"}}) {
+  std::vector<Mode> modes = {Mode{"loop", "loop", ""}, Mode{"grouped", "grouped", "128"},
+                             Mode{"grouped256", "grouped", "256"}, Mode{"auto", "auto", ""}};
+  for (const char* tile : kBwdTile) modes.push_back(Mode{tile, "auto", tile});
+  for (const Mode& m : modes) {
     const char* mode = m.label;
     if (std::strcmp(m.gemm, "loop") != 0 && !plm::gpu::groupedExpertGemmAvailable()) {
       std::printf("  %s: not in this build or not an sm_90 GPU\n", mode);
@@ -367,7 +372,7 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
       (kind.rfind("gemm", 0) == 0 ? gemm_ms : other_ms) += t;
     ctx.setProfiling(false);
     std::printf(
-        "  %-13s moe fwd %.3f ms (%.1f%% of dense fwd) | fwd+bwd %.3f ms (%.0f TFLOP/s active) | "
+        "  %-19s moe fwd %.3f ms (%.1f%% of dense fwd) | fwd+bwd %.3f ms (%.0f TFLOP/s active) | "
         "bwd %.3f ms | profiled step %.3f ms: expert GEMMs %.3f, marked other %.3f, unmarked "
         "(router GEMMs, routing, permute, unpermute, combine) %.3f | moe/dense tokens/s "
         "%.1f%%\n",

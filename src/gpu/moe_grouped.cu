@@ -110,23 +110,44 @@ __device__ __forceinline__ void geluBackward8(uint4& d, const uint4& p) {
   }
 }
 
-// Bias gradients: a block owns kSumCols columns of one expert; its kSumRowLanes row lanes each
-// sum every kSumRowLanes-th row (16-byte loads, kSumUnroll rows in flight per thread, added in
-// row order), then a fixed tree adds the lanes, so the result does not depend on timing.
-constexpr int kSumThreads = 512;
-constexpr int kSumColLanes = 4;                           // 4 x 8 bf16 = 32 columns
-constexpr int kSumCols = kSumColLanes * 8;                // per block
-constexpr int kSumRowLanes = kSumThreads / kSumColLanes;  // 128
+// Bias gradients, in two launches with an order fixed by the shape alone (bitwise
+// reproducible, no atomics).  1: block (column tile, expert, row slice) sums kSumCols columns of
+// one slice of the expert's rows: kSumRowLanes row lanes (one warp each, 512 contiguous bytes of
+// a row per load) take every kSumRowLanes-th row with kSumUnroll rows in flight per thread, added
+// in row order; a fixed tree adds the lanes; the slice's sums go to a scratch row.  2: per
+// expert and column, the slices' sums are added in slice order onto db.  The row slices give
+// the launch enough blocks to fill the GPU with 8 experts: at 650M-like the two sums read 2.3
+// TB/s on the H100 against 1.6 TB/s for one block per column tile and expert
+// (validation/gpu_logs/moeperf_h100).
+constexpr int kSumThreads = 256;
+constexpr int kSumColLanes = 32;                          // a warp: 32 x 8 bf16 of one row
+constexpr int kSumCols = kSumColLanes * 8;                // 256 columns per block
+constexpr int kSumRowLanes = kSumThreads / kSumColLanes;  // 8
 constexpr int kSumUnroll = 4;
+constexpr int kSumMaxSlices = 16;            // row slices per expert, at most
+constexpr std::int64_t kSumSliceRows = 256;  // rows per slice, at least (but for the last)
 
-/// Block (column tile, expert); cols % 8 == 0.  kGelu: the rows read are dact, turned into
-/// dpre = dact * gelu_tanh'(pre) (written to out, in place allowed) before they are summed, so
-/// the backward's dGELU and its b1 gradient take one pass.
+/// The row slices per expert for a launch whose largest expert has `most` rows.
+int sumSlices(std::int64_t most) {
+  return static_cast<int>(
+      std::clamp<std::int64_t>((most + kSumSliceRows - 1) / kSumSliceRows, 1, kSumMaxSlices));
+}
+
+/// Block (column tile, expert, slice); cols % 8 == 0; partial holds (experts x slices) rows of
+/// cols floats.  kGelu: the rows read are dact, turned into dpre = dact * gelu_tanh'(pre)
+/// (written to out, in place allowed) before they are summed, so the backward's dGELU and its b1
+/// gradient take one pass.
 template <bool kGelu> __global__ void __launch_bounds__(kSumThreads)
-    biasGradKernel(RowBlocks blocks, const bfloat* d, const bfloat* pre, bfloat* out, int cols) {
-  __shared__ float part[kSumRowLanes][kSumCols + 1];  // +1: no bank conflicts on the tree
-  const int e = blockIdx.y, lane = threadIdx.x / kSumColLanes, cl = threadIdx.x % kSumColLanes;
-  const std::int64_t first = blocks.offset[e], last = blocks.offset[e + 1];
+    biasGradKernel(RowBlocks blocks, int slices, const bfloat* d, const bfloat* pre, bfloat* out,
+                   int cols, float* partial) {
+  __shared__ float part[kSumRowLanes][kSumCols + 1];
+  const int e = blockIdx.y, slice = blockIdx.z, lane = threadIdx.x / kSumColLanes,
+            cl = threadIdx.x % kSumColLanes;
+  const std::int64_t begin = blocks.offset[e], end = blocks.offset[e + 1];
+  if (end == begin) return;  // nothing to add: the second launch leaves this expert alone
+  const std::int64_t per = (end - begin + slices - 1) / slices;
+  const std::int64_t first = begin + slice * per < end ? begin + slice * per : end,
+                     last = first + per < end ? first + per : end;
   const int c = blockIdx.x * kSumCols + cl * 8;
   float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   auto at = [&](std::int64_t r) { return r * cols + c; };
@@ -168,11 +189,21 @@ template <bool kGelu> __global__ void __launch_bounds__(kSumThreads)
       part[i / kSumCols][i % kSumCols] += part[i / kSumCols + half][i % kSumCols];
     __syncthreads();
   }
-  const int col = blockIdx.x * kSumCols + static_cast<int>(threadIdx.x);
-  if (threadIdx.x < kSumCols && col < cols && last > first) {
-    float* db = static_cast<float*>(const_cast<void*>(blocks.ptr[e]));
-    db[col] += part[0][threadIdx.x];
+  float* row = partial + (std::int64_t(e) * slices + slice) * cols;
+  for (int i = threadIdx.x; i < kSumCols; i += kSumThreads) {
+    const int col = blockIdx.x * kSumCols + i;
+    if (col < cols) row[col] = part[0][i];
   }
+}
+
+/// db[e][col] += the sum of expert e's slice sums in slice order (experts with rows only).
+__global__ void biasGradFinishKernel(RowBlocks blocks, int slices, const float* partial, int cols) {
+  const int e = blockIdx.y, col = blockIdx.x * blockDim.x + threadIdx.x;
+  if (col >= cols || blocks.offset[e + 1] == blocks.offset[e]) return;
+  const float* p = partial + std::int64_t(e) * slices * cols + col;
+  float sum = 0.0f;
+  for (int k = 0; k < slices; ++k) sum += p[std::int64_t(k) * cols];
+  static_cast<float*>(const_cast<void*>(blocks.ptr[e]))[col] += sum;
 }
 
 void checkCols(int cols, const char* what) {
@@ -228,14 +259,29 @@ detail::GroupedTile groupedTile(GroupedLayout layout) {
   return tile[static_cast<int>(layout)];
 }
 
-/// One grouped launch; the workspace holds one argument block per layout, so the launches of
-/// one layer can queue back to back.
+/// The grouped GEMMs' part of the workspace: one argument block per layout.
+std::size_t gemmWorkspaceBytes(int experts) {
+  std::size_t per = 0;
+  for (int l = 0; l < detail::kGroupedLayouts; ++l)
+    per = std::max(per, detail::groupedWorkspaceBytes(static_cast<GroupedLayout>(l), experts));
+  return (per + 255) / 256 * 256 * detail::kGroupedLayouts;
+}
+
+/// The workspace of a layer's grouped calls: the GEMMs' argument blocks first, then the bias
+/// gradients' scratch; too small a workspace is a bug in the caller.
+void checkWorkspace(std::size_t bytes, int experts, int hidden, int ffn, const char* what) {
+  const std::size_t need = groupedExpertWorkspaceBytes(experts, hidden, ffn);
+  if (bytes < need)
+    throw Error(std::string("plm::gpu::") + what + ": workspace of " + std::to_string(bytes) +
+                " bytes, " + std::to_string(need) +
+                " needed (a bug: size it with groupedExpertWorkspaceBytes)");
+}
+
+/// One grouped launch; the workspace holds one argument block per layout (checkWorkspace), so
+/// the launches of one layer can queue back to back.
 void runGrouped(Stream stream, GroupedLayout layout, const std::vector<GroupedProblem>& p,
-                float beta, void* workspace, std::size_t bytes, int experts) {
-  const std::size_t per = bytes / detail::kGroupedLayouts;
-  if (per < detail::groupedWorkspaceBytes(layout, experts))
-    throw Error("plm::gpu: grouped expert workspace of " + std::to_string(bytes) +
-                " bytes is too small (a bug: size it with groupedExpertWorkspaceBytes)");
+                float beta, void* workspace, int experts) {
+  const std::size_t per = gemmWorkspaceBytes(experts) / detail::kGroupedLayouts;
   detail::groupedRun(stream, layout, groupedTile(layout), p.data(), static_cast<int>(p.size()),
                      beta, static_cast<char*>(workspace) + per * static_cast<int>(layout), per);
 }
@@ -297,11 +343,9 @@ ExpertGemm chooseExpertGemm(ExpertGemm asked, int experts, int hidden, int ffn, 
   return backward && weight <= (std::int64_t(8) << 20) ? ExpertGemm::Grouped : ExpertGemm::Loop;
 }
 
-std::size_t groupedExpertWorkspaceBytes(int experts) {
-  std::size_t per = 0;
-  for (int l = 0; l < detail::kGroupedLayouts; ++l)
-    per = std::max(per, detail::groupedWorkspaceBytes(static_cast<GroupedLayout>(l), experts));
-  return per * detail::kGroupedLayouts;
+std::size_t groupedExpertWorkspaceBytes(int experts, int hidden, int ffn) {
+  return gemmWorkspaceBytes(experts) +
+         expertBiasGradientWorkspaceBytes(experts, std::max(hidden, ffn));
 }
 
 void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias,
@@ -319,24 +363,43 @@ void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias,
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
-/// The bias-gradient kernel's launch (kGelu: see biasGradKernel).
+/// The bias-gradient launches (kGelu: see biasGradKernel); `scratch` holds
+/// expertBiasGradientWorkspaceBytes(rows.size(), cols).
 template <bool kGelu> void biasGradient(Stream stream, const std::vector<float*>& db,
                                         const std::vector<std::int64_t>& rows, const bf16* d,
-                                        const bf16* pre, bf16* out, int cols) {
+                                        const bf16* pre, bf16* out, int cols, void* scratch,
+                                        std::size_t scratch_bytes) {
   checkCols(cols, "expertBiasGradient");
-  if (maxRows(rows) == 0) return;
+  const std::int64_t most = maxRows(rows);
+  if (most == 0) return;
+  const int e_n = static_cast<int>(rows.size());
+  if (scratch_bytes < expertBiasGradientWorkspaceBytes(e_n, cols))
+    throw Error("plm::gpu::expertBiasGradient: workspace of " + std::to_string(scratch_bytes) +
+                " bytes, " + std::to_string(expertBiasGradientWorkspaceBytes(e_n, cols)) +
+                " needed (a bug: size it with expertBiasGradientWorkspaceBytes)");
   const RowBlocks b =
       rowBlocks(rows, reinterpret_cast<const void* const*>(db.data()), "expertBiasGradient");
+  const int slices = sumSlices(most);
+  auto* partial = static_cast<float*>(scratch);
   biasGradKernel<kGelu>
-      <<<dim3((cols + kSumCols - 1) / kSumCols, b.groups), kSumThreads, 0, stream>>>(
-          b, reinterpret_cast<const bfloat*>(d), reinterpret_cast<const bfloat*>(pre),
-          reinterpret_cast<bfloat*>(out), cols);
+      <<<dim3((cols + kSumCols - 1) / kSumCols, b.groups, slices), kSumThreads, 0, stream>>>(
+          b, slices, reinterpret_cast<const bfloat*>(d), reinterpret_cast<const bfloat*>(pre),
+          reinterpret_cast<bfloat*>(out), cols, partial);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  biasGradFinishKernel<<<dim3((cols + 255) / 256, b.groups), 256, 0, stream>>>(b, slices, partial,
+                                                                               cols);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
+std::size_t expertBiasGradientWorkspaceBytes(int experts, int cols) {
+  return (std::size_t(experts) * kSumMaxSlices * std::max(cols, 0) * sizeof(float) + 255) / 256 *
+         256;
+}
+
 void expertBiasGradient(Stream stream, const std::vector<float*>& db,
-                        const std::vector<std::int64_t>& rows, const bf16* d, int cols) {
-  biasGradient<false>(stream, db, rows, d, nullptr, nullptr, cols);
+                        const std::vector<std::int64_t>& rows, const bf16* d, int cols,
+                        void* workspace, std::size_t workspace_bytes) {
+  biasGradient<false>(stream, db, rows, d, nullptr, nullptr, cols, workspace, workspace_bytes);
 }
 
 void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& experts,
@@ -349,13 +412,14 @@ void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& exper
   checkCols(hidden, "groupedExpertForward");
   checkCols(ffn, "groupedExpertForward");
   const int e_n = static_cast<int>(experts.size());
+  checkWorkspace(workspace_bytes, e_n, hidden, ffn, "groupedExpertForward");
   const auto up = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
     return GroupedProblem{
         static_cast<int>(n), ffn, hidden, x + at * hidden, hidden, experts[e].w1, hidden,
         pre + at * ffn,      ffn};
   });
   if (up.empty()) return;
-  runGrouped(stream, GroupedLayout::Forward, up, 0.0f, workspace, workspace_bytes, e_n);
+  runGrouped(stream, GroupedLayout::Forward, up, 0.0f, workspace, e_n);
   std::vector<const bf16*> b1(e_n), b2(e_n);
   for (int e = 0; e < e_n; ++e) {
     b1[e] = experts[e].b1;
@@ -366,7 +430,7 @@ void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& exper
     return GroupedProblem{static_cast<int>(n), hidden, ffn, act + at * ffn, ffn, experts[e].w2, ffn,
                           y + at * hidden,     hidden};
   });
-  runGrouped(stream, GroupedLayout::Forward, down, 0.0f, workspace, workspace_bytes, e_n);
+  runGrouped(stream, GroupedLayout::Forward, down, 0.0f, workspace, e_n);
   expertBiasGelu(stream, b2, rows, y, nullptr, hidden);
 }
 
@@ -382,6 +446,9 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
   checkCols(hidden, "groupedExpertBackward");
   checkCols(ffn, "groupedExpertBackward");
   const int e_n = static_cast<int>(experts.size());
+  checkWorkspace(workspace_bytes, e_n, hidden, ffn, "groupedExpertBackward");
+  void* scratch = static_cast<char*>(workspace) + gemmWorkspaceBytes(e_n);
+  const std::size_t scratch_bytes = workspace_bytes - gemmWorkspaceBytes(e_n);
   std::vector<float*> db1(e_n), db2(e_n);
   for (int e = 0; e < e_n; ++e) {
     db1[e] = grads[e].b1;
@@ -395,29 +462,29 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
         dpre + at * ffn,     ffn};
   });
   if (dact.empty()) return;
-  runGrouped(stream, GroupedLayout::Dgrad, dact, 0.0f, workspace, workspace_bytes, e_n);
-  biasGradient<true>(stream, db1, rows, dpre, pre, dpre, ffn);
+  runGrouped(stream, GroupedLayout::Dgrad, dact, 0.0f, workspace, e_n);
+  biasGradient<true>(stream, db1, rows, dpre, pre, dpre, ffn, scratch, scratch_bytes);
   // dW2 (hidden, ffn) += dy^T act; dW1 (ffn, hidden) += dpre^T x.
   const auto dw2 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
     return GroupedProblem{
         hidden,      ffn, static_cast<int>(n), dy + at * hidden, hidden, act + at * ffn, ffn,
         grads[e].w2, ffn};
   });
-  runGrouped(stream, GroupedLayout::Wgrad, dw2, 1.0f, workspace, workspace_bytes, e_n);
+  runGrouped(stream, GroupedLayout::Wgrad, dw2, 1.0f, workspace, e_n);
   const auto dw1 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
     return GroupedProblem{
         ffn,         hidden, static_cast<int>(n), dpre + at * ffn, ffn, x + at * hidden, hidden,
         grads[e].w1, hidden};
   });
-  runGrouped(stream, GroupedLayout::Wgrad, dw1, 1.0f, workspace, workspace_bytes, e_n);
-  expertBiasGradient(stream, db2, rows, dy, hidden);
+  runGrouped(stream, GroupedLayout::Wgrad, dw1, 1.0f, workspace, e_n);
+  expertBiasGradient(stream, db2, rows, dy, hidden, scratch, scratch_bytes);
   // dx = dpre W1.
   const auto dxp = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
     return GroupedProblem{
         static_cast<int>(n), hidden, ffn, dpre + at * ffn, ffn, experts[e].w1, hidden,
         dx + at * hidden,    hidden};
   });
-  runGrouped(stream, GroupedLayout::Dgrad, dxp, 0.0f, workspace, workspace_bytes, e_n);
+  runGrouped(stream, GroupedLayout::Dgrad, dxp, 0.0f, workspace, e_n);
 }
 
 }  // namespace plm::gpu

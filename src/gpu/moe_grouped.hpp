@@ -9,7 +9,8 @@
 // grouped act W2^T and one pass y += b2; the backward runs grouped dy W2, then one pass (16 bytes
 // a thread) that applies dGELU in place and sums the b1 gradient, grouped dW2 += dy^T act and
 // dW1 += dpre^T x (fp32, accumulated), the b2 gradient, and grouped dx = dpre W1; the bias
-// gradients are fixed-order column sums per expert (bitwise reproducible).  The per-launch
+// gradients are fixed-order column sums per expert over row slices (bitwise reproducible; the
+// slices' sums go through a scratch part of the workspace).  The per-launch
 // arguments go to the device as kernel parameters (no copy, no synchronisation).  Which path runs
 // is chosen here (ExpertGemm), by the measured crossover (doc/performance.md "MoE grouped GEMM"):
 // the grouped launch wins when experts are many and small, the loop when they are few and large.
@@ -52,8 +53,9 @@ struct ExpertGrads {
   float* b2 = nullptr;  // (hidden)
 };
 
-/// \brief Device workspace bytes the grouped forward and backward need for `experts` experts.
-std::size_t groupedExpertWorkspaceBytes(int experts);
+/// \brief Device workspace bytes the grouped forward and backward need for `experts` experts
+/// of (hidden, ffn): the GEMMs' argument blocks and the bias gradients' scratch (any rows).
+std::size_t groupedExpertWorkspaceBytes(int experts, int hidden, int ffn);
 
 /// \brief As expertFfnForward (moe.hpp), in grouped launches: pre = x W1^T + b1,
 /// act = gelu_tanh(pre), y = act W2^T + b2 for each expert's row block.
@@ -77,8 +79,13 @@ void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias,
                     const std::vector<std::int64_t>& rows, bf16* pre, bf16* act, int cols);
 
 /// \brief Per expert e: db[e][c] += sum over its rows of d(r, c) (fp32, in an order fixed by
-/// the shape alone: bitwise reproducible); cols a multiple of 8, d 16-byte aligned.
+/// the shape alone: bitwise reproducible); cols a multiple of 8, d 16-byte aligned; the
+/// workspace (device) holds expertBiasGradientWorkspaceBytes(rows.size(), cols).
 void expertBiasGradient(Stream stream, const std::vector<float*>& db,
-                        const std::vector<std::int64_t>& rows, const bf16* d, int cols);
+                        const std::vector<std::int64_t>& rows, const bf16* d, int cols,
+                        void* workspace, std::size_t workspace_bytes);
+/// \brief The scratch bytes expertBiasGradient needs for `experts` experts of `cols` columns
+/// (per-slice column sums; any rows).
+std::size_t expertBiasGradientWorkspaceBytes(int experts, int cols);
 
 }  // namespace plm::gpu

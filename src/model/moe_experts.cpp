@@ -64,7 +64,8 @@ struct GroupedCall {
   std::size_t bytes = 0;
 };
 
-GroupedCall groupedCall(OpContext& ctx, const std::vector<ExpertRows>& experts) {
+GroupedCall groupedCall(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
+                        const Mat& pre) {
   GroupedCall c;
   for (const auto& e : experts) {
     const DenseMlpWeights& x = *e.w;
@@ -72,7 +73,8 @@ GroupedCall groupedCall(OpContext& ctx, const std::vector<ExpertRows>& experts) 
                    as<gpu::bf16>(x.b2.data)});
     c.rows.push_back(e.rows);
   }
-  c.bytes = gpu::groupedExpertWorkspaceBytes(static_cast<int>(experts.size()));
+  c.bytes = gpu::groupedExpertWorkspaceBytes(static_cast<int>(experts.size()),
+                                             static_cast<int>(x.cols), static_cast<int>(pre.cols));
   c.workspace = ctx.scratch(kGroupedScratch, c.bytes);
   return c;
 }
@@ -84,7 +86,7 @@ void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, cons
                     const Mat& pre, const Mat& act, const Mat& y, ExpertGemmMode mode) {
 #if PLM_HAVE_CUDA
   if (useGrouped(experts, x, pre, false, mode)) {
-    const GroupedCall c = groupedCall(ctx, experts);
+    const GroupedCall c = groupedCall(ctx, experts, x, pre);
     gpu::groupedExpertForward(ctx.space().cuda_stream(), c.w, c.rows, as<gpu::bf16>(x.data),
                               static_cast<gpu::bf16*>(pre.data), static_cast<gpu::bf16*>(act.data),
                               static_cast<gpu::bf16*>(y.data), static_cast<int>(x.cols),
@@ -114,7 +116,7 @@ void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, con
 #if PLM_HAVE_CUDA
   if (useGrouped(experts, x, pre, true, mode) && contiguousBf16(dy) && contiguousBf16(dpre) &&
       contiguousBf16(dx) && contiguousBf16(act)) {
-    const GroupedCall c = groupedCall(ctx, experts);
+    const GroupedCall c = groupedCall(ctx, experts, x, pre);
     std::vector<gpu::ExpertGrads> g(experts.size());
     for (std::size_t i = 0; i < experts.size(); ++i) {
       const DenseMlpGrads& ge = *experts[i].g;

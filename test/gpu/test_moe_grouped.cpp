@@ -60,7 +60,7 @@ void checkGrouped(const std::vector<std::int64_t>& rows, int hidden, int ffn) {
     weights.push_back({w1[e].get(), b1[e].get(), w2[e].get(), b2[e].get()});
 
   // Forward, grouped and looped.
-  const std::size_t ws_bytes = groupedExpertWorkspaceBytes(e_n);
+  const std::size_t ws_bytes = groupedExpertWorkspaceBytes(e_n, hidden, ffn);
   DeviceBuffer<char> ws(ws_bytes);
   DeviceBuffer<std::uint16_t> pre(total * ffn), act(total * ffn), y(total * hidden);
   DeviceBuffer<std::uint16_t> pre_l(total * ffn), act_l(total * ffn), y_l(total * hidden);
@@ -192,7 +192,7 @@ TEST(MoeGrouped, PerLayoutTiles) {
     // Two tiles for three layouts, or a tile that does not exist: a clear error, no launch.
     DeviceBuffer<std::uint16_t> x(8 * 64), pre(8 * 64), act(8 * 64), y(8 * 64);
     Bf16Tensor w(test::randomNormal(64 * 64, 3, 0.1f)), b(test::randomNormal(64, 4, 0.1f));
-    const std::size_t bytes = groupedExpertWorkspaceBytes(1);
+    const std::size_t bytes = groupedExpertWorkspaceBytes(1, 64, 64);
     DeviceBuffer<char> ws(bytes);
     for (const char* bad : {"128,256", "64", "128,128,512"}) {
       setenv("PLM_MOE_GROUPED_TILE", bad, 1);
@@ -207,11 +207,15 @@ TEST(MoeGrouped, PerLayoutTiles) {
 }
 
 TEST(MoeGrouped, BiasGradientColumnSums) {
-  // Needs no CUTLASS.  An expert of 4,099 rows (more than the kernel's 4 x 128 rows in flight,
-  // not a multiple of them), empty ones (untouched), 136 columns (a partial 32-column tile);
-  // accumulated onto non-zero values; a second run from the same start is bitwise equal.
+  // Needs no CUTLASS.  An expert of 4,099 rows (16 row slices of 257: more than the kernel's
+  // 4 x 8 rows in flight, not a multiple of them), experts whose last slices are short or empty
+  // (515, 130 and 1 rows in 16 slices), empty ones (untouched), 264 columns (a full 256-column
+  // tile and a partial one); accumulated onto non-zero values; a second run from the same start
+  // is bitwise equal.
   const std::vector<std::int64_t> rows = {0, 1, 4099, 515, 0, 130};
-  const int cols = 136, e_n = static_cast<int>(rows.size());
+  const int cols = 264, e_n = static_cast<int>(rows.size());
+  const std::size_t ws_bytes = expertBiasGradientWorkspaceBytes(e_n, cols);
+  DeviceBuffer<char> ws(ws_bytes);
   const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t(0));
   Bf16Tensor d(test::randomNormal(total * cols, 21));
   std::vector<std::vector<float>> g0;
@@ -222,7 +226,7 @@ TEST(MoeGrouped, BiasGradientColumnSums) {
     db.emplace_back(g0.back());
     ptr.push_back(db.back().get());
   }
-  expertBiasGradient(nullptr, ptr, rows, d.get(), cols);
+  expertBiasGradient(nullptr, ptr, rows, d.get(), cols, ws.get(), ws_bytes);
   std::vector<std::vector<float>> first_run;
   std::int64_t at = 0;
   for (int e = 0; e < e_n; ++e) {
@@ -237,10 +241,14 @@ TEST(MoeGrouped, BiasGradientColumnSums) {
     at += rows[e];
   }
   for (int e = 0; e < e_n; ++e) db[e].upload(g0[e]);
-  expertBiasGradient(nullptr, ptr, rows, d.get(), cols);
+  expertBiasGradient(nullptr, ptr, rows, d.get(), cols, ws.get(), ws_bytes);
   for (int e = 0; e < e_n; ++e)
     EXPECT_EQ(db[e].download(), first_run[e]) << "expert " << e << ": rerun not bitwise equal";
-  EXPECT_THROW(expertBiasGradient(nullptr, ptr, rows, d.get(), 12), Error) << "cols % 8 != 0";
+  EXPECT_THROW(expertBiasGradient(nullptr, ptr, rows, d.get(), 12, ws.get(), ws_bytes), Error)
+      << "cols % 8 != 0";
+  EXPECT_THROW(expertBiasGradient(nullptr, ptr, rows, d.get(), cols, ws.get(), ws_bytes - 256),
+               Error)
+      << "workspace too small";
 }
 
 TEST(MoeGrouped, ChoiceAndErrors) {
