@@ -7,7 +7,8 @@
 #   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
 #        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
 #        layer with PLM_MOE_GEMM=grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
-#        and training layer; PLM_MOE_BENCH_ONLY=650M: only the shapes whose name holds it); logs
+#        and training layer; PLM_MOE_BENCH_ONLY=650M: only the shapes whose name holds it;
+#        PLM_MOE_BENCH_REPEATS=3: three runs of it in a row); logs
 #        copied to $OUT (moe_grouped_tests.log, bench_gpu_moe.log)
 #   moe_ep: expert parallelism on ONE GPU at 2 ranks (staged MPI) against 1 rank, bf16 and FP8
 #         experts (test_ckpt_moe_expert_parallel, test_fp8_moe; PLM_MOE_EP_FILTER narrows
@@ -539,9 +540,12 @@ if has moe_grouped; then
   done
   cp "$out/moe_grouped_tests.log" "$final_out/" 2>/dev/null
   if [[ -x "$pkg/bin/bench_gpu_moe" ]]; then
-    timeout ${PLM_MOE_BENCH_TIMEOUT:-200} "$pkg/bin/bench_gpu_moe" 0 "${PLM_MOE_BENCH_ONLY:-}" \
-      > "$out/bench_gpu_moe.log" 2>&1
-    note "bench_gpu_moe rc=$?"
+    : > "$out/bench_gpu_moe.log"
+    for i in $(seq ${PLM_MOE_BENCH_REPEATS:-1}); do  # repeats show the run-to-run spread
+      timeout ${PLM_MOE_BENCH_TIMEOUT:-200} "$pkg/bin/bench_gpu_moe" 0 "${PLM_MOE_BENCH_ONLY:-}" \
+        >> "$out/bench_gpu_moe.log" 2>&1
+      note "bench_gpu_moe run $i rc=$?"
+    done
     cat "$out/bench_gpu_moe.log" >> "$summary"
     cp "$out/bench_gpu_moe.log" "$final_out/" 2>/dev/null
   fi

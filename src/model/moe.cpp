@@ -608,7 +608,7 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   if (s.distributed()) {
     ctx.mark(OpKind::Other);
     s.plan();  // the counts' exchange, with a host synchronisation
-    ctx.mark(OpKind::Dispatch);
+    ctx.mark(OpKind::DispatchCounts);
     s.xexp = growAs(s.xexp_s, s.expert_rows * hid, cdt, "plm::model::moe::xexp");
     s.toExperts(ctx, s.xperm, s.xexp);
     s.yexp = growAs(s.yexp_s, s.expert_rows * hid, cdt, "plm::model::moe::yexp");

@@ -326,12 +326,11 @@ std::vector<std::pair<std::string, double>> OpContext::profile() {
 #if PLM_HAVE_CUDA
   auto& c = cuda();
   c.collect();
-  const char* names[] = {"gemm (cuBLASLt)", "attention",   "layernorm",
-                         "other fused",     "moe dispatch", "fp8 cast"};
+  const char* names[] = {"gemm (cuBLASLt)", "attention",  "layernorm", "other fused",
+                         "moe dispatch",    "moe counts", "fp8 cast"};
   static_assert(sizeof(names) / sizeof(names[0]) == kProfileKinds, "a name per kind");
-  const int dispatch = static_cast<int>(OpKind::Dispatch);
-  for (int k = 0; k < kProfileKinds; ++k)
-    if ((k != kFp8CastKind && k != dispatch) || c.totals[k] > 0)
+  for (int k = 0; k < kProfileKinds; ++k)  // the MoE and FP8 kinds only when they ran
+    if (k <= static_cast<int>(OpKind::Other) || c.totals[k] > 0)
       out.emplace_back(names[k], c.totals[k]);
 #endif
   return out;

@@ -149,8 +149,9 @@ AttentionKernel attentionKernelFor(const OpContext& ctx, int head_dim);
 
 /// Per-kind timing of the launches of a stream (CUDA events); see Esm2::setProfiling.
 /// What a launch's time counts as under profiling (OpContext::setProfiling).  Dispatch: the
-/// MoE layers' token all-to-alls between the ranks of an expert group (with their waits).
-enum class OpKind { Gemm, Attention, LayerNorm, Other, Dispatch, Count };
+/// MoE layers' row all-to-alls between the ranks of an expert group (with their waits);
+/// DispatchCounts: their per-expert row counts' exchange, which the host waits for.
+enum class OpKind { Gemm, Attention, LayerNorm, Other, Dispatch, DispatchCounts, Count };
 
 /// \brief Where operations run: the execution space instance, the attention tiles of the
 /// portable kernels, and the state of the CUDA path (cuBLASLt handle and plan cache, grow-only

@@ -39,12 +39,14 @@ std::vector<std::string> moeSettings(int degree, int steps) {
           "parallel.expert_degree=" + std::to_string(degree)};
 }
 
-std::vector<double> train(Teuchos::RCP<Teuchos::ParameterList> deck, MPI_Comm comm) {
+std::vector<double> train(Teuchos::RCP<Teuchos::ParameterList> deck, MPI_Comm comm,
+                          std::vector<double>* grad_norms = nullptr) {
   std::vector<double> losses;
   plm::train::Trainer t(deck, comm);
   plm::train::Trainer::Hooks extra;
   extra.on_step = [&](plm::train::Trainer&, const plm::train::StepStats& s) {
     losses.push_back(s.loss());
+    if (grad_norms) grad_norms->push_back(s.grad_norm);
   };
   plm::ckpt::installHooks(t, extra);
   t.run();
@@ -76,17 +78,21 @@ TEST(ExpertParallel, DegreesGiveTheSameLosses) {
     GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "moe_ep");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
-  std::vector<double> reference;
+  std::vector<double> reference, reference_norms;
   for (int d : degrees()) {
     auto settings = moeSettings(d, 20);
     settings.push_back("checkpoint.every=0");
-    const auto losses = train(tinyDeck(dir, "ep" + std::to_string(d), settings), MPI_COMM_WORLD);
+    std::vector<double> norms;  // the clipping norm counts each expert once at any degree
+    const auto losses =
+        train(tinyDeck(dir, "ep" + std::to_string(d), settings), MPI_COMM_WORLD, &norms);
     ASSERT_EQ(losses.size(), 20u);
     if (reference.empty()) {
       reference = losses;
+      reference_norms = norms;
       EXPECT_LT(losses.back(), losses.front()) << "training did not reduce the loss";
     } else {
       expectSame(losses, reference, "expert_degree " + std::to_string(d));
+      expectSame(norms, reference_norms, "gradient norm at expert_degree " + std::to_string(d));
     }
   }
   // The final model file records the MoE layout, so eval/embed rebuild the same model from it,
