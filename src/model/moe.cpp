@@ -269,11 +269,11 @@ template <class T> struct MoeMlp<T>::State {
   std::vector<std::int64_t> local_rows;  // (E / E_p)
   int first_expert = 0, local_experts = 0;
   std::int64_t expert_rows = 0;  // rows this rank computes
-  // Self rows first (PLM_MOE_OVERLAP, on by default): this rank's own rows of its own experts
-  // skip the exchange (zero counts to and from self) and are computed in place, from the local
-  // permuted buffer's contiguous block [self_at, self_at + self_n), while the other ranks' rows
-  // travel; the expert side then holds [self rows | exchanged rows], both expert-major.  Off
-  // (or at expert degree 1): self_n = 0 and every row goes through the exchange.
+  // Self rows first (PLM_MOE_OVERLAP, on by default; not with FP8 experts): this rank's own rows of
+  // its own experts skip the exchange (zero counts to and from self) and are computed in place,
+  // from the local permuted buffer's contiguous block [self_at, self_at + self_n), while the other
+  // ranks' rows travel; the expert side then holds [self rows | exchanged rows], both expert-major.
+  // Off (or at expert degree 1): self_n = 0 and every row goes through the exchange.
   std::int64_t self_at = 0, self_n = 0, exchanged = 0;
   std::vector<std::int64_t> self_rows, exchanged_rows;  // (E / E_p) per expert
   std::vector<std::int64_t> local_at, recv_at;  // row offsets per rank: local buffer, received
@@ -421,6 +421,18 @@ template <class T> struct MoeMlp<T>::State {
     ctx.mark(OpKind::Dispatch);
   }
 
+  /// Whether this rank's experts carry FP8 slots.  Those take no split: an FP8 GEMM's forward
+  /// keeps one quantised copy of its input per weight for the backward (ops.cpp), so a second
+  /// call on the same expert (self rows, then received rows) would overwrite the first's.
+  /// Every rank agrees (the slots follow the deck), so the collectives still match.
+  bool fp8Experts() const {
+    for (int i = 0; i < local_experts; ++i) {
+      const auto& e = w.experts[first_expert + i];
+      if (e.w1.fp8 || e.w2.fp8) return true;
+    }
+    return false;
+  }
+
   /// Whether the self rows skip the exchange and overlap it (PLM_MOE_OVERLAP=0 turns it off:
   /// the benchmarks' baseline and the equivalence test).
   static bool overlapWanted() {
@@ -452,7 +464,7 @@ template <class T> struct MoeMlp<T>::State {
       ep.comm->allToAllV(counts.data(), cc, co, got.data(), cc, co, dist::Stream{}).wait({});
     }
     const int me = ep.comm->rank();
-    const bool split = overlapWanted();
+    const bool split = overlapWanted() && !fp8Experts();
     send_rows.assign(n, 0);
     recv_rows.assign(n, 0);
     local_rows.assign(local_experts, 0);
