@@ -337,9 +337,9 @@ if has moe_nccl; then
   if [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" && $ngpu -ge 2 ]]; then
     steps=${PLM_MOE_NCCL_STEPS:-40}
     # PLM_MOE_NCCL_OVERLAPS: the PLM_MOE_OVERLAP values the multi-GPU runs take, one run each
-    # ("0 1": the exchange of every row, then self rows first; default "1").
-    runs=("1 1 1")
-    for v in ${PLM_MOE_NCCL_OVERLAPS:-1}; do
+    # ("0 1": the exchange of every row, then self rows first; default "0", plm's default).
+    runs=("1 1 0")
+    for v in ${PLM_MOE_NCCL_OVERLAPS:-0}; do
       runs+=("$ngpu $ngpu $v")
       [[ $ngpu -ge 4 ]] && runs+=("$ngpu 2 $v")
     done

@@ -6,7 +6,7 @@
 //  - a rank holds only its experts (table, buffers, initial values by name, the file layout);
 //  - a rank without tokens and an expert that receives none still work: gradients summed over
 //    the ranks equal a single-rank computation over the same micro-batches;
-//  - self rows first (PLM_MOE_OVERLAP=1, the default: a rank's own rows of its own experts skip
+//  - self rows first (PLM_MOE_OVERLAP=1, off by default: a rank's own rows of its own experts skip
 //    the all-to-all and are computed while the others travel) gives the loss and gradients of
 //    the exchange of every row (PLM_MOE_OVERLAP=0), fp64 and on CUDA bf16.
 #include "moe_ep_check.hpp"
