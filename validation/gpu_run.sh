@@ -19,7 +19,9 @@
 #         experts against one rank), then esm2_8m with 8 x 640 experts, top-2, bf16 on the
 #         packaged proteins: one GPU at expert degree 1 against all GPUs at degree = GPUs (and 2
 #         on four), the same 32,768 x GPUs tokens per step: losses compared, tokens/s, parameters
-#         held per rank, and PLM_PROFILE=1's GPU time per kind (the all-to-all's share); PLM_MOE_NCCL_STEPS
+#         held per rank, and PLM_PROFILE=1's GPU time per kind (the all-to-all's share; means
+#         over the second half of the steps); PLM_MOE_NCCL_OVERLAPS="0 1" runs the multi-GPU
+#         ones without and with self rows first (PLM_MOE_OVERLAP); PLM_MOE_NCCL_STEPS
 #   moe: test_gpu_moe and test_gpu_moe_bf16 (the bf16 MoE layer of the training step against
 #        the portable fp32 path), bench_gpu_moe, and a short bf16 MoE training run (esm2_8m with
 #        8 experts of 640, top-2; PLM_MOE_STEPS steps) with its tokens/s
@@ -334,28 +336,61 @@ if has moe_nccl; then
   done
   if [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" && $ngpu -ge 2 ]]; then
     steps=${PLM_MOE_NCCL_STEPS:-40}
-    runs=("1 1" "$ngpu $ngpu")
-    [[ $ngpu -ge 4 ]] && runs+=("$ngpu 2")
+    # PLM_MOE_NCCL_OVERLAPS: the PLM_MOE_OVERLAP values the multi-GPU runs take, one run each
+    # ("0 1": the exchange of every row, then self rows first; default "0", plm's default).
+    runs=("1 1 0")
+    for v in ${PLM_MOE_NCCL_OVERLAPS:-0}; do
+      runs+=("$ngpu $ngpu $v")
+      [[ $ngpu -ge 4 ]] && runs+=("$ngpu 2 $v")
+    done
     for run in "${runs[@]}"; do
       set -- $run
-      np=$1 deg=$2
-      d=/tmp/plm-moe-nccl-$np-$deg
+      np=$1 deg=$2 ovl=$3
+      name=np${np}_deg$deg
+      [[ $np -gt 1 ]] && name+=_overlap$ovl
+      d=/tmp/plm-moe-nccl-$name
       rm -rf "$d"
-      PLM_PROFILE=1 timeout 300 mpiexec -n $np --oversubscribe "$pkg/bin/plm" train \
+      PLM_MOE_OVERLAP=$ovl PLM_PROFILE=1 timeout 300 mpiexec -n $np --oversubscribe \
+        "$pkg/bin/plm" train \
         "$repo/inputs/esm2_8m.yaml" --set data.train="$pkg/data/train.h5" --set data.valid= \
         --set train.precision=bf16 --set moe.experts=8 --set moe.top_k=2 --set moe.expert_ffn=640 \
         --set moe.bias_balance=true --set parallel.expert_degree=$deg \
         --set data.tokens_per_batch=$((32768 * ngpu)) --set data.micro_batch_tokens=32768 \
         --set train.steps=$steps --set train.log_every=1 --set schedule.warmup_steps=10 \
         --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
-        > "$out/moe_nccl_train_np${np}_deg$deg.log" 2>&1
-      note "plm train esm2_8m + 8 x 640 bf16, $np GPU(s), expert degree $deg rc=$?"
-      grep -E "moe: |collectives over|memory" "$out/moe_nccl_train_np${np}_deg$deg.log" | head -4 |
+        > "$out/moe_nccl_train_$name.log" 2>&1
+      note "plm train esm2_8m + 8 x 640 bf16, $np GPU(s), expert degree $deg," \
+        "PLM_MOE_OVERLAP=$ovl rc=$?"
+      grep -E "moe: |collectives over|memory" "$out/moe_nccl_train_$name.log" | head -4 |
         tee -a "$summary"
-      grep -E "profile:|step +[0-9]+/" "$out/moe_nccl_train_np${np}_deg$deg.log" | tail -4 |
+      grep -E "profile:|step +[0-9]+/" "$out/moe_nccl_train_$name.log" | tail -4 |
         tee -a "$summary"
+      # Means over the second half of the steps (the load balance settled): tokens/s, rank 0's
+      # GPU time per step and its "moe dispatch" part (the exposed wait for the rows).
+      python3 - "$out/moe_nccl_train_$name.log" <<'PY' 2>&1 | tee -a "$summary"
+import re, sys
+rows, step = {}, 0
+for line in open(sys.argv[1]):
+    m = re.search(r"step +(\d+)/(\d+) .*?\| ([\d.]+) tok/s", line)
+    if m:
+        step, last = int(m.group(1)), int(m.group(2))
+        rows.setdefault(step, [None, None])[0] = float(m.group(3))
+    elif line.startswith("profile:") and step > 0:
+        ms = [float(x) for x in re.findall(r"([\d.]+) ms", line)]
+        d = re.search(r"moe dispatch ([\d.]+) ms", line)
+        rows.setdefault(step, [None, None])[1] = (sum(ms), float(d.group(1)) if d else 0.0)
+if rows:
+    keep = [v for k, v in rows.items() if k > last // 2]
+    tok = [v[0] for v in keep if v[0] is not None]
+    prof = [v[1] for v in keep if v[1] is not None]
+    mean = lambda v: sum(v) / len(v) if v else float("nan")
+    tot, disp = mean([p[0] for p in prof]), mean([p[1] for p in prof])
+    print("means over steps %d..%d: %.0f tok/s; rank 0 GPU time %.2f ms/step, moe dispatch "
+          "%.2f ms (%.1f%%)" % (last // 2 + 1, last, mean(tok), tot, disp, 100 * disp / tot))
+PY
+      cp "$d/metrics.jsonl" "$out/moe_nccl_metrics_$name.jsonl" 2>/dev/null
       [[ $np -gt 1 ]] && python3 "$repo/validation/compare_losses.py" \
-        /tmp/plm-moe-nccl-1-1/metrics.jsonl "$d/metrics.jsonl" --steps $steps --tol 3e-2 2>&1 |
+        /tmp/plm-moe-nccl-np1_deg1/metrics.jsonl "$d/metrics.jsonl" --steps $steps --tol 3e-2 2>&1 |
         tail -2 | tee -a "$summary"
     done
   fi

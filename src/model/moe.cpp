@@ -269,6 +269,14 @@ template <class T> struct MoeMlp<T>::State {
   std::vector<std::int64_t> local_rows;  // (E / E_p)
   int first_expert = 0, local_experts = 0;
   std::int64_t expert_rows = 0;  // rows this rank computes
+  // Self rows first (PLM_MOE_OVERLAP=1, off by default; not with FP8 experts): this rank's own rows
+  // of its own experts skip the exchange (zero counts to and from self) and are computed in place,
+  // from the local permuted buffer's contiguous block [self_at, self_at + self_n), while the other
+  // ranks' rows travel; the expert side then holds [self rows | exchanged rows], both expert-major.
+  // Off (or at expert degree 1): self_n = 0 and every row goes through the exchange.
+  std::int64_t self_at = 0, self_n = 0, exchanged = 0;
+  std::vector<std::int64_t> self_rows, exchanged_rows;  // (E / E_p) per expert
+  std::vector<std::int64_t> local_at, recv_at;  // row offsets per rank: local buffer, received
 
   // Device workspace (grow-only storage, exact-size views).
   View1<T> logits_s, dlogits_s, slot_gate_s, row_gate_s, dgate_s;
@@ -379,28 +387,62 @@ template <class T> struct MoeMlp<T>::State {
     return static_cast<std::int64_t>(c.shared_experts) * c.expert_ffn;
   }
 
-  /// Sends rows (H wide, grouped by destination in `counts`) to the ranks of the group and
-  /// receives theirs; MPI moves host memory after a fence, NCCL and staged MPI order on the
-  /// stream.  Rows are in the compute precision: bf16 rows move as bf16 (half fp32's bytes).
-  void exchange(OpContext& ctx, const View1<T>& send, const std::vector<std::int64_t>& send_counts,
-                const View1<T>& recv, const std::vector<std::int64_t>& recv_counts) const {
+  /// Starts sending rows (H wide; `send_counts[q]` rows at row `send_at[q]` of `send` go to
+  /// rank q) and receiving theirs (`recv_counts[q]` rows at row `recv_at[q]` of `recv`).  MPI
+  /// moves host memory after a fence, NCCL and staged MPI order on the stream: NCCL runs on the
+  /// communicator's own stream, so the compute stream is free until finishExchange.  Rows are
+  /// in the compute precision: bf16 rows move as bf16 (half fp32's bytes).  Both buffers stay
+  /// untouched (send: unwritten, recv: unread) until finishExchange.
+  dist::Work startExchange(OpContext& ctx, const View1<T>& send,
+                           const std::vector<std::int64_t>& send_counts,
+                           const std::vector<std::int64_t>& send_at, const View1<T>& recv,
+                           const std::vector<std::int64_t>& recv_counts,
+                           const std::vector<std::int64_t>& recv_at) const {
     const int n = ep.comm->size();
     const dist::DataType type = bf16() ? dist::DataType::BFloat16 : dist::DataTypeOf<T>::value;
     std::vector<std::int64_t> sc(n), so(n), rc(n), ro(n);
-    std::int64_t a = 0, b = 0;
     for (int q = 0; q < n; ++q) {
       sc[q] = send_counts[q] * hidden;
       rc[q] = recv_counts[q] * hidden;
-      so[q] = a;
-      ro[q] = b;
-      a += sc[q];
-      b += rc[q];
+      so[q] = send_at[q] * hidden;
+      ro[q] = recv_at[q] * hidden;
     }
-    const auto stream = dist::streamOf(ctx.space());
     ctx.mark(OpKind::Other);  // profiling: what came before is not the exchange
     if (!ep.comm->deviceMemory()) ctx.space().fence();
-    ep.comm->allToAllV(send.data(), sc, so, recv.data(), rc, ro, type, stream).wait(stream);
+    return ep.comm->allToAllV(send.data(), sc, so, recv.data(), rc, ro, type,
+                              dist::streamOf(ctx.space()));
+  }
+
+  /// Waits for an exchange; profiling counts the compute stream's exposed wait as Dispatch.
+  void finishExchange(OpContext& ctx, dist::Work& work) const {
+    const auto stream = dist::streamOf(ctx.space());
+    ctx.mark(OpKind::Other);
+    work.wait(stream);
     ctx.mark(OpKind::Dispatch);
+  }
+
+  /// Whether this rank's experts carry FP8 slots.  Those take no split: an FP8 GEMM's forward
+  /// keeps one quantised copy of its input per weight for the backward (ops.cpp), so a second
+  /// call on the same expert (self rows, then received rows) would overwrite the first's.
+  /// Every rank agrees (the slots follow the deck), so the collectives still match.
+  bool fp8Experts() const {
+    for (int i = 0; i < local_experts; ++i) {
+      const auto& e = w.experts[first_expert + i];
+      if (e.w1.fp8 || e.w2.fp8) return true;
+    }
+    return false;
+  }
+
+  /// Whether the self rows skip the exchange and overlap it: PLM_MOE_OVERLAP=1.  Off by default:
+  /// measured on 2 x H100 and 2 x H200 over NCCL (esm2_8m, 8 x 640 experts, doc/performance.md)
+  /// it hid about 1.1 ms of the exposed all-to-all per step but the split expert GEMMs, running
+  /// beside NCCL's kernels, took 2.8-3.4 ms more: 2-6% fewer tokens/s.
+  static bool overlapWanted() {
+    const char* env = std::getenv("PLM_MOE_OVERLAP");
+    if (!env || std::string(env) == "0" || std::string(env) == "false") return false;
+    if (std::string(env) == "1" || std::string(env) == "true") return true;
+    throw collectiveError("PLM_MOE_OVERLAP = '" + std::string(env) +
+                          "': expected 1 or 0 (true or false); unset it for the default (0)");
   }
 
   /// Counts first: every rank learns how many rows of each of its experts each rank sends;
@@ -423,9 +465,12 @@ template <class T> struct MoeMlp<T>::State {
     } else {
       ep.comm->allToAllV(counts.data(), cc, co, got.data(), cc, co, dist::Stream{}).wait({});
     }
+    const int me = ep.comm->rank();
+    const bool split = overlapWanted() && !fp8Experts();
     send_rows.assign(n, 0);
     recv_rows.assign(n, 0);
     local_rows.assign(local_experts, 0);
+    self_rows.assign(local_experts, 0);
     for (int q = 0; q < n; ++q)
       for (int i = 0; i < local_experts; ++i) {
         send_rows[q] += counts[static_cast<std::size_t>(q) * local_experts + i];
@@ -433,38 +478,70 @@ template <class T> struct MoeMlp<T>::State {
         local_rows[i] += got[static_cast<std::size_t>(q) * local_experts + i];
       }
     expert_rows = std::accumulate(recv_rows.begin(), recv_rows.end(), std::int64_t(0));
-    // Expert-major with source order inside an expert, so the layout is deterministic.
-    std::vector<std::int32_t> to_e(expert_rows), to_s(expert_rows);
-    std::vector<std::int64_t> src_at(n, 0), exp_at(local_experts, 0);
-    for (int q = 1; q < n; ++q) src_at[q] = src_at[q - 1] + recv_rows[q - 1];
-    for (int i = 1; i < local_experts; ++i) exp_at[i] = exp_at[i - 1] + local_rows[i - 1];
-    for (int q = 0; q < n; ++q)
+    local_at.assign(n, 0);
+    for (int q = 1; q < n; ++q) local_at[q] = local_at[q - 1] + send_rows[q - 1];
+    self_at = local_at[me];
+    self_n = 0;
+    if (split) {  // the self block stays: zero counts to and from self
+      self_n = send_rows[me];
+      for (int i = 0; i < local_experts; ++i)
+        self_rows[i] = got[static_cast<std::size_t>(me) * local_experts + i];
+      send_rows[me] = recv_rows[me] = 0;
+    }
+    exchanged = expert_rows - self_n;
+    exchanged_rows.assign(local_experts, 0);
+    for (int i = 0; i < local_experts; ++i) exchanged_rows[i] = local_rows[i] - self_rows[i];
+    recv_at.assign(n, 0);
+    for (int q = 1; q < n; ++q) recv_at[q] = recv_at[q - 1] + recv_rows[q - 1];
+    // Exchanged rows expert-major with source order inside an expert (a deterministic layout).
+    std::vector<std::int32_t> to_e(exchanged), to_s(exchanged);
+    std::vector<std::int64_t> src_at(recv_at), exp_at(local_experts, 0);
+    for (int i = 1; i < local_experts; ++i) exp_at[i] = exp_at[i - 1] + exchanged_rows[i - 1];
+    for (int q = 0; q < n; ++q) {
+      if (split && q == me) continue;
       for (int i = 0; i < local_experts; ++i)
         for (std::int64_t m = 0; m < got[static_cast<std::size_t>(q) * local_experts + i]; ++m) {
           const std::int64_t src = src_at[q]++, dst = exp_at[i]++;
           to_e[dst] = static_cast<std::int32_t>(src);
           to_s[src] = static_cast<std::int32_t>(dst);
         }
+    }
     to_expert = toDevice(to_expert_s, to_e, "plm::model::moe::to_expert");
     to_source = toDevice(to_source_s, to_s, "plm::model::moe::to_source");
   }
 
-  /// Routed rows (local permuted order) to the experts' ranks, expert-major there.
-  void toExperts(OpContext& ctx, const View1<T>& local, const View1<T>& at_experts) {
-    View1<T> recv = growAs(recv_s, expert_rows * hidden, cdt, "plm::model::moe::recv");
-    exchange(ctx, local, send_rows, recv, recv_rows);
-    if (expert_rows > 0)
-      gatherRows(ctx, rowsAs(recv, cdt, 0, expert_rows, hidden), to_expert,
-                 rowsAs(at_experts, cdt, 0, expert_rows, hidden));
+  /// The experts of this rank with `rows[i]` rows each (and their gradients when asked).
+  std::vector<ExpertRows> blocks(const std::vector<std::int64_t>& rows, bool grads) const {
+    std::vector<ExpertRows> b(local_experts);
+    for (int i = 0; i < local_experts; ++i)
+      b[i] = {&w.experts[first_expert + i], grads ? &g.experts[first_expert + i] : nullptr,
+              rows[i]};
+    return b;
   }
 
-  /// The experts' rows (expert-major) back to the ranks that routed them (local order).
+  /// Starts moving the exchanged rows (local permuted order) to the experts' ranks.
+  dist::Work startToExperts(OpContext& ctx, const View1<T>& local) {
+    View1<T> recv = growAs(recv_s, exchanged * hidden, cdt, "plm::model::moe::recv");
+    return startExchange(ctx, local, send_rows, local_at, recv, recv_rows, recv_at);
+  }
+
+  /// Waits for them and lays them out expert-major in `at_experts` (exchanged rows).
+  void finishToExperts(OpContext& ctx, dist::Work& work, const View1<T>& at_experts) {
+    finishExchange(ctx, work);
+    if (exchanged > 0)
+      gatherRows(ctx, rowsAs(recv_s, cdt, 0, exchanged, hidden), to_expert,
+                 rowsAs(at_experts, cdt, 0, exchanged, hidden));
+  }
+
+  /// The exchanged rows' results (expert-major) back to the ranks that routed them (their
+  /// local order); the self block of `local` is left as it is.
   void fromExperts(OpContext& ctx, const View1<T>& at_experts, const View1<T>& local) {
-    View1<T> send = growAs(recv_s, expert_rows * hidden, cdt, "plm::model::moe::recv");
-    if (expert_rows > 0)
-      gatherRows(ctx, rowsAs(at_experts, cdt, 0, expert_rows, hidden), to_source,
-                 rowsAs(send, cdt, 0, expert_rows, hidden));
-    exchange(ctx, send, recv_rows, local, send_rows);
+    View1<T> send = growAs(recv_s, exchanged * hidden, cdt, "plm::model::moe::recv");
+    if (exchanged > 0)
+      gatherRows(ctx, rowsAs(at_experts, cdt, 0, exchanged, hidden), to_source,
+                 rowsAs(send, cdt, 0, exchanged, hidden));
+    dist::Work work = startExchange(ctx, send, recv_rows, recv_at, local, send_rows, local_at);
+    finishExchange(ctx, work);
   }
 };
 
@@ -604,33 +681,43 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   s.y = growAs(s.y_s, rows * hid, cdt, "plm::model::moe::y");
   if (rows > 0) gatherRows(ctx, h, s.row_token, rowsAs(s.xperm, cdt, 0, rows, hid));
 
-  // The rows of this rank's experts: local, or gathered from the group.
+  // The experts through their dispatch point (model/moe_experts.hpp: one after another, or on
+  // CUDA with bf16 one grouped launch per GEMM), the pre-activation kept for backward.
   if (s.distributed()) {
+    // This rank's experts' rows from the group: the self rows computed in place while the
+    // other ranks' rows travel, then those (State::self_n; expert side [self | exchanged]).
     ctx.mark(OpKind::Other);
     s.plan();  // the counts' exchange, with a host synchronisation
     ctx.mark(OpKind::DispatchCounts);
-    s.xexp = growAs(s.xexp_s, s.expert_rows * hid, cdt, "plm::model::moe::xexp");
-    s.toExperts(ctx, s.xperm, s.xexp);
-    s.yexp = growAs(s.yexp_s, s.expert_rows * hid, cdt, "plm::model::moe::yexp");
+    const std::int64_t sn = s.self_n, xn = s.exchanged;
+    s.xexp = growAs(s.xexp_s, xn * hid, cdt, "plm::model::moe::xexp");
+    s.yexp = growAs(s.yexp_s, xn * hid, cdt, "plm::model::moe::yexp");
+    s.pre = growAs(s.pre_s, s.expert_rows * fe, cdt, "plm::model::moe::pre");
+    s.act = growAs(s.act_s, s.expert_rows * fe, cdt, "plm::model::moe::act");
+    dist::Work work = s.startToExperts(ctx, s.xperm);
+    if (sn > 0)
+      expertsForward(ctx, s.blocks(s.self_rows, false), rowsAs(s.xperm, cdt, s.self_at, sn, hid),
+                     rowsAs(s.pre, cdt, 0, sn, fe), rowsAs(s.act, cdt, 0, sn, fe),
+                     rowsAs(s.y, cdt, s.self_at, sn, hid), c.expert_gemm);
+    s.finishToExperts(ctx, work, s.xexp);
+    if (xn > 0)
+      expertsForward(ctx, s.blocks(s.exchanged_rows, false), rowsAs(s.xexp, cdt, 0, xn, hid),
+                     rowsAs(s.pre, cdt, sn, xn, fe), rowsAs(s.act, cdt, sn, xn, fe),
+                     rowsAs(s.yexp, cdt, 0, xn, hid), c.expert_gemm);
+    s.fromExperts(ctx, s.yexp, s.y);
   } else {
     s.expert_rows = rows;
     s.local_rows = r.kept;
+    s.self_n = 0;
+    s.exchanged = rows;
     s.xexp = s.xperm;
     s.yexp = s.y;
+    s.pre = growAs(s.pre_s, rows * fe, cdt, "plm::model::moe::pre");
+    s.act = growAs(s.act_s, rows * fe, cdt, "plm::model::moe::act");
+    expertsForward(ctx, s.blocks(s.local_rows, false), rowsAs(s.xexp, cdt, 0, rows, hid),
+                   rowsAs(s.pre, cdt, 0, rows, fe), rowsAs(s.act, cdt, 0, rows, fe),
+                   rowsAs(s.yexp, cdt, 0, rows, hid), c.expert_gemm);
   }
-  // The experts through their dispatch point (model/moe_experts.hpp: one after another, or on
-  // CUDA with bf16 one grouped launch per GEMM), the pre-activation kept for backward.
-  s.pre = growAs(s.pre_s, s.expert_rows * fe, cdt, "plm::model::moe::pre");
-  s.act = growAs(s.act_s, s.expert_rows * fe, cdt, "plm::model::moe::act");
-  {
-    std::vector<ExpertRows> blocks(s.local_experts);
-    for (int i = 0; i < s.local_experts; ++i)
-      blocks[i] = {&s.w.experts[s.first_expert + i], nullptr, s.local_rows[i]};
-    const std::int64_t n = s.expert_rows;
-    expertsForward(ctx, blocks, rowsAs(s.xexp, cdt, 0, n, hid), rowsAs(s.pre, cdt, 0, n, fe),
-                   rowsAs(s.act, cdt, 0, n, fe), rowsAs(s.yexp, cdt, 0, n, hid), c.expert_gemm);
-  }
-  if (s.distributed()) s.fromExperts(ctx, s.yexp, s.y);
 
   // Unpermute with the gates, in a fixed slot order per token (deterministic).
   if (s.bf16()) {
@@ -736,28 +823,34 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   }
 
   // Expert backward on this rank's experts: per expert the weight gradient (and the bias
-  // gradient) and the input gradient, GELU's derivative from the kept pre-activation.
-  View1<T> dyexp = dy, dxexp;
+  // gradient) and the input gradient, GELU's derivative from the kept pre-activation.  With
+  // self rows first, the self rows' dy is computed in place while the others' dy travels; the
+  // weight gradients accumulate self rows then exchanged rows (a fixed order: deterministic).
   View1<T> dx = growAs(s.dx_s, rows * hid, cdt, "plm::model::moe::dx");
-  if (s.distributed()) {
-    dyexp = growAs(s.dyexp_s, s.expert_rows * hid, cdt, "plm::model::moe::dyexp");
-    s.toExperts(ctx, dy, dyexp);
-    dxexp = growAs(s.dxexp_s, s.expert_rows * hid, cdt, "plm::model::moe::dxexp");
-  } else {
-    dxexp = dx;
-  }
   View1<T> dpre = growAs(s.dpre_s, s.expert_rows * fe, cdt, "plm::model::moe::dpre");
-  {
-    std::vector<ExpertRows> blocks(s.local_experts);
-    for (int i = 0; i < s.local_experts; ++i)
-      blocks[i] = {&s.w.experts[s.first_expert + i], &s.g.experts[s.first_expert + i],
-                   s.local_rows[i]};
-    const std::int64_t n = s.expert_rows;
-    expertsBackward(ctx, blocks, rowsAs(s.xexp, cdt, 0, n, hid), rowsAs(s.pre, cdt, 0, n, fe),
-                    rowsAs(s.act, cdt, 0, n, fe), rowsAs(dyexp, cdt, 0, n, hid),
-                    rowsAs(dpre, cdt, 0, n, fe), rowsAs(dxexp, cdt, 0, n, hid), c.expert_gemm);
+  if (s.distributed()) {
+    const std::int64_t sn = s.self_n, xn = s.exchanged;
+    View1<T> dyexp = growAs(s.dyexp_s, xn * hid, cdt, "plm::model::moe::dyexp");
+    View1<T> dxexp = growAs(s.dxexp_s, xn * hid, cdt, "plm::model::moe::dxexp");
+    dist::Work work = s.startToExperts(ctx, dy);
+    if (sn > 0)
+      expertsBackward(ctx, s.blocks(s.self_rows, true), rowsAs(s.xperm, cdt, s.self_at, sn, hid),
+                      rowsAs(s.pre, cdt, 0, sn, fe), rowsAs(s.act, cdt, 0, sn, fe),
+                      rowsAs(dy, cdt, s.self_at, sn, hid), rowsAs(dpre, cdt, 0, sn, fe),
+                      rowsAs(dx, cdt, s.self_at, sn, hid), c.expert_gemm);
+    s.finishToExperts(ctx, work, dyexp);
+    if (xn > 0)
+      expertsBackward(ctx, s.blocks(s.exchanged_rows, true), rowsAs(s.xexp, cdt, 0, xn, hid),
+                      rowsAs(s.pre, cdt, sn, xn, fe), rowsAs(s.act, cdt, sn, xn, fe),
+                      rowsAs(dyexp, cdt, 0, xn, hid), rowsAs(dpre, cdt, sn, xn, fe),
+                      rowsAs(dxexp, cdt, 0, xn, hid), c.expert_gemm);
+    s.fromExperts(ctx, dxexp, dx);
+  } else {
+    expertsBackward(ctx, s.blocks(s.local_rows, true), rowsAs(s.xexp, cdt, 0, rows, hid),
+                    rowsAs(s.pre, cdt, 0, rows, fe), rowsAs(s.act, cdt, 0, rows, fe),
+                    rowsAs(dy, cdt, 0, rows, hid), rowsAs(dpre, cdt, 0, rows, fe),
+                    rowsAs(dx, cdt, 0, rows, hid), c.expert_gemm);
   }
-  if (s.distributed()) s.fromExperts(ctx, dxexp, dx);
 
   // Router: gates, aux and z losses to the logits (on the device when it routed, else on the
   // host), then dWr += dlogits^T h and the input gradient dlogits Wr (added to dh below).
