@@ -563,9 +563,10 @@ MoeMlp<T>::MoeMlp(int layer, const MoeConfig& config, int hidden, const MoeWeigh
     throw Error("plm::model::MoeMlp: expert tensors do not match moe.experts (a bug)");
   if (weights.router.dtype != dtypeOf<T>())
     throw Error("plm::model::MoeMlp: the router must be in the master type (a bug)");
-  s.cdt = dtypeOf<T>();
-  for (auto it = weights.experts.rbegin(); it != weights.experts.rend(); ++it)
-    if (it->w1.rows > 0) s.cdt = it->w1.dtype;  // the first expert this rank holds
+  // The compute type of the experts this rank holds (the first one's; all share it).
+  const auto held = std::find_if(weights.experts.begin(), weights.experts.end(),
+                                 [](const DenseMlpWeights& e) { return e.w1.rows > 0; });
+  s.cdt = held != weights.experts.end() ? held->w1.dtype : dtypeOf<T>();
   if (s.bf16()) {
 #if PLM_HAVE_CUDA
     if (!std::is_same_v<T, float>)

@@ -68,14 +68,11 @@ template <class P> GradientSync<P>::GradientSync(model::Esm2<P>& model, MPI_Comm
     : comm_member(dist::makeCommunicator(comm, backend)) {
   View1<P> grads = model.gradients();
   ranges_member = backwardOrderRanges(model.tensors(), static_cast<std::int64_t>(grads.extent(0)));
+  // Each range less the experts' run inside it (a layer's routed experts are one run); a model
+  // holding every expert reduces them with the rest, so its ranges are whole.
   const model::ExpertPlacement& held = model.expertPlacement();
-  if (!held.sharded()) {
-    buckets_member = std::make_unique<dist::GradientBuckets<P>>(grads, ranges_member, *comm_member,
-                                                                bucket_bytes);
-    return;
-  }
-  // Each range less the experts' run inside it (a layer's routed experts are one run).
-  const auto runs = model::expertRuns(model.tensors());
+  const auto runs = held.sharded() ? model::expertRuns(model.tensors())
+                                   : std::vector<std::pair<std::int64_t, std::int64_t>>();
   std::vector<dist::BufferRange> dense_order;
   for (const auto& r : ranges_member) {
     std::vector<dist::BufferRange> pieces;
@@ -99,9 +96,10 @@ template <class P> GradientSync<P>::GradientSync(model::Esm2<P>& model, MPI_Comm
               "train::GradientSync: an expert run crosses a layer range (a bug)");
   buckets_member =
       std::make_unique<dist::GradientBuckets<P>>(grads, dense_order, *comm_member, bucket_bytes);
+  if (runs.empty()) return;
   const int rank = dist::commRank(comm);
   PLM_CHECK_MPI(MPI_Comm_split(comm, held.rank, rank, &expert_data_member));
-  if (dist::commSize(expert_data_member) > 1 && !expert_runs_member.empty()) {
+  if (dist::commSize(expert_data_member) > 1) {
     expert_comm_member = dist::makeCommunicator(expert_data_member, backend);
     expert_buckets_member = std::make_unique<dist::GradientBuckets<P>>(
         grads, expert_runs_member, *expert_comm_member, bucket_bytes);
@@ -117,11 +115,6 @@ template <class P> GradientSync<P>::~GradientSync() {
 }
 
 template <class P> void GradientSync<P>::ready(const ExecSpace& space, int index) {
-  if (pieces_member.empty()) {
-    const auto& r = ranges_member.at(static_cast<std::size_t>(index));
-    buckets_member->ready(space, r.offset, r.count);
-    return;
-  }
   for (const auto& p : pieces_member.at(static_cast<std::size_t>(index)))
     buckets_member->ready(space, p.offset, p.count);
   const int run = expert_run_member[static_cast<std::size_t>(index)];

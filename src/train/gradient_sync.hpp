@@ -69,7 +69,8 @@ template <class P> class GradientSync {
   std::unique_ptr<dist::Communicator> comm_member;
   std::vector<dist::BufferRange> ranges_member;  // backward order
   std::unique_ptr<dist::GradientBuckets<P>> buckets_member;
-  // Expert parallelism: per range, its pieces reduced over `comm` and its experts' run (-1 none).
+  // Per range, its pieces reduced over `comm` (the whole range unless it holds an experts' run)
+  // and its experts' run (-1: none).
   std::vector<std::vector<dist::BufferRange>> pieces_member;
   std::vector<int> expert_run_member;
   std::vector<dist::BufferRange> expert_runs_member;  // backward order
