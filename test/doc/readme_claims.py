@@ -37,7 +37,7 @@ def run(*args):
 
 # Commands and their options, from the executable itself.
 top = run("--help")
-commands = set(re.findall(r"^\s{2,}([a-z]+)\s", top, re.M))
+commands = set(re.findall(r"^  ([a-z]+) ", top.split("commands:", 1)[-1], re.M))
 for required in ("prep", "train", "eval", "convert", "embed", "bench", "deck", "plan"):
     if required not in commands:
         fail(f"`plm --help` does not list the command `{required}` (README's table names it)")
