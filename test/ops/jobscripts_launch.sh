@@ -103,5 +103,13 @@ check apptainer "$work/apptainer.calls" "+--cpus-per-task=16" "+SLURM_MPI_TYPE=p
 rc=$?
 if [ "$rc" -ne 0 ] && grep -q "image nothere.sif is not there" "$work/missing.log"; then echo "missing image: ok"
 else echo "missing image: exit $rc"; cat "$work/missing.log"; fail=1; fi
+# The image definition: its %post script parses, and every file it copies in exists.
+awk '/^%post/{on=1; next} /^%/{on=0} on' "$repo/jobscripts/plm.def" > "$work/post.sh"
+if [ -s "$work/post.sh" ] && bash -n "$work/post.sh"; then echo "plm.def %post: ok"
+else echo "plm.def %post: missing or does not parse"; fail=1; fi
+while read -r src _; do
+  [ "$src" = .git ] && continue  # a clone has it, a source archive may not
+  [ -e "$repo/$src" ] || { echo "plm.def %files: $src is not in the repository"; fail=1; }
+done < <(awk '/^%files/{on=1; next} /^%/{on=0} on && NF' "$repo/jobscripts/plm.def")
 [ "$fail" -eq 0 ] && echo "all launch lines as expected"
 exit "$fail"
