@@ -9,7 +9,7 @@
 - every deck key it names (`section.key`, `section.key: value`, and the keys of its YAML deck)
   is in `plm deck --defaults`, and a value given for a key with a fixed set of values is one of
   them (`plm deck --markdown`: "one of ...");
-- every relative link target exists in the tree;
+- every relative link target exists in the tree (the README's and those of the pages of doc/);
 - every page under doc/ is linked from the README (its documentation index).
 Each failure is one line; the exit status is the number of failures (capped at 100).
 """
@@ -134,6 +134,14 @@ for target in links:
     path = target.split("#", 1)[0]
     if not (repo / path).exists():
         fail(f"link target {path} does not exist")
+
+# The pages of doc/ link only to files that exist too.
+for page in sorted(repo.glob("doc/**/*.md")):
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"[a-z]+:", target) or target.startswith("#"):
+            continue
+        if not (page.parent / target.split("#", 1)[0]).exists():
+            fail(f"{page.relative_to(repo).as_posix()} links to {target}, which does not exist")
 
 # Every page of doc/ is in the index.
 linked = {pathlib.PurePosixPath(t.split("#", 1)[0]).as_posix() for t in links}
