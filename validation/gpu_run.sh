@@ -35,13 +35,13 @@
 #        their full logs copied to $OUT (fp8_test.log, fp8_bench.log)
 #   optimizers: ESM-2 35M (bf16) trained 300 steps with each optimizer.name (adamw, adamw8bit,
 #         lion, adafactor): bytes of optimizer state per parameter, peak memory, step time,
-#         losses (doc/optimizers.md; the table of doc/performance.md "Optimizers")
+#         losses (doc/optimizers.md; the table of doc/archive/performance-history.md "Optimizers")
 #   staged: multi-rank tests on ONE GPU through staged MPI (dist::Backend::MpiStaged: device
 #         buffers through pinned host buffers and MPI; doc/parallelism.md "Communication
 #         backends"): the staged communicator against plain MPI, FSDP, expert and context
 #         parallelism and the gradient buckets at 2 (and 4) ranks sharing the GPU
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
-#         doc/plan.md), the table of doc/performance.md "Planner accuracy"
+#         doc/plan.md), the table of doc/archive/performance-history.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -617,7 +617,7 @@ if has moe && [[ -x "$pkg/bin/plm" ]]; then
 fi
 
 if has moe_curves && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
-  # Issue 17's target 2 at the GPU size (doc/performance.md "MoE vs dense training"): same
+  # Issue 17's target 2 at the GPU size (doc/archive/performance-history.md "MoE vs dense training"): same
   # tokens for both runs; PLM_CURVES_DATA as for fp8_curves (split/ has a validation set).
   data=${PLM_CURVES_DATA:-$pkg/data}
   valid=""; [[ -f "$data/valid.h5" ]] && valid="$data/valid.h5"

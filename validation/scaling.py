@@ -8,8 +8,8 @@ scaling.csv and PNG plots: tokens/s and per-rank efficiency against ranks (stron
 MFU, memory per rank, and the planner's time split beside the measured step time.
 
 Layouts: `R` (R ranks on one node) or `NxG` (N nodes x G ranks per node), optionally followed by
-`:shard=S`, `:context=C`, `:expert=E` (planned degrees: they go to `plm plan`; `plm train` runs
-them once sharding, context and expert parallelism land).
+`:shard=S`, `:context=C`, `:expert=E`: the deck's `parallel.shard_degree`, `context_degree` and
+`expert_degree` for `plm train`, and the same degrees for `plm plan`.
 Modes: strong keeps data.tokens_per_batch; weak multiplies it by the rank count (constant work
 per rank).
 
@@ -113,18 +113,12 @@ def point_sets(args, layout, mode, base_tokens, run_dir):
     ]
     if args.steps:
         sets.append("train.steps=%d" % args.steps)
+    # The layout's degrees are the deck's parallel section (doc/parallelism.md).
+    sets += ["parallel.%s_degree=%d" % (k, v) for k, v in layout.degrees.items() if v != 1]
     return sets
 
 
-def runnable(layout):
-    if any(v != 1 for v in layout.degrees.values()):
-        raise SystemExit("scaling: layout %s: plm train has no sharding, context or expert "
-                         "parallelism yet; --collect plans such points without running them"
-                         % layout.text)
-
-
 def run_local(args, layout, sets):
-    runnable(layout)
     cmd = [args.plm, "train", args.deck] + sum([["--set", s] for s in sets], [])
     if layout.ranks > 1 or args.mpiexec_always:
         cmd = shlex.split(args.mpiexec) + ["-n", str(layout.ranks)] + cmd
@@ -146,7 +140,6 @@ def sets_run_dir(sets):
 
 
 def write_job(args, layout, sets, jobs_dir, name):
-    runnable(layout)
     sets_text = " ".join("--set " + shlex.quote(s) for s in sets)
     deck = os.path.abspath(args.deck)
     if args.scheduler == "slurm":
