@@ -1,6 +1,7 @@
 #include "dist/runtime.hpp"
 
 #include "core/error.hpp"
+#include "core/failure.hpp"
 #include "core/log.hpp"
 
 #include <hdf5.h>
@@ -33,6 +34,8 @@ Runtime::Runtime(int& argc, char**& argv) {
   // HDF5 failures are reported through PLM_CHECK_H5 (which walks the error stack into one
   // message); HDF5's own automatic printing would spill the raw stack onto stderr.
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  // A rank that fails alone tells the others through this channel (core/failure.hpp).
+  failure::start();
 
   int device = -1;
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -64,6 +67,7 @@ Runtime::Runtime(int& argc, char**& argv) {
 }
 
 Runtime::~Runtime() {
+  failure::stop();
   if (Kokkos::is_initialized()) Kokkos::finalize();
   int finalized = 0;
   MPI_Finalized(&finalized);

@@ -89,7 +89,10 @@ TEST_F(Operations, StopSignalCheckpointsAndTheResumedRunEqualsAnUninterruptedOne
   std::vector<std::int64_t> steps;
   extra.on_step = [&](Trainer& t, const plm::train::StepStats&) {
     steps.push_back(t.state().step);
-    if (t.state().step == 4 && t.rank() == 0) std::raise(SIGUSR1);
+    if (t.state().step == 4 && t.rank() == 0) {  // delivered twice, as under Slurm
+      std::raise(SIGTERM);
+      std::raise(SIGUSR1);
+    }
   };
   Trainer::RunEnd end = Trainer::RunEnd::Completed;
   train("s", {}, extra, &end);
@@ -140,18 +143,49 @@ TEST_F(Operations, StopSignalRightAfterASaveDoesNotSaveTwice) {
         countEvents(dir + "/t/metrics.jsonl", "stop_signal\",\"step\":3,\"signal\":\"SIGTERM"), 1);
 }
 
-TEST(StopSignals, ASecondSignalExitsAtOnce) {
+// One stop delivered several times (Slurm: every task, srun, the job script's forwarded
+// signal) is one stop: a further signal counts only once the trainer has acted on the first,
+// never during a save, and with status 75 once the stop's checkpoint is complete.
+TEST(StopSignals, RepeatsAreOneStopUntilActedOnAndNeverDuringASave) {
   GTEST_FLAG_SET(death_test_style, "fast");
   EXPECT_EXIT(
       {
         plm::train::installStopSignals();
         plm::train::clearStopSignal();
-        std::raise(SIGUSR1);
-        if (plm::train::stopSignal() != SIGUSR1) std::_Exit(3);
-        std::raise(SIGUSR1);
-        std::_Exit(4);  // not reached
+        std::raise(SIGTERM);
+        std::raise(SIGUSR1);  // the same stop again: ignored
+        std::raise(SIGTERM);
+        if (plm::train::stopSignal() != SIGTERM) std::_Exit(3);
+        {
+          plm::train::SaveScope saving;
+          plm::train::stopActedOn();
+          std::raise(SIGUSR1);  // during the stop's save: ignored
+        }
+        std::raise(SIGUSR1);  // acted on, no save: exits at once
+        std::_Exit(4);        // not reached
       },
       ::testing::ExitedWithCode(128 + SIGUSR1), "second stop signal: exiting at once");
+  EXPECT_EXIT(
+      {
+        plm::train::installStopSignals();
+        plm::train::clearStopSignal();
+        std::raise(SIGUSR1);
+        plm::train::stopActedOn();
+        plm::train::stopSaved();
+        std::raise(SIGTERM);  // the checkpoint is complete: requeue status at once
+        std::_Exit(4);
+      },
+      ::testing::ExitedWithCode(plm::train::exit_requeue), "checkpoint is complete");
+  EXPECT_EXIT(
+      {
+        plm::train::installStopSignals();
+        plm::train::clearStopSignal();
+        std::raise(SIGUSR1);
+        std::raise(SIGUSR1);
+        std::raise(SIGTERM);
+        std::_Exit(plm::train::stopSignal() == SIGUSR1 ? 5 : 6);  // still running: one stop
+      },
+      ::testing::ExitedWithCode(5), "");
 }
 
 TEST_F(Operations, NonfiniteStopNamesTheStepAndTheTensorAndKeepsTheWeights) {
