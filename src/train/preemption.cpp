@@ -31,10 +31,10 @@ extern "C" void onStopSignal(int signal) {
   if (failure::ending()) ::_exit(failure::peerFailed() ? failure::peerStatus() : 1);
   if (received_signal == 0) {
     received_signal = signal;
-    if (announce) {
-      say(signal == SIGTERM ? "plm: received SIGTERM" : "plm: received SIGUSR1");
-      say(": stopping after the current step with a checkpoint\n");
-    }
+    if (announce)  // one write: a line of its own beside the job script's
+      say(signal == SIGTERM
+              ? "plm: received SIGTERM: stopping after the current step with a checkpoint\n"
+              : "plm: received SIGUSR1: stopping after the current step with a checkpoint\n");
     return;
   }
   // The same stop delivered again (every task, srun, the job script's trap), or a save that
