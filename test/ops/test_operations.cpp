@@ -10,6 +10,7 @@
 //    the step and the phase.
 #include "../ckpt/tiny_run.hpp"
 
+#include "core/failure.hpp"
 #include "core/phase.hpp"
 #include "dist/health.hpp"
 #include "dist/runtime.hpp"
@@ -23,7 +24,9 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
+#include <stdexcept>
 #include <thread>
 
 namespace {
@@ -186,6 +189,34 @@ TEST(StopSignals, RepeatsAreOneStopUntilActedOnAndNeverDuringASave) {
         std::_Exit(plm::train::stopSignal() == SIGUSR1 ? 5 : 6);  // still running: one stop
       },
       ::testing::ExitedWithCode(5), "");
+}
+
+// What a failing rank prints (core/failure.hpp): one line; Kokkos' allocation failure (a real
+// one, 1 PiB) as what did not fit, what to change and the run's plan.
+TEST(Failure, MessagesAreOneLineAndOutOfMemorySaysWhatToChange) {
+  std::exception_ptr oom;
+  try {
+    plm::View1<char> huge(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("plm::test::huge")),
+        std::size_t(1) << 50);
+  } catch (...) {
+    oom = std::current_exception();
+  }
+  ASSERT_TRUE(oom) << "a 1 PiB allocation succeeded";
+  plm::failure::setPlanNote("planned for this run: 1.0 GiB of buffers per rank");
+  const std::string m = plm::failure::describe(oom);
+  plm::failure::setPlanNote("");
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  for (const char* part : {"out of memory: ", "allocation `plm::test::huge` of ",
+                           "data.micro_batch_tokens", "model.recompute", "parallel.shard_degree",
+                           "planned for this run: 1.0 GiB of buffers per rank"})
+    EXPECT_NE(m.find(part), std::string::npos) << part << " not in: " << m;
+  EXPECT_EQ(m.find("Traceback"), std::string::npos) << m;
+  EXPECT_EQ(plm::failure::describe(std::make_exception_ptr(
+                plm::Error("what went wrong\n  where\nTraceback functionality not available\n"))),
+            "what went wrong; where");
+  EXPECT_EQ(plm::failure::describe(std::make_exception_ptr(std::runtime_error("a bug"))),
+            "internal error: a bug");
 }
 
 TEST_F(Operations, NonfiniteStopNamesTheStepAndTheTensorAndKeepsTheWeights) {
