@@ -158,6 +158,9 @@ int runEmbed(const Argv& argv) {
     throw collectiveError("plm embed: --on-invalid takes `error` or `skip`, got `" + on_invalid +
                           "`");
   const std::string checkpoint = args.get("checkpoint");
+  // The output's directory before any work (every rank checks; one line if it is not there).
+  onEveryRank(
+      "plm embed: --out: ", [&] { io::h5::checkCreatable(args.get("out")); }, MPI_COMM_WORLD);
 
   model::Esm2Config config;
   try {

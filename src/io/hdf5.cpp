@@ -1,6 +1,7 @@
 #include "io/hdf5.hpp"
 
 #include <sys/stat.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cstring>
 
@@ -79,7 +80,22 @@ Hid stringType(size_t length) {
 }
 }  // namespace
 
+void checkCreatable(const std::string& path) {
+  const std::size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "."
+                          : slash == 0               ? "/"
+                                                     : path.substr(0, slash);
+  struct stat info;
+  if (stat(dir.c_str(), &info) != 0 || !S_ISDIR(info.st_mode))
+    throw Error("cannot create `" + path + "`: the directory `" + dir +
+                "` does not exist; create it or write somewhere else");
+  if (access(dir.c_str(), W_OK | X_OK) != 0)
+    throw Error("cannot create `" + path + "`: the directory `" + dir +
+                "` is not writable by this user; write somewhere else");
+}
+
 Hid createFile(const std::string& path, MPI_Comm comm) {
+  checkCreatable(path);
   Hid fapl = mpioAccess(comm);
   hid_t file = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
   if (file < 0)
