@@ -19,15 +19,12 @@
 #include <Kokkos_Core.hpp>
 
 #include <algorithm>
-#include <cerrno>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <map>
 #include <memory>
 #include <set>
-#include <sstream>
 #include <type_traits>
 
 namespace plm::ckpt {
@@ -114,14 +111,6 @@ struct Source {
   }
 };
 
-std::string readText(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw Error("cannot read `" + path + "`: " + std::strerror(errno));
-  std::ostringstream os;
-  os << in.rdbuf();
-  return os.str();
-}
-
 // What `path` is, and its tensors by name and shape (every rank alone; no data read).
 Source describeSource(const std::string& path) {
   Source s;
@@ -157,8 +146,7 @@ Source describeSource(const std::string& path) {
     s.hf = std::make_unique<io::hf::Weights>(path);
     const fs::path config = (fs::is_directory(p, ec) ? p : p.parent_path()) / "config.json";
     if (fs::exists(config)) {
-      s.config = io::hf::configFromJson(io::json::parse(readText(config.string()), config.string()),
-                                        config.string(), nullptr, /*any_esm_head=*/true);
+      s.config = io::hf::readConfigFile(config.string(), nullptr, /*any_esm_head=*/true);
       s.has_config = true;
     }
     const auto names = s.hf->names();

@@ -396,6 +396,12 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
   return c;
 }
 
+model::Esm2Config readConfigFile(const std::string& config_json, std::vector<std::string>* warnings,
+                                 bool any_esm_head) {
+  return configFromJson(json::parse(readText(config_json), config_json), config_json, warnings,
+                        any_esm_head);
+}
+
 json::Value configToJson(const model::Esm2Config& c, const std::string& torch_dtype) {
   json::Value j = json::Value::object();
   json::Value architectures = json::Value::array();
@@ -461,8 +467,7 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
                 "` not found; --from-hf takes a transformers model directory "
                 "(config.json + model.safetensors)");
   ConvertSummary summary;
-  summary.config = configFromJson(json::parse(readText(config_path.string()), config_path.string()),
-                                  config_path.string(), &summary.warnings);
+  summary.config = readConfigFile(config_path.string(), &summary.warnings);
   // An MoE model in plm's format is stored under plm's own table (doc/interop.md).
   const auto tensors = summary.config.moe.enabled() ? model::tensorTable(summary.config)
                                                     : esmTensors(summary.config);
@@ -629,9 +634,9 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
   for (const auto& [name, text] : tokenizerFiles(max_tokens)) writeText(name, text);
 
   std::vector<safetensors::TensorOut> out;
-  for (const auto& t : tensors) out.push_back({t.name, t.shape, values.data() + t.offset});
-  out.push_back(
-      {"lm_head.decoder.weight", tensors.front().shape, values.data() + tensors.front().offset});
+  for (const auto& t : tensors) out.push_back({t.name, t.shape, values.data() + t.offset, ""});
+  out.push_back({"lm_head.decoder.weight", tensors.front().shape,
+                 values.data() + tensors.front().offset, ""});
   // Rotary frequencies under the per-layer names of transformers 4 (transformers 5 maps them to
   // its shared buffer): the source's values if it had them, else 1/10000^(2i/d) in float32.
   const int half = summary.config.headDim() / 2;

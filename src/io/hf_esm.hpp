@@ -44,6 +44,10 @@ inline constexpr const char* moe_model_type = "plm-esm2-moe";
 model::Esm2Config configFromJson(const json::Value& config, const std::string& source,
                                  std::vector<std::string>* warnings = nullptr,
                                  bool any_esm_head = false);
+/// \brief configFromJson of the file `config_json` (a model directory's config.json).
+model::Esm2Config readConfigFile(const std::string& config_json,
+                                 std::vector<std::string>* warnings = nullptr,
+                                 bool any_esm_head = false);
 /// \brief The config.json transformers expects for `config` (EsmConfig fields, architectures
 /// ["EsmForMaskedLM"]); an MoE model gets plm's format (moe_model_type).  `torch_dtype` names
 /// the stored dtype ("float32", "bfloat16").

@@ -321,3 +321,26 @@ TEST(Embed, MoeOutputDoesNotDependOnBatching) {
       << error;
   removeAll({model, fasta});
 }
+
+// The rule `plm eval` and `plm embed` share (cli::inferenceRouting).
+TEST(Embed, InferenceRoutingRule) {
+  plm::model::Esm2Config config;
+  config.moe.experts = 4;
+  config.moe.capacity_factor = 1.5;  // what training used
+  auto routed = [&](const std::vector<std::string>& sets) {
+    plm::model::Esm2Config c = config;
+    plm::cli::inferenceRouting(c, sets, "test");
+    return c.moe.capacity_factor;
+  };
+  EXPECT_EQ(routed({}), 0.0);
+  EXPECT_EQ(routed({"moe.dropless=true"}), 0.0);
+  EXPECT_EQ(routed({"moe.capacity_factor=2.0"}), 0.0);  // only with dropless=false
+  EXPECT_EQ(routed({"moe.dropless=false"}), 1.5);
+  EXPECT_EQ(routed({"moe.dropless=false", "moe.capacity_factor=2.0"}), 2.0);
+  config.moe.capacity_factor = 0;  // trained drop-less: the deck default
+  EXPECT_EQ(routed({"moe.dropless=false"}), 1.25);
+  EXPECT_THROW(routed({"moe.dropless=maybe"}), plm::Error);
+  plm::model::Esm2Config dense;
+  plm::cli::inferenceRouting(dense, {"moe.dropless=false"}, "test");
+  EXPECT_FALSE(dense.moe.enabled());
+}
