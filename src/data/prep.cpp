@@ -218,7 +218,7 @@ void checkNotices(const std::string& command, const std::vector<std::string>& fi
       if (like > 0 && 2 * like > records && !allow_nucleotide)
         throw collectiveError(command + ": " + files[f] + ": " + std::to_string(like) + " of its " +
                               std::to_string(records) + " " + what +
-                              ": plm trains on protein sequences; translate them first, or pass "
+                              ": plm models protein sequences; translate them first, or pass "
                               "--allow-nucleotide to keep them as protein");
     }
     if (rank == 0)
