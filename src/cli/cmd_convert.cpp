@@ -6,6 +6,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "io/hf_esm.hpp"
+#include "model/esm2.hpp"
 
 #include <mpi.h>
 
@@ -75,10 +76,11 @@ int runConvert(const Argv& argv) {
   try {
     if (args.has("max-shard-size"))
       options.max_shard_bytes = io::hf::parseByteSize(args.get("max-shard-size"));
+    const io::hf::TableOf table = [](const model::Esm2Config& c) { return model::tensorTable(c); };
     if (args.has("from-hf")) {
-      summary = io::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD);
+      summary = io::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD, table);
     } else {
-      summary = io::hf::convertToHf(args.get("to-hf"), out, MPI_COMM_WORLD, options);
+      summary = io::hf::convertToHf(args.get("to-hf"), out, MPI_COMM_WORLD, options, table);
     }
   } catch (const Error& e) {
     // Every rank reads the same files, so every rank fails the same way.

@@ -386,12 +386,11 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
     e.seq_aux_loss = field("seq_aux_loss").asDouble();
     e.bias_balance = field("bias_balance").asBool();
     e.bias_rate = field("bias_rate").asDouble();
-    if (e.experts <= 0) throw Error(source + ": plm_moe.experts must be positive");
-    try {
-      e.validate(c.hidden);
-    } catch (const Error& error) {
-      throw Error(source + ": " + error.what());
-    }
+    // The model's own checks (MoeConfig::validate) run when the model is built from the file.
+    if (e.experts <= 0 || e.top_k <= 0 || e.top_k > e.experts || e.every <= 0 || e.expert_ffn <= 0)
+      throw Error(source +
+                  ": plm_moe needs experts > 0, 0 < top_k <= experts, every > 0 and "
+                  "expert_ffn > 0");
   }
   return c;
 }
@@ -455,7 +454,8 @@ json::Value configToJson(const model::Esm2Config& c, const std::string& torch_dt
   return j;
 }
 
-ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm) {
+ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm,
+                             const TableOf& moe_table) {
   const fs::path dir(hf_dir);
   if (!fs::is_directory(dir))
     throw Error("`" + hf_dir +
@@ -469,8 +469,10 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
   ConvertSummary summary;
   summary.config = readConfigFile(config_path.string(), &summary.warnings);
   // An MoE model in plm's format is stored under plm's own table (doc/interop.md).
-  const auto tensors = summary.config.moe.enabled() ? model::tensorTable(summary.config)
-                                                    : esmTensors(summary.config);
+  if (summary.config.moe.enabled() && !moe_table)
+    throw Error("plm::io::hf::convertFromHf: an MoE model needs the model's table (a bug)");
+  const auto tensors =
+      summary.config.moe.enabled() ? moe_table(summary.config) : esmTensors(summary.config);
   const Weights weights(hf_dir);
   auto describe = [&](const std::string& name) { return weights.describe(name); };
   auto entry = [&](const std::string& name) -> const safetensors::TensorEntry& {
@@ -591,7 +593,9 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
         "\", plm's tensor names; doc/interop.md): transformers has no ESM MoE class and does not "
         "load it; `plm convert --from-hf` reads it back");
   // Dense models: the Hugging Face table; MoE: plm's own (experts by name).
-  const auto tensors = moe ? model::tensorTable(summary.config) : esmTensors(summary.config);
+  if (moe && !moe_table)
+    throw Error("plm::io::hf::convertToHf: an MoE model needs the model's table (a bug)");
+  const auto tensors = moe ? moe_table(summary.config) : esmTensors(summary.config);
   std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size));
   readModelValues(model_file, comm, summary.config, tensors, values.data());
   summary.num_parameters = 0;

@@ -20,6 +20,7 @@
 #include <mpi.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -91,10 +92,16 @@ struct ConvertSummary {
   std::vector<std::string> warnings;
 };
 
+/// The tensor table of a model (model::tensorTable).  An MoE model's table is the model's own
+/// (experts by name), which plm_io cannot call (the model library links io, not the reverse), so
+/// the caller hands it over; dense models use esmTensors.
+using TableOf = std::function<std::vector<model::TensorInfo>(const model::Esm2Config&)>;
+
 /// \brief Collective over `comm`: reads `hf_dir` (config.json + model.safetensors or
 /// model.safetensors.index.json; an EsmForMaskedLM or plm's MoE format) and writes the plm
 /// model file `out`.
-ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm);
+ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm,
+                             const TableOf& moe_table = {});
 
 /// How `--to-hf` stores the weights.
 struct ExportOptions {

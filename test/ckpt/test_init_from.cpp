@@ -44,7 +44,7 @@ std::map<std::string, std::vector<float>> readTensors(const std::string& path) {
     std::int64_t n = 1;
     for (auto d : shape) n *= d;
     std::vector<float> v(std::size_t(n), 0.0f);
-    plm::io::h5::readRows<float>(dataset, 0, shape.empty() ? 1 : shape[0], v.data());
+    plm::io::h5::readRows<float>(dataset, 0, shape.empty() ? 1 : shape[0], v.data(), true);
     out[name] = std::move(v);
   }
   return out;
@@ -98,7 +98,9 @@ Source makeSource(const std::string& dir, const std::vector<std::string>& extra 
   std::vector<std::string> overrides = {"train.steps=2", "checkpoint.every=2"};
   overrides.insert(overrides.end(), extra.begin(), extra.end());
   plm::test::trainRecords(tinyDeck(dir, "source", overrides), MPI_COMM_WORLD);
-  plm::io::hf::convertToHf(s.model, s.hf, MPI_COMM_WORLD);
+  plm::io::hf::convertToHf(s.model, s.hf, MPI_COMM_WORLD, {}, [](const plm::model::Esm2Config& c) {
+    return plm::model::tensorTable(c);
+  });
   MPI_Barrier(MPI_COMM_WORLD);
   return s;
 }

@@ -565,7 +565,9 @@ TEST(Convert, MoeExportRoundTrip) {
   io::writeModelFile(source, MPI_COMM_WORLD, config, tensors, values.data());
 
   const fs::path out = scratch("moe_hf");
-  auto summary = io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD);
+  const io::hf::TableOf table = [](const Esm2Config& c) { return plm::model::tensorTable(c); };
+  EXPECT_THROW(io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD), plm::Error);
+  auto summary = io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD, {}, table);
   bool warned = false;
   for (const auto& w : summary.warnings)
     warned = warned || w.find("transformers has no ESM MoE class") != std::string::npos;
@@ -579,7 +581,7 @@ TEST(Convert, MoeExportRoundTrip) {
   EXPECT_TRUE(fs::exists(out / "vocab.txt"));
 
   const std::string back = scratch("moe_back.h5").string();
-  summary = io::hf::convertFromHf(out.string(), back, MPI_COMM_WORLD);
+  summary = io::hf::convertFromHf(out.string(), back, MPI_COMM_WORLD, table);
   const Esm2Config read = io::readModelConfig(back);
   EXPECT_EQ(read.moe.experts, 4);
   EXPECT_EQ(read.moe.every, 2);
