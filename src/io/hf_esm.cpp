@@ -572,7 +572,7 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
 }
 
 ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir, MPI_Comm comm,
-                           const ExportOptions& options) {
+                           const ExportOptions& options, const TableOf& moe_table) {
   if (options.dtype != "F32" && options.dtype != "BF16")
     throw Error("--dtype " + options.dtype + ": the export is written as fp32 or bf16");
   if (options.max_shard_bytes <= 0) throw Error("--max-shard-size must be positive");
