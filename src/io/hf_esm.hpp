@@ -123,6 +123,6 @@ std::int64_t parseByteSize(const std::string& text);
 /// `out_dir` if needed.  A Mixture-of-Experts model is written in plm's documented format
 /// (moe_model_type), which transformers does not load.
 ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir, MPI_Comm comm,
-                           const ExportOptions& options = {});
+                           const ExportOptions& options = {}, const TableOf& moe_table = {});
 
 }  // namespace plm::io::hf
