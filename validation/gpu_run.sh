@@ -3,11 +3,7 @@
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves
-#                                       staged moe_grouped moe_ep moe_nccl finetune
-#   finetune: model.init_from on the GPU (doc/finetune.md): esm2_8m bf16 trained 20 steps, exported
-#        with `plm convert --to-hf` (bf16, sharded), then a new run initialised from the export
-#        (fp32 one) on 1 GPU and with parallel.shard_degree = GPUs: each run's validation loss after
-#        its first step next to `plm eval --model` of the source (one small update apart)
+#                                       staged moe_grouped moe_ep moe_nccl
 #   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
 #        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
 #        layer with PLM_MOE_GEMM=grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
@@ -638,6 +634,11 @@ if has moe_curves && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   cp "$out/moe_curves.md" "$final_out/" 2>/dev/null
 fi
 
+# Stage on request (not in the list above, to keep it apart from other changes to it):
+#   finetune: model.init_from on the GPU (doc/finetune.md): esm2_8m bf16 trained 20 steps, exported
+#        with `plm convert --to-hf` (bf16, sharded), then a new run initialised from the export
+#        (fp32 one) on 1 GPU and with parallel.shard_degree = GPUs: each run's validation loss after
+#        its first step next to `plm eval --model` of the source (one small update apart)
 if has finetune && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   ft=/tmp/plm-finetune
   rm -rf "$ft"
