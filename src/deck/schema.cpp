@@ -111,6 +111,14 @@ const std::vector<KeySpec>& keys() {
        "outputs and recomputes LayerNorm and attention. Less memory for more compute; the "
        "gradients are bitwise the same.",
        any(), {"none", "layer", "selective"}},
+      {"model", "init_from", K::text, "",
+       "Start from the weights of another model: a plm model file, a checkpoint (file, or a "
+       "checkpoint directory: its newest), or a Hugging Face ESM directory or safetensors file. "
+       "Weights only: the optimizer, schedule and data stream start fresh (a new data.train is "
+       "fine). The model section must describe the source (a shape or name mismatch is refused "
+       "naming the tensor); model tensors the source lacks keep their initialisation and are "
+       "listed in the log. Ignored when checkpoint.resume continues a run (doc/finetune.md).",
+       any(), {}},
       // data
       {"data", "train", K::text, "data/train.h5",
        "Training set written by `plm prep` (parallel HDF5).", any(), {}, true},

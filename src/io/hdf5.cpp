@@ -1,4 +1,5 @@
 #include "io/hdf5.hpp"
+#include "io/hdf5_group.hpp"
 
 #include <sys/stat.h>
 #include <unistd.h>
@@ -132,6 +133,22 @@ Hid openFileSerial(const std::string& path) {
   if (file < 0)
     throw Error("`" + path + "` is not a readable HDF5 file: " + detail::hdf5ErrorStack());
   return Hid(file);
+}
+
+std::vector<std::string> groupMembers(hid_t group) {
+  H5G_info_t info;
+  PLM_CHECK_H5(H5Gget_info(group, &info));
+  std::vector<std::string> names;
+  for (hsize_t i = 0; i < info.nlinks; ++i) {
+    ssize_t length = PLM_CHECK_H5(
+        H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT));
+    std::string name(std::size_t(length) + 1, '\0');
+    PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(),
+                                    name.size(), H5P_DEFAULT));
+    name.resize(std::size_t(length));
+    names.push_back(name);
+  }
+  return names;
 }
 
 bool exists(hid_t location, const std::string& path) {
