@@ -1,6 +1,7 @@
 #include "data/prep.hpp"
 
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/log.hpp"
 #include "data/random.hpp"
 #include "io/dataset.hpp"
@@ -479,7 +480,7 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   } catch (...) {
     // A crash leaves the temporary files behind (never a train.h5); an error removes them.
     // The test hook imitates the crash.
-    if (rank == 0 && !std::getenv("PLM_TEST_FAIL_AFTER_BYTES"))
+    if (rank == 0 && fault::datasetFailAfterBytes() < 0)
       for (const auto& out : outputs) removeQuietly(temporary(out.name));
     throw;
   }

@@ -155,18 +155,8 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   checkpoint_every_member = c.get<int>("every");
   on_nonfinite_member = parseOnNonfinite(t.get<std::string>("on_nonfinite"));
   watchdog_member.fixed_timeout = t.get<double>("step_timeout");
-  if (const char* spec = std::getenv("PLM_TEST_NONFINITE"); spec && *spec) {
-    std::istringstream in(spec);
-    for (std::string item; std::getline(in, item, ',');)
-      inject_nonfinite_member.insert(std::stoll(item));
-  }
-  if (const char* spec = std::getenv("PLM_TEST_STALL"); spec && *spec) {
-    char colon = 0, colon2 = 0;
-    std::istringstream in(spec);
-    in >> inject_stall_step_member >> colon >> inject_stall_seconds_member >> colon2 >>
-        inject_stall_rank_member;
-    if (colon2 == 0) inject_stall_rank_member = -1;
-  }
+  inject_nonfinite_member = fault::nonfiniteSteps();
+  inject_stall_member = fault::stall();
   run_dir_member = t.get<std::string>("run_dir");
   if (const char* p = std::getenv("PLM_PROFILE"); p && std::string(p) == "1") {
     profile_member = true;  // CUDA events around every launch of the training passes
@@ -569,10 +559,10 @@ bool Trainer::handleNonfinite(std::int64_t step, const StepStats& st) {
 }
 
 void Trainer::injectFaults(std::int64_t step, bool after_gradients) {
-  if (!after_gradients && step == inject_stall_step_member &&
-      (inject_stall_rank_member < 0 || inject_stall_rank_member == rank_member)) {
+  if (!after_gradients && step == inject_stall_member.step &&
+      (inject_stall_member.rank < 0 || inject_stall_member.rank == rank_member)) {
     phase::Scope in_phase("an injected stall (PLM_TEST_STALL)");
-    std::this_thread::sleep_for(std::chrono::duration<double>(inject_stall_seconds_member));
+    std::this_thread::sleep_for(std::chrono::duration<double>(inject_stall_member.seconds));
   }
   if (after_gradients && inject_nonfinite_member.count(step)) {
     // As a NaN produced on any rank looks after the gradient all-reduce: on every rank.

@@ -8,6 +8,7 @@
 // restore(state) plus loading the tensors; the loop then continues from state().step + 1.
 #pragma once
 
+#include "core/fault.hpp"
 #include "core/types.hpp"
 #include "data/loader.hpp"
 #include "model/esm2.hpp"
@@ -175,11 +176,9 @@ class Trainer {
   LossSpikeDetector spikes_member;
   std::set<std::int64_t> skip_batches_member;  // steps whose batch a rollback skips
   std::int64_t skipped_steps_member = 0, rollbacks_member = 0;
-  // Test-only fault injection, read from the environment at construction (doc/operations.md).
-  std::set<std::int64_t> inject_nonfinite_member;  // PLM_TEST_NONFINITE=<step>[,<step>...]
-  std::int64_t inject_stall_step_member = -1;      // PLM_TEST_STALL=<step>:<seconds>[:<rank>]
-  double inject_stall_seconds_member = 0;
-  int inject_stall_rank_member = -1;
+  // Test-only fault injection, read at construction (core/fault.hpp).
+  std::set<std::int64_t> inject_nonfinite_member;
+  fault::Stall inject_stall_member;
   std::string run_dir_member;
   PeakFlops peak_member;
   TrainState state_member;
