@@ -45,6 +45,8 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.bias_balance = m.get<bool>("bias_balance");
   c.bias_rate = m.get<double>("bias_rate");
   c.expert_gemm = model::parseExpertGemm(m.get<std::string>("expert_gemm"));
+  c.overlap = m.get<bool>("overlap");
+  c.host_routing = m.get<std::string>("routing") == "host";
 }
 
 model::ExpertPlacement expertPlacement(const Teuchos::ParameterList& deck,
