@@ -5,6 +5,7 @@
 #include "ckpt/detail/redistribute.hpp"
 #include "ckpt/detail/rows.hpp"
 #include "ckpt/detail/snapshot.hpp"
+#include "core/clock.hpp"
 #include "core/fault.hpp"
 #include "core/log.hpp"
 #include "deck/deck.hpp"
@@ -48,14 +49,6 @@ double now() {
 
 using dist::commRank;
 using dist::commSize;
-std::string utcNow() {
-  std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buffer[32];
-  std::strftime(buffer, sizeof buffer, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buffer;
-}
 
 std::string broadcastString(std::string value, MPI_Comm comm) {
   long long length = static_cast<long long>(value.size());
@@ -617,7 +610,7 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
   report.copy_seconds = snap.copy_seconds;
   const double t1 = now();
 
-  const std::string created = broadcastString(rank == 0 ? utcNow() : std::string(), comm);
+  const std::string created = broadcastString(rank == 0 ? clock::utcIso() : std::string(), comm);
   // Independent data transfers: each rank's rows are one contiguous range of the file, so
   // collective two-phase I/O buys nothing, and its per-tensor synchronisation made 2-rank saves
   // 5x slower on the dev machine (doc/performance.md).

@@ -1,5 +1,6 @@
 #include "data/prep.hpp"
 
+#include "core/clock.hpp"
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/log.hpp"
@@ -75,13 +76,6 @@ std::vector<Segment> segmentsOf(const std::vector<InputFile>& files, int rank, i
     file_start += files[i].size;
   }
   return segments;
-}
-
-std::string utcNow() {
-  std::time_t now = std::time(nullptr);
-  char text[32];
-  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  return text;
 }
 
 std::string broadcastString(std::string value, int root, MPI_Comm comm) {
@@ -440,7 +434,7 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   metadata.skipped_records = report.skipped;
   metadata.command_line = options.command_line;
   metadata.plm_version = std::string(PLM_VERSION_STRING) + " (git " + PLM_GIT_REVISION + ")";
-  metadata.created_utc = broadcastString(rank == 0 ? utcNow() : std::string(), 0, comm);
+  metadata.created_utc = broadcastString(rank == 0 ? clock::utcIso() : std::string(), 0, comm);
   const std::string hash_rule = "h = plm-hash128 v1 of the residue ids (doc/data.md)";
   const std::string rule =
       by_file ? "valid = the records of the --valid files; exact duplicates removed, a copy in "

@@ -11,6 +11,7 @@
 #include "core/fault.hpp"
 #include "core/types.hpp"
 #include "data/loader.hpp"
+#include "io/tensorboard.hpp"
 #include "model/esm2.hpp"
 #include "train/adamw.hpp"
 #include "train/context_run.hpp"
@@ -184,6 +185,8 @@ class Trainer {
   TrainState state_member;
   Hooks hooks_member;
   MetricsLog metrics_member;
+  io::tensorboard::EventWriter tensorboard_member;  // train.tensorboard (rank 0)
+  double start_unix_member = 0;                     // wall clock at construction
 
   // Running sums over the current log interval.
   struct Interval {
@@ -191,7 +194,7 @@ class Trainer {
     double loss_sum = 0.0, flops = 0.0, seconds = 0.0;
   } interval_member;
   double train_seconds_member = 0.0;  // optimizer-step time of this run (no evaluation)
-  bool profile_member = false;        // PLM_PROFILE=1: per-kind GPU time in each progress line
+  bool profile_member = false;        // train.profile: per-kind GPU time per progress line
   std::int64_t steps_this_run_member = 0;
 };
 
