@@ -595,8 +595,8 @@ void Trainer::logEvent(const std::string& event, std::int64_t step, io::json::Va
   r.set("kind", "event");
   r.set("event", event);
   r.set("step", step);
-  r.set("time", clock::utcIso());
   for (const auto& [key, value] : fields.members()) r.set(key, value);
+  r.set("time", clock::utcIso());
   metrics_member.write(r);
 }
 
