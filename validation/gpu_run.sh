@@ -3,12 +3,15 @@
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
-#                                       staged moe_grouped moe_ep moe_nccl
+#                                       staged moe_grouped moe_ep moe_nccl decks
 #   scale: 650M bf16 data-parallel weak scaling over NCCL on 1, 2, 4 GPUs (the shipped deck,
 #        PLM_SCALE_MICRO micro-batches of 16,384 per GPU per step, PLM_SCALE_STEPS steps)
+#   decks: the shipped large decks (esm2_3b, esm2_15b, the MoE presets') as shipped on every GPU of
+#        the machine (8 for the FSDP decks to fit as their comments say), a few steps each with
+#        train.profile and train.tensorboard on; PLM_DECKS narrows the list
 #   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
 #        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
-#        layer with PLM_MOE_GEMM=grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
+#        layer with moe.expert_gemm: grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
 #        and training layer; PLM_MOE_BENCH_ONLY=650M: only the shapes whose name holds it;
 #        PLM_MOE_BENCH_REPEATS=3: three runs of it in a row); logs
 #        copied to $OUT (moe_grouped_tests.log, bench_gpu_moe.log)
@@ -21,9 +24,9 @@
 #         experts against one rank), then esm2_8m with 8 x 640 experts, top-2, bf16 on the
 #         packaged proteins: one GPU at expert degree 1 against all GPUs at degree = GPUs (and 2
 #         on four), the same 32,768 x GPUs tokens per step: losses compared, tokens/s, parameters
-#         held per rank, and PLM_PROFILE=1's GPU time per kind (the all-to-all's share; means
+#         held per rank, and train.profile's GPU time per kind (the all-to-all's share; means
 #         over the second half of the steps); PLM_MOE_NCCL_OVERLAPS="0 1" runs the multi-GPU
-#         ones without and with self rows first (PLM_MOE_OVERLAP); PLM_MOE_NCCL_STEPS
+#         ones without and with self rows first (moe.overlap); PLM_MOE_NCCL_STEPS
 #   moe: test_gpu_moe and test_gpu_moe_bf16 (the bf16 MoE layer of the training step against
 #        the portable fp32 path), bench_gpu_moe, and a short bf16 MoE training run (esm2_8m with
 #        8 experts of 640, top-2; PLM_MOE_STEPS steps) with its tokens/s
@@ -166,15 +169,15 @@ fi
 
 if has train && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
   # preset:tokens-per-micro-batch[:recompute[:attention]] (attention: cudnn | cudnn-fwd | flash,
-  # the PLM_ATTENTION of doc/gpu.md, or cudnn-nd for cuDNN with its non-deterministic backward;
-  # empty = the default); PLM_TRAIN_RUNS overrides.
+  # the deck key train.attention of doc/gpu.md, or cudnn-nd for cuDNN with its non-deterministic
+  # backward, train.deterministic: false; empty = the default); PLM_TRAIN_RUNS overrides.
   for run in ${PLM_TRAIN_RUNS:-esm2_8m:65536 esm2_8m:24576 esm2_35m:24576 esm2_150m:24576 esm2_650m:24576}; do
     IFS=: read -r preset tokens recompute attention <<< "$run"
     log="$out/train_${preset}_${tokens}_${recompute:-none}${attention:+_$attention}.log"
-    det=1
-    [[ "$attention" == cudnn-nd ]] && { attention=cudnn; det=0; log=${log%.log}_nd.log; }
-    PLM_DETERMINISTIC=$det PLM_ATTENTION=${attention:-${PLM_ATTENTION:-}} timeout 300 "$pkg/bin/bench_gpu_train" "$preset" "$tokens" ${PLM_TRAIN_STEPS:-20} \
-      "${recompute:-none}" > "$log" 2>&1
+    det=true
+    [[ "$attention" == cudnn-nd ]] && { attention=cudnn; det=false; log=${log%.log}_nd.log; }
+    timeout 300 "$pkg/bin/bench_gpu_train" "$preset" "$tokens" ${PLM_TRAIN_STEPS:-20} \
+      "${recompute:-none}" train.deterministic=$det train.attention=${attention:-auto} > "$log" 2>&1
     note "bench_gpu_train $run rc=$?"
     grep -E "RESULT|EVAL|breakdown|^    |step 0|error|out of memory" "$log" | tee -a "$summary"
   done
@@ -338,8 +341,9 @@ if has moe_nccl; then
   done
   if [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" && $ngpu -ge 2 ]]; then
     steps=${PLM_MOE_NCCL_STEPS:-40}
-    # PLM_MOE_NCCL_OVERLAPS: the PLM_MOE_OVERLAP values the multi-GPU runs take, one run each
-    # ("0 1": the exchange of every row, then self rows first; default "0", plm's default).
+    # PLM_MOE_NCCL_OVERLAPS: the moe.overlap values (0 = false, 1 = true) the multi-GPU runs
+    # take, one run each ("0 1": the exchange of every row, then self rows first; default "0",
+    # plm's default).
     runs=("1 1 0")
     for v in ${PLM_MOE_NCCL_OVERLAPS:-0}; do
       runs+=("$ngpu $ngpu $v")
@@ -352,9 +356,11 @@ if has moe_nccl; then
       [[ $np -gt 1 ]] && name+=_overlap$ovl
       d=/tmp/plm-moe-nccl-$name
       rm -rf "$d"
-      PLM_MOE_OVERLAP=$ovl PLM_PROFILE=1 timeout 300 mpiexec -n $np --oversubscribe \
+      ovl_key=false; [[ $ovl == 1 ]] && ovl_key=true
+      timeout 300 mpiexec -n $np --oversubscribe \
         "$pkg/bin/plm" train \
         "$repo/inputs/esm2_8m.yaml" --set data.train="$pkg/data/train.h5" --set data.valid= \
+        --set moe.overlap=$ovl_key --set train.profile=true \
         --set train.precision=bf16 --set moe.experts=8 --set moe.top_k=2 --set moe.expert_ffn=640 \
         --set moe.bias_balance=true --set parallel.expert_degree=$deg \
         --set data.tokens_per_batch=$((32768 * ngpu)) --set data.micro_batch_tokens=32768 \
@@ -362,7 +368,7 @@ if has moe_nccl; then
         --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
         > "$out/moe_nccl_train_$name.log" 2>&1
       note "plm train esm2_8m + 8 x 640 bf16, $np GPU(s), expert degree $deg," \
-        "PLM_MOE_OVERLAP=$ovl rc=$?"
+        "moe.overlap=$ovl_key rc=$?"
       grep -E "moe: |collectives over|memory" "$out/moe_nccl_train_$name.log" | head -4 |
         tee -a "$summary"
       grep -E "profile:|step +[0-9]+/" "$out/moe_nccl_train_$name.log" | tail -4 |
@@ -481,15 +487,15 @@ if has fp8_bench && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
   # weights' codes and the kept X^T to bf16's 70 GB at 8K), PLM_FP8_PRECISIONS (default
   # "bf16 fp8:delayed fp8:current"). The breakdown lists the FP8 casts as "fp8 cast". 40 steps
   # by default: with 14, the 3B runs' first-shape warm-up dominated (doc/performance.md).
-  # A third field "separate" (fp8:delayed:separate) turns the fused casts off (PLM_FP8_FUSED_CAST=0).
+  # A third field "separate" (fp8:delayed:separate) turns the fused casts off (fp8.fused_cast=false).
   for run in ${PLM_FP8_BENCH:-esm2_650m:24576 esm2_3b:4096:selective}; do
     IFS=: read -r preset tokens recompute <<< "$run"
     for prec in ${PLM_FP8_PRECISIONS:-bf16 fp8:delayed fp8:current}; do
       IFS=: read -r p recipe casts <<< "$prec"
       log="$out/fp8_bench_${preset}_${tokens}${recompute:+_$recompute}_${p}${recipe:+_$recipe}${casts:+_$casts}.log"
-      fused=1; [[ "$casts" == separate ]] && fused=0
-      PLM_FP8_FUSED_CAST=$fused PLM_PRECISION=$p PLM_FP8_RECIPE=${recipe:-delayed} timeout 300 "$pkg/bin/bench_gpu_train" \
-        "$preset" "$tokens" ${PLM_TRAIN_STEPS:-40} "${recompute:-none}" > "$log" 2>&1
+      fused=true; [[ "$casts" == separate ]] && fused=false
+      PLM_PRECISION=$p PLM_FP8_RECIPE=${recipe:-delayed} timeout 300 "$pkg/bin/bench_gpu_train" \
+        "$preset" "$tokens" ${PLM_TRAIN_STEPS:-40} "${recompute:-none}" fp8.fused_cast=$fused > "$log" 2>&1
       note "bench_gpu_train $run $prec rc=$?"
       grep -E "RESULT|FP8|EVAL|breakdown|^    |error|out of memory" "$log" | tee -a "$summary"
     done
@@ -637,9 +643,10 @@ if has moe && [[ -x "$pkg/bin/plm" ]]; then
   for routing in dense device host; do
     [[ -f "$pkg/data/train.h5" ]] || break
     d=/tmp/plm-moe-bf16-$routing; rm -rf "$d"
-    moe=(--set moe.experts=8 --set moe.top_k=2 --set moe.expert_ffn=640 --set moe.bias_balance=true)
+    moe=(--set moe.experts=8 --set moe.top_k=2 --set moe.expert_ffn=640 --set moe.bias_balance=true
+      --set moe.routing=$routing)
     [[ $routing == dense ]] && moe=()
-    PLM_MOE_ROUTING=$routing timeout 240 "$pkg/bin/plm" train "$repo/inputs/esm2_8m.yaml" --set data.train="$pkg/data/train.h5" \
+    timeout 240 "$pkg/bin/plm" train "$repo/inputs/esm2_8m.yaml" --set data.train="$pkg/data/train.h5" \
       --set data.valid="" --set train.precision=bf16 "${moe[@]}" --set train.steps=${PLM_MOE_STEPS:-60} \
       --set train.log_every=10 --set schedule.warmup_steps=20 --set data.tokens_per_batch=65536 \
       --set data.micro_batch_tokens=32768 --set checkpoint.every=0 --set checkpoint.resume=none \
@@ -690,6 +697,35 @@ if has scale && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
           grep -oE "[0-9]+ tok/s" | awk '{print $1}' | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]}')
     note "scale 650m bf16 data-parallel np$np rc=$rc median tok/s (job) ${tps:-none} per GPU $(( ${tps:-0} / np ))"
     grep -E "memory|peak" "$out/scale_650m_np$np.log" | tail -2 | tee -a "$summary"
+  done
+fi
+
+if has decks && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # The shipped large decks as shipped (inputs/esm2_3b.yaml, esm2_15b.yaml: FSDP over the node;
+  # the MoE presets' decks: expert parallelism), one rank per GPU, PLM_DECK_STEPS (default 4)
+  # steps of one micro-batch per GPU on the packaged proteins, train.profile and
+  # train.tensorboard on: exit status, the progress lines (TFLOP/s per GPU, memory), the
+  # first-step memory and metrics.jsonl's wall-clock and gpu_ms fields. On fewer than 8 GPUs
+  # the MoE decks take parallel.expert_degree = GPUs, as their comments say.
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  for deck in ${PLM_DECKS:-esm2_moe_100m_a35m esm2_3b esm2_moe_2b_a650m aido_protein_16b esm2_15b}; do
+    d=/tmp/plm-deck-$deck; rm -rf "$d"
+    micro=$(awk '/micro_batch_tokens:/ {print $2; exit}' "$repo/inputs/$deck.yaml")
+    extra=()
+    if grep -q 'expert_degree: 8' "$repo/inputs/$deck.yaml" && [[ $ngpu -lt 8 ]]; then
+      extra=(--set parallel.expert_degree=$ngpu)
+    fi
+    timeout 500 mpiexec -n "$ngpu" --oversubscribe "$pkg/bin/plm" train "$repo/inputs/$deck.yaml" \
+      --set data.train="$pkg/data/train.h5" --set data.valid= --set train.steps=${PLM_DECK_STEPS:-4} \
+      --set train.log_every=1 --set data.tokens_per_batch=$((micro * ngpu)) \
+      --set schedule.warmup_steps=2 --set checkpoint.every=0 --set checkpoint.resume=none \
+      --set train.run_dir="$d" --set checkpoint.dir="$d/ckpt" --set train.profile=true \
+      --set train.tensorboard=true "${extra[@]}" > "$out/deck_$deck.log" 2>&1
+    note "plm train inputs/$deck.yaml on $ngpu GPU(s) ${extra[*]} rc=$?"
+    grep -E "plan:|memory|step +[0-9]+/|profile:|error|out of memory" "$out/deck_$deck.log" |
+      tail -8 | tee -a "$summary"
+    tail -1 "$d/metrics.jsonl" 2>/dev/null | cut -c1-600 | tee -a "$summary"
+    ls "$d/tb" 2>/dev/null | tee -a "$summary"
   done
 fi
 

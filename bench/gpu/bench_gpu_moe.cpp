@@ -10,9 +10,9 @@
 // 2. The training step's layers: MoeMlp (bf16 path: fp32 router GEMM on cuBLAS, device routing,
 //    permute, experts, unpermute; backward: unpermute backward, expert dgrad/wgrad with dGELU,
 //    router backward, combine) against DenseMlp of ffn = top_k x expert_ffn, forward and forward
-//    + backward, wall clock after a device synchronise, for PLM_MOE_GEMM = loop, grouped (CTA
-//    tile 128 and 256, PLM_MOE_GROUPED_TILE) and auto (the per-direction pick), the latter also
-//    with each dgrad/wgrad tile (PLM_MOE_GROUPED_TILE=F,D,W).  The first part also times the
+//    + backward, wall clock after a device synchronise, for moe.expert_gemm = loop, grouped (CTA
+//    tile 128 and 256, gpu::setGroupedTiles) and auto (the per-direction pick), the latter also
+//    with each dgrad/wgrad tile (gpu::setGroupedTiles).  The first part also times the
 //    grouped backward per dgrad/wgrad tile and the bias gradients alone.
 //    The phase split comes from OpContext's per-kind CUDA-event profile (expert GEMMs = "gemm";
 //    the rest of the layer: router GEMMs, routing, permute, unpermute, combine, bias/GELU passes).
@@ -44,12 +44,15 @@
 
 namespace {
 
-// The PLM_MOE_GROUPED_TILE values (forward, dgrad, wgrad) timed for the grouped backward and
-// the auto training layer: the default (128,256,128) first, then the other dgrad x wgrad pairs.
-constexpr const char* kBwdTile[] = {"128,256,128", "128,128,128", "128,128,256", "128,256,256"};
-constexpr int kBwdTiles = sizeof(kBwdTile) / sizeof(kBwdTile[0]);
-
 using namespace plm::gpu;
+
+// The grouped tiles (forward, dgrad, wgrad; gpu::setGroupedTiles) timed for the grouped backward
+// and the auto training layer: the default (128,256,128) first, then the other dgrad x wgrad
+// pairs.
+constexpr GroupedTiles kBwdTile[] = {
+    {128, 256, 128}, {128, 128, 128}, {128, 128, 256}, {128, 256, 256}};
+constexpr int kBwdTiles = sizeof(kBwdTile) / sizeof(kBwdTile[0]);
+const char* kBwdTileName[kBwdTiles] = {"128,256,128", "128,128,128", "128,128,256", "128,256,256"};
 
 Buffer* randomBf16(std::size_t n, unsigned seed, float scale) {
   auto* b = new Buffer(n * 2);
@@ -108,18 +111,20 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
     expertFfnForward(gemm, nullptr, weights, r.kept, xperm.as<bf16>(), pre.as<bf16>(),
                      act.as<bf16>(), y.as<bf16>(), hidden, expert_ffn);
   });
-  double grouped_ms[2] = {0, 0};  // tiles 128 and 256 (PLM_MOE_GROUPED_TILE)
+  double grouped_ms[2] = {0, 0};  // tiles 128 and 256 (gpu::setGroupedTiles)
+  const GroupedTiles default_tiles = groupedTiles();
   if (groupedExpertGemmAvailable()) {
     const std::size_t bytes = groupedExpertWorkspaceBytes(experts, hidden, expert_ffn);
     Buffer ws(bytes);
     for (int t = 0; t < 2; ++t) {
-      setenv("PLM_MOE_GROUPED_TILE", t ? "256" : "128", 1);
+      const int tile = t ? 256 : 128;
+      setGroupedTiles({tile, tile, tile});
       grouped_ms[t] = medianMs([&] {
         groupedExpertForward(nullptr, weights, r.kept, xperm.as<bf16>(), pre.as<bf16>(),
                              act.as<bf16>(), y.as<bf16>(), hidden, expert_ffn, ws.ptr, bytes);
       });
     }
-    unsetenv("PLM_MOE_GROUPED_TILE");
+    setGroupedTiles(default_tiles);
   }
   // The grouped backward (dgrad, dGELU, wgrad, bias gradients, dx) per dgrad/wgrad tile, and the
   // bias gradients (fixed-order column sums of dy and dpre) alone.
@@ -153,14 +158,14 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
       const std::size_t bytes = groupedExpertWorkspaceBytes(experts, hidden, expert_ffn);
       Buffer ws(bytes);
       for (int t = 0; t < kBwdTiles; ++t) {
-        setenv("PLM_MOE_GROUPED_TILE", kBwdTile[t], 1);
+        setGroupedTiles(kBwdTile[t]);
         grouped_bwd_ms[t] = medianMs([&] {
           groupedExpertBackward(nullptr, weights, grads, r.kept, xperm.as<bf16>(), pre.as<bf16>(),
                                 act.as<bf16>(), dy_perm->as<bf16>(), dpre_perm.as<bf16>(),
                                 dx_perm.as<bf16>(), hidden, expert_ffn, ws.ptr, bytes);
         });
       }
-      unsetenv("PLM_MOE_GROUPED_TILE");
+      setGroupedTiles(default_tiles);
     }
   }
   const double unpermute_ms = medianMs([&] {
@@ -200,9 +205,9 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
     }
     for (int t = 0; t < kBwdTiles; ++t)
       std::printf(
-          "%-28s   backward grouped (PLM_MOE_GROUPED_TILE=%s) %.3f ms (%.0f TFLOP/s, the four "
+          "%-28s   backward grouped (tiles %s) %.3f ms (%.0f TFLOP/s, the four "
           "GEMMs with dGELU and bias gradients)\n",
-          "", kBwdTile[t], grouped_bwd_ms[t], 2.0 * flops / grouped_bwd_ms[t] / 1e9);
+          "", kBwdTileName[t], grouped_bwd_ms[t], 2.0 * flops / grouped_bwd_ms[t] / 1e9);
   } else {
     std::printf("%-28s   experts grouped: not in this build or not an sm_90 GPU\n", "");
   }
@@ -327,7 +332,7 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
   ms.loss_weight = 1.0;
   ms.grad_scale = 1.0;
   ms.training = true;
-  MoeMlp<float> moe(0, c, hidden, w, g, &ms);
+  std::unique_ptr<MoeMlp<float>> last;
   const double flops = 3.0 * 4.0 * static_cast<double>(tokens) * hidden * ffn;  // fwd + bwd
   std::printf(
       "train %-22s T %lld H %d E %d top-%d F_e %d | dense fwd %.3f ms, fwd+bwd %.3f ms "
@@ -335,27 +340,31 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
       name, static_cast<long long>(tokens), hidden, experts, k, expert_ffn, dense_fwd_ms, dense_ms,
       flops / dense_ms / 1e9);
   // auto: the pick of gpu::chooseExpertGemm per direction (moe.expert_gemm's default).
-  // Each mode: its label, PLM_MOE_GEMM and PLM_MOE_GROUPED_TILE ("" = the built-in default);
-  // a tile triple as the label = the per-direction pick with those tiles (kBwdTile).
+  // Each mode: its label, moe.expert_gemm and the grouped tiles; a tile triple as the label =
+  // the per-direction pick with those tiles (kBwdTile).
+  using plm::model::ExpertGemmMode;
   struct Mode {
     const char* label;
-    const char* gemm;
-    const char* tile;
+    ExpertGemmMode gemm;
+    GroupedTiles tiles;
   };
-  std::vector<Mode> modes = {Mode{"loop", "loop", ""}, Mode{"grouped", "grouped", "128"},
-                             Mode{"grouped256", "grouped", "256"}, Mode{"auto", "auto", ""}};
-  for (const char* tile : kBwdTile) modes.push_back(Mode{tile, "auto", tile});
+  const GroupedTiles default_tiles = groupedTiles();
+  std::vector<Mode> modes = {Mode{"loop", ExpertGemmMode::Loop, default_tiles},
+                             Mode{"grouped", ExpertGemmMode::Grouped, {128, 128, 128}},
+                             Mode{"grouped256", ExpertGemmMode::Grouped, {256, 256, 256}},
+                             Mode{"auto", ExpertGemmMode::Auto, default_tiles}};
+  for (int t = 0; t < kBwdTiles; ++t)
+    modes.push_back(Mode{kBwdTileName[t], ExpertGemmMode::Auto, kBwdTile[t]});
   for (const Mode& m : modes) {
     const char* mode = m.label;
-    if (std::strcmp(m.gemm, "loop") != 0 && !plm::gpu::groupedExpertGemmAvailable()) {
+    if (m.gemm != ExpertGemmMode::Loop && !plm::gpu::groupedExpertGemmAvailable()) {
       std::printf("  %s: not in this build or not an sm_90 GPU\n", mode);
       continue;
     }
-    setenv("PLM_MOE_GEMM", m.gemm, 1);
-    if (*m.tile)
-      setenv("PLM_MOE_GROUPED_TILE", m.tile, 1);
-    else
-      unsetenv("PLM_MOE_GROUPED_TILE");
+    c.expert_gemm = m.gemm;
+    setGroupedTiles(m.tiles);
+    last = std::make_unique<MoeMlp<float>>(0, c, hidden, w, g, &ms);
+    MoeMlp<float>& moe = *last;
     const double fwd_ms = medianWallMs([&] { moe.forward(ctx, saved.ln2, res, o, saved); });
     const double moe_ms = medianWallMs([&] { step(moe); });
     // One profiled step: the expert (and shared) GEMMs are "gemm"; the rest of the layer is the
@@ -379,9 +388,9 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
         mode, fwd_ms, 100.0 * dense_fwd_ms / fwd_ms, moe_ms, flops / moe_ms / 1e9, moe_ms - fwd_ms,
         one_ms, gemm_ms, other_ms, one_ms - gemm_ms - other_ms, 100.0 * dense_ms / moe_ms);
   }
-  unsetenv("PLM_MOE_GEMM");
-  unsetenv("PLM_MOE_GROUPED_TILE");
-  const auto& st = moe.stats();
+  setGroupedTiles(default_tiles);
+  if (!last) return;
+  const auto& st = last->stats();
   double most = 0, sum = 0;
   for (double v : st.routed) {
     most = std::max(most, v);
@@ -407,7 +416,6 @@ int main(int argc, char** argv) {
     run("esm2_8m-like 8 experts top-2", tokens ? tokens : 32768, 320, 8, 2, 640);
   // The training step's layers (bf16 MoeMlp vs DenseMlp), forward + backward, routing on the
   // device (the bf16 path's default).
-  setenv("PLM_MOE_ROUTING", "device", 1);
   if (pick("esm2_8m-like")) trainLayer("esm2_8m-like", tokens ? tokens : 32768, 320, 8, 2, 640);
   if (pick("650M-like")) trainLayer("650M-like", tokens ? tokens : 24576, 1280, 8, 2, 2560);
   if (pick("AIDO-like")) trainLayer("AIDO-like", tokens ? tokens : 16384, 2304, 8, 2, 7680);

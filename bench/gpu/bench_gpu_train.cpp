@@ -9,9 +9,11 @@
 //
 // Also times a forward-only pass (evaluation) over the same batches.
 //
-//   bench_gpu_train PRESET [tokens_per_micro_batch] [steps] [none|layer|selective]
+//   bench_gpu_train PRESET [tokens_per_micro_batch] [steps] [none|layer|selective] [KEY=VALUE...]
 //   PLM_PRECISION=fp8 [PLM_FP8_RECIPE=delayed|current|block] times the FP8 policy (doc/fp8.md); the
-//   step then ends with Esm2::endFp8Step, as in training.
+//   step then ends with Esm2::endFp8Step, as in training.  KEY=VALUE sets one of the deck's kernel
+//   keys as `plm train --set` would: train.attention=auto|cudnn|cudnn-fwd|flash,
+//   train.deterministic=true|false, fp8.fused_cast=true|false.
 #include "core/error.hpp"
 #include "data/synthetic.hpp"
 #include "dist/runtime.hpp"
@@ -46,6 +48,26 @@ int run(int argc, char** argv) {
   if (const char* r = std::getenv("PLM_FP8_RECIPE"); r && *r)
     config.fp8.recipe = model::parseFp8Recipe(r);
   if (argc > 4) config.recompute = model::parseRecompute(argv[4]);
+  auto flag = [](const std::string& key, const std::string& v) {
+    if (v == "true" || v == "1") return true;
+    if (v == "false" || v == "0") return false;
+    throw Error(key + "=" + v + ": expected true or false");
+  };
+  for (int i = 5; i < argc; ++i) {
+    const std::string arg = argv[i];
+    const std::size_t eq = arg.find('=');
+    const std::string key = arg.substr(0, eq),
+                      value = eq == std::string::npos ? "" : arg.substr(eq + 1);
+    if (key == "train.attention")
+      config.attention = model::parseAttentionKernel(value);
+    else if (key == "train.deterministic")
+      config.deterministic = flag(key, value);
+    else if (key == "fp8.fused_cast")
+      config.fp8.fused_cast = flag(key, value);
+    else
+      throw Error("bench_gpu_train: unknown argument `" + arg +
+                  "`; use train.attention=, train.deterministic= or fp8.fused_cast=");
+  }
   model::Esm2<float> model(config);
   model.initialize(1);
   gpu::Stream stream = Kokkos::Cuda().cuda_stream();

@@ -6,6 +6,8 @@
 #include "ckpt/detail/redistribute.hpp"
 #include "ckpt/detail/rows.hpp"
 #include "ckpt/detail/snapshot.hpp"
+#include "core/clock.hpp"
+#include "core/fault.hpp"
 #include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "dist/process_groups.hpp"
@@ -48,14 +50,6 @@ double now() {
 
 using dist::commRank;
 using dist::commSize;
-std::string utcNow() {
-  std::time_t t = std::time(nullptr);
-  std::tm tm{};
-  gmtime_r(&t, &tm);
-  char buffer[32];
-  std::strftime(buffer, sizeof buffer, "%Y-%m-%dT%H:%M:%SZ", &tm);
-  return buffer;
-}
 
 std::string broadcastString(std::string value, MPI_Comm comm) {
   long long length = static_cast<long long>(value.size());
@@ -63,21 +57,6 @@ std::string broadcastString(std::string value, MPI_Comm comm) {
   value.resize(static_cast<std::size_t>(length));
   if (length > 0) PLM_CHECK_MPI(MPI_Bcast(value.data(), int(length), MPI_CHAR, 0, comm));
   return value;
-}
-
-// The fault hook behind the crash tests: PLM_CKPT_FAIL_AT=<step>:<phase> makes every rank
-// _exit(86) at that point of the save of that step, as a kill would (nothing flushed, no
-// destructors).  Phases: model (after /model), optimizer (after the first /optimizer state group),
-// flush (file complete and flushed, not yet renamed).
-void failPoint(std::int64_t step, const char* phase) {
-  static const char* spec = std::getenv("PLM_CKPT_FAIL_AT");
-  if (!spec || !*spec) return;
-  const std::string want = std::to_string(step) + ":" + phase;
-  if (want != spec) return;
-  std::fprintf(stderr, "plm: PLM_CKPT_FAIL_AT=%s: exiting in the middle of a checkpoint save\n",
-               spec);
-  std::fflush(stderr);
-  ::_exit(86);
 }
 
 // CRC-32 of this rank's rows of every tensor (where `rows` says they lie in `values`), with
@@ -647,7 +626,7 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
   report.copy_seconds = snap.copy_seconds;
   const double t1 = now();
 
-  const std::string created = broadcastString(rank == 0 ? utcNow() : std::string(), comm);
+  const std::string created = broadcastString(rank == 0 ? clock::utcIso() : std::string(), comm);
   // Independent data transfers: each rank's rows are one contiguous range of the file, so
   // collective two-phase I/O buys nothing, and its per-tensor synchronisation made 2-rank saves
   // 5x slower on the dev machine (doc/performance.md).
@@ -688,7 +667,7 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
     io::writeExtraAttributes(file, extra);
 
     writeRowsGroup(file, "model", tensors, snap.master, snap.master_rows, independent_transfers);
-    failPoint(state.step, "model");
+    fault::checkpointFailPoint(state.step, "model");
     {
       h5::Hid g = h5::createGroup(file, "optimizer");
       h5::writeAttribute(g, "kind", snap.optimizer_kind);
@@ -708,7 +687,7 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
       else
         writeRowsGroup(file, g.name, *g.table, static_cast<const float*>(g.data), *g.rows,
                        independent_transfers);
-      if (i == 1) failPoint(state.step, "optimizer");
+      if (i == 1) fault::checkpointFailPoint(state.step, "optimizer");
     }
     const auto local = crc_pending.get();
     for (std::size_t g = 0; g < groups.size(); ++g)
@@ -736,7 +715,7 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
     h5::writeAttribute(s, "format", std::string(checkpoint_format));
     report.write_seconds = now() - t1;
     PLM_CHECK_H5(H5Fflush(file, H5F_SCOPE_GLOBAL));
-    failPoint(state.step, "flush");
+    fault::checkpointFailPoint(state.step, "flush");
   }
   PLM_CHECK_MPI(MPI_Barrier(comm));  // every rank has closed the file
   std::int64_t bytes = 0;

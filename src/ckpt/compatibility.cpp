@@ -64,6 +64,7 @@ const std::set<std::string>& harmlessKeys() {
       "data.train", "data.valid", "data.prefetch", "data.valid_tokens",
       "train.steps", "train.log_every", "train.eval_every", "train.run_dir", "train.seed",
       "train.peak_tflops", "train.log_all_ranks", "train.on_nonfinite", "train.step_timeout",
+      "train.profile", "train.tensorboard",
       "checkpoint.dir", "checkpoint.every", "checkpoint.keep", "checkpoint.resume",
       "checkpoint.async",
       // the layout changes who holds which slice, not what is computed (doc/parallelism.md)

@@ -6,6 +6,7 @@
 #include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
+#include "train/trainer.hpp"
 
 #include <cstdio>
 
@@ -29,6 +30,32 @@ Parser deckParser() {
 void print(const std::string& text) {
   if (dist::worldRank() == 0) std::fputs(text.c_str(), stdout);
 }
+
+/// The model section as `plm train` builds the model: a preset's sizes (and an MoE preset's
+/// experts) written in place of the zeros that mean "the preset's", which give the same model
+/// when read back.
+void fillModelSizes(Teuchos::ParameterList& deck, const model::Esm2Config& c) {
+  auto& m = deck.sublist("model");
+  m.set("layers", c.num_layers);
+  m.set("hidden", c.hidden);
+  m.set("heads", c.heads);
+  m.set("ffn", c.ffn);
+  if (!c.moe.enabled()) return;
+  auto& moe = deck.sublist("moe");
+  moe.set("experts", c.moe.experts);
+  moe.set("top_k", c.moe.top_k);
+  moe.set("every", c.moe.every);
+  moe.set("expert_ffn", c.moe.expert_ffn);
+}
+
+std::string parameterCount(std::int64_t n) {
+  char text[32];
+  if (n >= 1000000000)
+    std::snprintf(text, sizeof text, "%.2fB", n / 1e9);
+  else
+    std::snprintf(text, sizeof text, "%.1fM", n / 1e6);
+  return text;
+}
 }  // namespace
 
 int runDeck(const Argv& argv) {
@@ -51,8 +78,15 @@ int runDeck(const Argv& argv) {
     print(deck::referenceMarkdown());
   } else {
     auto resolved = deck::load(args.get("check"), args.all("set"));
-    log::info("# %s: valid; resolved with every default filled in", args.get("check").c_str());
-    print(deck::toYaml(*resolved));
+    const model::Esm2Config config = train::modelConfigFromDeck(*resolved);
+    fillModelSizes(*resolved, config);
+    log::info("# %s: valid; resolved with every default and the preset's sizes filled in",
+              args.get("check").c_str());
+    std::string sizes = "# model: " + resolved->sublist("model").get<std::string>("preset") + ", " +
+                        parameterCount(config.numParameters()) + " parameters";
+    if (config.moe.enabled())
+      sizes += " (" + parameterCount(config.activeParameters()) + " active per token)";
+    print(sizes + "\n" + deck::toYaml(*resolved));
   }
   return 0;
 }

@@ -1,6 +1,8 @@
 #include "data/prep.hpp"
 
+#include "core/clock.hpp"
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/log.hpp"
 #include "data/random.hpp"
 #include "io/dataset.hpp"
@@ -64,13 +66,6 @@ std::vector<Segment> segmentsOf(const std::vector<InputFile>& files, int rank, i
     file_start += files[i].size;
   }
   return segments;
-}
-
-std::string utcNow() {
-  std::time_t now = std::time(nullptr);
-  char text[32];
-  std::strftime(text, sizeof text, "%Y-%m-%dT%H:%M:%SZ", std::gmtime(&now));
-  return text;
 }
 
 std::string broadcastString(std::string value, int root, MPI_Comm comm) {
@@ -468,7 +463,7 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   metadata.skipped_records = report.skipped;
   metadata.command_line = options.command_line;
   metadata.plm_version = std::string(PLM_VERSION_STRING) + " (git " + PLM_GIT_REVISION + ")";
-  metadata.created_utc = broadcastString(rank == 0 ? utcNow() : std::string(), 0, comm);
+  metadata.created_utc = broadcastString(rank == 0 ? clock::utcIso() : std::string(), 0, comm);
   const std::string hash_rule = "h = plm-hash128 v1 of the residue ids (doc/data.md)";
   const std::string rule =
       by_file ? "valid = the records of the --valid files; exact duplicates removed, a copy in "
@@ -508,7 +503,7 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   } catch (...) {
     // A crash leaves the temporary files behind (never a train.h5); an error removes them.
     // The test hook imitates the crash.
-    if (rank == 0 && !std::getenv("PLM_TEST_FAIL_AFTER_BYTES"))
+    if (rank == 0 && fault::datasetFailAfterBytes() < 0)
       for (const auto& out : outputs) removeQuietly(temporary(out.name));
     throw;
   }

@@ -231,6 +231,26 @@ const std::vector<KeySpec>& keys() {
        "(exit 124); 0 = 20 x the median step time once 10 steps ran, at least 300 s (1800 s "
        "before that, and for evaluations and checkpoint saves).",
        atLeast(0), {}},
+      {"train", "attention", K::text, "auto",
+       "Kernels of bf16/fp8 attention on the GPU: cudnn = cuDNN's fused attention both ways, "
+       "cudnn-fwd = cuDNN forward with plm's flash backward, flash = plm's flash attention both "
+       "ways (also the fallback for shapes cuDNN lacks), auto = the faster by head size as "
+       "measured (doc/gpu.md). fp32 and CPU runs use the portable kernels whatever this says.",
+       any(), {"auto", "cudnn", "cudnn-fwd", "flash"}},
+      {"train", "deterministic", K::boolean, "true",
+       "Bitwise-reproducible backward kernels. false lets cuDNN's attention backward accumulate "
+       "dQ with float atomics: about 2% faster at 650M on an H100 (doc/gpu.md), but two runs "
+       "of the same deck no longer agree bit for bit.",
+       any(), {}},
+      {"train", "profile", K::boolean, "false",
+       "Time every GPU launch of the training passes by kind (GEMM, attention, LayerNorm, FP8 "
+       "casts, MoE dispatch, other) with CUDA events: a line before each progress line and a "
+       "gpu_ms object in each metrics.jsonl step record. Costs a little speed; GPU runs only.",
+       any(), {}},
+      {"train", "tensorboard", K::boolean, "false",
+       "Also write the step and evaluation metrics as TensorBoard scalars to "
+       "<run_dir>/tb/events.out.tfevents.* (rank 0; no TensorBoard needed to write them).",
+       any(), {}},
       // parallel
       {"parallel", "shard_degree", K::integer, "1",
        "Ranks each parameter, its gradient and its AdamW state are sharded over (consecutive "
@@ -312,8 +332,18 @@ const std::vector<KeySpec>& keys() {
        "How the experts' GEMMs run under train.precision bf16 on the GPU: loop = one cuBLASLt "
        "call per expert (bias and GELU fused), grouped = one CUTLASS SM90 grouped GEMM launch per "
        "GEMM for all experts (Hopper; needs the CUTLASS build), auto = by the crossover measured "
-       "on the H100 (doc/performance.md). The environment variable PLM_MOE_GEMM overrides it.",
+       "on the H100 (doc/performance.md).",
        any(), {"auto", "loop", "grouped"}},
+      {"moe", "overlap", K::boolean, "false",
+       "Under expert parallelism, compute a rank's own rows of its own experts while the other "
+       "rows travel, instead of sending every row through the all-to-all. Measured 2-6% slower "
+       "on 2 GPUs over NVLink (doc/model.md); may pay where the all-to-all is slow.",
+       any(), {}},
+      {"moe", "routing", K::text, "device",
+       "Where the bf16 GPU path routes tokens: device (top-k, counts and losses on the GPU), or "
+       "host (the CPU reference: the logits travel to the host). fp32/fp64 runs and "
+       "moe.seq_aux_loss > 0 always route on the host.",
+       any(), {"device", "host"}},
       {"parallel", "context_degree", K::integer, "1",
        "Context parallelism: this many consecutive ranks share every micro-batch, each holding "
        "2 of the 2 x context_degree chunks of every sequence; attention runs as ring attention "
@@ -346,6 +376,10 @@ const std::vector<KeySpec>& keys() {
       {"fp8", "wgrad", K::text, "fp8",
        "Weight-gradient GEMMs: fp8 operands, or the unquantised (bf16 on the GPU, fp32 on the "
        "CPU) ones.", any(), {"fp8", "bf16"}},
+      {"fp8", "fused_cast", K::boolean, "true",
+       "On the GPU under delayed and block scaling, LayerNorm and the GELU pass write the E4M3 "
+       "codes for the FP8 GEMM that reads their output; false = a separate cast pass (slower; "
+       "doc/fp8.md).", any(), {}},
       // checkpoint
       {"checkpoint", "dir", K::text, "run/ckpt", "Directory of the checkpoint files.", any(), {},
        true},

@@ -8,6 +8,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -191,15 +192,22 @@ __global__ void combineGradientVec8Kernel(const bfloat* dx, const std::int32_t* 
   }
 }
 
+std::atomic<bool>& scalarKernels() {
+  static std::atomic<bool> scalar{false};
+  return scalar;
+}
+
 /// The 16-byte kernels need hidden % 8 == 0 and every base pointer 16-byte aligned.
 bool vec8(int hidden, std::initializer_list<const void*> ptrs) {
-  if (hidden % 8 != 0 || std::getenv("PLM_MOE_SCALAR_KERNELS")) return false;
+  if (hidden % 8 != 0 || scalarKernels().load(std::memory_order_relaxed)) return false;
   for (const void* p : ptrs)
     if (p && reinterpret_cast<std::uintptr_t>(p) % 16 != 0) return false;
   return true;
 }
 
 }  // namespace
+
+void setMoeScalarKernels(bool scalar) { scalarKernels().store(scalar); }
 
 void moeUnpermute(Stream stream, const bf16* y, const std::int32_t* slot_row,
                   const float* slot_gate, const float* residual, float* out, std::int64_t tokens,

@@ -7,7 +7,7 @@
 // model/moe.cpp; these kernels consume its index arrays.  Permuting the tokens is gatherRows
 // (gpu/fused.hpp).  Every reduction runs in a fixed order (one warp per token, slots in order),
 // so results are deterministic; where hidden is a multiple of 8 and the rows 16-byte aligned,
-// each lane moves 16 bytes at a time (PLM_MOE_SCALAR_KERNELS=1 forces the scalar kernels, for
+// each lane moves 16 bytes at a time (setMoeScalarKernels(true) forces the scalar kernels, for
 // tests).  bf16 activations, fp32 gates and residual stream (the bf16
 // policy of the model).  The expert GEMMs are a loop of cuBLASLt calls, one up (bias + GELU,
 // pre-activation kept) and one down (bias) per expert with rows; experts without rows launch
@@ -102,6 +102,10 @@ struct RouteSummary {
   std::vector<double> prob_sum;            // (E) sum over tokens of the probabilities
   double lse2_sum = 0, entropy_sum = 0;    // sums over tokens
 };
+
+/// \brief Tests: true makes the unpermute and combine kernels of this process take their scalar
+/// form even where the 16-byte one applies (default false).
+void setMoeScalarKernels(bool scalar);
 
 /// \brief Routes on `stream` and returns the summary (waits for the stream).
 RouteSummary routeOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers& b);

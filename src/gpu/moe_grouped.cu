@@ -22,7 +22,7 @@ void groupedRun(Stream, GroupedLayout, GroupedTile, const GroupedProblem*, int, 
                 std::size_t) {
   throw Error(
       "plm::gpu: the grouped expert GEMM is not in this build (CUTLASS was not found when it "
-      "was configured: run scripts/get-cutlass.sh and reconfigure, or set PLM_MOE_GEMM=loop)");
+      "was configured: run scripts/get-cutlass.sh and reconfigure, or set moe.expert_gemm: loop)");
 }
 }  // namespace detail
 #endif
@@ -224,39 +224,28 @@ std::vector<GroupedProblem> problemsOf(const std::vector<std::int64_t>& rows, Ma
   return out;
 }
 
-/// The CTA tile of each layout's grouped launches when PLM_MOE_GROUPED_TILE is unset: forward
-/// 128x128, dgrad 256x128, wgrad 128x128, the best of the four dgrad x wgrad pairs at the
-/// 650M-like and the 64-expert training layers (H200, validation/gpu_logs/moe70_h200: wgrad
-/// 256x128 lost 0.19-0.45 ms, dgrad 256x128 gained 0.02-0.04 ms per backward).
-constexpr detail::GroupedTile kDefaultTile[detail::kGroupedLayouts] = {
-    detail::GroupedTile::Small, detail::GroupedTile::Large, detail::GroupedTile::Small};
-
-detail::GroupedTile tileOf(const std::string& v, const std::string& all) {
-  if (v == "128") return detail::GroupedTile::Small;
-  if (v == "256") return detail::GroupedTile::Large;
-  throw Error("environment variable PLM_MOE_GROUPED_TILE: '" + all +
-              "' is not a grouped GEMM tile; use 128 or 256 for every launch, or three of them "
-              "for forward, dgrad and wgrad (e.g. 128,256,256)");
+// GroupedTiles' defaults: forward 128x128, dgrad 256x128, wgrad 128x128, the best of the four
+// dgrad x wgrad pairs at the 650M-like and the 64-expert training layers (H200,
+// validation/gpu_logs/moe70_h200: wgrad 256x128 lost 0.19-0.45 ms, dgrad 256x128 gained
+// 0.02-0.04 ms per backward).
+GroupedTiles& tilesInUse() {
+  static GroupedTiles tiles;
+  return tiles;
 }
 
-/// The CTA tile of a `layout` launch: PLM_MOE_GROUPED_TILE = 128 | 256 (every layout) or
-/// F,D,W (forward, dgrad, wgrad, each 128 or 256); unset, kDefaultTile.
+detail::GroupedTile tileOf(int rows) {
+  return rows == 256 ? detail::GroupedTile::Large : detail::GroupedTile::Small;
+}
+
+/// The CTA tile of a `layout` launch.
 detail::GroupedTile groupedTile(GroupedLayout layout) {
-  const char* v = std::getenv("PLM_MOE_GROUPED_TILE");
-  if (!v || !*v) return kDefaultTile[static_cast<int>(layout)];
-  const std::string all(v);
-  if (all.find(',') == std::string::npos) return tileOf(all, all);
-  std::vector<std::string> part;
-  for (std::size_t at = 0;;) {
-    const std::size_t comma = all.find(',', at);
-    part.push_back(all.substr(at, comma - at));
-    if (comma == std::string::npos) break;
-    at = comma + 1;
+  const GroupedTiles& t = tilesInUse();
+  switch (layout) {
+    case GroupedLayout::Forward: return tileOf(t.forward);
+    case GroupedLayout::Dgrad: return tileOf(t.dgrad);
+    case GroupedLayout::Wgrad: return tileOf(t.wgrad);
   }
-  if (part.size() != std::size_t(detail::kGroupedLayouts)) tileOf("", all);  // throws
-  detail::GroupedTile tile[detail::kGroupedLayouts];
-  for (int l = 0; l < detail::kGroupedLayouts; ++l) tile[l] = tileOf(part[l], all);  // all valid
-  return tile[static_cast<int>(layout)];
+  return detail::GroupedTile::Small;
 }
 
 /// The grouped GEMMs' part of the workspace: one argument block per layout.
@@ -295,10 +284,15 @@ ExpertGemm parseExpertGemm(const std::string& value, const std::string& where) {
   throw Error(where + ": '" + value + "' is not an expert GEMM mode; use auto, loop or grouped");
 }
 
-ExpertGemm expertGemmFromEnv() {
-  const char* v = std::getenv("PLM_MOE_GEMM");
-  return v && *v ? parseExpertGemm(v, "environment variable PLM_MOE_GEMM") : ExpertGemm::Auto;
+void setGroupedTiles(const GroupedTiles& tiles) {
+  for (int rows : {tiles.forward, tiles.dgrad, tiles.wgrad})
+    if (rows != 128 && rows != 256)
+      throw Error("plm::gpu::setGroupedTiles: a grouped GEMM tile of " + std::to_string(rows) +
+                  " rows; use 128 or 256");
+  tilesInUse() = tiles;
 }
+
+GroupedTiles groupedTiles() { return tilesInUse(); }
 
 bool groupedExpertGemmAvailable() {
   static const bool ok = [] {
@@ -316,19 +310,19 @@ ExpertGemm chooseExpertGemm(ExpertGemm asked, int experts, int hidden, int ffn, 
   const bool shapes_ok = experts <= kMaxGroups && hidden % 8 == 0 && ffn % 8 == 0;
   if (asked == ExpertGemm::Grouped) {
     if (!groupedExpertGemmAvailable())
-      throw Error("plm::gpu: the grouped expert GEMM was asked for (PLM_MOE_GEMM=grouped) but " +
-                  std::string(detail::groupedCompiled()
-                                  ? "this GPU is not an sm_90 (Hopper) device"
-                                  : "this build has no CUTLASS "
-                                    "(scripts/get-cutlass.sh, then reconfigure)") +
-                  "; use PLM_MOE_GEMM=loop or auto");
+      throw Error(
+          "plm::gpu: the grouped expert GEMM was asked for (moe.expert_gemm: grouped) but " +
+          std::string(detail::groupedCompiled() ? "this GPU is not an sm_90 (Hopper) device"
+                                                : "this build has no CUTLASS "
+                                                  "(scripts/get-cutlass.sh, then reconfigure)") +
+          "; use moe.expert_gemm: loop or auto");
     if (!shapes_ok)
       throw Error(
           "plm::gpu: the grouped expert GEMM needs hidden and expert ffn multiples of 8 "
           "and at most " +
           std::to_string(kMaxGroups) + " experts (got " + std::to_string(experts) + " x " +
           std::to_string(ffn) + ", hidden " + std::to_string(hidden) +
-          "); use PLM_MOE_GEMM=loop or auto");
+          "); use moe.expert_gemm: loop or auto");
     return ExpertGemm::Grouped;
   }
   if (asked == ExpertGemm::Loop || !shapes_ok || !groupedExpertGemmAvailable())

@@ -32,8 +32,17 @@ enum class ExpertGemm { Auto, Loop, Grouped };
 
 /// \brief "auto", "loop" or "grouped"; throws plm::Error naming `where` otherwise.
 ExpertGemm parseExpertGemm(const std::string& value, const std::string& where);
-/// \brief The override of the environment variable PLM_MOE_GEMM (auto|loop|grouped), else Auto.
-ExpertGemm expertGemmFromEnv();
+
+/// CTA tile rows (128 or 256) of the grouped launches of each layout: forward (A B^T), dgrad
+/// (A B), wgrad (A^T B).  The defaults are the measured best (doc/model.md); benchmarks and
+/// tests set others with setGroupedTiles to time and cover every tile.
+struct GroupedTiles {
+  int forward = 128, dgrad = 256, wgrad = 128;
+};
+/// \brief The tiles every later grouped launch of this process uses; throws plm::Error unless
+/// each is 128 or 256.
+void setGroupedTiles(const GroupedTiles& tiles);
+GroupedTiles groupedTiles();
 /// \brief True when the grouped kernels are compiled in (CUTLASS found) and the device is sm_90.
 bool groupedExpertGemmAvailable();
 /// \brief Loop or Grouped for the forward (backward = false) or backward GEMMs of a layer of

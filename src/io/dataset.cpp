@@ -1,6 +1,7 @@
 #include "io/dataset.hpp"
 
 #include "core/error.hpp"
+#include "core/fault.hpp"
 #include "core/vocab.hpp"
 #include "io/hdf5.hpp"
 
@@ -41,13 +42,6 @@ namespace {
 // Collective writes are split into rounds of at most this many rows per rank so that no MPI-IO
 // call moves 2 GiB or more (a limit of several MPI-IO implementations): 8-byte rows make 1 GiB.
 constexpr std::int64_t max_rows_per_write = std::int64_t(1) << 27;
-
-// Test hook (doc/data.md): PLM_TEST_FAIL_AFTER_BYTES=N stops a dataset write, on every rank
-// at the same round, once N token bytes are in the file, as a kill would.
-std::int64_t failAfterBytes() {
-  const char* value = std::getenv("PLM_TEST_FAIL_AFTER_BYTES");
-  return value && *value ? std::atoll(value) : -1;
-}
 
 template <class T> void writeInRounds(hid_t dataset, MPI_Comm comm, std::int64_t start,
                                       std::int64_t count, const T* data,
@@ -114,7 +108,7 @@ void writeDataset(const std::string& path, MPI_Comm comm, const SequenceShard& l
   {
     h5::Hid tokens = h5::createDataset<std::uint8_t>(file, "tokens", {residues});
     writeInRounds<std::uint8_t>(tokens, comm, starts[1], local_residues, local.tokens.data(),
-                                failAfterBytes());
+                                fault::datasetFailAfterBytes());
   }
   {
     // Rank r writes offsets[start_r, start_r + n_r); the last rank adds offsets[n] = R.

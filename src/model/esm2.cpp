@@ -369,6 +369,8 @@ template <class T> struct Esm2<T>::Impl {
   Impl(const Esm2Config& c, const ExpertPlacement& experts)
       : config(c), held(experts), ctx(ExecSpace()) {
     config.validate();
+    ctx.attention_kernel = config.attention;
+    ctx.deterministic = config.deterministic;
     if (held.degree < 1 || held.rank < 0 || held.rank >= held.degree ||
         (held.sharded() && (!config.moe.enabled() || config.moe.experts % held.degree != 0)))
       throw collectiveError("parallel.expert_degree = " + std::to_string(held.degree) +

@@ -38,8 +38,10 @@ struct Esm2Config {
   bool token_dropout = true;  // applied in training and evaluation, as Hugging Face does
   Recompute recompute = Recompute::None;  // what backward recomputes instead of keeping
   Precision precision = Precision::Fp32;  // compute arithmetic (bf16: CUDA build, Esm2<float>)
-  MoeConfig moe;  // Mixture-of-Experts FFN layers (moe.experts == 0: the dense ESM-2)
-  Fp8Config fp8;  // the FP8 recipe (read under precision == Fp8; doc/fp8.md)
+  AttentionKernel attention = AttentionKernel::Auto;  // train.attention (bf16 on CUDA)
+  bool deterministic = true;  // train.deterministic: false = cuDNN's atomic attention backward
+  MoeConfig moe;              // Mixture-of-Experts FFN layers (moe.experts == 0: the dense ESM-2)
+  Fp8Config fp8;              // the FP8 recipe (read under precision == Fp8; doc/fp8.md)
 
   /// \brief esm2_8m, esm2_35m, esm2_150m, esm2_650m, esm2_3b, esm2_15b; throws a collective
   /// plm::Error listing the valid names otherwise.

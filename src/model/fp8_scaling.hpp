@@ -65,6 +65,9 @@ struct Fp8Config {
   int first_layers_bf16 = 0;  // the first and last layers keep their GEMMs in high precision
   int last_layers_bf16 = 0;
   Fp8Wgrad wgrad = Fp8Wgrad::Fp8;
+  // fp8.fused_cast: on the GPU, LayerNorm and the GELU pass write the E4M3 codes of the FP8 GEMM
+  // that reads their output (delayed and block scaling); false = a separate cast pass.
+  bool fused_cast = true;
 
   /// \brief True when layer `layer` of `num_layers` runs its GEMMs in FP8.
   bool fp8Layer(int layer, int num_layers) const {

@@ -292,7 +292,7 @@ template <class T> struct MoeMlp<T>::State {
   std::vector<std::int64_t> local_rows;  // (E / E_p)
   int first_expert = 0, local_experts = 0;
   std::int64_t expert_rows = 0;  // rows this rank computes
-  // Self rows first (PLM_MOE_OVERLAP=1, off by default; not with FP8 experts): this rank's own rows
+  // Self rows first (moe.overlap: true, off by default; not with FP8 experts): this rank's own rows
   // of its own experts skip the exchange (zero counts to and from self) and are computed in place,
   // from the local permuted buffer's contiguous block [self_at, self_at + self_n), while the other
   // ranks' rows travel; the expert side then holds [self rows | exchanged rows], both expert-major.
@@ -328,11 +328,9 @@ template <class T> struct MoeMlp<T>::State {
   bool bf16() const { return cdt == DType::BF16; }
 
   /// The bf16 path routes on the device unless the sequence-level loss needs the host's
-  /// per-token data, or PLM_MOE_ROUTING=host asks for the reference.
+  /// per-token data, or moe.routing: host asks for the reference.
   bool deviceRouting() const {
-    if (!std::is_same_v<T, float> || !bf16() || c.seq_aux_loss > 0) return false;
-    const char* env = std::getenv("PLM_MOE_ROUTING");
-    return !(env && std::string(env) == "host");
+    return std::is_same_v<T, float> && bf16() && c.seq_aux_loss == 0 && !c.host_routing;
   }
 
   /// Routes the logits of this pass on the device; the host keeps the summary (counts, losses).
@@ -456,18 +454,6 @@ template <class T> struct MoeMlp<T>::State {
     return false;
   }
 
-  /// Whether the self rows skip the exchange and overlap it: PLM_MOE_OVERLAP=1.  Off by default:
-  /// measured on 2 x H100 and 2 x H200 over NCCL (esm2_8m, 8 x 640 experts, doc/performance.md)
-  /// it hid about 1.1 ms of the exposed all-to-all per step but the split expert GEMMs, running
-  /// beside NCCL's kernels, took 2.8-3.4 ms more: 2-6% fewer tokens/s.
-  static bool overlapWanted() {
-    const char* env = std::getenv("PLM_MOE_OVERLAP");
-    if (!env || std::string(env) == "0" || std::string(env) == "false") return false;
-    if (std::string(env) == "1" || std::string(env) == "true") return true;
-    throw collectiveError("PLM_MOE_OVERLAP = '" + std::string(env) +
-                          "': expected 1 or 0 (true or false); unset it for the default (0)");
-  }
-
   /// Bytes of the expert-side buffers per received row: recv, xexp, yexp, dyexp, dxexp (H each)
   /// and pre, act, dpre (F_e each), in the compute precision.
   std::int64_t expertRowBytes() const {
@@ -567,7 +553,7 @@ template <class T> struct MoeMlp<T>::State {
         got[static_cast<std::size_t>(q) * local_experts + i] =
             all[static_cast<std::size_t>(q * width + ep.comm->rank() * local_experts + i)];
     const int me = ep.comm->rank();
-    const bool split = overlapWanted() && !fp8Experts();
+    const bool split = c.overlap && !fp8Experts();
     send_rows.assign(n, 0);
     recv_rows.assign(n, 0);
     local_rows.assign(local_experts, 0);

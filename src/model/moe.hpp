@@ -13,7 +13,7 @@
 // Expert parallelism: with an expert communicator of E_p ranks, rank r of it computes experts
 // [r E/E_p, (r+1) E/E_p); routed rows travel there and back with all-to-all-v (counts first),
 // in the compute precision (bf16 rows on the bf16 path; MPI, NCCL or staged MPI).  With
-// PLM_MOE_OVERLAP=1 a rank's own rows skip the exchange and run while the others' travel
+// moe.overlap: true a rank's own rows skip the exchange and run while the others' travel
 // (off by default: it did not pay on 2 GPUs; doc/model.md "Expert parallelism").
 // Precision: the experts' GEMMs follow their weight handles (fp32, bf16, or FP8 when a handle
 // carries an FP8 slot: one per expert and projection, doc/fp8.md "Experts"); the router stays in

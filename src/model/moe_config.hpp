@@ -13,7 +13,7 @@ enum class RouterKind { Softmax, Sigmoid };
 
 /// How the experts' GEMMs run under bf16 on the GPU (model/moe_experts.hpp): Auto picks by the
 /// measured crossover, Loop = one cuBLASLt call per expert, Grouped = one CUTLASS grouped launch
-/// per GEMM.  The environment variable PLM_MOE_GEMM overrides it (benchmarks).
+/// per GEMM.
 enum class ExpertGemmMode { Auto, Loop, Grouped };
 
 /// The `moe` deck section.  experts == 0: a dense model (no MoE layer at all).
@@ -35,6 +35,10 @@ struct MoeConfig {
   // Most bytes one rank's expert-side buffers of one MoE layer may take under expert
   // parallelism (moe.dispatch_budget_gib); 0 = what the device has free when the layer runs.
   double dispatch_budget_bytes = 0;
+  // Under expert parallelism a rank's own rows skip the all-to-all and are computed while the
+  // others travel (moe.overlap; measured slower on 2 GPUs, doc/model.md "Expert parallelism").
+  bool overlap = false;
+  bool host_routing = false;  // moe.routing: host = the host reference routing on the bf16 path
 
   bool enabled() const { return experts > 0; }
   bool isMoeLayer(int layer) const { return enabled() && (layer + 1) % every == 0; }

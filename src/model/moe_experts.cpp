@@ -44,11 +44,9 @@ bool useGrouped(const std::vector<ExpertRows>& experts, const Mat& x, const Mat&
                      e.g->b1.dtype != DType::F32 || e.g->b2.dtype != DType::F32))
       return false;
   }
-  gpu::ExpertGemm asked = gpu::expertGemmFromEnv();  // the environment overrides the deck
-  if (asked == gpu::ExpertGemm::Auto)
-    asked = mode == ExpertGemmMode::Loop      ? gpu::ExpertGemm::Loop
-            : mode == ExpertGemmMode::Grouped ? gpu::ExpertGemm::Grouped
-                                              : gpu::ExpertGemm::Auto;
+  const gpu::ExpertGemm asked = mode == ExpertGemmMode::Loop      ? gpu::ExpertGemm::Loop
+                                : mode == ExpertGemmMode::Grouped ? gpu::ExpertGemm::Grouped
+                                                                  : gpu::ExpertGemm::Auto;
   return gpu::chooseExpertGemm(asked, static_cast<int>(experts.size()), static_cast<int>(x.cols),
                                static_cast<int>(pre.cols), backward) == gpu::ExpertGemm::Grouped;
 }

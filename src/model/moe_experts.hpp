@@ -3,9 +3,8 @@
 //
 // Paths: fp32 / fp64 and FP8 weights run the experts one after another through the ordinary
 // dispatch points (linearGelu + linear forward; linearBackwardGelu + linearBackward backward);
-// bf16 on CUDA asks src/gpu (gpu::chooseExpertGemm: the deck's moe.expert_gemm, overridden by
-// the environment variable PLM_MOE_GEMM = auto | loop | grouped; Auto by the measured crossover,
-// per direction) whether to run that loop of cuBLASLt
+// bf16 on CUDA asks src/gpu (gpu::chooseExpertGemm: the deck's moe.expert_gemm = auto | loop |
+// grouped; Auto by the measured crossover, per direction) whether to run that loop of cuBLASLt
 // calls or CUTLASS's grouped GEMM, one launch per GEMM for all experts (gpu/moe_grouped.hpp).
 // Accumulation: weight and bias gradients accumulate (+=); pre, act, y, dpre and dx are
 // written (=).

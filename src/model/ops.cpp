@@ -148,23 +148,6 @@ const char* attentionKernelName(AttentionKernel k) {
                                               : "auto";
 }
 
-namespace {
-AttentionKernel defaultAttentionKernel() {
-  if (const char* env = std::getenv("PLM_ATTENTION"); env && *env) {
-    try {
-      return parseAttentionKernel(env);
-    } catch (const Error& e) {
-      throw Error(std::string("PLM_ATTENTION: ") + e.what());
-    }
-  }
-  return AttentionKernel::Auto;
-}
-bool defaultDeterministic() {
-  const char* env = std::getenv("PLM_DETERMINISTIC");
-  return !(env && std::string(env) == "0");
-}
-}  // namespace
-
 // ---- context -------------------------------------------------------------------------------
 
 #if PLM_HAVE_CUDA
@@ -220,7 +203,7 @@ struct OpContext::Cuda {
   // GEMM's forward from `last_producer`, the output of the op just before it), so that the producer
   // knows the scale and where the codes go; `fp8_precast` holds the codes waiting for that GEMM's
   // forward (consumed by it, dropped by any other FP8 forward, which reuses their scratch slot).
-  // PLM_FP8_FUSED_CAST=0 turns it off.
+  // fp8.fused_cast: false turns it off.
   struct Producer {
     const void* y = nullptr;
     const void* id = nullptr;
@@ -262,10 +245,7 @@ struct OpContext::Cuda {
 struct OpContext::Cuda {};
 #endif
 
-OpContext::OpContext(const ExecSpace& space)
-    : attention_kernel(defaultAttentionKernel()),
-      deterministic(defaultDeterministic()),
-      space_member(space) {}
+OpContext::OpContext(const ExecSpace& space) : space_member(space) {}
 
 OpContext::~OpContext() = default;
 
@@ -769,7 +749,7 @@ const void* keptTransposedInput(OpContext& ctx, const Fp8GemmSlot& s, const Mat&
     throw Error(
         "plm::model: an FP8 weight-gradient GEMM needs X^T of a GELU output whose bf16 values were "
         "never written (its cast was fused into the GELU) and whose kept X^T is gone (a bug); "
-        "PLM_FP8_FUSED_CAST=0 avoids it");
+        "fp8.fused_cast: false avoids it");
   return same ? kept.codes : nullptr;
 }
 
@@ -799,22 +779,19 @@ Fp8Operand8 weightCodes(const Fp8GemmSlot& s, const Mat& w, bool transposed) {
   return {codes, cols, gpu::DType::E4M3, s.scaleInv(k)};
 }
 
-bool fusedFp8CastEnabled() {
-  static const bool on = [] {
-    const char* env = std::getenv("PLM_FP8_FUSED_CAST");
-    return !(env && std::string(env) == "0");
-  }();
-  return on;
-}
+/// fp8.fused_cast: the producers (LayerNorm, the GELU pass) cast for the FP8 GEMM that reads
+/// their output.
+bool fusedFp8Cast(const Fp8GemmSlot& s) { return s.scaling->config().fused_cast; }
 
 /// The FP8 GEMM that read the output of producer `id` last time, if the producer should cast
 /// for it (delayed and block scaling: the scales do not need the whole tensor's amax first);
 /// nullptr otherwise.
 const Fp8GemmSlot* fp8ReaderOf(OpContext& ctx, const void* id) {
-  if (!fusedFp8CastEnabled()) return nullptr;
   const auto& all = ctx.cuda().fp8_reader_of;
   const auto it = all.find(id);
-  if (it == all.end() || it->second->scaling->config().recipe == Fp8Recipe::Current) return nullptr;
+  if (it == all.end() || !fusedFp8Cast(*it->second) ||
+      it->second->scaling->config().recipe == Fp8Recipe::Current)
+    return nullptr;
   return it->second;
 }
 
@@ -875,7 +852,7 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
   if (!precast && pre.x == x.data && !pre.x_written)
     throw Error(
         "plm::model: an FP8 GEMM reads a GELU output whose bf16 values were never written (its "
-        "cast was fused into the GELU for another GEMM; a bug); PLM_FP8_FUSED_CAST=0 avoids it");
+        "cast was fused into the GELU for another GEMM; a bug); fp8.fused_cast: false avoids it");
   if (precast) {
     xq = pre.codes;
   } else {
@@ -927,7 +904,7 @@ void fp8LinearGeluCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b,
   const bool contiguous = y.ld == y.cols && pre.ld == pre.cols;
   if (!reader || !contiguous) {
     const bool gelu_pass =
-        blockScaling(*w.fp8) || (contiguous && fusedFp8CastEnabled() &&
+        blockScaling(*w.fp8) || (contiguous && fusedFp8Cast(*w.fp8) &&
                                  w.fp8->scaling->config().recipe == Fp8Recipe::Delayed);
     if (gelu_pass) {
       fp8ForwardCuda(ctx, x, w, b, pre, gpu::Epilogue::Bias, nullptr, nullptr);

@@ -139,7 +139,7 @@ struct QkvGrads {
 /// \brief Which CUDA kernels run bf16 attention: cuDNN's fused attention both ways, cuDNN's
 /// forward with the own flash backward, the own flash attention both ways (the reference, and
 /// the fallback for shapes cuDNN has no kernel for), or Auto: the faster by head_dim as measured
-/// (doc/gpu.md).  The environment variable PLM_ATTENTION=auto|cudnn|cudnn-fwd|flash sets it.
+/// (doc/gpu.md).  The deck key train.attention sets it.
 enum class AttentionKernel { Auto, Cudnn, CudnnForward, Flash };
 AttentionKernel parseAttentionKernel(const std::string& name);
 const char* attentionKernelName(AttentionKernel k);
@@ -166,10 +166,10 @@ class OpContext {
   const ExecSpace& space() const { return space_member; }
   /// Tile sizes of the portable attention (tests shrink them to cross tile boundaries).
   AttentionTiles tiles;
-  /// The bf16 attention kernels (default: PLM_ATTENTION, else Auto).
-  AttentionKernel attention_kernel;
+  /// The bf16 attention kernels (train.attention; Esm2 sets it from Esm2Config::attention).
+  AttentionKernel attention_kernel = AttentionKernel::Auto;
   /// Bitwise-reproducible backward kernels (cuDNN's deterministic attention backward); false
-  /// lets cuDNN accumulate dQ with float atomics (PLM_DETERMINISTIC=0).
+  /// lets cuDNN accumulate dQ with float atomics (train.deterministic: false).
   bool deterministic = true;
 
   /// \brief Zeroes the loss accumulator that crossEntropy adds to.

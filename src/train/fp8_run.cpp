@@ -14,6 +14,7 @@ void applyFp8Section(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.first_layers_bf16 = f.get<int>("first_layers_bf16");
   c.last_layers_bf16 = f.get<int>("last_layers_bf16");
   c.wgrad = model::parseFp8Wgrad(f.get<std::string>("wgrad"));
+  c.fused_cast = f.get<bool>("fused_cast");
   c.validate(config.num_layers);
 }
 

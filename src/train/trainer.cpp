@@ -1,5 +1,6 @@
 #include "train/trainer.hpp"
 
+#include "core/clock.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "core/phase.hpp"
@@ -9,6 +10,7 @@
 #include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
 #include "io/model_file.hpp"
+#include "plm/plm_config.hpp"
 #include "train/blas_threads.hpp"
 #include "train/fp8_run.hpp"
 #include "train/fsdp.hpp"
@@ -79,7 +81,10 @@ model::Esm2Config modelConfigFromDeck(const Teuchos::ParameterList& deck) {
                           " - 2; raise model.max_positions (rotary needs no table) or lower "
                           "data.max_seq_len");
   applyMoeSection(deck, config);
-  config.precision = model::parsePrecision(section(deck, "train").get<std::string>("precision"));
+  const auto& t = section(deck, "train");
+  config.precision = model::parsePrecision(t.get<std::string>("precision"));
+  config.attention = model::parseAttentionKernel(t.get<std::string>("attention"));
+  config.deterministic = t.get<bool>("deterministic");
   applyFp8Section(deck, config);
   config.validate();
   return config;
@@ -155,30 +160,12 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   checkpoint_every_member = c.get<int>("every");
   on_nonfinite_member = parseOnNonfinite(t.get<std::string>("on_nonfinite"));
   watchdog_member.fixed_timeout = t.get<double>("step_timeout");
-  if (const char* spec = std::getenv("PLM_TEST_NONFINITE"); spec && *spec) {
-    std::istringstream in(spec);
-    for (std::string item; std::getline(in, item, ',');)
-      inject_nonfinite_member.insert(std::stoll(item));
-  }
-  if (const char* spec = std::getenv("PLM_TEST_STALL"); spec && *spec) {
-    char colon = 0, colon2 = 0;
-    std::istringstream in(spec);
-    in >> inject_stall_step_member >> colon >> inject_stall_seconds_member >> colon2 >>
-        inject_stall_rank_member;
-    if (colon2 == 0) inject_stall_rank_member = -1;
-  }
-  if (const char* spec = std::getenv("PLM_TEST_FAIL"); spec && *spec) {
-    char colon = 0, colon2 = 0;
-    std::string kind;
-    std::istringstream in(spec);
-    in >> inject_fail_step_member >> colon >> inject_fail_rank_member >> colon2 >> kind;
-    if (colon != ':' || colon2 != ':' || (kind != "error" && kind != "oom"))
-      throw collectiveError(std::string("PLM_TEST_FAIL = '") + spec +
-                            "': expected <step>:<rank>:error or <step>:<rank>:oom");
-    inject_fail_oom_member = kind == "oom";
-  }
+  inject_nonfinite_member = fault::nonfiniteSteps();
+  inject_stall_member = fault::stall();
+  inject_fail_member = fault::fail();
   run_dir_member = t.get<std::string>("run_dir");
-  if (const char* p = std::getenv("PLM_PROFILE"); p && std::string(p) == "1") {
+  start_unix_member = clock::unixSeconds();
+  if (t.get<bool>("profile")) {
     profile_member = true;  // CUDA events around every launch of the training passes
     model_member->setProfiling(true);
   }
@@ -331,6 +318,8 @@ Trainer::RunEnd Trainer::run() {
     if (ec) throw Error("cannot create train.run_dir `" + run_dir_member + "`: " + ec.message());
     deck::writeResolved(*deck_member, run_dir_member + "/deck.yaml");
     metrics_member.open(run_dir_member + "/metrics.jsonl");
+    if (section(*deck_member, "train").get<bool>("tensorboard"))
+      tensorboard_member.open(run_dir_member + "/tb");
   }
   PLM_CHECK_MPI(MPI_Barrier(comm_member));
   if (hooks_member.on_start) hooks_member.on_start(*this);
@@ -583,15 +572,15 @@ bool Trainer::handleNonfinite(std::int64_t step, const StepStats& st) {
 }
 
 void Trainer::injectFaults(std::int64_t step, bool after_gradients) {
-  if (!after_gradients && step == inject_stall_step_member &&
-      (inject_stall_rank_member < 0 || inject_stall_rank_member == rank_member)) {
+  if (!after_gradients && step == inject_stall_member.step &&
+      (inject_stall_member.rank < 0 || inject_stall_member.rank == rank_member)) {
     phase::Scope in_phase("an injected stall (PLM_TEST_STALL)");
-    std::this_thread::sleep_for(std::chrono::duration<double>(inject_stall_seconds_member));
+    std::this_thread::sleep_for(std::chrono::duration<double>(inject_stall_member.seconds));
   }
-  if (after_gradients && step == inject_fail_step_member &&
-      inject_fail_rank_member == rank_member) {
+  if (after_gradients && step == inject_fail_member.step &&
+      inject_fail_member.rank == rank_member) {
     // One rank fails inside the step while the others go on into its collectives.
-    if (inject_fail_oom_member)  // a real allocation failure of 1 PiB, with Kokkos' own message
+    if (inject_fail_member.oom)  // a real allocation failure of 1 PiB, with Kokkos' own message
       View1<char> huge(Kokkos::view_alloc(Kokkos::WithoutInitializing,
                                           std::string("plm::test::injected_allocation")),
                        std::size_t(1) << 50);
@@ -622,6 +611,7 @@ void Trainer::logEvent(const std::string& event, std::int64_t step, io::json::Va
   r.set("event", event);
   r.set("step", step);
   for (const auto& [key, value] : fields.members()) r.set(key, value);
+  r.set("time", clock::utcIso());
   metrics_member.write(r);
 }
 
@@ -640,6 +630,15 @@ void Trainer::writeFinalModel() {
 }
 
 namespace {
+// A profile kind as a metrics.jsonl key and TensorBoard tag: "gemm (cuBLASLt)" -> "gemm",
+// "moe dispatch" -> "moe_dispatch".
+std::string metricName(std::string kind) {
+  kind = kind.substr(0, kind.find(" ("));
+  for (char& ch : kind)
+    if (ch == ' ') ch = '_';
+  return kind;
+}
+
 // JSON has no inf/NaN: a diverged value (ppl = exp(large loss)) is written as null.
 io::json::Value number(double x) {
   return std::isfinite(x) ? io::json::Value(x) : io::json::Value();
@@ -652,7 +651,8 @@ void Trainer::logStep(const StepStats& last, double seconds) {
   const double loss = in.masked > 0 ? in.loss_sum / static_cast<double>(in.masked)
                                     : std::numeric_limits<double>::quiet_NaN();
   const double tokens_per_s = seconds > 0 ? static_cast<double>(in.tokens) / seconds : 0.0;
-  const double tflops = seconds > 0 ? in.flops / seconds / 1e12 : 0.0;
+  const double tflops = seconds > 0 ? in.flops / seconds / 1e12 : 0.0;  // the whole job's
+  const double tflops_per_device = tflops / std::max(1, world_member);  // MFU's numerator
   const double mfu = mfuOf(tflops, world_member, peak_member);
   const double mem = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
   const double per_step =
@@ -660,6 +660,7 @@ void Trainer::logStep(const StepStats& last, double seconds) {
   const double eta = per_step * static_cast<double>(total_steps_member - state_member.step);
   const auto moe = moe_member->takeInterval();
   std::string profile;
+  io::json::Value gpu_ms = io::json::Value::object();  // per kind, per step (metrics.jsonl)
   if (profile_member) {  // this rank's GPU time per kind over the interval (empty on a CPU)
     double total = 0;
     const auto kinds = model_member->profile();
@@ -670,18 +671,21 @@ void Trainer::logStep(const StepStats& last, double seconds) {
       std::snprintf(part, sizeof(part), "%s%s %.2f ms (%.0f%%)", profile.empty() ? "" : ", ",
                     kind.c_str(), ms / steps, 100 * ms / std::max(total, 1e-9));
       profile += part;
+      gpu_ms.set(metricName(kind), ms / steps);
     }
     model_member->setProfiling(true);  // a new interval
   }
   if (rank_member != 0) return;
   if (!profile.empty()) log::info("profile: GPU time per step on rank 0: %s", profile.c_str());
+  // tok/s is the job's; TFLOP/s is per device, as MFU is.
   log::info(
       "step %lld/%lld | loss %.4f | ppl %.3f | lr %.3e | grad-norm %.3f | %.0f tok/s | "
-      "%.4g TFLOP/s | MFU %.2f%% | mem %s | ETA %s%s",
+      "%.4g TFLOP/s per %s | MFU %.2f%% | mem %s | ETA %s%s",
       static_cast<long long>(state_member.step), static_cast<long long>(total_steps_member), loss,
-      std::exp(loss), last.lr, last.grad_norm, tokens_per_s, tflops, 100.0 * mfu,
-      formatBytes(mem).c_str(), formatDuration(eta).c_str(),
-      MoeRun<param_t>::progress(moe).c_str());
+      std::exp(loss), last.lr, last.grad_norm, tokens_per_s, tflops_per_device,
+      PLM_HAVE_CUDA ? "GPU" : "rank", 100.0 * mfu, formatBytes(mem).c_str(),
+      formatDuration(eta).c_str(), MoeRun<param_t>::progress(moe).c_str());
+  const double unix_now = clock::unixSeconds();
   io::json::Value r = io::json::Value::object();
   r.set("kind", "train");
   r.set("step", state_member.step);
@@ -695,12 +699,31 @@ void Trainer::logStep(const StepStats& last, double seconds) {
   r.set("masked_tokens", in.masked);
   r.set("tokens_per_s", tokens_per_s);
   r.set("tflops", tflops);
+  r.set("tflops_per_device", tflops_per_device);
   r.set("mfu", mfu);
   r.set("mem_bytes", mem);
   r.set("elapsed_s", train_seconds_member);
   r.set("eta_s", eta);
+  r.set("time", clock::utcIso(unix_now));
+  r.set("unix_s", unix_now);
+  r.set("wall_s", unix_now - start_unix_member);
+  if (!gpu_ms.members().empty()) r.set("gpu_ms", gpu_ms);
   MoeRun<param_t>::addMetrics(moe, r);
   metrics_member.write(r);
+  if (tensorboard_member.isOpen()) {
+    std::vector<std::pair<std::string, double>> scalars = {
+        {"train/loss", loss},
+        {"train/ppl", std::exp(loss)},
+        {"train/lr", last.lr},
+        {"train/grad_norm", last.grad_norm},
+        {"perf/tokens_per_s", tokens_per_s},
+        {"perf/tflops_per_device", tflops_per_device},
+        {"perf/mfu", mfu},
+        {"perf/mem_gib", mem / (1024.0 * 1024 * 1024)}};
+    for (const auto& [kind, ms] : gpu_ms.members())
+      scalars.push_back({"gpu_ms/" + kind, ms.asDouble()});
+    tensorboard_member.scalars(state_member.step, scalars);
+  }
 }
 
 void Trainer::logEval(const BatchStats& v, double seconds) {
@@ -717,7 +740,14 @@ void Trainer::logEval(const BatchStats& v, double seconds) {
   r.set("valid_masked", v.masked);
   r.set("tokens", state_member.tokens_seen);
   r.set("eval_s", seconds);
+  const double unix_now = clock::unixSeconds();
+  r.set("time", clock::utcIso(unix_now));
+  r.set("unix_s", unix_now);
+  r.set("wall_s", unix_now - start_unix_member);
   metrics_member.write(r);
+  if (tensorboard_member.isOpen())
+    tensorboard_member.scalars(state_member.step,
+                               {{"eval/valid_loss", v.loss()}, {"eval/valid_ppl", v.perplexity()}});
 }
 
 }  // namespace plm::train

@@ -8,8 +8,10 @@
 // restore(state) plus loading the tensors; the loop then continues from state().step + 1.
 #pragma once
 
+#include "core/fault.hpp"
 #include "core/types.hpp"
 #include "data/loader.hpp"
+#include "io/tensorboard.hpp"
 #include "model/esm2.hpp"
 #include "train/adamw.hpp"
 #include "train/context_run.hpp"
@@ -175,19 +177,17 @@ class Trainer {
   LossSpikeDetector spikes_member;
   std::set<std::int64_t> skip_batches_member;  // steps whose batch a rollback skips
   std::int64_t skipped_steps_member = 0, rollbacks_member = 0;
-  // Test-only fault injection, read from the environment at construction (doc/operations.md).
-  std::set<std::int64_t> inject_nonfinite_member;  // PLM_TEST_NONFINITE=<step>[,<step>...]
-  std::int64_t inject_stall_step_member = -1;      // PLM_TEST_STALL=<step>:<seconds>[:<rank>]
-  double inject_stall_seconds_member = 0;
-  int inject_stall_rank_member = -1;
-  std::int64_t inject_fail_step_member = -1;  // PLM_TEST_FAIL=<step>:<rank>:<error|oom>
-  int inject_fail_rank_member = 0;
-  bool inject_fail_oom_member = false;
+  // Test-only fault injection, read at construction (core/fault.hpp).
+  std::set<std::int64_t> inject_nonfinite_member;
+  fault::Stall inject_stall_member;
+  fault::Fail inject_fail_member;
   std::string run_dir_member;
   PeakFlops peak_member;
   TrainState state_member;
   Hooks hooks_member;
   MetricsLog metrics_member;
+  io::tensorboard::EventWriter tensorboard_member;  // train.tensorboard (rank 0)
+  double start_unix_member = 0;                     // wall clock at construction
 
   // Running sums over the current log interval.
   struct Interval {
@@ -195,7 +195,7 @@ class Trainer {
     double loss_sum = 0.0, flops = 0.0, seconds = 0.0;
   } interval_member;
   double train_seconds_member = 0.0;  // optimizer-step time of this run (no evaluation)
-  bool profile_member = false;        // PLM_PROFILE=1: per-kind GPU time in each progress line
+  bool profile_member = false;        // train.profile: per-kind GPU time per progress line
   std::int64_t steps_this_run_member = 0;
 };
 

@@ -7,9 +7,9 @@
 //  - a dispatch over moe.dispatch_budget_gib stops every rank with the same collective error;
 //  - a rank without tokens and an expert that receives none still work: gradients summed over
 //    the ranks equal a single-rank computation over the same micro-batches;
-//  - self rows first (PLM_MOE_OVERLAP=1, off by default: a rank's own rows of its own experts skip
+//  - self rows first (moe.overlap: true, off by default: a rank's own rows of its own experts skip
 //    the all-to-all and are computed while the others travel) gives the loss and gradients of
-//    the exchange of every row (PLM_MOE_OVERLAP=0), fp64 and on CUDA bf16.
+//    the exchange of every row (moe.overlap: false), fp64 and on CUDA bf16.
 #include "moe_ep_check.hpp"
 #include "tiny_run.hpp"
 
@@ -352,18 +352,17 @@ TEST(ExpertParallel, Bf16RowsMatchOneRank) {
 }
 
 /// One forward/backward of each rank's own micro-batch with the experts spread over the world
-/// and PLM_MOE_OVERLAP set to `overlap`: the loss and this rank's gradients.
-template <class P>
-std::pair<double, std::vector<double>> overlapPass(const plm::model::Esm2Config& c,
-                                                   plm::dist::Communicator* comm, bool overlap) {
-  setenv("PLM_MOE_OVERLAP", overlap ? "1" : "0", 1);
+/// and moe.overlap set to `overlap`: the loss and this rank's gradients.
+template <class P> std::pair<double, std::vector<double>> overlapPass(plm::model::Esm2Config c,
+                                                                      plm::dist::Communicator* comm,
+                                                                      bool overlap) {
+  c.moe.overlap = overlap;
   const int world = plm::dist::worldSize(), rank = plm::dist::worldRank();
   plm::model::Esm2<P> m(c, plm::model::ExpertPlacement{world, rank});
   m.initialize(5);
   m.setExpertParallel(comm);
   m.zeroGradients();
   const double loss = m.forwardBackward(plm::test::makeBatchForRank(rank), 1.0);
-  unsetenv("PLM_MOE_OVERLAP");
   auto g = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), m.gradients());
   std::vector<double> out(g.extent(0));
   for (std::size_t i = 0; i < out.size(); ++i) out[i] = double(g(i));

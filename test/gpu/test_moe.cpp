@@ -147,13 +147,13 @@ void checkKernels() {
   EXPECT_LT(test::relError(test::downloadBf16(dh), dh_ref), 5e-3) << "combine with the addend";
 }
 
-// hidden 64: the 16-byte kernels; PLM_MOE_SCALAR_KERNELS=1 the scalar ones, same references.
+// hidden 64: the 16-byte kernels; setMoeScalarKernels(true) the scalar ones, same references.
 TEST(MoeKernels, MatchThePortableArithmetic) { checkKernels(); }
 
 TEST(MoeKernels, ScalarKernelsMatchThePortableArithmetic) {
-  setenv("PLM_MOE_SCALAR_KERNELS", "1", 1);
+  setMoeScalarKernels(true);
   checkKernels();
-  unsetenv("PLM_MOE_SCALAR_KERNELS");
+  setMoeScalarKernels(false);
 }
 
 // Device routing against model::route / model::routeBackward (host, double): identical experts,

@@ -13,7 +13,7 @@
 // relative (L2) error, the threshold is 3% (5% for the router, whose gradient is a sum over
 // tokens of dot products of rounded rows).  A wrong index, gate or transposition errs by 30% to
 // 100%.  Reruns are bitwise identical (no float atomics) and gradients accumulate (+=).
-// GroupedExperts.* repeat the comparison with the grouped expert GEMMs (PLM_MOE_GEMM=grouped),
+// GroupedExperts.* repeat the comparison with the grouped expert GEMMs (moe.expert_gemm: grouped),
 // 64 experts top-8 among them.
 #include "gpu/moe_grouped.hpp"
 #include "gpu_test_util.hpp"
@@ -260,14 +260,17 @@ TEST(MoeBf16, CapacityEmptyExpertSharedExpertsSigmoid) {
 }
 
 /// The same comparisons with the experts' GEMMs forced to CUTLASS's grouped launches
-/// (gpu/moe_grouped.hpp) through the dispatch point's environment override.
+/// (gpu/moe_grouped.hpp) by moe.expert_gemm: grouped.
 class GroupedExperts : public ::testing::Test {
  protected:
   void SetUp() override {
     if (!gpu::groupedExpertGemmAvailable()) GTEST_SKIP() << "no CUTLASS build or not sm_90";
-    setenv("PLM_MOE_GEMM", "grouped", 1);
   }
-  void TearDown() override { unsetenv("PLM_MOE_GEMM"); }
+  static MoeConfig config() {
+    MoeConfig c = ::plm::model::config();
+    c.expert_gemm = ExpertGemmMode::Grouped;
+    return c;
+  }
 };
 
 TEST_F(GroupedExperts, DroplessMatchesFp32) { compare(config(), 300, 64, false); }

@@ -181,29 +181,24 @@ TEST(MoeGrouped, SixtyFourExpertsManyEmpty) {
 }
 
 TEST(MoeGrouped, PerLayoutTiles) {
-  // PLM_MOE_GROUPED_TILE=F,D,W: each layout with the other tile than its neighbour, so every
+  // setGroupedTiles(F, D, W): each layout with the other tile than its neighbour, so every
   // layout runs its 256x128 kernel in one of the two cases (the ragged rows of the test above).
-  for (const char* tiles : {"256,128,256", "128,256,128"}) {
-    SCOPED_TRACE(tiles);
-    setenv("PLM_MOE_GROUPED_TILE", tiles, 1);
+  const GroupedTiles defaults = groupedTiles();
+  EXPECT_EQ(defaults.forward, 128);
+  EXPECT_EQ(defaults.dgrad, 256);
+  EXPECT_EQ(defaults.wgrad, 128);
+  for (const GroupedTiles tiles : {GroupedTiles{256, 128, 256}, GroupedTiles{128, 256, 128}}) {
+    SCOPED_TRACE(std::to_string(tiles.forward) + "," + std::to_string(tiles.dgrad) + "," +
+                 std::to_string(tiles.wgrad));
+    setGroupedTiles(tiles);
     checkGrouped({0, 1, 13, 64, 100, 0, 257, 7}, 136, 200);
   }
-  if (groupedExpertGemmAvailable()) {
-    // Two tiles for three layouts, or a tile that does not exist: a clear error, no launch.
-    DeviceBuffer<std::uint16_t> x(8 * 64), pre(8 * 64), act(8 * 64), y(8 * 64);
-    Bf16Tensor w(test::randomNormal(64 * 64, 3, 0.1f)), b(test::randomNormal(64, 4, 0.1f));
-    const std::size_t bytes = groupedExpertWorkspaceBytes(1, 64, 64);
-    DeviceBuffer<char> ws(bytes);
-    for (const char* bad : {"128,256", "64", "128,128,512"}) {
-      setenv("PLM_MOE_GROUPED_TILE", bad, 1);
-      EXPECT_THROW(
-          groupedExpertForward(nullptr, {{w.get(), b.get(), w.get(), b.get()}}, {8}, bits(x),
-                               bits(pre), bits(act), bits(y), 64, 64, ws.get(), bytes),
-          Error)
-          << bad;
-    }
+  // A tile that does not exist: a clear error, and the tiles in use stay.
+  for (const GroupedTiles bad : {GroupedTiles{64, 128, 128}, GroupedTiles{128, 128, 512}}) {
+    EXPECT_THROW(setGroupedTiles(bad), Error);
+    EXPECT_EQ(groupedTiles().forward, 128);
   }
-  unsetenv("PLM_MOE_GROUPED_TILE");
+  setGroupedTiles(defaults);
 }
 
 TEST(MoeGrouped, BiasGradientColumnSums) {
