@@ -8,8 +8,9 @@ scaling.csv and PNG plots: tokens/s and per-rank efficiency against ranks (stron
 MFU, memory per rank, and the planner's time split beside the measured step time.
 
 Layouts: `R` (R ranks on one node) or `NxG` (N nodes x G ranks per node), optionally followed by
-`:shard=S`, `:context=C`, `:expert=E` (planned degrees: they go to `plm plan`; `plm train` runs
-them once sharding, context and expert parallelism land).
+`:shard=S`, `:context=C`, `:expert=E`: the run gets `parallel.shard_degree`,
+`parallel.context_degree` and `parallel.expert_degree` (and `parallel.replicate_degree: 0`, the
+rest), and `plm plan` the same degrees.
 Modes: strong keeps data.tokens_per_batch; weak multiplies it by the rank count (constant work
 per rank).
 
@@ -113,18 +114,20 @@ def point_sets(args, layout, mode, base_tokens, run_dir):
     ]
     if args.steps:
         sets.append("train.steps=%d" % args.steps)
-    return sets
+    return sets + layout_sets(layout)
 
 
-def runnable(layout):
-    if any(v != 1 for v in layout.degrees.values()):
-        raise SystemExit("scaling: layout %s: plm train has no sharding, context or expert "
-                         "parallelism yet; --collect plans such points without running them"
-                         % layout.text)
+def layout_sets(layout):
+    """The layout's degrees as deck overrides (after the study's own --set: the layout wins)."""
+    if all(v == 1 for v in layout.degrees.values()):
+        return []
+    return ["parallel.shard_degree=%d" % layout.degrees["shard"],
+            "parallel.replicate_degree=0",
+            "parallel.context_degree=%d" % layout.degrees["context"],
+            "parallel.expert_degree=%d" % layout.degrees["expert"]]
 
 
 def run_local(args, layout, sets):
-    runnable(layout)
     cmd = [args.plm, "train", args.deck] + sum([["--set", s] for s in sets], [])
     if layout.ranks > 1 or args.mpiexec_always:
         cmd = shlex.split(args.mpiexec) + ["-n", str(layout.ranks)] + cmd
@@ -146,7 +149,6 @@ def sets_run_dir(sets):
 
 
 def write_job(args, layout, sets, jobs_dir, name):
-    runnable(layout)
     sets_text = " ".join("--set " + shlex.quote(s) for s in sets)
     deck = os.path.abspath(args.deck)
     if args.scheduler == "slurm":
@@ -203,10 +205,13 @@ def plan_point(args, layout, sets):
         cmd += ["--" + k, str(v)]
     cmd += sum([["--set", s] for s in sets], [])
     r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
+    # Exit status 3: planned, but it does not fit (the JSON says so); 1: an error.
+    if r.returncode not in (0, 3) or "{" not in r.stdout:
         print("scaling: plm plan failed for %s: %s" % (layout.text, r.stderr.strip()),
               file=sys.stderr)
         return None
+    if r.returncode == 3:
+        print("scaling: plm plan: %s does not fit on the device" % layout.text, file=sys.stderr)
     return json.loads(r.stdout[r.stdout.index("{"):])
 
 
