@@ -451,7 +451,7 @@ void planMemory(const Input& in, Plan& p) {
     p.moe_load_source = source;
     const MoeBuffers mb = moeBufferBytes(c, in.compute, gpu, t, l.expert, load);
     const std::string kept = " per MoE layer, x " + std::to_string(mb.layers) +
-                             " (each layer keeps its own, whatever model.recompute)";
+                             " layers (each keeps its own)";
     const bool device_routing = gpu && bf16 && c.moe.seq_aux_loss == 0;
     p.memory.push_back(
         {"MoE: router logits, gates, row maps", double(mb.routing),

@@ -72,10 +72,13 @@ plan::Plan planOf(int shard, int world) {
   return plan::makePlan(in);
 }
 
-double stateOf(const plan::Plan& p) {  // parameters, gradients, optimizer, gathered buffers
+// Parameters, gradients, optimizer, gathered buffers (not the activations, the batch or the
+// MoE layers' buffers, which the first step allocates).
+double stateOf(const plan::Plan& p) {
   double s = 0;
   for (const auto& i : p.memory)
-    if (i.allocated && i.name.rfind("activations", 0) != 0 && i.name.rfind("batch", 0) != 0)
+    if (i.allocated && i.name.rfind("activations", 0) != 0 && i.name.rfind("batch", 0) != 0 &&
+        i.name.rfind("MoE", 0) != 0)
       s += i.value;
   return s;
 }

@@ -536,9 +536,11 @@ TEST(Plan, MoeMemoryFallsWithTheExpertDegreeAndGrowsWithTheLoad) {
   // Expert degree on a dense model, or one that does not divide the experts, is refused.
   in.layout.expert = 3;
   EXPECT_THROW(plan::makePlan(in), Error);
-  // The advice names an expert degree when one fits.
+  // The advice names an expert degree when one fits (at 2,048-token micro-batches the
+  // experts' state decides it).
   in.layout.expert = 1;
   in.moe_load = 0;
+  in.micro_batch_tokens = 2048;
   const auto p1 = plan::makePlan(in);
   ASSERT_FALSE(p1.fits);
   bool expert_advised = false;
