@@ -450,8 +450,8 @@ void planMemory(const Input& in, Plan& p) {
     p.moe_load = load;
     p.moe_load_source = source;
     const MoeBuffers mb = moeBufferBytes(c, in.compute, gpu, t, l.expert, load);
-    const std::string kept = " per MoE layer, x " + std::to_string(mb.layers) +
-                             " layers (each keeps its own)";
+    const std::string kept =
+        " per MoE layer, x " + std::to_string(mb.layers) + " layers (each keeps its own)";
     const bool device_routing = gpu && bf16 && c.moe.seq_aux_loss == 0;
     p.memory.push_back(
         {"MoE: router logits, gates, row maps", double(mb.routing),
@@ -466,7 +466,7 @@ void planMemory(const Input& in, Plan& p) {
              ", R = " + std::to_string(mb.rows) +
              (c.moe.capacity_factor > 0 ? " = min(t k, E capacity)" : " = t k (dropless)") + kept});
     p.memory.push_back(
-        {"MoE: expert rows (pre-activation, GELU, gradient)", double(mb.expert_side),
+        {"MoE: expert rows (FFN activations, gradient)", double(mb.expert_side),
          std::string("3 X f_e c") +
              (l.expert > 1 ? " + 5 X h c (received rows, outputs, staging, gradients) + 8 X" : "") +
              ", X = " + std::to_string(mb.expert_rows) + " rows its experts compute" +
