@@ -10,6 +10,13 @@
 # resubmitted job resumes from its newest checkpoint. -V passes the submitting shell's
 # environment (PATH, LD_LIBRARY_PATH, loaded modules) to the job.
 #
+# MPI: any mpiexec. The script asks `mpiexec --version` which one it is and uses that one's
+# options for ranks per node and exported variables: Open MPI (--map-by ppr:G:node, -x), MPICH,
+# Intel MPI and MVAPICH's Hydra (-ppn G, -genvall); any other gets the MPI standard's `-n` only
+# (it places ranks by the select line's mpiprocs) plus MPIEXEC_ARGS, e.g. MPIEXEC_ARGS="--ppn 4"
+# for Cray PALS. MPI_FLAVOUR=openmpi|hydra|other skips the detection; MPIEXEC names another
+# launcher (default mpiexec).
+#
 # Preemption and wall time (doc/operations.md): PBS sends SIGTERM, then SIGKILL kill_delay
 # seconds later (often only 10 s), so this script does not wait for it: STOP_BEFORE seconds
 # (default 300) before the walltime it sends the ranks SIGUSR1 itself; a qdel or preemption's
@@ -33,7 +40,7 @@ gpus_per_node=${GPUS_PER_NODE:-4}      # must equal mpiprocs in the select line
 
 # Site modules: add what your site needs to find the CUDA, MPI and HDF5 runtime plm was built
 # with (nothing for the relocatable package of scripts/package-cuda.sh), e.g.
-#   module load cuda/12.4 openmpi/4.1 hdf5/1.12-parallel
+#   module load cuda/13.0 openmpi/4.1 hdf5/1.14-parallel
 
 nodes=$(sort -u "$PBS_NODEFILE" | wc -l)
 ranks=$((nodes * gpus_per_node))
@@ -46,14 +53,30 @@ export OPENBLAS_NUM_THREADS=1
 echo "plm: $nodes nodes x $gpus_per_node GPUs = $ranks ranks, deck $deck"
 "$plm" --version
 
-# OpenMPI: -x exports the variables to every rank; each rank picks the GPU of its node-local
-# rank (OMPI_COMM_WORLD_LOCAL_RANK). With another MPI, use its local-rank variable
-# (MPI_LOCALRANKID for MPICH/Cray PALS, PMI_LOCAL_RANK, ...).
-# OpenMPI's mpiexec passes SIGUSR1 on to every rank (a SIGTERM it would turn into a kill).
+# Which MPI launches: each has its own options for ranks per node and for passing variables on.
+mpiexec=${MPIEXEC:-mpiexec}
+flavour=${MPI_FLAVOUR:-}
+if [ -z "$flavour" ]; then
+  case "$("$mpiexec" --version 2>&1 | head -n 20)" in
+    *"Open MPI"* | *OpenRTE* | *"Open RTE"* | *PRRTE*) flavour=openmpi ;;
+    *HYDRA* | *Hydra* | *"Intel(R) MPI"* | *MPICH*) flavour=hydra ;;
+    *) flavour=other ;;
+  esac
+fi
+case "$flavour" in
+  # Open MPI exports only what -x names to the ranks of other nodes.
+  openmpi) launch=(-n "$ranks" --map-by "ppr:$gpus_per_node:node" --bind-to none
+                   -x NCCL_NVLS_ENABLE -x OPENBLAS_NUM_THREADS -x PATH -x LD_LIBRARY_PATH) ;;
+  hydra) launch=(-n "$ranks" -ppn "$gpus_per_node" -genvall) ;;
+  other) launch=(-n "$ranks") ;;
+  *) echo "plm-train: MPI_FLAVOUR=$flavour: use openmpi, hydra or other" >&2; exit 1 ;;
+esac
+echo "plm-train: launching with $mpiexec ($flavour MPI)"
+# Each rank picks the GPU of its node-local rank, from whichever variable its MPI sets. Open MPI
+# and Hydra's mpiexec pass SIGUSR1 on to every rank (a SIGTERM they would turn into a kill).
 # shellcheck disable=SC2086
-mpiexec -n "$ranks" --map-by ppr:"$gpus_per_node":node --bind-to none \
-  -x NCCL_NVLS_ENABLE -x OPENBLAS_NUM_THREADS -x PATH -x LD_LIBRARY_PATH \
-  bash -c 'export CUDA_VISIBLE_DEVICES=${OMPI_COMM_WORLD_LOCAL_RANK:-${MPI_LOCALRANKID:-${PMI_LOCAL_RANK:-0}}}; exec "$@"' plm-rank \
+"$mpiexec" "${launch[@]}" ${MPIEXEC_ARGS:-} \
+  bash -c 'export CUDA_VISIBLE_DEVICES=${OMPI_COMM_WORLD_LOCAL_RANK:-${MPI_LOCALRANKID:-${PALS_LOCAL_RANKID:-${PMI_LOCAL_RANK:-${MV2_COMM_WORLD_LOCAL_RANK:-0}}}}}; exec "$@"' plm-rank \
   "$plm" train "$deck" ${SETS:-} &
 job=$!
 forward() { echo "plm-train: $1; asking plm to checkpoint and stop"; kill -USR1 "$job" 2>/dev/null || true; }

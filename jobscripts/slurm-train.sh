@@ -36,8 +36,9 @@ plm=${PLM:-$SLURM_SUBMIT_DIR/build-cuda/plm}
 [ -x "$plm" ] || { echo "plm-train: $plm is not there: build it with cmake --preset cuda, or set PLM" >&2; exit 1; }
 
 # Site modules: add what your site needs to find the CUDA, MPI and HDF5 runtime plm was built
-# with (nothing is needed for the relocatable package of scripts/package-cuda.sh), e.g.
-#   module load cuda/12.4 openmpi/4.1 hdf5/1.12-parallel
+# with (nothing is needed for the relocatable package of scripts/package-cuda.sh; the container
+# of jobscripts/apptainer-train.sh brings its own), e.g.
+#   module load cuda/13.0 openmpi/4.1 hdf5/1.14-parallel
 
 # NVLink multicast (NVLS) stays off: plm's all-reduces do not need it, and on shared hosts a
 # program that uses it can take the GPUs out of service for everyone.
@@ -51,8 +52,9 @@ echo "plm: $SLURM_JOB_NUM_NODES nodes x $SLURM_NTASKS_PER_NODE GPUs = $SLURM_NTA
 "$plm" --version
 
 # srun starts one task per GPU; each task keeps only the GPU of its node-local rank. It runs in
-# the background so that this script can pass signals on while it waits.
-srun --kill-on-bad-exit=1 --cpu-bind=cores \
+# the background so that this script can pass signals on while it waits. Since Slurm 22.05 srun
+# no longer inherits the job's --cpus-per-task: it is passed on explicitly.
+srun --kill-on-bad-exit=1 --cpu-bind=cores ${SLURM_CPUS_PER_TASK:+--cpus-per-task=$SLURM_CPUS_PER_TASK} \
   bash -c 'export CUDA_VISIBLE_DEVICES=$SLURM_LOCALID; exec "$@"' plm-rank \
   "$plm" train "$deck" "$@" &
 step=$!

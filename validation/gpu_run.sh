@@ -2,8 +2,10 @@
 # One device run: everything plm does on a GPU machine, with logs under $OUT.
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
-#                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves
+#                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl moe_plan
+#   scale: 650M bf16 data-parallel weak scaling over NCCL on 1, 2, 4 GPUs (the shipped deck,
+#        PLM_SCALE_MICRO micro-batches of 16,384 per GPU per step, PLM_SCALE_STEPS steps)
 #   moe_plan: the runtime memory plan of MoE runs against their measured first-step peak
 #         (doc/plan.md): esm2_moe_2b_a650m in bf16 on one GPU (expert degree 1) and, with two or
 #         more GPUs, at expert degree = GPUs (NCCL), 3 steps each on the packaged proteins
@@ -38,13 +40,13 @@
 #        their full logs copied to $OUT (fp8_test.log, fp8_bench.log)
 #   optimizers: ESM-2 35M (bf16) trained 300 steps with each optimizer.name (adamw, adamw8bit,
 #         lion, adafactor): bytes of optimizer state per parameter, peak memory, step time,
-#         losses (doc/optimizers.md; the table of doc/performance.md "Optimizers")
+#         losses (doc/optimizers.md; the table of doc/archive/performance-history.md "Optimizers")
 #   staged: multi-rank tests on ONE GPU through staged MPI (dist::Backend::MpiStaged: device
 #         buffers through pinned host buffers and MPI; doc/parallelism.md "Communication
 #         backends"): the staged communicator against plain MPI, FSDP, expert and context
 #         parallelism and the gradient buckets at 2 (and 4) ranks sharing the GPU
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
-#         doc/plan.md), the table of doc/performance.md "Planner accuracy"
+#         doc/plan.md), the table of doc/archive/performance-history.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -642,7 +644,7 @@ if has moe && [[ -x "$pkg/bin/plm" ]]; then
 fi
 
 if has moe_curves && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
-  # Issue 17's target 2 at the GPU size (doc/performance.md "MoE vs dense training"): same
+  # Issue 17's target 2 at the GPU size (doc/archive/performance-history.md "MoE vs dense training"): same
   # tokens for both runs; PLM_CURVES_DATA as for fp8_curves (split/ has a validation set).
   data=${PLM_CURVES_DATA:-$pkg/data}
   valid=""; [[ -f "$data/valid.h5" ]] && valid="$data/valid.h5"
@@ -659,6 +661,30 @@ if has moe_curves && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   grep -vE "^moe_curves: /" "$out/moe_curves.log" | grep -E "moe_curves:|^\||MoE|load" | tee -a "$summary"
   for r in dense moe; do cp "/tmp/plm-moe-curves/$r/metrics.jsonl" "$out/moe_curves_$r.jsonl" 2>/dev/null; done
   cp "$out/moe_curves.md" "$final_out/" 2>/dev/null
+fi
+
+if has scale && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # Data-parallel weak scaling of the shipped 650M deck (bf16, NCCL, one rank per GPU): the same
+  # tokens per GPU per step (PLM_SCALE_MICRO micro-batches of 16,384) on 1, 2, 4 ... GPUs, up to
+  # the GPUs visible; tokens/s per GPU is the median over steps 4..PLM_SCALE_STEPS.
+  ngpu=$(nvidia-smi -L | wc -l)
+  steps=${PLM_SCALE_STEPS:-12}
+  micro=${PLM_SCALE_MICRO:-8}
+  for np in 1 2 4 8; do
+    (( np > ngpu )) && break
+    dir=/tmp/plm-scale-$np
+    rm -rf "$dir"
+    timeout 400 mpiexec -n $np --oversubscribe "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" \
+      --set data.train="$pkg/data/train.h5" --set data.valid= \
+      --set data.tokens_per_batch=$(( 16384 * micro * np )) --set train.steps=$steps \
+      --set train.log_every=1 --set checkpoint.every=0 --set checkpoint.resume=none \
+      --set schedule.warmup_steps=10 --set train.run_dir="$dir" > "$out/scale_650m_np$np.log" 2>&1
+    rc=$?
+    tps=$(grep -oE "step +([4-9]|[1-9][0-9]+)/$steps .*\| *[0-9]+ tok/s" "$out/scale_650m_np$np.log" |
+          grep -oE "[0-9]+ tok/s" | awk '{print $1}' | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]}')
+    note "scale 650m bf16 data-parallel np$np rc=$rc median tok/s (job) ${tps:-none} per GPU $(( ${tps:-0} / np ))"
+    grep -E "memory|peak" "$out/scale_650m_np$np.log" | tail -2 | tee -a "$summary"
+  done
 fi
 
 if has hf; then

@@ -4,11 +4,12 @@
 Reads the `RESULT ...` lines that bench/gpu/bench_gpu_train.cpp prints (a log, or the summary of
 validation/gpu_run.sh's `train` stage), plans each point with `plm plan --json` (the preset's
 deck in inputs/, bf16, its recomputation and micro-batch, one micro-batch per optimizer step as
-the benchmark runs, S = 460 as its workload draws), and prints the Markdown table that goes into
-doc/performance.md ("Planner accuracy"), with the issue's targets: memory within 10%,
-tokens/s within 15%.
+the benchmark runs, S = 460 as its workload draws), and prints a Markdown table (as in
+doc/archive/performance-history.md, "Planner accuracy") with the issue's targets: memory within
+10%, tokens/s within 15%.
 
-    python3 validation/plan_accuracy.py --plm build/plm validation/gpu_logs/summary_*.txt
+    python3 validation/plan_accuracy.py --plm build/plm summary_h100_onemodel_run3_side_by_side.txt
+        (from validation/gpu_logs/bf16-vs-hf_h100_2492b5c.tar.xz)
     python3 validation/plan_accuracy.py --plm build/plm --csv acc.csv LOG...
 
 Exit status 0 when every point meets both targets, 1 otherwise (2 on bad input).

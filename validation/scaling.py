@@ -8,9 +8,8 @@ scaling.csv and PNG plots: tokens/s and per-rank efficiency against ranks (stron
 MFU, memory per rank, and the planner's time split beside the measured step time.
 
 Layouts: `R` (R ranks on one node) or `NxG` (N nodes x G ranks per node), optionally followed by
-`:shard=S`, `:context=C`, `:expert=E`: the run gets `parallel.shard_degree`,
-`parallel.context_degree` and `parallel.expert_degree` (and `parallel.replicate_degree: 0`, the
-rest), and `plm plan` the same degrees.
+`:shard=S`, `:context=C`, `:expert=E`: the deck's `parallel.shard_degree`, `context_degree` and
+`expert_degree` for `plm train`, and the same degrees for `plm plan`.
 Modes: strong keeps data.tokens_per_batch; weak multiplies it by the rank count (constant work
 per rank).
 
@@ -119,17 +118,9 @@ def point_sets(args, layout, mode, base_tokens, run_dir):
     ]
     if args.steps:
         sets.append("train.steps=%d" % args.steps)
-    return sets + layout_sets(layout)
-
-
-def layout_sets(layout):
-    """The layout's degrees as deck overrides (after the study's own --set: the layout wins)."""
-    if all(v == 1 for v in layout.degrees.values()):
-        return []
-    return ["parallel.shard_degree=%d" % layout.degrees["shard"],
-            "parallel.replicate_degree=0",
-            "parallel.context_degree=%d" % layout.degrees["context"],
-            "parallel.expert_degree=%d" % layout.degrees["expert"]]
+    # The layout's degrees are the deck's parallel section (doc/parallelism.md).
+    sets += ["parallel.%s_degree=%d" % (k, v) for k, v in layout.degrees.items() if v != 1]
+    return sets
 
 
 def run_local(args, layout, sets):

@@ -4,7 +4,7 @@
 // no CUDA header, so these declarations compile everywhere and the .cu files compile with nvcc
 // alone (CI checks them without a CUDA Kokkos, PLM_CHECK_CUDA_SOURCES).  The model's dispatch
 // points call them only when PLM_HAVE_CUDA and the execution space is Cuda, passing the
-// instance's stream (plm::gpu::stream(exec)).  Each kernel has a plain reference to compare
+// instance's stream (`exec.cuda_stream()`).  Each kernel has a plain reference to compare
 // with in test/gpu/.  Tensors are row-major (C order), like the model's LayoutRight Views.
 #pragma once
 
