@@ -815,8 +815,12 @@ void planAdvice(const Input& in, Plan& p) {
   }
   if (p.advice.empty())
     p.advice.push_back(
-        "nothing in reach fits: the model state alone exceeds the device; add ranks and shard "
-        "over them, or choose a smaller model");
+        in.model.moe.enabled()
+            ? "nothing in reach fits: the model state alone exceeds the device; add ranks and "
+              "split the experts over them (parallel.expert_degree, --expert) or shard, or "
+              "choose a smaller model"
+            : "nothing in reach fits: the model state alone exceeds the device; add ranks and "
+              "shard over them, or choose a smaller model");
 }
 
 }  // namespace
