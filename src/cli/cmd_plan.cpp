@@ -44,9 +44,11 @@ Parser planParser() {
             "MoE under expert parallelism: plan the fullest rank's expert rows at X times the "
             "balanced share (1 = balanced, up to E for collapsed routing; default: the capacity "
             "bound, or 2 when dropless)"});
-  p.option({"precision", "P", "override train.precision: fp32, bf16 or fp8 (planned)"});
+  p.option({"precision", "P", "override train.precision: fp32, bf16 or fp8"});
   p.option({"seqlen", "S", "token-weighted mean sequence length (default min(460, max_seq_len))"});
-  p.option({"inter-node-gbps", "X", "bus bandwidth between nodes per rank, GB/s"});
+  p.option({"inter-node-gbps", "X",
+            "bus bandwidth between nodes per rank (its own NIC), GB/s; the table's "
+            "inter_node_gbps by default (45: 400 Gb/s per GPU)"});
   p.option({"json", "", "print the plan as JSON"});
   p.option(
       {"set", "SECTION.KEY=VALUE", "override a deck key, e.g. --set model.recompute=layer", true});
