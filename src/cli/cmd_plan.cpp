@@ -48,7 +48,7 @@ Parser planParser() {
   p.option({"seqlen", "S", "token-weighted mean sequence length (default min(460, max_seq_len))"});
   p.option({"inter-node-gbps", "X",
             "bus bandwidth between nodes per rank (its own NIC), GB/s; the table's "
-            "inter_node_gbps by default (45: 400 Gb/s per GPU)"});
+            "inter_node_gbps by default (h100, h200: 45, a 400 Gb/s port per GPU)"});
   p.option({"json", "", "print the plan as JSON"});
   p.option(
       {"set", "SECTION.KEY=VALUE", "override a deck key, e.g. --set model.recompute=layer", true});
