@@ -1,8 +1,12 @@
-// plm: the driver. It starts MPI and Kokkos, hands the subcommand its arguments, and turns a
-// plm::Error into one of the two fatal paths (collective: clean finalize; one rank: abort).
+// plm: the driver. It starts MPI and Kokkos and hands the subcommand its arguments. It catches
+// nothing: an exception that leaves a command reaches failure::onTerminate with the stack as it
+// was, which takes one of the two fatal paths (collective: rank 0 prints, every rank finalizes;
+// one rank: it prints one line, tells the others, and the job ends) without running destructors
+// that may wait for a rank that is gone (core/failure.hpp).
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
+#include "core/failure.hpp"
 #include "core/log.hpp"
 #include "core/suggest.hpp"
 #include "dist/runtime.hpp"
@@ -30,8 +34,9 @@ void printUsage() {
 }  // namespace
 
 int main(int argc, char** argv) {
+  std::set_terminate(plm::failure::onTerminate);
   plm::dist::Runtime runtime(argc, argv);
-  try {
+  {
     std::vector<std::string> args(argv + 1, argv + argc);
     // A global switch: taken out before the subcommand parses its own options.
     auto log_all = std::remove(args.begin(), args.end(), std::string("--log-all-ranks"));
@@ -60,10 +65,5 @@ int main(int argc, char** argv) {
     throw plm::collectiveError("unknown command `" + args[0] + "`" +
                                (hint.empty() ? "" : " (did you mean `" + hint + "`?)") +
                                "; `plm --help` lists the commands");
-  } catch (const plm::Error& e) {
-    if (e.collective()) plm::fatalAll(e.what());
-    plm::fatalOne(e.what());
-  } catch (const std::exception& e) {
-    plm::fatalOne(std::string("internal error: ") + e.what());
   }
 }

@@ -81,6 +81,8 @@ echo "plm-train: launching with $mpiexec ($flavour MPI)"
 job=$!
 forward() { echo "plm-train: $1; asking plm to checkpoint and stop"; kill -USR1 "$job" 2>/dev/null || true; }
 rerun=0
+# A qdel may signal the ranks on this node directly too: plm takes the repeats of one stop as
+# one stop (doc/operations.md).
 trap 'forward "SIGTERM received"' TERM
 trap 'rerun=1; forward "SIGUSR1 received"' USR1
 # The walltime in seconds (qstat's hh:mm:ss), minus STOP_BEFORE: then the timer asks for a stop.

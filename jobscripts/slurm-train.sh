@@ -61,6 +61,9 @@ step=$!
 requeue=0
 forward() { echo "plm-train: $1 received; asking plm to checkpoint and stop"; kill -USR1 "$step" 2>/dev/null || true; }
 trap 'requeue=1; forward SIGUSR1' USR1
+# A scancel or preemption signals every task (and srun) as well: plm takes the repeats of one
+# stop as one stop (doc/operations.md), so this forward is harmless there and covers a SIGTERM
+# sent to this script alone.
 trap 'forward SIGTERM' TERM
 # `wait` returns early (status > 128) when a trapped signal arrives: wait again until srun ends.
 set +e

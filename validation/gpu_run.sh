@@ -468,6 +468,39 @@ if has e2e && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   grep "plan vs measured" "$out/e2e_train.log" | tee -a "$summary"  # plm plan's prediction
 fi
 
+# Stage on request (not in the list above, to keep it apart from other changes to it):
+#   finetune: model.init_from on the GPU (doc/finetune.md): esm2_8m bf16 trained 20 steps, exported
+#        with `plm convert --to-hf` (bf16, sharded), then a new run initialised from the export
+#        (fp32 one) on 1 GPU and with parallel.shard_degree = GPUs: each run's validation loss after
+#        its first step next to `plm eval --model` of the source (one small update apart)
+if has finetune && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  ft=/tmp/plm-finetune
+  rm -rf "$ft"
+  gpus=$(nvidia-smi -L 2>/dev/null | wc -l)
+  common=(--set data.train="$pkg/data/train.h5" --set data.valid="$pkg/data/train.h5"
+          --set data.valid_tokens=65536 --set train.precision=bf16 --set train.steps=20
+          --set train.log_every=10 --set train.eval_every=20 --set schedule.warmup_steps=5
+          --set data.tokens_per_batch=65536 --set data.micro_batch_tokens=32768
+          --set checkpoint.every=0 --set checkpoint.resume=none)
+  timeout 300 "$pkg/bin/plm" train "$repo/inputs/esm2_8m.yaml" "${common[@]}" \
+    --set train.run_dir="$ft/source" --set checkpoint.dir="$ft/source/ckpt" > "$out/finetune_source.log" 2>&1
+  note "finetune: source run rc=$?"
+  "$pkg/bin/plm" convert --to-hf "$ft/source/model.h5" --out "$ft/hf" >> "$out/finetune_source.log" 2>&1
+  "$pkg/bin/plm" convert --to-hf "$ft/source/model.h5" --out "$ft/hf_bf16" --dtype bf16 \
+    --max-shard-size 5MB >> "$out/finetune_source.log" 2>&1
+  note "finetune: exports rc=$? ($(ls "$ft/hf_bf16" | tr '\n' ' '))"
+  "$pkg/bin/plm" eval "$repo/inputs/esm2_8m.yaml" "${common[@]}" --model "$ft/source/model.h5" \
+    2>&1 | grep "^eval" | sed 's/^/  source: /' | tee -a "$summary"
+  for n in 1 $gpus; do
+    timeout 300 mpirun -n "$n" "$pkg/bin/plm" train "$repo/inputs/esm2_8m.yaml" "${common[@]}" \
+      --set model.init_from="$ft/hf" --set parallel.shard_degree="$n" --set train.eval_every=1 \
+      --set train.steps=2 --set train.run_dir="$ft/init_$n" --set checkpoint.dir="$ft/init_$n/ckpt" \
+      > "$out/finetune_init_$n.log" 2>&1
+    note "finetune: init_from the HF export on $n GPU(s), shard_degree $n rc=$?"
+    grep -E "init_from|eval step 1 " "$out/finetune_init_$n.log" | cut -c1-200 | tee -a "$summary"
+  done
+fi
+
 if has fp8_bench && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
   # Issue 10's throughput targets: bf16 and FP8 side by side in one run (doc/fp8.md),
   # PLM_FP8_BENCH="preset:tokens[:recompute] ..." (default: 650M at 24K tokens, and 3B with

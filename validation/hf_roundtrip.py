@@ -9,6 +9,9 @@
 4. The bf16 conversion holds exactly the bf16 values (widened to fp32).
 5. `plm embed --logits` on a FASTA of the batch: logits and mean-pooled embeddings agree with
    transformers' (fp32, stock model) to 1e-5 relative.
+6. The Hub-ready export: AutoTokenizer.from_pretrained on plm's folder tokenizes exactly as the
+   ESM-2 vocabulary says; a sharded export (--max-shard-size) and a bf16 one (--dtype bf16) load
+   with AutoModelForMaskedLM, the sharded one bit-identical, the bf16 one as the bf16 rounding.
 
 Exit status: 0 pass, 1 fail, 77 skipped (torch/transformers/h5py not installed; ctest reads 77
 as "skipped"). Usage: hf_roundtrip.py --plm build/plm [--workdir DIR]
@@ -27,7 +30,7 @@ try:
     import numpy as np
     import torch
     import transformers
-    from transformers import EsmConfig, EsmForMaskedLM
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, EsmConfig, EsmForMaskedLM
 except ImportError as e:  # CI has no torch: skip, do not fail
     print(f"hf_roundtrip: skipped ({e}); pip install -r validation/requirements.txt to run it")
     sys.exit(77)
@@ -151,6 +154,34 @@ def main():
     print(f"plm embed vs transformers (fp32): logits {worst_logits:.2e}, embeddings {worst_embed:.2e}")
     if worst_logits > 1e-5 or worst_embed > 1e-5:
         fail("plm embed disagrees with transformers beyond 1e-5")
+    # The Hub-ready export: tokenizer, shards, bf16.
+    tok = AutoTokenizer.from_pretrained(dir_b)
+    for s in sequences:
+        want = [0] + [LETTERS.index(c) + 4 for c in s] + [2]
+        if tok(s)["input_ids"] != want:
+            fail(f"AutoTokenizer on plm's export tokenizes {s} as {tok(s)['input_ids']}, not {want}")
+    if tok.mask_token_id != 32 or tok.pad_token_id != 1:
+        fail(f"AutoTokenizer on plm's export: mask {tok.mask_token_id}, pad {tok.pad_token_id}")
+    print(f"tokenizer: {type(tok).__name__} from plm's export tokenizes as ESM-2")
+    dir_sharded, dir_half = os.path.join(work, "hf_sharded"), os.path.join(work, "hf_bf16_export")
+    plm(args.plm, "convert", "--to-hf", h5_a, "--out", dir_sharded, "--max-shard-size", "20KB")
+    if not os.path.exists(os.path.join(dir_sharded, "model.safetensors.index.json")):
+        fail("--max-shard-size 20KB wrote no model.safetensors.index.json")
+    d, info = AutoModelForMaskedLM.from_pretrained(dir_sharded, output_loading_info=True)
+    if info["missing_keys"] or info["unexpected_keys"]:
+        fail(f"sharded export: missing {info['missing_keys']}, unexpected {info['unexpected_keys']}")
+    for name, tensor in d.state_dict().items():
+        if not torch.equal(tensor, sb[name]):
+            fail(f"sharded export: {name} differs")
+    plm(args.plm, "convert", "--to-hf", h5_a, "--out", dir_half, "--dtype", "bf16")
+    e = AutoModelForMaskedLM.from_pretrained(dir_half)  # bf16 or fp32, by version: compared in fp32
+    for name, tensor in e.state_dict().items():
+        if "inv_freq" in name or name not in sa:
+            continue
+        if not torch.equal(tensor.to(torch.float32), sa[name].to(torch.bfloat16).to(torch.float32)):
+            fail(f"bf16 export: {name} is not the bf16 rounding")
+    print("export: sharded bit-identical, bf16 the bf16 rounding; both load with AutoModelForMaskedLM")
+
     if not args.workdir:
         shutil.rmtree(work, ignore_errors=True)
     print("hf_roundtrip: PASS")

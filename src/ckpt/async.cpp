@@ -1,6 +1,7 @@
 #include "ckpt/async.hpp"
 
 #include "core/log.hpp"
+#include "train/preemption.hpp"
 
 #include <chrono>
 
@@ -33,6 +34,7 @@ double AsyncSaver::start(train::Trainer& trainer, const std::string& dir, int ke
   done_member = false;
   error_member = nullptr;
   thread_member = std::thread([this, dir] {
+    const train::SaveScope saving;  // a repeated stop signal does not cut the write short
     try {
       report_member = detail::writeSnapshot(snapshot_member, dir, comm_member);
       pruned_member = prune(dir, keep_member, comm_member);

@@ -2,6 +2,7 @@
 #include "ckpt/checkpoint.hpp"
 
 #include "ckpt/detail/agree.hpp"
+#include "ckpt/detail/load.hpp"
 #include "ckpt/detail/redistribute.hpp"
 #include "ckpt/detail/rows.hpp"
 #include "ckpt/detail/snapshot.hpp"
@@ -222,13 +223,7 @@ template <class T> void readHeldGroup(hid_t file, MPI_Comm comm, const std::stri
   const detail::HeldLayout held =
       detail::heldLayout(table, placement, experts, rank, commSize(comm));
   readGroup(file, comm, comm, group, held.tensors, values, held.rows, path);
-  std::vector<model::TensorInfo> dense, routed;
-  for (const auto& t : table) (model::expertOfTensor(t.name) >= 0 ? routed : dense).push_back(t);
-  detail::shareRows(dense, values, comm);
-  MPI_Comm holders = MPI_COMM_NULL;
-  PLM_CHECK_MPI(MPI_Comm_split(comm, placement.rank, rank, &holders));
-  detail::shareRows(routed, values, holders);
-  PLM_CHECK_MPI(MPI_Comm_free(&holders));
+  detail::shareHeldRows(table, values, placement, comm);
 }
 
 void fsyncPath(const std::string& path, bool directory) {
@@ -385,6 +380,36 @@ void detail::shareRows(const std::vector<model::TensorInfo>& tensors, std::uint8
   shareRowsOf(tensors, values, comm, batch_limit);
 }
 
+std::vector<std::int64_t> detail::tensorSizes(const std::vector<model::TensorInfo>& tensors) {
+  std::vector<std::int64_t> sizes;
+  for (const auto& t : tensors) sizes.push_back(t.size);
+  return sizes;
+}
+
+std::vector<detail::Segment> detail::pieceSegments(const std::vector<train::TensorPiece>& pieces) {
+  std::vector<detail::Segment> out;
+  for (const auto& p : pieces) out.push_back({p.tensor, p.start, p.count, p.local});
+  return out;
+}
+
+template <class T> void detail::shareHeldRows(const std::vector<model::TensorInfo>& table,
+                                              T* values, const model::ExpertPlacement& placement,
+                                              MPI_Comm comm) {
+  if (!placement.sharded()) return shareRows(table, values, comm);
+  std::vector<model::TensorInfo> dense, routed;
+  for (const auto& t : table) (model::expertOfTensor(t.name) >= 0 ? routed : dense).push_back(t);
+  shareRows(dense, values, comm);
+  MPI_Comm holders = MPI_COMM_NULL;
+  PLM_CHECK_MPI(MPI_Comm_split(comm, placement.rank, commRank(comm), &holders));
+  shareRows(routed, values, holders);
+  PLM_CHECK_MPI(MPI_Comm_free(&holders));
+}
+template void detail::shareHeldRows<float>(const std::vector<model::TensorInfo>&, float*,
+                                           const model::ExpertPlacement&, MPI_Comm);
+template void detail::shareHeldRows<std::uint8_t>(const std::vector<model::TensorInfo>&,
+                                                  std::uint8_t*, const model::ExpertPlacement&,
+                                                  MPI_Comm);
+
 std::string fileName(std::int64_t step) {
   char buffer[40];
   std::snprintf(buffer, sizeof buffer, "step_%06lld.h5", static_cast<long long>(step));
@@ -485,17 +510,8 @@ void fullLayoutSnapshot(train::Trainer& trainer, detail::SnapshotBuffers* buffer
   snap.copy_seconds = now() - start;
 }
 
-std::vector<std::int64_t> tensorSizes(const std::vector<model::TensorInfo>& tensors) {
-  std::vector<std::int64_t> sizes;
-  for (const auto& t : tensors) sizes.push_back(t.size);
-  return sizes;
-}
-
-std::vector<detail::Segment> pieceSegments(const std::vector<train::TensorPiece>& pieces) {
-  std::vector<detail::Segment> out;
-  for (const auto& p : pieces) out.push_back({p.tensor, p.start, p.count, p.local});
-  return out;
-}
+using detail::pieceSegments;
+using detail::tensorSizes;
 
 // The sharded path: no full-layout state.  Each group's rows of this rank come out of its shard
 // group's shards (redistribute over the shard group: every element of this rank's rows has

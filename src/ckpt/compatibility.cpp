@@ -60,6 +60,7 @@ const std::set<std::string>& harmlessKeys() {
   // clang-format off
   static const std::set<std::string> keys = {
       "model.preset", "model.layers", "model.hidden", "model.heads", "model.ffn", "model.recompute",
+      "model.init_from",  // only the start of a new run; a checkpoint holds its own weights
       "data.train", "data.valid", "data.prefetch", "data.valid_tokens",
       "train.steps", "train.log_every", "train.eval_every", "train.run_dir", "train.seed",
       "train.peak_tflops", "train.log_all_ranks", "train.on_nonfinite", "train.step_timeout",

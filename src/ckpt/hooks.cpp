@@ -8,6 +8,7 @@
 
 #include "ckpt/async.hpp"
 #include "ckpt/detail/agree.hpp"
+#include "ckpt/init_from.hpp"
 #include "core/log.hpp"
 #include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
@@ -247,7 +248,8 @@ train::Trainer::Hooks hooks(train::Trainer::Hooks extra) {
     if (user) user(trainer, st);
   };
   h.on_start = [user = extra.on_start](train::Trainer& trainer) {
-    resume(trainer);
+    // A resumed run continues from its own checkpoint; model.init_from starts a new one only.
+    if (resume(trainer).empty()) applyInitFrom(trainer);
     if (user) user(trainer);
   };
   h.on_save = [state, user = extra.on_save](train::Trainer& trainer, bool final_save) {

@@ -6,6 +6,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "io/hf_esm.hpp"
+#include "model/esm2.hpp"
 
 #include <mpi.h>
 
@@ -17,7 +18,8 @@ namespace {
 
 Parser convertParser() {
   Parser p("plm convert",
-           "plm convert --from-hf HF_DIR --out MODEL.h5\nplm convert --to-hf MODEL.h5 --out DIR",
+           "plm convert --from-hf HF_DIR --out MODEL.h5\nplm convert --to-hf MODEL.h5 --out DIR "
+           "[--dtype fp32|bf16] [--max-shard-size SIZE]",
            "Converts a Hugging Face transformers EsmForMaskedLM directory (config.json + "
            "model.safetensors or a sharded model.safetensors.index.json; F32, BF16 or F16) into a "
            "plm model file (HDF5: config attributes + /model/<Hugging Face name>, fp32), or a plm "
@@ -27,6 +29,12 @@ Parser convertParser() {
   p.option({"from-hf", "HF_DIR", "read a transformers EsmForMaskedLM directory"});
   p.option({"to-hf", "MODEL.h5", "read a plm model file or checkpoint"});
   p.option({"out", "PATH", "the plm model file (--from-hf) or the output directory (--to-hf)"});
+  p.option({"dtype", "fp32|bf16",
+            "--to-hf: the weights' dtype (default fp32; bf16 rounds to "
+            "nearest even, half the size)"});
+  p.option({"max-shard-size", "SIZE",
+            "--to-hf: split the weights into files of at most SIZE (default 5GB, as "
+            "save_pretrained; e.g. 500MB, 2GiB, or bytes)"});
   return p;
 }
 
@@ -52,12 +60,27 @@ int runConvert(const Argv& argv) {
         "plm convert: give exactly one of --from-hf HF_DIR or --to-hf MODEL.h5, and --out; see "
         "`plm convert --help`");
   const std::string out = args.get("out");
+  if (args.has("from-hf") && (args.has("dtype") || args.has("max-shard-size")))
+    throw collectiveError(
+        "plm convert: --dtype and --max-shard-size apply to --to-hf (--from-hf reads any dtype "
+        "and writes fp32)");
+  io::hf::ExportOptions options;
+  const std::string dtype = args.get("dtype", "fp32");
+  if (dtype == "fp32" || dtype == "float32")
+    options.dtype = "F32";
+  else if (dtype == "bf16" || dtype == "bfloat16")
+    options.dtype = "BF16";
+  else
+    throw collectiveError("plm convert: --dtype takes fp32 or bf16, got `" + dtype + "`");
   io::hf::ConvertSummary summary;
   try {
+    if (args.has("max-shard-size"))
+      options.max_shard_bytes = io::hf::parseByteSize(args.get("max-shard-size"));
+    const io::hf::TableOf table = [](const model::Esm2Config& c) { return model::tensorTable(c); };
     if (args.has("from-hf")) {
-      summary = io::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD);
+      summary = io::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD, table);
     } else {
-      summary = io::hf::convertToHf(args.get("to-hf"), out, MPI_COMM_WORLD);
+      summary = io::hf::convertToHf(args.get("to-hf"), out, MPI_COMM_WORLD, options, table);
     }
   } catch (const Error& e) {
     // Every rank reads the same files, so every rank fails the same way.

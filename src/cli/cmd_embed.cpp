@@ -22,6 +22,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "data/batch.hpp"
+#include "data/prep.hpp"
 #include "io/fasta.hpp"
 #include "io/hdf5.hpp"
 #include "io/model_file.hpp"
@@ -30,7 +31,6 @@
 #include <mpi.h>
 #include <Kokkos_Core.hpp>
 
-#include <sys/stat.h>
 #include <algorithm>
 #include <cstdio>
 
@@ -41,7 +41,8 @@ namespace {
 Parser embedParser() {
   Parser p("plm embed",
            "plm embed --checkpoint MODEL.h5 --fasta SEQS.fasta[.gz] --out OUT.h5 [--logits] "
-           "[--batch-tokens N] [--on-invalid error|skip]",
+           "[--batch-tokens N] [--on-invalid error|skip] [--allow-nucleotide] "
+           "[--set moe.dropless=false] [--set moe.capacity_factor=F]",
            "Embeds every sequence of a FASTA file with a plm model file or checkpoint: /embeddings "
            "holds the mean of the final hidden state over each sequence's residues (<cls>/<eos> "
            "excluded); --logits adds /logits (fp32, <cls> + residues + <eos> of every sequence) "
@@ -59,6 +60,14 @@ Parser embedParser() {
       {"on-invalid", "error|skip",
        "a FASTA record with a letter outside the ESM-2 alphabet or no residues: stop with its "
        "file and line (error, the default) or leave it out of the output with a warning (skip)"});
+  p.option({"allow-nucleotide", "",
+            "keep a file whose records are mostly nucleotide-like (>= 90% A C G T/U N, >= 20 "
+            "long) as protein; without it such a file is refused, as by plm prep"});
+  p.option({"set", "moe.KEY=VALUE",
+            "Mixture-of-Experts routing: moe.dropless=false applies a capacity per micro-batch "
+            "(moe.capacity_factor, default the model's), so the output depends on batching; "
+            "drop-less by default",
+            true});
   return p;
 }
 
@@ -69,30 +78,17 @@ struct Sequences {
   std::vector<std::uint8_t> residues;
 };
 
-Sequences readFasta(const std::string& path, io::fasta::Policy policy) {
-  struct stat info;
-  if (stat(path.c_str(), &info) != 0)
-    throw collectiveError("plm embed: FASTA file `" + path + "` does not exist");
-  io::fasta::Segment segment;
-  segment.path = path;
-  segment.gzip = path.size() > 3 && path.compare(path.size() - 3, 3, ".gz") == 0;
-  segment.file_size = info.st_size;
-  segment.begin = 0;
-  segment.end = info.st_size;
+// Every rank parses the whole file; the checks are plm prep's own (data::checkRecords), each
+// rank applying them to its identical copy, so every rank reaches the same verdict.
+Sequences readFasta(const std::string& path, io::fasta::Policy policy, bool allow_nucleotide) {
+  const io::fasta::Segment segment = data::wholeFile(path, "plm embed");
   io::fasta::Parsed parsed;
-  io::fasta::parseSegment(segment, policy, parsed);
-  for (auto& issue : parsed.issues) {
-    if (issue.line_is_local) issue.line += 1;  // one segment from byte 0: only 0-based -> 1-based
-    issue.line_is_local = false;
+  try {
+    io::fasta::parseSegment(segment, policy, parsed);
+  } catch (const Error& e) {
+    throw collectiveError(std::string("plm embed: ") + e.what());
   }
-  if (!parsed.issues.empty()) {
-    if (policy == io::fasta::Policy::error)
-      throw collectiveError("plm embed: " + parsed.issues.front().message());
-    std::int64_t total = 0;
-    for (auto c : parsed.issue_counts) total += c;
-    log::warn("plm embed: skipped %lld invalid record(s) (--on-invalid skip); the first: %s",
-              static_cast<long long>(total), parsed.issues.front().message().c_str());
-  }
+  data::checkRecords("plm embed", {path}, {0}, policy, allow_nucleotide, parsed, MPI_COMM_SELF);
   if (parsed.lengths.empty())
     throw collectiveError("plm embed: `" + path + "` holds no (valid) sequences");
   Sequences s;
@@ -158,6 +154,14 @@ int runEmbed(const Argv& argv) {
     throw collectiveError("plm embed: --on-invalid takes `error` or `skip`, got `" + on_invalid +
                           "`");
   const std::string checkpoint = args.get("checkpoint");
+  // The output's directory before any work (every rank checks; one line if it is not there).
+  onEveryRank(
+      "plm embed: --out: ", [&] { io::h5::checkCreatable(args.get("out")); }, MPI_COMM_WORLD);
+  const std::vector<std::string> sets = args.all("set");
+  for (const auto& set : sets)
+    if (set.rfind("moe.dropless=", 0) != 0 && set.rfind("moe.capacity_factor=", 0) != 0)
+      throw collectiveError("plm embed: --set " + set +
+                            ": embed takes moe.dropless and moe.capacity_factor only");
 
   model::Esm2Config config;
   try {
@@ -165,6 +169,7 @@ int runEmbed(const Argv& argv) {
   } catch (const Error& e) {
     throw collectiveError(std::string("plm embed: ") + e.what());
   }
+  inferenceRouting(config, sets, "plm embed");
   config.precision = model::parsePrecision(args.get("precision", "fp32"));
   config.fp8.recipe = model::Fp8Recipe::Current;  // fp8: no amax history outside training
   model::Esm2<float> esm(config);
@@ -174,7 +179,8 @@ int runEmbed(const Argv& argv) {
     throw collectiveError(std::string("plm embed: ") + e.what());
   }
   const Sequences seqs = readFasta(
-      args.get("fasta"), on_invalid == "skip" ? io::fasta::Policy::skip : io::fasta::Policy::error);
+      args.get("fasta"), on_invalid == "skip" ? io::fasta::Policy::skip : io::fasta::Policy::error,
+      args.has("allow-nucleotide"));
   const std::int64_t n = std::int64_t(seqs.lengths.size());
 
   // Residues each sequence keeps, and its rows in /logits.

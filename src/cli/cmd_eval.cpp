@@ -69,6 +69,9 @@ int runEval(const Argv& argv) {
         loader = std::make_unique<data::Loader>(train::evalLoaderOptions(*deck, path, rank, world));
       },
       MPI_COMM_WORLD);
+  // Drop-less MoE routing unless --set moe.dropless=false (doc/interop.md); a model file's
+  // routing settings are the training run's, so the deck's would otherwise never apply.
+  inferenceRouting(config, args.all("set"), "plm eval");
   // Evaluation computes in the deck's precision (bf16 on the CUDA build runs the fast path).
   config.precision = model::parsePrecision(deck->sublist("train").get<std::string>("precision"));
   train::applyFp8Section(*deck, config);

@@ -17,13 +17,15 @@ namespace plm::cli {
 
 namespace {
 Parser trainParser() {
-  Parser p("plm train", "plm train DECK [--set section.key=value]...",
-           "Trains the model the deck describes (doc/training.md): data-parallel over the MPI "
-           "ranks, logging every train.log_every steps to the console and "
-           "<train.run_dir>/metrics.jsonl, validating every train.eval_every steps. The "
-           "resolved deck is written to <train.run_dir>/deck.yaml. On SIGTERM or SIGUSR1 it "
-           "saves a checkpoint after the current step and exits with status 75 (requeue me); "
-           "a second signal exits at once (doc/operations.md).");
+  Parser p(
+      "plm train", "plm train DECK [--set section.key=value]...",
+      "Trains the model the deck describes (doc/training.md): data-parallel over the MPI "
+      "ranks, logging every train.log_every steps to the console and "
+      "<train.run_dir>/metrics.jsonl, validating every train.eval_every steps. The "
+      "resolved deck is written to <train.run_dir>/deck.yaml. On SIGTERM or SIGUSR1 it "
+      "saves a checkpoint after the current step and exits with status 75 (requeue me); "
+      "repeats of that stop count once, and a signal after the stop was acted on (never during "
+      "a save) exits at once (doc/operations.md).");
   p.option({"set", "SECTION.KEY=VALUE", "override a deck key, e.g. --set train.steps=100", true});
   return p;
 }

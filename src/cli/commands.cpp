@@ -2,7 +2,9 @@
 
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "deck/deck.hpp"
 #include "dist/runtime.hpp"
+#include "model/esm2.hpp"
 #include "plm/plm_config.hpp"
 
 #include <hdf5.h>
@@ -79,6 +81,44 @@ void onEveryRank(const std::string& prefix, const std::function<void()>& check, 
   message.resize(std::size_t(length));
   PLM_CHECK_MPI(MPI_Bcast(message.data(), length, MPI_CHAR, first, comm));
   throw collectiveError(prefix + message);
+}
+
+void inferenceRouting(model::Esm2Config& config, const std::vector<std::string>& overrides,
+                      const std::string& command) {
+  if (!config.moe.enabled()) return;
+  std::vector<std::string> routing;
+  bool capacity_given = false;
+  for (const auto& o : overrides) {
+    if (o.rfind("moe.dropless=", 0) == 0) routing.push_back(o);
+    if (o.rfind("moe.capacity_factor=", 0) == 0) {
+      routing.push_back(o);
+      capacity_given = true;
+    }
+  }
+  // The deck's own parsing and range checks for the two keys (defaults: dropless, 1.25).
+  const auto deck = deck::resolve(Teuchos::ParameterList(), routing);
+  const auto& m = deck->sublist("moe");
+  const double trained = config.moe.capacity_factor;
+  if (m.get<bool>("dropless")) {
+    config.moe.capacity_factor = 0;
+    if (capacity_given)
+      log::warn("%s: moe.capacity_factor applies only with --set moe.dropless=false",
+                command.c_str());
+    log::info(
+        "%s: MoE routing is drop-less: every routed slot is computed, so the output does not "
+        "depend on the batch size or the rank count%s",
+        command.c_str(),
+        trained > 0 ? " (the model trained with a capacity factor; --set moe.dropless=false "
+                      "applies it per micro-batch)"
+                    : "");
+    return;
+  }
+  config.moe.capacity_factor =
+      capacity_given || trained <= 0 ? m.get<double>("capacity_factor") : trained;
+  log::warn(
+      "%s: MoE capacity factor %g per micro-batch (--set moe.dropless=false): slots beyond an "
+      "expert's capacity are dropped, so the output depends on the batch size and the rank count",
+      command.c_str(), config.moe.capacity_factor);
 }
 
 std::string gpusThisBuildIgnores(const std::string& dev_dir) {

@@ -9,6 +9,10 @@
 #include <string>
 #include <vector>
 
+namespace plm::model {
+struct Esm2Config;
+}
+
 namespace plm::cli {
 
 using Argv = std::vector<std::string>;
@@ -44,6 +48,15 @@ void onEveryRank(const std::string& prefix, const std::function<void()>& check, 
 /// `dev_dir`/nvidia0, nvidia1, ..., and CUDA_VISIBLE_DEVICES not empty) that this plm will not
 /// use, and what to run instead; empty when there are none, or in a CUDA build.
 std::string gpusThisBuildIgnores(const std::string& dev_dir);
+
+/// \brief How `plm eval` and `plm embed` route a Mixture-of-Experts model (doc/interop.md):
+/// drop-less, so the output does not depend on the batch size or the rank count, unless
+/// `moe.dropless=false` is among `overrides` (the --set values); then each expert takes at most
+/// capacity_factor x its balanced share of each micro-batch, with moe.capacity_factor from
+/// `overrides`, else the model's stored one, else the deck default.  Logs which applies; a
+/// dense model is left alone.  Collective errors for bad values.
+void inferenceRouting(model::Esm2Config& config, const std::vector<std::string>& overrides,
+                      const std::string& command);
 
 /// \brief For subcommands whose capability has not landed yet: says so plainly, returns 2.
 int notBuiltYet(const char* command, const char* what_comes);

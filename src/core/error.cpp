@@ -1,8 +1,9 @@
 #include "core/error.hpp"
 
+#include "core/failure.hpp"
+
 #include <hdf5.h>
 #include <mpi.h>
-#include <Kokkos_Core.hpp>
 
 #include <cstdio>
 #include <cstdlib>
@@ -10,44 +11,9 @@
 
 namespace plm {
 
-namespace {
-int worldRank() {
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (!initialized || finalized) return 0;
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-}  // namespace
+void fatalAll(const std::string& message, int code) { failure::failAll(message, code); }
 
-void fatalAll(const std::string& message, int code) {
-  if (worldRank() == 0) {
-    std::fprintf(stderr, "plm: error: %s\n", message.c_str());
-    std::fflush(stderr);
-  }
-  if (Kokkos::is_initialized()) Kokkos::finalize();
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  if (initialized && !finalized) MPI_Finalize();
-  std::exit(code);
-}
-
-void fatalOne(const std::string& message, int code) {
-  std::fprintf(stderr, "plm: error on rank %d: %s\n", worldRank(), message.c_str());
-  std::fflush(stderr);
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  int size = 1;
-  if (initialized && !finalized) MPI_Comm_size(MPI_COMM_WORLD, &size);
-  if (initialized && !finalized && size > 1) MPI_Abort(MPI_COMM_WORLD, code);
-  if (Kokkos::is_initialized()) Kokkos::finalize();
-  if (initialized && !finalized) MPI_Finalize();
-  std::exit(code);
-}
+void fatalOne(const std::string& message, int code) { failure::failRank(message, code); }
 
 namespace detail {
 

@@ -5,8 +5,11 @@
 // ends:
 //   - every rank reached the same error (deck validation, a file every rank reads): the error
 //     is collective; rank 0 prints it and all ranks finalize cleanly (fatalAll);
-//   - one rank failed alone (I/O on its shard, a CUDA fault): it prints its rank and reason and
-//     aborts the whole job (fatalOne), since the other ranks may be blocked in a collective.
+//   - one rank failed alone (I/O on its shard, a CUDA fault, out of memory): it prints its rank
+//     and reason, tells the other ranks (which may be blocked in a collective) and exits; they
+//     follow within seconds without a line of their own (fatalOne, core/failure.hpp).
+// The driver does not catch: an uncaught exception reaches failure::onTerminate with the stack
+// intact, so no destructor waits for a rank that is gone.
 // Foreign calls (CUDA, cuBLASLt, NCCL, MPI, HDF5, files) are wrapped in the PLM_CHECK_* macros,
 // which name the call, its status and file:line.
 #pragma once
@@ -26,19 +29,27 @@ class Error : public std::runtime_error {
   explicit Error(const std::string& message, bool collective = false)
       : std::runtime_error(message), collective_member(collective) {}
   bool collective() const { return collective_member; }
+  /// \brief Several ranks of a group raise the same error and one of them prints it: the others
+  /// raise it quiet (they leave without a line of their own, core/failure.hpp).
+  Error& quiet(bool yes = true) {
+    quiet_member = yes;
+    return *this;
+  }
+  bool isQuiet() const { return quiet_member; }
 
  private:
   bool collective_member;
+  bool quiet_member = false;
 };
 
 /// \brief An error that every rank raises identically (e.g. deck validation).
 inline Error collectiveError(const std::string& message) { return Error(message, true); }
 
-/// \brief All ranks agree: rank 0 prints `message`, every rank finalizes Kokkos and MPI,
-/// exit(code).
+/// \brief All ranks agree: rank 0 prints `message`, every rank finalizes MPI, exits with `code`.
 [[noreturn]] void fatalAll(const std::string& message, int code = 1);
 
-/// \brief This rank alone failed: print rank and reason to stderr, MPI_Abort the job.
+/// \brief This rank alone failed: prints rank and reason (one line), tells the other ranks,
+/// exits with `code` (core/failure.hpp; no MPI_Abort and its banner).
 [[noreturn]] void fatalOne(const std::string& message, int code = 1);
 
 namespace detail {

@@ -42,6 +42,13 @@ bool teeTo(const std::string& path) {
   return path.empty() || tee_state;
 }
 int rank() { return rank_state; }
+void fatalLine(const std::string& line) {
+  for (FILE* out : {stderr, tee_state}) {
+    if (!out) continue;
+    std::fprintf(out, "%s\n", line.c_str());
+    std::fflush(out);
+  }
+}
 
 void info(const char* format, ...) {
   if (level_state > Level::info) return;

@@ -22,6 +22,10 @@ void warn(const char* format, ...) __attribute__((format(printf, 1, 2)));
 /// path stops. Returns false (and keeps printing to the terminal) when the file cannot be opened.
 bool teeTo(const std::string& path);
 
+/// \brief Writes `line` (and a line break) to stderr and to the tee file, unprefixed: the one
+/// line a failing job leaves (core/failure.hpp).
+void fatalLine(const std::string& line);
+
 /// \brief Printed by every rank regardless of the all-ranks switch (prefixed with the rank).
 void every(const char* format, ...) __attribute__((format(printf, 1, 2)));
 

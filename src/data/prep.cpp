@@ -10,8 +10,10 @@
 
 #include <sys/stat.h>
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
+#include <cstring>
 #include <ctime>
 #include <numeric>
 
@@ -35,20 +37,8 @@ struct InputFile {
 std::vector<InputFile> describeInputs(const PrepOptions& options) {
   std::vector<InputFile> files;
   auto add = [&](const std::string& path, bool valid) {
-    struct stat info;
-    if (stat(path.c_str(), &info) != 0)
-      throw collectiveError("plm prep: input `" + path + "` cannot be read (" +
-                            std::strerror(errno) + "); check the path");
-    if (!S_ISREG(info.st_mode))
-      throw collectiveError("plm prep: input `" + path + "` is not a regular file");
-    InputFile f{path, std::int64_t(info.st_size), false, valid};
-    if (FILE* stream = std::fopen(path.c_str(), "rb")) {
-      unsigned char magic[2] = {0, 0};
-      size_t n = std::fread(magic, 1, 2, stream);
-      std::fclose(stream);
-      f.gzip = n == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
-    }
-    files.push_back(f);
+    const Segment whole = wholeFile(path, "plm prep");
+    files.push_back(InputFile{path, whole.file_size, whole.gzip, valid});
   };
   // --valid files first: with equal content, the earlier record is the one kept, so a sequence
   // in the validation file is never also trained on.
@@ -182,9 +172,9 @@ void removeQuietly(const std::string& path) { std::remove(path.c_str()); }
 // is an amino-acid letter too) get a warning, and an error where they are most of a file's
 // records unless --allow-nucleotide; a header with no identifier gets one made from its place
 // ("unnamed:FILE:LINE", the same at any rank count) and a warning. Collective.
-void checkNotices(const PrepOptions& options, const std::vector<InputFile>& files,
-                  const std::vector<std::int64_t>& line_base, Parsed& parsed, PrepReport& report,
-                  MPI_Comm comm) {
+void checkNotices(const std::string& command, const std::vector<std::string>& files,
+                  const std::vector<std::int64_t>& line_base, bool allow_nucleotide, Parsed& parsed,
+                  RecordChecks& report, MPI_Comm comm) {
   int rank = 0;
   PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
   const std::size_t num_files = files.size();
@@ -199,7 +189,7 @@ void checkNotices(const PrepOptions& options, const std::vector<InputFile>& file
     return n.line_is_local ? n.line + line_base[std::size_t(n.file)] + 1 : n.line;
   };
   auto where = [&](const io::fasta::Notice& n) {
-    return files[std::size_t(n.file)].path + ":" + std::to_string(line(n));
+    return files[std::size_t(n.file)] + ":" + std::to_string(line(n));
   };
   // The first notice in input order over all ranks, as "path:line: record `id`".
   auto first = [&](const std::vector<io::fasta::Notice>& notices) {
@@ -225,15 +215,15 @@ void checkNotices(const PrepOptions& options, const std::vector<InputFile>& file
         std::to_string(io::fasta::nucleotide_min_length) + " long), the first at " + example;
     for (std::size_t f = 0; f < num_files; ++f) {
       const std::int64_t records = global[f], like = global[num_files + f];
-      if (like > 0 && 2 * like > records && !options.allow_nucleotide)
-        throw collectiveError("plm prep: " + files[f].path + ": " + std::to_string(like) +
-                              " of its " + std::to_string(records) + " " + what +
-                              ": plm trains on protein sequences; translate them first, or pass "
+      if (like > 0 && 2 * like > records && !allow_nucleotide)
+        throw collectiveError(command + ": " + files[f] + ": " + std::to_string(like) + " of its " +
+                              std::to_string(records) + " " + what +
+                              ": plm models protein sequences; translate them first, or pass "
                               "--allow-nucleotide to keep them as protein");
     }
     if (rank == 0)
-      log::warn("plm prep: %lld %s; they are kept as protein", static_cast<long long>(nucleotide),
-                what.c_str());
+      log::warn("%s: %lld %s; they are kept as protein", command.c_str(),
+                static_cast<long long>(nucleotide), what.c_str());
   }
   report.nucleotide_records = nucleotide;
 
@@ -241,20 +231,86 @@ void checkNotices(const PrepOptions& options, const std::vector<InputFile>& file
   if (unnamed > 0) {
     const std::string example = first(parsed.unnamed).substr(28);
     for (const auto& n : parsed.unnamed) {
-      const std::string path = files[std::size_t(n.file)].path;
+      const std::string path = files[std::size_t(n.file)];
       parsed.ids[n.record] =
           "unnamed:" + path.substr(path.find_last_of('/') + 1) + ":" + std::to_string(line(n));
     }
     if (rank == 0)
       log::warn(
-          "plm prep: %lld record(s) have an empty identifier ('>' alone), the first at %s; each "
+          "%s: %lld record(s) have an empty identifier ('>' alone), the first at %s; each "
           "is named unnamed:FILE:LINE after its header",
-          static_cast<long long>(unnamed), example.c_str());
+          command.c_str(), static_cast<long long>(unnamed), example.c_str());
   }
   report.unnamed_records = unnamed;
 }
 
 }  // namespace
+
+RecordChecks checkRecords(const std::string& command, const std::vector<std::string>& files,
+                          const std::vector<std::int64_t>& line_base, Policy on_invalid,
+                          bool allow_nucleotide, Parsed& parsed, MPI_Comm comm) {
+  int rank = 0;
+  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  for (auto& issue : parsed.issues) {
+    if (issue.line_is_local) issue.line += line_base[issue.file] + 1;
+    issue.line_is_local = false;
+  }
+  std::array<std::int64_t, io::fasta::num_problems> counts{};
+  PLM_CHECK_MPI(MPI_Allreduce(parsed.issue_counts.data(), counts.data(), io::fasta::num_problems,
+                              MPI_INT64_T, MPI_SUM, comm));
+  std::int64_t total_issues = std::accumulate(counts.begin(), counts.end(), std::int64_t(0));
+
+  if (total_issues > 0) {
+    std::vector<std::string> lines;
+    for (const auto& issue : parsed.issues) {
+      char key[64];
+      std::snprintf(key, sizeof key, "%08d%020lld", issue.file, static_cast<long long>(issue.line));
+      lines.push_back(std::string(key) + issue.message());
+    }
+    auto all = allgatherStrings(lines, comm);
+    std::sort(all.begin(), all.end());
+    if (on_invalid == Policy::error) throw collectiveError(command + ": " + all.front().substr(28));
+    if (rank == 0) {
+      for (const auto& line : all)
+        log::warn("%s: skipped: %s", command.c_str(), line.substr(28).c_str());
+      std::string summary;
+      for (int p = 0; p < io::fasta::num_problems; ++p)
+        if (counts[p])
+          summary += std::string(summary.empty() ? "" : ", ") + std::to_string(counts[p]) + " " +
+                     io::fasta::problemName(io::fasta::Problem(p));
+      log::warn(
+          "%s: skipped %lld invalid record(s) (%s)%s", command.c_str(),
+          static_cast<long long>(total_issues), summary.c_str(),
+          all.size() < size_t(total_issues) ? "; the first of each rank are listed above" : "");
+    }
+  }
+  RecordChecks report;
+  report.skipped = total_issues;
+  report.skipped_by_problem = counts;
+  checkNotices(command, files, line_base, allow_nucleotide, parsed, report, comm);
+  return report;
+}
+
+io::fasta::Segment wholeFile(const std::string& path, const std::string& command) {
+  struct stat info;
+  if (stat(path.c_str(), &info) != 0)
+    throw collectiveError(command + ": input `" + path + "` cannot be read (" +
+                          std::strerror(errno) + "); check the path");
+  if (!S_ISREG(info.st_mode))
+    throw collectiveError(command + ": input `" + path + "` is not a regular file");
+  Segment s;
+  s.path = path;
+  s.file_size = std::int64_t(info.st_size);
+  s.begin = 0;
+  s.end = s.file_size;
+  if (FILE* stream = std::fopen(path.c_str(), "rb")) {
+    unsigned char magic[2] = {0, 0};
+    size_t n = std::fread(magic, 1, 2, stream);
+    std::fclose(stream);
+    s.gzip = n == 2 && magic[0] == 0x1f && magic[1] == 0x8b;
+  }
+  return s;
+}
 
 PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   const auto start_time = Clock::now();
@@ -318,43 +374,16 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   PLM_CHECK_MPI(
       MPI_Exscan(newlines.data(), line_base.data(), num_files, MPI_INT64_T, MPI_SUM, comm));
   if (rank == 0) std::fill(line_base.begin(), line_base.end(), 0);
-  for (auto& issue : parsed.issues) {
-    if (issue.line_is_local) issue.line += line_base[issue.file] + 1;
-    issue.line_is_local = false;
-  }
-  std::array<std::int64_t, io::fasta::num_problems> counts{};
-  PLM_CHECK_MPI(MPI_Allreduce(parsed.issue_counts.data(), counts.data(), io::fasta::num_problems,
-                              MPI_INT64_T, MPI_SUM, comm));
-  std::int64_t total_issues = std::accumulate(counts.begin(), counts.end(), std::int64_t(0));
 
-  // 3. The invalid-input policy, decided together.
-  if (total_issues > 0) {
-    std::vector<std::string> lines;
-    for (const auto& issue : parsed.issues) {
-      char key[64];
-      std::snprintf(key, sizeof key, "%08d%020lld", issue.file, static_cast<long long>(issue.line));
-      lines.push_back(std::string(key) + issue.message());
-    }
-    auto all = allgatherStrings(lines, comm);
-    std::sort(all.begin(), all.end());
-    if (options.on_invalid == Policy::error)
-      throw collectiveError("plm prep: " + all.front().substr(28));
-    if (rank == 0) {
-      for (const auto& line : all) log::warn("plm prep: skipped: %s", line.substr(28).c_str());
-      std::string summary;
-      for (int p = 0; p < io::fasta::num_problems; ++p)
-        if (counts[p])
-          summary += std::string(summary.empty() ? "" : ", ") + std::to_string(counts[p]) + " " +
-                     io::fasta::problemName(io::fasta::Problem(p));
-      log::warn(
-          "plm prep: skipped %lld invalid record(s) (%s)%s", static_cast<long long>(total_issues),
-          summary.c_str(),
-          all.size() < size_t(total_issues) ? "; the first of each rank are listed above" : "");
-    }
-  }
-  report.skipped = total_issues;
-  report.skipped_by_problem = counts;
-  checkNotices(options, files, line_base, parsed, report, comm);
+  // 3. The invalid-input policy and the notices, decided together.
+  std::vector<std::string> paths;
+  for (const auto& f : files) paths.push_back(f.path);
+  const RecordChecks checks = checkRecords("plm prep", paths, line_base, options.on_invalid,
+                                           options.allow_nucleotide, parsed, comm);
+  report.skipped = checks.skipped;
+  report.skipped_by_problem = checks.skipped_by_problem;
+  report.nucleotide_records = checks.nucleotide_records;
+  report.unnamed_records = checks.unnamed_records;
 
   // 4. Exact duplicates, across all ranks.
   const size_t n = parsed.lengths.size();

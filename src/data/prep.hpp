@@ -51,4 +51,28 @@ struct PrepReport {
 /// Policy::error (the first problem in input order: "file:line: what; what to do").
 PrepReport prepare(const PrepOptions& options, MPI_Comm comm);
 
+/// What checkRecords found (identical on every rank).
+struct RecordChecks {
+  std::int64_t skipped = 0;  // invalid records left out (Policy::skip)
+  std::array<std::int64_t, io::fasta::num_problems> skipped_by_problem{};
+  std::int64_t nucleotide_records = 0;  // kept records that look like DNA/RNA (warned about)
+  std::int64_t unnamed_records = 0;     // records given an identifier unnamed:FILE:LINE
+};
+
+/// \brief Collective over `comm`: prep's checks of parsed FASTA records, which every command
+/// reading FASTA applies (`plm prep`, `plm embed`).  Invalid records stop with the first one's
+/// file:line in input order (Policy::error) or are listed and counted (skip); a file whose
+/// records are mostly nucleotide-like is refused unless `allow_nucleotide` (a few only warn); a
+/// record with an empty identifier is named unnamed:FILE:LINE with a warning.  `files` are the
+/// input paths by Segment::file; `line_base[f]` the lines of file f before this rank's part (0
+/// for a rank that parsed whole files); `command` starts every message.  The ranks of `comm`
+/// must have parsed disjoint parts of the inputs.
+RecordChecks checkRecords(const std::string& command, const std::vector<std::string>& files,
+                          const std::vector<std::int64_t>& line_base, io::fasta::Policy on_invalid,
+                          bool allow_nucleotide, io::fasta::Parsed& parsed, MPI_Comm comm);
+
+/// \brief The whole of input `path` as one segment, gzip recognised by its content as prep does;
+/// a collective plm::Error (starting with `command`) if it cannot be read or is not a file.
+io::fasta::Segment wholeFile(const std::string& path, const std::string& command);
+
 }  // namespace plm::data

@@ -111,6 +111,14 @@ const std::vector<KeySpec>& keys() {
        "outputs and recomputes LayerNorm and attention. Less memory for more compute; the "
        "gradients are bitwise the same.",
        any(), {"none", "layer", "selective"}},
+      {"model", "init_from", K::text, "",
+       "Start from the weights of another model: a plm model file, a checkpoint (file, or a "
+       "checkpoint directory: its newest), or a Hugging Face ESM directory or safetensors file. "
+       "Weights only: the optimizer, schedule and data stream start fresh (a new data.train is "
+       "fine). The model section must describe the source (a shape or name mismatch is refused "
+       "naming the tensor); model tensors the source lacks keep their initialisation and are "
+       "listed in the log. Ignored when checkpoint.resume continues a run (doc/finetune.md).",
+       any(), {}},
       // data
       {"data", "train", K::text, "data/train.h5",
        "Training set written by `plm prep` (parallel HDF5).", any(), {}, true},
@@ -291,6 +299,15 @@ const std::vector<KeySpec>& keys() {
        "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, used only to select experts, "
        "moves by bias_rate toward the mean load after every step.", any(), {}},
       {"moe", "bias_rate", K::real, "0.001", "Step of the bias_balance update.", above(0), {}},
+      {"moe", "dispatch_budget_gib", K::real, "0",
+       "Expert parallelism: the most memory (GiB) one rank's expert-side buffers of one MoE "
+       "layer may take (the rows it receives, their GELU pre-activation and activation kept for "
+       "backward, and the backward's buffers); 0 = 90% of what the device (or host) has free "
+       "when the layer runs, plus what the layer already holds. Checked on every micro-batch "
+       "from the received counts, which every rank of the expert group knows: beyond it the job "
+       "stops at once on every rank with one line naming the layer, the rank and its load "
+       "(doc/operations.md).",
+       atLeast(0), {}},
       {"moe", "expert_gemm", K::text, "auto",
        "How the experts' GEMMs run under train.precision bf16 on the GPU: loop = one cuBLASLt "
        "call per expert (bias and GELU fused), grouped = one CUTLASS SM90 grouped GEMM launch per "

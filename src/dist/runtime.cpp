@@ -1,6 +1,7 @@
 #include "dist/runtime.hpp"
 
 #include "core/error.hpp"
+#include "core/failure.hpp"
 #include "core/log.hpp"
 
 #include <hdf5.h>
@@ -33,6 +34,8 @@ Runtime::Runtime(int& argc, char**& argv) {
   // HDF5 failures are reported through PLM_CHECK_H5 (which walks the error stack into one
   // message); HDF5's own automatic printing would spill the raw stack onto stderr.
   H5Eset_auto2(H5E_DEFAULT, nullptr, nullptr);
+  // A rank that fails alone tells the others through this channel (core/failure.hpp).
+  failure::start();
 
   int device = -1;
 #if defined(KOKKOS_ENABLE_CUDA)
@@ -41,15 +44,16 @@ Runtime::Runtime(int& argc, char**& argv) {
   int count = 0;
   if (cudaGetDeviceCount(&count) == cudaSuccess && count > 0) device = local_rank_state % count;
   if (device < 0) {
-    // Kokkos would abort (status 134) without saying why: say what, where and what to do.
+    // Kokkos would abort (status 134) without saying why: say what, where and what to do, in
+    // one line for the job (the lowest rank speaks, core/failure.hpp).
     const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
-    std::fprintf(stderr,
-                 "plm: error: this is a CUDA build of plm and rank %d (node-local rank %d) sees "
-                 "no GPU (CUDA_VISIBLE_DEVICES=%s). Give every rank a GPU (the job scripts set "
-                 "CUDA_VISIBLE_DEVICES from the node-local rank: start as many ranks per node "
-                 "as the node has GPUs), or run a CPU build of plm.\n",
-                 worldRank(), local_rank_state, visible ? visible : "(unset)");
-    MPI_Abort(MPI_COMM_WORLD, 1);
+    failure::failRank(
+        "this is a CUDA build of plm and rank " + std::to_string(worldRank()) +
+        " (node-local rank " + std::to_string(local_rank_state) +
+        ") sees no GPU (CUDA_VISIBLE_DEVICES=" + (visible ? visible : "(unset)") +
+        "). Give every rank a GPU (the job scripts set CUDA_VISIBLE_DEVICES from the "
+        "node-local rank: start as many ranks per node as the node has GPUs), or run a CPU "
+        "build of plm.");
   }
 #endif
 #if KOKKOS_VERSION >= 30700
@@ -64,6 +68,7 @@ Runtime::Runtime(int& argc, char**& argv) {
 }
 
 Runtime::~Runtime() {
+  failure::stop();
   if (Kokkos::is_initialized()) Kokkos::finalize();
   int finalized = 0;
   MPI_Finalized(&finalized);

@@ -1,6 +1,8 @@
 #include "io/hdf5.hpp"
+#include "io/hdf5_group.hpp"
 
 #include <sys/stat.h>
+#include <unistd.h>
 #include <algorithm>
 #include <cstring>
 
@@ -79,7 +81,22 @@ Hid stringType(size_t length) {
 }
 }  // namespace
 
+void checkCreatable(const std::string& path) {
+  const std::size_t slash = path.find_last_of('/');
+  const std::string dir = slash == std::string::npos ? "."
+                          : slash == 0               ? "/"
+                                                     : path.substr(0, slash);
+  struct stat info;
+  if (stat(dir.c_str(), &info) != 0 || !S_ISDIR(info.st_mode))
+    throw Error("cannot create `" + path + "`: the directory `" + dir +
+                "` does not exist; create it or write somewhere else");
+  if (access(dir.c_str(), W_OK | X_OK) != 0)
+    throw Error("cannot create `" + path + "`: the directory `" + dir +
+                "` is not writable by this user; write somewhere else");
+}
+
 Hid createFile(const std::string& path, MPI_Comm comm) {
+  checkCreatable(path);
   Hid fapl = mpioAccess(comm);
   hid_t file = H5Fcreate(path.c_str(), H5F_ACC_TRUNC, H5P_DEFAULT, fapl);
   if (file < 0)
@@ -116,6 +133,22 @@ Hid openFileSerial(const std::string& path) {
   if (file < 0)
     throw Error("`" + path + "` is not a readable HDF5 file: " + detail::hdf5ErrorStack());
   return Hid(file);
+}
+
+std::vector<std::string> groupMembers(hid_t group) {
+  H5G_info_t info;
+  PLM_CHECK_H5(H5Gget_info(group, &info));
+  std::vector<std::string> names;
+  for (hsize_t i = 0; i < info.nlinks; ++i) {
+    ssize_t length = PLM_CHECK_H5(
+        H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT));
+    std::string name(std::size_t(length) + 1, '\0');
+    PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(),
+                                    name.size(), H5P_DEFAULT));
+    name.resize(std::size_t(length));
+    names.push_back(name);
+  }
+  return names;
 }
 
 bool exists(hid_t location, const std::string& path) {

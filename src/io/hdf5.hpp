@@ -46,7 +46,9 @@ class Hid {
 template <class T>
 hid_t nativeType();  // H5T_NATIVE_* for float, double, int8..int64, uint8..uint64
 
-/// \brief Create (truncate) `path` for parallel access on `comm`.
+/// \brief Throws a one-line plm::Error when `path`'s directory is missing or not writable.
+void checkCreatable(const std::string& path);
+/// \brief Create (truncate) `path` for parallel access on `comm` (checkCreatable first).
 Hid createFile(const std::string& path, MPI_Comm comm);
 /// \brief Open `path` read-only (or read-write) for parallel access on `comm`; a clear plm::Error
 /// if it does not exist or is not HDF5.

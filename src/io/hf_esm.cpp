@@ -4,11 +4,14 @@
 #include "core/error.hpp"
 #include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
+#include "io/hdf5_group.hpp"
 #include "io/model_file.hpp"
 #include "io/safetensors.hpp"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -76,31 +79,29 @@ bool startsWith(const std::string& s, const std::string& prefix) {
 }
 
 using dist::commRank;
-// The safetensors files of a model directory and which file holds each tensor.
-struct WeightFiles {
-  std::vector<std::unique_ptr<safetensors::Reader>> readers;
-  std::map<std::string, std::pair<std::size_t, std::string>>
-      where;  // canonical name -> (reader, stored name)
-};
 
-WeightFiles openWeights(const fs::path& dir) {
-  WeightFiles w;
+// The ESM-2 architectures whose tensors are ESM-2's encoder (model.init_from loads it from any).
+bool isEsmArchitecture(const std::string& name) {
+  return name == "EsmForMaskedLM" || name == "EsmModel" || name == "EsmForSequenceClassification" ||
+         name == "EsmForTokenClassification";
+}
+
+}  // namespace
+
+Weights::Weights(const std::string& path) {
+  const fs::path p(path);
   auto addReader = [&](const fs::path& file) {
-    w.readers.push_back(std::make_unique<safetensors::Reader>(file.string()));
-    const std::size_t index = w.readers.size() - 1;
-    for (const auto& t : w.readers.back()->tensors()) {
+    readers_member.push_back(std::make_unique<safetensors::Reader>(file.string()));
+    const std::size_t index = readers_member.size() - 1;
+    for (const auto& t : readers_member.back()->tensors()) {
       const std::string name = canonicalName(t.name);
-      if (w.where.count(name))
+      if (where_member.count(name))
         throw Error("`" + file.string() + "`: tensor \"" + t.name +
                     "\" appears twice in the model directory");
-      w.where[name] = {index, t.name};
+      where_member[name] = {index, t.name};
     }
   };
-  const fs::path single = dir / "model.safetensors";
-  const fs::path index = dir / "model.safetensors.index.json";
-  if (fs::exists(single)) {
-    addReader(single);
-  } else if (fs::exists(index)) {
+  auto addIndex = [&](const fs::path& index) {
     json::Value root = json::parse(readText(index.string()), index.string());
     if (!root.has("weight_map") || !root.at("weight_map").isObject())
       throw Error("`" + index.string() + "` has no \"weight_map\" object");
@@ -111,21 +112,105 @@ WeightFiles openWeights(const fs::path& dir) {
         throw Error("`" + index.string() + "`: weight_map values must be file names");
       files.insert(file.asString());
     }
-    for (const auto& file : files) addReader(dir / file);
-  } else if (fs::exists(dir / "pytorch_model.bin")) {
+    for (const auto& file : files) addReader(index.parent_path() / file);
+  };
+  if (!fs::is_directory(p)) {
+    if (!fs::exists(p)) throw Error("`" + path + "` does not exist");
+    if (endsWith(path, ".json"))
+      addIndex(p);
+    else
+      addReader(p);
+    return;
+  }
+  const fs::path single = p / "model.safetensors";
+  const fs::path index = p / "model.safetensors.index.json";
+  if (fs::exists(single)) {
+    addReader(single);
+  } else if (fs::exists(index)) {
+    addIndex(index);
+  } else if (fs::exists(p / "pytorch_model.bin")) {
     throw Error(
-        "`" + dir.string() +
+        "`" + path +
         "` has only pytorch_model.bin (a Python pickle), which plm does not read; re-save it as "
         "safetensors with transformers: "
         "EsmForMaskedLM.from_pretrained(DIR).save_pretrained(NEW_DIR)");
   } else {
-    throw Error("`" + dir.string() +
-                "` has neither model.safetensors nor model.safetensors.index.json");
+    throw Error("`" + path + "` has neither model.safetensors nor model.safetensors.index.json");
   }
-  return w;
 }
 
-}  // namespace
+std::vector<std::string> Weights::names() const {
+  std::vector<std::string> out;
+  for (const auto& [name, where] : where_member) out.push_back(name);
+  return out;
+}
+
+const safetensors::TensorEntry& Weights::entry(const std::string& name) const {
+  const auto& [reader, stored] = where_member.at(name);
+  return readers_member[reader]->tensor(stored);
+}
+
+std::string Weights::describe(const std::string& name) const {
+  const auto& [reader, stored] = where_member.at(name);
+  return "`" + readers_member[reader]->path() + "` tensor \"" + stored + "\"";
+}
+
+std::vector<float> Weights::read(const std::string& name) const {
+  const auto& [reader, stored] = where_member.at(name);
+  return readers_member[reader]->readFloat(stored);
+}
+
+std::vector<float> Weights::readRows(const std::string& name, std::int64_t first_row,
+                                     std::int64_t row_count) const {
+  const auto& [reader, stored] = where_member.at(name);
+  return readers_member[reader]->readFloatRows(stored, first_row, row_count);
+}
+
+std::int64_t parseByteSize(const std::string& text) {
+  std::size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  std::string unit = text.substr(used);
+  for (auto& ch : unit) ch = char(std::toupper(static_cast<unsigned char>(ch)));
+  static const std::map<std::string, double> units = {{"", 1},
+                                                      {"B", 1},
+                                                      {"KB", 1e3},
+                                                      {"MB", 1e6},
+                                                      {"GB", 1e9},
+                                                      {"TB", 1e12},
+                                                      {"KIB", 1024.0},
+                                                      {"MIB", 1048576.0},
+                                                      {"GIB", 1073741824.0},
+                                                      {"TIB", 1099511627776.0}};
+  auto it = units.find(unit);
+  if (used == 0 || it == units.end() || !(value > 0))
+    throw Error("`" + text + "` is not a size; write e.g. 5GB, 500MB, 2GiB or a byte count");
+  return static_cast<std::int64_t>(value * it->second);
+}
+
+std::map<std::string, std::string> tokenizerFiles(std::int64_t model_max_length) {
+  std::map<std::string, std::string> files;
+  std::string vocab;
+  for (const auto& token : esmVocabulary()) vocab += token + "\n";
+  files["vocab.txt"] = vocab;
+  json::Value special = json::Value::object();
+  special.set("cls_token", "<cls>");
+  special.set("eos_token", "<eos>");
+  special.set("mask_token", "<mask>");
+  special.set("pad_token", "<pad>");
+  special.set("unk_token", "<unk>");
+  files["special_tokens_map.json"] = json::write(special, 2) + "\n";
+  json::Value config = special;
+  config.set("clean_up_tokenization_spaces", true);
+  config.set("model_max_length", model_max_length);
+  config.set("tokenizer_class", "EsmTokenizer");
+  files["tokenizer_config.json"] = json::write(config, 2) + "\n";
+  return files;
+}
 
 std::vector<model::TensorInfo> esmTensors(const model::Esm2Config& c) {
   std::vector<model::TensorInfo> t;
@@ -171,7 +256,7 @@ std::vector<model::TensorInfo> esmTensors(const model::Esm2Config& c) {
 }
 
 model::Esm2Config configFromJson(const json::Value& j, const std::string& source,
-                                 std::vector<std::string>* warnings) {
+                                 std::vector<std::string>* warnings, bool any_esm_head) {
   if (!j.isObject()) throw Error(source + ": config.json is not a JSON object");
   auto unsupported = [&](const std::string& key, const std::string& found, const std::string& why) {
     return Error(source + ": " + key + " = " + found + " is not supported: " + why);
@@ -179,21 +264,31 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
   auto text = [](const json::Value& v) { return json::write(v); };
   auto isSet = [&](const char* key) { return j.has(key) && !j.at(key).isNull(); };
 
-  if (!j.has("model_type") || !j.at("model_type").isString() ||
-      j.at("model_type").asString() != "esm")
+  const bool moe = j.has("model_type") && j.at("model_type").isString() &&
+                   j.at("model_type").asString() == moe_model_type;
+  if (!moe && (!j.has("model_type") || !j.at("model_type").isString() ||
+               j.at("model_type").asString() != "esm"))
     throw Error(source + ": model_type is " +
                 (j.has("model_type") ? text(j.at("model_type")) : "missing") +
-                "; plm converts Hugging Face ESM models (model_type \"esm\", EsmForMaskedLM)");
-  if (isSet("architectures")) {
+                "; plm converts Hugging Face ESM models (model_type \"esm\", EsmForMaskedLM) and "
+                "its own MoE export (model_type \"" +
+                moe_model_type + "\")");
+  if (isSet("architectures") && !moe) {
     bool masked_lm = false;
     std::string listed;
     for (const auto& a : j.at("architectures").items()) {
       listed += (listed.empty() ? "" : ", ") + (a.isString() ? a.asString() : text(a));
-      if (a.isString() && a.asString() == "EsmForMaskedLM") masked_lm = true;
+      if (a.isString() &&
+          (a.asString() == "EsmForMaskedLM" || (any_esm_head && isEsmArchitecture(a.asString()))))
+        masked_lm = true;
     }
     if (!masked_lm)
       throw unsupported("architectures", "[" + listed + "]",
-                        "plm converts EsmForMaskedLM (ESM-2 with its language-model head) only");
+                        any_esm_head
+                            ? "model.init_from reads the ESM-2 encoder of EsmForMaskedLM, "
+                              "EsmModel, EsmForSequenceClassification or EsmForTokenClassification"
+                            : "plm converts EsmForMaskedLM (ESM-2 with its language-model head) "
+                              "only");
   }
   if (isSet("is_folding_model") && j.at("is_folding_model").asBool())
     throw unsupported("is_folding_model", "true", "ESMFold is not an ESM-2 masked language model");
@@ -269,13 +364,47 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
   if (!c.token_dropout && warnings)
     warnings->push_back(
         "token_dropout is false: plm will not rescale embeddings around <mask> tokens");
+  if (moe) {
+    if (!j.has("plm_moe") || !j.at("plm_moe").isObject())
+      throw Error(source + ": model_type \"" + moe_model_type + "\" needs a \"plm_moe\" object");
+    const json::Value& m = j.at("plm_moe");
+    auto field = [&](const char* key) -> const json::Value& {
+      if (!m.has(key)) throw Error(source + ": plm_moe." + key + " is missing");
+      return m.at(key);
+    };
+    auto& e = c.moe;
+    e.experts = static_cast<int>(field("experts").asInt());
+    e.top_k = static_cast<int>(field("top_k").asInt());
+    e.every = static_cast<int>(field("every").asInt());
+    e.expert_ffn = static_cast<int>(field("expert_ffn").asInt());
+    e.shared_experts = static_cast<int>(field("shared_experts").asInt());
+    e.router = model::parseRouter(field("router").asString());
+    e.normalize_topk = field("normalize_topk").asBool();
+    e.capacity_factor = field("capacity_factor").asDouble();
+    e.aux_loss = field("aux_loss").asDouble();
+    e.z_loss = field("z_loss").asDouble();
+    e.seq_aux_loss = field("seq_aux_loss").asDouble();
+    e.bias_balance = field("bias_balance").asBool();
+    e.bias_rate = field("bias_rate").asDouble();
+    // The model's own checks (MoeConfig::validate) run when the model is built from the file.
+    if (e.experts <= 0 || e.top_k <= 0 || e.top_k > e.experts || e.every <= 0 || e.expert_ffn <= 0)
+      throw Error(source +
+                  ": plm_moe needs experts > 0, 0 < top_k <= experts, every > 0 and "
+                  "expert_ffn > 0");
+  }
   return c;
 }
 
-json::Value configToJson(const model::Esm2Config& c) {
+model::Esm2Config readConfigFile(const std::string& config_json, std::vector<std::string>* warnings,
+                                 bool any_esm_head) {
+  return configFromJson(json::parse(readText(config_json), config_json), config_json, warnings,
+                        any_esm_head);
+}
+
+json::Value configToJson(const model::Esm2Config& c, const std::string& torch_dtype) {
   json::Value j = json::Value::object();
   json::Value architectures = json::Value::array();
-  architectures.push("EsmForMaskedLM");
+  architectures.push(c.moe.enabled() ? "PlmEsmMoeForMaskedLM" : "EsmForMaskedLM");
   j.set("architectures", std::move(architectures));
   j.set("attention_probs_dropout_prob", 0.0);
   j.set("classifier_dropout", nullptr);
@@ -290,21 +419,43 @@ json::Value configToJson(const model::Esm2Config& c) {
   j.set("layer_norm_eps", c.layer_norm_eps);
   j.set("mask_token_id", 32);
   j.set("max_position_embeddings", c.max_positions);
-  j.set("model_type", "esm");
+  j.set("model_type", c.moe.enabled() ? moe_model_type : "esm");
   j.set("num_attention_heads", c.heads);
   j.set("num_hidden_layers", c.num_layers);
   j.set("pad_token_id", 1);
   j.set("position_embedding_type", "rotary");
   j.set("tie_word_embeddings", true);
   j.set("token_dropout", c.token_dropout);
-  j.set("torch_dtype", "float32");
+  j.set("torch_dtype", torch_dtype);
   j.set("use_cache", true);
   j.set("vocab_list", nullptr);
   j.set("vocab_size", c.vocab);
+  if (c.moe.enabled()) {
+    const auto& e = c.moe;
+    json::Value m = json::Value::object();
+    m.set("experts", e.experts);
+    m.set("top_k", e.top_k);
+    m.set("every", e.every);
+    m.set("expert_ffn", e.expert_ffn);
+    m.set("shared_experts", e.shared_experts);
+    m.set("router", model::routerName(e.router));
+    m.set("normalize_topk", e.normalize_topk);
+    m.set("capacity_factor", e.capacity_factor);
+    m.set("aux_loss", e.aux_loss);
+    m.set("z_loss", e.z_loss);
+    m.set("seq_aux_loss", e.seq_aux_loss);
+    m.set("bias_balance", e.bias_balance);
+    m.set("bias_rate", e.bias_rate);
+    j.set("plm_moe", std::move(m));
+    j.set("plm_format",
+          "plm's Mixture-of-Experts export, not loadable by transformers: "
+          "doc/interop.md");
+  }
   return j;
 }
 
-ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm) {
+ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm,
+                             const TableOf& moe_table) {
   const fs::path dir(hf_dir);
   if (!fs::is_directory(dir))
     throw Error("`" + hf_dir +
@@ -316,27 +467,23 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
                 "` not found; --from-hf takes a transformers model directory "
                 "(config.json + model.safetensors)");
   ConvertSummary summary;
-  summary.config = configFromJson(json::parse(readText(config_path.string()), config_path.string()),
-                                  config_path.string(), &summary.warnings);
-  const auto tensors = esmTensors(summary.config);
-  WeightFiles weights = openWeights(dir);
-  auto describe = [&](const std::string& name) {
-    const auto& [reader, stored] = weights.where.at(name);
-    return "`" + weights.readers[reader]->path() + "` tensor \"" + stored + "\"";
-  };
+  summary.config = readConfigFile(config_path.string(), &summary.warnings);
+  // An MoE model in plm's format is stored under plm's own table (doc/interop.md).
+  if (summary.config.moe.enabled() && !moe_table)
+    throw Error("plm::io::hf::convertFromHf: an MoE model needs the model's table (a bug)");
+  const auto tensors =
+      summary.config.moe.enabled() ? moe_table(summary.config) : esmTensors(summary.config);
+  const Weights weights(hf_dir);
+  auto describe = [&](const std::string& name) { return weights.describe(name); };
   auto entry = [&](const std::string& name) -> const safetensors::TensorEntry& {
-    const auto& [reader, stored] = weights.where.at(name);
-    return weights.readers[reader]->tensor(stored);
+    return weights.entry(name);
   };
-  auto read = [&](const std::string& name) {
-    const auto& [reader, stored] = weights.where.at(name);
-    return weights.readers[reader]->readFloat(stored);
-  };
+  auto read = [&](const std::string& name) { return weights.read(name); };
 
   std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size));
   std::set<std::string> dtypes, used;
   for (const auto& t : tensors) {
-    if (!weights.where.count(t.name))
+    if (!weights.has(t.name))
       throw Error("`" + hf_dir + "` lacks the tensor \"" + t.name +
                   "\" that an EsmForMaskedLM with " + std::to_string(summary.config.num_layers) +
                   " layers has (incomplete or another architecture)");
@@ -365,7 +512,7 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
     extra_values.insert(extra_values.end(), data.begin(), data.end());
     extra_tensors.push_back(info);
   };
-  for (const auto& [name, location] : weights.where) {
+  for (const auto& name : weights.names()) {
     if (used.count(name)) continue;
     if (name == "lm_head.decoder.weight") {
       auto decoder = read(name);
@@ -393,7 +540,7 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
       summary.skipped.push_back(name + " (contact head, unused by plm; kept in /" + extra_group +
                                 " for --to-hf)");
     } else {
-      unknown.push_back(location.second);
+      unknown.push_back(name);
     }
   }
   if (!unknown.empty()) {
@@ -405,7 +552,8 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
                 "; plm converts plain ESM-2 masked language models only");
   }
 
-  summary.num_parameters = std::int64_t(values.size());
+  summary.num_parameters = 0;
+  for (const auto& t : tensors) summary.num_parameters += t.size;
   summary.source_dtypes.assign(dtypes.begin(), dtypes.end());
   ModelAttributes attributes;
   attributes.strings["source"] = fs::absolute(dir).string();
@@ -423,24 +571,35 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
   return summary;
 }
 
-ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir,
-                           MPI_Comm comm) {
+ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir, MPI_Comm comm,
+                           const ExportOptions& options, const TableOf& moe_table) {
+  if (options.dtype != "F32" && options.dtype != "BF16")
+    throw Error("--dtype " + options.dtype + ": the export is written as fp32 or bf16");
+  if (options.max_shard_bytes <= 0) throw Error("--max-shard-size must be positive");
   ConvertSummary summary;
   summary.config = readModelConfig(model_file);
-  if (summary.config.max_positions > 1026)
+  const bool moe = summary.config.moe.enabled();
+  // The tokenizer written beside the weights takes the model's whole context.
+  const std::int64_t max_tokens = summary.config.max_positions - 2;
+  if (summary.config.max_positions != 1026)
     summary.warnings.push_back(
         "max_position_embeddings = " + std::to_string(summary.config.max_positions) +
-        " (model.max_positions) is written as is: EsmForMaskedLM with rotary positions accepts "
-        "it, but ESM-2 tokenizers crop at model_max_length 1024 unless you raise it");
-  if (summary.config.moe.enabled())
-    throw collectiveError("plm convert --to-hf: `" + model_file +
-                          "` is a Mixture-of-Experts model; Hugging Face's EsmForMaskedLM has no "
-                          "MoE layers, so there is no HF export for MoE models (doc/model.md). "
-                          "`plm eval` and `plm embed` read the plm file directly");
-  const auto tensors = esmTensors(summary.config);
+        " (model.max_positions): tokenizer_config.json's model_max_length is " +
+        std::to_string(max_tokens) + " (ESM-2's tokenizers say 1024)");
+  if (moe)
+    summary.warnings.push_back(
+        "a Mixture-of-Experts model is written in plm's format (model_type \"" +
+        std::string(moe_model_type) +
+        "\", plm's tensor names; doc/interop.md): transformers has no ESM MoE class and does not "
+        "load it; `plm convert --from-hf` reads it back");
+  // Dense models: the Hugging Face table; MoE: plm's own (experts by name).
+  if (moe && !moe_table)
+    throw Error("plm::io::hf::convertToHf: an MoE model needs the model's table (a bug)");
+  const auto tensors = moe ? moe_table(summary.config) : esmTensors(summary.config);
   std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size));
   readModelValues(model_file, comm, summary.config, tensors, values.data());
-  summary.num_parameters = std::int64_t(values.size());
+  summary.num_parameters = 0;
+  for (const auto& t : tensors) summary.num_parameters += t.size;
 
   // Tensors kept from a Hugging Face source (the contact head), read whole by every rank.
   std::vector<std::pair<safetensors::TensorOut, std::vector<float>>> extras;
@@ -448,15 +607,7 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
     h5::Hid file = h5::openFile(model_file, comm);
     if (h5::exists(file, extra_group)) {
       h5::Hid group(PLM_CHECK_H5(H5Gopen2(file, extra_group, H5P_DEFAULT)));
-      H5G_info_t info;
-      PLM_CHECK_H5(H5Gget_info(group, &info));
-      for (hsize_t i = 0; i < info.nlinks; ++i) {
-        ssize_t length = PLM_CHECK_H5(
-            H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT));
-        std::string name(std::size_t(length) + 1, '\0');
-        PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(),
-                                        name.size(), H5P_DEFAULT));
-        name.resize(std::size_t(length));
+      for (const auto& name : h5::groupMembers(group)) {
         h5::Hid dataset = h5::openDataset(group, name);
         safetensors::TensorOut t;
         t.name = name;
@@ -476,16 +627,20 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
   if (error || !fs::is_directory(out_dir))
     throw Error("cannot create the output directory `" + out_dir + "`: " + error.message());
   const fs::path dir(out_dir);
-  {
-    const std::string path = (dir / "config.json").string();
+  auto writeText = [&](const std::string& name, const std::string& text) {
+    const std::string path = (dir / name).string();
     std::ofstream os(path, std::ios::binary | std::ios::trunc);
-    os << json::write(configToJson(summary.config), 2) << "\n";
+    os << text;
     if (!os.good()) throw Error("writing `" + path + "` failed: " + std::strerror(errno));
-  }
+  };
+  const std::string torch_dtype = options.dtype == "BF16" ? "bfloat16" : "float32";
+  writeText("config.json", json::write(configToJson(summary.config, torch_dtype), 2) + "\n");
+  for (const auto& [name, text] : tokenizerFiles(max_tokens)) writeText(name, text);
+
   std::vector<safetensors::TensorOut> out;
-  for (const auto& t : tensors) out.push_back({t.name, t.shape, values.data() + t.offset});
-  out.push_back(
-      {"lm_head.decoder.weight", tensors.front().shape, values.data() + tensors.front().offset});
+  for (const auto& t : tensors) out.push_back({t.name, t.shape, values.data() + t.offset, ""});
+  out.push_back({"lm_head.decoder.weight", tensors.front().shape,
+                 values.data() + tensors.front().offset, ""});
   // Rotary frequencies under the per-layer names of transformers 4 (transformers 5 maps them to
   // its shared buffer): the source's values if it had them, else 1/10000^(2i/d) in float32.
   const int half = summary.config.headDim() / 2;
@@ -501,12 +656,57 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
     t.data = data.data();
     out.push_back(t);
   }
-  for (int l = 0; l < summary.config.num_layers; ++l)
-    out.push_back(
-        {"esm.encoder.layer." + std::to_string(l) + ".attention.self.rotary_embeddings.inv_freq",
-         {half},
-         inv_freq.data()});
-  safetensors::write((dir / "model.safetensors").string(), out);
+  if (!moe)  // plm's format stores no buffers
+    for (int l = 0; l < summary.config.num_layers; ++l)
+      out.push_back(
+          {"esm.encoder.layer." + std::to_string(l) + ".attention.self.rotary_embeddings.inv_freq",
+           {half},
+           inv_freq.data(),
+           "F32"});
+
+  // One file up to the limit; above it, shards of whole tensors in order (save_pretrained's
+  // layout: model-00001-of-0000n.safetensors and an index mapping each tensor to its file).
+  // bf16: the rotary frequencies stay F32 (they are buffers transformers uses as stored).
+  const std::map<std::string, std::string> metadata = {{"format", "pt"}};
+  std::vector<std::vector<safetensors::TensorOut>> shards(1);
+  std::int64_t shard_bytes = 0, total_bytes = 0;
+  for (const auto& t : out) {
+    const std::int64_t bytes = safetensors::storedBytes({t}, options.dtype);
+    if (!shards.back().empty() && shard_bytes + bytes > options.max_shard_bytes) {
+      shards.emplace_back();
+      shard_bytes = 0;
+    }
+    shards.back().push_back(t);
+    shard_bytes += bytes;
+    total_bytes += bytes;
+  }
+  std::error_code ignored;
+  if (shards.size() == 1) {
+    fs::remove(dir / "model.safetensors.index.json", ignored);  // a stale index would win
+    safetensors::write((dir / "model.safetensors").string(), out, metadata, options.dtype);
+    return summary;
+  }
+  fs::remove(dir / "model.safetensors", ignored);  // transformers prefers it over the index
+  json::Value weight_map = json::Value::object();
+  const std::size_t n = shards.size();
+  auto shardName = [n](std::size_t i) {
+    char name[64];
+    std::snprintf(name, sizeof name, "model-%05zu-of-%05zu.safetensors", i + 1, n);
+    return std::string(name);
+  };
+  for (std::size_t i = 0; i < n; ++i) {
+    safetensors::write((dir / shardName(i)).string(), shards[i], metadata, options.dtype);
+    for (const auto& t : shards[i]) weight_map.set(t.name, shardName(i));
+  }
+  json::Value index = json::Value::object();
+  json::Value meta = json::Value::object();
+  meta.set("total_size", total_bytes);
+  index.set("metadata", std::move(meta));
+  index.set("weight_map", std::move(weight_map));
+  writeText("model.safetensors.index.json", json::write(index, 2) + "\n");
+  summary.warnings.push_back("weights split into " + std::to_string(n) +
+                             " files above --max-shard-size (" +
+                             std::to_string(options.max_shard_bytes) + " bytes)");
   return summary;
 }
 

@@ -3,6 +3,7 @@
 
 #include "core/error.hpp"
 #include "dist/process_groups.hpp"
+#include "io/hdf5_group.hpp"
 
 #include <set>
 
@@ -14,22 +15,6 @@ std::string shapeText(const std::vector<std::int64_t>& shape) {
   std::string s = "(";
   for (std::size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + ")";
-}
-
-std::vector<std::string> groupMembers(hid_t group) {
-  H5G_info_t info;
-  PLM_CHECK_H5(H5Gget_info(group, &info));
-  std::vector<std::string> names;
-  for (hsize_t i = 0; i < info.nlinks; ++i) {
-    ssize_t length = PLM_CHECK_H5(
-        H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, nullptr, 0, H5P_DEFAULT));
-    std::string name(std::size_t(length) + 1, '\0');
-    PLM_CHECK_H5(H5Lget_name_by_idx(group, ".", H5_INDEX_NAME, H5_ITER_INC, i, name.data(),
-                                    name.size(), H5P_DEFAULT));
-    name.resize(std::size_t(length));
-    names.push_back(name);
-  }
-  return names;
 }
 
 using dist::commRank;
@@ -165,7 +150,7 @@ void readTensorGroup(hid_t file, MPI_Comm /*comm*/, const std::string& group,
       throw Error("`" + path + "`: /" + group + "/" + t.name + " has shape " + shapeText(shape) +
                   ", the model expects " + shapeText(t.shape));
   }
-  for (const auto& name : groupMembers(g))
+  for (const auto& name : h5::groupMembers(g))
     if (!known.count(name))
       throw Error("`" + path + "`: /" + group + "/" + name +
                   " is not a parameter of this model (another architecture or configuration?)");

@@ -223,8 +223,27 @@ std::vector<unsigned char> Reader::readRaw(const std::string& name) const {
 
 std::vector<float> Reader::readFloat(const std::string& name) const {
   const TensorEntry& t = tensor(name);
-  std::vector<unsigned char> bytes = readRaw(name);
-  const std::size_t n = std::size_t(t.numel());
+  return readFloatRows(name, 0, t.shape.empty() ? 1 : t.shape[0]);
+}
+
+std::vector<float> Reader::readFloatRows(const std::string& name, std::int64_t first_row,
+                                         std::int64_t row_count) const {
+  const TensorEntry& t = tensor(name);
+  const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
+  if (first_row < 0 || row_count < 0 || first_row + row_count > rows)
+    throw Error("`" + path_member + "`: rows [" + std::to_string(first_row) + ", " +
+                std::to_string(first_row + row_count) + ") of tensor \"" + name +
+                "\" are outside its " + std::to_string(rows) + " rows");
+  const int element = dtypeSize(t.dtype);
+  if (t.dtype != "F32" && t.dtype != "BF16" && t.dtype != "F16" && t.dtype != "F64")
+    throw Error("`" + path_member + "`: tensor \"" + name + "\" has dtype " + t.dtype +
+                "; plm reads only floating tensors (F32, BF16, F16, F64) as parameters");
+  const std::int64_t row_size = rows ? t.numel() / rows : 0;
+  const std::size_t n = std::size_t(row_count * row_size);
+  std::vector<unsigned char> bytes(n * std::size_t(element));
+  File f = openForRead(path_member);
+  readAt(f.get(), path_member, data_start_member + t.begin + first_row * row_size * element,
+         bytes.data(), bytes.size());
   std::vector<float> out(n);
   if (t.dtype == "F32") {
     std::memcpy(out.data(), bytes.data(), n * sizeof(float));
@@ -235,22 +254,35 @@ std::vector<float> Reader::readFloat(const std::string& name) const {
       std::memcpy(&bits, bytes.data() + 2 * i, 2);
       out[i] = bf16 ? bf16ToFloat(bits) : f16ToFloat(bits);
     }
-  } else if (t.dtype == "F64") {
+  } else {
     for (std::size_t i = 0; i < n; ++i) {
       double d;
       std::memcpy(&d, bytes.data() + 8 * i, 8);
       out[i] = static_cast<float>(d);
     }
-  } else {
-    throw Error("`" + path_member + "`: tensor \"" + name + "\" has dtype " + t.dtype +
-                "; plm reads only floating tensors (F32, BF16, F16, F64) as parameters");
   }
   return out;
 }
 
+std::int64_t storedBytes(const std::vector<TensorOut>& tensors, const std::string& dtype) {
+  std::int64_t bytes = 0;
+  for (const auto& t : tensors) {
+    std::int64_t numel = 1;
+    for (auto d : t.shape) numel *= d;
+    bytes += numel * dtypeSize(t.dtype.empty() ? dtype : t.dtype);
+  }
+  return bytes;
+}
+
 void write(const std::string& path, const std::vector<TensorOut>& tensors,
-           const std::map<std::string, std::string>& metadata) {
+           const std::map<std::string, std::string>& metadata, const std::string& dtype) {
   if (!hostIsLittleEndian()) throw Error("safetensors files are little-endian; this host is not");
+  auto dtypeOf = [&](const TensorOut& t) {
+    const std::string& d = t.dtype.empty() ? dtype : t.dtype;
+    if (d != "F32" && d != "BF16")
+      throw Error("safetensors write `" + path + "`: dtype " + d + " is not written (F32, BF16)");
+    return d;
+  };
   json::Value header = json::Value::object();
   if (!metadata.empty()) {
     json::Value meta = json::Value::object();
@@ -269,14 +301,16 @@ void write(const std::string& path, const std::vector<TensorOut>& tensors,
       shape.push(d);
     }
     json::Value entry = json::Value::object();
-    entry.set("dtype", "F32");
+    const std::string d = dtypeOf(t);
+    const std::int64_t element = dtypeSize(d);
+    entry.set("dtype", d);
     entry.set("shape", std::move(shape));
     json::Value offsets = json::Value::array();
     offsets.push(offset);
-    offsets.push(offset + numel * std::int64_t(sizeof(float)));
+    offsets.push(offset + numel * element);
     entry.set("data_offsets", std::move(offsets));
     header.set(t.name, std::move(entry));
-    offset += numel * std::int64_t(sizeof(float));
+    offset += numel * element;
   }
   std::string text = json::write(header);
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -292,10 +326,17 @@ void write(const std::string& path, const std::vector<TensorOut>& tensors,
   for (int i = 0; i < 8; ++i) length_bytes[i] = static_cast<unsigned char>(length >> (8 * i));
   put(length_bytes, 8);
   put(text.data(), text.size());
+  std::vector<std::uint16_t> narrow;
   for (const auto& t : tensors) {
     std::int64_t numel = 1;
     for (auto d : t.shape) numel *= d;
-    put(t.data, std::size_t(numel) * sizeof(float));
+    if (dtypeOf(t) == "F32") {
+      put(t.data, std::size_t(numel) * sizeof(float));
+      continue;
+    }
+    narrow.resize(std::size_t(numel));
+    for (std::int64_t i = 0; i < numel; ++i) narrow[std::size_t(i)] = floatToBf16(t.data[i]);
+    put(narrow.data(), narrow.size() * sizeof(std::uint16_t));
   }
   if (std::fclose(f.release()) != 0)
     throw Error("closing `" + path + "` failed: " + std::strerror(errno));

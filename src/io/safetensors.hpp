@@ -8,7 +8,8 @@
 // exactly with no gaps or overlaps, fit in the file), so a truncated or corrupt file fails with
 // one message before any tensor is used.  Tensors are then read one at a time by seeking, so a
 // multi-GB file is never held in memory whole.  Floating tensors are widened to fp32 on read
-// (F32, F16, BF16, F64); plm writes F32 only, since its parameters and master weights are fp32.
+// (F32, F16, BF16, F64); plm writes F32 (its parameters and master weights are fp32) or,
+// for a smaller export, BF16 rounded to nearest even.
 #pragma once
 
 #include <cstdint>
@@ -51,6 +52,10 @@ class Reader {
 
   /// \brief Reads a floating tensor (F32, F16, BF16, F64), widened (or for F64 rounded) to fp32.
   std::vector<float> readFloat(const std::string& name) const;
+  /// \brief readFloat of rows [first_row, first_row + row_count) of dimension 0 only (a rank's
+  /// part of a tensor); seeks to them, so nothing else of the tensor is read.
+  std::vector<float> readFloatRows(const std::string& name, std::int64_t first_row,
+                                   std::int64_t row_count) const;
   /// \brief The raw bytes of a tensor, as stored.
   std::vector<unsigned char> readRaw(const std::string& name) const;
 
@@ -67,12 +72,17 @@ struct TensorOut {
   std::string name;
   std::vector<std::int64_t> shape;
   const float* data = nullptr;
+  std::string dtype;  // "F32" or "BF16"; empty = the file's dtype (write's `dtype`)
 };
 
-/// \brief Writes an F32 safetensors file (tensors in the given order, header padded with
-/// spaces to a multiple of 8 bytes so the data is aligned). Throws plm::Error on I/O failure
-/// or a duplicate name.
+/// \brief Writes a safetensors file of `dtype` "F32" or "BF16" (fp32 data rounded to nearest
+/// even; a tensor's own dtype, if set, wins; tensors in the given order, header padded with spaces
+/// to a multiple of 8 bytes so the data is aligned). Throws plm::Error on I/O failure or a
+/// duplicate name.
 void write(const std::string& path, const std::vector<TensorOut>& tensors,
-           const std::map<std::string, std::string>& metadata = {{"format", "pt"}});
+           const std::map<std::string, std::string>& metadata = {{"format", "pt"}},
+           const std::string& dtype = "F32");
+/// \brief The data bytes `tensors` take in `dtype` (for splitting a model into shards).
+std::int64_t storedBytes(const std::vector<TensorOut>& tensors, const std::string& dtype);
 
 }  // namespace plm::io::safetensors

@@ -2,6 +2,7 @@
 #include "model/moe.hpp"
 
 #include "core/error.hpp"
+#include "dist/runtime.hpp"
 #include "dist/stream.hpp"
 #include "model/gemm.hpp"
 #include "model/moe_experts.hpp"
@@ -13,7 +14,10 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <limits>
 #include <numeric>
 #include <type_traits>
 
@@ -234,6 +238,25 @@ gpu::bf16* bf16Data(const Mat& m) {
 }
 #endif
 
+/// Bytes free in the memory space the model's buffers live in (the GPU's, or the host's
+/// MemAvailable); 0 when unknown.
+std::int64_t freeBytes() {
+#if defined(KOKKOS_ENABLE_CUDA)
+  std::size_t free_bytes = 0, total_bytes = 0;
+  if (cudaMemGetInfo(&free_bytes, &total_bytes) == cudaSuccess)
+    return static_cast<std::int64_t>(free_bytes);
+  return 0;
+#else
+  std::ifstream in("/proc/meminfo");
+  std::string key;
+  std::int64_t kib = 0;
+  std::string unit;
+  while (in >> key >> kib >> unit)
+    if (key == "MemAvailable:") return kib * 1024;
+  return 0;
+#endif
+}
+
 /// Storage of T for n elements of `dtype`.
 template <class T>
 View1<T> growAs(View1<T>& storage, std::int64_t n, DType dtype, const char* label) {
@@ -445,26 +468,104 @@ template <class T> struct MoeMlp<T>::State {
                           "': expected 1 or 0 (true or false); unset it for the default (0)");
   }
 
-  /// Counts first: every rank learns how many rows of each of its experts each rank sends;
-  /// then the maps between the received (source-major) and the expert-major row order.
+  /// Bytes of the expert-side buffers per received row: recv, xexp, yexp, dyexp, dxexp (H each)
+  /// and pre, act, dpre (F_e each), in the compute precision.
+  std::int64_t expertRowBytes() const {
+    return static_cast<std::int64_t>(sizeOf(cdt)) * (5 * std::int64_t(hidden) + 3 * c.expert_ffn);
+  }
+
+  /// What this rank's expert-side buffers of this layer may take: moe.dispatch_budget_gib, or
+  /// what they hold now plus 90% of the memory free in their space.
+  std::int64_t dispatchLimit() const {
+    if (c.dispatch_budget_bytes > 0) return static_cast<std::int64_t>(c.dispatch_budget_bytes);
+    std::int64_t held = 0;
+    for (const View1<T>* v :
+         {&recv_s, &xexp_s, &yexp_s, &pre_s, &act_s, &dpre_s, &dyexp_s, &dxexp_s})
+      held += static_cast<std::int64_t>(v->extent(0) * sizeof(T));
+    const std::int64_t free_bytes = freeBytes();
+    if (free_bytes <= 0) return std::numeric_limits<std::int64_t>::max();  // unknown: no check
+    return held + static_cast<std::int64_t>(0.9 * static_cast<double>(free_bytes));
+  }
+
+  /// Every rank's kept counts per expert and limit are known to all (State::plan), so every rank
+  /// of the group reaches the same verdict: a rank whose received rows do not fit its limit ends
+  /// the job on all of them at once, with one line, instead of running out of memory alone.
+  void checkDispatchBudget(const std::vector<std::int64_t>& all, std::int64_t width) const {
+    const int n = ep.comm->size();
+    const std::int64_t row_bytes = expertRowBytes();
+    int worst = -1;
+    double worst_ratio = 1.0;
+    std::int64_t total = 0;
+    std::vector<std::int64_t> received(n, 0);
+    for (int r = 0; r < n; ++r) {
+      for (int q = 0; q < n; ++q)
+        for (int i = 0; i < local_experts; ++i)
+          received[r] += all[static_cast<std::size_t>(q * width + r * local_experts + i)];
+      total += received[r];
+      const double limit = static_cast<double>(all[static_cast<std::size_t>(limitAt(r, width))]);
+      const double ratio = static_cast<double>(received[r] * row_bytes) / std::max(limit, 1.0);
+      if (ratio > worst_ratio) {
+        worst = r;
+        worst_ratio = ratio;
+      }
+    }
+    if (worst < 0) return;
+    const double gib = 1024.0 * 1024.0 * 1024.0;
+    const double balanced = static_cast<double>(total) / n;
+    char number[64];
+    std::snprintf(number, sizeof number, "%.3g GiB",
+                  static_cast<double>(all[static_cast<std::size_t>(limitAt(worst, width))]) / gib);
+    const std::string limit = c.dispatch_budget_bytes > 0
+                                  ? "moe.dispatch_budget_gib = " + std::string(number)
+                                  : "the " + std::string(number) +
+                                        " it may take (90% of its free memory with what the "
+                                        "layer holds; moe.dispatch_budget_gib: 0)";
+    char text[1024];
+    std::snprintf(
+        text, sizeof text,
+        "moe: layer %d: expert rank %d of %d would receive %lld token rows for its %d expert(s), "
+        "%.1fx the balanced %.0f; its dispatch buffers would need %.3g GiB against %s. "
+        "Bound or spread the load: moe.dropless: false with moe.capacity_factor (e.g. 1.25), a "
+        "larger parallel.expert_degree, a smaller data.micro_batch_tokens, or a larger "
+        "moe.dispatch_budget_gib if the memory is there",
+        layer, worst, n, static_cast<long long>(received[worst]), local_experts,
+        balanced > 0 ? static_cast<double>(received[worst]) / balanced : 0.0, balanced,
+        static_cast<double>(received[worst] * row_bytes) / gib, limit.c_str());
+    if (n == dist::worldSize()) throw collectiveError(text);
+    // A group smaller than the job: its first rank speaks, the others leave quietly.
+    throw Error(text).quiet(ep.comm->rank() != 0);
+  }
+  static std::int64_t limitAt(int r, std::int64_t width) { return r * width + width - 1; }
+
+  /// Counts first: every rank learns every rank's rows per expert (an all-gather of the kept
+  /// counts and each rank's dispatch limit), so each knows what it receives and the budget check
+  /// is the same on all; then the maps between the received (source-major) and the expert-major
+  /// row order.
   void plan() {
     const int n = ep.comm->size();
-    std::vector<std::int64_t> counts(routing.kept.begin(), routing.kept.end());
-    std::vector<std::int64_t> got(static_cast<std::size_t>(n) * local_experts);
-    std::vector<std::int64_t> cc(n, local_experts), co(n);
-    for (int q = 0; q < n; ++q) co[q] = static_cast<std::int64_t>(q) * local_experts;
+    const std::int64_t width = c.experts + 1;  // kept counts per expert, then the dispatch limit
+    std::vector<std::int64_t> mine(routing.kept.begin(), routing.kept.end());
+    mine.push_back(dispatchLimit());
+    std::vector<std::int64_t> all(static_cast<std::size_t>(n * width));
     if (ep.comm->deviceMemory()) {  // NCCL moves device buffers only
-      View1<std::int64_t> d_send("plm::model::moe::counts", counts.size());
-      View1<std::int64_t> d_recv("plm::model::moe::counts", got.size());
+      View1<std::int64_t> d_send("plm::model::moe::counts", mine.size());
+      View1<std::int64_t> d_recv("plm::model::moe::counts", all.size());
       Kokkos::deep_copy(d_send,
-                        Kokkos::View<const std::int64_t*, HostSpace>(counts.data(), counts.size()));
+                        Kokkos::View<const std::int64_t*, HostSpace>(mine.data(), mine.size()));
       const auto stream = dist::streamOf(ExecSpace());
-      ep.comm->allToAllV(d_send.data(), cc, co, d_recv.data(), cc, co, stream).wait(stream);
+      ep.comm->allGather(d_send.data(), d_recv.data(), width, stream).wait(stream);
       Kokkos::fence();
-      Kokkos::deep_copy(Kokkos::View<std::int64_t*, HostSpace>(got.data(), got.size()), d_recv);
+      Kokkos::deep_copy(Kokkos::View<std::int64_t*, HostSpace>(all.data(), all.size()), d_recv);
     } else {
-      ep.comm->allToAllV(counts.data(), cc, co, got.data(), cc, co, dist::Stream{}).wait({});
+      ep.comm->allGather(mine.data(), all.data(), width, dist::Stream{}).wait({});
     }
+    checkDispatchBudget(all, width);
+    const std::vector<std::int64_t> counts(routing.kept.begin(), routing.kept.end());
+    std::vector<std::int64_t> got(static_cast<std::size_t>(n) * local_experts);
+    for (int q = 0; q < n; ++q)
+      for (int i = 0; i < local_experts; ++i)
+        got[static_cast<std::size_t>(q) * local_experts + i] =
+            all[static_cast<std::size_t>(q * width + ep.comm->rank() * local_experts + i)];
     const int me = ep.comm->rank();
     const bool split = overlapWanted() && !fp8Experts();
     send_rows.assign(n, 0);

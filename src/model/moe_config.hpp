@@ -32,6 +32,9 @@ struct MoeConfig {
   bool bias_balance = false;   // aux-loss-free expert bias (DeepSeek-V3)
   ExpertGemmMode expert_gemm = ExpertGemmMode::Auto;
   double bias_rate = 1e-3;
+  // Most bytes one rank's expert-side buffers of one MoE layer may take under expert
+  // parallelism (moe.dispatch_budget_gib); 0 = what the device has free when the layer runs.
+  double dispatch_budget_bytes = 0;
 
   bool enabled() const { return experts > 0; }
   bool isMoeLayer(int layer) const { return enabled() && (layer + 1) % every == 0; }

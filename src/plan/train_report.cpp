@@ -1,6 +1,7 @@
 #include "plan/train_report.hpp"
 
 #include "core/error.hpp"
+#include "core/failure.hpp"
 #include "core/log.hpp"
 #include "dist/allreduce.hpp"
 #include "dist/runtime.hpp"
@@ -102,6 +103,9 @@ void logMemoryPlan(const train::Trainer& trainer) {
     if (trainer.rank() == 0) log::warn("plan: no memory plan: %s", e.what());
     return;
   }
+  // An out-of-memory message quotes it (core/failure.hpp).
+  failure::setPlanNote("planned for this run: " + bytesText(p.memory_allocated) +
+                       " of buffers per rank");
   if (trainer.rank() != 0) return;
   std::string items;
   for (const auto& item : p.memory)

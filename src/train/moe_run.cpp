@@ -45,6 +45,7 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.bias_balance = m.get<bool>("bias_balance");
   c.bias_rate = m.get<double>("bias_rate");
   c.expert_gemm = model::parseExpertGemm(m.get<std::string>("expert_gemm"));
+  c.dispatch_budget_bytes = m.get<double>("dispatch_budget_gib") * 1024.0 * 1024.0 * 1024.0;
 }
 
 model::ExpertPlacement expertPlacement(const Teuchos::ParameterList& deck,

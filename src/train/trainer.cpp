@@ -167,6 +167,16 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
         inject_stall_rank_member;
     if (colon2 == 0) inject_stall_rank_member = -1;
   }
+  if (const char* spec = std::getenv("PLM_TEST_FAIL"); spec && *spec) {
+    char colon = 0, colon2 = 0;
+    std::string kind;
+    std::istringstream in(spec);
+    in >> inject_fail_step_member >> colon >> inject_fail_rank_member >> colon2 >> kind;
+    if (colon != ':' || colon2 != ':' || (kind != "error" && kind != "oom"))
+      throw collectiveError(std::string("PLM_TEST_FAIL = '") + spec +
+                            "': expected <step>:<rank>:error or <step>:<rank>:oom");
+    inject_fail_oom_member = kind == "oom";
+  }
   run_dir_member = t.get<std::string>("run_dir");
   if (const char* p = std::getenv("PLM_PROFILE"); p && std::string(p) == "1") {
     profile_member = true;  // CUDA events around every launch of the training passes
@@ -439,12 +449,15 @@ Trainer::RunEnd Trainer::run() {
     if (saved) {
       watchdog.arm(step, "checkpoint save after step", true);
       phase::set("checkpoint save");
+      SaveScope saving;  // a repeated stop signal does not cut the save short
       fullStateForSave(space, [&] { hooks_member.on_save(*this, last); });
       watchdog.disarm(0);
     }
     phase::set("stop-signal agreement all-reduce (MPI)");
     const int signal = last ? 0 : agreedStopSignal(comm_member);
     if (signal != 0) {
+      SaveScope saving;  // from here a further signal may count, but not during the save
+      stopActedOn();
       log::info("train: %s: stopping after step %lld of %lld", signalName(signal),
                 static_cast<long long>(step), static_cast<long long>(total_steps_member));
       io::json::Value f = io::json::Value::object();
@@ -453,6 +466,7 @@ Trainer::RunEnd Trainer::run() {
       watchdog.arm(step, "checkpoint save after a stop signal, step", true);
       phase::set("checkpoint save (stop signal)");
       if (hooks_member.on_stop) fullStateForSave(space, [&] { hooks_member.on_stop(*this); });
+      stopSaved();
       watchdog.disarm(0);
       log::info(
           "train: stopped after step %lld; exit status %d asks the job script to requeue "
@@ -573,6 +587,16 @@ void Trainer::injectFaults(std::int64_t step, bool after_gradients) {
       (inject_stall_rank_member < 0 || inject_stall_rank_member == rank_member)) {
     phase::Scope in_phase("an injected stall (PLM_TEST_STALL)");
     std::this_thread::sleep_for(std::chrono::duration<double>(inject_stall_seconds_member));
+  }
+  if (after_gradients && step == inject_fail_step_member &&
+      inject_fail_rank_member == rank_member) {
+    // One rank fails inside the step while the others go on into its collectives.
+    if (inject_fail_oom_member)  // a real allocation failure of 1 PiB, with Kokkos' own message
+      View1<char> huge(Kokkos::view_alloc(Kokkos::WithoutInitializing,
+                                          std::string("plm::test::injected_allocation")),
+                       std::size_t(1) << 50);
+    throw Error("PLM_TEST_FAIL: an injected failure on rank " + std::to_string(rank_member) +
+                " in step " + std::to_string(step));
   }
   if (after_gradients && inject_nonfinite_member.count(step)) {
     // As a NaN produced on any rank looks after the gradient all-reduce: on every rank.

@@ -182,6 +182,9 @@ class Trainer {
   std::int64_t inject_stall_step_member = -1;      // PLM_TEST_STALL=<step>:<seconds>[:<rank>]
   double inject_stall_seconds_member = 0;
   int inject_stall_rank_member = -1;
+  std::int64_t inject_fail_step_member = -1;  // PLM_TEST_FAIL=<step>:<rank>:<error|oom>
+  int inject_fail_rank_member = 0;
+  bool inject_fail_oom_member = false;
   std::string run_dir_member;
   PeakFlops peak_member;
   TrainState state_member;

@@ -4,6 +4,7 @@
 //  - a run checkpointed at one expert degree resumes at another and continues as the
 //    uninterrupted run does (experts are stored by name, every degree reads the same file);
 //  - a rank holds only its experts (table, buffers, initial values by name, the file layout);
+//  - a dispatch over moe.dispatch_budget_gib stops every rank with the same collective error;
 //  - a rank without tokens and an expert that receives none still work: gradients summed over
 //    the ranks equal a single-rank computation over the same micro-batches;
 //  - self rows first (PLM_MOE_OVERLAP=1, off by default: a rank's own rows of its own experts skip
@@ -136,6 +137,42 @@ TEST(ExpertParallel, DegreesGiveTheSameLosses) {
   const double loss = loaded.forward(batch) / static_cast<double>(batch.num_masked);
   EXPECT_TRUE(std::isfinite(loss));
   EXPECT_LT(loss, 3.4) << "the trained weights were not loaded";
+  plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
+}
+
+// A dispatch beyond moe.dispatch_budget_gib: every rank of the group knows every rank's counts,
+// so all of them raise the same collective error at the first MoE layer, before any row moves,
+// naming the layer, the rank and the key to change (ops_failure runs it through plm itself).
+TEST(ExpertParallel, DispatchOverBudgetFailsOnEveryRankWithOneMessage) {
+  const int world = plm::dist::worldSize();
+  if (world < 2) GTEST_SKIP() << "needs an expert group of 2 or more ranks";
+  if (noExpertParallelBackend())
+    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
+  const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "moe_budget");
+  plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
+  auto settings = moeSettings(world, 3);
+  settings.push_back("moe.dropless=true");
+  settings.push_back("moe.dispatch_budget_gib=0.000001");  // about 1 KiB: a few rows
+  std::string message;
+  bool collective = false;
+  try {
+    train(tinyDeck(dir, "budget", settings), MPI_COMM_WORLD);
+  } catch (const plm::Error& e) {
+    message = e.what();
+    collective = e.collective();
+  }
+  EXPECT_TRUE(collective) << message;
+  for (const char* part : {"moe: layer 0: expert rank ", "token rows",
+                           "moe.dispatch_budget_gib = ", "moe.capacity_factor"})
+    EXPECT_NE(message.find(part), std::string::npos) << message;
+  // The same verdict and words on every rank.
+  std::vector<int> lengths(world);
+  int mine = static_cast<int>(message.size());
+  MPI_Allgather(&mine, 1, MPI_INT, lengths.data(), 1, MPI_INT, MPI_COMM_WORLD);
+  for (int l : lengths) EXPECT_EQ(l, mine);
+  // A budget that holds the load trains as before.
+  settings.back() = "moe.dispatch_budget_gib=1";
+  EXPECT_EQ(train(tinyDeck(dir, "roomy", settings), MPI_COMM_WORLD).size(), 3u);
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 

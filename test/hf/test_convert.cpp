@@ -12,11 +12,13 @@
 #include <mpi.h>
 
 #include <unistd.h>
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <functional>
 #include <random>
+#include <set>
 
 namespace fs = std::filesystem;
 namespace io = plm::io;
@@ -446,5 +448,151 @@ TEST(Convert, BadInputsSayWhatIsWrong) {
                                MPI_COMM_WORLD);
          }),
          "is not a plm model file");
+  fs::remove_all(scratch("").parent_path());
+}
+
+namespace {
+std::string readFile(const fs::path& path) {
+  std::ifstream in(path);
+  return std::string(std::istreambuf_iterator<char>(in), {});
+}
+}  // namespace
+
+// `--to-hf` for the Hub: the tokenizer files EsmTokenizer reads, bf16, shards with an index,
+// every form read back by `--from-hf` (F32 bit-exact, bf16 as its rounding).
+TEST(Convert, HubReadyExport) {
+  auto f = plm::test::readFixture(plm::test::fixturePath("small"));
+  const fs::path dir = scratch("hub_src");
+  writeHfDir(dir, f.config, fixtureTensors(f, "F32"));
+  const std::string source = scratch("hub_src.h5").string();
+  io::hf::convertFromHf(dir.string(), source, MPI_COMM_WORLD);
+  const auto values = readModel(source, f.config);
+
+  // One F32 file, the tokenizer beside it.
+  const fs::path plain = scratch("hub_plain");
+  io::hf::convertToHf(source, plain.string(), MPI_COMM_WORLD);
+  std::string vocab = readFile(plain / "vocab.txt");
+  EXPECT_EQ(vocab.substr(0, 27), "<cls>\n<pad>\n<eos>\n<unk>\nL\nA");
+  EXPECT_EQ(std::count(vocab.begin(), vocab.end(), '\n'), 33);
+  EXPECT_EQ(vocab.substr(vocab.size() - 16), "<null_1>\n<mask>\n");
+  auto tokenizer = json::parse(readFile(plain / "tokenizer_config.json"));
+  EXPECT_EQ(tokenizer.at("tokenizer_class").asString(), "EsmTokenizer");
+  EXPECT_EQ(tokenizer.at("model_max_length").asInt(), f.config.max_positions - 2);
+  auto special = json::parse(readFile(plain / "special_tokens_map.json"));
+  EXPECT_EQ(special.at("mask_token").asString(), "<mask>");
+  EXPECT_EQ(special.at("cls_token").asString(), "<cls>");
+  EXPECT_FALSE(fs::exists(plain / "model.safetensors.index.json"));
+
+  // Shards: a limit below the model's size splits it; the index names every tensor's file.
+  const fs::path sharded = scratch("hub_sharded");
+  io::hf::ExportOptions small;
+  small.max_shard_bytes = io::hf::parseByteSize("8KB");
+  io::hf::convertToHf(source, sharded.string(), MPI_COMM_WORLD, small);
+  EXPECT_FALSE(fs::exists(sharded / "model.safetensors"));
+  auto index = json::parse(readFile(sharded / "model.safetensors.index.json"));
+  std::set<std::string> files;
+  std::int64_t bytes = 0;
+  for (const auto& [name, file] : index.at("weight_map").members()) {
+    files.insert(file.asString());
+    EXPECT_TRUE(st::Reader((sharded / file.asString()).string()).has(name)) << name;
+  }
+  for (const auto& file : files) {
+    const st::Reader shard((sharded / file).string());
+    std::int64_t data = 0;
+    for (const auto& t : shard.tensors()) data += t.end - t.begin;
+    if (shard.tensors().size() > 1) EXPECT_LE(data, 8000) << file;  // one tensor may be larger
+    bytes += data;
+  }
+  EXPECT_GT(files.size(), 2u);
+  EXPECT_EQ(*files.begin(), "model-00001-of-" +
+                                std::string(5 - std::to_string(files.size()).size(), '0') +
+                                std::to_string(files.size()) + ".safetensors");
+  EXPECT_EQ(index.at("metadata").at("total_size").asInt(), bytes);
+  const std::string back = scratch("hub_sharded.h5").string();
+  io::hf::convertFromHf(sharded.string(), back, MPI_COMM_WORLD);
+  EXPECT_EQ(readModel(back, f.config), values);  // exact
+
+  // bf16: half the size, every value the bf16 rounding of the fp32 one, read back exactly so.
+  const fs::path bf16 = scratch("hub_bf16");
+  io::hf::ExportOptions half;
+  half.dtype = "BF16";
+  io::hf::convertToHf(source, bf16.string(), MPI_COMM_WORLD, half);
+  EXPECT_EQ(json::parse(readFile(bf16 / "config.json")).at("torch_dtype").asString(), "bfloat16");
+  st::Reader reader((bf16 / "model.safetensors").string());
+  EXPECT_EQ(reader.tensor("esm.embeddings.word_embeddings.weight").dtype, "BF16");
+  EXPECT_EQ(reader.tensor("esm.encoder.layer.0.attention.self.rotary_embeddings.inv_freq").dtype,
+            "F32");
+  const std::string from_bf16 = scratch("hub_bf16.h5").string();
+  io::hf::convertFromHf(bf16.string(), from_bf16, MPI_COMM_WORLD);
+  const auto rounded = readModel(from_bf16, f.config);
+  ASSERT_EQ(rounded.size(), values.size());
+  bool changed = false;
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    ASSERT_EQ(rounded[i], st::bf16ToFloat(st::floatToBf16(values[i]))) << i;
+    changed = changed || rounded[i] != values[i];
+  }
+  EXPECT_TRUE(changed);
+
+  EXPECT_EQ(io::hf::parseByteSize("5GB"), 5'000'000'000);
+  EXPECT_EQ(io::hf::parseByteSize("2GiB"), 2147483648);
+  EXPECT_EQ(io::hf::parseByteSize("1000"), 1000);
+  EXPECT_THROW(io::hf::parseByteSize("lots"), plm::Error);
+  EXPECT_THROW(io::hf::parseByteSize("5XB"), plm::Error);
+  fs::remove_all(scratch("").parent_path());
+}
+
+// An MoE model goes out in plm's documented format (not EsmForMaskedLM) and comes back exactly.
+TEST(Convert, MoeExportRoundTrip) {
+  Esm2Config config;
+  config.num_layers = 2;
+  config.hidden = 16;
+  config.heads = 2;
+  config.ffn = 32;
+  config.moe.experts = 4;
+  config.moe.top_k = 2;
+  config.moe.every = 2;  // layer 0 dense, layer 1 MoE
+  config.moe.expert_ffn = 8;
+  config.moe.shared_experts = 1;
+  config.moe.capacity_factor = 1.25;
+  config.moe.bias_balance = true;
+  const auto tensors = plm::model::tensorTable(config);
+  std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size), 0.0f);
+  std::mt19937 gen(3);
+  std::normal_distribution<float> normal;
+  for (const auto& t : tensors)
+    for (std::int64_t i = 0; i < t.size; ++i) values[std::size_t(t.offset + i)] = normal(gen);
+  const std::string source = scratch("moe.h5").string();
+  io::writeModelFile(source, MPI_COMM_WORLD, config, tensors, values.data());
+
+  const fs::path out = scratch("moe_hf");
+  const io::hf::TableOf table = [](const Esm2Config& c) { return plm::model::tensorTable(c); };
+  EXPECT_THROW(io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD), plm::Error);
+  auto summary = io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD, {}, table);
+  bool warned = false;
+  for (const auto& w : summary.warnings)
+    warned = warned || w.find("transformers has no ESM MoE class") != std::string::npos;
+  EXPECT_TRUE(warned);
+  auto j = json::parse(readFile(out / "config.json"));
+  EXPECT_EQ(j.at("model_type").asString(), io::hf::moe_model_type);
+  EXPECT_EQ(j.at("plm_moe").at("experts").asInt(), 4);
+  EXPECT_EQ(j.at("plm_moe").at("router").asString(), "softmax");
+  EXPECT_TRUE(st::Reader((out / "model.safetensors").string())
+                  .has("esm.encoder.layer.1.moe.experts.3.output.dense.weight"));
+  EXPECT_TRUE(fs::exists(out / "vocab.txt"));
+
+  const std::string back = scratch("moe_back.h5").string();
+  summary = io::hf::convertFromHf(out.string(), back, MPI_COMM_WORLD, table);
+  const Esm2Config read = io::readModelConfig(back);
+  EXPECT_EQ(read.moe.experts, 4);
+  EXPECT_EQ(read.moe.every, 2);
+  EXPECT_EQ(read.moe.expert_ffn, 8);
+  EXPECT_EQ(read.moe.shared_experts, 1);
+  EXPECT_EQ(read.moe.capacity_factor, 1.25);
+  EXPECT_TRUE(read.moe.bias_balance);
+  std::vector<float> again(values.size(), -1.0f);
+  io::readModelValues(back, MPI_COMM_WORLD, read, tensors, again.data());
+  for (const auto& t : tensors)
+    for (std::int64_t i = 0; i < t.size; ++i)
+      ASSERT_EQ(again[std::size_t(t.offset + i)], values[std::size_t(t.offset + i)]) << t.name;
   fs::remove_all(scratch("").parent_path());
 }

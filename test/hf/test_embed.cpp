@@ -6,6 +6,7 @@
 #include "fixture.hpp"
 #include "io/hf_esm.hpp"
 #include "io/model_file.hpp"
+#include "model/esm2.hpp"
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -14,6 +15,7 @@
 #include <cmath>
 #include <cstdio>
 #include <fstream>
+#include <random>
 
 namespace {
 
@@ -205,4 +207,140 @@ TEST(Embed, BadInputsAreRefused) {
     EXPECT_EQ(plm::io::h5::readStrings(file, "ids", 0, 2), (std::vector<std::string>{"x", "z"}));
   }
   removeAll({fasta, model, invalid, out});
+}
+
+// The input checks are plm prep's (data::checkRecords): a file made mostly of nucleotide-like
+// records is refused unless --allow-nucleotide, an empty identifier is named after its header.
+TEST(Embed, InputChecksArePrepChecks) {
+  const auto f = plm::test::readFixture(plm::test::fixturePath("small"));
+  const std::string model = tempPath("checks_model.h5"), dna = tempPath("dna.fasta"),
+                    unnamed = tempPath("unnamed.fasta"), out = tempPath("checks_out.h5");
+  if (rank() == 0) {
+    std::ofstream(dna)
+        << ">a\nACGTACGTACGTACGTACGTACGTAC\n>b\nMKTAYIAKQR\n>c\nGGCCAATTGGCCAATTGGCCAA\n";
+    std::ofstream(unnamed) << ">first\nMKTAYIAKQR\n>\nMKVLAAGIV\n";
+  }
+  writeModel(model, f, f.config);
+  std::string error;
+  try {
+    plm::cli::runEmbed({"--checkpoint", model, "--fasta", dna, "--out", out});
+  } catch (const plm::Error& e) {
+    EXPECT_TRUE(e.collective());
+    error = e.what();
+  }
+  EXPECT_NE(error.find("plm embed: " + dna + ": 2 of its 3 record(s) look like nucleotide"),
+            std::string::npos)
+      << error;
+  EXPECT_NE(error.find("--allow-nucleotide"), std::string::npos) << error;
+  ASSERT_EQ(plm::cli::runEmbed(
+                {"--checkpoint", model, "--fasta", dna, "--out", out, "--allow-nucleotide"}),
+            0);
+  ASSERT_EQ(plm::cli::runEmbed({"--checkpoint", model, "--fasta", unnamed, "--out", out}), 0);
+  {
+    auto file = plm::io::h5::openFileSerial(out);
+    const std::string name = unnamed.substr(unnamed.find_last_of('/') + 1);
+    EXPECT_EQ(plm::io::h5::readStrings(file, "ids", 0, 2),
+              (std::vector<std::string>{"first", "unnamed:" + name + ":3"}));
+  }
+  removeAll({model, dna, unnamed, out});
+}
+
+// MoE inference is drop-less by default, so embeddings and logits do not depend on the batch
+// size (--batch-tokens 3 puts each sequence in a micro-batch of its own) or the rank count (the
+// np1 and np2 runs both equal that per-sequence reference); --set moe.dropless=false applies the
+// model's capacity factor per micro-batch, which then changes the output.
+TEST(Embed, MoeOutputDoesNotDependOnBatching) {
+  plm::model::Esm2Config config;
+  config.num_layers = 2;
+  config.hidden = 32;
+  config.heads = 4;
+  config.ffn = 64;
+  config.moe.experts = 4;
+  config.moe.top_k = 2;
+  config.moe.every = 1;
+  config.moe.expert_ffn = 32;
+  config.moe.capacity_factor = 1.0;  // trained with dropping
+  const std::string model = tempPath("moe_model.h5"), fasta = tempPath("moe.fasta");
+  {
+    plm::model::Esm2<float> esm(config);
+    esm.initialize(11);
+    plm::io::writeModelFile(model, MPI_COMM_WORLD, esm);
+  }
+  if (rank() == 0) {
+    std::mt19937 gen(5);
+    std::uniform_int_distribution<int> length(8, 60), residue(0, 19);
+    std::ofstream os(fasta);
+    for (int i = 0; i < 12; ++i) {
+      os << ">s" << i << "\n";
+      const int n = length(gen);
+      for (int k = 0; k < n; ++k) os << "LAGVSERTIDPKQNFYMHWC"[residue(gen)];
+      os << "\n";
+    }
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+  auto embed = [&](const std::string& batch, const std::vector<std::string>& more) {
+    const std::string out = tempPath("moe_out_" + batch + ".h5");
+    std::vector<std::string> argv = {
+        "--checkpoint", model, "--fasta", fasta, "--out", out, "--logits", "--batch-tokens", batch};
+    argv.insert(argv.end(), more.begin(), more.end());
+    EXPECT_EQ(plm::cli::runEmbed(argv), 0);
+    auto file = plm::io::h5::openFileSerial(out);
+    auto e = plm::test::detail::readAll<float>(file, "embeddings");
+    auto l = plm::test::detail::readAll<float>(file, "logits");
+    file = plm::io::h5::Hid();
+    removeAll({out});
+    e.insert(e.end(), l.begin(), l.end());
+    return e;
+  };
+  auto maxDifference = [](const std::vector<float>& a, const std::vector<float>& b) {
+    EXPECT_EQ(a.size(), b.size());
+    double d = 0;
+    for (std::size_t i = 0; i < std::min(a.size(), b.size()); ++i)
+      d = std::max(d,
+                   std::abs(double(a[i]) - double(b[i])) / std::max(1.0, std::abs(double(b[i]))));
+    return d;
+  };
+  const auto reference = embed("3", {});
+  for (const char* batch : {"64", "100000"}) {
+    const double d = maxDifference(embed(batch, {}), reference);
+    EXPECT_LE(d, 1e-6) << "--batch-tokens " << batch;
+    if (rank() == 0) std::printf("[embed] MoE drop-less, --batch-tokens %s vs 3: %.2e\n", batch, d);
+  }
+  const auto capped_one = embed("3", {"--set", "moe.dropless=false"});
+  const auto capped_all = embed("100000", {"--set", "moe.dropless=false"});
+  EXPECT_GT(maxDifference(capped_all, capped_one), 1e-4)
+      << "a capacity per micro-batch should drop slots of the large batch";
+  EXPECT_GT(maxDifference(capped_all, reference), 1e-4);
+  std::string error;
+  try {
+    embed("3", {"--set", "train.steps=3"});
+  } catch (const plm::Error& e) {
+    error = e.what();
+  }
+  EXPECT_NE(error.find("embed takes moe.dropless and moe.capacity_factor only"), std::string::npos)
+      << error;
+  removeAll({model, fasta});
+}
+
+// The rule `plm eval` and `plm embed` share (cli::inferenceRouting).
+TEST(Embed, InferenceRoutingRule) {
+  plm::model::Esm2Config config;
+  config.moe.experts = 4;
+  config.moe.capacity_factor = 1.5;  // what training used
+  auto routed = [&](const std::vector<std::string>& sets) {
+    plm::model::Esm2Config c = config;
+    plm::cli::inferenceRouting(c, sets, "test");
+    return c.moe.capacity_factor;
+  };
+  EXPECT_EQ(routed({}), 0.0);
+  EXPECT_EQ(routed({"moe.dropless=true"}), 0.0);
+  EXPECT_EQ(routed({"moe.capacity_factor=2.0"}), 0.0);  // only with dropless=false
+  EXPECT_EQ(routed({"moe.dropless=false"}), 1.5);
+  EXPECT_EQ(routed({"moe.dropless=false", "moe.capacity_factor=2.0"}), 2.0);
+  config.moe.capacity_factor = 0;  // trained drop-less: the deck default
+  EXPECT_EQ(routed({"moe.dropless=false"}), 1.25);
+  EXPECT_THROW(routed({"moe.dropless=maybe"}), plm::Error);
+  plm::model::Esm2Config dense;
+  plm::cli::inferenceRouting(dense, {"moe.dropless=false"}, "test");
+  EXPECT_FALSE(dense.moe.enabled());
 }

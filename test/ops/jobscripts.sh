@@ -3,10 +3,14 @@
 # walltime, qrerun and scontrol are recorders, srun is replaced by mpiexec (2 ranks).
 #  - PBS: with STOP_BEFORE=12 the script's timer stops plm about 8 s in; plm checkpoints and
 #    exits 75, the script reruns the job (qrerun <id>) and exits 0.
-# The Slurm script is signalled as Slurm would signal it:
+# The Slurm script is signalled as Slurm would signal it (srun is a fake that passes signals on to
+# the tasks as srun does):
 #  - SIGUSR1 (the --signal=B:USR1@120 time-limit warning): plm checkpoints and exits 75, the
 #    script requeues the job (scontrol requeue <id>) and exits 0;
-#  - SIGTERM (scancel): plm checkpoints and exits 75, the script does not requeue and exits 75.
+#  - SIGTERM to the script alone: plm checkpoints and exits 75, the script does not requeue and
+#    exits 75;
+#  - scancel as Slurm delivers it (SIGTERM to every task, to srun and to the script, whose trap
+#    forwards SIGUSR1): the same, with each rank taking the three deliveries as one stop.
 #   jobscripts.sh REPO PLM MPIEXEC WORKDIR
 set -uo pipefail
 repo=$1 plm=$2 mpiexec=$3 work=$4
@@ -16,10 +20,21 @@ if "$plm" --version 2>/dev/null | grep -q "^CUDA: not enabled"; then :; else
   gpus=$(nvidia-smi -L 2>/dev/null | grep -c "^GPU")
   if [ "${gpus:-0}" -lt 2 ]; then echo "SKIP: a CUDA build of plm and ${gpus:-0} GPU(s): the job scripts start 2 ranks, one GPU each"; exit 77; fi
 fi
+# srun: starts the tasks (mpiexec, 2 ranks) and, as Slurm's srun does, passes a signal it
+# receives on to every task.
 cat > "$work/bin/srun" <<EOS
 #!/bin/bash
 while [[ \$1 == --* ]]; do shift; done
-exec $mpiexec -n 2 --oversubscribe --bind-to none "\$@"
+$mpiexec -n 2 --oversubscribe --bind-to none "\$@" &
+launcher=\$!
+forward() { kill -\$1 \$(pgrep -P \$launcher) 2>/dev/null; }
+trap 'forward TERM' TERM
+trap 'forward USR1' USR1
+while true; do
+  wait \$launcher; rc=\$?
+  if [ \$rc -gt 128 ] && kill -0 \$launcher 2>/dev/null; then continue; fi
+  exit \$rc
+done
 EOS
 cat > "$work/bin/scontrol" <<EOS
 #!/bin/bash
@@ -67,7 +82,19 @@ calls=$(cat "$work/scontrol.calls" 2>/dev/null)
 echo "PBS timer: script exit $rc after $(( $(date +%s) - start )) s, checkpoints: $(ls "$run/ckpt" 2>/dev/null | tr '\n' ' '), calls: ${calls:-none}"
 [ "$rc" -eq 0 ] && [ "$calls" = "qrerun 77.pbs" ] && grep -q "its checkpoint is" "$work/job_pbs.log" || fail=1
 
-for sig in USR1 TERM; do
+# scancel (or a preemption) as Slurm delivers it: SIGTERM to every task directly, to srun (which
+# passes it on to every task again) and to the batch script, whose trap forwards SIGUSR1 through
+# srun. Each rank gets the one stop three times; it must stop once, with a complete checkpoint.
+scancel_like() {
+  local script=$1 srun_pid launcher
+  srun_pid=$(pgrep -P "$script" | head -1)      # srun, in the script's background
+  launcher=$(pgrep -P "$srun_pid" | head -1)    # mpiexec under the fake srun
+  kill -TERM $(pgrep -P "$launcher")            # the tasks
+  kill -TERM "$srun_pid"
+  kill -TERM "$script"
+}
+
+for sig in USR1 TERM SCANCEL; do
   run=$work/run_$sig
   rm -f "$work/scontrol.calls"
   (cd "$work" && PATH="$work/bin:$PATH" SLURM_SUBMIT_DIR="$work" SLURM_JOB_ID=4242 SLURM_JOB_NUM_NODES=1 \
@@ -79,7 +106,7 @@ for sig in USR1 TERM; do
     [ -f "$run/metrics.jsonl" ] && [ "$(grep -c '"kind":"train"' "$run/metrics.jsonl")" -ge 3 ] && break
     sleep 0.1
   done
-  kill -"$sig" "$job"
+  if [ "$sig" = SCANCEL ]; then scancel_like "$job"; else kill -"$sig" "$job"; fi
   wait "$job"; rc=$?
   steps=$(ls "$run/ckpt" 2>/dev/null | tr '\n' ' ')
   calls=$(cat "$work/scontrol.calls" 2>/dev/null)
@@ -90,7 +117,10 @@ for sig in USR1 TERM; do
     [ "$rc" -eq 75 ] && [ -z "$calls" ] || fail=1
   fi
   grep -q "its checkpoint is" "$work/job_$sig.log" || fail=1
-  [ -n "$steps" ] || fail=1
+  # A complete checkpoint (renamed from its .tmp only when written), no .tmp left, no exit at once.
+  ls "$run/ckpt" 2>/dev/null | grep -q '^step_[0-9]*\.h5$' || fail=1
+  ! ls "$run/ckpt" 2>/dev/null | grep -q 'tmp' || fail=1
+  ! grep -q "second stop signal" "$work/job_$sig.log" || fail=1
 done
 [ "$fail" -eq 0 ] || { echo "FAILED"; for f in "$work"/job_*.log; do echo "== $f"; tail -n 30 "$f"; done; }
 exit "$fail"

@@ -1,7 +1,7 @@
 // The plm executable as a batch system treats it: started under mpiexec on 2 ranks, then
 // signalled, stalled or SIGKILLed, and restarted (test/ops/CMakeLists.txt runs each mode).
 //
-//   test_ops_driver MODE PLM MPIEXEC WORKDIR      MODE: signal | watchdog | kill_loop
+//   test_ops_driver MODE PLM MPIEXEC WORKDIR      MODE: signal | watchdog | kill_loop | failure
 //
 //  - signal: SIGUSR1 to one rank mid-run; mpiexec must exit with 75 (train::exit_requeue), the
 //    newest checkpoint is the step it stopped after, and the restarted run ends with the same
@@ -9,6 +9,10 @@
 //  - watchdog: rank 1 stalls in step 3 (PLM_TEST_STALL) with train.step_timeout 3 s; the job
 //    must end with the watchdog's line from each rank (rank 1 in the injected stall, rank 0 in
 //    the collective waiting for it), far sooner than the stall.
+//  - failure: an exception and a real out-of-memory on rank 1 inside a step (PLM_TEST_FAIL), an
+//    expert dispatch beyond moe.dispatch_budget_gib, and `plm embed --out` into a missing
+//    directory: each job must end within seconds, non-zero, with exactly one error line that says
+//    what and what to change, without the MPI_ABORT banner or stop-signal lines.
 //  - kill_loop: SIGKILLs the job again and again -- at random times, just as a checkpoint's
 //    .tmp file appears (a kill during a save), or one rank alone -- and restarts it each time
 //    (checkpoint.resume: auto); after every kill each checkpoint in the directory must pass its
@@ -352,6 +356,71 @@ void watchdogMode() {
   std::printf("watchdog: the job ended after %.1f s with exit status %d\n", took, rc);
 }
 
+// The lines of `text` that contain `what`.
+int linesWith(const std::string& text, const std::string& what) {
+  std::istringstream in(text);
+  int n = 0;
+  for (std::string line; std::getline(in, line);)
+    if (line.find(what) != std::string::npos) ++n;
+  return n;
+}
+
+// One failing job: it must end quickly, non-zero, with exactly one error line holding each of
+// `expect`, and none of the noise a job used to end with.
+void expectOneLine(const std::string& name, const std::vector<std::string>& args,
+                   const std::vector<std::string>& env, const std::vector<std::string>& expect) {
+  const auto start = Clock::now();
+  const int rc = waitFor(spawn(args, work + "/" + name + ".log", env));
+  const double took = seconds(start);
+  std::string log = slurp(work + "/" + name + ".log");
+  for (std::size_t at; (at = log.find(work)) != std::string::npos;)  // paths hold run names
+    log.replace(at, work.size(), "WORK");
+  CHECK(rc != 0, "%s: the job exited with 0:\n%s", name.c_str(), log.c_str());
+  CHECK(took < 20, "%s: the job took %.1f s to end", name.c_str(), took);
+  CHECK(linesWith(log, "error") == 1, "%s: %d lines say `error`, not one:\n%s", name.c_str(),
+        linesWith(log, "error"), log.c_str());
+  for (const auto& e : expect)
+    CHECK(linesWith(log, e) == 1, "%s: no line with `%s`:\n%s", name.c_str(), e.c_str(),
+          log.c_str());
+  for (const char* noise : {"MPI_ABORT", "received SIGTERM", "Traceback", "HDF5-DIAG",
+                            "stopping after the current step"})
+    CHECK(log.find(noise) == std::string::npos, "%s: `%s` in the output:\n%s", name.c_str(), noise,
+          log.c_str());
+  std::printf("failure %s: ended in %.1f s with status %d\n", name.c_str(), took, rc);
+}
+
+void failureMode() {
+  // An exception on rank 1 inside step 3, while rank 0 waits in the step's collectives.
+  expectOneLine("exception", trainArgs("exception", 10), {"PLM_TEST_FAIL=3:1:error"},
+                {"plm: error on rank 1: PLM_TEST_FAIL: an injected failure on rank 1 in step 3"});
+  // A real allocation failure (1 PiB) on rank 1 inside step 3: what did not fit, what to change
+  // and the run's plan.
+  expectOneLine("oom", trainArgs("oom", 10), {"PLM_TEST_FAIL=3:1:oom"},
+                {"plm: error on rank 1: out of memory: ", "`plm::test::injected_allocation` of ",
+                 "data.micro_batch_tokens", "planned for this run: "});
+  // Expert parallelism whose dispatch exceeds its budget: every rank stops at the first MoE
+  // layer's count exchange, rank 0 says which rank and what to change.
+  auto moe = trainArgs("moe", 10);
+  for (const char* set : {"moe.experts=4", "moe.top_k=2", "moe.expert_ffn=16",
+                          "parallel.expert_degree=2", "moe.dispatch_budget_gib=0.000001"}) {
+    moe.push_back("--set");
+    moe.push_back(set);
+  }
+  expectOneLine("moe_budget", moe, {},
+                {"plm: error: moe: layer 0: expert rank ",
+                 "moe.dispatch_budget_gib = ", "moe.capacity_factor"});
+  // plm embed into a directory that does not exist.
+  CHECK(runToEnd("model", 2, "model.log") == 0, "the run that writes a model failed:\n%s",
+        slurp(work + "/model.log").c_str());
+  expectOneLine("embed",
+                {mpiexec_exe, "-n", "2", "--oversubscribe", "--bind-to", "none", plm_exe, "embed",
+                 "--checkpoint", work + "/model/model.h5", "--fasta", work + "/seqs.fasta", "--out",
+                 "/nonexistent/x.h5"},
+                {},
+                {"plm: error: plm embed: --out: cannot create `/nonexistent/x.h5`: the directory "
+                 "`/nonexistent` does not exist"});
+}
+
 void killLoopMode() {
   const int steps = 120;
   const auto t0 = Clock::now();
@@ -455,7 +524,8 @@ void killLoopMode() {
 
 int main(int argc, char** argv) {
   if (argc != 5) {
-    std::fprintf(stderr, "usage: %s signal|watchdog|kill_loop PLM MPIEXEC WORKDIR\n", argv[0]);
+    std::fprintf(stderr, "usage: %s signal|watchdog|kill_loop|failure PLM MPIEXEC WORKDIR\n",
+                 argv[0]);
     return 2;
   }
   const std::string mode = argv[1];
@@ -470,6 +540,8 @@ int main(int argc, char** argv) {
     watchdogMode();
   else if (mode == "kill_loop")
     killLoopMode();
+  else if (mode == "failure")
+    failureMode();
   else
     return 2;
   if (failures) std::fprintf(stderr, "%d check(s) failed\n", failures);

@@ -10,6 +10,7 @@
 //    the step and the phase.
 #include "../ckpt/tiny_run.hpp"
 
+#include "core/failure.hpp"
 #include "core/phase.hpp"
 #include "dist/health.hpp"
 #include "dist/runtime.hpp"
@@ -23,7 +24,9 @@
 #include <csignal>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <filesystem>
+#include <stdexcept>
 #include <thread>
 
 namespace {
@@ -89,7 +92,10 @@ TEST_F(Operations, StopSignalCheckpointsAndTheResumedRunEqualsAnUninterruptedOne
   std::vector<std::int64_t> steps;
   extra.on_step = [&](Trainer& t, const plm::train::StepStats&) {
     steps.push_back(t.state().step);
-    if (t.state().step == 4 && t.rank() == 0) std::raise(SIGUSR1);
+    if (t.state().step == 4 && t.rank() == 0) {  // delivered twice, as under Slurm
+      std::raise(SIGTERM);
+      std::raise(SIGUSR1);
+    }
   };
   Trainer::RunEnd end = Trainer::RunEnd::Completed;
   train("s", {}, extra, &end);
@@ -140,18 +146,77 @@ TEST_F(Operations, StopSignalRightAfterASaveDoesNotSaveTwice) {
         countEvents(dir + "/t/metrics.jsonl", "stop_signal\",\"step\":3,\"signal\":\"SIGTERM"), 1);
 }
 
-TEST(StopSignals, ASecondSignalExitsAtOnce) {
+// One stop delivered several times (Slurm: every task, srun, the job script's forwarded
+// signal) is one stop: a further signal counts only once the trainer has acted on the first,
+// never during a save, and with status 75 once the stop's checkpoint is complete.
+TEST(StopSignals, RepeatsAreOneStopUntilActedOnAndNeverDuringASave) {
   GTEST_FLAG_SET(death_test_style, "fast");
   EXPECT_EXIT(
       {
         plm::train::installStopSignals();
         plm::train::clearStopSignal();
-        std::raise(SIGUSR1);
-        if (plm::train::stopSignal() != SIGUSR1) std::_Exit(3);
-        std::raise(SIGUSR1);
-        std::_Exit(4);  // not reached
+        std::raise(SIGTERM);
+        std::raise(SIGUSR1);  // the same stop again: ignored
+        std::raise(SIGTERM);
+        if (plm::train::stopSignal() != SIGTERM) std::_Exit(3);
+        {
+          plm::train::SaveScope saving;
+          plm::train::stopActedOn();
+          std::raise(SIGUSR1);  // during the stop's save: ignored
+        }
+        std::raise(SIGUSR1);  // acted on, no save: exits at once
+        std::_Exit(4);        // not reached
       },
       ::testing::ExitedWithCode(128 + SIGUSR1), "second stop signal: exiting at once");
+  EXPECT_EXIT(
+      {
+        plm::train::installStopSignals();
+        plm::train::clearStopSignal();
+        std::raise(SIGUSR1);
+        plm::train::stopActedOn();
+        plm::train::stopSaved();
+        std::raise(SIGTERM);  // the checkpoint is complete: requeue status at once
+        std::_Exit(4);
+      },
+      ::testing::ExitedWithCode(plm::train::exit_requeue), "checkpoint is complete");
+  EXPECT_EXIT(
+      {
+        plm::train::installStopSignals();
+        plm::train::clearStopSignal();
+        std::raise(SIGUSR1);
+        std::raise(SIGUSR1);
+        std::raise(SIGTERM);
+        std::_Exit(plm::train::stopSignal() == SIGUSR1 ? 5 : 6);  // still running: one stop
+      },
+      ::testing::ExitedWithCode(5), "");
+}
+
+// What a failing rank prints (core/failure.hpp): one line; Kokkos' allocation failure (a real
+// one, 1 PiB) as what did not fit, what to change and the run's plan.
+TEST(Failure, MessagesAreOneLineAndOutOfMemorySaysWhatToChange) {
+  std::exception_ptr oom;
+  try {
+    plm::View1<char> huge(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string("plm::test::huge")),
+        std::size_t(1) << 50);
+  } catch (...) {
+    oom = std::current_exception();
+  }
+  ASSERT_TRUE(oom) << "a 1 PiB allocation succeeded";
+  plm::failure::setPlanNote("planned for this run: 1.0 GiB of buffers per rank");
+  const std::string m = plm::failure::describe(oom);
+  plm::failure::setPlanNote("");
+  EXPECT_EQ(m.find('\n'), std::string::npos) << m;
+  for (const char* part : {"out of memory: ", "allocation `plm::test::huge` of ",
+                           "data.micro_batch_tokens", "model.recompute", "parallel.shard_degree",
+                           "planned for this run: 1.0 GiB of buffers per rank"})
+    EXPECT_NE(m.find(part), std::string::npos) << part << " not in: " << m;
+  EXPECT_EQ(m.find("Traceback"), std::string::npos) << m;
+  EXPECT_EQ(plm::failure::describe(std::make_exception_ptr(
+                plm::Error("what went wrong\n  where\nTraceback functionality not available\n"))),
+            "what went wrong; where");
+  EXPECT_EQ(plm::failure::describe(std::make_exception_ptr(std::runtime_error("a bug"))),
+            "internal error: a bug");
 }
 
 TEST_F(Operations, NonfiniteStopNamesTheStepAndTheTensorAndKeepsTheWeights) {
