@@ -104,8 +104,11 @@ void logMemoryPlan(const train::Trainer& trainer) {
     return;
   }
   // An out-of-memory message quotes it (core/failure.hpp).
+  char load[64] = "";
+  if (p.moe_load > 0 && inputOfRun(trainer).layout.expert > 1)
+    std::snprintf(load, sizeof load, " (MoE expert rows at load %.2f)", p.moe_load);
   failure::setPlanNote("planned for this run: " + bytesText(p.memory_allocated) +
-                       " of buffers per rank");
+                       " of buffers per rank" + load);
   if (trainer.rank() != 0) return;
   std::string items;
   for (const auto& item : p.memory)
