@@ -3,12 +3,17 @@
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
-#                                       staged moe_grouped moe_ep moe_nccl decks
+#                                       staged moe_grouped moe_ep moe_nccl decks moe_plan
 #   scale: 650M bf16 data-parallel weak scaling over NCCL on 1, 2, 4 GPUs (the shipped deck,
 #        PLM_SCALE_MICRO micro-batches of 16,384 per GPU per step, PLM_SCALE_STEPS steps)
 #   decks: the shipped large decks (esm2_3b, esm2_15b, the MoE presets') as shipped on every GPU of
 #        the machine (8 for the FSDP decks to fit as their comments say), a few steps each with
 #        train.profile and train.tensorboard on; PLM_DECKS narrows the list
+#   moe_plan: the runtime memory plan of MoE runs against their measured first-step peak
+#         (doc/plan.md): esm2_moe_2b_a650m in bf16 on one GPU (expert degree 1) and, with two or
+#         more GPUs, at expert degree = GPUs (NCCL), 3 steps each on the packaged proteins
+#         (PLM_MOE_PLAN_TOKENS tokens per micro-batch, default 24576); the "memory: first step
+#         peak ... planned ..." and "MoE expert rows planned" lines go to the summary
 #   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
 #        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
 #        layer with moe.expert_gemm: grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
@@ -180,6 +185,28 @@ if has train && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
       "${recompute:-none}" train.deterministic=$det train.attention=${attention:-auto} > "$log" 2>&1
     note "bench_gpu_train $run rc=$?"
     grep -E "RESULT|EVAL|breakdown|^    |step 0|error|out of memory" "$log" | tee -a "$summary"
+  done
+fi
+
+if has moe_plan && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  tokens=${PLM_MOE_PLAN_TOKENS:-24576}
+  degrees=(1)
+  [[ $ngpu -ge 2 ]] && degrees+=("$ngpu")
+  for deg in "${degrees[@]}"; do
+    np=$deg
+    d=/tmp/plm-moe-plan-$deg
+    rm -rf "$d"
+    timeout 600 mpiexec -n "$np" --oversubscribe "$pkg/bin/plm" train \
+      "$repo/inputs/esm2_650m.yaml" --set model.preset=esm2_moe_2b_a650m \
+      --set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=bf16 \
+      --set parallel.expert_degree="$deg" --set data.micro_batch_tokens="$tokens" \
+      --set data.tokens_per_batch=$((tokens * np)) --set train.steps=3 --set train.log_every=1 \
+      --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
+      > "$out/moe_plan_deg$deg.log" 2>&1
+    note "plm train esm2_moe_2b_a650m bf16, $np GPU(s), expert degree $deg, $tokens tokens: rc=$?"
+    grep -E "memory: (planned|first step|MoE)|moe load" "$out/moe_plan_deg$deg.log" | head -6 |
+      tee -a "$summary"
   done
 fi
 

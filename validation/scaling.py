@@ -20,7 +20,12 @@ per rank).
     bash study/submit.sh
     python3 validation/scaling.py inputs/esm2_650m.yaml --collect --layouts 1x8 2x8 4x8 --out study
 
-Exit status: 0 when every point ran and was collected, 1 otherwise.
+    # predictions only (plm plan for every point, nothing runs): a markdown table
+    python3 validation/scaling.py inputs/esm2_15b.yaml --predict --gpu h200 --mode strong \
+        --layouts 2x8:shard=8 4x8:shard=8 --set train.precision=bf16
+
+Exit status: 0 when every point ran and was collected (or, with --predict, was planned), 1
+otherwise.
 """
 import argparse
 import csv
@@ -192,14 +197,19 @@ def plan_point(args, layout, sets):
            "--gpus", str(layout.per_node), "--nodes", str(layout.nodes)]
     if args.rates:
         cmd += ["--rates", args.rates]
+    if args.moe_load:
+        cmd += ["--moe-load", str(args.moe_load)]
     for k, v in layout.degrees.items():
         cmd += ["--" + k, str(v)]
     cmd += sum([["--set", s] for s in sets], [])
     r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
+    # Exit status 3: planned, but it does not fit (the JSON says so); 1: an error.
+    if r.returncode not in (0, 3) or "{" not in r.stdout:
         print("scaling: plm plan failed for %s: %s" % (layout.text, r.stderr.strip()),
               file=sys.stderr)
         return None
+    if r.returncode == 3:
+        print("scaling: plm plan: %s does not fit on the device" % layout.text, file=sys.stderr)
     return json.loads(r.stdout[r.stdout.index("{"):])
 
 
@@ -319,6 +329,9 @@ def main():
     how.add_argument("--local", action="store_true", help="run every point here, in sequence")
     how.add_argument("--scheduler", choices=["slurm", "pbs"], help="write one job per point")
     how.add_argument("--collect", action="store_true", help="only collect finished runs")
+    how.add_argument("--predict", action="store_true",
+                     help="plan every point with plm plan, run nothing: a markdown table of "
+                          "the predictions (doc/scaling.md, multi-node predictions)")
     ap.add_argument("--plm", default=os.path.join(REPO, "build", "plm"))
     ap.add_argument("--mpiexec", default="mpiexec --oversubscribe --bind-to none")
     ap.add_argument("--mpiexec-always", action="store_true", help="use mpiexec for 1 rank too")
@@ -329,6 +342,8 @@ def main():
                     help="train on N random proteins prepared into OUT/data (default 2000)")
     ap.add_argument("--set", action="append", default=[], help="deck override for every point")
     ap.add_argument("--rates", help="rates table for the prediction (plm bench rates --out)")
+    ap.add_argument("--moe-load", type=float, default=0,
+                    help="MoE: plan the fullest expert rank at this load (plm plan --moe-load)")
     ap.add_argument("--bench-rates", type=float, nargs="?", const=0.3, default=0,
                     help="measure the rates table here first (plm bench rates, S seconds per "
                          "measurement, default 0.3) and predict with it")
@@ -372,6 +387,9 @@ def main():
         print("scaling: %d %s jobs in %s; submit with: bash %s/submit.sh"
               % (len(scripts), args.scheduler, jobs, out))
         return 0
+
+    if args.predict:
+        return predict(args, points)
 
     ok = True
     if args.local:
@@ -439,6 +457,29 @@ def main():
               % (r["mode"], r["layout"], r["ranks"], fmt(r["tokens_per_s"]),
                  fmt(r["pred_tokens_per_s"]), fmt(r.get("efficiency"), "%.2f"),
                  fmt(r["mem_mib"])))
+    return 0 if ok else 1
+
+
+def predict(args, points):
+    """plm plan for every point: one markdown row each (predictions, nothing measured)."""
+    print("| mode | layout | GPUs | tokens per step | micro-batches per GPU | memory per GPU "
+          "| fits | step (s) | tokens/s per GPU | MFU | exposed communication |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    ok = True
+    for mode, layout, name, run_dir, sets in points:
+        plan = plan_point(args, layout, sets)
+        if plan is None:
+            ok = False
+            continue
+        t = plan["time"]
+        comm = sum(i["value"] for i in t["items"]
+                   if i["name"].startswith("communication") or "all-to-all" in i["name"])
+        print("| %s | %s | %d | %s | %d | %.1f GiB | %s | %.2f | %s | %.1f%% | %.0f%% |"
+              % (mode, layout.text, layout.ranks, "{:,.0f}".format(t["tokens_per_step"]),
+                 plan["batch"]["micro_batches_per_rank"], plan["memory"]["total_bytes"] / 2**30,
+                 "yes" if plan["memory"]["fits"] else "**no**", t["step_s"],
+                 "{:,.0f}".format(t["tokens_per_s_per_rank"]), 100 * t["mfu"],
+                 100 * comm / t["step_s"] if t["step_s"] > 0 else 0))
     return 0 if ok else 1
 
 

@@ -65,30 +65,147 @@ std::int64_t layerParameterCount(const model::Esm2Config& c) {
          round16(h * f) + round16(h);
 }
 
-std::int64_t flatParameterCount(const model::Esm2Config& c) {
-  const std::int64_t h = c.hidden, v = c.vocab;
-  return round16(v * h) + c.num_layers * layerParameterCount(c) + 2 * round16(h) + round16(h * h) +
-         round16(h) + 2 * round16(h) + round16(v);
-}
-
-// The bf16 compute copy of the GEMM weights (Esm2's packed copy, src/model/esm2.cpp bind()),
-// per group: the embeddings, one layer, the head.
-struct ComputeCopy {
-  std::int64_t embed = 0, layer = 0, head = 0;
-};
-ComputeCopy computeCopyParts(const model::Esm2Config& c) {
-  const std::int64_t h = c.hidden, f = c.ffn, v = c.vocab;
-  ComputeCopy n;
-  n.layer = round16(3 * h * h) + round16(3 * h) + round16(h * h) + round16(f * h) + round16(f) +
-            round16(h * f);
-  n.embed = round16(v * h);
-  n.head = round16(h * h) + round16(h);
+ParameterCounts parameterCounts(const model::Esm2Config& c, int expert_degree, bool fp8_gpu) {
+  // Walks the model's own table (the tensors one rank of the expert group holds, in buffer
+  // order) and packs the compute copy by bind()'s rules (src/model/esm2.cpp): the embedding,
+  // q/k/v stacked (weights, then biases, each run rounded to 16), the attention output weight,
+  // every FFN's first weight and bias and second weight (dense, routed and shared experts), a
+  // routed expert's second bias (its output is bf16), the LM-head dense weight and bias; under
+  // fp8 on the GPU also the FP8 layers' attention output bias and FFN second biases.  Routers,
+  // LayerNorms and the other biases stay in the master buffer.
+  model::ExpertPlacement held;
+  if (c.moe.enabled() && expert_degree > 1) held = {expert_degree, 0};
+  const auto table = model::tensorTable(c, held);
+  const std::int64_t h = c.hidden;
+  ParameterCounts n;
+  std::vector<std::int64_t> layer(c.num_layers, 0), layer_experts(c.num_layers, 0);
+  std::vector<std::int64_t> copy(c.num_layers, 0), copy_experts(c.num_layers, 0);
+  static const std::string prefix = "esm.encoder.layer.";
+  auto ends = [](const std::string& name, const std::string& tail) {
+    return name.size() >= tail.size() &&
+           name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
+  };
+  for (const auto& t : table) {
+    const std::int64_t size = round16(t.size);
+    n.flat += size;
+    const bool expert = model::expertOfTensor(t.name) >= 0;
+    if (expert) n.experts += size;
+    int l = -1;
+    if (t.name.compare(0, prefix.size(), prefix) == 0) l = std::stoi(t.name.substr(prefix.size()));
+    const bool fp8_layer = fp8_gpu && l >= 0 && c.fp8.fp8Layer(l, c.num_layers);
+    std::int64_t packed = 0;
+    if (ends(t.name, "attention.self.query.weight"))
+      packed = round16(3 * h * h);
+    else if (ends(t.name, "attention.self.query.bias"))
+      packed = round16(3 * h);
+    else if (ends(t.name, "attention.self.key.weight") || ends(t.name, "attention.self.key.bias") ||
+             ends(t.name, "attention.self.value.weight") ||
+             ends(t.name, "attention.self.value.bias"))
+      packed = 0;  // stacked with the query's
+    else if (ends(t.name, "attention.output.dense.weight"))
+      packed = size;
+    else if (ends(t.name, "attention.output.dense.bias"))
+      packed = fp8_layer ? size : 0;
+    else if (ends(t.name, "intermediate.dense.weight") || ends(t.name, "intermediate.dense.bias") ||
+             ends(t.name, "output.dense.weight"))
+      packed = size;  // dense FFN, routed or shared experts, LM-head dense (below)
+    else if (ends(t.name, "output.dense.bias"))
+      packed = expert || fp8_layer ? size : 0;
+    else if (t.name == "esm.embeddings.word_embeddings.weight" || t.name == "lm_head.dense.bias")
+      packed = size;
+    if (t.name == "lm_head.dense.weight") packed = size;
+    n.compute += packed;
+    if (expert) n.compute_experts += packed;
+    if (l >= 0) {
+      layer[l] += size;
+      copy[l] += packed;
+      if (expert) {
+        layer_experts[l] += size;
+        copy_experts[l] += packed;
+      }
+    } else if (t.name.compare(0, 15, "esm.embeddings.") == 0) {
+      n.embed += size;
+      n.compute_embed += packed;
+    } else {
+      n.head += size;
+      n.compute_head += packed;
+    }
+  }
+  for (int l = 0; l < c.num_layers; ++l) {
+    n.layer_max = std::max(n.layer_max, layer[l]);
+    n.layer_max_dense = std::max(n.layer_max_dense, layer[l] - layer_experts[l]);
+    n.compute_layer_max = std::max(n.compute_layer_max, copy[l]);
+    n.compute_layer_max_dense = std::max(n.compute_layer_max_dense, copy[l] - copy_experts[l]);
+  }
   return n;
 }
 
-std::int64_t computeCopyCount(const model::Esm2Config& c) {
-  const ComputeCopy n = computeCopyParts(c);
-  return n.embed + c.num_layers * n.layer + n.head;
+std::int64_t flatParameterCount(const model::Esm2Config& c) { return parameterCounts(c).flat; }
+
+std::int64_t computeCopyCount(const model::Esm2Config& c) { return parameterCounts(c).compute; }
+
+MoeBuffers moeBufferBytes(const model::Esm2Config& c, Compute compute, bool gpu, std::int64_t t,
+                          int expert_degree, double load) {
+  // The grow-only Views of MoeMlp::State (src/model/moe.cpp), sized as the forward and backward
+  // of one micro-batch of t tokens grow them; each layer holds its own set.  View1<float>
+  // storage: a bf16 buffer of n elements takes ceil(2 n / 4) floats.
+  MoeBuffers b;
+  const auto& m = c.moe;
+  if (!m.enabled()) return b;
+  for (int l = 0; l < c.num_layers; ++l) b.layers += m.isMoeLayer(l) ? 1 : 0;
+  const std::int64_t h = c.hidden, e = m.experts, k = m.top_k, fe = m.expert_ffn;
+  const std::int64_t sw = static_cast<std::int64_t>(m.shared_experts) * fe;
+  const std::int64_t p = 4;  // the master type (Esm2<float>)
+  const bool bf16_rows = compute == Compute::Bf16 || (compute == Compute::Fp8 && gpu);
+  const std::int64_t cb = bf16_rows ? 2 : p;
+  auto store = [&](std::int64_t elements, std::int64_t bytes) {
+    return (elements * bytes + p - 1) / p * p;
+  };
+  const std::int64_t slots = t * k;
+  const std::int64_t capacity =
+      m.capacity_factor > 0
+          ? static_cast<std::int64_t>(
+                std::ceil(m.capacity_factor * static_cast<double>(slots) / static_cast<double>(e)))
+          : 0;
+  b.rows = capacity > 0 ? std::min(slots, e * capacity) : slots;
+  const int ep = std::max(1, expert_degree);
+  if (ep == 1) {
+    b.expert_rows = b.rows;
+  } else {
+    double rows =
+        std::min(static_cast<double>(ep), std::max(load, 0.0)) * static_cast<double>(b.rows);
+    if (capacity > 0) rows = std::min(rows, static_cast<double>(e * capacity));
+    b.expert_rows = static_cast<std::int64_t>(std::ceil(rows));
+  }
+  b.load = slots > 0 ? static_cast<double>(b.expert_rows) / static_cast<double>(slots) : 0;
+  const std::int64_t r = b.rows, x = b.expert_rows;
+  // Router logits and their gradient (master type); the gates and row maps: on the device
+  // (bf16, no sequence-level loss) one routing workspace (gpu/moe.cu routeBuffers, 256-byte
+  // carves), else the host routing's slot_row, slot_gate, row_token, row_gate and dgate.
+  std::int64_t routing = 2 * store(t * e, p) + store(slots, p);  // logits, dlogits, dgate
+  if (gpu && bf16_rows && m.seq_aux_loss == 0) {
+    auto carve = [](std::int64_t n, std::int64_t bytes) { return round256(n * bytes); };
+    const std::int64_t chunks = (slots + 255) / 256;
+    routing += store(carve(t * e, 8) + carve(t, 8) + carve(2 * t, 8) + 6 * carve(slots, 4) +
+                         carve(chunks * e, 8) + carve(3 * e, 8) + carve(e + 2, 8) + carve(e, 8),
+                     1);
+  } else {
+    routing += store(slots, 4) + store(slots, p) + store(r, 4) + store(r, p);
+  }
+  // Token side: permuted rows and the expert outputs (forward), their gradients (backward);
+  // bf16: the router's fp32 copy of the LayerNorm output and its input gradient.
+  std::int64_t token = 4 * store(r * h, cb);
+  if (bf16_rows && gpu) token += 2 * store(t * h, p);
+  // Expert side: pre-activation, GELU and the pre-activation's gradient at the rows the experts
+  // compute; under expert parallelism also the received rows, their outputs, the staging
+  // buffer of both exchanges, the gradients' received and returned rows, and the row maps.
+  std::int64_t expert = 3 * store(x * fe, cb);
+  if (ep > 1) expert += 5 * store(x * h, cb) + 2 * store(x, 4);
+  b.routing = b.layers * routing;
+  b.token_side = b.layers * token;
+  b.expert_side = b.layers * expert;
+  b.shared = sw > 0 ? b.layers * 3 * store(t * sw, cb) : 0;
+  return b;
 }
 
 Activations activationBytes(const model::Esm2Config& config, Compute compute, std::int64_t t,
@@ -167,9 +284,22 @@ void checkLayout(const Input& in) {
                           " ranks cannot be split into shard " + std::to_string(l.shard) +
                           " x context " + std::to_string(l.context) +
                           " groups; choose degrees whose product divides the rank count");
-  if (l.expert != 1)
-    throw collectiveError("plan: --expert " + std::to_string(l.expert) +
-                          " needs a mixture-of-experts model; ESM-2 is dense (use --expert 1)");
+  const auto& moe = in.model.moe;
+  if (l.expert != 1 && !moe.enabled())
+    throw collectiveError("plan: expert degree " + std::to_string(l.expert) +
+                          " needs a mixture-of-experts model (moe.experts or an MoE preset); "
+                          "this one is dense: use --expert 1");
+  if (l.expert != 1 && l.world() % l.expert != 0)
+    throw collectiveError("plan: expert degree " + std::to_string(l.expert) +
+                          " does not divide the " + std::to_string(l.world()) +
+                          " ranks; choose a divisor of the rank count");
+  if (l.expert != 1 && moe.experts % l.expert != 0)
+    throw collectiveError("plan: expert degree " + std::to_string(l.expert) +
+                          " does not divide moe.experts = " + std::to_string(moe.experts) +
+                          "; choose a divisor of the expert count");
+  if (in.moe_load < 0)
+    throw collectiveError("plan: --moe-load must be positive (1 = balanced), got " +
+                          std::to_string(in.moe_load));
   if (in.micro_batch_tokens < 1 || in.micro_batches < 1)
     throw collectiveError("plan: micro-batch tokens and micro-batches per step must be positive");
   if (in.micro_batch_tokens % l.context != 0)
@@ -182,56 +312,111 @@ void checkLayout(const Input& in) {
 }
 
 // Memory per rank (doc/plan.md, "Memory").
+// The load the MoE buffers and the all-to-all are planned at (Input::moe_load), and its source.
+std::pair<double, std::string> moeLoad(const Input& in) {
+  const auto& m = in.model.moe;
+  const int ep = in.layout.expert;
+  if (!m.enabled()) return {0.0, ""};
+  if (ep == 1)
+    return {1.0, "expert degree 1: every rank computes all its own rows (no load to state)"};
+  if (in.moe_load > 0)
+    return {std::min<double>(in.moe_load, ep),
+            in.moe_load > ep ? "the stated load, capped at the expert degree (every row on one "
+                               "rank)"
+                             : "the stated load (--moe-load)"};
+  if (m.capacity_factor > 0)
+    return {std::min<double>(m.capacity_factor, ep),
+            "the capacity bound (moe.capacity_factor; moe.dropless: false)"};
+  return {std::min(2.0, static_cast<double>(ep)),
+          "dropless default: 2x the balanced rows on the fullest rank; set --moe-load (up to "
+          "the expert degree for collapsed routing)"};
+}
+
+// Memory per rank (doc/plan.md, "Memory").
 void planMemory(const Input& in, Plan& p) {
   const auto& c = in.model;
   const Layout& l = in.layout;
-  const bool bf16 = in.compute != Compute::Fp32;
+  const bool gpu = in.rates.kind != "cpu";
+  // The compute copy exists under bf16, and under fp8 on the GPU (the CPU emulates fp8 on the
+  // fp32 masters).
+  const bool bf16 = in.compute == Compute::Bf16 || (in.compute == Compute::Fp8 && gpu);
+  const bool moe = c.moe.enabled();
+  const ParameterCounts pc = parameterCounts(c, l.expert, in.compute == Compute::Fp8 && gpu);
+  // Routed experts under expert parallelism stay whole on their rank (divided by the expert
+  // degree through the table); the dense part follows the shard degree.  Without expert
+  // parallelism the experts are part of their layer's sharding unit (train::Fsdp).
+  const bool apart = moe && l.expert > 1 && l.shard > 1;
   // The model state: the same formula the sharding engine reports (train::shardedMemory).
   train::ShardSizes n;
-  n.flat = flatParameterCount(c);
-  n.layer_unit = layerParameterCount(c);
-  n.embed_unit = round16(c.vocab * c.hidden);
-  n.head_unit = n.flat - n.embed_unit - c.num_layers * n.layer_unit;
+  n.flat = apart ? pc.dense() : pc.flat;
+  n.layer_unit = apart ? pc.layer_max_dense : pc.layer_max;
+  n.embed_unit = pc.embed;
+  n.head_unit = pc.head;
   n.layers = c.num_layers;
-  const train::FsdpMemory state = train::shardedMemory(
+  train::FsdpMemory state = train::shardedMemory(
       n, l.shard, in.reshard_after_forward ? 2 : c.num_layers, false, 4, in.gather_bf16);
+  if (apart) {
+    state.params += 4 * pc.experts;
+    state.grads += 4 * pc.experts;
+  }
   const bool bf16_gathers = in.gather_bf16 && l.shard > 1;
+  const std::string per_rank = !moe ? "N / shard"
+                               : l.shard > 1 && !apart
+                                   ? "N / shard, N with the experts held (N_exp / expert)"
+                                   : "(N_dense / shard + N_exp / expert)";
   p.memory.push_back({bf16_gathers ? "parameters (fp32 masters, bf16 copy of the shard)"
                                    : "parameters (fp32 masters)",
-                      double(state.params), bf16_gathers ? "(4 + 2) N / shard" : "4 N / shard"});
-  p.memory.push_back({"gradients (fp32)", double(state.grads), "4 N / shard"});
+                      double(state.params), (bf16_gathers ? "(4 + 2) " : "4 ") + per_rank});
+  p.memory.push_back({"gradients (fp32)", double(state.grads), "4 " + per_rank});
   {
     // The optimizer's own byte count over the model's tensor table (what it allocates).
     static const std::map<train::OptimizerKind, std::pair<const char*, const char*>> text = {
-        {train::OptimizerKind::AdamW, {"AdamW m, v, flags", "(4 + 4 + 1) N / shard"}},
-        {train::OptimizerKind::Lion, {"Lion m, flags", "(4 + 1) N / shard"}},
+        {train::OptimizerKind::AdamW, {"AdamW m, v, flags", "(4 + 4 + 1) "}},
+        {train::OptimizerKind::Lion, {"Lion m, flags", "(4 + 1) "}},
         {train::OptimizerKind::Adafactor,
          {"Adafactor factors, v, flags",
-          "4 (rows + cols of matrices) + (4 N_vectors + 1 N [+ 4 N with beta1]) / shard"}},
+          "4 (rows + cols of matrices) + (4 N_vectors + 1 N [+ 4 N with beta1]) / shard; "}},
         {train::OptimizerKind::AdamW8bit,
          {"8-bit AdamW codes, scales, flags",
-          "(2 N_8bit + 8 N_fp32 + 1 N) / shard + 8 N_8bit / block"}}};
+          "(2 N_8bit + 8 N_fp32 + 1 N) / shard + 8 N_8bit / block; "}}};
     // Elementwise state divides over the shard group; per-tensor state is on every rank.
-    const double bytes = static_cast<double>(train::optimizerStateBytes(
-        in.optimizer, model::tensorTable(c), flatParameterCount(c), l.shard));
+    model::ExpertPlacement held;
+    if (moe && l.expert > 1) held = {l.expert, 0};
+    auto table = model::tensorTable(c, held);
+    double bytes = 0;
+    if (apart) {
+      std::vector<model::TensorInfo> dense, experts;
+      for (auto& t : table) (model::expertOfTensor(t.name) >= 0 ? experts : dense).push_back(t);
+      bytes =
+          static_cast<double>(train::optimizerStateBytes(in.optimizer, dense, pc.dense(), l.shard) +
+                              train::optimizerStateBytes(in.optimizer, experts, pc.experts, 1));
+    } else {
+      bytes =
+          static_cast<double>(train::optimizerStateBytes(in.optimizer, table, pc.flat, l.shard));
+    }
     const auto& t = text.at(in.optimizer.kind);
-    p.memory.push_back({std::string("optimizer states (") + t.first + ")", bytes, t.second});
+    p.memory.push_back({std::string("optimizer states (") + t.first + ")", bytes,
+                        std::string(t.second) + per_rank});
   }
   if (bf16) {
     // Whole under data parallelism; under sharding only beside the gathered units
-    // (train/fsdp.cpp: the embeddings, the head and the gathered layer slots).
-    const ComputeCopy cc = computeCopyParts(c);
+    // (train/fsdp.cpp: the embeddings, the head and the gathered layer slots), plus the held
+    // experts' whole copy when they sit apart from the sharded units.
     const std::int64_t slots = in.reshard_after_forward ? 2 : c.num_layers;
     if (l.shard == 1)
-      p.memory.push_back({"compute copy of the GEMM weights (bf16)",
-                          2.0 * static_cast<double>(cc.embed + c.num_layers * cc.layer + cc.head),
-                          "2 N_gemm"});
+      p.memory.push_back(
+          {"compute copy of the GEMM weights (bf16)", 2.0 * static_cast<double>(pc.compute),
+           moe ? "2 N_gemm (routed experts: those held, N_gemm_exp / expert)" : "2 N_gemm"});
     else
-      p.memory.push_back({"compute copy of the gathered units (bf16)",
-                          2.0 * static_cast<double>(cc.embed + slots * cc.layer + cc.head),
-                          in.reshard_after_forward
-                              ? "2 (N_gemm_emb + 2 N_gemm_layer + N_gemm_head)"
-                              : "2 (N_gemm_emb + L N_gemm_layer + N_gemm_head)"});
+      p.memory.push_back(
+          {"compute copy of the gathered units (bf16)",
+           2.0 * static_cast<double>(
+                     pc.compute_embed + pc.compute_head +
+                     slots * (apart ? pc.compute_layer_max_dense : pc.compute_layer_max) +
+                     (apart ? pc.compute_experts : 0)),
+           std::string(in.reshard_after_forward ? "2 (N_gemm_emb + 2 N_gemm_layer + N_gemm_head)"
+                                                : "2 (N_gemm_emb + L N_gemm_layer + N_gemm_head)") +
+               (apart ? " + 2 N_gemm_exp / expert" : "")});
   }
   if (l.shard > 1) {
     p.memory.push_back({"gathered embeddings, head and layers (sharding)", double(state.gathered),
@@ -260,26 +445,74 @@ void planMemory(const Input& in, Plan& p) {
   const double batch =
       20.0 * static_cast<double>(t) + 2.0 * 4 * c.max_positions * (c.headDim() / 2);
   p.memory.push_back({"batch and rotary tables", batch, "20 t + 2 x 4 P d/2"});
+  if (moe) {
+    const auto [load, source] = moeLoad(in);
+    p.moe_load = load;
+    p.moe_load_source = source;
+    const MoeBuffers mb = moeBufferBytes(c, in.compute, gpu, t, l.expert, load);
+    const std::string kept =
+        " per MoE layer, x " + std::to_string(mb.layers) + " layers (each keeps its own)";
+    const bool device_routing = gpu && bf16 && c.moe.seq_aux_loss == 0;
+    p.memory.push_back(
+        {"MoE: router logits, gates, row maps", double(mb.routing),
+         std::string("t E 4 (logits) + t E 4 (gradient) + t k 4 (gate gradient) + ") +
+             (device_routing ? "the device routing's workspace (t E 8 + 32 t + 24 t k)"
+                             : "t k (4 + 4) + R (4 + 4) host routing maps") +
+             kept});
+    p.memory.push_back(
+        {"MoE: permuted rows (token side)", double(mb.token_side),
+         std::string("4 R h c (rows, expert outputs, their gradients)") +
+             (bf16 && gpu ? " + 2 t h 4 (the router's fp32 input, its gradient)" : "") +
+             ", R = " + std::to_string(mb.rows) +
+             (c.moe.capacity_factor > 0 ? " = min(t k, E capacity)" : " = t k (dropless)") + kept});
+    p.memory.push_back(
+        {"MoE: expert rows (FFN activations, gradient)", double(mb.expert_side),
+         std::string("3 X f_e c") +
+             (l.expert > 1 ? " + 5 X h c (received rows, outputs, staging, gradients) + 8 X" : "") +
+             ", X = " + std::to_string(mb.expert_rows) + " rows its experts compute" +
+             (l.expert > 1 ? " = load " + fmt("%.2f", load) + " x t k" : " = R") + kept});
+    if (mb.shared > 0)
+      p.memory.push_back({"MoE: shared experts", double(mb.shared), "3 t S f_e c" + kept});
+  }
   if (in.compute == Compute::Fp8) {
     // The FP8 layers' weight copies (src/model/esm2.cpp): on the GPU the E4M3 codes of each GEMM
     // weight and of its transpose; on the CPU emulation one quantised master-typed copy.  With
     // fp8.wgrad: fp8 the GPU forward keeps each GEMM input's X^T codes for the weight gradient
     // (src/model/ops.cpp), one byte per element of the four inputs (t x h three times, t x f).
-    std::int64_t fl = 0;
-    for (int layer = 0; layer < c.num_layers; ++layer)
-      fl += c.fp8.fp8Layer(layer, c.num_layers) ? 1 : 0;
+    // An MoE layer's FFN GEMMs are its held experts' (and its shared experts'): codes of
+    // 2 h f_e per held expert, X^T codes of its X expert rows (h + f_e wide).
     const std::int64_t h = c.hidden, f = c.ffn;
-    const std::int64_t weights = 4 * h * h + 2 * h * f;
+    std::int64_t weights = 0, xt = 0;
+    const std::int64_t fe = c.moe.expert_ffn, sw = std::int64_t(c.moe.shared_experts) * fe;
+    const std::int64_t held_experts = moe ? c.moe.experts / l.expert : 0;
+    const MoeBuffers rows =
+        moe ? moeBufferBytes(c, in.compute, gpu, t, l.expert, moeLoad(in).first) : MoeBuffers();
+    for (int layer = 0; layer < c.num_layers; ++layer) {
+      if (!c.fp8.fp8Layer(layer, c.num_layers)) continue;
+      if (c.moe.isMoeLayer(layer)) {
+        weights += 4 * h * h + held_experts * 2 * h * fe + 2 * h * sw;
+        xt += round16(t) * 2 * h + round16(rows.expert_rows) * (h + fe) +
+              (sw > 0 ? round16(t) * (h + sw) : 0);
+      } else {
+        weights += 4 * h * h + 2 * h * f;
+        xt += round16(t) * (3 * h + f);
+      }
+    }
+    const char* per_layer = moe ? "sum over FP8 layers of (4 h^2 + 2 h f, or 2 h f_e per held "
+                                  "expert in an MoE layer)"
+                                : "L_fp8 (4 h^2 + 2 h f)";
     if (in.rates.kind == "cpu") {
       p.memory.push_back({"FP8 quantised weight copy (CPU emulation)",
-                          4.0 * static_cast<double>(fl * weights), "4 L_fp8 (4 h^2 + 2 h f)"});
+                          4.0 * static_cast<double>(weights), std::string("4 ") + per_layer});
     } else {
       p.memory.push_back({"FP8 weight codes (E4M3 and transposed)",
-                          2.0 * static_cast<double>(fl * weights), "2 L_fp8 (4 h^2 + 2 h f)"});
+                          2.0 * static_cast<double>(weights), std::string("2 ") + per_layer});
       if (c.fp8.wgrad == model::Fp8Wgrad::Fp8)
         p.memory.push_back({"activations: FP8 X^T codes kept for the weight gradients",
-                            static_cast<double>(fl * round16(t) * (3 * h + f)),
-                            "L_fp8 pad16(t) (3 h + f)"});
+                            static_cast<double>(xt),
+                            moe ? "per FP8 layer pad16(t) (3 h + f); MoE layers pad16(t) 2 h + "
+                                  "pad16(X) (h + f_e)"
+                                : "L_fp8 pad16(t) (3 h + f)"});
     }
   }
   double comm = 0;
@@ -289,6 +522,10 @@ void planMemory(const Input& in, Plan& p) {
     comm_formula = in.rates.kind == "cpu"
                        ? "0: the MPI backend reduces the gradient buffer in place (host memory)"
                        : "NCCL channel buffers, 256 MiB per communicator (measured figure)";
+  }
+  if (moe && l.expert > 1 && in.rates.kind != "cpu") {
+    comm += 256.0 * 1024 * 1024;
+    comm_formula += "; and the expert group's communicator";
   }
   p.memory.push_back({"communication buffers", comm, comm_formula, false});
   p.memory.push_back(
@@ -307,13 +544,26 @@ void planMemory(const Input& in, Plan& p) {
 }
 
 // FLOPs per token (doc/flops.md, doc/plan.md "FLOPs").
+// Matmul weights one token passes through in the encoder, router included (every layer's
+// q/k/v/output and its FFN: dense 2hf, MoE h E + 2 h f_e (top_k + shared)).
+double encoderMatmulWeights(const model::Esm2Config& c) {
+  const double h = c.hidden;
+  double w = 0;
+  for (int l = 0; l < c.num_layers; ++l)
+    w += 4 * h * h +
+         (c.moe.isMoeLayer(l)
+              ? h * c.moe.experts + 2 * h * c.moe.expert_ffn * (c.moe.top_k + c.moe.shared_experts)
+              : 2 * h * c.ffn);
+  return w;
+}
+
 void planFlops(const Input& in, Plan& p) {
   const auto& c = in.model;
-  const double h = c.hidden, f = c.ffn, L = c.num_layers, S = in.mean_seqlen;
+  const double h = c.hidden, L = c.num_layers, S = in.mean_seqlen;
   p.model_flops_per_token = c.trainFlopsPerToken(S);
   double extra = 0;
   if (c.recompute == model::Recompute::Layer)
-    extra = 2 * L * (4 * h * h + 2 * h * f) + 4 * L * h * S;  // every layer's forward again
+    extra = 2 * encoderMatmulWeights(c) + 4 * L * h * S;  // every layer's forward again
   else if (c.recompute == model::Recompute::Selective)
     extra = 4 * L * h * S;  // the attention forward again
   p.hardware_flops_per_token = p.model_flops_per_token + extra;
@@ -331,15 +581,34 @@ void planTime(const Input& in, Plan& p) {
   const bool bf16 = in.compute != Compute::Fp32;
   const double cb = bf16 ? 2 : 4;
   const auto rc = c.recompute;
-  const double layer_w = 4 * h * h + 2 * h * f;
+  (void)f;
+  const bool moe = c.moe.enabled();
+  const ParameterCounts pc = parameterCounts(c, l.expert, in.compute == Compute::Fp8);
+  // MoE: the fullest rank's experts compute X = load x t k rows per layer (t k, its own rows,
+  // at expert degree 1); the router runs on its t rows.
+  double moe_layers = 0;
+  for (int layer = 0; layer < c.num_layers; ++layer) moe_layers += c.moe.isMoeLayer(layer);
+  const double k = moe ? c.moe.top_k : 0, fe = moe ? c.moe.expert_ffn : 0;
+  const double load = moe ? (l.expert > 1 ? p.moe_load : 1.0) : 0;
+  const double rows = load * k * t;  // expert rows of the fullest rank per MoE layer
+  const double local_rows = k * t;   // rows a rank routes (and gets back) per MoE layer
+  // Per micro-batch: dense layers' weights over t rows, MoE layers' attention and router over t
+  // rows and experts over their rows.
+  const double layer_flops =
+      (L - moe_layers) * (4 * h * h + 2 * h * f) * t +
+      moe_layers * ((4 * h * h + h * c.moe.experts + 2 * h * fe * c.moe.shared_experts) * t +
+                    2 * h * fe * rows);
 
   // GEMMs: the encoder over t rows, the LM head over m rows.
-  double gemm_flops = 6 * L * layer_w * t + 6 * (h * h + V * h) * m;
-  if (rc == model::Recompute::Layer) gemm_flops += 2 * L * layer_w * t;
+  double gemm_flops = 6 * layer_flops + 6 * (h * h + V * h) * m;
+  if (rc == model::Recompute::Layer) gemm_flops += 2 * layer_flops;
   const double gemm = mb * gemm_flops / gemmRate(r, in.compute, h);
   p.time.push_back({"GEMMs", gemm,
-                    "mb (6 L (4h^2 + 2hf) t + 6 (h^2 + V h) m [+ 2 L (4h^2+2hf) t layer]) / "
-                    "(gemm_tflops k/(k + gemm_half_k)), k = h"});
+                    moe ? "mb (6 W_t + 6 (h^2 + V h) m [+ 2 W_t layer]) / (gemm_tflops k/(k + "
+                          "gemm_half_k)), k = h; W_t = dense layers (4h^2 + 2hf) t + MoE layers "
+                          "((4h^2 + h E + 2 h f_e S) t + 2 h f_e X)"
+                        : "mb (6 L (4h^2 + 2hf) t + 6 (h^2 + V h) m [+ 2 L (4h^2+2hf) t layer]) / "
+                          "(gemm_tflops k/(k + gemm_half_k)), k = h"});
   double attn_flops = 12 * L * h * S * t;
   if (rc != model::Recompute::None) attn_flops += 4 * L * h * S * t;
   const double attention = mb * attn_flops / attentionRate(r, c.headDim());
@@ -354,31 +623,60 @@ void planTime(const Input& in, Plan& p) {
   p.time.push_back({"LayerNorm", layernorm,
                     "mb ((2L+1) t + m) ((4 + c) h + (12 + 2c) h) [+ 2 L t (4+c) h] / "
                     "layernorm_gbps"});
-  double elem_bytes = L * t * (4 * cb * h + 2 * cb * f);
-  if (rc == model::Recompute::Layer) elem_bytes += L * t * (2 * cb * h + cb * f);
+  // FFN activations' elementwise traffic: dense layers over t rows of width f, MoE layers over
+  // their expert rows (and shared experts over t rows) of width f_e.
+  const double ffn_elems =
+      (L - moe_layers) * t * f + moe_layers * (fe * rows + c.moe.shared_experts * fe * t);
+  double elem_bytes = L * t * 4 * cb * h + 2 * cb * ffn_elems;
+  if (rc == model::Recompute::Layer) elem_bytes += L * t * 2 * cb * h + cb * ffn_elems;
   // bf16: the compute copy is cast once per step (data parallelism), or beside every all-gather
   // of a unit under sharding (per micro-batch; again before the backward with resharding).
-  double cast_bytes = bf16 ? 6.0 * static_cast<double>(computeCopyCount(c)) : 0.0;
+  double cast_bytes = bf16 ? 6.0 * static_cast<double>(pc.compute) : 0.0;
   if (l.shard > 1) cast_bytes *= mb * (in.reshard_after_forward ? 2 : 1);
   const double elementwise = (mb * elem_bytes + cast_bytes) / (r.elementwise_gbps * 1e9);
   p.time.push_back({"rotary, casts, epilogues", elementwise,
-                    "(mb L t (4 c h + 2 c f) + 6 N_gemm [bf16; x mb (x 2 resharding) sharded]) / "
-                    "elementwise_gbps"});
-  double launches = 20 * L + 20;
+                    moe ? "(mb (L t 4 c h + 2 c F) + 6 N_gemm [bf16; x mb (x 2 resharding) "
+                          "sharded]) / elementwise_gbps, F = dense layers t f + MoE layers "
+                          "(X + S t) f_e"
+                        : "(mb L t (4 c h + 2 c f) + 6 N_gemm [bf16; x mb (x 2 resharding) "
+                          "sharded]) / elementwise_gbps"});
+  const double experts_here = moe ? static_cast<double>(c.moe.experts) / l.expert : 0;
+  if (moe) {
+    // Router input widening, gather into expert order, unpermute with the gates and their
+    // backward passes; under expert parallelism the received rows' reorderings both ways.
+    double bytes = t * h * (3 * cb + 24) + 7 * local_rows * h * cb;
+    if (l.expert > 1) bytes += 8 * rows * h * cb;
+    if (rc == model::Recompute::Layer) bytes *= 4.0 / 3.0;
+    p.time.push_back({"MoE routing, permutation, combine",
+                      mb * moe_layers * bytes / (r.elementwise_gbps * 1e9),
+                      "mb L_moe (t h (3c + 24) + 7 t k h c [+ 8 X h c expert parallel]) / "
+                      "elementwise_gbps"});
+  }
+  double launches = 20 * L + 20 + moe_layers * (12 + 4 * experts_here);
   if (rc == model::Recompute::Layer) launches += 8 * L;
   if (rc == model::Recompute::Selective) launches += 3 * L;
   const double launch = mb * launches * r.launch_us * 1e-6;
-  p.time.push_back(
-      {"kernel launches", launch, "mb (20 L + 20 [+ 8 L layer, 3 L selective]) launch_us"});
-  const double nb = static_cast<double>(flatParameterCount(c)) / l.shard;
-  const double optimizer = 36 * nb / (r.optimizer_gbps * 1e9);
-  p.time.push_back(
-      {"optimizer (AdamW, norm, zeroing)", optimizer, "36 N / shard / optimizer_gbps"});
+  p.time.push_back({"kernel launches", launch,
+                    moe ? "mb (20 L + 20 + L_moe (12 + 4 E / expert) [+ 8 L layer, 3 L "
+                          "selective]) launch_us"
+                        : "mb (20 L + 20 [+ 8 L layer, 3 L selective]) launch_us"});
+  // Parameters a rank holds: the sharded part / shard, the experts apart from it whole.
+  const bool apart = moe && l.expert > 1 && l.shard > 1;
+  const double nb = static_cast<double>(apart ? pc.dense() : pc.flat) / l.shard;
+  const double held = nb + (apart ? static_cast<double>(pc.experts) : 0.0);
+  const double optimizer = 36 * held / (r.optimizer_gbps * 1e9);
+  p.time.push_back({"optimizer (AdamW, norm, zeroing)", optimizer,
+                    moe ? "36 (N_dense / shard + N_exp / expert) / optimizer_gbps"
+                        : "36 N / shard / optimizer_gbps"});
 
-  // Communication: bus bandwidth between nodes when the group spans nodes.
-  auto busbw = [&](int group, bool spans_nodes) {
-    (void)group;
-    return (spans_nodes ? r.inter_node_gbps : r.intra_node_gbps) * 1e9;
+  // Communication: the bus bandwidth of a group within a node is the node's (NVLink); a group
+  // spanning nodes moves its traffic between nodes over the NICs of its members on each node,
+  // one per GPU (inter_node_gbps each), in parallel: min(intra, members per node x inter).  So
+  // the all-reduce of plain data parallelism (8 members per node) and HSDP's all-reduce of
+  // one shard per node (1 member, a shard of N / 8) take the same time.
+  auto busbw = [&](int members_per_node, bool spans_nodes) {
+    if (!spans_nodes) return r.intra_node_gbps * 1e9;
+    return std::min(r.intra_node_gbps, std::max(1, members_per_node) * r.inter_node_gbps) * 1e9;
   };
   // More ranks on a node than the table's ranks_per_node (CPU cores) share them: every
   // compute term above slows by that factor.
@@ -402,7 +700,7 @@ void planTime(const Input& in, Plan& p) {
     const double gathers = in.reshard_after_forward ? 2.0 : 1.0;
     const double ag = gathers * (l.shard - 1.0) / l.shard * (in.gather_bf16 ? 2 : 4) * nb * l.shard;
     const double rs = (l.shard - 1.0) / l.shard * 4 * nb * l.shard;
-    const double per_mb = (ag + rs) / busbw(l.shard, spans);
+    const double per_mb = (ag + rs) / busbw(l.ranks_per_node, spans);
     comm += mb * per_mb;
     exposed += mb * std::max(per_mb / L, per_mb - 1.5 * backward_time);
     comm_formula =
@@ -410,8 +708,12 @@ void planTime(const Input& in, Plan& p) {
         "bf16 gathers, else 4";
   }
   if (dp > 1) {
-    const bool spans = l.nodes > 1;
-    const double ar = 2 * (dp - 1.0) / dp * 4 * nb / busbw(dp, spans);
+    // The replicas of a rank's shard: one per shard group; shard groups within a node leave
+    // ranks_per_node / shard of them on each node.
+    const bool spans = l.nodes > 1 && dp > std::max(1, l.ranks_per_node / (l.shard * l.context));
+    const int members =
+        std::max(1, l.ranks_per_node / std::min(l.ranks_per_node, l.shard * l.context));
+    const double ar = 2 * (dp - 1.0) / dp * 4 * held / busbw(members, spans);
     comm += ar;
     exposed += std::max(ar / L, ar - backward_time);
     comm_formula = (l.shard > 1 ? comm_formula + "; " : std::string()) +
@@ -419,10 +721,25 @@ void planTime(const Input& in, Plan& p) {
   }
   if (l.context > 1) {
     const bool spans = l.context > l.ranks_per_node;
-    const double kv = 3 * (l.context - 1.0) * t * 2 * h * cb * L / busbw(l.context, spans);
+    const double kv = 3 * (l.context - 1.0) * t * 2 * h * cb * L / busbw(l.ranks_per_node, spans);
     comm += mb * kv;
     exposed += mb * kv / L;
     comm_formula += "; context: mb 3 (c-1) t 2 h c L / busbw";
+  }
+  if (moe && l.expert > 1) {
+    // Four exchanges per MoE layer and micro-batch (rows to the experts and back, forward and
+    // backward; two more when model.recompute: layer reruns the forward), not overlapped: the
+    // fullest rank moves max(X, t k) (E_p - 1) / E_p rows of h elements each time.
+    const bool spans = l.expert > l.ranks_per_node;
+    const double exchanges = rc == model::Recompute::Layer ? 6 : 4;
+    const double bytes =
+        exchanges * std::max(rows, local_rows) * (l.expert - 1.0) / l.expert * h * cb;
+    // Spanning nodes, each rank's rows to other nodes leave by its own NIC.
+    const double a2a = mb * moe_layers * bytes / busbw(1, spans);
+    p.time.push_back({"MoE all-to-all (exposed)", a2a,
+                      fmt("mb L_moe %.0f max(X, t k) (E_p-1)/E_p h c / ", exchanges) +
+                          (spans ? "inter_node_gbps" : "intra_node_gbps") +
+                          fmt(", X = %.2f t k (the load)", p.moe_load)});
   }
   p.time.push_back(
       {"communication (exposed)", exposed,
@@ -459,6 +776,19 @@ void planAdvice(const Input& in, Plan& p) {
       break;
     }
   }
+  // 1b. MoE: the smallest expert degree that fits (a divisor of the experts and the ranks).
+  if (in.model.moe.enabled())
+    for (int e = in.layout.expert + 1; e <= std::min(world, in.model.moe.experts); ++e) {
+      if (world % e != 0 || in.model.moe.experts % e != 0) continue;
+      Input t = in;
+      t.layout.expert = e;
+      if (totalWith(t) <= avail) {
+        p.advice.push_back("split the experts over " + std::to_string(e) +
+                           " ranks (parallel.expert_degree: " + std::to_string(e) + ", --expert " +
+                           std::to_string(e) + ": " + bytesText(totalWith(t)) + " per rank)");
+        break;
+      }
+    }
   // 2. Recomputation.
   for (auto rc : {model::Recompute::Selective, model::Recompute::Layer}) {
     if (in.model.recompute == rc) continue;
@@ -485,8 +815,12 @@ void planAdvice(const Input& in, Plan& p) {
   }
   if (p.advice.empty())
     p.advice.push_back(
-        "nothing in reach fits: the model state alone exceeds the device; add ranks and shard "
-        "over them, or choose a smaller model");
+        in.model.moe.enabled()
+            ? "nothing in reach fits: the model state alone exceeds the device; add ranks and "
+              "split the experts over them (parallel.expert_degree, --expert) or shard, or "
+              "choose a smaller model"
+            : "nothing in reach fits: the model state alone exceeds the device; add ranks and "
+              "shard over them, or choose a smaller model");
 }
 
 }  // namespace
@@ -517,6 +851,30 @@ Plan makePlan(const Input& in) {
     p.notes.push_back(
         "plm's sharding runs train.precision fp32 or bf16 (fp8 with shard > 1 is refused; "
         "doc/parallelism.md): these fp8 figures are the planned design's");
+  if (in.model.moe.enabled()) {
+    const auto& moe = in.model.moe;
+    p.notes.push_back(
+        fmt("MoE: %.0f experts of width %.0f, top-%.0f", moe.experts, moe.expert_ffn, moe.top_k) +
+        (moe.capacity_factor > 0 ? fmt(", capacity factor %.2f", moe.capacity_factor)
+                                 : std::string(", dropless")) +
+        (in.layout.expert > 1
+             ? fmt("; expert rows planned at load %.2f of the balanced t k: ", p.moe_load) +
+                   p.moe_load_source
+             : std::string("; expert degree 1: the load does not change the memory")));
+    if (in.layout.expert > 1)
+      p.notes.push_back(
+          "the MoE all-to-all is timed at the link's bandwidth only; the per-layer exchange of "
+          "the row counts (a host synchronisation) is not timed");
+    if (in.layout.expert > 1 && in.layout.shard > 1)
+      p.notes.push_back(
+          "plm refuses parallel.shard_degree > 1 beside parallel.expert_degree > 1 today "
+          "(src/train/trainer.cpp): these figures are the planned design's (dense part sharded, "
+          "experts whole on their rank)");
+    if (in.layout.context > 1)
+      p.notes.push_back(
+          "plm refuses parallel.context_degree > 1 with moe.experts > 0 today: these figures "
+          "are the planned design's");
+  }
   if (in.layout.context > 1 && in.compute != Compute::Fp32)
     p.notes.push_back(
         "context parallelism runs the portable fp32 kernels (bf16 with context_degree > 1 is "

@@ -26,7 +26,9 @@ Compute parseCompute(const std::string& name);  // "fp32" | "bf16" | "fp8"; coll
 const char* computeName(Compute c);
 
 /// How the ranks are laid out. world = ranks_per_node * nodes = shard * replicate * context
-/// (replicate is what is left); expert applies to mixture-of-experts models only.
+/// (replicate is what is left); expert applies to mixture-of-experts models only: the routed
+/// experts of every MoE layer are split over `expert` consecutive ranks, while the dense part
+/// follows shard and replicate (HSDP across nodes: shard within a node, replicate across).
 struct Layout {
   int ranks_per_node = 1;
   int nodes = 1;
@@ -37,6 +39,15 @@ struct Layout {
   int dataParallel() const { return world() / context; }  // ranks that see different tokens
   int replicate() const { return world() / (shard * context); }
 };
+
+/// \brief The deck's `parallel` degrees (shard_degree, 0 = a node's ranks; replicate_degree;
+/// context_degree; expert_degree) over `ranks_per_node` x `nodes` ranks.  Throws a collective
+/// plm::Error naming the key when they do not divide the ranks.
+Layout layoutFromDeck(const Teuchos::ParameterList& deck, int ranks_per_node, int nodes);
+
+/// \brief The fewest ranks on one node the deck's `parallel` degrees need: the least common
+/// multiple of shard x context and expert (1 for a plain deck; shard_degree 0 counts as 1).
+int ranksForDeck(const Teuchos::ParameterList& deck);
 
 struct Input {
   model::Esm2Config model;
@@ -51,6 +62,11 @@ struct Input {
   bool gather_bf16 = false;           // parallel.gather_dtype resolved (sharding: bf16 gathers)
   Rates rates;
   train::OptimizerOptions optimizer;  // optimizer.name and its settings: the state's bytes
+  // MoE under expert parallelism: the rows the fullest rank's experts compute per layer, as a
+  // multiple of the balanced share (tokens x top_k).  0 = the default: the capacity bound
+  // (moe.dropless: false), or 2 (dropless); never more than the expert degree (all rows on one
+  // rank).  plm train's first-step report plans at the load it measured.
+  double moe_load = 0;
 };
 
 /// One line of the memory or time table, with the formula it comes from (doc/plan.md).
@@ -76,6 +92,46 @@ struct Activations {
 Activations activationBytes(const model::Esm2Config& config, Compute compute, std::int64_t tokens,
                             std::int64_t rows, bool backward);
 
+/// Elements of one rank's flat parameter buffer, counted over the model's own tensor table
+/// (model::tensorTable, holding the routed experts of one rank of an expert group), and of its
+/// bf16 compute copy (the packed GEMM weights, laid out as Esm2's bind()).
+struct ParameterCounts {
+  std::int64_t flat = 0;             // the rank's whole buffer (every tensor rounded up to 16)
+  std::int64_t experts = 0;          // of which the routed experts it holds
+  std::int64_t embed = 0, head = 0;  // the embeddings; final LayerNorm and LM head
+  std::int64_t layer_max = 0;        // the widest encoder layer (a sharding unit)
+  std::int64_t layer_max_dense = 0;  // the widest encoder layer without its routed experts
+  std::int64_t compute = 0;          // bf16 compute copy, whole
+  std::int64_t compute_experts = 0;  // of which the routed experts'
+  std::int64_t compute_embed = 0, compute_head = 0, compute_layer_max = 0,
+               compute_layer_max_dense = 0;
+  std::int64_t dense() const { return flat - experts; }
+};
+/// \brief Counts of a rank of an expert group of `expert_degree` ranks; `fp8_gpu`: the FP8
+/// layers' bf16 biases join the compute copy (train.precision: fp8 on the CUDA build).
+ParameterCounts parameterCounts(const model::Esm2Config& config, int expert_degree = 1,
+                                bool fp8_gpu = false);
+
+/// The buffers every MoE layer keeps for itself (src/model/moe.cpp, MoeMlp::State: grow-only,
+/// one set per layer whatever model.recompute), in bytes over all MoE layers of one rank.
+struct MoeBuffers {
+  int layers = 0;                // MoE layers
+  std::int64_t rows = 0;         // permuted rows a rank routes per layer (kept slots)
+  std::int64_t expert_rows = 0;  // rows its experts compute per layer (expert parallelism: the
+                                 // rows received from the group)
+  double load = 1;               // expert_rows / (tokens x top_k)
+  std::int64_t routing = 0;      // router logits and their gradient, gates, row maps
+  std::int64_t token_side = 0;   // permuted rows, expert outputs and their gradients
+  std::int64_t expert_side = 0;  // FFN pre-activation, GELU and its gradient (+ exchange rows)
+  std::int64_t shared = 0;       // shared experts' pre-activation, GELU and its gradient
+  std::int64_t total() const { return routing + token_side + expert_side + shared; }
+};
+/// \brief The MoE buffers of a rank for `tokens` tokens per micro-batch at `load` (the rows its
+/// experts compute over tokens x top_k; 1 = balanced; capped at the expert degree and at the
+/// capacity bound).  `gpu`: the CUDA build's paths (device routing, bf16 rows under bf16).
+MoeBuffers moeBufferBytes(const model::Esm2Config& config, Compute compute, bool gpu,
+                          std::int64_t tokens, int expert_degree, double load);
+
 /// \brief Elements of the model's flat parameter buffer (every tensor rounded up to 16).
 std::int64_t flatParameterCount(const model::Esm2Config& config);
 /// \brief Elements of one encoder layer's tensors in that buffer.
@@ -99,7 +155,13 @@ struct Plan {
   double mfu = 0, hfu = 0;          // against rates.peak_tflops per rank
   std::vector<std::string> notes;   // assumptions worth reading
   std::vector<std::string> advice;  // what to change when it does not fit
+  // MoE: the load the expert buffers and the all-to-all were planned at, and where it came from.
+  double moe_load = 0;
+  std::string moe_load_source;
 };
+
+/// Exit status of `plm plan` when the run does not fit (doc/plan.md); 0 when it fits.
+constexpr int exit_does_not_fit = 3;
 
 /// \brief The plan of `in`; throws a collective plm::Error on an impossible layout (the world
 /// size not a multiple of shard * context, expert > 1 on a dense model, ...).

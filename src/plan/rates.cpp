@@ -19,7 +19,10 @@ namespace {
 // (160.5 ms for 94 TFLOP at h = 1280: 586 TFLOP/s); attention_* from the 650M split (50.1 ms
 // at d = 64) and the 8M step (d = 16); layernorm from the 650M split (32.0 ms); elementwise
 // from its "other fused" 12.2 ms; optimizer from AdamW over 651M parameters (2.62 TB/s).
-// NVLink 4: NCCL all-reduce bus bandwidth on 8 H100 SXM; inter-node: 4 x 400 Gb/s per 8 GPUs.
+// NVLink 4: NCCL all-reduce bus bandwidth on 8 H100 SXM.  Between nodes: one 400 Gb/s
+// InfiniBand NDR port per GPU (the DGX/HGX H100 and H200 layout, 8 per node): 50 GB/s line
+// rate, taken at 45 GB/s of NCCL bus bandwidth per rank (not measured here: no multi-node
+// machine; `--inter-node-gbps` or a rates file replaces it).
 const char* kH100 = R"({
   "kind": "h100",
   "source": "fitted to doc/performance.md (H100, plm bf16, commit 2492b5c): 650M kernel split and 8M step",
@@ -37,12 +40,13 @@ const char* kH100 = R"({
   "launch_us": 5,
   "peak_tflops": 989,
   "intra_node_gbps": 360,
-  "inter_node_gbps": 40,
+  "inter_node_gbps": 45,
   "ranks_per_node": 8
 })";
 
 // H200 (141 GB HBM3e, 4.8 TB/s): the H100's compute rates (same SMs and clocks) and the H100's
-// memory-bound rates scaled by the HBM bandwidth ratio 4.8 / 3.35. Not measured yet.
+// memory-bound rates scaled by the HBM bandwidth ratio 4.8 / 3.35. Not measured yet.  Links as
+// the H100's (NVLink 4; one 400 Gb/s NDR port per GPU between nodes).
 const char* kH200 = R"({
   "kind": "h200",
   "source": "H100 table with memory-bound rates x 4.8/3.35 (HBM3e); not yet measured on an H200",
@@ -60,7 +64,7 @@ const char* kH200 = R"({
   "launch_us": 5,
   "peak_tflops": 989,
   "intra_node_gbps": 360,
-  "inter_node_gbps": 40,
+  "inter_node_gbps": 45,
   "ranks_per_node": 8
 })";
 

@@ -9,6 +9,7 @@
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
+#include <numeric>
 #include <sstream>
 
 namespace plm::plan {
@@ -41,6 +42,45 @@ std::string count(double x) {
 
 }  // namespace
 
+Layout layoutFromDeck(const Teuchos::ParameterList& deck, int ranks_per_node, int nodes) {
+  Layout l;
+  l.ranks_per_node = ranks_per_node;
+  l.nodes = nodes;
+  if (!deck.isSublist("parallel")) return l;
+  const auto& par = deck.sublist("parallel");
+  const int world = l.world();
+  l.context = par.get<int>("context_degree");
+  l.expert = par.get<int>("expert_degree");
+  if (l.context > 1) {
+    if (world % l.context != 0)
+      throw collectiveError("plan: parallel.context_degree " + std::to_string(l.context) +
+                            " does not divide the " + std::to_string(world) +
+                            " ranks; give --gpus/--nodes for a multiple of it, or --context");
+    // The shard groups live inside the ranks of one context position.
+    const int shard = par.get<int>("shard_degree");
+    l.shard = shard > 0 ? shard : std::max(1, std::min(ranks_per_node, world) / l.context);
+  } else {
+    l.shard = train::resolveLayout(par.get<int>("shard_degree"), par.get<int>("replicate_degree"),
+                                   world, ranks_per_node)
+                  .shard;
+  }
+  return l;
+}
+
+int ranksForDeck(const Teuchos::ParameterList& deck) {
+  if (!deck.isSublist("parallel")) return 1;
+  const auto& par = deck.sublist("parallel");
+  const int shard = std::max(1, par.get<int>("shard_degree"));
+  const int a = shard * std::max(1, par.get<int>("context_degree"));
+  const int b = std::max(1, par.get<int>("expert_degree"));
+  const int replicate = par.get<int>("replicate_degree");
+  const int lcm = a / std::gcd(a, b) * b;
+  // An explicit replicate degree fixes the rank count with the shard degree.
+  return replicate > 0 && par.get<int>("shard_degree") > 0
+             ? std::max(lcm, shard * replicate * std::max(1, par.get<int>("context_degree")))
+             : lcm;
+}
+
 Input inputFromDeck(const Teuchos::ParameterList& deck, const Layout& layout, const Rates& rates) {
   Input in;
   in.model = train::modelConfigFromDeck(deck);
@@ -57,6 +97,8 @@ Input inputFromDeck(const Teuchos::ParameterList& deck, const Layout& layout, co
   in.layout = layout;
   in.rates = rates;
   in.optimizer = train::optimizerOptionsFromDeck(deck.sublist("optimizer"));
+  if (deck.isSublist("parallel"))
+    in.reshard_after_forward = deck.sublist("parallel").get<bool>("reshard_after_forward");
   in.gather_bf16 = train::gatherInBf16(
       deck.isSublist("parallel") ? deck.sublist("parallel").get<std::string>("gather_dtype")
                                  : std::string("auto"),
@@ -73,6 +115,14 @@ std::string formatPlan(const Input& in, const Plan& p) {
       "recompute %s\n",
       c.num_layers, c.hidden, c.heads, c.ffn, static_cast<long long>(c.numParameters()),
       computeName(in.compute), model::recomputeName(c.recompute));
+  if (c.moe.enabled())
+    os << line(
+        "  MoE: %d experts of width %d, top-%d, every %d layer(s), %d shared; %s; %lld active "
+        "parameters per token\n",
+        c.moe.experts, c.moe.expert_ffn, c.moe.top_k, c.moe.every, c.moe.shared_experts,
+        c.moe.capacity_factor > 0 ? line("capacity factor %.2f", c.moe.capacity_factor).c_str()
+                                  : "dropless",
+        static_cast<long long>(c.activeParameters()));
   os << line(
       "  layout: %d rank(s) = %d node(s) x %d; shard %d, context %d, replicate %d, "
       "expert %d; device %s\n",
@@ -125,6 +175,20 @@ io::json::Value planToJson(const Input& in, const Plan& p) {
   model.set("parameters", in.model.numParameters());
   model.set("precision", computeName(in.compute));
   model.set("recompute", model::recomputeName(in.model.recompute));
+  if (in.model.moe.enabled()) {
+    Value moe = Value::object();
+    moe.set("experts", in.model.moe.experts);
+    moe.set("top_k", in.model.moe.top_k);
+    moe.set("expert_ffn", in.model.moe.expert_ffn);
+    moe.set("every", in.model.moe.every);
+    moe.set("shared_experts", in.model.moe.shared_experts);
+    moe.set("dropless", in.model.moe.capacity_factor == 0);
+    moe.set("capacity_factor", in.model.moe.capacity_factor);
+    moe.set("load", p.moe_load);
+    moe.set("load_source", p.moe_load_source);
+    moe.set("active_parameters", in.model.activeParameters());
+    model.set("moe", moe);
+  }
   v.set("model", model);
   Value layout = Value::object();
   layout.set("ranks", in.layout.world());

@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <memory>
@@ -52,22 +53,15 @@ double now() {
 }  // namespace
 
 Input inputOfRun(const train::Trainer& trainer) {
-  Layout layout;
-  layout.ranks_per_node = std::max(1, dist::localSize());
-  layout.nodes = std::max(1, trainer.world() / layout.ranks_per_node);
-  if (layout.world() != trainer.world()) {
-    layout.ranks_per_node = trainer.world();
-    layout.nodes = 1;
+  int ranks_per_node = std::max(1, dist::localSize());
+  int nodes = std::max(1, trainer.world() / ranks_per_node);
+  if (ranks_per_node * nodes != trainer.world()) {
+    ranks_per_node = trainer.world();
+    nodes = 1;
   }
-  bool reshard = true;
-  if (trainer.deck().isSublist("parallel")) {
-    const auto& par = trainer.deck().sublist("parallel");
-    layout.shard =
-        train::resolveLayout(par.get<int>("shard_degree"), par.get<int>("replicate_degree"),
-                             trainer.world(), dist::localSize())
-            .shard;
-    reshard = par.get<bool>("reshard_after_forward");
-  }
+  // The deck's parallel degrees (shard, context, expert) over this job's ranks: the layout the
+  // trainer built.
+  const Layout layout = layoutFromDeck(trainer.deck(), ranks_per_node, nodes);
   Rates rates = builtinRates(deviceKind());
   // A measured table (plm bench rates --out FILE) replaces the built-in one.
   if (const char* path = std::getenv("PLM_RATES"); path && *path) rates = readRates(path, rates);
@@ -76,9 +70,29 @@ Input inputOfRun(const train::Trainer& trainer) {
   rates.ranks_per_node = rates.kind == "cpu"
                              ? static_cast<int>(std::max(1u, std::thread::hardware_concurrency()))
                              : std::max(rates.ranks_per_node, layout.ranks_per_node);
-  Input in = inputFromDeck(trainer.deck(), layout, rates);
-  in.reshard_after_forward = reshard;
-  return in;
+  return inputFromDeck(trainer.deck(), layout, rates);
+}
+
+double measuredMoeLoad(const std::vector<std::vector<double>>& routed, int experts, int degree) {
+  // Rank position q of every expert group holds experts [q E/E_p, (q+1) E/E_p); its rows over
+  // the balanced share are E_p sum_{e of q} routed_e / sum_e routed_e per layer.  The buffers
+  // grow with the sum over layers, so the fullest position's mean over the layers.
+  if (routed.empty() || degree <= 1 || experts % degree != 0) return 0;
+  const int per = experts / degree;
+  double worst = 0;
+  for (int q = 0; q < degree; ++q) {
+    double sum = 0;
+    for (const auto& layer : routed) {
+      double all = 0, mine = 0;
+      for (int e = 0; e < static_cast<int>(layer.size()); ++e) {
+        all += layer[e];
+        if (e / per == q) mine += layer[e];
+      }
+      sum += all > 0 ? degree * mine / all : 1.0;
+    }
+    worst = std::max(worst, sum / static_cast<double>(routed.size()));
+  }
+  return worst;
 }
 
 void logMemoryPlan(const train::Trainer& trainer) {
@@ -90,8 +104,11 @@ void logMemoryPlan(const train::Trainer& trainer) {
     return;
   }
   // An out-of-memory message quotes it (core/failure.hpp).
+  char load[64] = "";
+  if (p.moe_load > 0 && inputOfRun(trainer).layout.expert > 1)
+    std::snprintf(load, sizeof load, " (MoE expert rows at load %.2f)", p.moe_load);
   failure::setPlanNote("planned for this run: " + bytesText(p.memory_allocated) +
-                       " of buffers per rank");
+                       " of buffers per rank" + load);
   if (trainer.rank() != 0) return;
   std::string items;
   for (const auto& item : p.memory)
@@ -99,6 +116,9 @@ void logMemoryPlan(const train::Trainer& trainer) {
   log::info("memory: planned per rank %s of buffers (%s in all with the runtime)%s",
             bytesText(p.memory_allocated).c_str(), bytesText(p.memory_total).c_str(),
             items.c_str());
+  if (p.moe_load > 0 && !p.moe_load_source.empty())
+    log::info("memory: MoE expert rows planned at load %.2f: %s", p.moe_load,
+              p.moe_load_source.c_str());
 }
 
 train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook next) {
@@ -108,19 +128,26 @@ train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook n
     if (w->done) return;
     w->seen += 1;
     if (w->seen == 1) {  // the first step pays for allocations and warm-up
-      // Its measured peak of the buffers against the plan (collective).
+      // Its measured peak of the buffers against the plan (collective); MoE under expert
+      // parallelism: planned at the load this step's routing put on the fullest rank.
       const double peak =
           dist::allreduceMax(static_cast<double>(trainer.firstStepPeak()), trainer.comm());
-      double planned = 0;
+      double planned = 0, load = 0;
       try {
-        planned = makePlan(inputOfRun(trainer)).memory_allocated;
+        Input in = inputOfRun(trainer);
+        load = measuredMoeLoad(trainer.moe().lastRouted(), in.model.moe.experts, in.layout.expert);
+        if (load > 0) in.moe_load = std::max(1.0, load);
+        planned = makePlan(in).memory_allocated;
       } catch (const Error&) {
       }
+      char at_load[64] = "";
+      if (load > 0) std::snprintf(at_load, sizeof at_load, " at the measured MoE load %.2f", load);
       if (trainer.rank() == 0 && peak > 0 && planned > 0)
         log::info(
             "memory: first step peak of the buffers %s on the fullest rank, planned %s "
-            "(%+.1f%%; plm plan, doc/plan.md)",
-            bytesText(peak).c_str(), bytesText(planned).c_str(), 100 * (planned / peak - 1));
+            "(%+.1f%%%s; plm plan, doc/plan.md)",
+            bytesText(peak).c_str(), bytesText(planned).c_str(), 100 * (planned / peak - 1),
+            at_load);
       w->t0 = now();
       return;
     }

@@ -18,9 +18,14 @@ std::string deviceKind();
 train::Trainer::StepHook predictionReport(int window = 5, train::Trainer::StepHook next = {});
 
 /// \brief The planner's input for `trainer`'s deck and rank layout (shard degree from the
-/// deck's parallel section) with this device's rates (PLM_RATES replaces them).  Throws
-/// plm::Error when the rates file cannot be read.
+/// deck's parallel section: shard, context and expert degrees) with this device's rates (PLM_RATES
+/// replaces them).  Throws plm::Error when the rates file cannot be read.
 Input inputOfRun(const train::Trainer& trainer);
+
+/// \brief The fullest rank's MoE load (its experts' rows over the balanced share, averaged
+/// over the MoE layers) from one step's routed slots per layer and expert summed over all ranks,
+/// for expert groups of `degree` consecutive ranks; 0 when there is no expert parallelism.
+double measuredMoeLoad(const std::vector<std::vector<double>>& routed, int experts, int degree);
 
 /// \brief Logs (rank 0) the planned bytes per rank of `trainer`'s run: parameters, gradients,
 /// optimizer state, gathered-layer buffers and activations at the configured micro-batch.

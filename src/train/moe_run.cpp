@@ -142,6 +142,7 @@ template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model) {
     acc.tokens += s.tokens;
   }
   steps_member += 1;
+  last_routed_member = routed;
   if (model.config().moe.bias_balance) model.balanceExpertBias(routed);
 }
 

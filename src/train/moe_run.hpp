@@ -58,6 +58,10 @@ template <class P> class MoeRun {
   /// \brief Full: one object per layer under "moe".
   static void addMetrics(const std::vector<MoeLayerSummary>& layers, io::json::Value& record);
   int expertDegree() const { return degree_member; }
+  /// \brief The last step's slots routed to each expert, per MoE layer, summed over all ranks
+  /// and micro-batches (empty before the first step or for a dense model); the plan's
+  /// first-step report derives the fullest rank's load from it (src/plan/train_report.cpp).
+  const std::vector<std::vector<double>>& lastRouted() const { return last_routed_member; }
 
  private:
   MPI_Comm comm_member;
@@ -65,6 +69,7 @@ template <class P> class MoeRun {
   std::unique_ptr<dist::ProcessGroups> groups_member;
   std::unique_ptr<dist::Communicator> expert_comm_member;
   std::vector<model::MoeLayerStats> interval_member;
+  std::vector<std::vector<double>> last_routed_member;
   int steps_member = 0;
 };
 

@@ -107,6 +107,8 @@ class Trainer {
   void restore(const TrainState& state);
 
   model::Esm2<param_t>& model() { return *model_member; }
+  /// \brief The MoE side of the run: expert degree and the last step's routing (dense: empty).
+  const MoeRun<param_t>& moe() const { return *moe_member; }
   /// \brief The full-layout optimizer state (unsharded runs: the optimizer itself).  Sharded
   /// runs (parallel.shard_degree > 1) allocate it here only on demand, gathered from the shards
   /// (then collective: every rank must call it), and release it once the shards have taken it

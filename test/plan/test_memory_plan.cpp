@@ -9,10 +9,15 @@
 //  - The measured state per rank falls with the shard degree (shard 2 < shard 1, 4 < 2).
 // Model: 8 layers of hidden 128 (1.6 M parameters) and micro-batches of 256 tokens, so the
 // sharded state is a sizeable part of the peak next to the activations.
+// MoE: the same model with 4 experts of width 256, top-2, in every layer, its experts split
+// over all ranks (expert degree = ranks): the plan at the load the step's routing put on this
+// rank (its experts' rows over the balanced t k) against this rank's measured peak, to 10%;
+// the state per rank falls with the expert degree.
 #include "dist/communicator.hpp"
 #include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
 #include "plan/plan.hpp"
+#include "train/adamw.hpp"
 #include "train/fsdp.hpp"
 #include "train/memory_tracker.hpp"
 
@@ -67,10 +72,13 @@ plan::Plan planOf(int shard, int world) {
   return plan::makePlan(in);
 }
 
-double stateOf(const plan::Plan& p) {  // parameters, gradients, optimizer, gathered buffers
+// Parameters, gradients, optimizer, gathered buffers (not the activations, the batch or the
+// MoE layers' buffers, which the first step allocates).
+double stateOf(const plan::Plan& p) {
   double s = 0;
   for (const auto& i : p.memory)
-    if (i.allocated && i.name.rfind("activations", 0) != 0 && i.name.rfind("batch", 0) != 0)
+    if (i.allocated && i.name.rfind("activations", 0) != 0 && i.name.rfind("batch", 0) != 0 &&
+        i.name.rfind("MoE", 0) != 0)
       s += i.value;
   return s;
 }
@@ -133,6 +141,85 @@ TEST(MemoryPlan, MeasuredBytesMatchThePlanAndFallWithTheShardDegree) {
       EXPECT_NEAR(m.peak, p.memory_allocated, 0.10 * p.memory_allocated) << "shard " << shard;
     if (!states.empty()) EXPECT_LT(m.state, states.back()) << "shard " << shard;
     states.push_back(m.state);
+  }
+  train::AllocationTracker::stop();
+}
+
+model::Esm2Config moeConfig() {
+  auto c = config();
+  c.moe.experts = 4;
+  c.moe.top_k = 2;
+  c.moe.every = 1;
+  c.moe.expert_ffn = 256;
+  return c;
+}
+
+TEST(MemoryPlan, MoeBuffersMatchThePlanAtTheMeasuredLoad) {
+  if (!train::AllocationTracker::start()) GTEST_SKIP() << "a Kokkos tool library is loaded";
+  if (!Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemSpace>::accessible)
+    GTEST_SKIP() << "the CPU's portable MoE path is what this test plans (GPU: "
+                    "validation/plan_accuracy.py)";
+  const int world = dist::worldSize(), rank = dist::worldRank();
+  if (4 % world != 0) GTEST_SKIP() << "the 4 experts split over 1, 2 or 4 ranks";
+  const auto c = moeConfig();
+  auto comm = dist::makeCommunicator(MPI_COMM_WORLD, dist::defaultBackend(MPI_COMM_WORLD));
+  const std::int64_t base = train::AllocationTracker::inUse();
+  double state = 0, peak = 0;
+  std::vector<std::vector<double>> routed;
+  {
+    model::Esm2<float> model(c, model::ExpertPlacement{world, rank});
+    model.initialize(3);
+    if (world > 1) model.setExpertParallel(comm.get());
+    train::AdamW<float> opt(model.parameters(), model.tensors(), train::AdamWOptions{});
+    state = static_cast<double>(train::AllocationTracker::inUse() - base);
+    train::AllocationTracker::resetPeak();
+    model.zeroGradients();
+    model.forwardBackward(makeBatch(17 + rank), 1.0 / labelled);
+    opt.step(ExecSpace(), model.gradients(), 1e-4);
+    peak = static_cast<double>(train::AllocationTracker::peak() - base);
+    for (const auto& s : model.moeStats()) routed.push_back(s.routed);
+  }
+  // This rank's load: its experts' slots (routed by every rank of the group) over t k.
+  for (auto& layer : routed)
+    MPI_Allreduce(MPI_IN_PLACE, layer.data(), static_cast<int>(layer.size()), MPI_DOUBLE, MPI_SUM,
+                  MPI_COMM_WORLD);
+  double load = 0;
+  for (const auto& layer : routed) {
+    double mine = 0, all = 0;
+    for (int e = 0; e < 4; ++e) {
+      all += layer[e];
+      if (e / (4 / world) == rank) mine += layer[e];
+    }
+    load += world * mine / all / static_cast<double>(routed.size());
+  }
+  plan::Input in;
+  in.model = c;
+  in.micro_batch_tokens = tokens;
+  in.mask_prob = (labelled - 0.5) / tokens;
+  in.layout.ranks_per_node = world;
+  in.layout.expert = world;
+  in.moe_load = load;
+  in.rates = plan::builtinRates("cpu");
+  const auto p = plan::makePlan(in);
+  const double planned_state = stateOf(p);
+  std::printf(
+      "rank %d, expert degree %d, load %.3f: state planned %s, measured %s; first step peak "
+      "planned %s, measured %s\n",
+      rank, world, load, plan::bytesText(planned_state).c_str(), plan::bytesText(state).c_str(),
+      plan::bytesText(p.memory_allocated).c_str(), plan::bytesText(peak).c_str());
+  EXPECT_NEAR(state, planned_state, 0.10 * planned_state);
+  EXPECT_NEAR(peak, p.memory_allocated, 0.10 * p.memory_allocated);
+  // The MoE buffers are the part this test is about: without them the plan misses the peak.
+  double moe = 0;
+  for (const auto& i : p.memory)
+    if (i.name.rfind("MoE", 0) == 0) moe += i.value;
+  EXPECT_GT(moe, 0.10 * peak);
+  EXPECT_GT(peak - (p.memory_allocated - moe), 0.5 * moe);
+  // The state per rank falls with the expert degree (the routed experts divide by it).
+  if (world > 1) {
+    plan::Input one = in;
+    one.layout.expert = 1;
+    EXPECT_LT(planned_state, stateOf(plan::makePlan(one)));
   }
   train::AllocationTracker::stop();
 }

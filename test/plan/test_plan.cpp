@@ -6,6 +6,7 @@
 #include "model/esm2.hpp"
 #include "plan/bench_rates.hpp"
 #include "plan/plan.hpp"
+#include "plan/train_report.hpp"
 #include "train/adamw.hpp"
 
 #include <gtest/gtest.h>
@@ -413,4 +414,182 @@ TEST(Plan, NotesWhatPlmRefusesToday) {
   EXPECT_FALSE(has(plan::makePlan(in), "hidden <= 5120"));
   in.rates = plan::builtinRates("cpu");
   EXPECT_TRUE(has(plan::makePlan(in), "CUDA build only"));
+}
+
+namespace {
+
+// A small MoE model: 2 layers of h = 32, 4 experts of width 48, top-2 (both layers MoE).
+model::Esm2Config smallMoe() {
+  auto c = small();
+  c.moe.experts = 4;
+  c.moe.top_k = 2;
+  c.moe.every = 1;
+  c.moe.expert_ffn = 48;
+  return c;
+}
+
+}  // namespace
+
+TEST(Plan, MoeParameterCountsFollowTheModelsTable) {
+  // The plan counts the buffer the model allocates, whole and for one rank of an expert group;
+  // the routed experts divide by the expert degree, the rest does not.
+  const auto c = smallMoe();
+  const auto whole = plan::parameterCounts(c);
+  {
+    model::Esm2<float> m(c);
+    EXPECT_EQ(static_cast<std::int64_t>(m.parameters().extent(0)), whole.flat);
+  }
+  // One expert: (48 h + 48) + (h 48 + h) = 1536 + 48 + 1536 + 32 = 3152 elements; 4 per layer.
+  EXPECT_EQ(whole.experts, 2 * 4 * 3152);
+  for (int degree : {2, 4}) {
+    const auto part = plan::parameterCounts(c, degree);
+    model::Esm2<float> m(c, model::ExpertPlacement{degree, 0});
+    EXPECT_EQ(static_cast<std::int64_t>(m.parameters().extent(0)), part.flat) << degree;
+    EXPECT_EQ(part.experts, whole.experts / degree);
+    EXPECT_EQ(part.dense(), whole.dense());
+    EXPECT_EQ(part.compute_experts, whole.compute_experts / degree);
+  }
+  // The compute copy packs every expert's four tensors (b2 too: an expert's output is bf16).
+  EXPECT_EQ(whole.compute_experts, whole.experts);
+  // A dense model's counts are the hand formula's.
+  EXPECT_EQ(plan::parameterCounts(small()).flat, plan::flatParameterCount(small()));
+  EXPECT_EQ(plan::parameterCounts(small()).experts, 0);
+}
+
+TEST(Plan, MoeBuffersByHand) {
+  // fp32 on the CPU (host routing), t = 10 tokens, k = 2: R = 20 rows, h = 32, f_e = 48, E = 4,
+  // two MoE layers.  Per layer: logits + dlogits 2 x 10 x 4 x 4, dgate 20 x 4; host maps
+  // 20 x (4 + 4) + 20 x (4 + 4); token side 4 R h 4; expert side 3 R f_e 4.
+  const auto c = smallMoe();
+  const auto b = plan::moeBufferBytes(c, Compute::Fp32, false, 10, 1, 1.0);
+  EXPECT_EQ(b.layers, 2);
+  EXPECT_EQ(b.rows, 20);
+  EXPECT_EQ(b.expert_rows, 20);
+  EXPECT_EQ(b.routing, 2 * (320 + 80 + 160 + 160));
+  EXPECT_EQ(b.token_side, 2 * 4 * 20 * 32 * 4);
+  EXPECT_EQ(b.expert_side, 2 * 3 * 20 * 48 * 4);
+  EXPECT_EQ(b.shared, 0);
+  // Expert degree 2 at load 1.5: X = 30 rows, plus five (X, h) exchange buffers and two maps.
+  const auto e2 = plan::moeBufferBytes(c, Compute::Fp32, false, 10, 2, 1.5);
+  EXPECT_EQ(e2.expert_rows, 30);
+  EXPECT_EQ(e2.expert_side, 2 * (3 * 30 * 48 * 4 + 5 * 30 * 32 * 4 + 2 * 30 * 4));
+  // The load is capped at the expert degree (every row on one rank) and at the capacity bound.
+  EXPECT_EQ(plan::moeBufferBytes(c, Compute::Fp32, false, 10, 2, 9.0).expert_rows, 40);
+  auto capped = c;
+  capped.moe.capacity_factor = 1.25;  // capacity ceil(1.25 x 20 / 4) = 7 per expert: 28 rows
+  EXPECT_EQ(plan::moeBufferBytes(capped, Compute::Fp32, false, 10, 2, 9.0).expert_rows, 28);
+  // bf16 on the GPU: rows in 2 bytes, the router's fp32 input and its gradient, device routing.
+  const auto g = plan::moeBufferBytes(c, Compute::Bf16, true, 10, 1, 1.0);
+  EXPECT_EQ(g.token_side, 2 * (4 * 20 * 32 * 2 + 2 * 10 * 32 * 4));
+  EXPECT_EQ(g.expert_side, 2 * 3 * 20 * 48 * 2);
+  // Shared experts: pre-activation, GELU and gradient over every token.
+  auto shared = c;
+  shared.moe.shared_experts = 1;
+  EXPECT_EQ(plan::moeBufferBytes(shared, Compute::Fp32, false, 10, 1, 1.0).shared,
+            2 * 3 * 10 * 48 * 4);
+}
+
+TEST(Plan, MoeMemoryFallsWithTheExpertDegreeAndGrowsWithTheLoad) {
+  plan::Input in;
+  in.model = model::Esm2Config::preset("aido_protein_16b");
+  in.compute = Compute::Bf16;
+  in.micro_batch_tokens = 8192;
+  in.rates = plan::builtinRates("h200");
+  in.layout.ranks_per_node = 8;
+  auto state = [](const plan::Plan& p) {
+    return item(p.memory, "parameters") + item(p.memory, "gradients") +
+           item(p.memory, "optimizer states") + item(p.memory, "compute copy");
+  };
+  // One H200: the fp32 state alone (~19 bytes per parameter) is far beyond 140 GB.
+  in.layout.ranks_per_node = 1;
+  const auto one = plan::makePlan(in);
+  EXPECT_FALSE(one.fits);
+  EXPECT_GT(state(one), 16.0 * static_cast<double>(in.model.numParameters()));
+  in.layout.ranks_per_node = 8;
+  double previous = 0;
+  for (int degree : {1, 2, 4, 8}) {
+    in.layout.expert = degree;
+    in.moe_load = 1.0;
+    const auto p = plan::makePlan(in);
+    const auto counts = plan::parameterCounts(in.model, degree);
+    // The routed experts divide by the degree, the dense part stays whole.
+    EXPECT_NEAR(item(p.memory, "parameters"),
+                4.0 * static_cast<double>(counts.dense() + counts.experts), 1.0);
+    if (degree > 1) {
+      EXPECT_LT(state(p), previous) << degree;
+      EXPECT_GT(item(p.time, "MoE all-to-all"), 0) << degree;
+    }
+    previous = state(p);
+  }
+  // At a fixed degree the expert rows grow with the load, up to the degree.
+  in.layout.expert = 4;
+  in.moe_load = 1.0;
+  const double balanced = item(plan::makePlan(in).memory, "MoE: expert rows");
+  in.moe_load = 4.0;
+  const auto collapsed = plan::makePlan(in);
+  EXPECT_NEAR(item(collapsed.memory, "MoE: expert rows"), 4 * balanced, 0.01 * balanced);
+  EXPECT_DOUBLE_EQ(collapsed.moe_load, 4.0);
+  in.moe_load = 0;  // dropless default: 2x balanced, said in a note
+  const auto fallback = plan::makePlan(in);
+  EXPECT_DOUBLE_EQ(fallback.moe_load, 2.0);
+  EXPECT_NE(fallback.moe_load_source.find("dropless default"), std::string::npos);
+  // Expert degree on a dense model, or one that does not divide the experts, is refused.
+  in.layout.expert = 3;
+  EXPECT_THROW(plan::makePlan(in), Error);
+  // The advice names an expert degree when one fits (at 2,048-token micro-batches the
+  // experts' state decides it).
+  in.layout.expert = 1;
+  in.moe_load = 0;
+  in.micro_batch_tokens = 2048;
+  const auto p1 = plan::makePlan(in);
+  ASSERT_FALSE(p1.fits);
+  bool expert_advised = false;
+  for (const auto& a : p1.advice) expert_advised |= a.find("--expert ") != std::string::npos;
+  EXPECT_TRUE(expert_advised);
+  // Model FLOPs per token are the active ones (top-2 of 8), below the total parameters'.
+  EXPECT_LT(p1.model_flops_per_token, 6.0 * static_cast<double>(in.model.numParameters()));
+}
+
+TEST(Plan, DeckSectionsAreHonoured) {
+  // parallel (shard, expert), moe and fp8 from the deck; --set overrides it (deck::load's
+  // overrides are what resolve() applies).
+  auto deck = deck::resolve(*deck::readYamlString(
+      "model: { preset: esm2_35m }\n"
+      "data: { tokens_per_batch: 65536, micro_batch_tokens: 8192, max_seq_len: 256 }\n"
+      "train: { precision: fp8 }\n"
+      "fp8: { first_layers_bf16: 2, last_layers_bf16: 1 }\n"
+      "moe: { experts: 8, top_k: 2, expert_ffn: 960, dropless: false, capacity_factor: 1.5 }\n"
+      "parallel: { shard_degree: 1, expert_degree: 4 }\n"));
+  EXPECT_EQ(plan::ranksForDeck(*deck), 4);
+  auto layout = plan::layoutFromDeck(*deck, 8, 1);
+  EXPECT_EQ(layout.expert, 4);
+  EXPECT_EQ(layout.shard, 1);
+  const auto in = plan::inputFromDeck(*deck, layout, plan::builtinRates("h100"));
+  EXPECT_EQ(in.model.moe.experts, 8);
+  EXPECT_EQ(in.model.moe.expert_ffn, 960);
+  EXPECT_DOUBLE_EQ(in.model.moe.capacity_factor, 1.5);
+  EXPECT_EQ(in.compute, Compute::Fp8);
+  const auto p = plan::makePlan(in);
+  EXPECT_DOUBLE_EQ(p.moe_load, 1.5);  // the capacity bound
+  // FP8 codes only for the 12 - 2 - 1 = 9 FP8 layers: 2 x 9 x (4 h^2) (the FFNs are experts).
+  // (The expert codes come with the MoE layers' FFN weights: counted with the codes below.)
+  EXPECT_GT(item(p.memory, "FP8 weight codes"), 0);
+  // Node-wide sharding (shard_degree 0) resolves to the ranks of a node; replicate the rest.
+  auto sharded =
+      deck::resolve(*deck::readYamlString("model: { preset: esm2_35m }\n"
+                                          "parallel: { shard_degree: 0 }\n"));
+  const auto l2 = plan::layoutFromDeck(*sharded, 8, 4);
+  EXPECT_EQ(l2.shard, 8);
+  EXPECT_EQ(l2.replicate(), 4);
+  auto bad = deck::resolve(*deck::readYamlString("parallel: { shard_degree: 3 }\n"));
+  EXPECT_THROW(plan::layoutFromDeck(*bad, 8, 1), Error);
+}
+
+TEST(Plan, MeasuredMoeLoadOfTheFullestRank) {
+  // Two layers, 4 experts over 2 ranks (experts 0-1 on rank 0, 2-3 on rank 1).  Layer 0:
+  // rank 0 gets 30 of 40 slots (load 2 x 30/40 = 1.5); layer 1 balanced (1.0): mean 1.25.
+  const std::vector<std::vector<double>> routed = {{20, 10, 5, 5}, {10, 10, 10, 10}};
+  EXPECT_DOUBLE_EQ(plan::measuredMoeLoad(routed, 4, 2), 1.25);
+  EXPECT_DOUBLE_EQ(plan::measuredMoeLoad(routed, 4, 1), 0.0);           // no expert parallelism
+  EXPECT_DOUBLE_EQ(plan::measuredMoeLoad({{40, 0, 0, 0}}, 4, 4), 4.0);  // collapsed
 }
