@@ -3,7 +3,16 @@
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves
-#                                       staged moe_grouped moe_ep moe_nccl
+#                                       staged moe_grouped moe_ep moe_nccl shard_start
+#   shard_start: start-up that scales (doc/parallelism.md "Start-up"): plm train at
+#         parallel.shard_degree = visible GPUs (one rank per GPU, NCCL), 3 steps of ESM-2 3B
+#         (inputs/esm2_3b.yaml, bf16) and of 15B: the "start-up: model ready in ..." line (time,
+#         host peak RSS, device in use), the first step's measured peak and tokens/s.  15B at
+#         shard 4 runs AdamW (80.8 GiB planned per rank); on fewer than 4 GPUs it runs
+#         optimizer.name adamw8bit with fp32 gathers (AdamW's 16 bytes per parameter over 2
+#         GPUs, 121 GB of state per rank plus the bf16 shard, does not fit an H200), after
+#         `plm plan` for both; PLM_SHARD_START_15B=0 skips 15B, PLM_SHARD_START_15B_OPT picks
+#         its optimizer
 #   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
 #        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
 #        layer with PLM_MOE_GEMM=grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
@@ -278,6 +287,40 @@ if has fsdp_bf16 && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     > "$out/fsdp_bf16_wide.log" 2>&1
   note "plm train hidden-5120 slice bf16 shard 2 rc=$?"
   grep -E "parallel:|peak|step +([0-9]+)/" "$out/fsdp_bf16_wide.log" | tail -14 | tee -a "$summary"
+fi
+
+if has shard_start && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  [[ $ngpu -lt 1 ]] && ngpu=1
+  shard_run() {  # name yaml extra-args...: 3 steps at shard_degree = GPUs
+    local name=$1 yaml=$2
+    shift 2
+    local dir=/tmp/plm-shard-start-$name log="$out/shard_start_$name.log"
+    rm -rf "$dir"
+    local start=$(date +%s)
+    timeout 900 mpiexec -n $ngpu "$pkg/bin/plm" train "$repo/inputs/$yaml" \
+      --set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=bf16 \
+      --set parallel.shard_degree=$ngpu --set data.micro_batch_tokens=8192 \
+      --set data.tokens_per_batch=$((8192 * ngpu)) --set train.steps=3 --set train.log_every=1 \
+      --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$dir" "$@" \
+      > "$log" 2>&1
+    note "shard_start: plm train $name bf16 shard $ngpu rc=$? ($(( $(date +%s) - start )) s in all)"
+    grep -E "start-up:|parallel:|optimizer:|memory: after|step +[0-9]+/|error|Error|out of memory" \
+      "$log" | head -12 | tee -a "$summary"
+  }
+  shard_run 3b esm2_3b.yaml
+  if [[ ${PLM_SHARD_START_15B:-1} != 0 ]]; then
+    opt=${PLM_SHARD_START_15B_OPT:-adamw}
+    gather=auto
+    if [[ $ngpu -lt 4 && -z ${PLM_SHARD_START_15B_OPT:-} ]]; then opt=adamw8bit; gather=fp32; fi
+    for o in $(printf "%s\n" adamw $opt | sort -u); do
+      "$pkg/bin/plm" plan "$repo/inputs/esm2_15b.yaml" --gpu h200 --gpus $ngpu --shard $ngpu \
+        --precision bf16 --set optimizer.name=$o 2>&1 | grep -iE "total|fits|per rank" |
+        head -4 | sed "s/^/plan 15B $o shard $ngpu: /" | tee -a "$summary"
+    done
+    shard_run 15b esm2_15b.yaml --set optimizer.name=$opt --set parallel.gather_dtype=$gather \
+      --set data.micro_batch_tokens=4096 --set data.tokens_per_batch=$((4096 * ngpu))
+  fi
 fi
 
 ctx_dir=$pkg/tree/test/context  # packaged with PLM_PKG_CTEST=1
