@@ -779,7 +779,7 @@ template <class P> void Fsdp<P>::fillShards(const ExecSpace& space, const RangeS
                  [&](std::int64_t local, std::int64_t global, std::int64_t n) {
                    values(global, n, shard.data() + local);
                  });
-  Kokkos::fence("plm::train::fsdp::fillShards");
+  Kokkos::fence();
   if (!m.optimizer->mastersAlias()) {  // a separate fp32 master (Fsdp<double>) from the values
     const View1<master_t> master = m.optimizer->master();
     Kokkos::parallel_for(
