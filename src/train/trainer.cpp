@@ -263,14 +263,15 @@ void Trainer::logStartup(double seconds) {
   const double peak = dist::allreduceMax(
       static_cast<double>(AllocationTracker::active() ? AllocationTracker::peak() : -1),
       comm_member);
+  const bool device_build = !Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemSpace>::accessible;
   log::info(
-      "start-up: model ready in %.1f s, host peak %s, device %s (fullest rank; %s per rank%s); "
+      "start-up: model ready in %.1f s (%s); fullest rank: host peak %s, device %s in use, "
       "Kokkos allocations peak %s",
-      startup_seconds_member, formatBytes(host).c_str(), formatBytes(device).c_str(),
-      fsdp_member ? "only its shards drawn" : "the whole model",
-      Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemSpace>::accessible
-          ? "; device = resident set on this build"
-          : "",
+      startup_seconds_member,
+      fsdp_member                                 ? "each rank drew only its shards"
+      : model_member->expertPlacement().sharded() ? "each rank holds its own experts only"
+                                                  : "every rank holds the whole model",
+      formatBytes(host).c_str(), device_build ? formatBytes(device).c_str() : "n/a (CPU build)",
       peak >= 0 ? formatBytes(peak).c_str() : "not measured");
 }
 
