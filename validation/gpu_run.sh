@@ -9,10 +9,12 @@
 #         (inputs/esm2_3b.yaml, bf16) and of 15B: the "start-up: model ready in ..." line (time,
 #         host peak RSS, device in use), the first step's measured peak and tokens/s.  15B at
 #         shard 4 runs AdamW (80.8 GiB planned per rank); on fewer than 4 GPUs it runs
-#         optimizer.name adamw8bit with fp32 gathers (AdamW's 16 bytes per parameter over 2
-#         GPUs, 121 GB of state per rank plus the bf16 shard, does not fit an H200), after
-#         `plm plan` for both; PLM_SHARD_START_15B=0 skips 15B, PLM_SHARD_START_15B_OPT picks
-#         its optimizer
+#         optimizer.name adamw8bit (plm plan, 15B bf16 at shard 2 on an H200, 4096-token
+#         micro-batches: AdamW 148 GiB with bf16 gathers, does not fit; 133 GiB = 95% with fp32
+#         gathers; adamw8bit 106 GiB = 76%), after `plm plan` for both; the model file each run
+#         writes at its end (12 GB for 3B, 60 GB for 15B) is removed after it.
+#         PLM_SHARD_START_15B=0 skips 15B, PLM_SHARD_START_15B_OPT and PLM_SHARD_START_15B_GATHER
+#         pick its optimizer and parallel.gather_dtype
 #   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
 #        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
 #        layer with PLM_MOE_GEMM=grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
@@ -305,17 +307,18 @@ if has shard_start && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
       --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$dir" "$@" \
       > "$log" 2>&1
     note "shard_start: plm train $name bf16 shard $ngpu rc=$? ($(( $(date +%s) - start )) s in all)"
-    grep -E "start-up:|parallel:|optimizer:|memory: after|step +[0-9]+/|error|Error|out of memory" \
-      "$log" | head -12 | tee -a "$summary"
+    grep -E "start-up:|parallel:|optimizer:|memory: after|step +[0-9]+/|wrote the model|error|Error|out of memory" \
+      "$log" | head -14 | tee -a "$summary"
+    rm -rf "$dir"  # its model file: 4 bytes of disk per parameter
   }
   shard_run 3b esm2_3b.yaml
   if [[ ${PLM_SHARD_START_15B:-1} != 0 ]]; then
     opt=${PLM_SHARD_START_15B_OPT:-adamw}
-    gather=auto
-    if [[ $ngpu -lt 4 && -z ${PLM_SHARD_START_15B_OPT:-} ]]; then opt=adamw8bit; gather=fp32; fi
+    [[ $ngpu -lt 4 && -z ${PLM_SHARD_START_15B_OPT:-} ]] && opt=adamw8bit
+    gather=${PLM_SHARD_START_15B_GATHER:-auto}
     for o in $(printf "%s\n" adamw $opt | sort -u); do
       "$pkg/bin/plm" plan "$repo/inputs/esm2_15b.yaml" --gpu h200 --gpus $ngpu --shard $ngpu \
-        --precision bf16 --set optimizer.name=$o 2>&1 | grep -iE "total|fits|per rank" |
+        --precision bf16 --set optimizer.name=$o --set data.micro_batch_tokens=4096 2>&1 | grep -iE "total|fits|per rank" |
         head -4 | sed "s/^/plan 15B $o shard $ngpu: /" | tee -a "$summary"
     done
     shard_run 15b esm2_15b.yaml --set optimizer.name=$opt --set parallel.gather_dtype=$gather \
