@@ -3,7 +3,7 @@
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
-#                                       staged moe_grouped moe_ep moe_nccl decks moe_plan
+#                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start
 #   scale: 650M bf16 data-parallel weak scaling over NCCL on 1, 2, 4 GPUs (the shipped deck,
 #        PLM_SCALE_MICRO micro-batches of 16,384 per GPU per step, PLM_SCALE_STEPS steps)
 #   decks: the shipped large decks (esm2_3b, esm2_15b, the MoE presets') as shipped on every GPU of
@@ -14,6 +14,17 @@
 #         more GPUs, at expert degree = GPUs (NCCL), 3 steps each on the packaged proteins
 #         (PLM_MOE_PLAN_TOKENS tokens per micro-batch, default 24576); the "memory: first step
 #         peak ... planned ..." and "MoE expert rows planned" lines go to the summary
+#   shard_start: start-up that scales (doc/parallelism.md "Start-up"): plm train at
+#         parallel.shard_degree = visible GPUs (one rank per GPU, NCCL), 3 steps of ESM-2 3B
+#         (inputs/esm2_3b.yaml, bf16) and of 15B: the "start-up: model ready in ..." line (time,
+#         host peak RSS, device in use), the first step's measured peak and tokens/s.  15B at
+#         shard 4 runs AdamW (80.8 GiB planned per rank); on fewer than 4 GPUs it runs
+#         optimizer.name adamw8bit (plm plan, 15B bf16 at shard 2 on an H200, 4096-token
+#         micro-batches: AdamW 148 GiB with bf16 gathers, does not fit; 133 GiB = 95% with fp32
+#         gathers; adamw8bit 106 GiB = 76%), after `plm plan` for both; the model file each run
+#         writes at its end (12 GB for 3B, 60 GB for 15B) is removed after it.
+#         PLM_SHARD_START_15B=0 skips 15B, PLM_SHARD_START_15B_OPT and PLM_SHARD_START_15B_GATHER
+#         pick its optimizer and parallel.gather_dtype
 #   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
 #        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
 #        layer with moe.expert_gemm: grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
@@ -310,6 +321,41 @@ if has fsdp_bf16 && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     > "$out/fsdp_bf16_wide.log" 2>&1
   note "plm train hidden-5120 slice bf16 shard 2 rc=$?"
   grep -E "parallel:|peak|step +([0-9]+)/" "$out/fsdp_bf16_wide.log" | tail -14 | tee -a "$summary"
+fi
+
+if has shard_start && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  [[ $ngpu -lt 1 ]] && ngpu=1
+  shard_run() {  # name yaml extra-args...: 3 steps at shard_degree = GPUs
+    local name=$1 yaml=$2
+    shift 2
+    local dir=/tmp/plm-shard-start-$name log="$out/shard_start_$name.log"
+    rm -rf "$dir"
+    local start=$(date +%s)
+    timeout 900 mpiexec -n $ngpu "$pkg/bin/plm" train "$repo/inputs/$yaml" \
+      --set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=bf16 \
+      --set parallel.shard_degree=$ngpu --set data.micro_batch_tokens=8192 \
+      --set data.tokens_per_batch=$((8192 * ngpu)) --set train.steps=3 --set train.log_every=1 \
+      --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$dir" "$@" \
+      > "$log" 2>&1
+    note "shard_start: plm train $name bf16 shard $ngpu rc=$? ($(( $(date +%s) - start )) s in all)"
+    grep -E "start-up:|parallel:|optimizer:|memory: after|step +[0-9]+/|wrote the model|error|Error|out of memory" \
+      "$log" | head -14 | tee -a "$summary"
+    rm -rf "$dir"  # its model file: 4 bytes of disk per parameter
+  }
+  shard_run 3b esm2_3b.yaml
+  if [[ ${PLM_SHARD_START_15B:-1} != 0 ]]; then
+    opt=${PLM_SHARD_START_15B_OPT:-adamw}
+    [[ $ngpu -lt 4 && -z ${PLM_SHARD_START_15B_OPT:-} ]] && opt=adamw8bit
+    gather=${PLM_SHARD_START_15B_GATHER:-auto}
+    for o in $(printf "%s\n" adamw $opt | sort -u); do
+      "$pkg/bin/plm" plan "$repo/inputs/esm2_15b.yaml" --gpu h200 --gpus $ngpu --shard $ngpu \
+        --precision bf16 --set optimizer.name=$o --set data.micro_batch_tokens=4096 2>&1 | grep -iE "total|fits|per rank" |
+        head -4 | sed "s/^/plan 15B $o shard $ngpu: /" | tee -a "$summary"
+    done
+    shard_run 15b esm2_15b.yaml --set optimizer.name=$opt --set parallel.gather_dtype=$gather \
+      --set data.micro_batch_tokens=4096 --set data.tokens_per_batch=$((4096 * ngpu))
+  fi
 fi
 
 ctx_dir=$pkg/tree/test/context  # packaged with PLM_PKG_CTEST=1

@@ -41,8 +41,9 @@
 #include "gpu/fp8.hpp"
 #endif
 
-#include <algorithm>
+#include <sys/mman.h>
 
+#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <type_traits>
@@ -161,6 +162,38 @@ template <class X> View1<X> growView(View1<X>& storage, std::int64_t n, const ch
     storage = View1<X>(Kokkos::view_alloc(Kokkos::WithoutInitializing, std::string(label)), n);
   return View1<X>(storage.data(), n);
 }
+
+/// An address range taken from the process without memory behind it (PROT_NONE, no swap
+/// reserved): every access faults.  The views of a model that holds no whole buffer point here
+/// until they are placed (Esm2::placeRange), so they have distinct addresses to move from, and
+/// a read before placement crashes instead of reading another buffer.
+class ReservedRange {
+ public:
+  ReservedRange() = default;
+  explicit ReservedRange(std::size_t bytes) : bytes_member(std::max<std::size_t>(bytes, 1)) {
+    void* p =
+        mmap(nullptr, bytes_member, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+    if (p == MAP_FAILED)
+      throw Error("plm::model: cannot reserve " + std::to_string(bytes_member) +
+                  " bytes of address space for the views of an unplaced model (ulimit -v?)");
+    base_member = static_cast<char*>(p);
+  }
+  ~ReservedRange() {
+    if (base_member) munmap(base_member, bytes_member);
+  }
+  ReservedRange(const ReservedRange&) = delete;
+  ReservedRange& operator=(const ReservedRange&) = delete;
+  ReservedRange& operator=(ReservedRange&& o) noexcept {
+    std::swap(base_member, o.base_member);
+    std::swap(bytes_member, o.bytes_member);
+    return *this;
+  }
+  char* base() const { return base_member; }
+
+ private:
+  char* base_member = nullptr;
+  std::size_t bytes_member = 0;
+};
 
 constexpr int kLogitsLdBf16 = 40;  // vocab 33 padded to 16-byte bf16 rows for cuBLASLt
 
@@ -365,12 +398,39 @@ template <class T> struct Esm2<T>::Impl {
   };
   std::vector<Place> places;
   std::int64_t buffer_elements = 0;  // of the whole buffers, also while they are freed
+  // Where views "at home" point while a whole buffer is not held: params, grads, packed.
+  ReservedRange home_range[3];
 
-  Impl(const Esm2Config& c, const ExpertPlacement& experts)
+  char* reservedHome(int which, std::int64_t bytes) {
+    if (!home_range[which].base()) home_range[which] = ReservedRange(std::size_t(bytes));
+    return home_range[which].base();
+  }
+  T* paramsHome() {
+    return params.extent(0) > 0
+               ? params.data()
+               : reinterpret_cast<T*>(reservedHome(0, buffer_elements * std::int64_t(sizeof(T))));
+  }
+  T* gradsHome() {
+    return grads.extent(0) > 0
+               ? grads.data()
+               : reinterpret_cast<T*>(reservedHome(1, buffer_elements * std::int64_t(sizeof(T))));
+  }
+  std::uint16_t* packedHome() {
+    return packed.extent(0) > 0
+               ? packed.data()
+               : reinterpret_cast<std::uint16_t*>(reservedHome(2, packed_elements * 2));
+  }
+
+  Impl(const Esm2Config& c, const ExpertPlacement& experts, ModelBuffers buffers)
       : config(c), held(experts), ctx(ExecSpace()) {
     config.validate();
     ctx.attention_kernel = config.attention;
     ctx.deterministic = config.deterministic;
+    const bool whole_buffers = buffers == ModelBuffers::Whole;
+    if (!whole_buffers && config.precision == Precision::Fp8)
+      throw Error(
+          "plm::model: the FP8 weight copies are whole-model buffers; an FP8 model is built "
+          "with ModelBuffers::Whole (a bug)");
     if (held.degree < 1 || held.rank < 0 || held.rank >= held.degree ||
         (held.sharded() && (!config.moe.enabled() || config.moe.experts % held.degree != 0)))
       throw collectiveError("parallel.expert_degree = " + std::to_string(held.degree) +
@@ -439,9 +499,11 @@ template <class T> struct Esm2<T>::Impl {
     }
     const std::int64_t n = bufferSize(table);
     buffer_elements = n;
-    params = View1<T>("plm::model::parameters", n);
-    grads = View1<T>("plm::model::gradients", n);
-    bind();
+    if (whole_buffers) {
+      params = View1<T>("plm::model::parameters", n);
+      grads = View1<T>("plm::model::gradients", n);
+    }
+    bind(whole_buffers);
     places.assign(config.num_layers + 2, Place());
     for (const auto& t : tensors) {
       Place& p = places[groupOf(t.name)];
@@ -518,8 +580,8 @@ template <class T> struct Esm2<T>::Impl {
 #if PLM_HAVE_CUDA
     if constexpr (std::is_same_v<T, float>) {
       const Place& p = places[g];
-      const T* src = p.params ? p.params : params.data() + p.lo;
-      std::uint16_t* dst = p.compute ? p.compute : packed.data() + p.clo;
+      const T* src = p.params ? p.params : paramsHome() + p.lo;
+      std::uint16_t* dst = p.compute ? p.compute : packedHome() + p.clo;
       gpu::castChunks(ctx.space().cuda_stream(), src, reinterpret_cast<gpu::bf16*>(dst),
                       p.chunks.data(), p.num_chunks);
       ctx.mark(OpKind::Other);
@@ -541,19 +603,19 @@ template <class T> struct Esm2<T>::Impl {
     Place& p = places[g];
     if (bf16) {
       const auto cbytes = static_cast<std::size_t>(p.chi - p.clo) * 2;
-      char* home = reinterpret_cast<char*>(packed.data() + p.clo);
+      char* home = reinterpret_cast<char*>(packedHome() + p.clo);
       const Relocation rc{p.compute ? reinterpret_cast<const char*>(p.compute) : home, cbytes,
                           to_compute ? reinterpret_cast<char*>(to_compute) : home};
       p.compute = to_compute;
       relocateGroup(g, rc);
     }
     const std::size_t bytes = static_cast<std::size_t>(p.hi - p.lo) * sizeof(T);
-    T* from_params = p.params ? p.params : params.data() + p.lo;
-    T* from_grads = p.grads ? p.grads : grads.data() + p.lo;
+    T* from_params = p.params ? p.params : paramsHome() + p.lo;
+    T* from_grads = p.grads ? p.grads : gradsHome() + p.lo;
     const Relocation rp{reinterpret_cast<const char*>(from_params), bytes,
-                        reinterpret_cast<char*>(to_params ? to_params : params.data() + p.lo)};
+                        reinterpret_cast<char*>(to_params ? to_params : paramsHome() + p.lo)};
     const Relocation rg{reinterpret_cast<const char*>(from_grads), bytes,
-                        reinterpret_cast<char*>(to_grads ? to_grads : grads.data() + p.lo)};
+                        reinterpret_cast<char*>(to_grads ? to_grads : gradsHome() + p.lo)};
     p.params = to_params;
     p.grads = to_grads;
     for (const Relocation& r : {rp, rg}) relocateGroup(g, r);
@@ -578,6 +640,11 @@ template <class T> struct Esm2<T>::Impl {
   const TensorInfo& info(const std::string& name) const { return tensors[index.at(name)]; }
   /// A model holding part of the experts computes only inside its expert group.
   void requireHeldExperts() const {
+    if (params.extent(0) == 0)  // no whole buffer: every group must read placed views
+      for (const Place& p : places)
+        PLM_REQUIRE(p.params != nullptr,
+                    "plm::model: a pass on a model without its whole parameter buffer, with a "
+                    "group of tensors not placed (Esm2::placeRange; a bug)");
     if (held.sharded() && !expert_parallel)
       throw Error("plm::model: this model holds the experts of rank " + std::to_string(held.rank) +
                   " of " + std::to_string(held.degree) +
@@ -599,18 +666,20 @@ template <class T> struct Esm2<T>::Impl {
     if (!m.shared.w1.empty()) out.push_back(&m.shared);
     return out;
   }
-  Mat masterMat(const View1<T>& buf, const std::string& name) {
+  Mat masterMat(T* base, const std::string& name) {
     const auto& t = info(name);
-    return Mat{buf.data() + t.offset, master, t.shape[0], t.shape[1], t.shape[1]};
+    return Mat{base + t.offset, master, t.shape[0], t.shape[1], t.shape[1]};
   }
-  Vec masterVec(const View1<T>& buf, const std::string& name) {
+  Vec masterVec(T* base, const std::string& name) {
     const auto& t = info(name);
-    return Vec{buf.data() + t.offset, master, t.shape[0]};
+    return Vec{base + t.offset, master, t.shape[0]};
   }
 
   /// Lays out the packed bf16 copy (bf16 policy) and binds every handle: weights to the compute
   /// copy or the masters, gradients to the gradient buffer.
-  void bind() {
+  void bind(bool whole_buffers) {
+    T* const P = paramsHome();
+    T* const G = gradsHome();
     std::vector<std::int64_t> seg;  // src offset, dst offset, count
     std::int64_t dst = 0;
     struct Pending {
@@ -626,13 +695,13 @@ template <class T> struct Esm2<T>::Impl {
     };
     // bf16 handles refer to offsets until the packed buffer exists.
     auto weight = [&](const std::string& name) -> Mat {
-      if (!bf16) return masterMat(params, name);
+      if (!bf16) return masterMat(P, name);
       const auto& t = info(name);
       return Mat{reinterpret_cast<void*>(pack(name)), DType::BF16, t.shape[0], t.shape[1],
                  t.shape[1]};
     };
     auto bias = [&](const std::string& name) -> Vec {  // bias of a bf16-output GEMM
-      if (!bf16) return masterVec(params, name);
+      if (!bf16) return masterVec(P, name);
       return Vec{reinterpret_cast<void*>(pack(name)), DType::BF16, info(name).shape[0]};
     };
     auto stacked = [&](const std::string& p, Mat& fw, Vec& fb) {
@@ -656,7 +725,7 @@ template <class T> struct Esm2<T>::Impl {
     };
 
     pw.embed = weight("esm.embeddings.word_embeddings.weight");
-    pg.embed = masterMat(grads, "esm.embeddings.word_embeddings.weight");
+    pg.embed = masterMat(G, "esm.embeddings.word_embeddings.weight");
     std::vector<AttentionWeights> aw(config.num_layers);
     std::vector<AttentionGrads> ag(config.num_layers);
     std::vector<DenseMlpWeights> mw(config.num_layers);
@@ -692,20 +761,20 @@ template <class T> struct Esm2<T>::Impl {
         dw.b1 = bias(x + "intermediate.dense.bias");
         dw.w2 = fp8 && !bf16 ? fp8Weight(down, {x + "output.dense.weight"})
                              : weight(x + "output.dense.weight");
-        dw.b2 = shared && !(fp8 && bf16) ? masterVec(params, x + "output.dense.bias")
+        dw.b2 = shared && !(fp8 && bf16) ? masterVec(P, x + "output.dense.bias")
                                          : bias(x + "output.dense.bias");
         if (fp8 && bf16) {
           dw.w1.fp8 = up;
           dw.w2.fp8 = down;
         }
-        dg.w1 = masterMat(grads, x + "intermediate.dense.weight");
-        dg.b1 = masterVec(grads, x + "intermediate.dense.bias");
-        dg.w2 = masterMat(grads, x + "output.dense.weight");
-        dg.b2 = masterVec(grads, x + "output.dense.bias");
+        dg.w1 = masterMat(G, x + "intermediate.dense.weight");
+        dg.b1 = masterVec(G, x + "intermediate.dense.bias");
+        dg.w2 = masterMat(G, x + "output.dense.weight");
+        dg.b2 = masterVec(G, x + "output.dense.bias");
       };
-      mwt.router = masterMat(params, p + "router.weight");
-      mgt.router = masterMat(grads, p + "router.weight");
-      if (config.moe.bias_balance) mwt.expert_bias = masterVec(params, p + "router.expert_bias");
+      mwt.router = masterMat(P, p + "router.weight");
+      mgt.router = masterMat(G, p + "router.weight");
+      if (config.moe.bias_balance) mwt.expert_bias = masterVec(P, p + "router.expert_bias");
       mwt.experts.resize(config.moe.experts);  // other ranks' experts stay empty (rows 0)
       mgt.experts.resize(config.moe.experts);
       for (int e = 0; e < config.moe.experts; ++e)
@@ -725,39 +794,39 @@ template <class T> struct Esm2<T>::Impl {
       if (bf16) {
         stacked(self, a.qkv.fused_w, a.qkv.fused_b);
       } else {
-        a.qkv.wq = masterMat(params, self + "query.weight");
-        a.qkv.wk = masterMat(params, self + "key.weight");
-        a.qkv.wv = masterMat(params, self + "value.weight");
-        a.qkv.bq = masterVec(params, self + "query.bias");
-        a.qkv.bk = masterVec(params, self + "key.bias");
-        a.qkv.bv = masterVec(params, self + "value.bias");
+        a.qkv.wq = masterMat(P, self + "query.weight");
+        a.qkv.wk = masterMat(P, self + "key.weight");
+        a.qkv.wv = masterMat(P, self + "value.weight");
+        a.qkv.bq = masterVec(P, self + "query.bias");
+        a.qkv.bk = masterVec(P, self + "key.bias");
+        a.qkv.bv = masterVec(P, self + "value.bias");
       }
       a.wo = weight(pre + "attention.output.dense.weight");
-      a.bo = masterVec(params, pre + "attention.output.dense.bias");
-      a.ln_g = masterVec(params, pre + "attention.LayerNorm.weight");
-      a.ln_b = masterVec(params, pre + "attention.LayerNorm.bias");
+      a.bo = masterVec(P, pre + "attention.output.dense.bias");
+      a.ln_g = masterVec(P, pre + "attention.LayerNorm.weight");
+      a.ln_b = masterVec(P, pre + "attention.LayerNorm.bias");
       auto& g = ag[l];
-      g.qkv.wq = masterMat(grads, self + "query.weight");
-      g.qkv.wk = masterMat(grads, self + "key.weight");
-      g.qkv.wv = masterMat(grads, self + "value.weight");
-      g.qkv.bq = masterVec(grads, self + "query.bias");
-      g.qkv.bk = masterVec(grads, self + "key.bias");
-      g.qkv.bv = masterVec(grads, self + "value.bias");
-      g.wo = masterMat(grads, pre + "attention.output.dense.weight");
-      g.bo = masterVec(grads, pre + "attention.output.dense.bias");
-      g.ln_g = masterVec(grads, pre + "attention.LayerNorm.weight");
-      g.ln_b = masterVec(grads, pre + "attention.LayerNorm.bias");
+      g.qkv.wq = masterMat(G, self + "query.weight");
+      g.qkv.wk = masterMat(G, self + "key.weight");
+      g.qkv.wv = masterMat(G, self + "value.weight");
+      g.qkv.bq = masterVec(G, self + "query.bias");
+      g.qkv.bk = masterVec(G, self + "key.bias");
+      g.qkv.bv = masterVec(G, self + "value.bias");
+      g.wo = masterMat(G, pre + "attention.output.dense.weight");
+      g.bo = masterVec(G, pre + "attention.output.dense.bias");
+      g.ln_g = masterVec(G, pre + "attention.LayerNorm.weight");
+      g.ln_b = masterVec(G, pre + "attention.LayerNorm.bias");
       if (config.moe.isMoeLayer(l)) {
         bindMoe(l, pre + "moe.", moe_w[l], moe_g[l]);
       } else {
         mw[l].w1 = weight(pre + "intermediate.dense.weight");
         mw[l].b1 = bias(pre + "intermediate.dense.bias");
         mw[l].w2 = weight(pre + "output.dense.weight");
-        mw[l].b2 = masterVec(params, pre + "output.dense.bias");
-        mg[l].w1 = masterMat(grads, pre + "intermediate.dense.weight");
-        mg[l].b1 = masterVec(grads, pre + "intermediate.dense.bias");
-        mg[l].w2 = masterMat(grads, pre + "output.dense.weight");
-        mg[l].b2 = masterVec(grads, pre + "output.dense.bias");
+        mw[l].b2 = masterVec(P, pre + "output.dense.bias");
+        mg[l].w1 = masterMat(G, pre + "intermediate.dense.weight");
+        mg[l].b1 = masterVec(G, pre + "intermediate.dense.bias");
+        mg[l].w2 = masterMat(G, pre + "output.dense.weight");
+        mg[l].b2 = masterVec(G, pre + "output.dense.bias");
       }
       if (fp8_scaling && bf16 && config.fp8.fp8Layer(l, config.num_layers)) {
         // CUDA: the packed bf16 weights carry the slot; FP8 GEMMs take bf16 biases.
@@ -787,28 +856,27 @@ template <class T> struct Esm2<T>::Impl {
           mw[l].w2 = fp8Weight(denseSlot(l, Fp8Gemm::FfnOut), {pre + "output.dense.weight"});
         }
       }
-      ln2[l] = {masterVec(params, pre + "LayerNorm.weight"),
-                masterVec(params, pre + "LayerNorm.bias")};
-      ln2g[l] = {masterVec(grads, pre + "LayerNorm.weight"),
-                 masterVec(grads, pre + "LayerNorm.bias")};
+      ln2[l] = {masterVec(P, pre + "LayerNorm.weight"), masterVec(P, pre + "LayerNorm.bias")};
+      ln2g[l] = {masterVec(G, pre + "LayerNorm.weight"), masterVec(G, pre + "LayerNorm.bias")};
     }
     pw.head_w = weight("lm_head.dense.weight");
     pw.head_b = bias("lm_head.dense.bias");
     for (Outer* o : {&pw, &pg}) {
-      const View1<T>& buf = o == &pw ? params : grads;
+      T* buf = o == &pw ? P : G;
       o->lnf_g = masterVec(buf, "esm.encoder.emb_layer_norm_after.weight");
       o->lnf_b = masterVec(buf, "esm.encoder.emb_layer_norm_after.bias");
       o->head_ln_g = masterVec(buf, "lm_head.layer_norm.weight");
       o->head_ln_b = masterVec(buf, "lm_head.layer_norm.bias");
       o->head_bias = masterVec(buf, "lm_head.bias");
     }
-    pg.head_w = masterMat(grads, "lm_head.dense.weight");
-    pg.head_b = masterVec(grads, "lm_head.dense.bias");
+    pg.head_w = masterMat(G, "lm_head.dense.weight");
+    pg.head_b = masterVec(G, "lm_head.dense.bias");
 
     if (bf16) {
-      packed = View1<std::uint16_t>("plm::model::compute_weights", dst);
       packed_elements = dst;
-      auto* base = reinterpret_cast<char*>(packed.data());
+      if (whole_buffers)
+        packed = View1<std::uint16_t>("plm::model::compute_weights", packed_elements);
+      auto* base = reinterpret_cast<char*>(packedHome());
       auto rebase = [&](auto& h) {
         if (h.dtype == DType::BF16) h.data = base + 2 * reinterpret_cast<std::intptr_t>(h.data);
       };
@@ -1376,8 +1444,9 @@ template <class T> struct Esm2<T>::Impl {
   }
 };
 
-template <class T> Esm2<T>::Esm2(const Esm2Config& config, const ExpertPlacement& experts)
-    : impl_member(new Impl(config, experts)) {}
+template <class T>
+Esm2<T>::Esm2(const Esm2Config& config, const ExpertPlacement& experts, ModelBuffers buffers)
+    : impl_member(new Impl(config, experts, buffers)) {}
 
 template <class T> Esm2<T>::~Esm2() { delete impl_member; }
 
@@ -1403,31 +1472,49 @@ template <class T> View1<T> Esm2<T>::gradients() { return impl_member->grads; }
 template <class T> void Esm2<T>::initialize(std::uint64_t seed) {
   auto& im = *impl_member;
   PLM_REQUIRE(static_cast<std::int64_t>(im.params.extent(0)) == im.buffer_elements,
-              "plm::model::initialize: the whole parameter buffer is freed (sharded training)");
+              "plm::model::initialize: the whole parameter buffer is not held (sharded training "
+              "draws its shards with initializeRange)");
+  initializeRange(seed, 0, im.buffer_elements, im.params.data());
+  im.ctx.space().fence();
+}
+
+template <class T> void Esm2<T>::initializeRange(std::uint64_t seed, std::int64_t offset,
+                                                 std::int64_t count, T* out) const {
+  const auto& im = *impl_member;
+  PLM_REQUIRE(offset >= 0 && count >= 0 && offset + count <= im.buffer_elements,
+              "plm::model::initializeRange: [" + std::to_string(offset) + ", +" +
+                  std::to_string(count) + ") is outside the parameter buffer of " +
+                  std::to_string(im.buffer_elements) + " elements (a bug)");
   const auto& space = im.ctx.space();
-  Kokkos::deep_copy(space, im.params, T(0));  // also the alignment padding
-  auto params = im.params;
+  Kokkos::deep_copy(space, View1<T>(out, count), T(0));  // also the alignment padding
+  // The <pad> row of the embedding stays zero (it is frozen: train::esm2FrozenRanges).
+  const auto& embed = im.info("esm.embeddings.word_embeddings.weight");
+  const std::int64_t pad_lo = embed.offset + std::int64_t(data::vocab::pad) * embed.shape[1];
+  const std::int64_t pad_hi = pad_lo + embed.shape[1];
   for (std::size_t i = 0; i < im.tensors.size(); ++i) {  // over tensors, not elements
     const auto& t = im.tensors[i];
+    const std::int64_t lo = std::max(offset, t.offset);
+    const std::int64_t hi = std::min(offset + count, t.offset + t.size);
+    if (lo >= hi || im.init_kinds[i] == InitKind::Zero) continue;
     const int kind = static_cast<int>(im.init_kinds[i]);
-    const std::int64_t offset = t.offset;
+    const std::int64_t first = t.offset;  // element e of the tensor is buffer element first + e
     const std::uint64_t stream = im.init_streams[i];  // any placement draws the same values
     Kokkos::parallel_for(
-        "plm::model::initialize", Kokkos::RangePolicy<ExecSpace>(space, 0, t.size),
-        KOKKOS_LAMBDA(const std::int64_t e) {
+        "plm::model::initialize", Kokkos::RangePolicy<ExecSpace>(space, lo, hi),
+        KOKKOS_LAMBDA(const std::int64_t g) {
+          // Counter-based (math::normal hashes seed, stream and index): element e of a tensor
+          // has one value whichever range of the buffer is drawn.
           T value = 0;
-          if (kind == static_cast<int>(InitKind::Normal))
-            value = static_cast<T>(0.02 * math::normal(seed, stream, e));
+          if (kind == static_cast<int>(InitKind::Normal) && (g < pad_lo || g >= pad_hi))
+            value = static_cast<T>(0.02 * math::normal(seed, stream, g - first));
           if (kind == static_cast<int>(InitKind::One)) value = T(1);
-          params(offset + e) = value;
+          out[g - offset] = value;
         });
   }
-  const auto& embed = im.info("esm.embeddings.word_embeddings.weight");
-  auto pad_row =
-      Kokkos::subview(View2<T>(im.params.data() + embed.offset, embed.shape[0], embed.shape[1]),
-                      static_cast<int>(data::vocab::pad), Kokkos::ALL());
-  Kokkos::deep_copy(space, pad_row, T(0));
-  space.fence();
+}
+
+template <class T> std::int64_t Esm2<T>::bufferElements() const {
+  return impl_member->buffer_elements;
 }
 
 template <class T> void Esm2<T>::zeroGradients() {

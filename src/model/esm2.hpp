@@ -134,11 +134,23 @@ class LayerHooks {
   virtual void afterModelBackward() {}
 };
 
+/// What a model allocates when it is built.
+enum class ModelBuffers {
+  Whole,  // the flat parameter and gradient buffers (and the bf16 policy's packed compute copy)
+  None,   // none of them: every group's views must be placed (Esm2::placeRange) before a pass;
+          // sharded data parallelism (train/fsdp.hpp) builds its model so, and draws its shards
+          // with initializeRange, so no rank ever holds the whole model
+};
+
 template <class T> class Esm2 {
  public:
   /// `experts`: the routed experts this rank holds (expert parallelism shards them in memory;
   /// setExpertParallel must then get a group of that degree with this rank at that rank).
-  explicit Esm2(const Esm2Config& config, const ExpertPlacement& experts = {});
+  /// `buffers`: ModelBuffers::None builds the table, the layers and their views without any
+  /// whole-model buffer (views point into reserved address space with no memory behind it
+  /// until placed); not under fp8 (its weight copies are whole buffers).
+  explicit Esm2(const Esm2Config& config, const ExpertPlacement& experts = {},
+                ModelBuffers buffers = ModelBuffers::Whole);
   ~Esm2();
   Esm2(const Esm2&) = delete;
   Esm2& operator=(const Esm2&) = delete;
@@ -148,11 +160,20 @@ template <class T> class Esm2 {
   const std::vector<TensorInfo>& tensors() const;
   const TensorInfo& tensor(const std::string& name) const;  // throws plm::Error if unknown
 
-  View1<T> parameters();  // (numParameters)
-  View1<T> gradients();   // (numParameters), same layout
+  View1<T> parameters();  // (bufferElements()); empty while the whole buffer is not held
+  View1<T> gradients();   // (bufferElements()), same layout
+  /// \brief Elements of the flat parameter buffer (alignment padding included), also while
+  /// the whole buffers are not held.
+  std::int64_t bufferElements() const;
 
   /// \brief normal(0, 0.02) weights, zero biases, LayerNorm 1/0, padding row zeroed.
   void initialize(std::uint64_t seed);
+  /// \brief Writes the initial values (initialize(seed)'s) of the flat buffer elements
+  /// [offset, offset + count) to `out` (count elements in the model's memory space), without
+  /// drawing any other element: each tensor has its own random stream, counter-based
+  /// (math::normal(seed, stream, element)), so a shard of it is drawn where it starts.  Padding
+  /// elements are 0.  Enqueued on the model's execution space (not fenced).
+  void initializeRange(std::uint64_t seed, std::int64_t offset, std::int64_t count, T* out) const;
   void zeroGradients();
 
   /// \brief Forward and backward over one packed micro-batch. Accumulates

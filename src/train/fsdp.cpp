@@ -231,7 +231,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
           "rank) or staged MPI (ranks sharing a GPU); this job would hand device pointers to "
           "plain MPI: unset PLM_COMM_BACKEND or set it to auto, nccl or mpi-staged");
     const int s = shard_comm->size();
-    const auto n = static_cast<std::int64_t>(m.parameters().extent(0));
+    const std::int64_t n = m.bufferElements();
     units = planShardUnits(m.tensors(), n, s);
     std::int64_t total = 0, widest = 0;
     for (const auto& u : units) total += u.slice;
@@ -280,18 +280,22 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     grad_channel[headUnit()] = 2;
     grad_channel[embedUnit()] = 3;
     const int r = shard_comm->rank();
-    {
-      View1<P> full = m.parameters();  // the initial parameters, identical on every rank
-      for (int u = 0; u < static_cast<int>(units.size()); ++u) park(u);
-      model.holdWholeBuffers(true, false);
-      params_shard = View1<P>("plm::train::fsdp::params_shard", total);
-      grads_shard = View1<P>("plm::train::fsdp::grads_shard", total);
+    // A model built without whole buffers (ModelBuffers::None) has nothing to copy: its views
+    // move from reserved addresses to the gathered buffers, and initialize/fillShards draw the
+    // shards.  A whole model hands over its parameters and frees its buffers.
+    View1<P> full = m.parameters();  // the initial parameters, identical on every rank
+    for (int u = 0; u < static_cast<int>(units.size()); ++u) park(u);
+    if (full.extent(0) > 0) model.holdWholeBuffers(true, false);
+    params_shard = View1<P>("plm::train::fsdp::params_shard", total);
+    grads_shard = View1<P>("plm::train::fsdp::grads_shard", total);
+    if (full.extent(0) > 0) {
       forOwnedPieces(units, r, 0, n, [&](std::int64_t local, std::int64_t global, std::int64_t c) {
         Kokkos::deep_copy(space, Kokkos::subview(params_shard, std::make_pair(local, local + c)),
                           Kokkos::subview(full, std::make_pair(global, global + c)));
       });
       space.fence();
-      model.holdWholeBuffers(false, false);  // freed when `full` goes
+      model.holdWholeBuffers(false, false);
+      full = View1<P>();  // the whole buffer is freed here
     }
     optimizer = makeOptimizer<P>(opt, params_shard,
                                  shardParamLayout(m.tensors(), units, r, m.config().hidden));
@@ -679,6 +683,29 @@ template <class P> void Fsdp<P>::gatherAll(const ExecSpace& space) {
   impl_member->gatherAll();
 }
 
+template <class P>
+void Fsdp<P>::gatherRanges(const ExecSpace& space,
+                           const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges,
+                           P* host) {
+  Impl& m = *impl_member;
+  m.space = space;
+  m.reshardAll();
+  for (int u = 0; u < static_cast<int>(m.units.size()); ++u) {
+    const ShardUnit& su = m.units[u];
+    const View1<P> staging = m.isOuter(u) ? m.outerParams(u) : m.slots.front();
+    m.launchGather(u, staging.data(), true).wait(dist::streamOf(space));
+    for (const auto& [offset, count] : ranges) {
+      const std::int64_t a = std::max(offset, su.offset);
+      const std::int64_t b = std::min(offset + count, su.offset + su.count);
+      if (a >= b) continue;
+      Kokkos::deep_copy(space, HostView1<P>(host + a, b - a),
+                        Kokkos::subview(staging, std::make_pair(a - su.offset, b - su.offset)));
+    }
+    space.fence();  // the staging buffer is reused by the next unit
+  }
+  m.reshardAll();  // the outer units' buffers held masters, not their gathered state
+}
+
 template <class P> void Fsdp<P>::reshardAll(const ExecSpace& space) {
   impl_member->space = space;
   impl_member->reshardAll();
@@ -739,6 +766,36 @@ template <class P> void Fsdp<P>::importFull(const ExecSpace& space, const Optimi
   m.castShardToBf16();
   opt.setStepCount(full.stepCount());
   reshardAll(space);
+}
+
+template <class P> void Fsdp<P>::fillShards(const ExecSpace& space, const RangeSource& values) {
+  Impl& m = *impl_member;
+  m.space = space;
+  m.reshardAll();
+  const View1<P> shard = m.params_shard;
+  Kokkos::deep_copy(space, shard, P(0));  // the units' padding
+  space.fence();                          // the source may enqueue on another instance
+  forOwnedPieces(m.units, m.shard_comm->rank(), 0, m.model.bufferElements(),
+                 [&](std::int64_t local, std::int64_t global, std::int64_t n) {
+                   values(global, n, shard.data() + local);
+                 });
+  Kokkos::fence();
+  if (!m.optimizer->mastersAlias()) {  // a separate fp32 master (Fsdp<double>) from the values
+    const View1<master_t> master = m.optimizer->master();
+    Kokkos::parallel_for(
+        "plm::train::fsdp::master_from_shard",
+        Kokkos::RangePolicy<ExecSpace>(space, 0, static_cast<std::int64_t>(shard.extent(0))),
+        KOKKOS_LAMBDA(const std::int64_t i) { master(i) = static_cast<master_t>(shard(i)); });
+  }
+  space.fence();
+  restoredShards(space);
+}
+
+template <class P> void Fsdp<P>::initialize(const ExecSpace& space, std::uint64_t seed) {
+  const model::Esm2<P>& model = impl_member->model;
+  fillShards(space, [&](std::int64_t offset, std::int64_t count, P* out) {
+    model.initializeRange(seed, offset, count, out);
+  });
 }
 
 template <class P> void Fsdp<P>::restoredShards(const ExecSpace& space) {

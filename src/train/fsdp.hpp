@@ -126,10 +126,13 @@ FsdpMemory shardedMemory(const ShardSizes& sizes, int shard, int layer_buffers =
 
 template <class P> class Fsdp {
  public:
-  /// \brief Collective over `shard` and `replicate`.  Takes the model's current parameters
-  /// (identical on every rank, e.g. after initialize(seed)) as the initial shards, then frees
-  /// the model's whole buffers: from here on its views point into this engine's buffers, so
-  /// the model must not run without (or after) the engine.
+  /// \brief Collective over `shard` and `replicate`.  A model built with its whole buffers
+  /// hands over its current parameters (identical on every rank, e.g. after initialize(seed))
+  /// as the initial shards and its whole buffers are freed; a model built without them
+  /// (model::ModelBuffers::None, what the trainer does) starts with zero shards, and
+  /// initialize(seed) or fillShards then draws or reads only this rank's slices.  From here on
+  /// the model's views point into this engine's buffers, so the model must not run without (or
+  /// after) the engine.
   Fsdp(model::Esm2<P>& model, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& optimizer,
        const FsdpOptions& options = {}, dist::Backend backend = dist::Backend::Mpi);
   ~Fsdp();
@@ -149,6 +152,14 @@ template <class P> class Fsdp {
   /// it (evaluation, the final model file, tests); the next step or reshardAll frees it.  The
   /// fp32 masters, also under gather_bf16.
   void gatherAll(const ExecSpace& space);
+  /// \brief Collective over the shard group: all-gathers the fp32 masters unit by unit (one
+  /// unit-size device buffer) and copies the parts of the flat ranges `ranges` ([offset,
+  /// offset + count) of the model's buffer) into `host` at their flat offsets; nothing else of
+  /// `host` is written.  What a rank writes of a model file (its rows), without the whole
+  /// model on the device or in host memory (`host` may be an untouched n-element allocation:
+  /// only the pages of the ranges become resident).
+  void gatherRanges(const ExecSpace& space,
+                    const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges, P* host);
   /// \brief Reshards every unit and frees the model's whole buffer (with `poison`: the layers'
   /// views point at NaN).
   void reshardAll(const ExecSpace& space);
@@ -160,6 +171,19 @@ template <class P> class Fsdp {
   /// \brief Takes this rank's shards from `full` (after a checkpoint restore into it), with its
   /// step count; the inverse of exportFull.  No communication.
   void importFull(const ExecSpace& space, const Optimizer<P>& full);
+  /// Writes the values of the model's flat buffer elements [offset, offset + count) to `out`
+  /// (count elements in the model's memory space; enqueued on the default execution space).
+  using RangeSource = std::function<void(std::int64_t offset, std::int64_t count, P* out)>;
+  /// \brief Sets the parameter shards from `values`, asked only for the pieces this rank owns
+  /// (one call per piece, unit by unit), then derives every copy as restoredShards does.  The
+  /// sharded start-up path: no rank materialises a whole-model buffer, on the host or the
+  /// device.  A source that can read any range (a model file, a checkpoint) makes a sharded
+  /// load.  Optimizer state is left as it is (zero at start-up).  No communication.
+  void fillShards(const ExecSpace& space, const RangeSource& values);
+  /// \brief fillShards from model::Esm2::initializeRange: each rank draws its slices of every
+  /// tensor from the tensor's own counter-based stream, so the gathered parameters equal
+  /// Esm2::initialize(seed) on one rank exactly, for every shard degree.
+  void initialize(const ExecSpace& space, std::uint64_t seed);
   /// \brief After the shards' masters and state were written directly (a sharded checkpoint
   /// restore, ckpt/detail/snapshot.hpp): recasts every copy derived from the masters (the
   /// compute shard when it does not alias them) and reshards every unit, so the next use

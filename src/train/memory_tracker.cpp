@@ -14,6 +14,7 @@ struct State {
   std::unordered_map<const void*, std::int64_t> live;  // allocation -> bytes
   std::int64_t in_use = 0;
   std::int64_t peak = 0;
+  std::int64_t largest = 0;
   bool active = false;
 };
 
@@ -29,6 +30,7 @@ void onAllocate(Kokkos::Tools::SpaceHandle, const char*, const void* const ptr,
   s.live[ptr] = static_cast<std::int64_t>(size);
   s.in_use += static_cast<std::int64_t>(size);
   s.peak = std::max(s.peak, s.in_use);
+  s.largest = std::max(s.largest, static_cast<std::int64_t>(size));
 }
 
 void onDeallocate(Kokkos::Tools::SpaceHandle, const char*, const void* const ptr,
@@ -52,6 +54,7 @@ bool AllocationTracker::start() {
     s.live.clear();
     s.in_use = 0;
     s.peak = 0;
+    s.largest = 0;
     s.active = true;
   }
   Kokkos::Tools::Experimental::set_allocate_data_callback(onAllocate);
@@ -81,9 +84,15 @@ std::int64_t AllocationTracker::peak() {
   return state().peak;
 }
 
+std::int64_t AllocationTracker::largest() {
+  std::lock_guard<std::mutex> lock(state().mutex);
+  return state().largest;
+}
+
 void AllocationTracker::resetPeak() {
   std::lock_guard<std::mutex> lock(state().mutex);
   state().peak = state().in_use;
+  state().largest = 0;
 }
 
 }  // namespace plm::train

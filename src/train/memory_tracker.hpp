@@ -24,6 +24,9 @@ class AllocationTracker {
   static std::int64_t inUse();
   /// \brief The largest inUse() since start() or the last resetPeak().
   static std::int64_t peak();
+  /// \brief The largest single allocation since start() or the last resetPeak() (a whole-model
+  /// buffer shows here even when freed at once).
+  static std::int64_t largest();
   static void resetPeak();
 };
 

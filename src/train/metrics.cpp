@@ -154,6 +154,13 @@ std::int64_t memoryInUse() {
 #endif
 }
 
+std::int64_t hostPeakResident() {
+  std::ifstream in("/proc/self/status");
+  for (std::string line; std::getline(in, line);)
+    if (line.compare(0, 6, "VmHWM:") == 0) return std::atoll(line.c_str() + 6) * 1024;  // kB
+  return 0;
+}
+
 std::string formatBytes(double bytes) {
   char text[32];
   if (bytes >= 1024.0 * 1024 * 1024)

@@ -39,6 +39,9 @@ double mfuOf(double tflops, int devices, PeakFlops& peak);
 /// \brief Memory in use by this rank: device memory in use on a GPU build, resident set size
 /// (/proc/self/statm) on the CPU.
 std::int64_t memoryInUse();
+/// \brief The high-water mark of this process's resident set size (VmHWM of
+/// /proc/self/status; 0 where it cannot be read): host memory, on every build.
+std::int64_t hostPeakResident();
 
 /// \brief "1.23 GiB", "512 MiB".
 std::string formatBytes(double bytes);

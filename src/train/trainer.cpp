@@ -27,8 +27,10 @@
 #include <cstdlib>
 #include <filesystem>
 #include <limits>
+#include <memory>
 #include <sstream>
 #include <thread>
+#include <type_traits>
 
 namespace plm::train {
 
@@ -129,17 +131,23 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   if (precision != "fp32" && !std::is_same_v<param_t, float>)
     throw collectiveError("train.precision: " + precision + " is not available in this build");
 
+  const double start = now();
   AllocationTracker::start();  // the first step's measured peak (doc/parallelism.md, Memory)
   const int blas_threads = limitBlasThreadsPerRank(dist::localSize());
   model::Esm2Config config = modelConfigFromDeck(*deck);
   // bf16: the model's dispatch points compute in bf16 on the CUDA build over the same fp32
   // masters (doc/gpu.md); other builds throw a collective error naming the fix.
   // Expert parallelism shards the routed experts: this rank holds its group position's only.
-  model_member =
-      std::make_unique<model::Esm2<param_t>>(config, expertPlacement(*deck, config, comm));
+  // Sharding builds no whole-model buffer at all: each rank draws its own shards below
+  // (doc/parallelism.md, "Start-up"); setUpSharding refuses the layouts that cannot shard.
+  const model::ExpertPlacement experts = expertPlacement(*deck, config, comm);
+  const bool shards =
+      shardDegree(*deck) > 1 && !experts.sharded() && config.precision != model::Precision::Fp8;
+  model_member = std::make_unique<model::Esm2<param_t>>(
+      config, experts, shards ? model::ModelBuffers::None : model::ModelBuffers::Whole);
   state_member.init_seed = static_cast<std::uint64_t>(t.get<int>("seed"));
   state_member.data_seed = static_cast<std::uint64_t>(d.get<int>("seed"));
-  model_member->initialize(state_member.init_seed);
+  if (!shards) model_member->initialize(state_member.init_seed);
   moe_member = std::make_unique<MoeRun<param_t>>(*deck, *model_member, comm);
   context_member = std::make_unique<ContextRun>(*deck, comm);  // loaders see its data ranks
   context_member->attach(*model_member);
@@ -147,12 +155,16 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   optimizer_options_member = optimizerOptionsFromDeck(o);
   clip_norm_member = o.get<double>("clip_grad_norm");
   setUpSharding(*deck);
-  if (!fsdp_member)  // sharded runs allocate the full-layout state only for checkpoints
+  PLM_REQUIRE(shards == (fsdp_member != nullptr),
+              "train: the model's buffers and the sharding layout disagree (a bug)");
+  if (fsdp_member)  // each rank draws its slices of every tensor's own random stream
+    fsdp_member->initialize(ExecSpace(), state_member.init_seed);
+  else  // sharded runs allocate the full-layout state only for checkpoints
     optimizer_member = makeOptimizer<param_t>(
         optimizer_options_member, model_member->parameters(),
-        wholeLayout(model_member->tensors(),
-                    static_cast<std::int64_t>(model_member->parameters().extent(0)),
+        wholeLayout(model_member->tensors(), model_member->bufferElements(),
                     esm2FrozenRanges(model_member->tensors(), config.hidden)));
+  logStartup(now() - start);
 
   total_steps_member = t.get<int>("steps");
   log_every_member = std::max(1, t.get<int>("log_every"));
@@ -231,6 +243,34 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
 }
 
 Trainer::~Trainer() = default;
+
+int Trainer::shardDegree(const Teuchos::ParameterList& deck) const {
+  if (!deck.isSublist("parallel")) return 1;
+  const auto& p = deck.sublist("parallel");
+  return resolveLayout(p.get<int>("shard_degree"), p.get<int>("replicate_degree"), world_member,
+                       dist::localSize())
+      .shard;
+}
+
+void Trainer::logStartup(double seconds) {
+  Kokkos::fence();
+  startup_seconds_member = dist::allreduceMax(seconds, comm_member);
+  const double host = dist::allreduceMax(static_cast<double>(hostPeakResident()), comm_member);
+  const double device = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
+  const double peak = dist::allreduceMax(
+      static_cast<double>(AllocationTracker::active() ? AllocationTracker::peak() : -1),
+      comm_member);
+  const bool device_build = !Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemSpace>::accessible;
+  log::info(
+      "start-up: model ready in %.1f s (%s); fullest rank: host peak %s, device %s in use, "
+      "Kokkos allocations peak %s",
+      startup_seconds_member,
+      fsdp_member                                 ? "each rank drew only its shards"
+      : model_member->expertPlacement().sharded() ? "each rank holds its own experts only"
+                                                  : "every rank holds the whole model",
+      formatBytes(host).c_str(), device_build ? formatBytes(device).c_str() : "n/a (CPU build)",
+      peak >= 0 ? formatBytes(peak).c_str() : "not measured");
+}
 
 void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
   if (!deck.isSublist("parallel")) return;
@@ -507,6 +547,7 @@ void Trainer::logPlan() {
   f.set("ranks", world_member);
   f.set("gradient_all_reduce", sync);
   f.set("total_steps", total_steps_member);
+  f.set("startup_seconds", startup_seconds_member);
   logEvent("start", state_member.step, f);
 }
 
@@ -619,12 +660,28 @@ void Trainer::writeFinalModel() {
   // The trained weights as a plm model file (what `plm eval --model`, `plm embed` and
   // `plm convert --to-hf` read), independent of the checkpoint module's schedule.
   const std::string path = run_dir_member + "/model.h5";
-  if (fsdp_member) fsdp_member->gatherAll(ExecSpace());
   io::ModelAttributes extra;
   extra.integers["step"] = state_member.step;
   extra.integers["tokens_seen"] = state_member.tokens_seen;
   extra.strings["source"] = "plm train";
-  io::writeModelFile(path, comm_member, *model_member, extra);
+  if (fsdp_member) {
+    // Each rank writes its rows of every tensor; it gathers the model unit by unit and keeps
+    // only those rows, so no whole-model buffer appears on the device or in host memory (the
+    // host buffer is allocated, not initialised: only the rows' pages become resident).
+    const model::Esm2<param_t>& m = *model_member;
+    const auto rows = model::heldRows(m.tensors(), m.expertPlacement(), m.config().moe.experts,
+                                      rank_member, world_member);
+    std::vector<std::pair<std::int64_t, std::int64_t>> ranges;
+    for (const auto& r : rows)
+      if (r.tensor.offset >= 0 && r.row_count > 0)
+        ranges.push_back({r.tensor.offset + r.first_row * r.rowSize(), r.row_count * r.rowSize()});
+    std::unique_ptr<param_t[]> values(new param_t[std::size_t(m.bufferElements())]);
+    fsdp_member->gatherRanges(ExecSpace(), ranges, values.get());
+    static_assert(std::is_same_v<param_t, float>, "model files store fp32");
+    io::writeModelFile(path, comm_member, m.config(), rows, values.get(), extra);
+  } else {
+    io::writeModelFile(path, comm_member, *model_member, extra);
+  }
   log::info("train: wrote the model after step %lld to %s",
             static_cast<long long>(state_member.step), path.c_str());
 }

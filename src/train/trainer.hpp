@@ -150,6 +150,8 @@ class Trainer {
   bool handleNonfinite(std::int64_t step, const StepStats& st);  // true: rolled back
   void injectFaults(std::int64_t step, bool after_gradients);    // PLM_TEST_* (tests only)
   void setUpSharding(const Teuchos::ParameterList& deck);
+  int shardDegree(const Teuchos::ParameterList& deck) const;  // parallel.shard_degree resolved
+  void logStartup(double seconds);  // "start-up: model ready in ..." (collective)
   /// Runs `save` with the full-layout optimizer state in place (sharded runs gather it first).
   void fullStateForSave(const ExecSpace& space, const std::function<void()>& save);
 
@@ -164,7 +166,8 @@ class Trainer {
   std::unique_ptr<dist::ProcessGroups> groups_member;
   std::unique_ptr<Fsdp<param_t>> fsdp_member;
   std::int64_t first_step_peak_member = -1;
-  void releaseFullState();                      // sharded: the shards took the full-layout state
+  double startup_seconds_member = 0;  // construction until the model and optimizer are ready
+  void releaseFullState();            // sharded: the shards took the full-layout state
   std::unique_ptr<MoeRun<param_t>> moe_member;  // expert parallelism, routing statistics
   std::unique_ptr<ContextRun> context_member;   // context parallelism (ring attention)
   std::unique_ptr<data::Loader> train_loader_member;

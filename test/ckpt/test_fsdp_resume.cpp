@@ -8,12 +8,14 @@
 
 #include "core/error.hpp"
 #include "dist/runtime.hpp"
+#include "io/model_file.hpp"
 
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <cstdlib>
 #include <functional>
+#include <vector>
 
 namespace {
 
@@ -142,6 +144,43 @@ TEST(FsdpResume, NonfiniteStepSkipsOrRollsBackOnShards) {
     EXPECT_EQ(a, b);
     EXPECT_EQ(a.at(5), "null") << "the skipped step reported a loss";
   }
+  plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
+}
+
+// A sharded run starts from shards each rank draws itself and ends by writing model.h5 from
+// them, each rank its rows, gathered unit by unit (no whole-model buffer): the file equals that
+// of the same run under plain data parallelism (one whole model per rank) to 1e-5 of the
+// largest parameter, and the first step's loss is the same (the same initial parameters).
+TEST(FsdpResume, ShardedStartAndModelFileEqualDataParallel) {
+  if (plm::test::noCollectivesForDeviceMemory(MPI_COMM_WORLD))
+    GTEST_SKIP() << "device memory over plain MPI (PLM_COMM_BACKEND=mpi)";
+  const int world = plm::dist::worldSize();
+  if (world < 2) GTEST_SKIP() << "sharding needs two ranks";
+  const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fsdp_file");
+  plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
+  const auto dp =
+      trainRecords(tinyDeck(dir, "dp", {"checkpoint.every=0", "train.steps=2"}), MPI_COMM_WORLD);
+  const auto sharded = trainRecords(tinyDeck(dir, "sharded",
+                                             {"checkpoint.every=0", "train.steps=2",
+                                              "parallel.shard_degree=" + std::to_string(world)}),
+                                    MPI_COMM_WORLD);
+  ASSERT_EQ(dp.size(), 2u);
+  ASSERT_EQ(sharded.size(), 2u);
+  EXPECT_LE(std::abs(sharded[0].loss - dp[0].loss), 1e-6 * std::abs(dp[0].loss))
+      << "the sharded start differs from the whole model's";
+  const plm::model::Esm2Config config = plm::io::readModelConfig(dir + "/dp/model.h5");
+  const auto tensors = plm::model::tensorTable(config);
+  const std::int64_t n = tensors.back().offset + tensors.back().size;
+  std::vector<float> a(std::size_t(n), 0.0f), b(std::size_t(n), 0.0f);
+  plm::io::readModelValues(dir + "/dp/model.h5", MPI_COMM_WORLD, config, tensors, a.data());
+  plm::io::readModelValues(dir + "/sharded/model.h5", MPI_COMM_WORLD, config, tensors, b.data());
+  double worst = 0, largest = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    worst = std::max(worst, double(std::abs(a[i] - b[i])));
+    largest = std::max(largest, double(std::abs(a[i])));
+  }
+  EXPECT_GT(largest, 0.0);
+  EXPECT_LE(worst, 1e-5 * largest) << "the sharded model file differs";
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 

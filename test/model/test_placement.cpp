@@ -45,9 +45,10 @@ struct Group {
   View1<double> params, grads;
 };
 
-// Embeddings, layers, head: every group copied into buffers of its own.
-std::vector<Group> placeAll(Esm2<double>& m) {
-  const std::int64_t n = static_cast<std::int64_t>(m.parameters().extent(0));
+// Embeddings, layers, head: every group copied into buffers of its own (from the whole buffer,
+// or drawn with initializeRange(seed) where the model holds none).
+std::vector<Group> placeAll(Esm2<double>& m, std::uint64_t seed = 0) {
+  const std::int64_t n = m.bufferElements();
   const int layers = m.config().num_layers;
   std::vector<std::pair<std::int64_t, std::int64_t>> ranges = {{0, m.layerRange(0).first}};
   for (int l = 0; l < layers; ++l) ranges.push_back(m.layerRange(l));
@@ -56,8 +57,11 @@ std::vector<Group> placeAll(Esm2<double>& m) {
   std::vector<Group> out;
   for (auto [offset, count] : ranges) {
     Group g{offset, count, View1<double>("params", count), View1<double>("grads", count)};
-    Kokkos::deep_copy(g.params,
-                      Kokkos::subview(m.parameters(), std::make_pair(offset, offset + count)));
+    if (m.parameters().extent(0) > 0)
+      Kokkos::deep_copy(g.params,
+                        Kokkos::subview(m.parameters(), std::make_pair(offset, offset + count)));
+    else
+      m.initializeRange(seed, offset, count, g.params.data());
     m.placeRange(offset, count, g.params.data(), g.grads.data());
     out.push_back(g);
   }
@@ -70,12 +74,22 @@ void expectSame(const char* what, const View1<double>& want, const View1<double>
   for (std::size_t i = 0; i < a.size(); ++i) ASSERT_EQ(a[i], b[i]) << what << ", element " << i;
 }
 
-void placedMatchesWhole(Esm2Config c) {
+// `drawn`: the placed model is built without whole buffers (ModelBuffers::None, as sharded
+// training builds it) and its groups are drawn by initializeRange; a pass before they are
+// placed throws.
+void placedMatchesWhole(Esm2Config c, bool drawn = false) {
   const auto batch = model::test::makeBatch({9, 14, 6}, 5);
-  Esm2<double> whole(c), placed(c);
+  Esm2<double> whole(c),
+      placed(c, {}, drawn ? model::ModelBuffers::None : model::ModelBuffers::Whole);
   whole.initialize(21);
-  placed.initialize(21);
-  auto groups = placeAll(placed);
+  EXPECT_EQ(placed.bufferElements(), whole.bufferElements());
+  if (drawn) {
+    EXPECT_EQ(placed.parameters().extent(0), 0u);
+    EXPECT_THROW(placed.forwardBackward(batch, 0.25), Error);  // its views lead nowhere yet
+  } else {
+    placed.initialize(21);
+  }
+  auto groups = placeAll(placed, 21);
   placed.holdWholeBuffers(false, false);
   EXPECT_EQ(placed.parameters().extent(0), 0u);
   for (int pass = 0; pass < 2; ++pass) {
@@ -108,6 +122,35 @@ TEST(Placement, PlacedGroupsComputeBitwiseAsTheWholeBuffer) {
 }
 
 TEST(Placement, MoeBlocksMoveWithTheirLayer) { placedMatchesWhole(moe()); }
+
+TEST(Placement, ModelWithoutWholeBuffersDrawsItsGroupsAsInitialize) {
+  placedMatchesWhole(dense(), true);
+  placedMatchesWhole(moe(), true);
+}
+
+// Expert parallelism builds only the experts a rank holds: its buffer is smaller than the
+// whole model's and each held tensor (a held expert under its global name, every dense tensor)
+// has bitwise the whole model's initial values, from its own stream.
+TEST(Placement, HeldExpertsDrawTheWholeModelsValues) {
+  Esm2<double> whole(moe());
+  whole.initialize(21);
+  const auto all = model::test::toHost(whole.parameters());
+  for (int r = 0; r < 2; ++r) {
+    Esm2<double> part(moe(), model::ExpertPlacement{2, r});
+    part.initialize(21);
+    EXPECT_LT(part.bufferElements(), whole.bufferElements());
+    const auto mine = model::test::toHost(part.parameters());
+    int experts = 0;
+    for (const auto& t : part.tensors()) {
+      experts += model::expertOfTensor(t.name) >= 0 ? 1 : 0;
+      const auto& w = whole.tensor(t.name);
+      ASSERT_EQ(w.size, t.size) << t.name;
+      for (std::int64_t i = 0; i < t.size; ++i)
+        ASSERT_EQ(mine[t.offset + i], all[w.offset + i]) << t.name << " element " << i;
+    }
+    EXPECT_GT(experts, 0);
+  }
+}
 
 TEST(Placement, MisuseThrows) {
   Esm2<double> m(dense());

@@ -19,6 +19,7 @@
 #include "dist/runtime.hpp"
 #include "plm/plm_config.hpp"
 #include "train/fsdp.hpp"
+#include "train/memory_tracker.hpp"
 #include "train/schedule.hpp"
 
 #include <gtest/gtest.h>
@@ -97,15 +98,20 @@ bool backendFor(MPI_Comm shard, plm::dist::Backend* backend) {
          Kokkos::SpaceAccessibility<Kokkos::HostSpace, plm::MemSpace>::accessible;
 }
 
-TrainRun sharded(const Esm2Config& config, int shard, const plm::train::FsdpOptions& options) {
+// `drawn`: the trainer's start-up (a model without whole buffers, each rank drawing its own
+// shards); else a whole model initialised on every rank and handed over.
+TrainRun sharded(const Esm2Config& config, int shard, const plm::train::FsdpOptions& options,
+                 bool drawn = true) {
   const int rank = plm::dist::worldRank(), world = plm::dist::worldSize();
   plm::dist::ProcessGroups groups(MPI_COMM_WORLD, shard);
-  Esm2<float> model(config);
-  model.initialize(11);
+  Esm2<float> model(config, {},
+                    drawn ? plm::model::ModelBuffers::None : plm::model::ModelBuffers::Whole);
+  if (!drawn) model.initialize(11);
   plm::dist::Backend backend;
   backendFor(groups.shard(), &backend);
   plm::train::Fsdp<float> fsdp(model, groups.shard(), groups.replicate(),
                                plm::train::AdamWOptions{}, options, backend);
+  if (drawn) fsdp.initialize(ExecSpace(), 11);
   TrainRun r;
   for (int step = 1; step <= steps; ++step) {
     auto global = plm::test::globalStep(42, step, micro_per_step, 3);
@@ -166,6 +172,64 @@ TEST(Fsdp, EveryLayoutMatchesOneRank) {
     expectSame(ref, sharded(config, shard, o),
                "shard " + std::to_string(shard) + " x replicate " + std::to_string(world / shard));
   }
+  plm::train::FsdpOptions o;  // a whole model handed over (tests, tools) trains the same
+  o.poison = true;
+  expectSame(ref, sharded(config, world, o, false), "whole model handed over");
+}
+
+// Start-up that scales (doc/parallelism.md, "Start-up"): a model built without whole buffers
+// whose engine draws only its own shards gathers to exactly the one-rank initialize() values,
+// every element bitwise, at every shard degree the world allows; no Kokkos allocation made
+// during the start-up is larger than this rank's parameter shard, which is 1/shard of the
+// whole buffer (plus at most one padding element per unit).  Eight layers keep a gathered
+// layer smaller than a quarter of the model, as in every real model.
+TEST(Fsdp, ShardedStartDrawsOnlyItsShardsAndEqualsOneRank) {
+  const int world = plm::dist::worldSize();
+  plm::dist::Backend backend;
+  if (!backendFor(MPI_COMM_WORLD, &backend)) GTEST_SKIP() << "device memory over plain MPI";
+  Esm2Config config = tinyConfig();
+  config.num_layers = 8;
+  Esm2<float> one(config);
+  one.initialize(11);
+  const std::vector<double> expected = hostCopy(one.parameters());
+  const auto n = static_cast<std::int64_t>(expected.size());
+  ASSERT_TRUE(plm::train::AllocationTracker::start());
+  for (int shard = 1; shard <= world; shard *= 2) {
+    const std::string what = "shard " + std::to_string(shard);
+    plm::dist::ProcessGroups groups(MPI_COMM_WORLD, shard);
+    plm::train::AllocationTracker::resetPeak();
+    const std::int64_t before = plm::train::AllocationTracker::inUse();
+    Esm2<float> model(config, {}, plm::model::ModelBuffers::None);
+    EXPECT_EQ(model.parameters().extent(0), 0u) << what;
+    EXPECT_EQ(model.bufferElements(), n) << what;
+    plm::train::Fsdp<float> fsdp(model, groups.shard(), groups.replicate(),
+                                 plm::train::AdamWOptions{}, plm::train::FsdpOptions{}, backend);
+    fsdp.initialize(ExecSpace(), 11);
+    const std::int64_t largest = plm::train::AllocationTracker::largest();
+    const std::int64_t peak = plm::train::AllocationTracker::peak() - before;
+    const auto shard_elements = static_cast<std::int64_t>(fsdp.shardParameters().extent(0));
+    const auto units = static_cast<std::int64_t>(fsdp.units().size());
+    EXPECT_GE(shard_elements * shard, n) << what;
+    EXPECT_LE(shard_elements, n / shard + units) << what;
+    EXPECT_LE(largest, shard_elements * std::int64_t(sizeof(float)))
+        << what << ": an allocation larger than this rank's shard during the start-up";
+    if (shard > 1)
+      EXPECT_LT(largest, n * std::int64_t(sizeof(float))) << what << ": a whole-model buffer";
+    const plm::train::FsdpMemory planned = fsdp.plannedMemory();
+    EXPECT_EQ(planned.params, shard_elements * std::int64_t(sizeof(float))) << what;
+    // (The plan of shard 1 is plain data parallelism, without gathered buffers; a few bytes of
+    // scalars, e.g. the communicators', are not in the plan.)
+    if (shard > 1)
+      EXPECT_LE(peak, planned.total() + 4096) << what << ": the start-up held more than the plan";
+    EXPECT_EQ(model.parameters().extent(0), 0u) << what;
+    fsdp.gatherAll(ExecSpace());
+    const std::vector<double> got = hostCopy(model.parameters());
+    ASSERT_EQ(got.size(), expected.size()) << what;
+    std::int64_t differ = 0;
+    for (std::int64_t i = 0; i < n; ++i) differ += got[i] != expected[i] ? 1 : 0;
+    EXPECT_EQ(differ, 0) << what << ": drawn shards differ from the one-rank initial values";
+  }
+  plm::train::AllocationTracker::stop();
 }
 
 TEST(Fsdp, NoReshardAfterForwardAndRecomputeMatchOneRank) {
