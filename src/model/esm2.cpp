@@ -1496,7 +1496,7 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
   Kokkos::Profiling::pushRegion("plm::model::forward");
   const bool all_rows = outputs && outputs->want_logits;
   im.prepare(batch, all_rows, false);
-  im.beginMoe(static_cast<double>(im.w.labelled), 0.0, false);
+  im.beginMoe(static_cast<double>(im.w.labelled), 0.0, outputs && outputs->moe_stats);
   if (im.fp8_scaling) im.fp8_scaling->setRecording(false);
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();

@@ -112,7 +112,8 @@ std::vector<std::pair<std::int64_t, std::int64_t>> expertRuns(const std::vector<
 template <class T> struct ForwardOutputs {
   bool want_logits = false;
   bool want_hidden = false;
-  View2<T> logits;  // (T, vocab) when want_logits
+  bool moe_stats = false;  // the pass's routing adds to moeStats() as a training pass's does
+  View2<T> logits;         // (T, vocab) when want_logits
   View2<T> hidden;  // (T, hidden) last_hidden_state (after emb_layer_norm_after) when want_hidden
 };
 

@@ -713,8 +713,8 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   s.logits = grow(s.logits_s, t_n * e_n, "plm::model::moe::logits");
   if (t_n > 0) {
     const View2<T> x = s.routerInput(ctx, h);
-    const View2<T> router = s.step && s.step->centring ? s.centringRouter(ctx, x)
-                                                       : s.w.router.template view<T>();
+    const View2<T> router =
+        s.step && s.step->centring ? s.centringRouter(ctx, x) : s.w.router.template view<T>();
     gemm(space, Trans::N, Trans::T, T(1), x, router, T(0), View2<T>(s.logits.data(), t_n, e_n));
   }
   s.routed_on_device = false;
@@ -1033,8 +1033,7 @@ template <class T> RouterInputSums MoeMlp<T>::takeRouterInputSums() {
   return out;
 }
 
-template <class T>
-void MoeMlp<T>::centreRouter(OpContext& ctx, const std::vector<double>& mean) {
+template <class T> void MoeMlp<T>::centreRouter(OpContext& ctx, const std::vector<double>& mean) {
   auto& s = *state_member;
   PLM_REQUIRE(static_cast<int>(mean.size()) == s.hidden,
               "plm::model::MoeMlp::centreRouter: the mean input must have the model's width");

@@ -109,9 +109,8 @@ MoeRun<P>::MoeRun(const Teuchos::ParameterList& deck, model::Esm2<P>& model, MPI
 
 template <class P> MoeRun<P>::~MoeRun() = default;
 
-template <class P>
-void MoeRun<P>::centreRouters(model::Esm2<P>& model,
-                              const std::vector<data::MicroBatch>& first_step) {
+template <class P> void MoeRun<P>::centreRouters(model::Esm2<P>& model,
+                                                 const std::vector<data::MicroBatch>& first_step) {
   const auto& moe = model.config().moe;
   if (!moe.enabled() || moe.router_init != model::RouterInit::Centred) return;
   const auto layers = model.centreRouters(

@@ -156,7 +156,8 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   // it changes the whole model's router rows. A resumed run loads its routers after this.
   if (config.moe.enabled() && config.moe.router_init == model::RouterInit::Centred) {
     const data::Cursor start = train_loader_member->cursor();
-    moe_member->centreRouters(*model_member, context_member->shard(train_loader_member->nextStep()));
+    moe_member->centreRouters(*model_member,
+                              context_member->shard(train_loader_member->nextStep()));
     train_loader_member->seek(start);
   }
 
@@ -203,7 +204,6 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   schedule_member.final_lr_ratio = s.get<double>("final_lr_ratio");
   const int decay_steps = s.get<int>("decay_steps");
   schedule_member.decay_steps = decay_steps > 0 ? decay_steps : total_steps_member;
-
 
   const std::string valid = d.get<std::string>("valid");
   if (!valid.empty()) {
