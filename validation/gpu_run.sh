@@ -3,7 +3,7 @@
 #   validation/gpu_run.sh [STAGE ...]   stages: info tests bench parity train hf  (default: all)
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
-#                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start
+#                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
 #   scale: 650M bf16 data-parallel weak scaling over NCCL on 1, 2, 4 GPUs (the shipped deck,
 #        PLM_SCALE_MICRO micro-batches of 16,384 per GPU per step, PLM_SCALE_STEPS steps)
 #   decks: the shipped large decks (esm2_3b, esm2_15b, the MoE presets') as shipped on every GPU of
@@ -46,6 +46,9 @@
 #   moe: test_gpu_moe and test_gpu_moe_bf16 (the bf16 MoE layer of the training step against
 #        the portable fp32 path), bench_gpu_moe, and a short bf16 MoE training run (esm2_8m with
 #        8 experts of 640, top-2; PLM_MOE_STEPS steps) with its tokens/s
+#   moe_balance: esm2_moe_2b_a650m (inputs/esm2_650m.yaml), bf16, PLM_MOE_BALANCE_STEPS steps on
+#        one GPU and at expert degree 2 on two (when visible): the per-layer load max/mean at step
+#        1 and after (doc/model.md "Router initialisation"); see the stage for its variables
 #   moe_curves: validation/moe_curves.py on the packaged mmseqs2 proteins, bf16: esm2_8m dense
 #        against 8 x 640 top-2 (equal active FLOPs), PLM_MOE_CURVE_STEPS steps of
 #        PLM_MOE_CURVE_TOKENS tokens; $OUT/moe_curves.png (-> doc/img/) and the table
@@ -726,6 +729,56 @@ if has moe && [[ -x "$pkg/bin/plm" ]]; then
       --set train.run_dir="$d" --set checkpoint.dir="$d/ckpt" > "$out/moe_train_bf16_$routing.log" 2>&1
     note "plm train esm2_8m bf16 ($routing; moe = 8 x 640 top-2) rc=$?"
     grep -E "^step|error|refus" "$out/moe_train_bf16_$routing.log" | tail -4 | tee -a "$summary"
+  done
+fi
+
+if has moe_balance && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # Issue 32 item 1 (doc/model.md "Router initialisation"): esm2_moe_2b_a650m from
+  # inputs/esm2_650m.yaml, bf16, on the packaged proteins, PLM_MOE_BALANCE_STEPS steps (30) of
+  # PLM_MOE_BALANCE_TOKENS tokens (65536, micro-batches of 16384), on one GPU at expert degree 1
+  # and, where 2 GPUs are visible, on two at expert degree 2. The deck's schedule is kept (2000
+  # warm-up steps: the first steps of the real recipe); PLM_MOE_BALANCE_SETS adds --set
+  # arguments (e.g. "schedule.warmup_steps=10"); PLM_MOE_BALANCE_INITS="centred normal" also
+  # runs the N(0, 0.02) routers. Summary: the centring's log line, each step's worst layer
+  # (`moe load max/mean`, dropped slots), and per layer the load max/mean of steps 1 and the last.
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  steps=${PLM_MOE_BALANCE_STEPS:-30}
+  tokens=${PLM_MOE_BALANCE_TOKENS:-65536}
+  extra=(); for kv in ${PLM_MOE_BALANCE_SETS:-}; do extra+=(--set "$kv"); done
+  for init in ${PLM_MOE_BALANCE_INITS:-centred}; do
+    for deg in ${PLM_MOE_BALANCE_DEGREES:-1 2 4}; do
+      [[ $deg -gt $ngpu ]] && continue
+      name=${init}_deg$deg
+      d=/tmp/plm-moe-balance-$name
+      rm -rf "$d"
+      start=$(date +%s)
+      timeout ${PLM_MOE_BALANCE_TIMEOUT:-150} mpiexec -n $deg --oversubscribe "$pkg/bin/plm" train \
+        "$repo/inputs/esm2_650m.yaml" --set model.preset=esm2_moe_2b_a650m \
+        --set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=bf16 \
+        --set moe.router_init=$init --set parallel.expert_degree=$deg \
+        --set data.tokens_per_batch=$tokens --set data.micro_batch_tokens=16384 \
+        --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
+        --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
+        --set checkpoint.dir="$d/ckpt" "${extra[@]}" > "$out/moe_balance_$name.log" 2>&1
+      note "moe_balance: esm2_moe_2b_a650m bf16, moe.router_init=$init, $deg GPU(s) at expert" \
+        "degree $deg, $steps steps of $tokens tokens rc=$? $(( $(date +%s) - start ))s"
+      grep -E "moe: |error|out of memory|memory: after" "$out/moe_balance_$name.log" | head -5 |
+        tee -a "$summary"
+      grep -oE "step +[0-9]+/[0-9]+|moe load max/mean [0-9.]+ \| drop [0-9.]+%|[0-9.]+ tok/s" \
+        "$out/moe_balance_$name.log" | paste -d' ' - - - | tee -a "$summary"
+      cp "$d/metrics.jsonl" "$out/moe_balance_$name.jsonl" 2>/dev/null
+      python3 - "$d/metrics.jsonl" <<'PY' 2>&1 | tee -a "$summary"
+import json, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+rows = [r for r in rows if r.get("kind") == "train" and "moe" in r]
+for r in (rows[:1] + rows[-1:]) if rows else []:
+    ratio = [l["tokens_per_expert_max"] / max(l["tokens_per_expert_mean"], 1e-30) for l in r["moe"]]
+    drop = max(l["dropped_fraction"] for l in r["moe"])
+    print(f"  step {r['step']}: per-layer load max/mean " + " ".join(f"{x:.2f}" for x in ratio)
+          + f" (worst {max(ratio):.2f}, over 1.5: {sum(x > 1.5 for x in ratio)} layers;"
+          + f" largest dropped fraction {drop:.3f})")
+PY
+    done
   done
 fi
 

@@ -328,6 +328,13 @@ const std::vector<KeySpec>& keys() {
        "stops at once on every rank with one line naming the layer, the rank and its load "
        "(doc/operations.md).",
        atLeast(0), {}},
+      {"moe", "router_init", K::text, "centred",
+       "How the routers start: normal = N(0, 0.02) like every weight; centred = that draw with "
+       "each router's rows made orthogonal to its layer's mean input over the first step's "
+       "micro-batches (one forward pass before step 1 of a fresh run), so the component all "
+       "tokens share at initialisation (most of it at hidden 1280 and up) does not send every "
+       "token to the same experts (doc/model.md, Router initialisation).",
+       any(), {"centred", "normal"}},
       {"moe", "expert_gemm", K::text, "auto",
        "How the experts' GEMMs run under train.precision bf16 on the GPU: loop = one cuBLASLt "
        "call per expert (bias and GELU fused), grouped = one CUTLASS SM90 grouped GEMM launch per "

@@ -23,6 +23,7 @@
 
 #include "core/error.hpp"
 #include "data/context_split.hpp"
+#include "dist/allreduce.hpp"
 #include "dist/communicator.hpp"
 #include "io/model_file.hpp"
 #include "model/context_parallel.hpp"
@@ -371,6 +372,7 @@ template <class T> struct Esm2<T>::Impl {
   View2<T> cos_table, sin_table;  // (positions, head_dim/2)
   LayerHooks* hooks = nullptr;
   MoeStep moe_step;                     // read by every MoE layer during a pass
+  bool centring = false;                // passes of centreRouters (MoeStep::centring)
   bool expert_parallel = false;         // setExpertParallel with more than one rank
   std::vector<int> host_cu;             // the pass's sequence offsets (sequence-level aux loss)
   std::vector<MoeMlp<T>*> moe_blocks;   // the MoE layers' FFN blocks (owned by `layers`)
@@ -1358,6 +1360,7 @@ template <class T> struct Esm2<T>::Impl {
     moe_step.objective = 0;
     moe_step.training = training;
     moe_step.recomputing = false;
+    moe_step.centring = centring;
   }
 
   /// A rank without tokens under expert parallelism still serves its experts: every MoE layer
@@ -1582,7 +1585,7 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
   Kokkos::Profiling::pushRegion("plm::model::forward");
   const bool all_rows = outputs && outputs->want_logits;
   im.prepare(batch, all_rows, false);
-  im.beginMoe(static_cast<double>(im.w.labelled), 0.0, false);
+  im.beginMoe(static_cast<double>(im.w.labelled), 0.0, outputs && outputs->moe_stats);
   if (im.fp8_scaling) im.fp8_scaling->setRecording(false);
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();
@@ -1694,6 +1697,51 @@ template <class T> void Esm2<T>::balanceExpertBias(const std::vector<std::vector
                 " layers of counts for " + std::to_string(im.moe_blocks.size()) +
                 " MoE layers (a bug)");
   for (std::size_t i = 0; i < routed.size(); ++i) im.moe_blocks[i]->balanceBias(im.ctx, routed[i]);
+}
+
+template <class T>
+std::vector<RouterCentring> Esm2<T>::centreRouters(const std::vector<data::MicroBatch>& batches,
+                                                   MPI_Comm comm) {
+  auto& im = *impl_member;
+  if (im.moe_blocks.empty()) return {};
+  for (auto* block : im.moe_blocks) block->takeRouterInputSums();  // nothing from before
+  struct Off {  // the flag goes down on every path out (a collective error included)
+    bool& on;
+    ~Off() { on = false; }
+  } off{im.centring};
+  im.centring = true;
+  for (const auto& batch : batches) forward(batch);
+  im.centring = false;
+  // Per layer: the input sum (H), the tokens and the power, summed over all ranks in one go.
+  const std::size_t h = static_cast<std::size_t>(im.config.hidden), per = h + 2;
+  std::vector<double> flat;
+  flat.reserve(im.moe_blocks.size() * per);
+  for (auto* block : im.moe_blocks) {
+    RouterInputSums in = block->takeRouterInputSums();
+    flat.insert(flat.end(), in.sum.begin(), in.sum.end());
+    flat.push_back(in.tokens);
+    flat.push_back(in.power);
+  }
+  dist::allreduceSum(flat, comm);
+  std::vector<RouterCentring> out;
+  for (std::size_t i = 0; i < im.moe_blocks.size(); ++i) {
+    const double* at = flat.data() + i * per;
+    RouterCentring r;
+    r.layer = im.moe_blocks[i]->stats().layer;
+    r.tokens = at[h];
+    if (r.tokens > 0) {
+      std::vector<double> mean(at, at + h);
+      double norm2 = 0;
+      for (double& v : mean) {
+        v /= r.tokens;
+        norm2 += v * v;
+      }
+      r.mean_share = at[h + 1] > 0 ? norm2 / (at[h + 1] / r.tokens) : 0.0;
+      im.moe_blocks[i]->centreRouter(im.ctx, mean);
+    }
+    out.push_back(r);
+  }
+  return out;
 }
 
 template <class T> void Esm2<T>::setExpertParallel(dist::Communicator* comm) {

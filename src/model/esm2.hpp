@@ -114,7 +114,8 @@ std::vector<std::pair<std::int64_t, std::int64_t>> expertRuns(const std::vector<
 template <class T> struct ForwardOutputs {
   bool want_logits = false;
   bool want_hidden = false;
-  View2<T> logits;  // (T, vocab) when want_logits
+  bool moe_stats = false;  // the pass's routing adds to moeStats() as a training pass's does
+  View2<T> logits;         // (T, vocab) when want_logits
   View2<T> hidden;  // (T, hidden) last_hidden_state (after emb_layer_norm_after) when want_hidden
 };
 
@@ -239,6 +240,19 @@ template <class T> class Esm2 {
   /// \brief Aux-loss-free balancing (moe.bias_balance): `routed[i]` = slots routed to each
   /// expert of the i-th MoE layer over the whole step (all ranks).
   void balanceExpertBias(const std::vector<std::vector<double>>& routed);
+  /// \brief Data-dependent router initialisation (moe.router_init: centred; doc/model.md
+  /// "Router initialisation"): forward passes over `batches`, then each MoE layer's router rows
+  /// made orthogonal to that layer's mean router input over all of them and all ranks of
+  /// `comm` (centreRows).  At ESM-2's initialisation about 80% of every token's LN2 output is
+  /// one vector all tokens share; without this the routers send every token to the same
+  /// experts.  In its passes each layer routes with its router centred on the pass's own mean,
+  /// so a layer's mean input is the one its centred predecessors give.  Collective over `comm`,
+  /// and under expert parallelism every rank must pass as many micro-batches (empty ones pad).
+  /// The mean is that of the micro-batches given: pass a whole global step's on every layout
+  /// and every layout gets the same routers (up to summation order).  Nothing for a dense
+  /// model.  Returns per MoE layer the tokens seen and the share of the mean.
+  std::vector<RouterCentring> centreRouters(const std::vector<data::MicroBatch>& batches,
+                                            MPI_Comm comm);
   /// \brief Expert parallelism over `comm` (not owned; nullptr = every expert local): its
   /// size must divide moe.experts.  Collective: every rank of `comm` must then run the same
   /// sequence of passes (a rank without tokens passes an empty micro-batch).

@@ -165,6 +165,24 @@ double sequenceAux(const Routing& r, const int* cu, int n, double scale, double*
   return total / n;
 }
 
+template <class T> void centreRows(std::vector<T>& w, int experts, const std::vector<double>& m) {
+  const std::size_t h = m.size();
+  double norm2 = 0;
+  for (double v : m) norm2 += v * v;
+  if (!(norm2 > 0)) return;
+  for (int e = 0; e < experts; ++e) {
+    T* row = w.data() + static_cast<std::size_t>(e) * h;
+    double along = 0;
+    for (std::size_t i = 0; i < h; ++i) along += static_cast<double>(row[i]) * m[i];
+    along /= norm2;
+    for (std::size_t i = 0; i < h; ++i)
+      row[i] = static_cast<T>(static_cast<double>(row[i]) - along * m[i]);
+  }
+}
+
+template void centreRows<float>(std::vector<float>&, int, const std::vector<double>&);
+template void centreRows<double>(std::vector<double>&, int, const std::vector<double>&);
+
 void routeBackward(const Routing& r, const MoeConfig& c, const double* logits, const double* dgate,
                    double aux_scale, double z_scale, double* dlogits, const double* dprob) {
   const int e_n = r.experts, k = r.top_k, tokens = r.tokens;
@@ -317,6 +335,12 @@ template <class T> struct MoeMlp<T>::State {
   const void* hf_of = nullptr;  // the bf16 h that hf_s holds widened (rows x cols)
   std::int64_t hf_rows = 0, hf_cols = 0;
 
+  // Esm2::centreRouters: the router input summed over its passes, and the router centred on one
+  // pass's own mean input (E, H) with which that pass routes.
+  RouterInputSums input_sums;
+  View1<double> input_sum_s;
+  View1<T> centred_s;
+
   std::int64_t rows = 0;          // permuted rows of the pass (kept slots)
   bool routed_on_device = false;  // this pass's routing ran on the device (bf16 path)
 #if PLM_HAVE_CUDA
@@ -386,6 +410,51 @@ template <class T> struct MoeMlp<T>::State {
 #endif
   }
   bool distributed() const { return ep.comm != nullptr && ep.comm->size() > 1; }
+
+  /// The router (E, H) as host values.
+  std::vector<T> routerToHost(const ExecSpace& space) const {
+    std::vector<T> host(static_cast<std::size_t>(c.experts) * hidden);
+    Kokkos::deep_copy(space, HostView2<T>(host.data(), c.experts, hidden),
+                      w.router.template view<T>());
+    space.fence();
+    return host;
+  }
+
+  /// A MoeStep::centring pass: adds the router input x (T, H) to input_sums and returns the
+  /// router centred on x's own mean, with which this pass routes (MoeMlp::takeRouterInputSums).
+  View2<T> centringRouter(OpContext& ctx, const View2<T>& x) {
+    const auto& space = ctx.space();
+    const std::int64_t rows = x.extent(0), cols = x.extent(1);
+    View1<double> sum = grow(input_sum_s, cols, "plm::model::moe::input_sum");
+    Kokkos::parallel_for(
+        "plm::model::moe::input_sum", Kokkos::RangePolicy<ExecSpace>(space, 0, cols),
+        KOKKOS_LAMBDA(const std::int64_t i) {
+          double acc = 0;
+          for (std::int64_t t = 0; t < rows; ++t) acc += static_cast<double>(x(t, i));
+          sum(i) = acc;
+        });
+    double power = 0;
+    Kokkos::parallel_reduce(
+        "plm::model::moe::input_power", Kokkos::RangePolicy<ExecSpace>(space, 0, rows * cols),
+        KOKKOS_LAMBDA(const std::int64_t i, double& acc) {
+          const double v = static_cast<double>(x(i / cols, i % cols));
+          acc += v * v;
+        },
+        power);
+    std::vector<double> mean(cols);
+    Kokkos::deep_copy(space, HostView1<double>(mean.data(), cols), sum);
+    space.fence();
+    RouterInputSums& in = input_sums;
+    if (in.sum.empty()) in.sum.assign(cols, 0.0);
+    for (std::int64_t i = 0; i < cols; ++i) in.sum[i] += mean[i];
+    in.tokens += static_cast<double>(rows);
+    in.power += power;
+    std::vector<T> router = routerToHost(space);
+    centreRows(router, c.experts, mean);  // the direction of this pass's sum is its mean's
+    View1<T> centred = toDevice(centred_s, router, "plm::model::moe::centred_router");
+    space.fence();
+    return View2<T>(centred.data(), c.experts, hidden);
+  }
 
   /// The router's input in the master type: h itself, or its widened copy when h is bf16.  The
   /// forward always widens; the backward (`again`) reuses the forward's copy when h is the
@@ -729,9 +798,12 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   // Router logits in the master type (fp32 under bf16: the bf16 LN2 output is widened first),
   // then the routing on the host.
   s.logits = grow(s.logits_s, t_n * e_n, "plm::model::moe::logits");
-  if (t_n > 0)
-    gemm(space, Trans::N, Trans::T, T(1), s.routerInput(ctx, h), s.w.router.template view<T>(),
-         T(0), View2<T>(s.logits.data(), t_n, e_n));
+  if (t_n > 0) {
+    const View2<T> x = s.routerInput(ctx, h);
+    const View2<T> router =
+        s.step && s.step->centring ? s.centringRouter(ctx, x) : s.w.router.template view<T>();
+    gemm(space, Trans::N, Trans::T, T(1), x, router, T(0), View2<T>(s.logits.data(), t_n, e_n));
+  }
   s.routed_on_device = false;
   if (s.deviceRouting()) {
     s.routeDevice(ctx, t_n);
@@ -1038,6 +1110,24 @@ template <class T> void MoeMlp<T>::balanceBias(OpContext& ctx, const std::vector
     b[e] += static_cast<T>(s.c.bias_rate * (diff > 0 ? 1.0 : diff < 0 ? -1.0 : 0.0));
   }
   Kokkos::deep_copy(ctx.space(), dev, Kokkos::View<const T*, HostSpace>(b.data(), e_n));
+  ctx.space().fence();
+}
+
+template <class T> RouterInputSums MoeMlp<T>::takeRouterInputSums() {
+  RouterInputSums out = std::move(state_member->input_sums);
+  state_member->input_sums = RouterInputSums();
+  if (out.sum.empty()) out.sum.assign(state_member->hidden, 0.0);
+  return out;
+}
+
+template <class T> void MoeMlp<T>::centreRouter(OpContext& ctx, const std::vector<double>& mean) {
+  auto& s = *state_member;
+  PLM_REQUIRE(static_cast<int>(mean.size()) == s.hidden,
+              "plm::model::MoeMlp::centreRouter: the mean input must have the model's width");
+  std::vector<T> router = s.routerToHost(ctx.space());
+  centreRows(router, s.c.experts, mean);
+  Kokkos::deep_copy(ctx.space(), s.w.router.template view<T>(),
+                    HostView2<const T>(router.data(), s.c.experts, s.hidden));
   ctx.space().fence();
 }
 

@@ -91,8 +91,22 @@ struct MoeStep {
   double objective = 0;      // sum over layers of loss_weight * (aux_loss aux + z_loss z), +=
   bool training = false;     // a forward that a backward follows: statistics are recorded
   bool recomputing = false;  // a rerun forward (Recompute::Layer): adds nothing
+  bool centring = false;     // a forward of Esm2::centreRouters (router input sums; see MoeMlp)
   const std::vector<int>* cu_seqlens = nullptr;  // host sequence offsets of the pass (seq aux)
 };
+
+/// The router input of one MoE layer summed over the tokens of the passes run with
+/// MoeStep::centring.
+struct RouterInputSums {
+  std::vector<double> sum;  // (H) sum over tokens of the router input
+  double tokens = 0;
+  double power = 0;  // sum over tokens of |input|^2
+};
+
+/// \brief W <- W - (W m) m^T / |m|^2 for the router W (E, H, row-major) and a mean input m (H):
+/// each row made orthogonal to m, so the logits no longer depend on a token's component along
+/// m.  Nothing when m = 0.  Host, double arithmetic.
+template <class T> void centreRows(std::vector<T>& w, int experts, const std::vector<double>& m);
 
 /// The expert-parallel group of an MoE layer (not owned; nullptr = every expert local).
 struct ExpertParallel {
@@ -117,6 +131,13 @@ template <class T> class MoeMlp : public FfnBlock {
   /// \brief Adds rate * sign(mean - routed_e) to the expert bias, routed_e given over the
   /// whole step (all ranks).  Nothing without bias_balance.
   void balanceBias(OpContext& ctx, const std::vector<double>& routed);
+  /// \brief The router input sums of the MoeStep::centring passes since the last call (then
+  /// cleared).  In such a pass the layer routes with its router centred (centreRows) on that
+  /// pass's own mean input, so that the layers after it see about the routing the centred router
+  /// will give; the stored router is unchanged until centreRouter.
+  RouterInputSums takeRouterInputSums();
+  /// \brief Centres the stored router on `mean` (H), the mean router input (centreRows).
+  void centreRouter(OpContext& ctx, const std::vector<double>& mean);
 
   struct State;  // workspace and the routing kept from forward for backward
 

@@ -11,6 +11,13 @@ namespace plm::model {
 
 enum class RouterKind { Softmax, Sigmoid };
 
+/// How the routers start (doc/model.md "Router initialisation"): Normal = N(0, 0.02) like every
+/// other weight; Centred = that draw with each router's rows then made orthogonal to the mean
+/// router input of the first training step (Esm2::centreRouters, called by the trainer once
+/// before step 1 of a fresh run), so that the component every token shares at initialisation
+/// does not decide the routing.
+enum class RouterInit { Normal, Centred };
+
 /// How the experts' GEMMs run under bf16 on the GPU (model/moe_experts.hpp): Auto picks by the
 /// measured crossover, Loop = one cuBLASLt call per expert, Grouped = one CUTLASS grouped launch
 /// per GEMM.
@@ -39,6 +46,7 @@ struct MoeConfig {
   // others travel (moe.overlap; measured slower on 2 GPUs, doc/model.md "Expert parallelism").
   bool overlap = false;
   bool host_routing = false;  // moe.routing: host = the host reference routing on the bf16 path
+  RouterInit router_init = RouterInit::Centred;  // read by the trainer only (not in model files)
 
   bool enabled() const { return experts > 0; }
   bool isMoeLayer(int layer) const { return enabled() && (layer + 1) % every == 0; }
@@ -89,6 +97,14 @@ inline ExpertGemmMode parseExpertGemm(const std::string& name) {
   throw collectiveError("moe.expert_gemm: unknown mode '" + name + "'; use auto, loop or grouped");
 }
 
+/// \brief "centred" | "normal"; a collective plm::Error otherwise.
+inline RouterInit parseRouterInit(const std::string& name) {
+  if (name == "centred") return RouterInit::Centred;
+  if (name == "normal") return RouterInit::Normal;
+  throw collectiveError("moe.router_init: unknown initialisation '" + name +
+                        "'; use centred or normal");
+}
+
 inline const char* routerName(RouterKind r) {
   return r == RouterKind::Softmax ? "softmax" : "sigmoid";
 }
@@ -100,6 +116,13 @@ struct MoeLayerStats {
   double slots = 0, dropped = 0;
   double aux = 0, z = 0, entropy = 0;  // token-weighted sums
   double tokens = 0;
+};
+
+/// One MoE layer's router input over the passes of Esm2::centreRouters (summed over all ranks).
+struct RouterCentring {
+  int layer = 0;
+  double tokens = 0;      // tokens seen
+  double mean_share = 0;  // |mean input|^2 / mean |input|^2: the part every token shares
 };
 
 }  // namespace plm::model

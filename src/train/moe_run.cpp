@@ -5,6 +5,7 @@
 #include "dist/allreduce.hpp"
 #include "dist/communicator.hpp"
 #include "dist/process_groups.hpp"
+#include "train/step.hpp"
 
 #include <algorithm>
 #include <cstdio>
@@ -44,6 +45,7 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.seq_aux_loss = m.get<double>("seq_aux_loss");
   c.bias_balance = m.get<bool>("bias_balance");
   c.bias_rate = m.get<double>("bias_rate");
+  c.router_init = model::parseRouterInit(m.get<std::string>("router_init"));
   c.expert_gemm = model::parseExpertGemm(m.get<std::string>("expert_gemm"));
   c.dispatch_budget_bytes = m.get<double>("dispatch_budget_gib") * 1024.0 * 1024.0 * 1024.0;
   c.overlap = m.get<bool>("overlap");
@@ -109,6 +111,24 @@ MoeRun<P>::MoeRun(const Teuchos::ParameterList& deck, model::Esm2<P>& model, MPI
 }
 
 template <class P> MoeRun<P>::~MoeRun() = default;
+
+template <class P> void MoeRun<P>::centreRouters(model::Esm2<P>& model,
+                                                 const std::vector<data::MicroBatch>& first_step) {
+  const auto& moe = model.config().moe;
+  if (!moe.enabled() || moe.router_init != model::RouterInit::Centred) return;
+  const auto layers = model.centreRouters(
+      model.expertParallel() ? padForExperts(first_step, comm_member) : first_step, comm_member);
+  if (layers.empty()) return;
+  double least = 1, most = 0;
+  for (const auto& l : layers) {
+    least = std::min(least, l.mean_share);
+    most = std::max(most, l.mean_share);
+  }
+  log::info(
+      "moe: routers centred on the first step's %.0f tokens (moe.router_init: centred); the "
+      "mean router input held %.0f-%.0f%% of its power over the %zu MoE layers",
+      layers.front().tokens, 100 * least, 100 * most, layers.size());
+}
 
 template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model) {
   auto stats = model.moeStats();

@@ -48,6 +48,10 @@ template <class P> class MoeRun {
   MoeRun(const Teuchos::ParameterList& deck, model::Esm2<P>& model, MPI_Comm comm);
   ~MoeRun();
 
+  /// \brief Collective: moe.router_init: centred (nothing otherwise, or for a dense model):
+  /// centres the routers on the router inputs of `first_step`, this rank's micro-batches of the
+  /// first training step (Esm2::centreRouters), and logs what it removed.
+  void centreRouters(model::Esm2<P>& model, const std::vector<data::MicroBatch>& first_step);
   /// \brief Collective: reduces this step's routing statistics over all ranks, applies the
   /// bias_balance update, and adds them to the interval.
   void afterStep(model::Esm2<P>& model);

@@ -160,8 +160,8 @@ template <class P> std::vector<data::MicroBatch> forContext(const model::Esm2<P>
   return local;
 }
 
-/// Under expert parallelism every pass is collective: ranks with fewer micro-batches run empty
-/// ones first (they serve their experts), so the real last micro-batch keeps the layer hooks.
+// Empty micro-batches first: ranks with fewer run them first (they serve their experts), so
+// the real last micro-batch keeps the layer hooks.
 std::vector<data::MicroBatch> padForExperts(const std::vector<data::MicroBatch>& local,
                                             MPI_Comm comm) {
   const double most = dist::allreduceMax(static_cast<double>(local.size()), comm);

@@ -49,6 +49,11 @@ struct StepStats : BatchStats {
 /// \brief Sums of the local micro-batches' counts, all-reduced over `comm` (loss_sum left 0).
 BatchStats countBatch(const std::vector<data::MicroBatch>& local, MPI_Comm comm);
 
+/// \brief Under expert parallelism every pass is collective: `local` with empty micro-batches
+/// put first, up to the most any rank of `comm` holds.
+std::vector<data::MicroBatch> padForExperts(const std::vector<data::MicroBatch>& local,
+                                            MPI_Comm comm);
+
 /// \brief Zeroes the gradients, runs forward+backward over this rank's micro-batches with
 /// grad_scale = 1/global masked count, and all-reduces gradients and loss: afterwards every
 /// rank holds the gradient of the global mean loss.

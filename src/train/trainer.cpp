@@ -152,6 +152,28 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   context_member = std::make_unique<ContextRun>(*deck, comm);  // loaders see its data ranks
   context_member->attach(*model_member);
 
+  data::LoaderOptions lo;
+  lo.path = d.get<std::string>("train");
+  lo.micro_batch_tokens = d.get<int>("micro_batch_tokens");
+  lo.micro_batches_per_step = data::microBatchesPerStep(
+      d.get<int>("tokens_per_batch"), lo.micro_batch_tokens, context_member->dataSize());
+  lo.seed = state_member.data_seed;
+  lo.mask_prob = d.get<double>("mask_prob");
+  lo.max_seq_len = d.get<int>("max_seq_len");
+  lo.rank = context_member->dataRank();
+  lo.world = context_member->dataSize();
+  lo.prefetch = d.get<int>("prefetch");
+  train_loader_member = std::make_unique<data::Loader>(lo);
+  // moe.router_init: centred: the routers start centred on the first step's router inputs (a
+  // forward pass over that step, whose micro-batches step 1 then trains on). Before sharding:
+  // it changes the whole model's router rows. A resumed run loads its routers after this.
+  if (config.moe.enabled() && config.moe.router_init == model::RouterInit::Centred) {
+    const data::Cursor start = train_loader_member->cursor();
+    moe_member->centreRouters(*model_member,
+                              context_member->shard(train_loader_member->nextStep()));
+    train_loader_member->seek(start);
+  }
+
   optimizer_options_member = optimizerOptionsFromDeck(o);
   clip_norm_member = o.get<double>("clip_grad_norm");
   setUpSharding(*deck);
@@ -191,19 +213,6 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   schedule_member.final_lr_ratio = s.get<double>("final_lr_ratio");
   const int decay_steps = s.get<int>("decay_steps");
   schedule_member.decay_steps = decay_steps > 0 ? decay_steps : total_steps_member;
-
-  data::LoaderOptions lo;
-  lo.path = d.get<std::string>("train");
-  lo.micro_batch_tokens = d.get<int>("micro_batch_tokens");
-  lo.micro_batches_per_step = data::microBatchesPerStep(
-      d.get<int>("tokens_per_batch"), lo.micro_batch_tokens, context_member->dataSize());
-  lo.seed = state_member.data_seed;
-  lo.mask_prob = d.get<double>("mask_prob");
-  lo.max_seq_len = d.get<int>("max_seq_len");
-  lo.rank = context_member->dataRank();
-  lo.world = context_member->dataSize();
-  lo.prefetch = d.get<int>("prefetch");
-  train_loader_member = std::make_unique<data::Loader>(lo);
 
   const std::string valid = d.get<std::string>("valid");
   if (!valid.empty()) {
