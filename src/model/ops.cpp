@@ -1581,6 +1581,21 @@ void rotary(OpContext& ctx, const DeviceBatch& b, const Mat& q, const Mat& k, in
   });
 }
 
+#if PLM_HAVE_CUDA
+void bf16Attention(OpContext& ctx, const gpu::FlashParams& fp, bool backward) {
+  const AttentionKernel k = resolveAttention(ctx, fp.head_dim);
+  const bool cudnn = fp.cu_seqlens_k == nullptr &&
+                     (backward ? k == AttentionKernel::Cudnn : k != AttentionKernel::Flash);
+  if (!cudnn || !cudnnAttention(ctx, fp, backward)) {
+    if (backward)
+      gpu::flashAttentionBackward(streamOf(ctx), fp);
+    else
+      gpu::flashAttentionForward(streamOf(ctx), fp);
+  }
+  ctx.mark(OpKind::Attention);
+}
+#endif
+
 void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, const Mat& o,
                const Mat& lse) {
   if (b.ring) return b.ring->forward(ctx, qkv, heads, o, lse);  // context parallelism

@@ -517,10 +517,6 @@ Plan makePlan(const Input& in) {
     p.notes.push_back(
         "plm's sharding runs train.precision fp32 or bf16 (fp8 with shard > 1 is refused; "
         "doc/parallelism.md): these fp8 figures are the planned design's");
-  if (in.layout.context > 1 && in.compute != Compute::Fp32)
-    p.notes.push_back(
-        "context parallelism runs the portable fp32 kernels (bf16 with context_degree > 1 is "
-        "refused; doc/parallelism.md): these figures are the planned design's");
   return p;
 }
 

@@ -292,8 +292,6 @@ TEST(ContextModel, LayoutRefusalsNameTheNumbers) {
   EXPECT_NO_THROW(train::checkContextLayout(in));
   in.expert = 2;  // MoE and expert parallelism compose (test_context_moe.cpp)
   EXPECT_NO_THROW(train::checkContextLayout(in));
-  in.bf16 = true;
-  EXPECT_THROW(train::checkContextLayout(in), plm::Error);
   in.context = 1;  // degree 1 changes nothing, whatever else is set
   EXPECT_NO_THROW(train::checkContextLayout(in));
 }
