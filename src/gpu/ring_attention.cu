@@ -70,7 +70,34 @@ __global__ void ringStoreKernel(const float* src, bfloat* dst, std::int64_t dst_
   dst[r * dst_stride + c] = __float2bfloat16(src[i]);
 }
 
+__global__ void scaleRowsKernel(float* x, const float* mult, std::int64_t rows, int cols) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i < rows * cols) x[i] *= mult[i / cols];
+}
+
+__global__ void scaleRowsBf16Kernel(const bfloat* src, const float* mult, bfloat* dst,
+                                    std::int64_t rows, int cols) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i < rows * cols) dst[i] = __float2bfloat16(__bfloat162float(src[i]) * mult[i / cols]);
+}
+
 }  // namespace
+
+void scaleRows(Stream stream, float* x, const float* mult, std::int64_t rows, int cols) {
+  const std::int64_t n = rows * cols;
+  if (n == 0) return;
+  scaleRowsKernel<<<blocksFor(n), kThreads, 0, stream>>>(x, mult, rows, cols);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void scaleRows(Stream stream, const bf16* src, const float* mult, bf16* dst, std::int64_t rows,
+               int cols) {
+  const std::int64_t n = rows * cols;
+  if (n == 0) return;
+  scaleRowsBf16Kernel<<<blocksFor(n), kThreads, 0, stream>>>(
+      reinterpret_cast<const bfloat*>(src), mult, reinterpret_cast<bfloat*>(dst), rows, cols);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
 
 void ringPack(Stream stream, const bf16* k, std::int64_t k_stride, const bf16* v,
               std::int64_t v_stride, std::int64_t tokens, int width, bf16* dst) {

@@ -37,4 +37,12 @@ void ringAdd(Stream stream, float* acc, const float* src, std::int64_t rows, int
 void ringStore(Stream stream, const float* src, bf16* dst, std::int64_t dst_stride,
                std::int64_t rows, int width);
 
+/// \brief x (rows, cols) fp32 *= mult (rows): a context shard's token-dropout scale, which
+/// follows the whole sequences (the embedding kernels' own scale sees only the shard).
+void scaleRows(Stream stream, float* x, const float* mult, std::int64_t rows, int cols);
+
+/// \brief dst (rows, cols) bf16 = src (rows, cols) bf16 * mult (rows), contiguous.
+void scaleRows(Stream stream, const bf16* src, const float* mult, bf16* dst, std::int64_t rows,
+               int cols);
+
 }  // namespace plm::gpu
