@@ -4,6 +4,9 @@
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
+#   context: the context-parallel tests (test/context, packaged with PLM_PKG_CTEST=1) at 2 and 4
+#        ranks, the bf16 ring and MoE among them; with 2 GPUs, 650M bf16 on 16,384-token sequences
+#        at context degree 1 (one GPU) and 2 (two GPUs): tokens/s per GPU
 #   scale: 650M bf16 data-parallel weak scaling over NCCL on 1, 2, 4 GPUs (the shipped deck,
 #        PLM_SCALE_MICRO micro-batches of 16,384 per GPU per step, PLM_SCALE_STEPS steps)
 #   decks: the shipped large decks (esm2_3b, esm2_15b, the MoE presets') as shipped on every GPU of
@@ -367,15 +370,56 @@ if has context && [[ -d "$ctx_dir" ]]; then
   # sendRecv with one GPU per rank: nvidia-h200-x2 / -x4; ranks sharing one GPU go through
   # staged MPI): ring attention against whole attention, ESM-2 at context degree 2/4
   # against one rank, the 16,384-token sequence at degree 2.
-  for t in test_context_ring_attention test_context_model test_context_long_sequence; do
+  # Then the bf16 ring (the CUDA attention kernels per block) against one rank's bf16 attention
+  # and the fp32 ring, and MoE at context degree 2/4 (with expert parallelism) against one rank.
+  for t in test_context_ring_attention test_context_model test_context_long_sequence \
+           test_context_ring_bf16 test_context_moe; do
     for np in 2 4; do
       [[ $t == test_context_long_sequence && $np == 4 ]] && continue
+      [[ -x "$ctx_dir/$t" ]] || { note "context: $t not packaged"; continue; }
       log="$out/${t}_np$np.log"
       start=$(date +%s)
       timeout 600 mpiexec -n $np --oversubscribe "$ctx_dir/$t" > "$log" 2>&1
       note "$t np$np rc=$? $(( $(date +%s) - start ))s"
       grep -E "context degree|PASSED|FAILED|SKIPPED|Failure" "$log" | tee -a "$summary"
     done
+  done
+fi
+
+if has context && [[ -x "$pkg/bin/plm" ]] && (( $(nvidia-smi -L | wc -l) >= 2 )); then
+  # bf16 context parallelism's throughput: the shipped 650M deck on 16,384-token sequences
+  # (random residues, PLM_CONTEXT_SEQS of them, one sequence per micro-batch), context degree 1
+  # on one GPU against degree 2 on two (NCCL), the same tokens per step; tokens/s per GPU is the
+  # median over steps 4..PLM_CONTEXT_STEPS (target: degree 2 >= 90% of degree 1).
+  steps=${PLM_CONTEXT_STEPS:-12}
+  micro=${PLM_CONTEXT_MICRO:-4}
+  long=/tmp/plm-context-long
+  rm -rf "$long"
+  mkdir -p "$long"
+  python3 - "$long/long.fasta" "${PLM_CONTEXT_SEQS:-64}" <<'PY'
+import random, sys
+random.seed(7)
+with open(sys.argv[1], "w") as f:
+    for i in range(int(sys.argv[2])):
+        f.write(f">long{i}\n" + "".join(random.choice("ACDEFGHIKLMNPQRSTVWY") for _ in range(16382)) + "\n")
+PY
+  timeout 300 "$pkg/bin/plm" prep "$long/long.fasta" --out "$long/data" > "$out/context_prep.log" 2>&1
+  note "context: plm prep of the 16,384-token sequences rc=$?"
+  for degree in 1 2; do
+    dir=/tmp/plm-context-650m-$degree
+    rm -rf "$dir"
+    timeout 500 mpiexec -n $degree --oversubscribe "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" \
+      --set data.train="$long/data/train.h5" --set data.valid= \
+      --set model.max_positions=16386 --set data.max_seq_len=16384 \
+      --set data.micro_batch_tokens=16384 --set data.tokens_per_batch=$(( 16384 * micro )) \
+      --set parallel.context_degree=$degree --set train.steps=$steps --set train.log_every=1 \
+      --set checkpoint.every=0 --set checkpoint.resume=none --set schedule.warmup_steps=10 \
+      --set train.run_dir="$dir" > "$out/context_650m_c$degree.log" 2>&1
+    rc=$?
+    tps=$(grep -oE "step +([4-9]|[1-9][0-9]+)/$steps .*\| *[0-9]+ tok/s" "$out/context_650m_c$degree.log" |
+          grep -oE "[0-9]+ tok/s" | awk '{print $1}' | sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]}')
+    note "context 650m bf16 16k-token sequences, context degree $degree on $degree GPU(s) rc=$rc median tok/s (job) ${tps:-none} per GPU $(( ${tps:-0} / degree ))"
+    grep -E "parallel:|memory|peak|step +$steps/" "$out/context_650m_c$degree.log" | tail -4 | tee -a "$summary"
   done
 fi
 

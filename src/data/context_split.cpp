@@ -28,7 +28,10 @@ MicroBatch contextShard(const MicroBatch& full, int degree, int rank) {
     const std::int64_t len = end - begin;
     shard->seq_length[s] = static_cast<std::int32_t>(len);
     shard->max_seqlen = std::max(shard->max_seqlen, static_cast<std::int32_t>(len));
-    for (seqlen_t t = begin; t < end; ++t) shard->seq_masked[s] += full.tokens(t) == vocab::mask;
+    for (seqlen_t t = begin; t < end; ++t) {
+      shard->seq_masked[s] += full.tokens(t) == vocab::mask;
+      shard->labelled += full.labels(t) != vocab::ignore_label;
+    }
     for (int r = 0; r < degree; ++r) {
       const auto a = contextChunk(len, chunks, r);
       const auto b = contextChunk(len, chunks, chunks - 1 - r);

@@ -30,6 +30,7 @@ struct ContextShard {
   std::vector<seqlen_t> positions;        // (T_local) position of each token in its sequence
   std::vector<std::int32_t> seq_length;   // (n) whole-sequence lengths
   std::vector<std::int32_t> seq_masked;   // (n) <mask> tokens of each whole sequence
+  std::int64_t labelled = 0;              // labelled tokens of the whole micro-batch
 
   int numSequences() const { return static_cast<int>(seq_length.size()); }
   /// \brief [begin, end) of rank `r`'s shard of sequence `s` in that rank's token stream.

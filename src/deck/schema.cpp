@@ -355,7 +355,8 @@ const std::vector<KeySpec>& keys() {
        "Context parallelism: this many consecutive ranks share every micro-batch, each holding "
        "2 of the 2 x context_degree chunks of every sequence; attention runs as ring attention "
        "(doc/parallelism.md). Must divide the rank count; the ranks count as data-parallel ranks "
-       "for the gradient sum. fp32 and dense models only.",
+       "for the gradient sum. fp32 runs the portable ring, bf16 the CUDA attention kernels per "
+       "block; MoE routing statistics, losses and capacities are reduced over the group.",
        atLeast(1), {}},
       {"parallel", "expert_degree", K::integer, "1",
        "Expert parallelism: this many consecutive ranks share the experts of each MoE layer "

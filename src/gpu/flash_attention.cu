@@ -173,21 +173,33 @@ template <int D, int BN> __global__ void __launch_bounds__(128) flashForwardKern
   bfloat* vs = ks + 2 * BN * LD;                     // (2, BN, LD)
 
   SeqBlock seq = seqOf(p.cu_seqlens, blockIdx.z);
+  const SeqBlock kseq = seqOf(p.cu_seqlens_k, blockIdx.z);
   int q0 = blockIdx.x * BM;
   if (q0 >= seq.len) return;
   int h = blockIdx.y;
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int g = lane >> 2, t = lane & 3;
+  if (kseq.len == 0) {  // no keys: o = 0, lse = -inf (an empty part of a ring merge)
+    for (int r = threadIdx.x; r < BM && q0 + r < seq.len; r += THREADS) {
+      const std::int64_t row = seq.start + q0 + r;
+      bfloat* orow = reinterpret_cast<bfloat*>(p.o) + row * p.o_stride + h * p.head_dim;
+      for (int c = 0; c < p.head_dim; ++c) orow[c] = __float2bfloat16(0.0f);
+      p.lse[row * p.heads + h] = -INFINITY;
+    }
+    return;
+  }
 
   const bfloat* qg =
       reinterpret_cast<const bfloat*>(p.q) + (seq.start + q0) * p.q_stride + h * p.head_dim;
-  const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + seq.start * p.k_stride + h * p.head_dim;
-  const bfloat* vg = reinterpret_cast<const bfloat*>(p.v) + seq.start * p.v_stride + h * p.head_dim;
-  int nblocks = (seq.len + BN - 1) / BN;
+  const bfloat* kg =
+      reinterpret_cast<const bfloat*>(p.k) + kseq.start * p.k_stride + h * p.head_dim;
+  const bfloat* vg =
+      reinterpret_cast<const bfloat*>(p.v) + kseq.start * p.v_stride + h * p.head_dim;
+  int nblocks = (kseq.len + BN - 1) / BN;
 
   loadTile<BM, D, THREADS>(qs, qg, p.q_stride, seq.len - q0, p.head_dim);
-  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, seq.len, p.head_dim);
-  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, seq.len, p.head_dim);
+  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, kseq.len, p.head_dim);
+  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, kseq.len, p.head_dim);
   cpAsyncCommit();
 
   std::uint32_t qf[D / 16][4];
@@ -199,7 +211,7 @@ template <int D, int BN> __global__ void __launch_bounds__(128) flashForwardKern
 
   for (int j = 0; j < nblocks; ++j) {
     int buf = j & 1;
-    nextKeyValueBlock<BN, D, THREADS>(ks, vs, kg, vg, p, seq.len, j, nblocks);
+    nextKeyValueBlock<BN, D, THREADS>(ks, vs, kg, vg, p, kseq.len, j, nblocks);
     if (j == 0) {
 #pragma unroll
       for (int kc = 0; kc < D / 16; ++kc) loadA(qf[kc], qs, LD, warp * 16, kc * 16, lane);
@@ -228,7 +240,7 @@ template <int D, int BN> __global__ void __launch_bounds__(128) flashForwardKern
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         int key = key0 + nt * 8 + 2 * t + (e & 1);
-        float x = key < seq.len ? s[nt][e] * scale_log2 : -INFINITY;
+        float x = key < kseq.len ? s[nt][e] * scale_log2 : -INFINITY;
         s[nt][e] = x;
         mx[e >> 1] = fmaxf(mx[e >> 1], x);
       }
@@ -354,8 +366,9 @@ template <int D, int BQ> __global__ void __launch_bounds__(128)
   float* dels = lses + 2 * BQ;                                // (2, BQ)
 
   SeqBlock seq = seqOf(p.cu_seqlens, blockIdx.z);
+  const SeqBlock kseq = seqOf(p.cu_seqlens_k, blockIdx.z);
   int k0 = blockIdx.x * BN;
-  if (k0 >= seq.len) return;
+  if (k0 >= kseq.len) return;
   int h = blockIdx.y;
   int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int t = lane & 3;
@@ -364,10 +377,10 @@ template <int D, int BQ> __global__ void __launch_bounds__(128)
   const bfloat* dog =
       reinterpret_cast<const bfloat*>(p.dout) + seq.start * p.dout_stride + h * p.head_dim;
   const bfloat* kg =
-      reinterpret_cast<const bfloat*>(p.k) + (seq.start + k0) * p.k_stride + h * p.head_dim;
+      reinterpret_cast<const bfloat*>(p.k) + (kseq.start + k0) * p.k_stride + h * p.head_dim;
   const bfloat* vg =
-      reinterpret_cast<const bfloat*>(p.v) + (seq.start + k0) * p.v_stride + h * p.head_dim;
-  int nblocks = (seq.len + BQ - 1) / BQ;
+      reinterpret_cast<const bfloat*>(p.v) + (kseq.start + k0) * p.v_stride + h * p.head_dim;
+  int nblocks = (seq.len + BQ - 1) / BQ;  // no queries: dK = dV = 0
 
   auto loadQBlock = [&](int i, int buf) {
     int q0 = i * BQ;
@@ -384,10 +397,14 @@ template <int D, int BQ> __global__ void __launch_bounds__(128)
     }
   };
 
-  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, seq.len - k0, p.head_dim);
-  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, seq.len - k0, p.head_dim);
+  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, kseq.len - k0, p.head_dim);
+  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, kseq.len - k0, p.head_dim);
   loadQBlock(0, 0);
   cpAsyncCommit();
+  if (nblocks == 0) {  // the loop below waits for these copies; ks and vs stage the stores
+    cpAsyncWait<0>();
+    __syncthreads();
+  }
 
   float dk[D / 8][4], dv[D / 8][4];
 #pragma unroll
@@ -460,11 +477,11 @@ template <int D, int BQ> __global__ void __launch_bounds__(128)
     __syncthreads();
   }
 
-  bfloat* dkg = reinterpret_cast<bfloat*>(p.dk) + (seq.start + k0) * p.dk_stride + h * p.head_dim;
-  bfloat* dvg = reinterpret_cast<bfloat*>(p.dv) + (seq.start + k0) * p.dv_stride + h * p.head_dim;
-  storeRows<D>(dk, p.softmax_scale, ks, warp * 16, dkg, p.dk_stride, seq.len - k0, p.head_dim,
+  bfloat* dkg = reinterpret_cast<bfloat*>(p.dk) + (kseq.start + k0) * p.dk_stride + h * p.head_dim;
+  bfloat* dvg = reinterpret_cast<bfloat*>(p.dv) + (kseq.start + k0) * p.dv_stride + h * p.head_dim;
+  storeRows<D>(dk, p.softmax_scale, ks, warp * 16, dkg, p.dk_stride, kseq.len - k0, p.head_dim,
                lane);
-  storeRows<D>(dv, 1.0f, vs, warp * 16, dvg, p.dv_stride, seq.len - k0, p.head_dim, lane);
+  storeRows<D>(dv, 1.0f, vs, warp * 16, dvg, p.dv_stride, kseq.len - k0, p.head_dim, lane);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -481,6 +498,7 @@ template <int D, int BN> __global__ void __launch_bounds__(128)
   bfloat* vs = ks + 2 * BN * LD;                     // (2, BN, LD)
 
   SeqBlock seq = seqOf(p.cu_seqlens, blockIdx.z);
+  const SeqBlock kseq = seqOf(p.cu_seqlens_k, blockIdx.z);
   int q0 = blockIdx.x * BM;
   if (q0 >= seq.len) return;
   int h = blockIdx.y;
@@ -491,15 +509,21 @@ template <int D, int BN> __global__ void __launch_bounds__(128)
       reinterpret_cast<const bfloat*>(p.q) + (seq.start + q0) * p.q_stride + h * p.head_dim;
   const bfloat* dog =
       reinterpret_cast<const bfloat*>(p.dout) + (seq.start + q0) * p.dout_stride + h * p.head_dim;
-  const bfloat* kg = reinterpret_cast<const bfloat*>(p.k) + seq.start * p.k_stride + h * p.head_dim;
-  const bfloat* vg = reinterpret_cast<const bfloat*>(p.v) + seq.start * p.v_stride + h * p.head_dim;
-  int nblocks = (seq.len + BN - 1) / BN;
+  const bfloat* kg =
+      reinterpret_cast<const bfloat*>(p.k) + kseq.start * p.k_stride + h * p.head_dim;
+  const bfloat* vg =
+      reinterpret_cast<const bfloat*>(p.v) + kseq.start * p.v_stride + h * p.head_dim;
+  int nblocks = (kseq.len + BN - 1) / BN;  // no keys: dQ = 0
 
   loadTile<BM, D, THREADS>(qs, qg, p.q_stride, seq.len - q0, p.head_dim);
   loadTile<BM, D, THREADS>(dos, dog, p.dout_stride, seq.len - q0, p.head_dim);
-  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, seq.len, p.head_dim);
-  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, seq.len, p.head_dim);
+  loadTile<BN, D, THREADS>(ks, kg, p.k_stride, kseq.len, p.head_dim);
+  loadTile<BN, D, THREADS>(vs, vg, p.v_stride, kseq.len, p.head_dim);
   cpAsyncCommit();
+  if (nblocks == 0) {  // the loop below waits for these copies; qs stages the stores
+    cpAsyncWait<0>();
+    __syncthreads();
+  }
 
   float lse2[2], del[2];
 #pragma unroll
@@ -519,7 +543,7 @@ template <int D, int BN> __global__ void __launch_bounds__(128)
 
   for (int j = 0; j < nblocks; ++j) {
     int buf = j & 1;
-    nextKeyValueBlock<BN, D, THREADS>(ks, vs, kg, vg, p, seq.len, j, nblocks);
+    nextKeyValueBlock<BN, D, THREADS>(ks, vs, kg, vg, p, kseq.len, j, nblocks);
     if (j == 0) {
 #pragma unroll
       for (int kc = 0; kc < D / 16; ++kc) {
@@ -553,7 +577,7 @@ template <int D, int BN> __global__ void __launch_bounds__(128)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         int key = key0 + n * 8 + 2 * t + (e & 1);
-        float pe = key < seq.len ? exp2f(s[n][e] * scale_log2 - lse2[e >> 1]) : 0.0f;
+        float pe = key < kseq.len ? exp2f(s[n][e] * scale_log2 - lse2[e >> 1]) : 0.0f;
         dp[n][e] = pe * (dp[n][e] - del[e >> 1]);
       }
     }
@@ -592,6 +616,15 @@ void checkParams(const FlashParams& p) {
                 "attention path for this model");
 }
 
+/// p with the key layout filled in (the query layout when none is given).
+FlashParams withKeys(FlashParams p) {
+  if (p.cu_seqlens_k == nullptr) {
+    p.cu_seqlens_k = p.cu_seqlens;
+    p.max_seqlen_k = p.max_seqlen;
+  }
+  return p;
+}
+
 template <int D> void forwardD(Stream stream, const FlashParams& p) {
   constexpr int BN = 64, LD = D + kPad;
   int smem = (64 + 4 * BN) * LD * 2;
@@ -607,7 +640,7 @@ template <int D> void backwardD(Stream stream, const FlashParams& p) {
 
   constexpr int BQ = D == 128 ? 32 : 64;
   int smem_kv = (2 * 64 + 4 * BQ) * LD * 2 + 4 * BQ * 4;
-  dim3 grid_kv((p.max_seqlen + 63) / 64, p.heads, p.num_seqs);
+  dim3 grid_kv((p.max_seqlen_k + 63) / 64, p.heads, p.num_seqs);
   launch(flashBackwardKVKernel<D, BQ>, grid_kv, smem_kv, stream, p);
 
   constexpr int BN = D == 128 ? 32 : 64;
@@ -618,8 +651,9 @@ template <int D> void backwardD(Stream stream, const FlashParams& p) {
 
 }  // namespace
 
-void flashAttentionForward(Stream stream, const FlashParams& p) {
-  checkParams(p);
+void flashAttentionForward(Stream stream, const FlashParams& given) {
+  checkParams(given);
+  const FlashParams p = withKeys(given);
   if (p.num_seqs == 0 || p.total_tokens == 0) return;
   if (p.head_dim <= 16)
     forwardD<16>(stream, p);
@@ -631,8 +665,9 @@ void flashAttentionForward(Stream stream, const FlashParams& p) {
     forwardD<128>(stream, p);
 }
 
-void flashAttentionBackward(Stream stream, const FlashParams& p) {
-  checkParams(p);
+void flashAttentionBackward(Stream stream, const FlashParams& given) {
+  checkParams(given);
+  const FlashParams p = withKeys(given);
   if (p.num_seqs == 0 || p.total_tokens == 0) return;
   if (p.head_dim <= 16)
     backwardD<16>(stream, p);

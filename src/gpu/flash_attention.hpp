@@ -1,7 +1,8 @@
 // Varlen (THD) flash attention, forward and backward, on the tensor cores (mma.sync bf16).
 //
 // Design: tokens of all sequences are packed into one stream; sequence s owns tokens
-// [cu_seqlens[s], cu_seqlens[s+1]) and attends to itself only (non-causal).  Q, K, V, O and
+// [cu_seqlens[s], cu_seqlens[s+1]) and attends to itself only (non-causal).  The keys and values
+// may be packed in a layout of their own (cu_seqlens_k: ring attention's blocks).  Q, K, V, O and
 // their gradients are bf16 (T, H, D) rows with a row stride, so they can live inside a fused
 // QKV buffer; the softmax statistics are fp32 and the T x T score matrix never exists.
 // ESM-2 scales q by D^-1/2 before rotary, so the model passes softmax_scale = 1.
@@ -32,6 +33,11 @@ struct FlashParams {
   int num_seqs = 0;
   int max_seqlen = 0;
   std::int64_t total_tokens = 0;
+  // Keys and values in a layout of their own (ring attention: this rank's queries against
+  // another rank's shard of the same sequences); nullptr = cu_seqlens.  A sequence without keys
+  // gives o = 0 and lse = -inf (the empty part of a log-sum-exp merge) and zero gradients.
+  const std::int32_t* cu_seqlens_k = nullptr;  // device, (num_seqs + 1)
+  int max_seqlen_k = 0;
   int heads = 0;
   int head_dim = 0;  // multiple of 8, <= 128
   float softmax_scale = 1.0f;

@@ -6,6 +6,12 @@
 #include "dist/stream.hpp"
 #include "model/attention.hpp"
 #include "model/math.hpp"
+#include "plm/plm_config.hpp"
+
+#if PLM_HAVE_CUDA
+#include "gpu/flash_attention.hpp"
+#include "gpu/ring_attention.hpp"
+#endif
 
 #include <algorithm>
 #include <cstring>
@@ -19,6 +25,7 @@ struct RingAttention::Impl {
   int size = 1, rank = 0;
   int num_seqs = 0;
   std::vector<std::int64_t> tokens_of;  // (C) tokens of every rank's shard
+  std::vector<int> longest;             // (C) longest sequence piece of every rank's shard
   std::vector<View1<seqlen_t>> cu;      // (C) x (n+1) every rank's shard cu_seqlens, device
   std::vector<View1<double>> slabs;     // grow-only device buffers, by slot
   // Host copies for a communicator that moves host memory while the model lives in device
@@ -215,6 +222,157 @@ struct RingAttention::Impl {
     Kokkos::deep_copy(space, dqkv.k.view<T>(), View2<T>(const_cast<T*>(own), tq, h));
     Kokkos::deep_copy(space, dqkv.v.view<T>(), View2<T>(const_cast<T*>(own) + tq * h, tq, h));
   }
+
+#if PLM_HAVE_CUDA
+  // bf16 on the GPU: the same ring, each block through the CUDA attention kernels (the
+  // diagonal block as the dispatch point picks them, cuDNN or the own flash attention; the
+  // others through the own flash attention with the key shard's layout), the K/V shards as
+  // bf16 bits (half fp32's bytes), and what sums over the blocks in fp32 (gpu/ring_attention.hpp):
+  // the running output and log-sum-exp, dQ, and the dK/dV partials that travel.
+  using Bits = std::uint16_t;  // bf16 as raw bits (the communicator's BFloat16)
+
+  static gpu::Stream gpuStream(const ExecSpace& space) {
+    return static_cast<gpu::Stream>(dist::streamOf(space).handle);
+  }
+  static gpu::bf16* bf(void* p) { return static_cast<gpu::bf16*>(p); }
+  static const gpu::bf16* bf(const void* p) { return static_cast<const gpu::bf16*>(p); }
+
+  /// The flash parameters of this rank's queries against the K/V of rank j (k, v with row
+  /// stride kv_stride; own_layout: j is this rank and the keys share the queries' layout).
+  gpu::FlashParams block(const Qkv& qkv, int heads, int j, const void* k, const void* v,
+                         std::int64_t kv_stride, bool own_layout) const {
+    gpu::FlashParams fp;
+    fp.q = bf(qkv.q.data);
+    fp.q_stride = qkv.q.ld;
+    fp.k = bf(k);
+    fp.v = bf(v);
+    fp.k_stride = fp.v_stride = kv_stride;
+    fp.cu_seqlens = cu[rank].data();
+    fp.num_seqs = num_seqs;
+    fp.max_seqlen = longest[rank];
+    fp.total_tokens = tokens_of[rank];
+    if (!own_layout) {
+      fp.cu_seqlens_k = cu[j].data();
+      fp.max_seqlen_k = longest[j];
+    }
+    fp.heads = heads;
+    fp.head_dim = static_cast<int>(qkv.q.cols / heads);
+    fp.softmax_scale = 1.0f;  // ESM-2 scales q before rotary
+    return fp;
+  }
+
+  void forwardBf16(OpContext& ctx, const Qkv& qkv, int heads, const Mat& o, const Mat& lse) {
+    const auto& space = ctx.space();
+    const gpu::Stream stream = gpuStream(space);
+    const std::int64_t tq = qkv.q.rows, h = qkv.q.cols;
+    checkLayout(tq);
+    const std::int64_t tmax = maxTokens();
+    Bits* kv[2] = {slab<Bits>(0, 2 * tmax * h), slab<Bits>(1, 2 * tmax * h)};
+    gpu::ringPack(stream, bf(qkv.k.data), qkv.k.ld, bf(qkv.v.data), qkv.v.ld, tq,
+                  static_cast<int>(h), bf(static_cast<void*>(kv[0])));
+    float* acc = slab<float>(2, tq * h);
+    Bits* o_blk = slab<Bits>(3, tq * h);
+    float* lse_blk = slab<float>(4, tq * heads);
+    float* l = static_cast<float*>(lse.data);  // (T, heads) fp32, contiguous
+    const int d = static_cast<int>(h / heads);
+    for (int i = 0; i < size; ++i) {
+      const int j = holder(i);
+      const std::int64_t tj = tokens_of[j];
+      Pending p = passOn(space, kv, i, h);
+      // The diagonal block reads K/V in place (the dispatch may pick cuDNN for it).
+      gpu::FlashParams fp = i == 0 ? block(qkv, heads, j, qkv.k.data, qkv.v.data, qkv.k.ld, true)
+                                   : block(qkv, heads, j, kv[i % 2], kv[i % 2] + tj * h, h, false);
+      if (i == 0 && qkv.k.ld != qkv.v.ld)  // one stride for both (the fused layout has it)
+        fp = block(qkv, heads, j, kv[0], kv[0] + tq * h, h, true);
+      fp.o = bf(static_cast<void*>(o_blk));
+      fp.o_stride = h;
+      fp.lse = lse_blk;
+      if (tq > 0) {
+        bf16Attention(ctx, fp, false);
+        gpu::ringMerge(stream, acc, l, bf(static_cast<const void*>(o_blk)), h, lse_blk, tq, heads,
+                       d, i == 0);
+      }
+      wait<Bits>(space, p);
+    }
+    gpu::ringStore(stream, acc, bf(o.data), o.ld, tq, static_cast<int>(h));
+  }
+
+  void backwardBf16(OpContext& ctx, const Qkv& qkv, const Mat& o, const Mat& lse, const Mat& dout,
+                    int heads, const Mat& delta, const Qkv& dqkv) {
+    const auto& space = ctx.space();
+    const gpu::Stream stream = gpuStream(space);
+    const std::int64_t tq = qkv.q.rows, h = qkv.q.cols;
+    const int w = static_cast<int>(h);
+    checkLayout(tq);
+    const std::int64_t tmax = maxTokens();
+    Bits* kv[2] = {slab<Bits>(0, 2 * tmax * h), slab<Bits>(1, 2 * tmax * h)};
+    float* dkv[2] = {slab<float>(5, 2 * tmax * h), slab<float>(6, 2 * tmax * h)};
+    gpu::ringPack(stream, bf(qkv.k.data), qkv.k.ld, bf(qkv.v.data), qkv.v.ld, tq, w,
+                  bf(static_cast<void*>(kv[0])));
+    // The block's gradients: (T, 3h) laid out as qkv (dq | dk | dv, row stride 3h), so the
+    // diagonal block's may go to cuDNN (its gradients' strides must be q, k, v's); the other
+    // blocks' dK/dV (rows of shard j) contiguous in dkv_blk.
+    Bits* g3 = slab<Bits>(2, tq * 3 * h);
+    Bits* dkv_blk = slab<Bits>(7, 2 * tmax * h);
+    float* dq_acc = slab<float>(3, tq * h);
+    Pending grads;  // the dK/dV partials in flight
+    for (int i = 0; i < size; ++i) {
+      const int j = holder(i);
+      const std::int64_t tj = tokens_of[j];
+      Pending p = passOn(space, kv, i, h);
+      const bool fused =
+          i == 0 && qkv.q.ld == 3 * h && qkv.k.ld == qkv.q.ld && qkv.v.ld == qkv.q.ld;
+      gpu::FlashParams fp = fused ? block(qkv, heads, j, qkv.k.data, qkv.v.data, qkv.k.ld, true)
+                                  : block(qkv, heads, j, kv[i % 2], kv[i % 2] + tj * h, h, i == 0);
+      fp.o = bf(o.data);
+      fp.o_stride = o.ld;
+      fp.lse = static_cast<float*>(lse.data);  // the global log-sum-exp
+      fp.dout = bf(dout.data);
+      fp.dout_stride = dout.ld;
+      fp.delta = static_cast<float*>(delta.data);
+      fp.dq = bf(static_cast<void*>(g3));
+      fp.dq_stride = 3 * h;
+      if (fused) {
+        fp.dk = bf(static_cast<void*>(g3 + h));
+        fp.dv = bf(static_cast<void*>(g3 + 2 * h));
+        fp.dk_stride = fp.dv_stride = 3 * h;
+      } else {
+        fp.dk = bf(static_cast<void*>(dkv_blk));
+        fp.dv = bf(static_cast<void*>(dkv_blk + tj * h));
+        fp.dk_stride = fp.dv_stride = h;
+      }
+      if (tq > 0) {  // without queries every gradient of the block is zero
+        bf16Attention(ctx, fp, true);
+        gpu::ringAccumulate(stream, dq_acc, bf(static_cast<const void*>(g3)), 3 * h, tq, w, i == 0);
+      }
+      float* acc = dkv[i % 2];
+      if (i == 0) {  // tj == tq: this rank's own shard
+        if (fused) {
+          gpu::ringAccumulate(stream, acc, bf(static_cast<const void*>(g3 + h)), 3 * h, tq, w,
+                              true);
+          gpu::ringAccumulate(stream, acc + tq * h, bf(static_cast<const void*>(g3 + 2 * h)), 3 * h,
+                              tq, w, true);
+        } else {
+          gpu::ringAccumulate(stream, acc, bf(static_cast<const void*>(dkv_blk)), h, 2 * tq, w,
+                              true);
+        }
+      } else {
+        wait<float>(space, grads);  // rank r-1's partial sums of shard j, received into acc
+        if (tq > 0)
+          gpu::ringAccumulate(stream, acc, bf(static_cast<const void*>(dkv_blk)), h, 2 * tj, w,
+                              false);
+      }
+      // After the last step the partials of this rank's own shard come home.
+      grads = post(space, acc, 2 * tj * h, dkv[(i + 1) % 2], 2 * tokens_of[holder(i + 1)] * h, 1);
+      wait<Bits>(space, p);
+    }
+    wait<float>(space, grads);
+    const float* own = dkv[size % 2];
+    gpu::ringStore(stream, dq_acc, bf(dqkv.q.data), dqkv.q.ld, tq, w);
+    gpu::ringStore(stream, own, bf(dqkv.k.data), dqkv.k.ld, tq, w);
+    gpu::ringStore(stream, own + tq * h, bf(dqkv.v.data), dqkv.v.ld, tq, w);
+  }
+#endif
 };
 
 RingAttention::RingAttention(dist::Communicator& comm) : impl_member(std::make_unique<Impl>()) {
@@ -241,45 +399,63 @@ void RingAttention::setLayout(const ExecSpace& space, const std::vector<seqlen_t
   im.num_seqs = num_seqs;
   im.cu.resize(im.size);
   im.tokens_of.resize(im.size);
+  im.longest.resize(im.size);
   for (int j = 0; j < im.size; ++j) {
     const seqlen_t* src = rank_cu_seqlens.data() + row * j;
     if (static_cast<std::int64_t>(im.cu[j].extent(0)) != static_cast<std::int64_t>(row))
       im.cu[j] = View1<seqlen_t>("plm::model::ring_cu_seqlens", row);
     Kokkos::deep_copy(space, im.cu[j], Kokkos::View<const seqlen_t*, HostSpace>(src, row));
     im.tokens_of[j] = src[num_seqs];
+    im.longest[j] = 0;
+    for (int q = 0; q < num_seqs; ++q) im.longest[j] = std::max(im.longest[j], src[q + 1] - src[q]);
   }
   space.fence();  // the host layout may be freed once this returns
 }
 
 namespace {
-/// ops.cpp's portable() with the message a user of context parallelism needs (the deck keys).
-template <class F> void ringPortable(DType d, const char* op, F&& f) {
-  if (d == DType::F32)
-    f(float{});
-  else if (d == DType::F64)
-    f(double{});
-  else
-    throw Error(std::string("plm::model::RingAttention::") + op +
-                ": context parallelism (parallel.context_degree > 1) runs the portable attention "
-                "only; use train.precision: fp32 with it (bf16 ring attention is not "
-                "implemented)");
+/// ops.cpp's dispatch with the message a user of context parallelism needs (the deck keys):
+/// fp32/fp64 run the portable ring, bf16 the CUDA one.
+template <class F, class G> void ringDispatch(DType d, const char* op, F&& portable, G&& cuda) {
+  if (d == DType::F32) return portable(float{});
+  if (d == DType::F64) return portable(double{});
+#if PLM_HAVE_CUDA
+  if (d == DType::BF16) return cuda();
+#else
+  (void)cuda;
+#endif
+  throw Error(std::string("plm::model::RingAttention::") + op +
+              ": context parallelism (parallel.context_degree > 1) runs fp32 or fp64 on the "
+              "portable path and bf16 on the CUDA build; got " +
+              dtypeName(d));
 }
 }  // namespace
 
 void RingAttention::forward(OpContext& ctx, const Qkv& qkv, int heads, const Mat& o,
                             const Mat& lse) {
   Kokkos::Profiling::pushRegion("plm::model::RingAttention::forward");
-  ringPortable(qkv.q.dtype, "forward",
-               [&](auto t) { impl_member->forward<decltype(t)>(ctx, qkv, heads, o, lse); });
+  auto& im = *impl_member;
+  ringDispatch(
+      qkv.q.dtype, "forward", [&](auto t) { im.forward<decltype(t)>(ctx, qkv, heads, o, lse); },
+      [&]() {
+#if PLM_HAVE_CUDA
+        im.forwardBf16(ctx, qkv, heads, o, lse);
+#endif
+      });
   Kokkos::Profiling::popRegion();
 }
 
 void RingAttention::backward(OpContext& ctx, const Qkv& qkv, const Mat& o, const Mat& lse,
                              const Mat& dout, int heads, const Mat& delta, const Qkv& dqkv) {
   Kokkos::Profiling::pushRegion("plm::model::RingAttention::backward");
-  ringPortable(qkv.q.dtype, "backward", [&](auto t) {
-    impl_member->backward<decltype(t)>(ctx, qkv, o, lse, dout, heads, delta, dqkv);
-  });
+  auto& im = *impl_member;
+  ringDispatch(
+      qkv.q.dtype, "backward",
+      [&](auto t) { im.backward<decltype(t)>(ctx, qkv, o, lse, dout, heads, delta, dqkv); },
+      [&]() {
+#if PLM_HAVE_CUDA
+        im.backwardBf16(ctx, qkv, o, lse, dout, heads, delta, dqkv);
+#endif
+      });
   Kokkos::Profiling::popRegion();
 }
 

@@ -15,8 +15,13 @@
 // behind and arrive home after C steps.  The K/V exchange of the next step and the dK/dV
 // exchange of the last overlap the block's computation.
 //
+// Precision: fp32/fp64 run the portable varlen attention per block (the reference); bf16 on the
+// CUDA build runs the CUDA attention kernels per block (the diagonal block through the dispatch
+// point's choice, cuDNN or the own flash attention; the others through the own flash attention
+// with the key shard's cu_seqlens), K/V travel as bf16, and the merged output, dQ and the
+// travelling dK/dV partial sums are kept in fp32 (gpu/ring_attention.hpp), rounded to bf16 once.
+//
 // Accumulation rule: o, lse, dq, dk, dv are written (=), as by the one-rank attention.
-// The portable path only (fp32/fp64); a bf16 batch is refused with a message.
 #pragma once
 
 #include "model/ops.hpp"

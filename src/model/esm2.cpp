@@ -377,6 +377,8 @@ template <class T> struct Esm2<T>::Impl {
   std::vector<int> host_cu;             // the pass's sequence offsets (sequence-level aux loss)
   std::vector<MoeMlp<T>*> moe_blocks;   // the MoE layers' FFN blocks (owned by `layers`)
   std::unique_ptr<RingAttention> ring;  // context parallelism (setContextParallel), else null
+  dist::Communicator* context_comm = nullptr;  // its group (not owned)
+  MoeContext moe_context;                      // the MoE layers' view of the pass's shard
   // Grow-only storage behind the workspace handles.
   View1<double> arena;
   View1<token_t> tokens_store;
@@ -1351,9 +1353,26 @@ template <class T> struct Esm2<T>::Impl {
                       Kokkos::View<const T*, HostSpace>(mult.data(), t));
     ring->setLayout(space, shard.rank_cu_seqlens, n);  // fences: `mult` may go
     b.ring = ring.get();
+    if (moe_blocks.empty()) return;
+    // The micro-batch in token order is the pieces (sequence s, chunk c) at s 2C + c; this
+    // shard holds chunks rank and 2C - 1 - rank of each sequence (data/context_split.hpp).
+    const int chunks = 2 * shard.degree;
+    moe_context.comm = context_comm;
+    moe_context.segments = n * chunks;
+    moe_context.runs.clear();
+    for (int s = 0; s < n; ++s) {
+      std::int64_t at = batch.cu_seqlens(s);
+      for (const int c : {shard.rank, chunks - 1 - shard.rank}) {
+        const auto [first, last] = data::contextChunk(shard.seq_length[s], chunks, c);
+        moe_context.runs.push_back(MoeContext::Run{s * chunks + c, at, at + (last - first)});
+        at += last - first;
+      }
+    }
   }
 
-  void beginMoe(double loss_weight, double grad_scale, bool training) {
+  /// `context`: the pass is a context shard (its MoE layers reduce over the group).
+  void beginMoe(double loss_weight, double grad_scale, bool training, bool context = false) {
+    moe_step.context = context && !moe_blocks.empty() ? &moe_context : nullptr;
     moe_step.cu_seqlens = host_cu.empty() ? nullptr : &host_cu;
     moe_step.loss_weight = loss_weight;
     moe_step.grad_scale = grad_scale;
@@ -1552,7 +1571,9 @@ template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch
   }
   Kokkos::Profiling::pushRegion("plm::model::forwardBackward");
   im.prepare(batch, false, true);
-  im.beginMoe(static_cast<double>(im.w.labelled), grad_scale, true);
+  // The router losses weigh a micro-batch by its labelled tokens, all of them on a shard.
+  im.beginMoe(static_cast<double>(batch.context ? batch.context->labelled : im.w.labelled),
+              grad_scale, true, batch.context != nullptr);
   if (im.fp8_scaling) im.fp8_scaling->setRecording(true);  // training passes set the amaxes
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();
@@ -1585,7 +1606,8 @@ template <class T> double Esm2<T>::forward(const data::MicroBatch& batch,
   Kokkos::Profiling::pushRegion("plm::model::forward");
   const bool all_rows = outputs && outputs->want_logits;
   im.prepare(batch, all_rows, false);
-  im.beginMoe(static_cast<double>(im.w.labelled), 0.0, outputs && outputs->moe_stats);
+  im.beginMoe(static_cast<double>(batch.context ? batch.context->labelled : im.w.labelled), 0.0,
+              outputs && outputs->moe_stats, batch.context != nullptr);
   if (im.fp8_scaling) im.fp8_scaling->setRecording(false);
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();
@@ -1764,12 +1786,8 @@ template <class T> const ExpertPlacement& Esm2<T>::expertPlacement() const {
 
 template <class T> void Esm2<T>::setContextParallel(dist::Communicator* comm) {
   auto& im = *impl_member;
-  if (comm != nullptr && comm->size() > 1 && !im.moe_blocks.empty())
-    throw collectiveError(
-        "parallel.context_degree " + std::to_string(comm->size()) +
-        " with MoE layers: the routing losses and capacities are per micro-batch, which a "
-        "context shard is not; use parallel.context_degree: 1 with moe.experts > 0");
   im.ring = comm != nullptr ? std::make_unique<RingAttention>(*comm) : nullptr;
+  im.context_comm = comm;
 }
 
 template <class T> int Esm2<T>::contextDegree() const {

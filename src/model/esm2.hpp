@@ -231,7 +231,9 @@ template <class T> class Esm2 {
 
   /// \brief The router losses (aux and z, with their coefficients) the last pass added to the
   /// objective, in the units of the returned cross-entropy sum: labelled rows x the per-token
-  /// losses.  Gradients hold grad_scale x d(cross-entropy sum + routerLoss()).
+  /// losses.  Gradients hold grad_scale x d(cross-entropy sum + routerLoss()).  On a context
+  /// shard: this rank's token share of the micro-batch's router losses (the group's sum is one
+  /// rank's), as the returned cross-entropy sum is a partial sum.
   double routerLoss() const;
   /// \brief Per MoE layer, the routing statistics summed over the training micro-batches since
   /// resetMoeStats() (empty for a dense model).
@@ -266,7 +268,8 @@ template <class T> class Esm2 {
   /// context shards of this rank (data::contextShard with comm's size and rank) run their
   /// attention as ring attention over `comm` (model/context_parallel.hpp).  Collective per
   /// pass: every rank of `comm` runs the same passes on shards of the same micro-batches.
-  /// The portable (fp32/fp64) path and dense models only.
+  /// MoE layers reduce their routing statistics, losses and capacity cut over `comm`
+  /// (model/moe.hpp), so they route as one rank would on the whole micro-batch.
   void setContextParallel(dist::Communicator* comm);
   /// \brief The context group's size and this rank in it (1 and 0 without one).
   int contextDegree() const;

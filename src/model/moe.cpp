@@ -47,7 +47,19 @@ void MoeConfig::validate(int hidden) const {
 
 // ---- routing (host reference) ----------------------------------------------------------------
 
+std::int64_t expertCapacity(const MoeConfig& c, std::int64_t tokens) {
+  return c.capacity_factor > 0 ? static_cast<std::int64_t>(std::ceil(c.capacity_factor * tokens *
+                                                                     c.top_k / double(c.experts)))
+                               : 0;
+}
+
 Routing route(const double* logits, int tokens, const MoeConfig& c, const double* bias) {
+  Routing r = selectExperts(logits, tokens, c, bias);
+  cutCapacity(r, expertCapacity(c, tokens));
+  return r;
+}
+
+Routing selectExperts(const double* logits, int tokens, const MoeConfig& c, const double* bias) {
   Routing r;
   const int e_n = c.experts, k = c.top_k;
   r.tokens = tokens;
@@ -60,6 +72,7 @@ Routing route(const double* logits, int tokens, const MoeConfig& c, const double
   r.row.assign(static_cast<std::size_t>(tokens) * k, -1);
   r.routed.assign(e_n, 0);
   r.kept.assign(e_n, 0);
+  r.total_routed.assign(e_n, 0);
   if (tokens == 0) return r;
   std::vector<int> order(e_n);
   std::vector<double> score(e_n);
@@ -107,21 +120,36 @@ Routing route(const double* logits, int tokens, const MoeConfig& c, const double
   }
   for (int t = 0; t < tokens; ++t) r.z += r.lse[t] * r.lse[t];
   r.z /= tokens;
+  r.total_tokens = tokens;
+  r.total_routed = r.routed;
+  return r;
+}
+
+void cutCapacity(Routing& r, std::int64_t capacity, const std::vector<CutStart>& starts) {
   // Capacity cut in token order, then the stable permutation: expert-major, token order within.
-  r.capacity = c.capacity_factor > 0
-                   ? static_cast<std::int64_t>(
-                         std::ceil(c.capacity_factor * tokens * k / static_cast<double>(e_n)))
-                   : 0;
-  const std::size_t slots = static_cast<std::size_t>(tokens) * k;
+  // `seen` counts the micro-batch's slots of each expert before the slot in hand.
+  const int e_n = r.experts, k = r.top_k;
+  r.capacity = capacity;
+  r.kept.assign(e_n, 0);
+  r.dropped = 0;
+  const std::size_t slots = static_cast<std::size_t>(r.tokens) * k;
+  r.row.assign(slots, -1);
   std::vector<char> keep(slots, 0);
+  std::vector<std::int64_t> seen(e_n, 0);
+  std::size_t next_start = 0;
   for (std::size_t s = 0; s < slots; ++s) {
+    if (s % k == 0)
+      while (next_start < starts.size() &&
+             starts[next_start].token == static_cast<std::int64_t>(s / k))
+        seen = starts[next_start++].before;
     const int e = r.expert[s];
-    if (r.capacity == 0 || r.kept[e] < r.capacity) {
+    if (capacity == 0 || seen[e] < capacity) {
       keep[s] = 1;
       ++r.kept[e];
     } else {
       ++r.dropped;
     }
+    ++seen[e];
   }
   std::vector<std::int64_t> next(e_n, 0);
   for (int e = 1; e < e_n; ++e) next[e] = next[e - 1] + r.kept[e - 1];
@@ -135,30 +163,45 @@ Routing route(const double* logits, int tokens, const MoeConfig& c, const double
     r.row_token[p] = static_cast<int>(s / k);
     r.row_gate[p] = r.gate[s];
   }
-  return r;
 }
 
-double sequenceAux(const Routing& r, const int* cu, int n, double scale, double* dprob) {
+std::vector<double> sequenceLoad(const Routing& r, const int* cu, int n) {
   const int e_n = r.experts, k = r.top_k;
-  if (n <= 0 || r.tokens == 0) return 0.0;
-  double total = 0;
-  std::vector<double> f(e_n), mean_p(e_n);
+  const std::size_t w = 2 * static_cast<std::size_t>(e_n) + 1;
+  std::vector<double> load(static_cast<std::size_t>(std::max(n, 0)) * w, 0.0);
   for (int q = 0; q < n; ++q) {
-    const int t0 = cu[q], t1 = cu[q + 1], len = t1 - t0;
-    if (len <= 0) continue;
-    std::fill(f.begin(), f.end(), 0.0);
-    std::fill(mean_p.begin(), mean_p.end(), 0.0);
-    for (int t = t0; t < t1; ++t) {
-      for (int j = 0; j < k; ++j) f[r.expert[static_cast<std::size_t>(t) * k + j]] += 1.0;
-      for (int e = 0; e < e_n; ++e) mean_p[e] += r.prob[static_cast<std::size_t>(t) * e_n + e];
+    double* l = &load[q * w];
+    for (int t = cu[q]; t < cu[q + 1]; ++t) {
+      for (int j = 0; j < k; ++j) l[r.expert[static_cast<std::size_t>(t) * k + j]] += 1.0;
+      for (int e = 0; e < e_n; ++e) l[e_n + e] += r.prob[static_cast<std::size_t>(t) * e_n + e];
     }
+    l[2 * e_n] = std::max(cu[q + 1] - cu[q], 0);
+  }
+  return load;
+}
+
+double sequenceAux(const Routing& r, const int* cu, int n, double scale, double* dprob,
+                   const double* load) {
+  const int e_n = r.experts, k = r.top_k;
+  if (n <= 0 || (r.tokens == 0 && !load)) return 0.0;
+  std::vector<double> own;
+  if (!load) {
+    own = sequenceLoad(r, cu, n);
+    load = own.data();
+  }
+  const std::size_t w = 2 * static_cast<std::size_t>(e_n) + 1;
+  double total = 0;
+  std::vector<double> f(e_n);
+  for (int q = 0; q < n; ++q) {
+    const double* l = load + q * w;
+    const double len = l[2 * e_n];
+    if (len <= 0) continue;
     for (int e = 0; e < e_n; ++e) {
-      f[e] /= static_cast<double>(len) * k;
-      mean_p[e] /= len;
-      total += e_n * f[e] * mean_p[e];
+      f[e] = l[e] / (len * k);
+      total += e_n * f[e] * (l[e_n + e] / len);
     }
     if (dprob)
-      for (int t = t0; t < t1; ++t)
+      for (int t = cu[q]; t < cu[q + 1]; ++t)
         for (int e = 0; e < e_n; ++e)
           dprob[static_cast<std::size_t>(t) * e_n + e] += scale * e_n * f[e] / len / n;
   }
@@ -188,9 +231,9 @@ void routeBackward(const Routing& r, const MoeConfig& c, const double* logits, c
   const int e_n = r.experts, k = r.top_k, tokens = r.tokens;
   if (tokens == 0) return;
   std::vector<double> dp(e_n), aux_dp(e_n);
+  const double total = static_cast<double>(r.total_tokens);  // the losses' tokens
   for (int e = 0; e < e_n; ++e)
-    aux_dp[e] =
-        aux_scale * e_n * (static_cast<double>(r.routed[e]) / (double(tokens) * k)) / tokens;
+    aux_dp[e] = aux_scale * e_n * (static_cast<double>(r.total_routed[e]) / (total * k)) / total;
   for (int t = 0; t < tokens; ++t) {
     const double* p = &r.prob[static_cast<std::size_t>(t) * e_n];
     const double* l = logits + static_cast<std::size_t>(t) * e_n;
@@ -220,7 +263,7 @@ void routeBackward(const Routing& r, const MoeConfig& c, const double* logits, c
     }
     if (z_scale != 0)
       for (int e = 0; e < e_n; ++e)
-        dl[e] += z_scale * 2.0 * r.lse[t] * std::exp(l[e] - r.lse[t]) / tokens;
+        dl[e] += z_scale * 2.0 * r.lse[t] * std::exp(l[e] - r.lse[t]) / total;
   }
 }
 
@@ -341,8 +384,11 @@ template <class T> struct MoeMlp<T>::State {
   View1<double> input_sum_s;
   View1<T> centred_s;
 
-  std::int64_t rows = 0;          // permuted rows of the pass (kept slots)
-  bool routed_on_device = false;  // this pass's routing ran on the device (bf16 path)
+  std::int64_t rows = 0;                // permuted rows of the pass (kept slots)
+  bool routed_on_device = false;        // this pass's routing ran on the device (bf16 path)
+  std::vector<double> device_prob_sum;  // (E) the device routing's probability sums
+  double device_lse2_sum = 0;
+  std::vector<double> seq_load;  // a context shard's whole-sequence loads (sequenceAux), else empty
 #if PLM_HAVE_CUDA
   gpu::RouteArgs route_args;
   gpu::RouteBuffers route_bufs;
@@ -354,7 +400,9 @@ template <class T> struct MoeMlp<T>::State {
   /// The bf16 path routes on the device unless the sequence-level loss needs the host's
   /// per-token data, or moe.routing: host asks for the reference.
   bool deviceRouting() const {
-    return std::is_same_v<T, float> && bf16() && c.seq_aux_loss == 0 && !c.host_routing;
+    if (!std::is_same_v<T, float> || !bf16() || c.seq_aux_loss > 0 || c.host_routing) return false;
+    // A context shard's capacity cut counts the other shards' slots (cutCapacity's starts).
+    return !(step && step->context && c.capacity_factor > 0);
   }
 
   /// Routes the logits of this pass on the device; the host keeps the summary (counts, losses).
@@ -385,6 +433,10 @@ template <class T> struct MoeMlp<T>::State {
     r.top_k = k;
     r.routed = sum.routed;
     r.kept = sum.kept;
+    r.total_tokens = t_n;
+    r.total_routed = sum.routed;
+    device_prob_sum = sum.prob_sum;
+    device_lse2_sum = sum.lse2_sum;
     r.capacity = a.capacity;
     rows = 0;
     for (int e = 0; e < e_n; ++e) {
@@ -454,6 +506,86 @@ template <class T> struct MoeMlp<T>::State {
     View1<T> centred = toDevice(centred_s, router, "plm::model::moe::centred_router");
     space.fence();
     return View2<T>(centred.data(), c.experts, hidden);
+  }
+
+  /// Sums `v` over the context group (host values; through a device buffer for NCCL).
+  static void sumOverGroup(OpContext& ctx, dist::Communicator& comm, std::vector<double>& v) {
+    const auto n = static_cast<std::int64_t>(v.size());
+    if (!comm.deviceMemory()) {
+      comm.allReduceSum(v.data(), n).wait({});
+      return;
+    }
+    View1<double> d(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::moe::context_sum"),
+                    v.size());
+    const Kokkos::View<double*, HostSpace> h(v.data(), v.size());
+    Kokkos::deep_copy(ctx.space(), d, h);
+    const auto stream = dist::streamOf(ctx.space());
+    comm.allReduceSum(d.data(), n, stream).wait(stream);
+    Kokkos::deep_copy(ctx.space(), h, d);
+    ctx.space().fence();
+  }
+
+  /// A context shard's routing made the whole micro-batch's (moe.hpp, "Context parallelism"):
+  /// one sum over the group of [routed (E) | probability sums (E) | lse^2 sum | tokens |
+  /// per-sequence loads (seq aux loss) | routed per piece of the micro-batch (capacity cut)],
+  /// then the totals and losses of `r`, `seq_load`, and the capacity and the starts of this
+  /// shard's cut (host routing only).
+  void reduceOverContext(OpContext& ctx, Routing& r, std::int64_t* capacity,
+                         std::vector<CutStart>* starts) {
+    const MoeContext& cp = *step->context;
+    const int e_n = c.experts, k = c.top_k;
+    const std::int64_t t_n = r.tokens;
+    std::vector<double> v(2 * static_cast<std::size_t>(e_n) + 2, 0.0);
+    for (int e = 0; e < e_n; ++e) v[e] = static_cast<double>(r.routed[e]);
+    if (routed_on_device) {
+      for (int e = 0; e < e_n; ++e) v[e_n + e] = device_prob_sum[e];
+      v[2 * e_n] = device_lse2_sum;
+    } else {
+      for (std::int64_t t = 0; t < t_n; ++t) {
+        for (int e = 0; e < e_n; ++e) v[e_n + e] += r.prob[static_cast<std::size_t>(t) * e_n + e];
+        v[2 * e_n] += r.lse[t] * r.lse[t];
+      }
+    }
+    v[2 * e_n + 1] = static_cast<double>(t_n);
+    const std::size_t seq_at = v.size();
+    const bool seq = c.seq_aux_loss > 0 && step->cu_seqlens && !step->cu_seqlens->empty();
+    if (seq) {
+      const auto load =
+          sequenceLoad(r, step->cu_seqlens->data(), static_cast<int>(step->cu_seqlens->size()) - 1);
+      v.insert(v.end(), load.begin(), load.end());
+    }
+    const std::size_t cut_at = v.size();
+    if (starts && c.capacity_factor > 0) {
+      v.resize(cut_at + static_cast<std::size_t>(cp.segments) * e_n, 0.0);
+      for (const auto& run : cp.runs)
+        for (std::int64_t t = run.begin; t < run.end; ++t)
+          for (int j = 0; j < k; ++j)
+            v[cut_at + static_cast<std::size_t>(run.segment) * e_n +
+              r.expert[static_cast<std::size_t>(t) * k + j]] += 1.0;
+    }
+    sumOverGroup(ctx, *cp.comm, v);
+    r.total_tokens = static_cast<std::int64_t>(v[2 * e_n + 1]);
+    for (int e = 0; e < e_n; ++e) r.total_routed[e] = static_cast<std::int64_t>(v[e]);
+    const double total = static_cast<double>(r.total_tokens);
+    r.aux = r.z = 0;
+    if (r.total_tokens > 0) {
+      for (int e = 0; e < e_n; ++e) r.aux += e_n * (v[e] / (total * k)) * (v[e_n + e] / total);
+      r.z = v[2 * e_n] / total;
+    }
+    seq_load.assign(v.begin() + seq_at, v.begin() + cut_at);
+    if (!starts) return;
+    *capacity = expertCapacity(c, r.total_tokens);
+    starts->clear();
+    if (*capacity == 0) return;
+    std::vector<std::int64_t> before(e_n, 0);  // slots of the pieces before segment `at`
+    int at = 0;
+    for (const auto& run : cp.runs) {  // runs follow the micro-batch's order within a shard
+      for (; at < run.segment; ++at)
+        for (int e = 0; e < e_n; ++e)
+          before[e] +=
+              static_cast<std::int64_t>(v[cut_at + static_cast<std::size_t>(at) * e_n + e]);
+      starts->push_back(CutStart{run.begin, before});
+    }
   }
 
   /// The router's input in the master type: h itself, or its widened copy when h is bf16.  The
@@ -807,6 +939,8 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   s.routed_on_device = false;
   if (s.deviceRouting()) {
     s.routeDevice(ctx, t_n);
+    s.seq_load.clear();
+    if (s.step && s.step->context) s.reduceOverContext(ctx, s.routing, nullptr, nullptr);
   } else {
     std::vector<T> host(t_n * e_n);
     Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(host.data(), host.size()), s.logits);
@@ -820,8 +954,17 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
     }
     space.fence();
     s.logits_host.assign(host.begin(), host.end());
-    s.routing =
-        route(s.logits_host.data(), static_cast<int>(t_n), c, bias.empty() ? nullptr : bias.data());
+    const double* b = bias.empty() ? nullptr : bias.data();
+    if (s.step && s.step->context) {  // the cut and the losses over the whole micro-batch
+      s.routing = selectExperts(s.logits_host.data(), static_cast<int>(t_n), c, b);
+      std::int64_t capacity = 0;
+      std::vector<CutStart> starts;
+      s.reduceOverContext(ctx, s.routing, &capacity, &starts);
+      cutCapacity(s.routing, capacity, starts);
+    } else {
+      s.routing = route(s.logits_host.data(), static_cast<int>(t_n), c, b);
+      s.seq_load.clear();
+    }
     const Routing& hr = s.routing;
     s.rows = hr.rows();
     std::vector<std::int32_t> slot_row(hr.row.begin(), hr.row.end());
@@ -919,9 +1062,15 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
     double seq_aux = 0;
     if (c.seq_aux_loss > 0 && s.step->cu_seqlens && !s.step->cu_seqlens->empty())
       seq_aux = sequenceAux(r, s.step->cu_seqlens->data(),
-                            static_cast<int>(s.step->cu_seqlens->size()) - 1, 0.0, nullptr);
-    s.step->objective +=
-        s.step->loss_weight * (c.aux_loss * r.aux + c.z_loss * r.z + c.seq_aux_loss * seq_aux);
+                            static_cast<int>(s.step->cu_seqlens->size()) - 1, 0.0, nullptr,
+                            s.seq_load.empty() ? nullptr : s.seq_load.data());
+    // A context shard adds its token share of the micro-batch's router losses.
+    const double share = !s.step->context ? 1.0
+                         : r.total_tokens > 0
+                             ? static_cast<double>(t_n) / static_cast<double>(r.total_tokens)
+                             : 0.0;
+    s.step->objective += share * s.step->loss_weight *
+                         (c.aux_loss * r.aux + c.z_loss * r.z + c.seq_aux_loss * seq_aux);
     if (s.step->training) {
       auto& st = s.stats;
       for (int e = 0; e < e_n; ++e) st.routed[e] += static_cast<double>(r.routed[e]);
@@ -1019,13 +1168,17 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   if (s.routed_on_device) {
 #if PLM_HAVE_CUDA
     dlogits = grow(s.dlogits_s, t_n * e_n, "plm::model::moe::dlogits");
+    // The losses average over total_tokens (the whole micro-batch under context parallelism);
+    // the kernel divides the z term by this pass's tokens.
+    const double total = static_cast<double>(std::max<std::int64_t>(r.total_tokens, 1));
     std::vector<double> aux_dp(e_n, 0.0);
     for (int e = 0; e < e_n; ++e)
       aux_dp[e] = weight * c.aux_loss * e_n *
-                  (static_cast<double>(r.routed[e]) / (double(t_n) * k)) / double(t_n);
+                  (static_cast<double>(r.total_routed[e]) / (total * k)) / total;
     gpu::routeBackwardOnDevice(space.cuda_stream(), s.route_args, s.route_bufs,
                                reinterpret_cast<const float*>(dgate.data()), aux_dp,
-                               weight * c.z_loss, reinterpret_cast<float*>(dlogits.data()));
+                               weight * c.z_loss * static_cast<double>(t_n) / total,
+                               reinterpret_cast<float*>(dlogits.data()));
 #endif
   } else {
     std::vector<T> dgate_t(t_n * k);
@@ -1036,7 +1189,8 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
     if (c.seq_aux_loss > 0 && s.step && s.step->cu_seqlens && !s.step->cu_seqlens->empty()) {
       dprob.assign(t_n * e_n, 0.0);
       sequenceAux(r, s.step->cu_seqlens->data(), static_cast<int>(s.step->cu_seqlens->size()) - 1,
-                  weight * c.seq_aux_loss, dprob.data());
+                  weight * c.seq_aux_loss, dprob.data(),
+                  s.seq_load.empty() ? nullptr : s.seq_load.data());
     }
     routeBackward(r, c, s.logits_host.data(), dg.data(), weight * c.aux_loss, weight * c.z_loss,
                   dl.data(), dprob.empty() ? nullptr : dprob.data());

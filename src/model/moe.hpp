@@ -24,6 +24,13 @@
 // position's experts, and the others' gradients stay zero.  Tensors are stored by name, so a
 // checkpoint resumes at any degree.
 //
+// Context parallelism (MoeStep::context): routing is per token, so a shard routes its own
+// tokens; what depends on the whole micro-batch is reduced over the context group with one sum
+// per layer and pass: the routed counts and probability sums (aux loss), the lse^2 sum (z
+// loss), the per-sequence loads (sequence aux loss), and for a capacity cut the routed counts of
+// every piece of the micro-batch, so each shard cuts its slots where one rank would.  The losses
+// and their gradients are then one rank's; each shard adds its token share of the objective.
+//
 // Accumulation rule: as DenseMlp (parameter gradients +=, activations =); the router losses
 // add loss_weight * (aux_loss * aux + z_loss * z) to the objective (see MoeStep).
 #pragma once
@@ -57,12 +64,35 @@ struct Routing {
   double aux = 0;                    // E * sum_e f_e P_e, f_e = routed_e / (T k), P_e = mean prob
   double z = 0;                      // mean_t lse_t^2
   double entropy = 0;                // mean over tokens of the router distribution's entropy
+  // What the aux and z losses average over: these tokens, or under context parallelism the
+  // whole micro-batch (every shard of the context group); aux and z are taken over them.
+  std::int64_t total_tokens = 0;
+  std::vector<std::int64_t> total_routed;  // (E) routed over those tokens
   std::int64_t rows() const { return static_cast<std::int64_t>(row_token.size()); }
 };
 
 /// \brief Routes T tokens given their router logits (T, E, row-major) and the expert bias
-/// (E, selection only; nullptr = none).
+/// (E, selection only; nullptr = none): selectExperts, then cutCapacity at this pass's capacity.
 Routing route(const double* logits, int tokens, const MoeConfig& c, const double* bias);
+
+/// \brief route's first half: probabilities, top-k, gates, counts, and the losses over these
+/// tokens (total_* = this pass's); no slot is placed yet (row, kept, row_token empty).
+Routing selectExperts(const double* logits, int tokens, const MoeConfig& c, const double* bias);
+
+/// Where the capacity cut of a shard's slots starts counting: from local token `token` on, the
+/// micro-batch's earlier slots (in its token order) routed to each expert (E).
+struct CutStart {
+  std::int64_t token = 0;
+  std::vector<std::int64_t> before;
+};
+
+/// \brief route's second half: a slot is kept while fewer than `capacity` earlier slots of the
+/// micro-batch (0 = dropless) chose its expert, counting in token order from the given starts
+/// (none: from zero at token 0); then the stable permutation (expert-major, token order within).
+void cutCapacity(Routing& r, std::int64_t capacity, const std::vector<CutStart>& starts = {});
+
+/// \brief Capacity per expert of a micro-batch of `tokens` tokens (0 = dropless).
+std::int64_t expertCapacity(const MoeConfig& c, std::int64_t tokens);
 
 /// \brief dlogits (T, E) = d/dlogits of [sum over kept slots of dgate * gate + aux_scale * aux
 /// + z_scale * z] + (the probability gradient dprob (T, E), when given, through the softmax or
@@ -73,8 +103,13 @@ void routeBackward(const Routing& r, const MoeConfig& c, const double* logits, c
 
 /// \brief The sequence-level balancing loss: the mean over the n sequences (offsets cu, n + 1)
 /// of E * sum_e f_{e,s} P_{e,s}, f and P taken within sequence s.  With dprob (T, E), adds
-/// scale * d(loss)/d(prob) there.
-double sequenceAux(const Routing& r, const int* cu, int n, double scale, double* dprob);
+/// scale * d(loss)/d(prob) there.  `load` (n, 2E + 1), when given, holds each whole sequence's
+/// routed slots (E), probability sums (E) and length (sequenceLoad summed over the shards of a
+/// context group); else they are taken from these tokens.
+double sequenceAux(const Routing& r, const int* cu, int n, double scale, double* dprob,
+                   const double* load = nullptr);
+/// \brief Per sequence of these tokens: routed slots (E), probability sums (E), length.
+std::vector<double> sequenceLoad(const Routing& r, const int* cu, int n);
 
 /// Parameters of one MoE layer (weights in compute precision, gradients in the master type).
 struct MoeWeights {
@@ -82,6 +117,19 @@ struct MoeWeights {
   Vec expert_bias;                       // (E) selection bias (bias_balance), else empty
   std::vector<DenseMlpWeights> experts;  // E x {(F_e, H), (F_e), (H, F_e), (H)}
   DenseMlpWeights shared;                // (S F_e, H) ...; empty without shared experts
+};
+
+/// A pass over a context-parallel shard (model/context_parallel.hpp): the router statistics,
+/// losses and capacities are the whole micro-batch's, reduced over the context group.  The
+/// micro-batch is `segments` pieces in its token order; this rank holds the listed runs.
+struct MoeContext {
+  dist::Communicator* comm = nullptr;  // the context group (not owned)
+  struct Run {
+    int segment = 0;                  // which piece of the micro-batch
+    std::int64_t begin = 0, end = 0;  // its tokens in this shard, [begin, end)
+  };
+  std::vector<Run> runs;  // in this shard's token order
+  int segments = 0;
 };
 
 /// Set by the model before each pass; read by every MoE layer.
@@ -93,6 +141,7 @@ struct MoeStep {
   bool recomputing = false;  // a rerun forward (Recompute::Layer): adds nothing
   bool centring = false;     // a forward of Esm2::centreRouters (router input sums; see MoeMlp)
   const std::vector<int>* cu_seqlens = nullptr;  // host sequence offsets of the pass (seq aux)
+  const MoeContext* context = nullptr;           // a context shard's pass, else nullptr
 };
 
 /// The router input of one MoE layer summed over the tokens of the passes run with

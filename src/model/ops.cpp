@@ -29,6 +29,7 @@
 #include "gpu/fused.hpp"
 #include "gpu/gemm.hpp"
 #include "gpu/layer_norm.hpp"
+#include "gpu/ring_attention.hpp"
 
 #include <cuda_runtime.h>
 #endif
@@ -1184,9 +1185,15 @@ AttentionKernel attentionKernelFor(const OpContext& ctx, int head_dim) {
 void embedding(OpContext& ctx, const DeviceBatch& b, const Mat& weight, const Mat& x) {
   if (isBf16(weight)) {
 #if PLM_HAVE_CUDA
+    // A context shard's token-dropout scale follows the whole sequences (b.mult), which the
+    // kernel, counting within cu_seqlens, cannot see: plain rows, then scaled.
+    const bool shard_dropout = b.ring != nullptr && b.token_dropout;
     gpu::embeddingForward(streamOf(ctx), b.ids.data(), cptr<bf16>(weight), mptr<float>(x),
                           b.cu_seqlens.data(), b.num_seqs, static_cast<int>(x.cols), b.mask_id,
-                          b.token_dropout);
+                          b.token_dropout && !shard_dropout);
+    if (shard_dropout)
+      gpu::scaleRows(streamOf(ctx), mptr<float>(x), b.mult.ptr<float>(), x.rows,
+                     static_cast<int>(x.cols));
     ctx.mark(OpKind::Other);
     return;
 #else
@@ -1204,9 +1211,22 @@ void embeddingBackward(OpContext& ctx, const DeviceBatch& b, const Mat& dx, cons
 #if PLM_HAVE_CUDA
     const int vocab = static_cast<int>(dweight.rows), cols = static_cast<int>(dweight.cols);
     void* work = ctx.scratch(4, gpu::embeddingBackwardWorkspace(b.num_seqs, vocab, cols));
-    gpu::embeddingBackward(streamOf(ctx), b.ids.data(), cptr<bf16>(dx), mptr<float>(dweight),
-                           b.cu_seqlens.data(), b.num_seqs, vocab, cols, b.mask_id, b.token_dropout,
-                           b.pad_id, work);
+    const bf16* dout = cptr<bf16>(dx);
+    const bool shard_dropout = b.ring != nullptr && b.token_dropout;  // as in embedding()
+    View1<std::uint16_t> scaled;
+    if (shard_dropout) {
+      scaled = View1<std::uint16_t>(
+          Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::shard_dropout_dx"),
+          dx.rows * dx.cols);
+      if (dx.ld != dx.cols) throw Error("plm::model::embeddingBackward: strided bf16 (a bug)");
+      gpu::scaleRows(streamOf(ctx), dout, b.mult.ptr<float>(),
+                     reinterpret_cast<bf16*>(scaled.data()), dx.rows, cols);
+      dout = reinterpret_cast<const bf16*>(scaled.data());
+    }
+    gpu::embeddingBackward(streamOf(ctx), b.ids.data(), dout, mptr<float>(dweight),
+                           b.cu_seqlens.data(), b.num_seqs, vocab, cols, b.mask_id,
+                           b.token_dropout && !shard_dropout, b.pad_id, work);
+    if (shard_dropout) ctx.space().fence();  // `scaled` goes at the end of this scope
     ctx.mark(OpKind::Other);
     return;
 #else
@@ -1557,6 +1577,21 @@ void rotary(OpContext& ctx, const DeviceBatch& b, const Mat& q, const Mat& k, in
     }
   });
 }
+
+#if PLM_HAVE_CUDA
+void bf16Attention(OpContext& ctx, const gpu::FlashParams& fp, bool backward) {
+  const AttentionKernel k = resolveAttention(ctx, fp.head_dim);
+  const bool cudnn = fp.cu_seqlens_k == nullptr &&
+                     (backward ? k == AttentionKernel::Cudnn : k != AttentionKernel::Flash);
+  if (!cudnn || !cudnnAttention(ctx, fp, backward)) {
+    if (backward)
+      gpu::flashAttentionBackward(streamOf(ctx), fp);
+    else
+      gpu::flashAttentionForward(streamOf(ctx), fp);
+  }
+  ctx.mark(OpKind::Attention);
+}
+#endif
 
 void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, const Mat& o,
                const Mat& lse) {

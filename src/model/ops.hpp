@@ -25,6 +25,10 @@
 #include <utility>
 #include <vector>
 
+namespace plm::gpu {
+struct FlashParams;  // gpu/flash_attention.hpp
+}
+
 namespace plm::model {
 
 struct Fp8GemmSlot;  // fp8_scaling.hpp
@@ -252,6 +256,10 @@ void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, 
 void attentionBackward(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, const Mat& o,
                        const Mat& lse, const Mat& dout, int heads, const Mat& delta,
                        const Qkv& dqkv);
+/// \brief One bf16 attention call as the dispatch point runs it (CUDA build only): cuDNN or the
+/// own flash attention (attentionKernelFor), the own flash attention when the keys have a layout
+/// of their own (fp.cu_seqlens_k; cuDNN's graphs here take one layout).  Ring attention's blocks.
+void bf16Attention(OpContext& ctx, const gpu::FlashParams& fp, bool backward);
 
 /// \brief dst(r) = src(rows(r)).
 void gatherRows(OpContext& ctx, const Mat& src, const View1<std::int32_t>& rows, const Mat& dst);

@@ -870,15 +870,7 @@ Plan makePlan(const Input& in) {
           "plm refuses parallel.shard_degree > 1 beside parallel.expert_degree > 1 today "
           "(src/train/trainer.cpp): these figures are the planned design's (dense part sharded, "
           "experts whole on their rank)");
-    if (in.layout.context > 1)
-      p.notes.push_back(
-          "plm refuses parallel.context_degree > 1 with moe.experts > 0 today: these figures "
-          "are the planned design's");
   }
-  if (in.layout.context > 1 && in.compute != Compute::Fp32)
-    p.notes.push_back(
-        "context parallelism runs the portable fp32 kernels (bf16 with context_degree > 1 is "
-        "refused; doc/parallelism.md): these figures are the planned design's");
   return p;
 }
 

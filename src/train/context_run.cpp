@@ -22,17 +22,6 @@ void checkContextLayout(const ContextLayoutInput& in) {
         std::to_string(in.replicate) + ", expert_degree " + std::to_string(in.expert) +
         "): the job runs world / context_degree data-parallel groups of context_degree ranks; "
         "choose a divisor of the rank count");
-  if (in.context == 1) return;
-  if (in.moe || in.expert > 1)
-    throw collectiveError(c + " with a Mixture-of-Experts model (expert_degree " +
-                          std::to_string(in.expert) +
-                          "): routing losses and capacities are per micro-batch, which a context "
-                          "shard is not; use parallel.context_degree: 1 with MoE");
-  if (in.bf16)
-    throw collectiveError(c +
-                          " needs train.precision: fp32 (ring attention runs the portable "
-                          "attention kernels; a bf16 ring is not implemented); use fp32 "
-                          "or parallel.context_degree: 1");
 }
 
 ContextRun::ContextRun(const Teuchos::ParameterList& deck, MPI_Comm comm) {
@@ -49,9 +38,6 @@ ContextRun::ContextRun(const Teuchos::ParameterList& deck, MPI_Comm comm) {
   in.shard = layout.shard;
   in.replicate = layout.replicate;
   in.expert = p.get<int>("expert_degree");
-  in.moe = deck.isSublist("moe") && deck.sublist("moe").get<int>("experts") > 0;
-  in.bf16 =
-      deck.isSublist("train") && deck.sublist("train").get<std::string>("precision") == "bf16";
   checkContextLayout(in);
   degree_member = in.context;
   if (degree_member == 1) return;

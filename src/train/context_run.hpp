@@ -32,14 +32,12 @@ struct ContextLayoutInput {
   int shard = 1;      // resolved parallel.shard_degree
   int replicate = 1;  // resolved parallel.replicate_degree
   int expert = 1;     // parallel.expert_degree
-  bool moe = false;   // the model has MoE layers
-  bool bf16 = false;  // train.precision: bf16
 };
 
 /// \brief Throws a collective plm::Error naming the numbers when the context degree does not
-/// fit: it must divide the world (the data-parallel groups are world / C), and with C > 1 the
-/// model must be dense and fp32 (MoE routing is per micro-batch; the ring runs the portable
-/// attention).
+/// fit: it must divide the world (the data-parallel groups are world / C).  Every precision
+/// (the ring runs the portable attention in fp32, the CUDA kernels in bf16), MoE and expert
+/// parallelism compose (the MoE layers reduce their routing over the context group).
 void checkContextLayout(const ContextLayoutInput& in);
 
 class ContextRun {

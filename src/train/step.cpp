@@ -174,8 +174,9 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
                                                   const std::vector<data::MicroBatch>& given,
                                                   MPI_Comm comm) {
   Kokkos::Profiling::pushRegion("plm::train::accumulateGradients");
-  const std::vector<data::MicroBatch> local =
-      model.expertParallel() ? padForExperts(given, comm) : forContext(model, given);
+  const std::vector<data::MicroBatch> local = model.expertParallel()
+                                                  ? padForExperts(forContext(model, given), comm)
+                                                  : forContext(model, given);
   BatchStats s = localCounts(local);
   phase::set("masked-token count all-reduce (MPI)");
   std::int64_t global_masked = dist::allreduceSum(s.masked, comm);
