@@ -6,6 +6,7 @@
 #include "gpu/gemm.hpp"
 
 #include "core/error.hpp"
+#include "core/log.hpp"
 #include "gpu/fp8.hpp"
 
 #include <cublasLt.h>
@@ -13,9 +14,16 @@
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
 #include <map>
+#include <mutex>
+#include <set>
+#include <sstream>
 #include <string>
 #include <tuple>
+#include <vector>
 
 namespace plm::gpu {
 
@@ -127,6 +135,122 @@ void setScalePointers(Plan& p, const GemmArgs& g) {
                                                   &g.a_scale_inv, sizeof(g.a_scale_inv)));
 }
 
+// ---- autotuning (train.gemm_autotune) ------------------------------------------------------
+// A tuned choice is stored as its index in the heuristic's candidate list, which is a pure
+// function of the shape, cuBLASLt version and device (all in the key): no opaque algorithm bytes
+// go to the file, and an index past a shorter list falls back to the first choice.
+struct TuneState {
+  std::mutex mutex;
+  bool on = false;
+  bool write = true;
+  int candidates = 8;
+  std::string file;
+  struct Choice {
+    int index = 0;
+    double heuristic_ms = -1, tuned_ms = -1;
+  };
+  std::map<std::string, Choice> choices;  // read from the file and tuned in this process
+  std::set<std::string> logged;
+};
+
+TuneState& tuneState() {
+  static TuneState state;
+  return state;
+}
+
+std::size_t typeBytes(DType t) { return t == DType::F32 ? 4 : t == DType::BF16 ? 2 : 1; }
+
+std::string deviceTag() {
+  int device = 0;
+  cudaDeviceProp prop{};
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaGetDeviceProperties(&prop, device) != cudaSuccess) {
+    cudaGetLastError();
+    return "unknown";
+  }
+  std::string name = prop.name;
+  for (char& c : name)
+    if (c == ' ' || c == ',') c = '_';
+  return name + "/sm" + std::to_string(prop.major * 10 + prop.minor);
+}
+
+std::string tuneKey(const GemmArgs& g, const std::string& device) {
+  std::ostringstream k;
+  k << "m=" << g.m << ",n=" << g.n << ",k=" << g.k << ",ta=" << g.trans_a << ",tb=" << g.trans_b
+    << ",lda=" << g.lda << ",ldb=" << g.ldb << ",ldd=" << g.ldd << ",ldc=" << (g.c ? g.ldc : -1)
+    << ",ldaux=" << g.ldaux << ",beta=" << (g.beta != 0.0f) << ",a=" << typeName(g.a_type)
+    << ",b=" << typeName(g.b_type) << ",d=" << typeName(g.d_type)
+    << ",epi=" << static_cast<int>(g.epilogue) << ",lt=" << cublasLtGetVersion()
+    << ",dev=" << device;
+  return k.str();
+}
+
+const char* epilogueName(Epilogue e) {
+  switch (e) {
+    case Epilogue::None: return "none";
+    case Epilogue::Bias: return "bias";
+    case Epilogue::BiasGeluAux: return "bias+gelu";
+    case Epilogue::DGelu: return "dgelu";
+    case Epilogue::BGradA: return "bgrad";
+  }
+  return "?";
+}
+
+void logChoice(const GemmArgs& g, const TuneState::Choice& c, int candidates, bool cached) {
+  log::info(
+      "gemm autotune: M=%lld N=%lld K=%lld %c%c %s->%s epilogue %s: heuristic #0 %.4f ms, "
+      "tuned #%d %.4f ms (%.2fx)%s",
+      static_cast<long long>(g.m), static_cast<long long>(g.n), static_cast<long long>(g.k),
+      g.trans_a ? 'T' : 'N', g.trans_b ? 'T' : 'N', typeName(g.a_type), typeName(g.d_type),
+      epilogueName(g.epilogue), c.heuristic_ms, c.index, c.tuned_ms,
+      c.tuned_ms > 0 ? c.heuristic_ms / c.tuned_ms : 0.0,
+      cached ? " (from the cache file)"
+             : (" of " + std::to_string(candidates) + " candidates").c_str());
+}
+
+void loadTuneFile(TuneState& s) {
+  if (s.file.empty()) return;
+  std::ifstream in(s.file);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.empty() || line[0] == '#') continue;
+    std::istringstream fields(line);
+    std::string key;
+    TuneState::Choice c;
+    if (fields >> key >> c.index >> c.heuristic_ms >> c.tuned_ms && c.index >= 0)
+      s.choices[key] = c;
+  }
+}
+
+void appendTuneFile(const TuneState& s, const std::string& key, const TuneState::Choice& c) {
+  if (s.file.empty() || !s.write) return;
+  std::ofstream out(s.file, std::ios::app);
+  if (!out) {
+    log::warn("gemm autotune: cannot append to %s; tuned choices stay in memory", s.file.c_str());
+    return;
+  }
+  out << key << ' ' << c.index << ' ' << c.heuristic_ms << ' ' << c.tuned_ms << '\n';
+}
+
+// Device buffers the timed launches write instead of the caller's outputs.
+struct Scratch {
+  std::vector<void*> ptrs;
+  bool ok = true;
+  void* get(std::size_t bytes) {
+    void* p = nullptr;
+    if (cudaMalloc(&p, std::max<std::size_t>(bytes, 16)) != cudaSuccess) {
+      cudaGetLastError();  // clear it: running out here only means no tuning
+      ok = false;
+      return nullptr;
+    }
+    ptrs.push_back(p);
+    return p;
+  }
+  ~Scratch() {
+    for (void* p : ptrs) cudaFree(p);
+  }
+};
+
 }  // namespace
 
 struct Gemm::Impl {
@@ -135,7 +259,122 @@ struct Gemm::Impl {
   std::size_t workspace_bytes = 0;
   std::map<PlanKey, Plan> plans;
 
-  Plan& plan(const GemmArgs& g) {
+  std::string device = deviceTag();
+
+  // The heuristic's candidates for plan p (bf16), best first; empty when it has none.
+  std::vector<cublasLtMatmulHeuristicResult_t> candidates(const Plan& p, int count) {
+    cublasLtMatmulPreference_t pref = nullptr;
+    PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
+    PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
+        pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
+    std::vector<cublasLtMatmulHeuristicResult_t> results(std::max(count, 1));
+    int found = 0;
+    cublasStatus_t status =
+        cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref,
+                                       static_cast<int>(results.size()), results.data(), &found);
+    cublasLtMatmulPreferenceDestroy(pref);
+    if (status != CUBLAS_STATUS_SUCCESS) found = 0;
+    results.resize(found);
+    return results;
+  }
+
+  // Times every candidate on scratch outputs (mean of 5 launches after one warm-up; -1 when
+  // cuBLASLt refuses it at launch).  Empty when scratch memory ran out.  Leaves the stream idle.
+  std::vector<double> timeCandidates(const Plan& p, const GemmArgs& g, Stream stream,
+                                     const std::vector<cublasLtMatmulHeuristicResult_t>& algos) {
+    Scratch scratch;
+    GemmArgs t = g;
+    t.d = scratch.get(static_cast<std::size_t>(g.m) * g.ldd * typeBytes(g.d_type));
+    if (g.beta != 0.0f && !g.c && t.d)
+      PLM_CHECK_CUDA(cudaMemsetAsync(
+          t.d, 0, static_cast<std::size_t>(g.m) * g.ldd * typeBytes(g.d_type), stream));
+    if (g.epilogue == Epilogue::BiasGeluAux)
+      t.aux = scratch.get(static_cast<std::size_t>(g.m) * g.ldaux * 2);
+    if (g.epilogue == Epilogue::BGradA)
+      t.bias_grad = scratch.get(static_cast<std::size_t>(g.m) * 4);
+    if (!scratch.ok) return {};
+    if (g.epilogue == Epilogue::Bias || g.epilogue == Epilogue::BiasGeluAux)
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                      &t.bias, sizeof(t.bias)));
+    if (g.epilogue == Epilogue::BGradA)
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                      &t.bias_grad, sizeof(t.bias_grad)));
+    if (g.epilogue == Epilogue::BiasGeluAux || g.epilogue == Epilogue::DGelu)
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+          p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &t.aux, sizeof(t.aux)));
+    cudaEvent_t start, stop;
+    PLM_CHECK_CUDA(cudaEventCreate(&start));
+    PLM_CHECK_CUDA(cudaEventCreate(&stop));
+    std::vector<double> ms(algos.size(), -1.0);
+    const int reps = 5;
+    for (std::size_t i = 0; i < algos.size(); ++i) {
+      auto launch = [&] {
+        return cublasLtMatmul(handle, p.desc, &t.alpha, t.b, p.a, t.a, p.b, &t.beta,
+                              t.c ? t.c : t.d, p.c, t.d, p.d, &algos[i].algo, workspace,
+                              workspace_bytes, stream);
+      };
+      if (launch() != CUBLAS_STATUS_SUCCESS) continue;
+      PLM_CHECK_CUDA(cudaEventRecord(start, stream));
+      bool ok = true;
+      for (int r = 0; r < reps && ok; ++r) ok = launch() == CUBLAS_STATUS_SUCCESS;
+      PLM_CHECK_CUDA(cudaEventRecord(stop, stream));
+      PLM_CHECK_CUDA(cudaEventSynchronize(stop));
+      float elapsed = 0;
+      PLM_CHECK_CUDA(cudaEventElapsedTime(&elapsed, start, stop));
+      if (ok) ms[i] = elapsed / reps;
+    }
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    PLM_CHECK_CUDA(cudaStreamSynchronize(stream));  // scratch is freed on return
+    return ms;
+  }
+
+  // train.gemm_autotune: replaces the heuristic's first choice in p by the cached or the
+  // fastest candidate.  Inside a CUDA graph capture (no timing possible) p keeps the first.
+  void autotune(Plan& p, const GemmArgs& g, Stream stream) {
+    TuneState& s = tuneState();
+    std::lock_guard<std::mutex> lock(s.mutex);
+    const auto algos = candidates(p, s.candidates);
+    if (algos.empty()) return;
+    const std::string key = tuneKey(g, device);
+    auto it = s.choices.find(key);
+    if (it != s.choices.end()) {
+      if (it->second.index < static_cast<int>(algos.size())) p.algo = algos[it->second.index].algo;
+      if (s.logged.insert(key).second)
+        logChoice(g, it->second, static_cast<int>(algos.size()), true);
+      return;
+    }
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone) {
+      cudaGetLastError();
+      return;
+    }
+    const std::vector<double> ms = timeCandidates(p, g, stream, algos);
+    if (ms.empty()) {
+      if (s.logged.insert(key).second)
+        log::warn(
+            "gemm autotune: no device memory for scratch outputs (M=%lld N=%lld K=%lld); "
+            "the heuristic's choice stays",
+            static_cast<long long>(g.m), static_cast<long long>(g.n), static_cast<long long>(g.k));
+      return;
+    }
+    TuneState::Choice c;
+    c.heuristic_ms = ms[0];
+    for (std::size_t i = 0; i < ms.size(); ++i)
+      if (ms[i] > 0 && (c.tuned_ms < 0 || ms[i] < c.tuned_ms)) {
+        c.tuned_ms = ms[i];
+        c.index = static_cast<int>(i);
+      }
+    if (c.tuned_ms < 0) return;  // nothing ran: keep the first choice, tune no more
+    p.algo = algos[c.index].algo;
+    s.choices[key] = c;
+    appendTuneFile(s, key, c);
+    s.logged.insert(key);
+    logChoice(g, c, static_cast<int>(algos.size()), false);
+  }
+
+  Plan& plan(const GemmArgs& g, Stream stream = nullptr) {
     PlanKey key{g.trans_a,
                 g.trans_b,
                 g.m,
@@ -256,6 +495,7 @@ struct Gemm::Impl {
                   "); check leading dimensions (multiples of 8, 16 for FP8) and the epilogue's "
                   "data types");
     p.algo = result.algo;
+    if (!p.fp8 && tuneState().on) autotune(p, g, stream);
     return plans.emplace(key, p).first->second;
   }
 
@@ -284,7 +524,7 @@ std::size_t Gemm::numPlans() const { return impl_member->plans.size(); }
 
 void Gemm::run(Stream stream, const GemmArgs& g) {
   if (g.m == 0 || g.n == 0) return;
-  Plan& p = impl_member->plan(g);
+  Plan& p = impl_member->plan(g, stream);
   if (g.epilogue == Epilogue::Bias || g.epilogue == Epilogue::BiasGeluAux) {
     PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                     &g.bias, sizeof(g.bias)));
@@ -321,6 +561,36 @@ void Gemm::run(Stream stream, const GemmArgs& g) {
   if (p.fp8 && g.amax_d && p.amax_by_pass)
     amaxFp8(stream, g.d, g.d_type, g.m, g.n, g.ldd, g.amax_d, false);
 }
+
+Gemm::TuneResult Gemm::tune(Stream stream, const GemmArgs& g) {
+  TuneResult r;
+  if (g.m == 0 || g.n == 0 || isFp8(g.a_type) || isFp8(g.b_type)) return r;
+  Plan& p = impl_member->plan(g, stream);
+  const int count = std::max(tuneState().candidates, 1);
+  const auto algos = impl_member->candidates(p, count);
+  r.candidates = static_cast<int>(algos.size());
+  const std::vector<double> ms = impl_member->timeCandidates(p, g, stream, algos);
+  if (ms.empty()) return r;
+  r.heuristic_ms = ms[0];
+  for (std::size_t i = 0; i < ms.size(); ++i)
+    if (ms[i] > 0 && (r.tuned_ms < 0 || ms[i] < r.tuned_ms)) {
+      r.tuned_ms = ms[i];
+      r.tuned_index = static_cast<int>(i);
+    }
+  return r;
+}
+
+void setGemmAutotune(bool on, const std::string& cache_file, bool write_cache, int candidates) {
+  TuneState& s = tuneState();
+  std::lock_guard<std::mutex> lock(s.mutex);
+  s.on = on;
+  s.file = cache_file;
+  s.write = write_cache;
+  s.candidates = std::max(candidates, 1);
+  if (on) loadTuneFile(s);
+}
+
+bool gemmAutotune() { return tuneState().on; }
 
 bool Gemm::amaxFromCublas(const GemmArgs& args) {
   if (!args.amax_d) return false;

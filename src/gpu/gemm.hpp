@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 
 namespace plm::gpu {
 
@@ -93,6 +94,14 @@ class Gemm {
   void run(Stream stream, const GemmArgs& args);
   /// \brief Number of distinct plans built so far (each new shape/epilogue adds one).
   std::size_t numPlans() const;
+  /// \brief The heuristic's first choice and the autotuned choice for `args` (bf16 only), timed
+  /// now on scratch outputs: ms of each (heuristic, tuned) and the tuned choice's index in the
+  /// heuristic's list.  For benchmarks; the plan cache is not touched.
+  struct TuneResult {
+    double heuristic_ms = -1, tuned_ms = -1;
+    int tuned_index = 0, candidates = 0;
+  };
+  TuneResult tune(Stream stream, const GemmArgs& args);
   /// \brief For an FP8 call with amax_d, after it has run: whether cuBLASLt computed max |D|
   /// in the GEMM (true) or a separate pass over D did (false).
   bool amaxFromCublas(const GemmArgs& args);
@@ -101,6 +110,17 @@ class Gemm {
   struct Impl;
   std::unique_ptr<Impl> impl_member;
 };
+
+/// \brief Process-wide GEMM autotuning (train.gemm_autotune), for the bf16 GEMMs of every Gemm
+/// object created or planned after the call.  On: the first call of each shape asks cuBLASLt's
+/// heuristic for up to `candidates` algorithms, times each on scratch outputs (the caller's
+/// results are untouched), and keeps the fastest for every later call of that shape.  Choices
+/// are read from / appended to `cache_file` (empty: memory only), keyed by shape, layouts,
+/// types, epilogue, cuBLASLt version and device; `write_cache` false reads only (ranks other
+/// than 0).  FP8 GEMMs keep the heuristic's first choice.
+void setGemmAutotune(bool on, const std::string& cache_file = "", bool write_cache = true,
+                     int candidates = 8);
+bool gemmAutotune();
 
 /// \brief Plain reference: one thread per output element, fp32 accumulation, the same
 /// epilogues (exact for the GELU's tanh form); FP8 operands are decoded exactly and multiplied
