@@ -247,6 +247,13 @@ const std::vector<KeySpec>& keys() {
        "casts, MoE dispatch, other) with CUDA events: a line before each progress line and a "
        "gpu_ms object in each metrics.jsonl step record. Costs a little speed; GPU runs only.",
        any(), {}},
+      {"train", "gemm_autotune", K::boolean, "false",
+       "Time up to 8 of cuBLASLt's candidate algorithms for each bf16 GEMM shape on its first "
+       "call (on scratch outputs) and keep the fastest; choices are logged (\"gemm autotune:\" "
+       "lines) and kept in <run_dir>/gemm_autotune.txt, read by the next run in that directory "
+       "so it skips the timing. Off by default: timing noise can pick a different algorithm in "
+       "a fresh run directory, so two such runs need not agree bit for bit. GPU runs only.",
+       any(), {}},
       {"train", "tensorboard", K::boolean, "false",
        "Also write the step and evaluation metrics as TensorBoard scalars to "
        "<run_dir>/tb/events.out.tfevents.* (rank 0; no TensorBoard needed to write them).",

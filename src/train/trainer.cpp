@@ -9,6 +9,9 @@
 #include "dist/communicator.hpp"
 #include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
+#if PLM_HAVE_CUDA
+#include "gpu/gemm.hpp"
+#endif
 #include "io/model_file.hpp"
 #include "plm/plm_config.hpp"
 #include "train/blas_threads.hpp"
@@ -199,6 +202,11 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   inject_fail_member = fault::fail();
   run_dir_member = t.get<std::string>("run_dir");
   start_unix_member = clock::unixSeconds();
+#if PLM_HAVE_CUDA
+  // Before the first GEMM is planned; rank 0 alone appends new choices to the file.
+  if (t.get<bool>("gemm_autotune"))
+    gpu::setGemmAutotune(true, run_dir_member + "/gemm_autotune.txt", rank_member == 0);
+#endif
   if (t.get<bool>("profile")) {
     profile_member = true;  // CUDA events around every launch of the training passes
     model_member->setProfiling(true);

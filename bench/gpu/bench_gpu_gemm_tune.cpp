@@ -1,0 +1,218 @@
+// cuBLASLt's heuristic first choice against the autotuned choice (train.gemm_autotune: the
+// fastest of its first 8 candidates, timed) on the bf16 GEMMs of one encoder layer of ESM-2
+// 650M (hidden 1280, FFN 5120) and 3B (2560, 10240) at T tokens per micro-batch: each Linear
+// (QKV, attention out, FFN up, FFN down) in its three GEMMs with the layouts and epilogues of
+// the bf16 model (forward Y = X W^T + b, GELU fused into FFN up; dgrad dX = dY W, dGELU fused
+// into FFN down's; wgrad dW += dY^T X in fp32 with the bias gradient), next to an 8192^3 bf16
+// reference.  Then the LayerNorm kernels' achieved bandwidth (bytes read + written once / time)
+// against a device-to-device copy's.  Gemm::tune times every candidate on scratch outputs
+// (mean of 5 after a warm-up).
+//
+//   bench_gpu_gemm_tune [T ...]      (default: 16384 32768)
+#include "gpu/gemm.hpp"
+#include "gpu/layer_norm.hpp"
+
+#include "bench_util.hpp"
+#include "core/error.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace plm::gpu;
+
+enum class Kind { Forward, Dgrad, Wgrad };
+
+struct Totals {
+  double flops = 0, heuristic_ms = 0, tuned_ms = 0;
+  bool complete = true;
+};
+
+// One GEMM: prints M N K, TFLOP/s of the heuristic's first choice and of the tuned one.
+void benchOne(Gemm& gemm, const char* label, GemmArgs a, Totals& totals) {
+  const std::int64_t a_elems = a.m * a.k, b_elems = a.n * a.k;
+  Buffer A(a_elems * 2), B(b_elems * 2), D(a.m * a.n * 4), bias(a.n * 4), aux(a.m * a.n * 2),
+      bgrad(a.m * 4);
+  fill(A, a_elems, 1.0f, 1);
+  fill(B, b_elems, 0.05f, 2);
+  fill(bias, a.n, 0.1f, 3);
+  fill(aux, a.m * a.n, 1.0f, 4);
+  PLM_CHECK_CUDA(cudaMemset(D.ptr, 0, a.m * a.n * 4));
+  a.a = A.ptr;
+  a.b = B.ptr;
+  a.d = D.ptr;
+  a.ldd = a.n;
+  a.bias = bias.ptr;
+  a.aux = aux.ptr;
+  a.ldaux = a.n;
+  a.bias_grad = bgrad.ptr;
+  const double flops = 2.0 * a.m * a.n * a.k;
+  Gemm::TuneResult r;
+  try {
+    r = gemm.tune(nullptr, a);
+  } catch (const plm::Error& e) {
+    std::printf("  %-22s refused: %s\n", label, e.what());
+    totals.complete = false;
+    return;
+  }
+  if (r.heuristic_ms <= 0 || r.tuned_ms <= 0) {
+    std::printf("  %-22s %6ld %6ld %6ld  not timed (heuristic %.3f ms, %d candidates)\n", label,
+                long(a.m), long(a.n), long(a.k), r.heuristic_ms, r.candidates);
+    totals.complete = false;
+    return;
+  }
+  totals.flops += flops;
+  totals.heuristic_ms += r.heuristic_ms;
+  totals.tuned_ms += r.tuned_ms;
+  std::printf("  %-22s %6ld %6ld %6ld  %7.1f (%7.3f)  %7.1f (%7.3f) #%d/%d  %5.2fx\n", label,
+              long(a.m), long(a.n), long(a.k), flops / r.heuristic_ms / 1e9, r.heuristic_ms,
+              flops / r.tuned_ms / 1e9, r.tuned_ms, r.tuned_index, r.candidates,
+              r.heuristic_ms / r.tuned_ms);
+  std::fflush(stdout);
+}
+
+void layerTable(Gemm& gemm, const char* model, std::int64_t C, std::int64_t F, std::int64_t T) {
+  struct Linear {
+    const char* name;
+    std::int64_t out, in;
+    bool gelu_out;  // FFN up: GELU fused into the forward
+    bool gelu_in;   // FFN down: its dgrad carries the dGELU of FFN up's output
+  };
+  const Linear linears[] = {{"qkv", 3 * C, C, false, false},
+                            {"attn out", C, C, false, false},
+                            {"ffn up", F, C, true, false},
+                            {"ffn down", C, F, false, true}};
+  std::printf(
+      "\n%s, T = %ld tokens: TFLOP/s (ms)       M      N      K    heuristic #0"
+      "        tuned            speed-up\n",
+      model, long(T));
+  Totals totals;
+  for (const Linear& l : linears)
+    for (Kind kind : {Kind::Forward, Kind::Dgrad, Kind::Wgrad}) {
+      GemmArgs a;
+      const bool wgrad = kind == Kind::Wgrad;
+      a.m = T, a.n = l.out, a.k = l.in;
+      if (kind == Kind::Dgrad) a.n = l.in, a.k = l.out;
+      if (wgrad) a.m = l.out, a.n = l.in, a.k = T;
+      // The bf16 model's layouts: X (T,in) x W (out,in)^T; dY (T,out) x W (out,in); dY^T X with
+      // dY stored (T,out) and X stored (T,in).
+      a.trans_a = wgrad;
+      a.trans_b = kind == Kind::Forward;
+      a.lda = wgrad ? a.m : a.k;
+      a.ldb = kind == Kind::Forward ? a.k : a.n;
+      a.d_type = wgrad ? DType::F32 : DType::BF16;
+      a.beta = wgrad ? 1.0f : 0.0f;
+      a.epilogue = kind == Kind::Forward ? (l.gelu_out ? Epilogue::BiasGeluAux : Epilogue::Bias)
+                   : kind == Kind::Dgrad ? (l.gelu_in ? Epilogue::DGelu : Epilogue::None)
+                                         : Epilogue::BGradA;
+      const std::string label = std::string(l.name) + (kind == Kind::Forward ? " fwd"
+                                                       : wgrad               ? " wgrad"
+                                                                             : " dgrad");
+      benchOne(gemm, label.c_str(), a, totals);
+    }
+  if (!totals.complete) {
+    std::printf("  layer total: incomplete\n");
+    return;
+  }
+  std::printf("  %-43s %7.1f (%7.3f)  %7.1f (%7.3f)         %5.2fx\n", "layer total (12 GEMMs)",
+              totals.flops / totals.heuristic_ms / 1e9, totals.heuristic_ms,
+              totals.flops / totals.tuned_ms / 1e9, totals.tuned_ms,
+              totals.heuristic_ms / totals.tuned_ms);
+  std::printf(
+      "RESULT gemm_tune model=%s T=%ld layer_ms heuristic=%.3f tuned=%.3f "
+      "tflops heuristic=%.1f tuned=%.1f\n",
+      model, long(T), totals.heuristic_ms, totals.tuned_ms,
+      totals.flops / totals.heuristic_ms / 1e9, totals.flops / totals.tuned_ms / 1e9);
+}
+
+void reference(Gemm& gemm) {
+  const std::int64_t s = 8192;
+  GemmArgs a;
+  a.m = a.n = a.k = s;
+  a.trans_b = true;
+  a.lda = a.ldb = s;
+  Totals totals;
+  std::printf(
+      "\nreference                              M      N      K    heuristic #0"
+      "        tuned            speed-up\n");
+  benchOne(gemm, "8192^3 bf16 NT", a, totals);
+}
+
+// Device-to-device copy bandwidth (bytes read + written / time) of 1 GiB.
+double copyGBs() {
+  const std::size_t bytes = std::size_t(1) << 30;
+  Buffer src(bytes), dst(bytes);
+  PLM_CHECK_CUDA(cudaMemset(src.ptr, 1, bytes));
+  const double ms = medianMs(
+      [&] { PLM_CHECK_CUDA(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice)); });
+  return 2.0 * bytes / ms / 1e6;
+}
+
+// The LayerNorms as the model calls them: fp32 residual stream in, fp32 gamma/beta, bf16 out;
+// the backward in residual mode (bf16 dy, fp32 gradient +=, bf16 copy written).
+void layerNormTable(std::int64_t C, std::int64_t T, double copy) {
+  Buffer x(T * C * 4), y(T * C * 2), dy(T * C * 2), dx(T * C * 2), res(T * C * 4), gamma(C * 4),
+      beta(C * 4), mean(T * 4), rstd(T * 4), dg(C * 4), db(C * 4),
+      work(layerNormBackwardWorkspace(T, static_cast<int>(C)));
+  fillF(x, T * C, 2.0f, 7);
+  fill(dy, T * C, 1.0f, 8);
+  fillF(gamma, C, 1.0f, 9);
+  fillF(beta, C, 1.0f, 10);
+  fillF(res, T * C, 1.0f, 11);
+  PLM_CHECK_CUDA(cudaMemset(dg.ptr, 0, C * 4));
+  PLM_CHECK_CUDA(cudaMemset(db.ptr, 0, C * 4));
+  const double n = static_cast<double>(T * C);
+  const double f = medianMs([&] {
+    layerNormForward(nullptr, x.as<float>(), gamma.as<float>(), beta.as<float>(), y.as<bf16>(),
+                     mean.as<float>(), rstd.as<float>(), T, static_cast<int>(C), 1e-5f);
+  });
+  // x fp32 read, y bf16 written (mean/rstd and gamma/beta are negligible).
+  const double f_gbs = 6.0 * n / f / 1e6;
+  std::printf("  layernorm fwd  (%6ld x %5ld)  %8.3f ms  %6.0f GB/s  %5.1f%% of copy\n", long(T),
+              long(C), f, f_gbs, 100.0 * f_gbs / copy);
+  const double b = medianMs([&] {
+    layerNormBackward(nullptr, dy.as<bf16>(), x.as<float>(), gamma.as<float>(), mean.as<float>(),
+                      rstd.as<float>(), res.as<float>(), true, dx.as<bf16>(), dg.as<float>(),
+                      db.as<float>(), T, static_cast<int>(C), work.as<void>());
+  });
+  // dy bf16 + x fp32 + residual fp32 read; residual fp32 + dx bf16 written.
+  const double b_gbs = 16.0 * n / b / 1e6;
+  std::printf("  layernorm bwd  (%6ld x %5ld)  %8.3f ms  %6.0f GB/s  %5.1f%% of copy\n", long(T),
+              long(C), b, b_gbs, 100.0 * b_gbs / copy);
+  std::printf("RESULT layernorm C=%ld T=%ld fwd_gbs=%.0f bwd_gbs=%.0f copy_gbs=%.0f\n", long(C),
+              long(T), f_gbs, b_gbs, copy);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::vector<std::int64_t> tokens;
+  for (int i = 1; i < argc; ++i) tokens.push_back(std::atoll(argv[i]));
+  if (tokens.empty()) tokens = {16384, 32768};
+  cudaDeviceProp prop{};
+  PLM_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+  std::printf(
+      "bench_gpu_gemm_tune on %s: bf16 GEMMs, cuBLASLt heuristic #0 vs the fastest of "
+      "its first 8 candidates\n",
+      prop.name);
+  Gemm gemm;
+  reference(gemm);
+  for (std::int64_t T : tokens) {
+    layerTable(gemm, "650M", 1280, 5120, T);
+    layerTable(gemm, "3B", 2560, 10240, T);
+  }
+  const double copy = copyGBs();
+  std::printf("\nLayerNorm bandwidth (bytes read + written once / time); device copy %.0f GB/s\n",
+              copy);
+  for (std::int64_t T : tokens) {
+    layerNormTable(1280, T, copy);
+    layerNormTable(2560, T, copy);
+  }
+  return 0;
+}
