@@ -4,6 +4,13 @@
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
+#                                       gemm_tune
+#   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
+#        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
+#        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
+#        train.gemm_autotune false and true (PLM_GEMM_TUNE_TOKENS, default 24576; PLM_TRAIN_STEPS),
+#        then plm train 650M bf16 with train.gemm_autotune on, twice in one run_dir (the second
+#        run reads <run_dir>/gemm_autotune.txt: its "gemm autotune:" lines say "from the cache file")
 #   context: the context-parallel tests (test/context, packaged with PLM_PKG_CTEST=1) at 2 and 4
 #        ranks, the bf16 ring and MoE among them; with 2 GPUs, 650M bf16 on 16,384-token sequences
 #        at context degree 1 (one GPU) and 2 (two GPUs): tokens/s per GPU
@@ -203,6 +210,40 @@ if has train && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
     note "bench_gpu_train $run rc=$?"
     grep -E "RESULT|EVAL|breakdown|^    |step 0|error|out of memory" "$log" | tee -a "$summary"
   done
+fi
+
+if has gemm_tune && [[ -x "$pkg/bin/bench_gpu_gemm_tune" ]]; then
+  timeout 400 "$pkg/bin/bench_gpu_gemm_tune" > "$out/bench_gpu_gemm_tune.log" 2>&1
+  note "bench_gpu_gemm_tune rc=$?"
+  cat "$out/bench_gpu_gemm_tune.log" >> "$summary"
+  cp "$out/bench_gpu_gemm_tune.log" "$final_out/" 2>/dev/null
+  tokens=${PLM_GEMM_TUNE_TOKENS:-24576}
+  for tune in false true; do
+    log="$out/gemm_tune_train_650m_$tune.log"
+    timeout 300 "$pkg/bin/bench_gpu_train" esm2_650m "$tokens" ${PLM_TRAIN_STEPS:-20} none \
+      train.gemm_autotune=$tune > "$log" 2>&1
+    note "bench_gpu_train esm2_650m:$tokens train.gemm_autotune=$tune rc=$?"
+    grep -E "RESULT|error|out of memory" "$log" | tee -a "$summary"
+    grep -c "gemm autotune:" "$log" | sed 's/^/  gemm autotune lines: /' | tee -a "$summary"
+  done
+  if [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+    d=/tmp/plm-gemm-tune
+    rm -rf "$d"
+    for pass in 1 2; do
+      timeout 300 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" \
+        --set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=bf16 \
+        --set train.gemm_autotune=true --set train.steps=10 --set train.log_every=5 \
+        --set train.eval_every=0 --set data.tokens_per_batch="$tokens" \
+        --set data.micro_batch_tokens="$tokens" --set checkpoint.every=0 \
+        --set checkpoint.resume=none --set train.run_dir="$d" > "$out/gemm_tune_plm_$pass.log" 2>&1
+      note "plm train esm2_650m bf16 train.gemm_autotune=true pass $pass rc=$?" \
+        "autotune lines $(grep -c 'gemm autotune:' "$out/gemm_tune_plm_$pass.log")" \
+        "from cache $(grep -c 'from the cache file' "$out/gemm_tune_plm_$pass.log")" \
+        "cache entries $(wc -l < "$d/gemm_autotune.txt" 2>/dev/null)"
+      grep -E "gemm autotune:|tokens/s|error" "$out/gemm_tune_plm_$pass.log" | head -40 |
+        tee -a "$summary"
+    done
+  fi
 fi
 
 if has moe_plan && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then

@@ -13,11 +13,13 @@
 //   PLM_PRECISION=fp8 [PLM_FP8_RECIPE=delayed|current|block] times the FP8 policy (doc/fp8.md); the
 //   step then ends with Esm2::endFp8Step, as in training.  KEY=VALUE sets one of the deck's kernel
 //   keys as `plm train --set` would: train.attention=auto|cudnn|cudnn-fwd|flash,
-//   train.deterministic=true|false, fp8.fused_cast=true|false.
+//   train.deterministic=true|false, fp8.fused_cast=true|false, train.gemm_autotune=true|false
+//   (tuned in the warm-up steps, cached in memory only).
 #include "core/error.hpp"
 #include "data/synthetic.hpp"
 #include "dist/runtime.hpp"
 #include "gpu/fused.hpp"
+#include "gpu/gemm.hpp"
 #include "model/esm2.hpp"
 
 #include <cuda_runtime.h>
@@ -64,9 +66,12 @@ int run(int argc, char** argv) {
       config.deterministic = flag(key, value);
     else if (key == "fp8.fused_cast")
       config.fp8.fused_cast = flag(key, value);
+    else if (key == "train.gemm_autotune")
+      gpu::setGemmAutotune(flag(key, value));
     else
       throw Error("bench_gpu_train: unknown argument `" + arg +
-                  "`; use train.attention=, train.deterministic= or fp8.fused_cast=");
+                  "`; use train.attention=, train.deterministic=, fp8.fused_cast= or "
+                  "train.gemm_autotune=");
   }
   model::Esm2<float> model(config);
   model.initialize(1);
