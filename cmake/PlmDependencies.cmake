@@ -98,6 +98,13 @@ if(PLM_HAVE_CUDA OR PLM_CHECK_CUDA_SOURCES)
   message(STATUS "plm: CUTLASS grouped expert GEMM: ${PLM_HAVE_CUTLASS} (headers "
     "${PLM_CUTLASS_INCLUDE_DIR}; scripts/get-cutlass.sh installs them, else the loop of cuBLASLt "
     "calls is the only expert path)")
+  # NVTX ranges (core/trace.hpp) for Nsight Systems: nvtx3 is header-only in the CUDA toolkit.
+  find_path(PLM_NVTX_INCLUDE_DIR nvtx3/nvToolsExt.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+  set(PLM_HAVE_NVTX OFF)
+  if(PLM_HAVE_CUDA AND PLM_NVTX_INCLUDE_DIR)  # the CPU build never includes it
+    set(PLM_HAVE_NVTX ON)
+  endif()
+  message(STATUS "plm: NVTX ranges: ${PLM_HAVE_NVTX} (${PLM_NVTX_INCLUDE_DIR})")
 endif()
 
 if(PLM_ENABLE_TESTS)

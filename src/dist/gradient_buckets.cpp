@@ -1,6 +1,7 @@
 #include "dist/gradient_buckets.hpp"
 
 #include "core/error.hpp"
+#include "core/trace.hpp"
 #include "dist/stream.hpp"
 
 #include <algorithm>
@@ -122,6 +123,7 @@ template <class T> void GradientBuckets<T>::launchReady(const ExecSpace& space) 
 
 template <class T> void GradientBuckets<T>::launch(const ExecSpace& space, Bucket& bucket) {
   Kokkos::Profiling::pushRegion("plm::dist::GradientBuckets::launch");
+  PLM_TRACE("plm::comm gradient all-reduce launch");
   const Stream stream = streamOf(space);
   if (!comm_member->deviceMemory()) space.fence();  // MPI reads the memory from the host
   for (const auto& run : bucket.runs) {
@@ -139,6 +141,7 @@ template <class T> void GradientBuckets<T>::launch(const ExecSpace& space, Bucke
 
 template <class T> void GradientBuckets<T>::finish(const ExecSpace& space) {
   Kokkos::Profiling::pushRegion("plm::dist::GradientBuckets::finish");
+  PLM_TRACE("plm::comm gradient all-reduce finish");
   for (auto& b : buckets_member) b.pending = 0;  // a range never marked counts as ready
   launchReady(space);
   const Stream stream = streamOf(space);

@@ -587,6 +587,8 @@ void setGemmAutotune(bool on, const std::string& cache_file, bool write_cache, i
   s.file = cache_file;
   s.write = write_cache;
   s.candidates = std::max(candidates, 1);
+  s.choices.clear();  // the file's choices, not an earlier setting's
+  s.logged.clear();
   if (on) loadTuneFile(s);
 }
 

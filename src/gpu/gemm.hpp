@@ -117,7 +117,8 @@ class Gemm {
 /// results are untouched), and keeps the fastest for every later call of that shape.  Choices
 /// are read from / appended to `cache_file` (empty: memory only), keyed by shape, layouts,
 /// types, epilogue, cuBLASLt version and device; `write_cache` false reads only (ranks other
-/// than 0).  FP8 GEMMs keep the heuristic's first choice.
+/// than 0).  Each call replaces the process's choices by the file's.  FP8 GEMMs keep the
+/// heuristic's first choice.
 void setGemmAutotune(bool on, const std::string& cache_file = "", bool write_cache = true,
                      int candidates = 8);
 bool gemmAutotune();

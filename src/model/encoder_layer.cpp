@@ -2,19 +2,28 @@
 #include "model/encoder_layer.hpp"
 
 #include "core/error.hpp"
+#include "core/trace.hpp"
 
 namespace plm::model {
 
 void DenseMlp::forward(OpContext& ctx, const Mat& h, const Mat& residual, const Mat& out,
                        LayerActs& saved) const {
-  linearGelu(ctx, h, w_member.w1, w_member.b1, saved.pre, saved.act);
+  {
+    PLM_TRACE("plm::gemm ffn_in fwd (+gelu)");
+    linearGelu(ctx, h, w_member.w1, w_member.b1, saved.pre, saved.act);
+  }
+  PLM_TRACE("plm::gemm ffn_out fwd");
   linearResidual(ctx, saved.act, w_member.w2, w_member.b2, residual, out);
 }
 
 void DenseMlp::backward(OpContext& ctx, const LayerActs& saved, const Mat& dout_c, const Mat& dh,
                         LayerScratch& scratch) const {
-  linearBackwardGelu(ctx, saved.act, w_member.w2, dout_c, saved.pre, scratch.dffn, g_member.w2,
-                     g_member.b2);
+  {
+    PLM_TRACE("plm::gemm ffn_out bwd (+dgelu)");
+    linearBackwardGelu(ctx, saved.act, w_member.w2, dout_c, saved.pre, scratch.dffn, g_member.w2,
+                       g_member.b2);
+  }
+  PLM_TRACE("plm::gemm ffn_in bwd");
   linearBackward(ctx, saved.ln2, w_member.w1, scratch.dffn, dh, false, g_member.w1, g_member.b1);
 }
 
@@ -69,12 +78,22 @@ void EncoderLayer::forward(OpContext& ctx, const DeviceBatch& b, const Mat& in, 
                            LayerActs& a, const Mat& cos_table, const Mat& sin_table) const {
   const auto& w = attn_member;
   layerNorm(ctx, in, w.ln_g, w.ln_b, shape_member.eps, a.ln1, a.mean1, a.rstd1);
-  qkvProjection(ctx, a.ln1, w.qkv, a.qkv);
-  rotary(ctx, b, a.qkv.q, a.qkv.k, shape_member.heads, false, cos_table, sin_table);
+  {
+    PLM_TRACE("plm::gemm qkv fwd");
+    qkvProjection(ctx, a.ln1, w.qkv, a.qkv);
+  }
+  {
+    PLM_TRACE("plm::rotary");
+    rotary(ctx, b, a.qkv.q, a.qkv.k, shape_member.heads, false, cos_table, sin_table);
+  }
   attention(ctx, b, a.qkv, shape_member.heads, a.o, a.lse);
-  linearResidual(ctx, a.o, w.wo, w.bo, in, a.xmid);
+  {
+    PLM_TRACE("plm::gemm attn_out fwd");
+    linearResidual(ctx, a.o, w.wo, w.bo, in, a.xmid);
+  }
   layerNorm(ctx, a.xmid, ln2_member.gamma, ln2_member.beta, shape_member.eps, a.ln2, a.mean2,
             a.rstd2);
+  PLM_TRACE("plm::ffn fwd");
   ffn_member->forward(ctx, a.ln2, a.xmid, out, a);
 }
 
@@ -94,13 +113,25 @@ void EncoderLayer::backward(OpContext& ctx, const DeviceBatch& b, const Mat& in,
                             LayerScratch& s, const Mat& cos_table, const Mat& sin_table) const {
   const auto& w = attn_member;
   const auto& g = attn_grads_member;
-  ffn_member->backward(ctx, a, s.dres_c, s.dln_c, s);
+  {
+    PLM_TRACE("plm::ffn bwd");
+    ffn_member->backward(ctx, a, s.dres_c, s.dln_c, s);
+  }
   layerNormBackward(ctx, a.xmid, ln2_member.gamma, a.mean2, a.rstd2, s.dln_c, s.dres, true,
                     s.dres_c, ln2_grads_member.gamma, ln2_grads_member.beta);
-  linearBackward(ctx, a.o, w.wo, s.dres_c, s.dout, false, g.wo, g.bo);
+  {
+    PLM_TRACE("plm::gemm attn_out bwd");
+    linearBackward(ctx, a.o, w.wo, s.dres_c, s.dout, false, g.wo, g.bo);
+  }
   attentionBackward(ctx, b, a.qkv, a.o, a.lse, s.dout, shape_member.heads, s.delta, s.dqkv);
-  rotary(ctx, b, s.dqkv.q, s.dqkv.k, shape_member.heads, true, cos_table, sin_table);
-  qkvBackward(ctx, a.ln1, w.qkv, s.dqkv, s.dln, g.qkv);
+  {
+    PLM_TRACE("plm::rotary bwd");
+    rotary(ctx, b, s.dqkv.q, s.dqkv.k, shape_member.heads, true, cos_table, sin_table);
+  }
+  {
+    PLM_TRACE("plm::gemm qkv bwd");
+    qkvBackward(ctx, a.ln1, w.qkv, s.dqkv, s.dln, g.qkv);
+  }
   layerNormBackward(ctx, in, w.ln_g, a.mean1, a.rstd1, s.dln, s.dres, true, s.dres_c, g.ln_g,
                     g.ln_b);
 }

@@ -22,6 +22,7 @@
 #include "model/esm2.hpp"
 
 #include "core/error.hpp"
+#include "core/trace.hpp"
 #include "data/context_split.hpp"
 #include "dist/allreduce.hpp"
 #include "dist/communicator.hpp"
@@ -1419,11 +1420,13 @@ template <class T> struct Esm2<T>::Impl {
     embedding(ctx, b, pw.embed, w.xs[0]);
     for (int l = 0; l < layers_n; ++l) {
       if (hooks) hooks->beforeForward(l);
+      PLM_TRACE(trace::layerName(l));
       layers[l].forward(ctx, b, w.xs[l], w.xs[l + 1], actsFor(l), cosMat(), sinMat());
     }
     layerNorm(ctx, w.xs[layers_n], pw.lnf_g, pw.lnf_b, config.layer_norm_eps, w.hidden, w.meanf,
               w.rstdf);
     if (w.rows == 0) return;
+    PLM_TRACE("plm::lm_head fwd");
     gatherRows(ctx, w.hidden, w.head_rows, w.hg);
     linearGelu(ctx, w.hg, pw.head_w, pw.head_b, w.h1, w.h1g);
     layerNorm(ctx, w.h1g, pw.head_ln_g, pw.head_ln_b, config.layer_norm_eps, w.h2, w.meanh,
@@ -1437,6 +1440,7 @@ template <class T> struct Esm2<T>::Impl {
     const auto& b = w.batch;
     auto& s = w.scratch;
     if (w.rows > 0) {  // LM head (w.dlogits holds dlogits)
+      PLM_TRACE("plm::lm_head bwd");
       linearBackward(ctx, w.h2, pw.embed, w.dlogits, w.dh2, false, pg.embed, pg.head_bias);
       layerNormBackward(ctx, w.h1g, pw.head_ln_g, w.meanh, w.rstdh, w.dh2, Mat(), false, w.dh1,
                         pg.head_ln_g, pg.head_ln_b);
@@ -1448,6 +1452,7 @@ template <class T> struct Esm2<T>::Impl {
                       s.dres_c, pg.lnf_g, pg.lnf_b);
     for (int l = layers_n - 1; l >= 0; --l) {
       if (hooks) hooks->beforeBackward(l);
+      PLM_TRACE(trace::layerName(l));
       LayerActs& a = actsFor(l);
       if (config.recompute == Recompute::Layer) {
         if (hooks) hooks->beforeForward(l);

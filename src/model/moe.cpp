@@ -2,6 +2,7 @@
 #include "model/moe.hpp"
 
 #include "core/error.hpp"
+#include "core/trace.hpp"
 #include "dist/runtime.hpp"
 #include "dist/stream.hpp"
 #include "model/gemm.hpp"
@@ -407,6 +408,7 @@ template <class T> struct MoeMlp<T>::State {
 
   /// Routes the logits of this pass on the device; the host keeps the summary (counts, losses).
   void routeDevice(OpContext& ctx, std::int64_t t_n) {
+    PLM_TRACE("plm::moe route");
 #if PLM_HAVE_CUDA
     const int e_n = c.experts, k = c.top_k;
     gpu::RouteArgs& a = route_args;
@@ -620,6 +622,7 @@ template <class T> struct MoeMlp<T>::State {
                            const std::vector<std::int64_t>& send_at, const View1<T>& recv,
                            const std::vector<std::int64_t>& recv_counts,
                            const std::vector<std::int64_t>& recv_at) const {
+    PLM_TRACE("plm::moe all-to-all start");
     const int n = ep.comm->size();
     const dist::DataType type = bf16() ? dist::DataType::BFloat16 : dist::DataTypeOf<T>::value;
     std::vector<std::int64_t> sc(n), so(n), rc(n), ro(n);
@@ -637,6 +640,7 @@ template <class T> struct MoeMlp<T>::State {
 
   /// Waits for an exchange; profiling counts the compute stream's exposed wait as Dispatch.
   void finishExchange(OpContext& ctx, dist::Work& work) const {
+    PLM_TRACE("plm::moe all-to-all wait");
     const auto stream = dist::streamOf(ctx.space());
     ctx.mark(OpKind::Other);
     work.wait(stream);
@@ -809,6 +813,7 @@ template <class T> struct MoeMlp<T>::State {
 
   /// Starts moving the exchanged rows (local permuted order) to the experts' ranks.
   dist::Work startToExperts(OpContext& ctx, const View1<T>& local) {
+    PLM_TRACE("plm::moe dispatch");
     View1<T> recv = growAs(recv_s, exchanged * hidden, cdt, "plm::model::moe::recv");
     return startExchange(ctx, local, send_rows, local_at, recv, recv_rows, recv_at);
   }
@@ -824,6 +829,7 @@ template <class T> struct MoeMlp<T>::State {
   /// The exchanged rows' results (expert-major) back to the ranks that routed them (their
   /// local order); the self block of `local` is left as it is.
   void fromExperts(OpContext& ctx, const View1<T>& at_experts, const View1<T>& local) {
+    PLM_TRACE("plm::moe combine");
     View1<T> send = growAs(recv_s, exchanged * hidden, cdt, "plm::model::moe::recv");
     if (exchanged > 0)
       gatherRows(ctx, rowsAs(at_experts, cdt, 0, exchanged, hidden), to_source,

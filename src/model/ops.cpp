@@ -10,6 +10,7 @@
 
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "core/trace.hpp"
 #include "model/context_parallel.hpp"
 #include "model/cross_entropy.hpp"
 #include "model/embedding.hpp"
@@ -1183,6 +1184,7 @@ AttentionKernel attentionKernelFor(const OpContext& ctx, int head_dim) {
 // ---- embedding -----------------------------------------------------------------------------
 
 void embedding(OpContext& ctx, const DeviceBatch& b, const Mat& weight, const Mat& x) {
+  PLM_TRACE("plm::embedding");
   if (isBf16(weight)) {
 #if PLM_HAVE_CUDA
     // A context shard's token-dropout scale follows the whole sequences (b.mult), which the
@@ -1207,6 +1209,7 @@ void embedding(OpContext& ctx, const DeviceBatch& b, const Mat& weight, const Ma
 }
 
 void embeddingBackward(OpContext& ctx, const DeviceBatch& b, const Mat& dx, const Mat& dweight) {
+  PLM_TRACE("plm::embedding bwd");
   if (isBf16(dx)) {
 #if PLM_HAVE_CUDA
     const int vocab = static_cast<int>(dweight.rows), cols = static_cast<int>(dweight.cols);
@@ -1244,6 +1247,7 @@ void embeddingBackward(OpContext& ctx, const DeviceBatch& b, const Mat& dx, cons
 
 void layerNorm(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec& beta, double eps,
                const Mat& y, const Vec& mean, const Vec& rstd) {
+  PLM_TRACE("plm::layernorm");
   if (isBf16(y)) {
 #if PLM_HAVE_CUDA
     const auto st = streamOf(ctx);
@@ -1283,6 +1287,7 @@ void layerNorm(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec& beta, 
 void layerNormBackward(OpContext& ctx, const Mat& x, const Vec& gamma, const Vec& mean,
                        const Vec& rstd, const Mat& dy, const Mat& dres, bool accumulate,
                        const Mat& dx, const Vec& dgamma, const Vec& dbeta) {
+  PLM_TRACE("plm::layernorm bwd");
   if (isBf16(dx)) {
 #if PLM_HAVE_CUDA
     const auto st = streamOf(ctx);
@@ -1447,6 +1452,7 @@ void linearBackwardGelu(OpContext& ctx, const Mat& x, const Mat& w, const Mat& d
 }
 
 void geluBackward(OpContext& ctx, const Mat& pre, const Mat& dy, const Mat& dx) {
+  PLM_TRACE("plm::gelu bwd");
   if (isBf16(dy)) {
 #if PLM_HAVE_CUDA
     if (pre.ld != pre.cols || dy.ld != dy.cols || dx.ld != dx.cols)
@@ -1595,6 +1601,7 @@ void bf16Attention(OpContext& ctx, const gpu::FlashParams& fp, bool backward) {
 
 void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, const Mat& o,
                const Mat& lse) {
+  PLM_TRACE("plm::attention");
   if (b.ring) return b.ring->forward(ctx, qkv, heads, o, lse);  // context parallelism
   if (isBf16(qkv.q)) {
 #if PLM_HAVE_CUDA
@@ -1619,6 +1626,7 @@ void attention(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, int heads, 
 void attentionBackward(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, const Mat& o,
                        const Mat& lse, const Mat& dout, int heads, const Mat& delta,
                        const Qkv& dqkv) {
+  PLM_TRACE("plm::attention bwd");
   if (b.ring) return b.ring->backward(ctx, qkv, o, lse, dout, heads, delta, dqkv);
   if (isBf16(qkv.q)) {
 #if PLM_HAVE_CUDA
@@ -1690,6 +1698,7 @@ void scatterRows(OpContext& ctx, const Mat& src, const View1<std::int32_t>& rows
 
 void crossEntropy(OpContext& ctx, const Mat& logits, const View1<std::int32_t>& labels,
                   double grad_scale, const Mat& dlogits) {
+  PLM_TRACE("plm::cross_entropy");
   if (isBf16(dlogits)) {
 #if PLM_HAVE_CUDA
     gpu::crossEntropy(streamOf(ctx), cptr<float>(logits), labels.data(), mptr<bf16>(dlogits),

@@ -2,6 +2,7 @@
 
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "core/trace.hpp"
 #include "dist/allreduce.hpp"
 #include "dist/process_groups.hpp"
 #include "dist/stream.hpp"
@@ -416,6 +417,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   }
 
   void ensureGathered(int u) {
+    PLM_TRACE("plm::comm fsdp gather");
     if (gathered[u]) return;
     P* to = nullptr;
     if (pending_unit == u) {
@@ -480,6 +482,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   }
 
   void reduceScatter(int u) {
+    PLM_TRACE("plm::comm fsdp reduce-scatter");
     const int c = grad_channel[u];
     Channel& ch = channel[c];
     fenceForMpi();

@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "core/phase.hpp"
+#include "core/trace.hpp"
 #include "data/context_split.hpp"
 #include "dist/allreduce.hpp"
 #include "dist/process_groups.hpp"
@@ -262,6 +263,7 @@ template <class P> StepStats finishStep(const ExecSpace& space, model::Esm2<P>& 
   }
   phase::Scope in_phase("optimizer step");
   Kokkos::Profiling::pushRegion("plm::train::optimizerStep");
+  PLM_TRACE("plm::optimizer step");
   View1<P> grads = model.gradients();
   optimizer.maskGradients(space, grads);
   st.grad_norm = gradientNorm(space, model, grads, comm);

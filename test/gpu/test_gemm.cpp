@@ -1,9 +1,16 @@
 // cuBLASLt GEMMs (every epilogue, transposes, fp32 accumulation into existing values) against
-// the plain reference kernel, and the reference against a host double computation.
+// the plain reference kernel, and the reference against a host double computation; the same
+// with autotuning on (the timed candidates must leave the call's outputs, the accumulated ones
+// included, as one run of the chosen algorithm writes them) and with choices read back from the
+// cache file.
 #include "gpu/gemm.hpp"
 #include "gpu_test_util.hpp"
 
 #include <gtest/gtest.h>
+
+#include <cstdio>
+#include <fstream>
+#include <string>
 
 namespace plm::gpu {
 namespace {
@@ -22,8 +29,7 @@ struct Case {
 
 class GemmTest : public ::testing::TestWithParam<Case> {};
 
-TEST_P(GemmTest, MatchesReference) {
-  const Case c = GetParam();
+void checkCase(const Case& c) {
   std::uint64_t seed = 1000 + c.m + 7 * c.n + 13 * c.k + static_cast<int>(c.epilogue);
   std::int64_t a_rows = c.trans_a ? c.k : c.m, a_cols = c.trans_a ? c.m : c.k;
   std::int64_t b_rows = c.trans_b ? c.n : c.k, b_cols = c.trans_b ? c.k : c.n;
@@ -119,6 +125,25 @@ TEST_P(GemmTest, MatchesReference) {
       }
     EXPECT_LT(test::relError(d_ref, host), c.d_type == DType::F32 ? 1e-5 : 1e-2) << c.name;
   }
+}
+
+TEST_P(GemmTest, MatchesReference) { checkCase(GetParam()); }
+
+TEST_P(GemmTest, AutotunedMatchesReference) {
+  const std::string file =
+      ::testing::TempDir() + "plm_gemm_autotune_" + std::string(GetParam().name) + ".txt";
+  std::remove(file.c_str());
+  setGemmAutotune(true, file);
+  checkCase(GetParam());  // timed: the choice is appended to the file
+  std::ifstream in(file);
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) ++lines;
+  EXPECT_EQ(lines, 1) << "one tuned shape, one line in " << file;
+  setGemmAutotune(true, file);  // read back: the process's choices come from the file now
+  checkCase(GetParam());
+  setGemmAutotune(false);
+  std::remove(file.c_str());
 }
 
 INSTANTIATE_TEST_SUITE_P(
