@@ -431,10 +431,10 @@ template <class T> struct Esm2<T>::Impl {
     ctx.attention_kernel = config.attention;
     ctx.deterministic = config.deterministic;
     const bool whole_buffers = buffers == ModelBuffers::Whole;
-    if (!whole_buffers && config.precision == Precision::Fp8)
+    if (!whole_buffers && config.precision == Precision::Fp8 && PLM_FP8_CUDA)
       throw Error(
-          "plm::model: the FP8 weight copies are whole-model buffers; an FP8 model is built "
-          "with ModelBuffers::Whole (a bug)");
+          "plm::model: the FP8 weight codes of the CUDA path are whole-model buffers; an FP8 "
+          "model on the CUDA build is built with ModelBuffers::Whole (a bug)");
     if (held.degree < 1 || held.rank < 0 || held.rank >= held.degree ||
         (held.sharded() && (!config.moe.enabled() || config.moe.experts % held.degree != 0)))
       throw collectiveError("parallel.expert_degree = " + std::to_string(held.degree) +
@@ -1119,6 +1119,8 @@ template <class T> struct Esm2<T>::Impl {
   /// gathered and quantised as one tensor; under delayed scaling its amax is recorded for the
   /// step (recording it twice in one step, e.g. by an evaluation, changes nothing: it is a max).
   void refreshFp8() {
+    // Sharded (no whole masters): the engine decodes each gathered unit's codes into the copy.
+    if (params.extent(0) == 0) return;
     const auto& space = ctx.space();
     for (const auto& fw : fp8_list) {
       const std::int64_t part = (fw.rows / static_cast<std::int64_t>(fw.from.size())) * fw.cols;
@@ -1547,6 +1549,16 @@ template <class T> void Esm2<T>::zeroGradients() {
 template <class T> void Esm2<T>::refreshComputeWeights() { impl_member->refreshCompute(); }
 
 template <class T> Fp8Scaling* Esm2<T>::fp8Scaling() { return impl_member->fp8_scaling.get(); }
+
+template <class T> std::vector<typename Esm2<T>::Fp8WeightCopy> Esm2<T>::fp8Weights() {
+  auto& im = *impl_member;
+  std::vector<Fp8WeightCopy> out;
+  if (!im.fp8_scaling || im.bf16) return out;
+  for (const auto& fw : im.fp8_list)
+    out.push_back({fw.slot->index(Fp8Operand::Weight), fw.rows, fw.cols, fw.from,
+                   im.fp8_weights.data() + fw.at});
+  return out;
+}
 
 template <class T> void Esm2<T>::endFp8Step(MPI_Comm comm) {
   if (impl_member->fp8_scaling) impl_member->endFp8Step(comm);

@@ -149,7 +149,8 @@ template <class T> class Esm2 {
   /// setExpertParallel must then get a group of that degree with this rank at that rank).
   /// `buffers`: ModelBuffers::None builds the table, the layers and their views without any
   /// whole-model buffer (views point into reserved address space with no memory behind it
-  /// until placed); not under fp8 (its weight copies are whole buffers).
+  /// until placed); under fp8 on the CUDA build only with Whole (its weight codes are whole
+  /// buffers; the portable path's FP8 copy is filled by the sharded engine, fp8Weights()).
   explicit Esm2(const Esm2Config& config, const ExpertPlacement& experts = {},
                 ModelBuffers buffers = ModelBuffers::Whole);
   ~Esm2();
@@ -201,6 +202,21 @@ template <class T> class Esm2 {
   /// \brief Collective over `comm` under fp8 (nothing otherwise): ends the step's scaling, the
   /// device amaxes of the CUDA path included, with one all-reduce (Fp8Scaling::endStep).
   void endFp8Step(MPI_Comm comm);
+
+  /// One FP8 GEMM weight of the portable path: its master parts (q, k and v stacked as one
+  /// tensor), its scaling operand, and its quantised copy (rows x cols, row-major, the parts
+  /// one after the other), which the GEMMs read.
+  struct Fp8WeightCopy {
+    int operand = -1;                // Fp8Scaling index of its Weight operand
+    std::int64_t rows = 0, cols = 0;  // of the stacked tensor
+    std::vector<std::int64_t> from;  // flat master offsets of the parts ((rows / parts) x cols)
+    T* copy = nullptr;               // (rows, cols) quantise-dequantised values
+  };
+  /// \brief Under fp8 on the portable path, every FP8 GEMM weight (empty otherwise and on the
+  /// CUDA path).  Sharded data parallelism (train/fsdp.hpp) quantises each rank's master
+  /// slices, all-gathers the codes and decodes them straight into `copy`, so the model's own
+  /// refresh (which reads the whole masters) is not run while the model is sharded.
+  std::vector<Fp8WeightCopy> fp8Weights();
 
   /// \brief [offset, offset + count) of layer `layer`'s tensors in parameters() / gradients().
   std::pair<std::int64_t, std::int64_t> layerRange(int layer) const;

@@ -201,6 +201,12 @@ template <class P> class Fsdp {
   /// shards, e.g. checkpoints).
   MPI_Comm shardComm() const;
   FsdpMemory plannedMemory() const;
+  /// \brief Bytes this rank has sent in the parameter all-gathers of training passes (fp32,
+  /// bf16, or under fp8 the units' byte wires: one byte per FP8 weight element), since
+  /// construction; evaluation and model-file gathers of the masters are not counted.
+  std::int64_t gatherBytes() const;
+  /// \brief Bytes this rank sends in one training all-gather of unit `u` (units()).
+  std::int64_t unitGatherBytes(int u) const;
 
   /// \brief The hooks the step installs (exposed so tests can wrap them).
   model::LayerHooks& hooks();
