@@ -207,10 +207,10 @@ template <class T> class Esm2 {
   /// tensor), its scaling operand, and its quantised copy (rows x cols, row-major, the parts
   /// one after the other), which the GEMMs read.
   struct Fp8WeightCopy {
-    int operand = -1;                // Fp8Scaling index of its Weight operand
+    int operand = -1;                 // Fp8Scaling index of its Weight operand
     std::int64_t rows = 0, cols = 0;  // of the stacked tensor
-    std::vector<std::int64_t> from;  // flat master offsets of the parts ((rows / parts) x cols)
-    T* copy = nullptr;               // (rows, cols) quantise-dequantised values
+    std::vector<std::int64_t> from;   // flat master offsets of the parts ((rows / parts) x cols)
+    T* copy = nullptr;                // (rows, cols) quantise-dequantised values
   };
   /// \brief Under fp8 on the portable path, every FP8 GEMM weight (empty otherwise and on the
   /// CUDA path).  Sharded data parallelism (train/fsdp.hpp) quantises each rank's master

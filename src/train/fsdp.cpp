@@ -222,13 +222,13 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   std::vector<View1<std::uint8_t>> wire_stage;       // beside each layer slot
   SegView enc_segs;                                  // this rank's slices of the wire units
   std::int64_t enc_elems = 0;
-  std::vector<SegView> dec_segs;                     // per unit: the whole gathered unit
-  std::vector<std::int64_t> block_at;                // block: each weight's first block slot
-  View1<std::int64_t> w_cols, w_block_at;            // (weights)
-  View1<std::uintptr_t> w_copy;                      // (weights) the model's FP8 copies
-  View1<std::uint32_t> amax_bits;                    // (amax slots) max |x| as fp32 bits
-  View1<float> wire_scale, wire_scale_inv;           // (amax slots)
-  std::int64_t gather_bytes = 0;                     // sent by this rank (training gathers)
+  std::vector<SegView> dec_segs;            // per unit: the whole gathered unit
+  std::vector<std::int64_t> block_at;       // block: each weight's first block slot
+  View1<std::int64_t> w_cols, w_block_at;   // (weights)
+  View1<std::uintptr_t> w_copy;             // (weights) the model's FP8 copies
+  View1<std::uint32_t> amax_bits;           // (amax slots) max |x| as fp32 bits
+  View1<float> wire_scale, wire_scale_inv;  // (amax slots)
+  std::int64_t gather_bytes = 0;            // sent by this rank (training gathers)
   std::vector<char> gathered;
   int pending_unit = -1;  // unit whose prefetched all-gather is in flight
   dist::Work pending_work;
@@ -503,7 +503,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
       for (std::size_t p = 0; p < fw.from.size(); ++p)
         runs.push_back({fw.from[p], part, static_cast<std::int64_t>(p) * part, int(w)});
     }
-    std::sort(runs.begin(), runs.end(), [](const Run& a, const Run& b) { return a.start < b.start; });
+    std::sort(runs.begin(), runs.end(),
+              [](const Run& a, const Run& b) { return a.start < b.start; });
     const int s = shard_comm->size(), me = shard_comm->rank();
     const std::int64_t align = sizeof(P);
     // One rank's slice of unit u as segments (at: offset in the unit; byte: from the rank's
@@ -589,8 +590,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     wire_scale_inv = View1<float>("plm::train::fsdp::fp8_scale_inv", slots_n);
   }
 
-  template <class V> static Kokkos::View<V*, MemSpace> toDevice(const std::vector<V>& host,
-                                                                 const char* label) {
+  template <class V>
+  static Kokkos::View<V*, MemSpace> toDevice(const std::vector<V>& host, const char* label) {
     Kokkos::View<V*, MemSpace> d(std::string(label), host.size());
     auto h = Kokkos::create_mirror_view(d);
     for (std::size_t i = 0; i < host.size(); ++i) h(i) = host[i];
@@ -603,8 +604,10 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     std::int64_t lo = 0, hi = static_cast<std::int64_t>(segs.extent(0)) - 1;
     while (lo < hi) {
       const std::int64_t mid = (lo + hi + 1) / 2;
-      if (segs(mid).elem <= e) lo = mid;
-      else hi = mid - 1;
+      if (segs(mid).elem <= e)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
     return lo;
   }
@@ -639,13 +642,14 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
           if (g.w < 0) return;
           const std::int64_t i = e - g.elem;
           // |x| by its bits; NaN and infinity count as +inf (fp8Amax, fp8QuantizeBlocks).
-          std::uint32_t a = model::fp8::detail::bitsOf(static_cast<float>(shard(g.at + i))) & 0x7FFFFFFFu;
+          std::uint32_t a =
+              model::fp8::detail::bitsOf(static_cast<float>(shard(g.at + i))) & 0x7FFFFFFFu;
           if (a > 0x7F800000u) a = 0x7F800000u;
           Kokkos::atomic_fetch_max(&amax(amaxSlot(block, g.w, g.widx + i, cols(g.w), bat(g.w))), a);
         });
     std::vector<std::uint32_t> host(amax.extent(0));
-    Kokkos::deep_copy(space, Kokkos::View<std::uint32_t*, Kokkos::HostSpace>(host.data(), host.size()),
-                      amax);
+    Kokkos::deep_copy(
+        space, Kokkos::View<std::uint32_t*, Kokkos::HostSpace>(host.data(), host.size()), amax);
     space.fence();
     // Non-negative floats order as their bit patterns.
     PLM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, host.data(), static_cast<int>(host.size()),
@@ -675,8 +679,9 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     }
     Kokkos::deep_copy(space, wire_scale,
                       Kokkos::View<const float*, Kokkos::HostSpace>(scale.data(), scale.size()));
-    Kokkos::deep_copy(space, wire_scale_inv, Kokkos::View<const float*, Kokkos::HostSpace>(
-                                                 scale_inv.data(), scale_inv.size()));
+    Kokkos::deep_copy(
+        space, wire_scale_inv,
+        Kokkos::View<const float*, Kokkos::HostSpace>(scale_inv.data(), scale_inv.size()));
     const View1<std::uint8_t> wire = shard_wire;
     const View1<float> sv = wire_scale;
     Kokkos::parallel_for(
@@ -1149,6 +1154,10 @@ template <class P> FsdpMemory Fsdp<P>::plannedMemory() const {
   FsdpMemory mem = shardedMemory(n, m.shard_comm->size(), buffers, m.options.poison,
                                  static_cast<int>(sizeof(P)), m.options.gather_bf16);
   mem.optimizer = m.optimizer->stateBytes();  // the configured optimizer's state of the shard
+  // fp8: the shard's byte wire beside its masters, a gathered wire beside each layer slot.
+  mem.params += static_cast<std::int64_t>(m.shard_wire.extent(0));
+  if (!m.wire_stage.empty())
+    mem.gathered += buffers * static_cast<std::int64_t>(m.wire_stage.front().extent(0));
   if (m.bf16) {  // the compute copies beside the gathered units (2 bytes each)
     std::int64_t c = m.outer_compute[0].extent(0) + m.outer_compute[1].extent(0) +
                      buffers * static_cast<std::int64_t>(m.compute_slots.front().extent(0)) +

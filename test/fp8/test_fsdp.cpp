@@ -8,9 +8,9 @@
 //    Losses, gathered weights and the scaling state (amax histories, scales) are compared
 //    exactly.  The model (hidden 160, ffn 320) has weights of several 128x128 blocks with
 //    partial edge blocks, and the shard slices cut through blocks and tensors.
-//  - the all-gather of a layer unit moves one byte per FP8 weight element: against the bf16
-//    gather of the same unit (2 bytes per element), exactly the FP8 weights' bytes are halved
-//    (the LayerNorm and bias elements travel in fp32), up to the wire's alignment.
+//  - the all-gather of a layer unit moves one byte per FP8 weight element (the bf16 gather of
+//    the same unit: 2 per element); the LayerNorm and bias elements travel in fp32, and each
+//    rank's part is padded to the widest rank's.
 //  - two micro-batches per step (the reduce-scatter sums in another order than one rank):
 //    within doc/fp8.md's data-parallel bound (1e-3 relative in the losses).
 //  - a shard-2 FP8 checkpoint (trainer, step 3) resumes at shard 2 bit for bit and at shard 1
@@ -134,9 +134,8 @@ TEST(Fp8Fsdp, EveryRecipeAndLayoutIsBitwiseOneRank) {
       const std::string what = std::string(name(recipe)) + " shard " + std::to_string(shard);
       EXPECT_EQ(got.losses, want.losses) << what;
       ASSERT_EQ(got.params.size(), want.params.size()) << what;
-      EXPECT_EQ(std::memcmp(got.params.data(), want.params.data(),
-                            want.params.size() * sizeof(float)),
-                0)
+      EXPECT_EQ(
+          std::memcmp(got.params.data(), want.params.data(), want.params.size() * sizeof(float)), 0)
           << what << ": weights differ";
       EXPECT_EQ(got.histories, want.histories) << what;
       EXPECT_EQ(got.scales, want.scales) << what;
@@ -189,7 +188,10 @@ TEST(Fp8Fsdp, LayerGatherMovesOneBytePerFp8Weight) {
     // bf16 moves 2 (weights + others + padding); the wire 1 per weight, 4 per other element.
     EXPECT_EQ(half_bf16, weights + others + padding);
     EXPECT_GE(got, weights + 4 * (others + padding)) << "layer unit " << u;
-    EXPECT_LE(got, weights + 4 * (others + padding) + 64 * world) << "layer unit " << u;
+    // Each rank's part is padded to the widest (a rank holding more fp32 elements sends up to
+    // 3 more bytes each) and aligned; codes of 2 bytes would add `weights` (~200k) more.
+    EXPECT_LE(got, weights + 4 * (others + padding) + world * (3 * others + 64))
+        << "layer unit " << u;
   }
   // One step's gathers in all (the same sequence under both engines): fp8 sends fewer bytes.
   fp8.initialize(ExecSpace(), 11);
@@ -263,9 +265,8 @@ TEST_F(Fp8FsdpResume, Shard2CheckpointResumesAtShard2AndShard1) {
       EXPECT_EQ(got.steps, 6) << what;
       ASSERT_EQ(got.weights.size(), a.weights.size()) << what;
       if (resume_shard == 2) {
-        EXPECT_EQ(std::memcmp(got.weights.data(), a.weights.data(),
-                              a.weights.size() * sizeof(float)),
-                  0)
+        EXPECT_EQ(
+            std::memcmp(got.weights.data(), a.weights.data(), a.weights.size() * sizeof(float)), 0)
             << what;
         EXPECT_EQ(got.histories, a.histories) << what;
         EXPECT_EQ(got.scales, a.scales) << what;
