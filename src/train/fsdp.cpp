@@ -241,20 +241,16 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   Impl(model::Esm2<P>& m, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& opt,
        const FsdpOptions& opts, dist::Backend backend)
       : model(m), options(opts), layers(m.config().num_layers) {
-    if (m.config().precision == model::Precision::Fp8) {
-      if (PLM_FP8_CUDA)
-        throw collectiveError(
-            "parallel.shard_degree > 1 with train.precision: fp8 runs on the portable (CPU) "
-            "build only: the CUDA path keeps its FP8 weight codes and their transposes as "
-            "whole-model buffers cast from the bf16 copy; on the GPU use train.precision: bf16 "
-            "with sharding, or fp8 with parallel.shard_degree: 1");
-      if (opts.gather_bf16)
-        throw collectiveError(
-            "parallel.gather_dtype: bf16 with train.precision: fp8: the FP8 GEMM weights are "
-            "all-gathered as their E4M3 codes and the rest of each unit in fp32; set "
-            "parallel.gather_dtype: auto or fp32");
-    }
-    bf16 = m.config().precision == model::Precision::Bf16;
+    // fp8: the portable path all-gathers the FP8 weights as codes (planFp8Wire); the CUDA path
+    // is the bf16 policy and casts a gathered unit's codes from its bf16 copy (the model's
+    // refreshComputeRange).
+    const bool fp8 = m.config().precision == model::Precision::Fp8;
+    if (fp8 && !PLM_FP8_CUDA && opts.gather_bf16)
+      throw collectiveError(
+          "parallel.gather_dtype: bf16 with train.precision: fp8 on the portable path: the FP8 "
+          "GEMM weights are all-gathered as their E4M3 codes and the rest of each unit in fp32; "
+          "set parallel.gather_dtype: auto or fp32");
+    bf16 = m.config().precision == model::Precision::Bf16 || (fp8 && PLM_FP8_CUDA);
     PLM_CHECK_MPI(MPI_Comm_dup(shard, &shard_mpi));
     shard_comm = dist::makeCommunicator(shard, backend);
     // The replicas of a shard may share a GPU where the shard's ranks do not (NCCL refuses
@@ -951,7 +947,8 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
       static_cast<std::int64_t>(dist::allreduceMax(static_cast<double>(local.size()), comm));
   const double grad_scale = st.masked > 0 ? 1.0 / static_cast<double>(st.masked) : 0.0;
   Kokkos::deep_copy(space, m.grads_shard, P(0));
-  m.castShardToFp8();  // fp8: this step's weight codes of the shard, gathered by the layers
+  m.castShardToFp8();      // fp8: this step's weight codes of the shard, gathered by the layers
+  m.model.beginFp8Step();  // fp8 on CUDA: the step's scales, for the casts after each gather
   double loss = 0.0;
   for (std::int64_t i = 0; i < micro; ++i) {
     const data::MicroBatch* mb = i < static_cast<std::int64_t>(local.size()) ? &local[i] : nullptr;

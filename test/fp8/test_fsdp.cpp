@@ -6,7 +6,9 @@
 //    all-gathered and decoded, so every GEMM sees the same operands; with one micro-batch per
 //    step and no clipping the gradient sums hold one non-zero term each (no order to differ).
 //    Losses, gathered weights and the scaling state (amax histories, scales) are compared
-//    exactly.  The model (hidden 160, ffn 320) has weights of several 128x128 blocks with
+//    exactly (on the CUDA path, which casts the codes per gathered unit from the gathered bf16
+//    copy, to the rank tests' bound: its kernels need not sum in a fixed order).  The model
+//    (hidden 160, ffn 320) has weights of several 128x128 blocks with
 //    partial edge blocks, and the shard slices cut through blocks and tensors.
 //  - the all-gather of a layer unit moves one byte per FP8 weight element (the bf16 gather of
 //    the same unit: 2 per element); the LayerNorm and bias elements travel in fp32, and each
@@ -44,7 +46,7 @@ Esm2Config fp8Config(Fp8Recipe recipe) {
   Esm2Config c;
   c.num_layers = 3;
   c.hidden = 160;  // q/k/v stacked (480, 160): 4 x 2 blocks of 128, the edges partial
-  c.heads = 4;
+  c.heads = 10;    // head_dim 16, as the GPU parity shapes
   c.ffn = 320;
   c.precision = plm::model::Precision::Fp8;
   c.fp8.recipe = recipe;
@@ -118,10 +120,40 @@ Trained sharded(const Esm2Config& config, int shard, int micro) {
 
 const char* name(Fp8Recipe r) { return plm::model::fp8RecipeName(r); }
 
-bool skipped() { return PLM_FP8_CUDA != 0; }  // the CUDA path refuses FP8 sharding
+// A CUDA build without the FP8 kernels refuses fp8 altogether.
+bool skipped() { return PLM_HAVE_CUDA && !PLM_FP8_CUDA; }
+
+// The portable path: bit for bit.  The CUDA path casts the same codes from the same gathered
+// bf16 copy, but its attention and reduction kernels need not sum in one fixed order: to the
+// bound of doc/fp8.md's rank tests (1e-3 in the losses, 7% in the delayed scales, 1% of the
+// largest weight).
+void expectSame(const Trained& got, const Trained& want, const std::string& what) {
+  ASSERT_EQ(got.params.size(), want.params.size()) << what;
+  ASSERT_EQ(got.scales.size(), want.scales.size()) << what;
+  for (double l : got.losses) EXPECT_TRUE(std::isfinite(l)) << what;
+  if (!PLM_HAVE_CUDA) {
+    EXPECT_EQ(got.losses, want.losses) << what;
+    EXPECT_EQ(
+        std::memcmp(got.params.data(), want.params.data(), want.params.size() * sizeof(float)), 0)
+        << what << ": weights differ";
+    EXPECT_EQ(got.histories, want.histories) << what;
+    EXPECT_EQ(got.scales, want.scales) << what;
+    return;
+  }
+  for (std::size_t i = 0; i < want.losses.size(); ++i)
+    EXPECT_NEAR(got.losses[i], want.losses[i], 1e-3 * std::abs(want.losses[i])) << what;
+  double diff = 0, top = 0;
+  for (std::size_t i = 0; i < want.params.size(); ++i) {
+    diff = std::max(diff, double(std::abs(got.params[i] - want.params[i])));
+    top = std::max(top, double(std::abs(want.params[i])));
+  }
+  EXPECT_LE(diff, 1e-2 * top) << what;
+  for (std::size_t i = 0; i < want.scales.size(); ++i)
+    EXPECT_NEAR(got.scales[i], want.scales[i], 0.07 * want.scales[i]) << what << " scale " << i;
+}
 
 TEST(Fp8Fsdp, EveryRecipeAndLayoutIsBitwiseOneRank) {
-  if (skipped()) GTEST_SKIP() << "FP8 sharding runs on the portable path";
+  if (skipped()) GTEST_SKIP() << "no FP8 kernels in this CUDA build";
   const int world = plm::dist::worldSize();
   if (world < 2) GTEST_SKIP() << "needs 2 or more ranks";
   std::vector<int> shards = {world};
@@ -131,21 +163,13 @@ TEST(Fp8Fsdp, EveryRecipeAndLayoutIsBitwiseOneRank) {
     const Trained want = reference(config, 1);
     for (int shard : shards) {
       const Trained got = sharded(config, shard, 1);
-      const std::string what = std::string(name(recipe)) + " shard " + std::to_string(shard);
-      EXPECT_EQ(got.losses, want.losses) << what;
-      ASSERT_EQ(got.params.size(), want.params.size()) << what;
-      EXPECT_EQ(
-          std::memcmp(got.params.data(), want.params.data(), want.params.size() * sizeof(float)), 0)
-          << what << ": weights differ";
-      EXPECT_EQ(got.histories, want.histories) << what;
-      EXPECT_EQ(got.scales, want.scales) << what;
-      for (double l : got.losses) EXPECT_TRUE(std::isfinite(l)) << what;
+      expectSame(got, want, std::string(name(recipe)) + " shard " + std::to_string(shard));
     }
   }
 }
 
 TEST(Fp8Fsdp, TwoMicroBatchesPerStepWithinTheDataParallelBound) {
-  if (skipped()) GTEST_SKIP() << "FP8 sharding runs on the portable path";
+  if (skipped()) GTEST_SKIP() << "no FP8 kernels in this CUDA build";
   const int world = plm::dist::worldSize();
   if (world < 2) GTEST_SKIP() << "needs 2 or more ranks";
   for (Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Block}) {
@@ -159,7 +183,8 @@ TEST(Fp8Fsdp, TwoMicroBatchesPerStepWithinTheDataParallelBound) {
 }
 
 TEST(Fp8Fsdp, LayerGatherMovesOneBytePerFp8Weight) {
-  if (skipped()) GTEST_SKIP() << "FP8 sharding runs on the portable path";
+  if (PLM_HAVE_CUDA)
+    GTEST_SKIP() << "the CUDA path gathers the bf16 copy and casts the codes per gathered unit";
   const int world = plm::dist::worldSize();
   if (world < 2) GTEST_SKIP() << "needs 2 or more ranks";
   plm::dist::ProcessGroups groups(MPI_COMM_WORLD, world);
@@ -207,7 +232,7 @@ TEST(Fp8Fsdp, LayerGatherMovesOneBytePerFp8Weight) {
 class Fp8FsdpResume : public ::testing::Test {
  protected:
   void SetUp() override {
-    if (skipped()) GTEST_SKIP() << "FP8 sharding runs on the portable path";
+    if (skipped()) GTEST_SKIP() << "no FP8 kernels in this CUDA build";
     if (plm::dist::worldSize() != 2) GTEST_SKIP() << "runs at 2 ranks";
     dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fp8fsdp");
     plm::test::writeTinyDataset(dir + "/train.h5", 64, 5, MPI_COMM_WORLD);
