@@ -858,9 +858,10 @@ Plan makePlan(const Input& in) {
         "fp32 on a GPU runs the portable Kokkos kernels (the reference path): slow by design");
   if (in.layout.shard > 1 && in.compute == Compute::Fp8 && in.rates.kind != "cpu")
     p.notes.push_back(
-        "plm's FP8 sharding (weights all-gathered as E4M3 codes) runs on the portable path; on "
-        "the GPU fp8 with shard > 1 is refused (doc/parallelism.md): these fp8 figures are the "
-        "planned design's");
+        "fp8 with shard > 1 on the GPU gathers each unit's bf16 copy and casts its FP8 codes "
+        "after the gather; the codes stay whole-model buffers on every rank (the FP8 weight codes "
+        "row; "
+        "gathering the codes themselves is done on the portable path only, doc/parallelism.md)");
   if (in.model.moe.enabled()) {
     const auto& moe = in.model.moe;
     p.notes.push_back(
