@@ -16,7 +16,8 @@
 //  - two micro-batches per step (the reduce-scatter sums in another order than one rank):
 //    within doc/fp8.md's data-parallel bound (1e-3 relative in the losses).
 //  - a shard-2 FP8 checkpoint (trainer, step 3) resumes at shard 2 bit for bit and at shard 1
-//    (plain data parallelism) with the saved scaling state and within the bound above.
+//    (plain data parallelism) with the saved scaling state and within the bound above;
+//    parallel.gather_dtype: bf16 is refused under fp8 on the portable path (codes already).
 #include "../ckpt/tiny_run.hpp"
 #include "../train/batches.hpp"
 
@@ -309,6 +310,19 @@ TEST_F(Fp8FsdpResume, Shard2CheckpointResumesAtShard2AndShard1) {
           EXPECT_NEAR(got.scales[i], a.scales[i], 0.07 * a.scales[i]) << what << " scale " << i;
       }
     }
+  }
+}
+
+TEST_F(Fp8FsdpResume, Bf16GathersAreRefusedOnThePortablePath) {
+  if (PLM_HAVE_CUDA) GTEST_SKIP() << "the CUDA path gathers bf16 under fp8";
+  std::vector<std::string> set = deck("delayed", 2);
+  set.push_back("parallel.gather_dtype=bf16");
+  try {
+    plm::train::Trainer t(plm::test::tinyDeck(dir, "refused", set));
+    ADD_FAILURE() << "fp8 with bf16 gathers was accepted";
+  } catch (const plm::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.gather_dtype: auto or fp32"), std::string::npos)
+        << e.what();
   }
 }
 
