@@ -639,6 +639,9 @@ template <class T> struct Esm2<T>::Impl {
     p.params = to_params;
     p.grads = to_grads;
     for (const Relocation& r : {rp, rg}) relocateGroup(g, r);
+    // CUDA fp8: a LayerNorm's fused cast is keyed by its gamma's address, which another
+    // layer's gamma may have held in this buffer (layer slots are reused).
+    ctx.forgetFp8Readers(rp.to, bytes);
   }
 
   void relocateGroup(int g, const Relocation& r) {
