@@ -468,6 +468,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     throw Error("plm::train::fsdp: FP8 codes of a unit outside the layer slots (a bug)");
   }
 
+  static constexpr std::int64_t kWeightBlock = 128;  // doc/fp8.md: 128x128 weight blocks
+
   bool blockScaling() const {
     return model.fp8Scaling()->config().recipe == model::Fp8Recipe::Block;
   }
@@ -479,14 +481,15 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     wire_local.assign(units.size(), 0);
     fp8_w = model.fp8Weights();
     if (fp8_w.empty()) return;
-    constexpr std::int64_t kBlock = 128;  // doc/fp8.md: 128x128 weight blocks
     const bool block = blockScaling();
     std::int64_t slots_n = 0;
     std::vector<std::int64_t> cols;
     for (const auto& w : fp8_w) {
       block_at.push_back(slots_n);
       cols.push_back(w.cols);
-      slots_n += block ? ((w.rows + kBlock - 1) / kBlock) * ((w.cols + kBlock - 1) / kBlock) : 1;
+      slots_n += block ? ((w.rows + kWeightBlock - 1) / kWeightBlock) *
+                             ((w.cols + kWeightBlock - 1) / kWeightBlock)
+                       : 1;
     }
     struct Run {
       std::int64_t start, len, widx;
@@ -613,8 +616,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   KOKKOS_INLINE_FUNCTION static std::int64_t amaxSlot(bool block, int w, std::int64_t widx,
                                                       std::int64_t cols, std::int64_t block_at) {
     if (!block) return w;
-    const std::int64_t nbc = (cols + 127) / 128;
-    return block_at + (widx / cols / 128) * nbc + (widx % cols) / 128;
+    const std::int64_t nbc = (cols + kWeightBlock - 1) / kWeightBlock;
+    return block_at + (widx / cols / kWeightBlock) * nbc + (widx % cols) / kWeightBlock;
   }
 
   // Once per optimizer step, collective over the shard group: this rank's FP8 weight slices

@@ -159,12 +159,20 @@ TEST(Fp8Fsdp, EveryRecipeAndLayoutIsBitwiseOneRank) {
   if (world < 2) GTEST_SKIP() << "needs 2 or more ranks";
   std::vector<int> shards = {world};
   if (world == 4) shards.push_back(2);  // HSDP: 2 shard x 2 replicate
-  for (Fp8Recipe recipe : {Fp8Recipe::Delayed, Fp8Recipe::Current, Fp8Recipe::Block}) {
-    const Esm2Config config = fp8Config(recipe);
+  // The last entry keeps layer 0 in high precision: its unit is gathered in fp32, the others
+  // as codes.
+  for (int k = 0; k < 4; ++k) {
+    const Fp8Recipe recipe = k == 1   ? Fp8Recipe::Current
+                             : k == 2 ? Fp8Recipe::Block
+                                      : Fp8Recipe::Delayed;
+    Esm2Config config = fp8Config(recipe);
+    if (k == 3) config.fp8.first_layers_bf16 = 1;
     const Trained want = reference(config, 1);
     for (int shard : shards) {
       const Trained got = sharded(config, shard, 1);
-      expectSame(got, want, std::string(name(recipe)) + " shard " + std::to_string(shard));
+      expectSame(got, want,
+                 std::string(name(recipe)) + (k == 3 ? " (layer 0 bf16)" : "") + " shard " +
+                     std::to_string(shard));
     }
   }
 }
