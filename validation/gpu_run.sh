@@ -11,6 +11,7 @@
 #        train.gemm_autotune false and true (PLM_GEMM_TUNE_TOKENS, default 24576; PLM_TRAIN_STEPS),
 #        then plm train 650M bf16 with train.gemm_autotune on, twice in one run_dir (the second
 #        run reads <run_dir>/gemm_autotune.txt: its "gemm autotune:" lines say "from the cache file")
+#                                       fp8_fsdp
 #   context: the context-parallel tests (test/context, packaged with PLM_PKG_CTEST=1) at 2 and 4
 #        ranks, the bf16 ring and MoE among them; with 2 GPUs, 650M bf16 on 16,384-token sequences
 #        at context degree 1 (one GPU) and 2 (two GPUs): tokens/s per GPU
@@ -68,6 +69,13 @@
 #   optimizers: ESM-2 35M (bf16) trained 300 steps with each optimizer.name (adamw, adamw8bit,
 #         lion, adafactor): bytes of optimizer state per parameter, peak memory, step time,
 #         losses (doc/optimizers.md; the table of doc/archive/performance-history.md "Optimizers")
+#   fp8_fsdp: FP8 under sharded data parallelism (doc/parallelism.md "FP8 under sharding"):
+#         test_fp8_fsdp (every recipe at shard 2/4 and 2 x 2 HSDP against one rank, a shard-2
+#         checkpoint resumed at shard 2 and 1) at 2 and 4 ranks sharing GPU 0 (staged MPI) and,
+#         with 2 or more GPUs, at 2 ranks over NCCL; then, with 2 GPUs, esm2_650m fp8 block
+#         scaling at shard 2 (NCCL) against the same global batches on one GPU (2 micro-batches
+#         of 8192 tokens a step, PLM_FP8_FSDP_STEPS steps, default 20): losses compared (1e-2),
+#         tokens/s, planned bytes and the first step's peak
 #   staged: multi-rank tests on ONE GPU through staged MPI (dist::Backend::MpiStaged: device
 #         buffers through pinned host buffers and MPI; doc/parallelism.md "Communication
 #         backends"): the staged communicator against plain MPI, FSDP, expert and context
@@ -562,6 +570,53 @@ PY
         /tmp/plm-moe-nccl-np1_deg1/metrics.jsonl "$d/metrics.jsonl" --steps $steps --tol 3e-2 2>&1 |
         tail -2 | tee -a "$summary"
     done
+  fi
+fi
+
+if has fp8_fsdp; then
+  t=$pkg/bin/test_fp8_fsdp
+  ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
+  if [[ -x "$t" ]]; then
+    runs=("staged 2" "staged 4")
+    [[ $ngpu -ge 2 ]] && runs+=("nccl 2")
+    for run in "${runs[@]}"; do
+      set -- $run
+      log="$out/fp8_fsdp_test_$1_np$2.log"
+      start=$(date +%s)
+      if [[ $1 == staged ]]; then  # the ranks share GPU 0: dist picks staged MPI
+        CUDA_VISIBLE_DEVICES=0 timeout 600 mpiexec -n $2 --oversubscribe "$t" > "$log" 2>&1
+      else
+        timeout 600 mpiexec -n $2 "$t" > "$log" 2>&1
+      fi
+      note "fp8_fsdp: test_fp8_fsdp $1 np$2 rc=$? $(( $(date +%s) - start ))s"
+      grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure|Expected|Which is" "$log" |
+        sort -u | head -20 | tee -a "$summary"
+    done
+  else
+    note "fp8_fsdp: test_fp8_fsdp not packaged"
+  fi
+  if [[ $ngpu -ge 2 && -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+    steps=${PLM_FP8_FSDP_STEPS:-20}
+    for run in "1 1" "2 2"; do  # ranks, shard degree: the same 2 x 8192 tokens a step
+      set -- $run
+      d=/tmp/plm-fp8-fsdp-np$1
+      rm -rf "$d"
+      start=$(date +%s)
+      timeout 600 mpiexec -n $1 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" \
+        --set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=fp8 \
+        --set fp8.recipe=block --set parallel.shard_degree=$2 --set data.micro_batch_tokens=8192 \
+        --set data.tokens_per_batch=16384 --set train.steps=$steps --set train.log_every=1 \
+        --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
+        > "$out/fp8_fsdp_650m_np$1.log" 2>&1
+      note "fp8_fsdp: esm2_650m fp8 block shard $2 on $1 GPU(s) rc=$? $(( $(date +%s) - start ))s"
+      grep -E "planned bytes|memory: after the first step|refuse|Error|error" \
+        "$out/fp8_fsdp_650m_np$1.log" | head -4 | tee -a "$summary"
+      grep -E "^step" "$out/fp8_fsdp_650m_np$1.log" | tail -2 | tee -a "$summary"
+      cp "$d/metrics.jsonl" "$out/fp8_fsdp_650m_np$1.jsonl" 2>/dev/null
+    done
+    python3 "$repo/validation/compare_losses.py" /tmp/plm-fp8-fsdp-np1/metrics.jsonl \
+      /tmp/plm-fp8-fsdp-np2/metrics.jsonl --steps $steps --tol 1e-2 2>&1 | tail -2 |
+      tee -a "$summary"
   fi
 fi
 

@@ -277,7 +277,9 @@ const std::vector<KeySpec>& keys() {
        "Element type of the parameter all-gathers under sharding: bf16 moves bf16 copies of the "
        "shards (half the bytes; the layers then compute on bf16-rounded parameters, LayerNorm "
        "and biases included, as FSDP2's param_dtype does); fp32 moves the fp32 masters; auto = "
-       "bf16 under train.precision: bf16, else fp32.",
+       "bf16 under train.precision: bf16 (and fp8 on the GPU), else fp32.  Under fp8 on the "
+       "portable path the FP8 GEMM weights move as their E4M3 codes (1 byte) and the rest in "
+       "fp32; bf16 is refused there.",
        any(), {"auto", "fp32", "bf16"}},
       {"parallel", "reduce_dtype", K::text, "fp32",
        "Element type of the gradient reduce-scatter. Only fp32 is implemented; bf16 is "

@@ -365,6 +365,9 @@ template <class T> struct Esm2<T>::Impl {
   // their transposes once per step) and the device scales (slots x 3 operands x [scale,
   // scale_inv]) and amaxes (slots x 3).
   std::vector<std::pair<Fp8GemmSlot*, Mat>> fp8_cuda_weights;
+  // Where each one's bf16 values are: its group (placeRange) and its offset in the packed copy
+  // (bf16 elements), so the casts read the group's compute copy wherever it is placed now.
+  std::vector<std::pair<int, std::int64_t>> fp8_cuda_at;
   View1<std::uint8_t> fp8_codes;
   View1<float> fp8_dev_scales, fp8_dev_amax;
   std::vector<float> fp8_host;  // staging of the uploads and downloads
@@ -432,10 +435,6 @@ template <class T> struct Esm2<T>::Impl {
     ctx.attention_kernel = config.attention;
     ctx.deterministic = config.deterministic;
     const bool whole_buffers = buffers == ModelBuffers::Whole;
-    if (!whole_buffers && config.precision == Precision::Fp8)
-      throw Error(
-          "plm::model: the FP8 weight copies are whole-model buffers; an FP8 model is built "
-          "with ModelBuffers::Whole (a bug)");
     if (held.degree < 1 || held.rank < 0 || held.rank >= held.degree ||
         (held.sharded() && (!config.moe.enabled() || config.moe.experts % held.degree != 0)))
       throw collectiveError("parallel.expert_degree = " + std::to_string(held.degree) +
@@ -572,6 +571,20 @@ template <class T> struct Esm2<T>::Impl {
       Kokkos::deep_copy(p.chunks,
                         Kokkos::View<const std::int64_t*, HostSpace>(host.data(), host.size()));
     }
+    for (auto& [group, at] : fp8_cuda_at) {
+      group = -1;
+      for (int g = 0; g < groups && group < 0; ++g)
+        if (places[g].clo <= at && at < places[g].chi) group = g;
+      PLM_REQUIRE(group >= 0, "plm::model: an FP8 weight outside every group's copy (a bug)");
+    }
+  }
+
+  /// CUDA fp8: the bf16 values of FP8 weight i, in its group's compute copy where it is now.
+  const void* fp8CudaData(std::size_t i) {
+    const auto [g, at] = fp8_cuda_at[i];
+    const Place& p = places[g];
+    const std::uint16_t* base = p.compute ? p.compute : packedHome() + p.clo;
+    return base + (at - p.clo);
   }
 
   bool anyPlaced() const {
@@ -590,6 +603,9 @@ template <class T> struct Esm2<T>::Impl {
       gpu::castChunks(ctx.space().cuda_stream(), src, reinterpret_cast<gpu::bf16*>(dst),
                       p.chunks.data(), p.num_chunks);
       ctx.mark(OpKind::Other);
+#if PLM_FP8_CUDA
+      if (fp8_scaling) castFp8Weights(g);  // the group's FP8 codes from its fresh bf16 copy
+#endif
     }
 #else
     (void)g;
@@ -624,6 +640,9 @@ template <class T> struct Esm2<T>::Impl {
     p.params = to_params;
     p.grads = to_grads;
     for (const Relocation& r : {rp, rg}) relocateGroup(g, r);
+    // CUDA fp8: a LayerNorm's fused cast is keyed by its gamma's address, which another
+    // layer's gamma may have held in this buffer (layer slots are reused).
+    ctx.forgetFp8Readers(rp.to, bytes);
   }
 
   void relocateGroup(int g, const Relocation& r) {
@@ -967,6 +986,9 @@ template <class T> struct Esm2<T>::Impl {
     if (fp8_scaling && !bf16) refreshFp8();
     if (!bf16) return;
     if (anyPlaced()) {  // groups live in outside buffers: one cast per group
+#if PLM_FP8_CUDA
+      if (fp8_scaling) uploadFp8Scales();
+#endif
       for (int g = 0; g < static_cast<int>(places.size()); ++g) refreshGroup(g);
       return;
     }
@@ -987,6 +1009,7 @@ template <class T> struct Esm2<T>::Impl {
   void bindFp8Cuda(const std::vector<AttentionWeights>& aw, const std::vector<DenseMlpWeights>& mw,
                    std::vector<MoeWeights>& moe_w) {
     fp8_cuda_weights.clear();
+    fp8_cuda_at.clear();
     for (int l = 0; l < config.num_layers; ++l) {
       if (!config.fp8.fp8Layer(l, config.num_layers)) continue;
       std::vector<const Mat*> gemms = {&aw[l].qkv.fused_w, &aw[l].wo};
@@ -996,8 +1019,10 @@ template <class T> struct Esm2<T>::Impl {
       } else {
         gemms.insert(gemms.end(), {&mw[l].w1, &mw[l].w2});
       }
-      for (const Mat* m : gemms)
+      for (const Mat* m : gemms) {
         fp8_cuda_weights.emplace_back(const_cast<Fp8GemmSlot*>(m->fp8), *m);
+        fp8_cuda_at.emplace_back(-1, static_cast<const std::uint16_t*>(m->data) - packedHome());
+      }
     }
     auto padded = [](std::int64_t n) { return (n + 255) / 256 * 256; };
     // Block scaling: each copy's 128x128 scale_inv follows its codes (ops.cpp reads them there).
@@ -1036,6 +1061,12 @@ template <class T> struct Esm2<T>::Impl {
   /// CUDA fp8, once per step: this step's delayed scales to the device, then every FP8
   /// weight's codes (and transpose) from the fresh bf16 copy, its amax recorded.
   void refreshFp8Cuda() {
+    uploadFp8Scales();
+    castFp8Weights(-1);
+  }
+
+  /// CUDA fp8: this step's delayed scales to the device (once per step, before the casts).
+  void uploadFp8Scales() {
     const auto stream = ctx.space().cuda_stream();
     const Fp8Scaling& st = *fp8_scaling;
     const int slots = static_cast<int>(fp8_slots.size());
@@ -1050,8 +1081,20 @@ template <class T> struct Esm2<T>::Impl {
                                    fp8_host.size() * sizeof(float), cudaMemcpyHostToDevice,
                                    stream));
     PLM_CHECK_CUDA(cudaStreamSynchronize(stream));  // fp8_host is pageable and reused
+  }
+
+  /// CUDA fp8: the E4M3 codes (and transposed codes) of group g's FP8 weights (-1: all) from
+  /// their bf16 copy, with the uploaded scales; delayed scaling max-accumulates the amaxes
+  /// (a weight cast twice in a step, e.g. gathered again for its backward, records the same).
+  void castFp8Weights(int group) {
+    const auto stream = ctx.space().cuda_stream();
+    const Fp8Scaling& st = *fp8_scaling;
     const int w = static_cast<int>(Fp8Operand::Weight);
-    for (const auto& [slot, m] : fp8_cuda_weights) {
+    for (std::size_t i = 0; i < fp8_cuda_weights.size(); ++i) {
+      if (group >= 0 && fp8_cuda_at[i].first != group) continue;
+      Fp8GemmSlot* slot = fp8_cuda_weights[i].first;
+      Mat m = fp8_cuda_weights[i].second;
+      m.data = const_cast<void*>(fp8CudaData(i));
       if (st.config().recipe == Fp8Recipe::Block) {  // 128x128 blocks, the scales after the codes
         gpu::Fp8BlockCastArgs a;
         a.rows = m.rows;
@@ -1120,6 +1163,8 @@ template <class T> struct Esm2<T>::Impl {
   /// gathered and quantised as one tensor; under delayed scaling its amax is recorded for the
   /// step (recording it twice in one step, e.g. by an evaluation, changes nothing: it is a max).
   void refreshFp8() {
+    // Sharded (no whole masters): the engine decodes each gathered unit's codes into the copy.
+    if (params.extent(0) == 0) return;
     const auto& space = ctx.space();
     for (const auto& fw : fp8_list) {
       const std::int64_t part = (fw.rows / static_cast<std::int64_t>(fw.from.size())) * fw.cols;
@@ -1553,6 +1598,23 @@ template <class T> void Esm2<T>::refreshComputeWeights() { impl_member->refreshC
 
 template <class T> Fp8Scaling* Esm2<T>::fp8Scaling() { return impl_member->fp8_scaling.get(); }
 
+template <class T> void Esm2<T>::beginFp8Step() {
+#if PLM_FP8_CUDA
+  auto& im = *impl_member;
+  if (im.fp8_scaling && im.bf16) im.uploadFp8Scales();
+#endif
+}
+
+template <class T> std::vector<typename Esm2<T>::Fp8WeightCopy> Esm2<T>::fp8Weights() {
+  auto& im = *impl_member;
+  std::vector<Fp8WeightCopy> out;
+  if (!im.fp8_scaling || im.bf16) return out;
+  for (const auto& fw : im.fp8_list)
+    out.push_back({fw.slot->index(Fp8Operand::Weight), fw.rows, fw.cols, fw.from,
+                   im.fp8_weights.data() + fw.at});
+  return out;
+}
+
 template <class T> void Esm2<T>::endFp8Step(MPI_Comm comm) {
   if (impl_member->fp8_scaling) impl_member->endFp8Step(comm);
 }
@@ -1653,9 +1715,6 @@ template <class T> void Esm2<T>::placeRange(std::int64_t offset, std::int64_t co
                                             T* grads, std::uint16_t* compute) {
   auto& im = *impl_member;
   const int g = im.groupStartingIn(offset, count);
-  PLM_REQUIRE(!im.bf16 || !im.fp8_scaling,
-              "plm::model::placeRange: the FP8 weight codes of the CUDA path are one whole "
-              "buffer; sharding runs bf16 or fp32");
   PLM_REQUIRE(im.bf16 || compute == nullptr,
               "plm::model::placeRange: a compute copy is given but the policy has none");
   im.place(g, params, grads, compute);

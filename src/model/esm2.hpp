@@ -149,7 +149,8 @@ template <class T> class Esm2 {
   /// setExpertParallel must then get a group of that degree with this rank at that rank).
   /// `buffers`: ModelBuffers::None builds the table, the layers and their views without any
   /// whole-model buffer (views point into reserved address space with no memory behind it
-  /// until placed); not under fp8 (its weight copies are whole buffers).
+  /// until placed); under fp8 the FP8 weight copy (portable path: filled by the sharded
+  /// engine, fp8Weights()) or codes (CUDA path: cast per placed group) stay whole buffers.
   explicit Esm2(const Esm2Config& config, const ExpertPlacement& experts = {},
                 ModelBuffers buffers = ModelBuffers::Whole);
   ~Esm2();
@@ -202,6 +203,27 @@ template <class T> class Esm2 {
   /// device amaxes of the CUDA path included, with one all-reduce (Fp8Scaling::endStep).
   void endFp8Step(MPI_Comm comm);
 
+  /// One FP8 GEMM weight of the portable path: its master parts (q, k and v stacked as one
+  /// tensor), its scaling operand, and its quantised copy (rows x cols, row-major, the parts
+  /// one after the other), which the GEMMs read.
+  struct Fp8WeightCopy {
+    int operand = -1;                 // Fp8Scaling index of its Weight operand
+    std::int64_t rows = 0, cols = 0;  // of the stacked tensor
+    std::vector<std::int64_t> from;   // flat master offsets of the parts ((rows / parts) x cols)
+    T* copy = nullptr;                // (rows, cols) quantise-dequantised values
+  };
+  /// \brief Under fp8 on the portable path, every FP8 GEMM weight (empty otherwise and on the
+  /// CUDA path).  Sharded data parallelism (train/fsdp.hpp) quantises each rank's master
+  /// slices, all-gathers the codes and decodes them straight into `copy`, so the model's own
+  /// refresh (which reads the whole masters) is not run while the model is sharded.
+  std::vector<Fp8WeightCopy> fp8Weights();
+
+  /// \brief Under fp8 on the CUDA path: this step's delayed scales to the device, what
+  /// refreshComputeWeights does first; a sharded model (train/fsdp.hpp) calls it once per step
+  /// before its first refreshComputeRange, which casts the gathered group's FP8 weight codes
+  /// from its bf16 copy.  Nothing otherwise.
+  void beginFp8Step();
+
   /// \brief [offset, offset + count) of layer `layer`'s tensors in parameters() / gradients().
   std::pair<std::int64_t, std::int64_t> layerRange(int layer) const;
 
@@ -213,15 +235,15 @@ template <class T> class Esm2 {
   /// parallelism (train/fsdp.hpp) points a layer at the buffer its all-gather filled.  Under
   /// the bf16 policy the group's compute copy (computeElements() bf16 values) moves to
   /// `compute` as well (nullptr: back into the model's packed copy); the caller then refreshes
-  /// it with refreshComputeRange once the masters are in place.  Not under fp8 on CUDA (its
-  /// weight codes are one whole buffer).
+  /// it with refreshComputeRange once the masters are in place.
   void placeRange(std::int64_t offset, std::int64_t count, T* params, T* grads,
                   std::uint16_t* compute = nullptr);
   /// \brief bf16 elements of the compute copy of the group placeRange(offset, count) moves
   /// (0 under other policies).
   std::int64_t computeElements(std::int64_t offset, std::int64_t count) const;
   /// \brief bf16 policy: recasts that group's compute copy from its masters, wherever both are
-  /// placed now (one launch on the model's stream; nothing under other policies).
+  /// placed now (one launch on the model's stream; nothing under other policies); under fp8 on
+  /// the CUDA path also the group's FP8 weight codes, with the scales of beginFp8Step.
   void refreshComputeRange(std::int64_t offset, std::int64_t count);
   /// \brief Frees (false) or allocates again (true, zero-filled) the whole-model buffers behind
   /// parameters() and gradients() (empty views while freed); the bf16 packed compute copy goes

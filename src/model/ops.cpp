@@ -292,6 +292,21 @@ double OpContext::endLoss() {
   return total;
 }
 
+void OpContext::forgetFp8Readers(const void* begin, std::size_t bytes) {
+#if PLM_FP8_CUDA
+  if (!cuda_member) return;
+  auto& readers = cuda_member->fp8_reader_of;
+  const auto* lo = static_cast<const char*>(begin);
+  for (auto it = readers.begin(); it != readers.end();) {
+    const auto* key = static_cast<const char*>(it->first);
+    it = key >= lo && key < lo + bytes ? readers.erase(it) : std::next(it);
+  }
+#else
+  (void)begin;
+  (void)bytes;
+#endif
+}
+
 void OpContext::setProfiling(bool on) {
 #if PLM_HAVE_CUDA
   auto& c = cuda();

@@ -183,6 +183,10 @@ class OpContext {
 
   /// \brief Time every launch by kind with CUDA events (bf16 path only; costs a little speed).
   void setProfiling(bool on);
+  /// \brief Forgets which FP8 GEMM read the output of the producers keyed by an address in
+  /// [begin, begin + bytes) (a LayerNorm's gamma): parameters placed there now belong to
+  /// another layer (sharded data parallelism moves layers between slots).  CUDA fp8 only.
+  void forgetFp8Readers(const void* begin, std::size_t bytes);
   /// \brief Milliseconds per kind since setProfiling(true), as (name, ms).
   std::vector<std::pair<std::string, double>> profile();
 

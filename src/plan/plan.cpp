@@ -482,13 +482,14 @@ void planMemory(const Input& in, Plan& p) {
     // An MoE layer's FFN GEMMs are its held experts' (and its shared experts'): codes of
     // 2 h f_e per held expert, X^T codes of its X expert rows (h + f_e wide).
     const std::int64_t h = c.hidden, f = c.ffn;
-    std::int64_t weights = 0, xt = 0;
+    std::int64_t weights = 0, xt = 0, widest = 0;  // widest: one layer's FP8 weights
     const std::int64_t fe = c.moe.expert_ffn, sw = std::int64_t(c.moe.shared_experts) * fe;
     const std::int64_t held_experts = moe ? c.moe.experts / l.expert : 0;
     const MoeBuffers rows =
         moe ? moeBufferBytes(c, in.compute, gpu, t, l.expert, moeLoad(in).first) : MoeBuffers();
     for (int layer = 0; layer < c.num_layers; ++layer) {
       if (!c.fp8.fp8Layer(layer, c.num_layers)) continue;
+      const std::int64_t before = weights;
       if (c.moe.isMoeLayer(layer)) {
         weights += 4 * h * h + held_experts * 2 * h * fe + 2 * h * sw;
         xt += round16(t) * 2 * h + round16(rows.expert_rows) * (h + fe) +
@@ -497,6 +498,7 @@ void planMemory(const Input& in, Plan& p) {
         weights += 4 * h * h + 2 * h * f;
         xt += round16(t) * (3 * h + f);
       }
+      widest = std::max(widest, weights - before);
     }
     const char* per_layer = moe ? "sum over FP8 layers of (4 h^2 + 2 h f, or 2 h f_e per held "
                                   "expert in an MoE layer)"
@@ -504,6 +506,13 @@ void planMemory(const Input& in, Plan& p) {
     if (in.rates.kind == "cpu") {
       p.memory.push_back({"FP8 quantised weight copy (CPU emulation)",
                           4.0 * static_cast<double>(weights), std::string("4 ") + per_layer});
+      if (l.shard > 1) {  // train::Fsdp's byte wires: 1 byte per FP8 weight element
+        const int slots = in.reshard_after_forward ? 2 : c.num_layers;
+        p.memory.push_back({"FP8 codes: the shard's, and one gathered layer per slot",
+                            static_cast<double>(weights / l.shard + slots * widest),
+                            std::string("(1 / shard) ") + per_layer + " + " +
+                                std::to_string(slots) + " x one layer's, one byte each"});
+      }
     } else {
       p.memory.push_back({"FP8 weight codes (E4M3 and transposed)",
                           2.0 * static_cast<double>(weights), std::string("2 ") + per_layer});
@@ -847,10 +856,12 @@ Plan makePlan(const Input& in) {
   if (in.compute == Compute::Fp32 && in.rates.kind != "cpu")
     p.notes.push_back(
         "fp32 on a GPU runs the portable Kokkos kernels (the reference path): slow by design");
-  if (in.layout.shard > 1 && in.compute == Compute::Fp8)
+  if (in.layout.shard > 1 && in.compute == Compute::Fp8 && in.rates.kind != "cpu")
     p.notes.push_back(
-        "plm's sharding runs train.precision fp32 or bf16 (fp8 with shard > 1 is refused; "
-        "doc/parallelism.md): these fp8 figures are the planned design's");
+        "fp8 with shard > 1 on the GPU gathers each unit's bf16 copy and casts its FP8 codes "
+        "after the gather; the codes stay whole-model buffers on every rank (the FP8 weight codes "
+        "row; "
+        "gathering the codes themselves is done on the portable path only, doc/parallelism.md)");
   if (in.model.moe.enabled()) {
     const auto& moe = in.model.moe;
     p.notes.push_back(

@@ -6,6 +6,7 @@
 #include "dist/allreduce.hpp"
 #include "dist/process_groups.hpp"
 #include "dist/stream.hpp"
+#include "model/fp8.hpp"
 #include "train/gradient_sync.hpp"
 
 #include <algorithm>
@@ -202,6 +203,33 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   View1<std::uint16_t> outer_stage[2];
   std::vector<View1<std::uint16_t>> stage_slots;
   View1<P> poison_buf;  // (padded widest layer) NaN, where resharded layers point
+  // fp8 (portable path): a unit holding FP8 GEMM weights travels as a byte "wire": each FP8
+  // weight element as its E4M3 code, every other element as its P value (aligned), rank by
+  // rank, each rank's part padded to the widest (wire_slice bytes).  castShardToFp8 quantises
+  // this rank's master slices once per step with the scales one rank would use (amaxes
+  // reduced over the shard group); landGather decodes a gathered wire into the slot and the
+  // model's FP8 weight copy.  Segments: runs of one kind in the kernels' iteration space.
+  struct WireSeg {
+    std::int64_t elem = 0;   // first element in the iteration space
+    std::int64_t at = 0;     // encode: shard offset; decode: offset in the gathered unit
+    std::int64_t byte = 0;   // first byte in the wire buffer
+    std::int64_t widx = -1;  // FP8: row-major index of the first element in its weight
+    int w = -1;              // FP8: the weight (index into fp8_w); -1: P values
+  };
+  using SegView = Kokkos::View<WireSeg*, MemSpace>;
+  std::vector<typename model::Esm2<P>::Fp8WeightCopy> fp8_w;
+  std::vector<std::int64_t> wire_slice, wire_local;  // per unit (bytes; 0: a plain gather)
+  View1<std::uint8_t> shard_wire;                    // (sum of wire slices) this rank's codes
+  std::vector<View1<std::uint8_t>> wire_stage;       // beside each layer slot
+  SegView enc_segs;                                  // this rank's slices of the wire units
+  std::int64_t enc_elems = 0;
+  std::vector<SegView> dec_segs;            // per unit: the whole gathered unit
+  std::vector<std::int64_t> block_at;       // block: each weight's first block slot
+  View1<std::int64_t> w_cols, w_block_at;   // (weights)
+  View1<std::uintptr_t> w_copy;             // (weights) the model's FP8 copies
+  View1<std::uint32_t> amax_bits;           // (amax slots) max |x| as fp32 bits
+  View1<float> wire_scale, wire_scale_inv;  // (amax slots)
+  std::int64_t gather_bytes = 0;            // sent by this rank (training gathers)
   std::vector<char> gathered;
   int pending_unit = -1;  // unit whose prefetched all-gather is in flight
   dist::Work pending_work;
@@ -214,11 +242,16 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   Impl(model::Esm2<P>& m, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& opt,
        const FsdpOptions& opts, dist::Backend backend)
       : model(m), options(opts), layers(m.config().num_layers) {
-    PLM_REQUIRE(m.config().precision != model::Precision::Fp8,
-                "parallel.shard_degree > 1 runs train.precision: fp32 or bf16 (the FP8 weight "
-                "copies are not sharded yet); set train.precision: bf16 or "
-                "parallel.shard_degree: 1");
-    bf16 = m.config().precision == model::Precision::Bf16;
+    // fp8: the portable path all-gathers the FP8 weights as codes (planFp8Wire); the CUDA path
+    // is the bf16 policy and casts a gathered unit's codes from its bf16 copy (the model's
+    // refreshComputeRange).
+    const bool fp8 = m.config().precision == model::Precision::Fp8;
+    if (fp8 && !PLM_FP8_CUDA && opts.gather_bf16)
+      throw collectiveError(
+          "parallel.gather_dtype: bf16 with train.precision: fp8 on the portable path: the FP8 "
+          "GEMM weights are all-gathered as their E4M3 codes and the rest of each unit in fp32; "
+          "set parallel.gather_dtype: auto or fp32");
+    bf16 = m.config().precision == model::Precision::Bf16 || (fp8 && PLM_FP8_CUDA);
     PLM_CHECK_MPI(MPI_Comm_dup(shard, &shard_mpi));
     shard_comm = dist::makeCommunicator(shard, backend);
     // The replicas of a shard may share a GPU where the shard's ranks do not (NCCL refuses
@@ -311,6 +344,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
             View1<std::uint16_t>("plm::train::fsdp::gather_stage", slot.extent(0)));
       castShardToBf16();
     }
+    planFp8Wire();
     space.fence();
   }
 
@@ -368,6 +402,10 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
       if (options.gather_bf16)
         stage_slots.push_back(
             View1<std::uint16_t>("plm::train::fsdp::gather_stage", slots.front().extent(0)));
+      if (!wire_stage.empty())
+        wire_stage.push_back(View1<std::uint8_t>(
+            Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::train::fsdp::wire_stage"),
+            wire_stage.front().extent(0)));
     }
     slot_of[u] = free_slots.back();
     free_slots.pop_back();
@@ -387,6 +425,13 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   dist::Work launchGather(int u, P* to, bool masters = false) {
     const ShardUnit& su = units[u];
     fenceForMpi();
+    if (!masters && wire_slice[u] > 0) {
+      gather_bytes += wire_slice[u];
+      return shard_comm->allGather(shard_wire.data() + wire_local[u], wireBeside(to).data(),
+                                   wire_slice[u], dist::streamOf(space));
+    }
+    if (!masters)
+      gather_bytes += su.slice * static_cast<std::int64_t>(options.gather_bf16 ? 2 : sizeof(P));
     if (options.gather_bf16 && !masters)
       return shard_comm->allGather(shard_bf16.data() + su.local, stageBeside(to).data(), su.slice,
                                    dist::streamOf(space));
@@ -396,6 +441,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
 
   // After unit u's gather into `to` completed: gather_bf16 widens the bf16 values into it.
   void landGather(int u, P* to) {
+    if (wire_slice[u] > 0) return decodeWire(u, to);
     if (!options.gather_bf16) return;
     const std::int64_t n = units[u].slice * shard_comm->size();
     const View1<std::uint16_t> from = stageBeside(to);
@@ -414,6 +460,272 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
         "plm::train::fsdp::shard_to_bf16",
         Kokkos::RangePolicy<ExecSpace>(space, 0, static_cast<std::int64_t>(from.extent(0))),
         KOKKOS_LAMBDA(const std::int64_t i) { to(i) = bf16Bits(static_cast<float>(from(i))); });
+  }
+
+  // The wire staging buffer beside layer slot `to`.
+  View1<std::uint8_t> wireBeside(const P* to) {
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      if (to == slots[i].data()) return wire_stage[i];
+    throw Error("plm::train::fsdp: FP8 codes of a unit outside the layer slots (a bug)");
+  }
+
+  static constexpr std::int64_t kWeightBlock = 128;  // doc/fp8.md: 128x128 weight blocks
+
+  bool blockScaling() const {
+    return model.fp8Scaling()->config().recipe == model::Fp8Recipe::Block;
+  }
+
+  // The wire layout of every unit that holds FP8 weights (see the members): the same on every
+  // rank, from the tensor table and the shard plan alone.
+  void planFp8Wire() {
+    wire_slice.assign(units.size(), 0);
+    wire_local.assign(units.size(), 0);
+    fp8_w = model.fp8Weights();
+    if (fp8_w.empty()) return;
+    const bool block = blockScaling();
+    std::int64_t slots_n = 0;
+    std::vector<std::int64_t> cols;
+    for (const auto& w : fp8_w) {
+      block_at.push_back(slots_n);
+      cols.push_back(w.cols);
+      slots_n += block ? ((w.rows + kWeightBlock - 1) / kWeightBlock) *
+                             ((w.cols + kWeightBlock - 1) / kWeightBlock)
+                       : 1;
+    }
+    struct Run {
+      std::int64_t start, len, widx;
+      int w;
+    };
+    std::vector<Run> runs;
+    for (std::size_t w = 0; w < fp8_w.size(); ++w) {
+      const auto& fw = fp8_w[w];
+      const std::int64_t part = fw.rows / static_cast<std::int64_t>(fw.from.size()) * fw.cols;
+      for (std::size_t p = 0; p < fw.from.size(); ++p)
+        runs.push_back({fw.from[p], part, static_cast<std::int64_t>(p) * part, int(w)});
+    }
+    std::sort(runs.begin(), runs.end(),
+              [](const Run& a, const Run& b) { return a.start < b.start; });
+    const int s = shard_comm->size(), me = shard_comm->rank();
+    const std::int64_t align = sizeof(P);
+    // One rank's slice of unit u as segments (at: offset in the unit; byte: from the rank's
+    // part of the wire); returns its bytes.
+    auto cut = [&](int u, int r, std::vector<WireSeg>& out) {
+      const ShardUnit& su = units[u];
+      std::int64_t pos = r * su.slice, byte = 0;
+      const std::int64_t end = pos + su.slice;
+      while (pos < end) {
+        const std::int64_t g = su.offset + pos;
+        auto it = std::upper_bound(runs.begin(), runs.end(), g,
+                                   [](std::int64_t x, const Run& q) { return x < q.start; });
+        WireSeg seg;
+        seg.at = pos;
+        std::int64_t stop = end;
+        if (it != runs.begin() && pos < su.count && g < std::prev(it)->start + std::prev(it)->len) {
+          const Run& q = *std::prev(it);
+          seg.w = q.w;
+          seg.widx = q.widx + (g - q.start);
+          stop = std::min(end, q.start + q.len - su.offset);
+          seg.byte = byte;
+          byte += stop - pos;
+        } else {
+          if (it != runs.end()) stop = std::min(end, it->start - su.offset);
+          byte = (byte + align - 1) / align * align;
+          seg.byte = byte;
+          byte += (stop - pos) * align;
+        }
+        out.push_back(seg);
+        pos = stop;
+      }
+      return byte;
+    };
+    std::vector<WireSeg> enc;
+    dec_segs.assign(units.size(), SegView());
+    std::int64_t wire_total = 0;
+    for (int u = 0; u < static_cast<int>(units.size()); ++u) {
+      std::vector<std::vector<WireSeg>> per(s);
+      std::int64_t widest_bytes = 0;
+      bool any = false;
+      for (int r = 0; r < s; ++r) {
+        widest_bytes = std::max(widest_bytes, cut(u, r, per[r]));
+        for (const auto& g : per[r]) any = any || g.w >= 0;
+      }
+      if (!any) continue;
+      PLM_REQUIRE(!isOuter(u), "plm::train::fsdp: FP8 weights in the embeddings or head (a bug)");
+      wire_slice[u] = (widest_bytes + 7) / 8 * 8;
+      wire_local[u] = wire_total;
+      wire_total += wire_slice[u];
+      std::vector<WireSeg> dec;
+      for (int r = 0; r < s; ++r)
+        for (std::size_t k = 0; k < per[r].size(); ++k) {
+          WireSeg g = per[r][k];
+          if (r == me) {  // this rank's slice: encoded from the shard
+            const std::int64_t next =
+                k + 1 < per[r].size() ? per[r][k + 1].at : (r + 1) * units[u].slice;
+            WireSeg e = g;
+            e.elem = enc_elems;
+            e.at = units[u].local + (g.at - r * units[u].slice);
+            e.byte = wire_local[u] + g.byte;
+            enc_elems += next - g.at;
+            enc.push_back(e);
+          }
+          g.elem = g.at;
+          g.byte += r * wire_slice[u];
+          dec.push_back(g);
+        }
+      dec_segs[u] = toDevice(dec, "plm::train::fsdp::wire_decode");
+    }
+    enc_segs = toDevice(enc, "plm::train::fsdp::wire_encode");
+    shard_wire = View1<std::uint8_t>("plm::train::fsdp::shard_wire", wire_total);
+    std::int64_t widest_wire = 0;
+    for (auto b : wire_slice) widest_wire = std::max(widest_wire, b * s);
+    for (std::size_t i = 0; i < slots.size(); ++i)
+      wire_stage.push_back(View1<std::uint8_t>("plm::train::fsdp::wire_stage", widest_wire));
+    std::vector<std::uintptr_t> copies;
+    for (const auto& w : fp8_w) copies.push_back(reinterpret_cast<std::uintptr_t>(w.copy));
+    w_copy = toDevice(copies, "plm::train::fsdp::fp8_copies");
+    w_cols = toDevice(cols, "plm::train::fsdp::fp8_cols");
+    w_block_at = toDevice(block_at, "plm::train::fsdp::fp8_block_at");
+    amax_bits = View1<std::uint32_t>("plm::train::fsdp::fp8_amax", slots_n);
+    wire_scale = View1<float>("plm::train::fsdp::fp8_scale", slots_n);
+    wire_scale_inv = View1<float>("plm::train::fsdp::fp8_scale_inv", slots_n);
+  }
+
+  template <class V>
+  static Kokkos::View<V*, MemSpace> toDevice(const std::vector<V>& host, const char* label) {
+    Kokkos::View<V*, MemSpace> d(std::string(label), host.size());
+    auto h = Kokkos::create_mirror_view(d);
+    for (std::size_t i = 0; i < host.size(); ++i) h(i) = host[i];
+    Kokkos::deep_copy(d, h);
+    return d;
+  }
+
+  // The segment of `segs` holding iteration element e (segments sorted by elem, the first at 0).
+  KOKKOS_INLINE_FUNCTION static std::int64_t segmentOf(const SegView& segs, std::int64_t e) {
+    std::int64_t lo = 0, hi = static_cast<std::int64_t>(segs.extent(0)) - 1;
+    while (lo < hi) {
+      const std::int64_t mid = (lo + hi + 1) / 2;
+      if (segs(mid).elem <= e)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    return lo;
+  }
+
+  // Element widx of a weight with `cols` columns: its amax slot (the weight, or its 128x128
+  // block under block scaling).
+  KOKKOS_INLINE_FUNCTION static std::int64_t amaxSlot(bool block, int w, std::int64_t widx,
+                                                      std::int64_t cols, std::int64_t block_at) {
+    if (!block) return w;
+    const std::int64_t nbc = (cols + kWeightBlock - 1) / kWeightBlock;
+    return block_at + (widx / cols / kWeightBlock) * nbc + (widx % cols) / kWeightBlock;
+  }
+
+  // Once per optimizer step, collective over the shard group: this rank's FP8 weight slices
+  // quantised into shard_wire with the scales one unsharded rank would use: the weight amaxes
+  // (per tensor, or per 128x128 block) are max-reduced over the shard group first; delayed
+  // scaling records them for the step (Fp8Scaling::record, as Esm2's own refresh does).
+  void castShardToFp8() {
+    if (fp8_w.empty()) return;
+    model::Fp8Scaling& st = *model.fp8Scaling();
+    const bool block = blockScaling();
+    const model::fp8::Format format = st.format(model::Fp8Operand::Weight);
+    const SegView segs = enc_segs;
+    const View1<P> shard = params_shard;
+    const View1<std::uint32_t> amax = amax_bits;
+    const View1<std::int64_t> cols = w_cols, bat = w_block_at;
+    Kokkos::deep_copy(space, amax, 0u);
+    Kokkos::parallel_for(
+        "plm::train::fsdp::fp8_weight_amax", Kokkos::RangePolicy<ExecSpace>(space, 0, enc_elems),
+        KOKKOS_LAMBDA(const std::int64_t e) {
+          const WireSeg g = segs(segmentOf(segs, e));
+          if (g.w < 0) return;
+          const std::int64_t i = e - g.elem;
+          // |x| by its bits; NaN and infinity count as +inf (fp8Amax, fp8QuantizeBlocks).
+          std::uint32_t a =
+              model::fp8::detail::bitsOf(static_cast<float>(shard(g.at + i))) & 0x7FFFFFFFu;
+          if (a > 0x7F800000u) a = 0x7F800000u;
+          Kokkos::atomic_fetch_max(&amax(amaxSlot(block, g.w, g.widx + i, cols(g.w), bat(g.w))), a);
+        });
+    std::vector<std::uint32_t> host(amax.extent(0));
+    Kokkos::deep_copy(
+        space, Kokkos::View<std::uint32_t*, Kokkos::HostSpace>(host.data(), host.size()), amax);
+    space.fence();
+    // Non-negative floats order as their bit patterns.
+    PLM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, host.data(), static_cast<int>(host.size()),
+                                MPI_UINT32_T, MPI_MAX, shard_mpi));
+    std::vector<float> scale(host.size()), scale_inv(host.size());
+    const float fmax = model::fp8::maxOf(format);
+    for (std::size_t k = 0; k < host.size(); ++k) {
+      const float a = model::fp8::detail::floatOf(host[k]);
+      float sc = 1.0f, si = 1.0f;
+      if (block) {  // fp8QuantizeBlocks' power-of-two scale
+        if (host[k] < 0x7F800000u && a > 0.0f) {
+          const std::uint32_t qe = model::fp8::detail::bitsOf(fmax / a) & 0x7F800000u;
+          sc = qe >= 0x7F800000u ? model::fp8::detail::pow2(127) : model::fp8::detail::floatOf(qe);
+        }
+        si = 1.0f / sc;
+      } else if (st.config().recipe == model::Fp8Recipe::Current) {
+        sc = model::currentScale(a, fmax);
+        si = 1.0f / sc;
+      } else {  // delayed: this step's scale; the amax goes into the history
+        const int t = fp8_w[k].operand;
+        st.record(t, a);
+        sc = st.scale(t);
+        si = st.scaleInv(t);
+      }
+      scale[k] = sc;
+      scale_inv[k] = si;
+    }
+    Kokkos::deep_copy(space, wire_scale,
+                      Kokkos::View<const float*, Kokkos::HostSpace>(scale.data(), scale.size()));
+    Kokkos::deep_copy(
+        space, wire_scale_inv,
+        Kokkos::View<const float*, Kokkos::HostSpace>(scale_inv.data(), scale_inv.size()));
+    const View1<std::uint8_t> wire = shard_wire;
+    const View1<float> sv = wire_scale;
+    Kokkos::parallel_for(
+        "plm::train::fsdp::fp8_weight_encode", Kokkos::RangePolicy<ExecSpace>(space, 0, enc_elems),
+        KOKKOS_LAMBDA(const std::int64_t e) {
+          const WireSeg g = segs(segmentOf(segs, e));
+          const std::int64_t i = e - g.elem;
+          const float x = static_cast<float>(shard(g.at + i));
+          if (g.w < 0) {
+            reinterpret_cast<P*>(wire.data() + g.byte)[i] = shard(g.at + i);
+            return;
+          }
+          const float sc = sv(amaxSlot(block, g.w, g.widx + i, cols(g.w), bat(g.w)));
+          wire(g.byte + i) = model::fp8::encode(format, x * sc);
+        });
+    space.fence();  // `scale` and `scale_inv` are host vectors going out of scope
+  }
+
+  // A gathered wire into the unit's slot `to` and the model's FP8 copies: codes decoded with
+  // this step's scales (model::fp8::quantize's decode(code) * scale_inv), P values as they are.
+  void decodeWire(int u, P* to) {
+    const SegView segs = dec_segs[u];
+    const View1<std::uint8_t> wire = wireBeside(to);
+    const View1<std::int64_t> cols = w_cols, bat = w_block_at;
+    const View1<std::uintptr_t> copies = w_copy;
+    const View1<float> si = wire_scale_inv;
+    const bool block = blockScaling();
+    const model::fp8::Format format = model.fp8Scaling()->format(model::Fp8Operand::Weight);
+    Kokkos::parallel_for(
+        "plm::train::fsdp::fp8_weight_decode",
+        Kokkos::RangePolicy<ExecSpace>(space, 0, units[u].slice * shard_comm->size()),
+        KOKKOS_LAMBDA(const std::int64_t e) {
+          const WireSeg g = segs(segmentOf(segs, e));
+          const std::int64_t i = e - g.elem;
+          if (g.w < 0) {
+            to[g.at + i] = reinterpret_cast<const P*>(wire.data() + g.byte)[i];
+            return;
+          }
+          const std::int64_t widx = g.widx + i;
+          const float v = model::fp8::decode(format, wire(g.byte + i)) *
+                          si(amaxSlot(block, g.w, widx, cols(g.w), bat(g.w)));
+          to[g.at + i] = static_cast<P>(v);
+          reinterpret_cast<P*>(copies(g.w))[widx] = static_cast<P>(v);
+        });
   }
 
   void ensureGathered(int u) {
@@ -641,12 +953,15 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
       static_cast<std::int64_t>(dist::allreduceMax(static_cast<double>(local.size()), comm));
   const double grad_scale = st.masked > 0 ? 1.0 / static_cast<double>(st.masked) : 0.0;
   Kokkos::deep_copy(space, m.grads_shard, P(0));
+  m.castShardToFp8();      // fp8: this step's weight codes of the shard, gathered by the layers
+  m.model.beginFp8Step();  // fp8 on CUDA: the step's scales, for the casts after each gather
   double loss = 0.0;
   for (std::int64_t i = 0; i < micro; ++i) {
     const data::MicroBatch* mb = i < static_cast<std::int64_t>(local.size()) ? &local[i] : nullptr;
     loss += m.microBatch(mb, grad_scale, &m);
   }
   if (micro > 0) m.finishGradients();
+  if (m.model.fp8Scaling()) m.model.endFp8Step(comm);  // the step's amaxes, new delayed scales
   st.loss_sum = dist::allreduceSum(loss, comm);
   if (st.masked == 0) {
     st.applied = false;
@@ -821,6 +1136,12 @@ template <class P> int Fsdp<P>::shardSize() const { return impl_member->shard_co
 template <class P> int Fsdp<P>::shardRank() const { return impl_member->shard_comm->rank(); }
 template <class P> MPI_Comm Fsdp<P>::shardComm() const { return impl_member->shard_mpi; }
 template <class P> model::LayerHooks& Fsdp<P>::hooks() { return *impl_member; }
+template <class P> std::int64_t Fsdp<P>::gatherBytes() const { return impl_member->gather_bytes; }
+template <class P> std::int64_t Fsdp<P>::unitGatherBytes(int u) const {
+  const Impl& m = *impl_member;
+  if (m.wire_slice[u] > 0) return m.wire_slice[u];
+  return m.units[u].slice * static_cast<std::int64_t>(m.options.gather_bf16 ? 2 : sizeof(P));
+}
 
 template <class P> FsdpMemory Fsdp<P>::plannedMemory() const {
   const Impl& m = *impl_member;
@@ -836,6 +1157,10 @@ template <class P> FsdpMemory Fsdp<P>::plannedMemory() const {
   FsdpMemory mem = shardedMemory(n, m.shard_comm->size(), buffers, m.options.poison,
                                  static_cast<int>(sizeof(P)), m.options.gather_bf16);
   mem.optimizer = m.optimizer->stateBytes();  // the configured optimizer's state of the shard
+  // fp8: the shard's byte wire beside its masters, a gathered wire beside each layer slot.
+  mem.params += static_cast<std::int64_t>(m.shard_wire.extent(0));
+  if (!m.wire_stage.empty())
+    mem.gathered += buffers * static_cast<std::int64_t>(m.wire_stage.front().extent(0));
   if (m.bf16) {  // the compute copies beside the gathered units (2 bytes each)
     std::int64_t c = m.outer_compute[0].extent(0) + m.outer_compute[1].extent(0) +
                      buffers * static_cast<std::int64_t>(m.compute_slots.front().extent(0)) +

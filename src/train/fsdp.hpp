@@ -31,6 +31,12 @@
 //    so decay flags and the frozen <pad> row carry over, and per-tensor state (Adafactor's
 //    factors, 8-bit block scales) is reduced over the shard group.  The global
 //    gradient norm is one all-reduce of the shards' partial sums of squares.
+//  - FP8 (doc/parallelism.md "FP8 under sharding"): on the portable path a layer unit holding
+//    FP8 GEMM weights is all-gathered as a byte wire (E4M3 codes of this rank's master slices,
+//    quantised once per step with amaxes max-reduced over the shard group, and the unit's
+//    other elements in fp32), decoded into the slot and the model's FP8 weight copy; on the
+//    CUDA path the model casts a gathered unit's codes from its bf16 copy.  The step ends with
+//    the model's FP8 amax all-reduce over all ranks.
 #pragma once
 
 #include "core/types.hpp"
@@ -201,6 +207,12 @@ template <class P> class Fsdp {
   /// shards, e.g. checkpoints).
   MPI_Comm shardComm() const;
   FsdpMemory plannedMemory() const;
+  /// \brief Bytes this rank has sent in the parameter all-gathers of training passes (fp32,
+  /// bf16, or under fp8 the units' byte wires: one byte per FP8 weight element), since
+  /// construction; evaluation and model-file gathers of the masters are not counted.
+  std::int64_t gatherBytes() const;
+  /// \brief Bytes this rank sends in one training all-gather of unit `u` (units()).
+  std::int64_t unitGatherBytes(int u) const;
 
   /// \brief The hooks the step installs (exposed so tests can wrap them).
   model::LayerHooks& hooks();

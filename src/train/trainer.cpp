@@ -144,8 +144,7 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   // Sharding builds no whole-model buffer at all: each rank draws its own shards below
   // (doc/parallelism.md, "Start-up"); setUpSharding refuses the layouts that cannot shard.
   const model::ExpertPlacement experts = expertPlacement(*deck, config, comm);
-  const bool shards =
-      shardDegree(*deck) > 1 && !experts.sharded() && config.precision != model::Precision::Fp8;
+  const bool shards = shardDegree(*deck) > 1 && !experts.sharded();
   model_member = std::make_unique<model::Esm2<param_t>>(
       config, experts, shards ? model::ModelBuffers::None : model::ModelBuffers::Whole);
   state_member.init_seed = static_cast<std::uint64_t>(t.get<int>("seed"));
@@ -305,15 +304,14 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
         ": sharding the dense parameters (FSDP) beside sharded experts is not implemented yet; "
         "use parallel.shard_degree: 1 with expert parallelism, or parallel.expert_degree: 1 "
         "with FSDP");
-  if (model_member->config().precision == model::Precision::Fp8)
-    throw collectiveError("parallel.shard_degree " + std::to_string(layout.shard) +
-                          " runs train.precision: fp32 or bf16 (the FP8 weight copies are not "
-                          "sharded yet); use bf16 or parallel.shard_degree: 1");
   groups_member = std::make_unique<dist::ProcessGroups>(comm_member, layout.shard);
   FsdpOptions fo;
   fo.reshard_after_forward = p.get<bool>("reshard_after_forward");
-  fo.gather_bf16 = gatherInBf16(p.get<std::string>("gather_dtype"),
-                                model_member->config().precision == model::Precision::Bf16);
+  // bf16 compute: the bf16 policy, and fp8 on the CUDA build (bf16 storage, FP8 GEMMs).
+  const model::Precision precision = model_member->config().precision;
+  fo.gather_bf16 = gatherInBf16(
+      p.get<std::string>("gather_dtype"),
+      precision == model::Precision::Bf16 || (PLM_FP8_CUDA && precision == model::Precision::Fp8));
   fsdp_member = std::make_unique<Fsdp<param_t>>(
       *model_member, groups_member->shard(), groups_member->replicate(), optimizer_options_member,
       fo, dist::defaultBackend(groups_member->shard()));
