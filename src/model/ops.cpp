@@ -1480,7 +1480,7 @@ template <class T> void portableSwiglu(OpContext& ctx, const Mat& pre, const Mat
         Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(ctx.space(), {0, 0}, {pre.rows, f}),
         KOKKOS_LAMBDA(const std::int64_t r, const std::int64_t c) {
           const T g = p(r, c);
-          a(r, c) = g / (T(1) + Kokkos::exp(-g)) * p(r, f + c);
+          a(r, c) = g / (T(1) + Kokkos::Experimental::exp(-g)) * p(r, f + c);
         });
     return;
   }
@@ -1490,7 +1490,7 @@ template <class T> void portableSwiglu(OpContext& ctx, const Mat& pre, const Mat
       Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(ctx.space(), {0, 0}, {pre.rows, f}),
       KOKKOS_LAMBDA(const std::int64_t r, const std::int64_t c) {
         const T g = p(r, c), u = p(r, f + c), d = da(r, c);
-        const T sg = T(1) / (T(1) + Kokkos::exp(-g));
+        const T sg = T(1) / (T(1) + Kokkos::Experimental::exp(-g));
         dp(r, c) = d * u * sg * (T(1) + g * (T(1) - sg));
         dp(r, f + c) = d * g * sg;
       });

@@ -470,7 +470,7 @@ void planMemory(const Input& in, Plan& p) {
              (c.moe.capacity_factor > 0 ? " = min(t k, E capacity)" : " = t k (dropless)") + kept});
     p.memory.push_back(
         {"MoE: expert rows (FFN activations, gradient)", double(mb.expert_side),
-         std::string("3 X f_e c") +
+         std::string(c.moe.swiglu() ? "6 X f_e c (SwiGLU: pre, its gradient 2 f_e)" : "3 X f_e c") +
              (l.expert > 1 ? " + 5 X h c (received rows, outputs, staging, gradients) + 8 X" : "") +
              ", X = " + std::to_string(mb.expert_rows) + " rows its experts compute" +
              (l.expert > 1 ? " = load " + fmt("%.2f", load) + " x t k" : " = R") + kept});
@@ -610,7 +610,7 @@ void planTime(const Input& in, Plan& p) {
   p.time.push_back({"GEMMs", gemm,
                     moe ? "mb (6 W_t + 6 (h^2 + V h) m [+ 2 W_t layer]) / (gemm_tflops k/(k + "
                           "gemm_half_k)), k = h; W_t = dense layers (4h^2 + 2hf) t + MoE layers "
-                          "((4h^2 + h E + 2 h f_e S) t + 2 h f_e X)"
+                          "((4h^2 + h E + 2 h f_e S) t + 2 h f_e X [3 h f_e X SwiGLU])"
                         : "mb (6 L (4h^2 + 2hf) t + 6 (h^2 + V h) m [+ 2 L (4h^2+2hf) t layer]) / "
                           "(gemm_tflops k/(k + gemm_half_k)), k = h"});
   double attn_flops = 12 * L * h * S * t;
