@@ -66,7 +66,12 @@ struct Layer {
       dg.w2 = mat(grads, h, f, at);
       at += h * f;
     };
-    for (int e = 0; e < e_n; ++e) (c.swiglu() ? swiglu : mlp)(fe, w.experts[e], g.experts[e]);
+    for (int e = 0; e < e_n; ++e) {
+      if (c.swiglu())
+        swiglu(fe, w.experts[e], g.experts[e]);
+      else
+        mlp(fe, w.experts[e], g.experts[e]);
+    }
     if (sw > 0) mlp(sw, w.shared, g.shared);
     if (c.bias_balance) {
       bias = View1<double>("bias", e_n);
@@ -156,7 +161,10 @@ std::vector<double> referenceForward(const Layer& L, const std::vector<double>& 
       }
       ++used[e];
       const double gate = L.c.normalize_topk ? prob[e] / sel : prob[e];
-      (L.c.swiglu() ? swiglu : ffn)(e_n * h + e * per_expert, fe, x, &out[t * h], gate);
+      if (L.c.swiglu())
+        swiglu(e_n * h + e * per_expert, fe, x, &out[t * h], gate);
+      else
+        ffn(e_n * h + e * per_expert, fe, x, &out[t * h], gate);
     }
     if (L.c.shared_experts > 0)
       ffn(e_n * h + e_n * per_expert, fe * L.c.shared_experts, x, &out[t * h], 1.0);
