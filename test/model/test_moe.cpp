@@ -420,6 +420,17 @@ TEST(ModelMoe, SwigluExpertsByNameAndEveryGradientMatchesFiniteDifferences) {
   auto bad = c;
   bad.moe.expert_ffn = 5;  // 5 x 8 is no multiple of 16
   EXPECT_THROW(Esm2<double>{bad}, plm::Error);
+  auto fp8 = c;  // no FP8 SwiGLU experts yet: refused, saying so
+  fp8.precision = Precision::Fp8;
+  try {
+    Esm2<double> m(fp8);
+    ADD_FAILURE() << "fp8 with SwiGLU experts was accepted";
+  } catch (const plm::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("SwiGLU"), std::string::npos) << e.what();
+  }
+  auto grouped = c;
+  grouped.moe.expert_gemm = ExpertGemmMode::Grouped;
+  EXPECT_THROW(Esm2<double>{grouped}, plm::Error);
 }
 
 TEST(ModelMoe, AidoPresetIsSixteenBillionWithSwigluExperts) {
