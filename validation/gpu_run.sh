@@ -38,12 +38,13 @@
 #         pick its optimizer and parallel.gather_dtype
 #   moe_grouped: the grouped expert GEMMs (CUTLASS SM90) and the 16-byte MoE kernels:
 #        test_gpu_moe_grouped, test_gpu_moe, test_gpu_moe_bf16 (its GroupedExperts.* run the
-#        layer with moe.expert_gemm: grouped) and bench_gpu_moe (loop vs grouped vs dense, forward
+#        layer with moe.expert_gemm: grouped; MoeBf16.SwigluExpertsMatchFp32 the SwiGLU experts'
+#        cuBLASLt loop and fused SiLU-gate kernels against fp32) and bench_gpu_moe (loop vs grouped vs dense, forward
 #        and training layer; PLM_MOE_BENCH_ONLY=650M: only the shapes whose name holds it;
 #        PLM_MOE_BENCH_REPEATS=3: three runs of it in a row); logs
 #        copied to $OUT (moe_grouped_tests.log, bench_gpu_moe.log)
-#   moe_ep: expert parallelism on ONE GPU at 2 ranks (staged MPI) against 1 rank, bf16 and FP8
-#         experts (test_ckpt_moe_expert_parallel, test_fp8_moe; PLM_MOE_EP_FILTER narrows
+#   moe_ep: expert parallelism on ONE GPU at 2 ranks (staged MPI) against 1 rank, bf16 (GELU and
+#         SwiGLU) and FP8 experts (test_ckpt_moe_expert_parallel, test_fp8_moe; PLM_MOE_EP_FILTER narrows
 #         test_fp8_moe), and the staged all-to-all-v with one-sided ranks
 #   moe_nccl: expert parallelism with one GPU per rank (NCCL all-to-all-v; nvidia-h100-x2 or
 #         -x4): test_ckpt_moe_expert_parallel and test_fp8_moe at 2 (and 4) ranks (expert degrees

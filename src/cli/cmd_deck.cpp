@@ -46,6 +46,7 @@ void fillModelSizes(Teuchos::ParameterList& deck, const model::Esm2Config& c) {
   moe.set("top_k", c.moe.top_k);
   moe.set("every", c.moe.every);
   moe.set("expert_ffn", c.moe.expert_ffn);
+  moe.set("expert_activation", std::string(model::expertActivationName(c.moe.expert_activation)));
 }
 
 std::string parameterCount(std::int64_t n) {

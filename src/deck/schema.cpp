@@ -350,6 +350,13 @@ const std::vector<KeySpec>& keys() {
        "GEMM for all experts (Hopper; needs the CUTLASS build), auto = by the crossover measured "
        "on the H100 (doc/performance.md).",
        any(), {"auto", "loop", "grouped"}},
+      {"moe", "expert_activation", K::text, "auto",
+       "The routed experts' FFN: gelu = ESM-2's MLP (intermediate.dense + bias, GELU, "
+       "output.dense + bias); swiglu = down_proj(silu(gate_proj x) * up_proj x) without biases "
+       "(the Mixtral / Qwen / AIDO.Protein form: three matrices per expert); auto = the preset's "
+       "(swiglu for aido_protein_16b, gelu otherwise). Shared experts stay GELU. SwiGLU experts "
+       "run the per-expert GEMM loop on the GPU and have no FP8 path yet (doc/model.md).",
+       any(), {"auto", "gelu", "swiglu"}},
       {"moe", "overlap", K::boolean, "false",
        "Under expert parallelism, compute a rank's own rows of its own experts while the other "
        "rows travel, instead of sending every row through the all-to-all. Measured 2-6% slower "

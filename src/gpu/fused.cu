@@ -294,6 +294,32 @@ __global__ void geluTanhBackwardKernel(const bfloat* dy, const bfloat* pre, bflo
   }
 }
 
+__global__ void swigluForwardKernel(const bfloat* pre, bfloat* act, std::int64_t rows, int f) {
+  const std::int64_t n = rows * f;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / f, c = i - r * f;
+    const float g = __bfloat162float(pre[r * 2 * f + c]);
+    const float u = __bfloat162float(pre[r * 2 * f + f + c]);
+    act[i] = __float2bfloat16(g / (1.0f + __expf(-g)) * u);
+  }
+}
+
+__global__ void swigluBackwardKernel(const bfloat* pre, const bfloat* dact, bfloat* dpre,
+                                     std::int64_t rows, int f) {
+  const std::int64_t n = rows * f;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x) {
+    const std::int64_t r = i / f, c = i - r * f;
+    const float g = __bfloat162float(pre[r * 2 * f + c]);
+    const float u = __bfloat162float(pre[r * 2 * f + f + c]);
+    const float d = __bfloat162float(dact[i]);
+    const float s = 1.0f / (1.0f + __expf(-g));
+    dpre[r * 2 * f + c] = __float2bfloat16(d * u * s * (1.0f + g * (1.0f - s)));
+    dpre[r * 2 * f + f + c] = __float2bfloat16(d * g * s);
+  }
+}
+
 __global__ void addKernel(float* dst, const float* src, std::int64_t n) {
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
        i += std::int64_t(gridDim.x) * blockDim.x)
@@ -414,6 +440,22 @@ void geluTanhBackward(Stream stream, const bf16* dy, const bf16* pre, bf16* dx, 
   geluTanhBackwardKernel<<<gridCap(blocksFor(n, 256)), 256, 0, stream>>>(
       reinterpret_cast<const bfloat*>(dy), reinterpret_cast<const bfloat*>(pre),
       reinterpret_cast<bfloat*>(dx), n);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void swigluForward(Stream stream, const bf16* pre, bf16* act, std::int64_t rows, int f) {
+  if (rows == 0 || f == 0) return;
+  swigluForwardKernel<<<gridCap(blocksFor(rows * f, 256)), 256, 0, stream>>>(
+      reinterpret_cast<const bfloat*>(pre), reinterpret_cast<bfloat*>(act), rows, f);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void swigluBackward(Stream stream, const bf16* pre, const bf16* dact, bf16* dpre, std::int64_t rows,
+                    int f) {
+  if (rows == 0 || f == 0) return;
+  swigluBackwardKernel<<<gridCap(blocksFor(rows * f, 256)), 256, 0, stream>>>(
+      reinterpret_cast<const bfloat*>(pre), reinterpret_cast<const bfloat*>(dact),
+      reinterpret_cast<bfloat*>(dpre), rows, f);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

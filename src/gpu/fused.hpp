@@ -60,6 +60,15 @@ void scatterRows(Stream stream, const bf16* src, const std::int32_t* rows, bf16*
 /// \brief dx = dy * gelu_tanh'(pre), the derivative of cuBLASLt's GELU epilogue (n elements).
 void geluTanhBackward(Stream stream, const bf16* dy, const bf16* pre, bf16* dx, std::int64_t n);
 
+/// \brief SwiGLU over `rows` rows: pre (rows, 2f) holds [gate | up] per row; act (rows, f) =
+/// silu(gate) * up (fp32 arithmetic, bf16 out).
+void swigluForward(Stream stream, const bf16* pre, bf16* act, std::int64_t rows, int f);
+
+/// \brief Its backward in one pass: from dact (rows, f), dpre (rows, 2f) = [dact * up *
+/// silu'(gate) | dact * silu(gate)].
+void swigluBackward(Stream stream, const bf16* pre, const bf16* dact, bf16* dpre, std::int64_t rows,
+                    int f);
+
 /// \brief dst += src (fp32, n elements).
 void addInto(Stream stream, float* dst, const float* src, std::int64_t n);
 

@@ -386,6 +386,9 @@ model::Esm2Config configFromJson(const json::Value& j, const std::string& source
     e.seq_aux_loss = field("seq_aux_loss").asDouble();
     e.bias_balance = field("bias_balance").asBool();
     e.bias_rate = field("bias_rate").asDouble();
+    // Absent in exports made before SwiGLU experts existed: those are GELU.
+    if (m.has("expert_activation"))
+      e.expert_activation = model::parseExpertActivation(m.at("expert_activation").asString());
     // The model's own checks (MoeConfig::validate) run when the model is built from the file.
     if (e.experts <= 0 || e.top_k <= 0 || e.top_k > e.experts || e.every <= 0 || e.expert_ffn <= 0)
       throw Error(source +
@@ -446,6 +449,7 @@ json::Value configToJson(const model::Esm2Config& c, const std::string& torch_dt
     m.set("seq_aux_loss", e.seq_aux_loss);
     m.set("bias_balance", e.bias_balance);
     m.set("bias_rate", e.bias_rate);
+    m.set("expert_activation", model::expertActivationName(e.expert_activation));
     j.set("plm_moe", std::move(m));
     j.set("plm_format",
           "plm's Mixture-of-Experts export, not loadable by transformers: "

@@ -48,6 +48,8 @@ void writeConfigAttributes(hid_t location, const model::Esm2Config& config) {
   h5::writeAttribute(location, "moe_seq_aux_loss", moe.seq_aux_loss);
   h5::writeAttribute(location, "moe_bias_balance", std::int64_t(moe.bias_balance ? 1 : 0));
   h5::writeAttribute(location, "moe_bias_rate", moe.bias_rate);
+  h5::writeAttribute(location, "moe_expert_activation",
+                     std::string(model::expertActivationName(moe.expert_activation)));
 }
 
 void writeExtraAttributes(hid_t location, const ModelAttributes& extra) {
@@ -97,6 +99,9 @@ model::Esm2Config readConfigAttributes(hid_t location, const std::string& path) 
       moe.seq_aux_loss = h5::readDoubleAttribute(location, "moe_seq_aux_loss");
     moe.bias_balance = readInt("moe_bias_balance") != 0;
     moe.bias_rate = h5::readDoubleAttribute(location, "moe_bias_rate");
+    if (h5::hasAttribute(location, "moe_expert_activation"))  // absent: GELU experts
+      moe.expert_activation =
+          model::parseExpertActivation(h5::readStringAttribute(location, "moe_expert_activation"));
   }
   return config;
 }

@@ -16,16 +16,17 @@ struct Shape {
 struct MoePreset {
   Shape shape;
   int experts, top_k, every, expert_ffn;
+  ExpertActivation activation = ExpertActivation::Gelu;
 };
 
 const std::map<std::string, MoePreset>& moePresets() {
   // esm2_moe_<total>_a<active>: a dense preset's attention and active FFN FLOPs (8 experts of
   // ffn / 2, top-2 = one ffn-wide FFN per token); AIDO.Protein-16B's shape as published
-  // (vocabulary and expert activation: see doc/model.md).
+  // with its SwiGLU experts (vocabulary and the rest: see doc/model.md).
   static const std::map<std::string, MoePreset> table = {
       {"esm2_moe_100m_a35m", {{12, 480, 20, 1920}, 8, 2, 1, 960}},
       {"esm2_moe_2b_a650m", {{33, 1280, 20, 5120}, 8, 2, 1, 2560}},
-      {"aido_protein_16b", {{36, 2304, 36, 7680}, 8, 2, 1, 7680}},
+      {"aido_protein_16b", {{36, 2304, 36, 7680}, 8, 2, 1, 7680, ExpertActivation::Swiglu}},
   };
   return table;
 }
@@ -58,6 +59,7 @@ Esm2Config Esm2Config::preset(const std::string& name) {
     c.moe.top_k = moe->second.top_k;
     c.moe.every = moe->second.every;
     c.moe.expert_ffn = moe->second.expert_ffn;
+    c.moe.expert_activation = moe->second.activation;
     return c;
   }
   auto it = presets().find(name);
@@ -83,8 +85,9 @@ std::int64_t ffnParameters(const Esm2Config& c, int layer, bool active) {
   auto mlp = [&](std::int64_t f) { return (f * h + f) + (h * f + h); };
   if (!c.moe.isMoeLayer(layer)) return mlp(c.ffn);
   const std::int64_t fe = c.moe.expert_ffn, e_n = c.moe.experts;
+  const std::int64_t expert = c.moe.swiglu() ? 3 * fe * h : mlp(fe);  // SwiGLU: no biases
   return c.moe.experts * h + (c.moe.bias_balance && !active ? e_n : 0) +
-         (active ? c.moe.top_k : e_n) * mlp(fe) +
+         (active ? c.moe.top_k : e_n) * expert +
          (c.moe.shared_experts > 0 ? mlp(fe * c.moe.shared_experts) : 0);
 }
 
@@ -93,7 +96,8 @@ double ffnMatmulWeights(const Esm2Config& c, int layer) {
   const double h = c.hidden;
   if (!c.moe.isMoeLayer(layer)) return 2 * h * c.ffn;
   const double fe = c.moe.expert_ffn;
-  return h * c.moe.experts + 2 * h * fe * (c.moe.top_k + c.moe.shared_experts);
+  return h * c.moe.experts + c.moe.expertMatrices() * h * fe * c.moe.top_k +
+         2 * h * fe * c.moe.shared_experts;
 }
 
 }  // namespace

@@ -109,6 +109,12 @@ std::vector<TableEntry> buildTable(const Esm2Config& c, const ExpertPlacement& h
       if (c.moe.bias_balance) add(p + "moe.router.expert_bias", {e_n}, false, InitKind::Zero);
       for (int e = 0; e < c.moe.experts; ++e) {
         const std::string x = p + "moe.experts." + std::to_string(e) + ".";
+        if (c.moe.swiglu()) {  // no biases; gate and up back to back (F_e H % 16 == 0)
+          add(x + "gate_proj.weight", {fe, h}, true, InitKind::Normal);
+          add(x + "up_proj.weight", {fe, h}, true, InitKind::Normal);
+          add(x + "down_proj.weight", {h, fe}, true, InitKind::Normal);
+          continue;
+        }
         linear(x + "intermediate.dense", fe, h);
         linear(x + "output.dense", h, fe);
       }
@@ -472,6 +478,10 @@ template <class T> struct Esm2<T>::Impl {
           "train.precision: fp8 needs the FP8 kernels of src/gpu/fp8.hpp, which this CUDA build "
           "lacks (doc/fp8.md); use train.precision: bf16 on the GPU or run fp8 on a CPU build");
 #endif
+      if (config.moe.enabled() && config.moe.swiglu())
+        throw collectiveError(
+            "train.precision: fp8 has no SwiGLU experts yet (moe.expert_activation: swiglu); use "
+            "train.precision bf16 or fp32, or moe.expert_activation: gelu");
       if (bf16 && config.moe.enabled() && config.moe.expert_ffn % 16 != 0)
         throw collectiveError("train.precision: fp8 with moe on the GPU needs moe.expert_ffn (" +
                               std::to_string(config.moe.expert_ffn) +
@@ -780,6 +790,31 @@ template <class T> struct Esm2<T>::Impl {
       auto dense = [&](const std::string& x, DenseMlpWeights& dw, DenseMlpWeights& dg,
                        Fp8GemmSlot* up, Fp8GemmSlot* down) {
         const bool shared = x == p + "shared_experts.";
+        if (!shared && config.moe.swiglu()) {
+          // [gate; up] as one (2 F_e, H) matrix: adjacent in the masters (buildTable) and, under
+          // bf16, packed back to back.
+          const auto& gate = info(x + "gate_proj.weight");
+          const auto& upw = info(x + "up_proj.weight");
+          PLM_REQUIRE(upw.offset == gate.offset + gate.size,
+                      "plm::model: SwiGLU gate_proj and up_proj not adjacent (a bug)");
+          dw.w1 = weight(x + "gate_proj.weight");
+          if (bf16) {
+            const Mat up_at = weight(x + "up_proj.weight");
+            PLM_REQUIRE(reinterpret_cast<std::int64_t>(up_at.data) ==
+                            reinterpret_cast<std::int64_t>(dw.w1.data) + gate.size,
+                        "plm::model: SwiGLU gate_proj and up_proj not packed back to back (a bug)");
+          }
+          dw.w1.rows = 2 * gate.shape[0];
+          dw.w2 = weight(x + "down_proj.weight");
+          dw.b1 = Vec{};
+          dw.b2 = Vec{};
+          dg.w1 = masterMat(G, x + "gate_proj.weight");
+          dg.w1.rows = 2 * gate.shape[0];
+          dg.w2 = masterMat(G, x + "down_proj.weight");
+          dg.b1 = Vec{};
+          dg.b2 = Vec{};
+          return;
+        }
         dw.w1 = fp8 && !bf16 ? fp8Weight(up, {x + "intermediate.dense.weight"})
                              : weight(x + "intermediate.dense.weight");
         dw.b1 = bias(x + "intermediate.dense.bias");

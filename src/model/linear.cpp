@@ -32,6 +32,10 @@ template <class T> void linearForward(const ExecSpace& space, const View2<T>& x,
                                       const View1<T>& b, T beta, const View2<T>& y) {
   const auto rows = static_cast<std::int64_t>(y.extent(0));
   const auto cols = static_cast<std::int64_t>(y.extent(1));
+  if (b.extent(0) == 0) {  // no bias (SwiGLU experts)
+    gemm(space, Trans::N, Trans::T, T(1), x, w, beta, y);
+    return;
+  }
   Kokkos::parallel_for(
       "plm::model::linear_bias", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
       KOKKOS_LAMBDA(const std::int64_t i) {
@@ -46,7 +50,7 @@ template <class T> void linearBackward(const ExecSpace& space, const View2<T>& x
                                        const View2<T>& dw, const View1<T>& db) {
   if (dx.extent(0) != 0) gemm(space, Trans::N, Trans::N, T(1), dy, w, dx_beta, dx);
   gemm(space, Trans::T, Trans::N, T(1), dy, x, T(1), dw);
-  columnSumAccumulate(space, dy, db);
+  if (db.extent(0) != 0) columnSumAccumulate(space, dy, db);
 }
 
 #define PLM_MODEL_LINEAR_INSTANTIATE(T)                                                 \

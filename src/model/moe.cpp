@@ -43,6 +43,16 @@ void MoeConfig::validate(int hidden) const {
   if (aux_loss < 0 || z_loss < 0 || seq_aux_loss < 0)
     fail("aux_loss, seq_aux_loss and z_loss must be >= 0");
   if (bias_balance && !(bias_rate > 0)) fail("bias_rate must be positive with bias_balance");
+  if (expert_activation == ExpertActivation::Swiglu &&
+      (static_cast<std::int64_t>(expert_ffn) * hidden) % 16 != 0)
+    fail("expert_activation swiglu needs expert_ffn x hidden (" + std::to_string(expert_ffn) +
+         " x " + std::to_string(hidden) +
+         ") to be a multiple of 16 (gate and up are stored as one "
+         "matrix)");
+  if (expert_activation == ExpertActivation::Swiglu && expert_gemm == ExpertGemmMode::Grouped)
+    fail(
+        "expert_activation swiglu runs the per-expert loop on the GPU; use expert_gemm auto or "
+        "loop (the grouped GEMM is GELU only)");
   if (hidden <= 0) fail("the model width must be positive");
 }
 
@@ -369,6 +379,7 @@ template <class T> struct MoeMlp<T>::State {
   View1<T> xperm_s, y_s, dy_s, dx_s;  // local permuted rows (R, H)
   View1<T> recv_s, xexp_s, pre_s, act_s, yexp_s, dpre_s, dyexp_s, dxexp_s;  // expert side
   View1<T> spre_s, sact_s, sdpre_s;  // shared experts (T, S F_e)
+  View1<T> dact_s;                   // SwiGLU experts: d(act) (expert rows, F_e)
   View1<T> logits, slot_gate, row_gate, xperm, y, xexp, pre, act, yexp, spre, sact;
   View1<std::int32_t> slot_row, row_token, to_expert, to_source;
 
@@ -660,9 +671,11 @@ template <class T> struct MoeMlp<T>::State {
   }
 
   /// Bytes of the expert-side buffers per received row: recv, xexp, yexp, dyexp, dxexp (H each)
-  /// and pre, act, dpre (F_e each), in the compute precision.
+  /// and pre, act, dpre (F_e each; SwiGLU: pre and dpre 2 F_e, and dact F_e), in the compute
+  /// precision.
   std::int64_t expertRowBytes() const {
-    return static_cast<std::int64_t>(sizeOf(cdt)) * (5 * std::int64_t(hidden) + 3 * c.expert_ffn);
+    const std::int64_t f = c.swiglu() ? 6 * std::int64_t(c.expert_ffn) : 3 * c.expert_ffn;
+    return static_cast<std::int64_t>(sizeOf(cdt)) * (5 * std::int64_t(hidden) + f);
   }
 
   /// What this rank's expert-side buffers of this layer may take: moe.dispatch_budget_gib, or
@@ -671,7 +684,7 @@ template <class T> struct MoeMlp<T>::State {
     if (c.dispatch_budget_bytes > 0) return static_cast<std::int64_t>(c.dispatch_budget_bytes);
     std::int64_t held = 0;
     for (const View1<T>* v :
-         {&recv_s, &xexp_s, &yexp_s, &pre_s, &act_s, &dpre_s, &dyexp_s, &dxexp_s})
+         {&recv_s, &xexp_s, &yexp_s, &pre_s, &act_s, &dpre_s, &dyexp_s, &dxexp_s, &dact_s})
       held += static_cast<std::int64_t>(v->extent(0) * sizeof(T));
     const std::int64_t free_bytes = freeBytes();
     if (free_bytes <= 0) return std::numeric_limits<std::int64_t>::max();  // unknown: no check
@@ -929,7 +942,7 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   const auto& space = ctx.space();
   const auto& c = s.c;
   const std::int64_t t_n = h.rows, hid = s.hidden, e_n = c.experts, k = c.top_k;
-  const std::int64_t fe = c.expert_ffn;
+  const std::int64_t fe = c.expert_ffn, fp = c.swiglu() ? 2 * fe : fe;  // act, pre widths
   const DType cdt = s.cdt;
   s.tokens = t_n;
 
@@ -1001,18 +1014,18 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
     const std::int64_t sn = s.self_n, xn = s.exchanged;
     s.xexp = growAs(s.xexp_s, xn * hid, cdt, "plm::model::moe::xexp");
     s.yexp = growAs(s.yexp_s, xn * hid, cdt, "plm::model::moe::yexp");
-    s.pre = growAs(s.pre_s, s.expert_rows * fe, cdt, "plm::model::moe::pre");
+    s.pre = growAs(s.pre_s, s.expert_rows * fp, cdt, "plm::model::moe::pre");
     s.act = growAs(s.act_s, s.expert_rows * fe, cdt, "plm::model::moe::act");
     dist::Work work = s.startToExperts(ctx, s.xperm);
     if (sn > 0)
       expertsForward(ctx, s.blocks(s.self_rows, false), rowsAs(s.xperm, cdt, s.self_at, sn, hid),
-                     rowsAs(s.pre, cdt, 0, sn, fe), rowsAs(s.act, cdt, 0, sn, fe),
-                     rowsAs(s.y, cdt, s.self_at, sn, hid), c.expert_gemm);
+                     rowsAs(s.pre, cdt, 0, sn, fp), rowsAs(s.act, cdt, 0, sn, fe),
+                     rowsAs(s.y, cdt, s.self_at, sn, hid), c.expert_gemm, c.expert_activation);
     s.finishToExperts(ctx, work, s.xexp);
     if (xn > 0)
       expertsForward(ctx, s.blocks(s.exchanged_rows, false), rowsAs(s.xexp, cdt, 0, xn, hid),
-                     rowsAs(s.pre, cdt, sn, xn, fe), rowsAs(s.act, cdt, sn, xn, fe),
-                     rowsAs(s.yexp, cdt, 0, xn, hid), c.expert_gemm);
+                     rowsAs(s.pre, cdt, sn, xn, fp), rowsAs(s.act, cdt, sn, xn, fe),
+                     rowsAs(s.yexp, cdt, 0, xn, hid), c.expert_gemm, c.expert_activation);
     s.fromExperts(ctx, s.yexp, s.y);
   } else {
     s.expert_rows = rows;
@@ -1021,11 +1034,11 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
     s.exchanged = rows;
     s.xexp = s.xperm;
     s.yexp = s.y;
-    s.pre = growAs(s.pre_s, rows * fe, cdt, "plm::model::moe::pre");
+    s.pre = growAs(s.pre_s, rows * fp, cdt, "plm::model::moe::pre");
     s.act = growAs(s.act_s, rows * fe, cdt, "plm::model::moe::act");
     expertsForward(ctx, s.blocks(s.local_rows, false), rowsAs(s.xexp, cdt, 0, rows, hid),
-                   rowsAs(s.pre, cdt, 0, rows, fe), rowsAs(s.act, cdt, 0, rows, fe),
-                   rowsAs(s.yexp, cdt, 0, rows, hid), c.expert_gemm);
+                   rowsAs(s.pre, cdt, 0, rows, fp), rowsAs(s.act, cdt, 0, rows, fe),
+                   rowsAs(s.yexp, cdt, 0, rows, hid), c.expert_gemm, c.expert_activation);
   }
 
   // Unpermute with the gates, in a fixed slot order per token (deterministic).
@@ -1098,7 +1111,7 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   const auto& c = s.c;
   const Routing& r = s.routing;
   const std::int64_t t_n = s.tokens, hid = s.hidden, e_n = c.experts, k = c.top_k;
-  const std::int64_t fe = c.expert_ffn, rows = s.rows;
+  const std::int64_t fe = c.expert_ffn, fp = c.swiglu() ? 2 * fe : fe, rows = s.rows;
   const DType cdt = s.cdt;
   const Mat& h = saved.ln2;
 
@@ -1142,7 +1155,12 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   // self rows first, the self rows' dy is computed in place while the others' dy travels; the
   // weight gradients accumulate self rows then exchanged rows (a fixed order: deterministic).
   View1<T> dx = growAs(s.dx_s, rows * hid, cdt, "plm::model::moe::dx");
-  View1<T> dpre = growAs(s.dpre_s, s.expert_rows * fe, cdt, "plm::model::moe::dpre");
+  View1<T> dpre = growAs(s.dpre_s, s.expert_rows * fp, cdt, "plm::model::moe::dpre");
+  View1<T> dact;  // SwiGLU experts only
+  if (c.swiglu()) dact = growAs(s.dact_s, s.expert_rows * fe, cdt, "plm::model::moe::dact");
+  auto dactRows = [&](std::int64_t first, std::int64_t n) {
+    return c.swiglu() ? rowsAs(dact, cdt, first, n, fe) : Mat{};
+  };
   if (s.distributed()) {
     const std::int64_t sn = s.self_n, xn = s.exchanged;
     View1<T> dyexp = growAs(s.dyexp_s, xn * hid, cdt, "plm::model::moe::dyexp");
@@ -1150,21 +1168,24 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
     dist::Work work = s.startToExperts(ctx, dy);
     if (sn > 0)
       expertsBackward(ctx, s.blocks(s.self_rows, true), rowsAs(s.xperm, cdt, s.self_at, sn, hid),
-                      rowsAs(s.pre, cdt, 0, sn, fe), rowsAs(s.act, cdt, 0, sn, fe),
-                      rowsAs(dy, cdt, s.self_at, sn, hid), rowsAs(dpre, cdt, 0, sn, fe),
-                      rowsAs(dx, cdt, s.self_at, sn, hid), c.expert_gemm);
+                      rowsAs(s.pre, cdt, 0, sn, fp), rowsAs(s.act, cdt, 0, sn, fe),
+                      rowsAs(dy, cdt, s.self_at, sn, hid), rowsAs(dpre, cdt, 0, sn, fp),
+                      rowsAs(dx, cdt, s.self_at, sn, hid), c.expert_gemm, c.expert_activation,
+                      dactRows(0, sn));
     s.finishToExperts(ctx, work, dyexp);
     if (xn > 0)
       expertsBackward(ctx, s.blocks(s.exchanged_rows, true), rowsAs(s.xexp, cdt, 0, xn, hid),
-                      rowsAs(s.pre, cdt, sn, xn, fe), rowsAs(s.act, cdt, sn, xn, fe),
-                      rowsAs(dyexp, cdt, 0, xn, hid), rowsAs(dpre, cdt, sn, xn, fe),
-                      rowsAs(dxexp, cdt, 0, xn, hid), c.expert_gemm);
+                      rowsAs(s.pre, cdt, sn, xn, fp), rowsAs(s.act, cdt, sn, xn, fe),
+                      rowsAs(dyexp, cdt, 0, xn, hid), rowsAs(dpre, cdt, sn, xn, fp),
+                      rowsAs(dxexp, cdt, 0, xn, hid), c.expert_gemm, c.expert_activation,
+                      dactRows(sn, xn));
     s.fromExperts(ctx, dxexp, dx);
   } else {
     expertsBackward(ctx, s.blocks(s.local_rows, true), rowsAs(s.xexp, cdt, 0, rows, hid),
-                    rowsAs(s.pre, cdt, 0, rows, fe), rowsAs(s.act, cdt, 0, rows, fe),
-                    rowsAs(dy, cdt, 0, rows, hid), rowsAs(dpre, cdt, 0, rows, fe),
-                    rowsAs(dx, cdt, 0, rows, hid), c.expert_gemm);
+                    rowsAs(s.pre, cdt, 0, rows, fp), rowsAs(s.act, cdt, 0, rows, fe),
+                    rowsAs(dy, cdt, 0, rows, hid), rowsAs(dpre, cdt, 0, rows, fp),
+                    rowsAs(dx, cdt, 0, rows, hid), c.expert_gemm, c.expert_activation,
+                    dactRows(0, rows));
   }
 
   // Router: gates, aux and z losses to the logits (on the device when it routed, else on the

@@ -23,6 +23,13 @@ enum class RouterInit { Normal, Centred };
 /// per GEMM.
 enum class ExpertGemmMode { Auto, Loop, Grouped };
 
+/// The routed experts' FFN (moe.expert_activation): Gelu = ESM-2's MLP, intermediate.dense
+/// (F_e, H) + bias, GELU, output.dense (H, F_e) + bias; Swiglu = the Mixtral / Qwen / AIDO form
+/// without biases, y = down(silu(gate x) * up x): gate_proj, up_proj (F_e, H), down_proj (H, F_e).
+/// In memory gate_proj and up_proj lie back to back, one (2 F_e, H) matrix (DenseMlpWeights::w1,
+/// b1 and b2 empty).  Shared experts stay GELU MLPs.
+enum class ExpertActivation { Gelu, Swiglu };
+
 /// The `moe` deck section.  experts == 0: a dense model (no MoE layer at all).
 struct MoeConfig {
   int experts = 0;
@@ -38,6 +45,7 @@ struct MoeConfig {
   double z_loss = 0;           // router z-loss coefficient
   bool bias_balance = false;   // aux-loss-free expert bias (DeepSeek-V3)
   ExpertGemmMode expert_gemm = ExpertGemmMode::Auto;
+  ExpertActivation expert_activation = ExpertActivation::Gelu;
   double bias_rate = 1e-3;
   // Most bytes one rank's expert-side buffers of one MoE layer may take under expert
   // parallelism (moe.dispatch_budget_gib); 0 = what the device has free when the layer runs.
@@ -50,6 +58,9 @@ struct MoeConfig {
 
   bool enabled() const { return experts > 0; }
   bool isMoeLayer(int layer) const { return enabled() && (layer + 1) % every == 0; }
+  bool swiglu() const { return expert_activation == ExpertActivation::Swiglu; }
+  /// Weight matrices of one routed expert (3 SwiGLU, 2 GELU).
+  int expertMatrices() const { return swiglu() ? 3 : 2; }
   /// \brief Throws a collective plm::Error naming the `moe.*` key that is wrong.
   void validate(int hidden) const;
 };
@@ -95,6 +106,17 @@ inline ExpertGemmMode parseExpertGemm(const std::string& name) {
   if (name == "loop") return ExpertGemmMode::Loop;
   if (name == "grouped") return ExpertGemmMode::Grouped;
   throw collectiveError("moe.expert_gemm: unknown mode '" + name + "'; use auto, loop or grouped");
+}
+
+/// \brief "gelu" | "swiglu"; a collective plm::Error otherwise.
+inline ExpertActivation parseExpertActivation(const std::string& name) {
+  if (name == "gelu") return ExpertActivation::Gelu;
+  if (name == "swiglu") return ExpertActivation::Swiglu;
+  throw collectiveError("moe.expert_activation: unknown activation '" + name +
+                        "'; use gelu or swiglu");
+}
+inline const char* expertActivationName(ExpertActivation a) {
+  return a == ExpertActivation::Swiglu ? "swiglu" : "gelu";
 }
 
 /// \brief "centred" | "normal"; a collective plm::Error otherwise.

@@ -81,7 +81,20 @@ GroupedCall groupedCall(OpContext& ctx, const std::vector<ExpertRows>& experts, 
 }  // namespace
 
 void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
-                    const Mat& pre, const Mat& act, const Mat& y, ExpertGemmMode mode) {
+                    const Mat& pre, const Mat& act, const Mat& y, ExpertGemmMode mode,
+                    ExpertActivation activation) {
+  if (activation == ExpertActivation::Swiglu) {
+    std::int64_t o = 0;
+    for (const auto& e : experts) {
+      if (e.rows > 0) {
+        linear(ctx, rowsOf(x, o, e.rows), e.w->w1, Vec{}, rowsOf(pre, o, e.rows));
+        swigluForward(ctx, rowsOf(pre, o, e.rows), rowsOf(act, o, e.rows));
+        linear(ctx, rowsOf(act, o, e.rows), e.w->w2, Vec{}, rowsOf(y, o, e.rows));
+      }
+      o += e.rows;
+    }
+    return;
+  }
 #if PLM_HAVE_CUDA
   if (useGrouped(experts, x, pre, false, mode)) {
     const GroupedCall c = groupedCall(ctx, experts, x, pre);
@@ -108,9 +121,26 @@ void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, cons
 
 void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
                      const Mat& pre, const Mat& act, const Mat& dy, const Mat& dpre, const Mat& dx,
-                     ExpertGemmMode mode) {
+                     ExpertGemmMode mode, ExpertActivation activation, const Mat& dact) {
   for (const auto& e : experts)
     if (!e.g) throw Error("plm::model::expertsBackward: an expert without gradients (a bug)");
+  if (activation == ExpertActivation::Swiglu) {
+    if (dact.empty() || dact.rows < x.rows)
+      throw Error("plm::model::expertsBackward: SwiGLU experts need a dact buffer (a bug)");
+    std::int64_t o = 0;
+    for (const auto& e : experts) {
+      if (e.rows > 0) {
+        linearBackward(ctx, rowsOf(act, o, e.rows), e.w->w2, rowsOf(dy, o, e.rows),
+                       rowsOf(dact, o, e.rows), false, e.g->w2, Vec{});
+        swigluBackward(ctx, rowsOf(pre, o, e.rows), rowsOf(dact, o, e.rows),
+                       rowsOf(dpre, o, e.rows));
+        linearBackward(ctx, rowsOf(x, o, e.rows), e.w->w1, rowsOf(dpre, o, e.rows),
+                       rowsOf(dx, o, e.rows), false, e.g->w1, Vec{});
+      }
+      o += e.rows;
+    }
+    return;
+  }
 #if PLM_HAVE_CUDA
   if (useGrouped(experts, x, pre, true, mode) && contiguousBf16(dy) && contiguousBf16(dpre) &&
       contiguousBf16(dx) && contiguousBf16(act)) {

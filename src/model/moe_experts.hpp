@@ -28,14 +28,21 @@ struct ExpertRows {
 
 /// \brief For each expert's row block: pre = x W1^T + b1, act = gelu_tanh(pre),
 /// y = act W2^T + b2.  x, y (sum rows, H); pre, act (sum rows, F).
+/// SwiGLU experts (moe_config.hpp; no biases, W1 = [gate; up] (2F, H)): pre = x W1^T
+/// (sum rows, 2F), act = silu(pre_gate) * pre_up (sum rows, F), y = act W2^T.  They run the loop
+/// of ordinary dispatch points (cuBLASLt under bf16) with ops.hpp's swiglu kernels between.
 void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
                     const Mat& pre, const Mat& act, const Mat& y,
-                    ExpertGemmMode mode = ExpertGemmMode::Auto);
+                    ExpertGemmMode mode = ExpertGemmMode::Auto,
+                    ExpertActivation activation = ExpertActivation::Gelu);
 
 /// \brief The experts' backward from dy (sum rows, H): dpre = (dy W2) gelu'(pre),
 /// dx = dpre W1, and g->w2 += dy^T act, g->b2 += sum dy, g->w1 += dpre^T x, g->b1 += sum dpre.
+/// SwiGLU: dact = dy W2 (in `dact`, sum rows x F), dpre (sum rows, 2F) = swigluBackward,
+/// dx = dpre W1, g->w2 += dy^T act, g->w1 += dpre^T x.
 void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
                      const Mat& pre, const Mat& act, const Mat& dy, const Mat& dpre, const Mat& dx,
-                     ExpertGemmMode mode = ExpertGemmMode::Auto);
+                     ExpertGemmMode mode = ExpertGemmMode::Auto,
+                     ExpertActivation activation = ExpertActivation::Gelu, const Mat& dact = Mat{});
 
 }  // namespace plm::model

@@ -91,6 +91,7 @@ template <class E> E* Vec::ptr() const {
 }
 
 template <class E> View1<E> Vec::view() const {
+  if (data == nullptr) return View1<E>();  // an absent bias (SwiGLU experts)
   expect(dtype, tagOf<E>(), "a vector");
   return View1<E>(static_cast<E*>(data), n);
 }
@@ -484,10 +485,10 @@ void weightGradient(OpContext& ctx, const Mat& x, const Mat& dy, const Mat& dw, 
   m.ldb = x.ld;
   m.d = &dw;
   m.beta = beta;
-  m.epilogue = gpu::Epilogue::BGradA;
-  m.bias_grad = bias_scratch;
+  m.epilogue = db ? gpu::Epilogue::BGradA : gpu::Epilogue::None;  // no bias: SwiGLU experts
+  m.bias_grad = db ? bias_scratch : nullptr;
   runGemm(ctx, m);
-  gpu::addInto(streamOf(ctx), db, bias_scratch, out);
+  if (db) gpu::addInto(streamOf(ctx), db, bias_scratch, out);
   ctx.mark(OpKind::Other);
 }
 
@@ -1354,9 +1355,11 @@ void linear(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat&
     if (w.fp8) return fp8ForwardCuda(ctx, x, w, b, y, gpu::Epilogue::Bias, nullptr, nullptr);
 #endif
     Mm m = forwardGemm(x, w, y);
-    expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
-    m.epilogue = gpu::Epilogue::Bias;
-    m.bias = b.data;
+    if (!b.empty()) {  // no bias: SwiGLU experts
+      expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
+      m.epilogue = gpu::Epilogue::Bias;
+      m.bias = b.data;
+    }
     runGemm(ctx, m);
     return;
 #else
@@ -1483,6 +1486,77 @@ void geluBackward(OpContext& ctx, const Mat& pre, const Mat& dy, const Mat& dx) 
   portable(dy.dtype, "geluBackward", [&](auto t) {
     using T = decltype(t);
     model::geluBackward(ctx.space(), pre.view<T>(), dy.view<T>(), dx.view<T>());
+  });
+}
+
+namespace {
+template <class T> void portableSwiglu(OpContext& ctx, const Mat& pre, const Mat& act,
+                                       const Mat* dact, const Mat* dpre) {
+  const View2<T> p = pre.view<T>();
+  const std::int64_t f = pre.cols / 2;
+  if (!dact) {
+    const View2<T> a = act.view<T>();
+    Kokkos::parallel_for(
+        "plm::model::swiglu",
+        Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(ctx.space(), {0, 0}, {pre.rows, f}),
+        KOKKOS_LAMBDA(const std::int64_t r, const std::int64_t c) {
+          const T g = p(r, c);
+          a(r, c) = g / (T(1) + Kokkos::Experimental::exp(-g)) * p(r, f + c);
+        });
+    return;
+  }
+  const View2<T> da = dact->view<T>(), dp = dpre->view<T>();
+  Kokkos::parallel_for(
+      "plm::model::swiglu_backward",
+      Kokkos::MDRangePolicy<ExecSpace, Kokkos::Rank<2>>(ctx.space(), {0, 0}, {pre.rows, f}),
+      KOKKOS_LAMBDA(const std::int64_t r, const std::int64_t c) {
+        const T g = p(r, c), u = p(r, f + c), d = da(r, c);
+        const T sg = T(1) / (T(1) + Kokkos::Experimental::exp(-g));
+        dp(r, c) = d * u * sg * (T(1) + g * (T(1) - sg));
+        dp(r, f + c) = d * g * sg;
+      });
+}
+}  // namespace
+
+void swigluForward(OpContext& ctx, const Mat& pre, const Mat& act) {
+  if (pre.cols != 2 * act.cols || pre.rows != act.rows)
+    throw Error("plm::model::swigluForward: pre must be (R, 2F) for act (R, F) (a bug)");
+  if (isBf16(pre)) {
+#if PLM_HAVE_CUDA
+    if (pre.ld != pre.cols || act.ld != act.cols)
+      throw Error("plm::model::swigluForward: strided operands (a bug in the layout)");
+    gpu::swigluForward(streamOf(ctx), cptr<bf16>(pre), mptr<bf16>(act), act.rows,
+                       static_cast<int>(act.cols));
+    ctx.mark(OpKind::Other);
+    return;
+#else
+    noCuda("swigluForward");
+#endif
+  }
+  portable(pre.dtype, "swigluForward", [&](auto t) {
+    using T = decltype(t);
+    portableSwiglu<T>(ctx, pre, act, nullptr, nullptr);
+  });
+}
+
+void swigluBackward(OpContext& ctx, const Mat& pre, const Mat& dact, const Mat& dpre) {
+  if (pre.cols != 2 * dact.cols || dpre.cols != pre.cols || pre.rows != dact.rows)
+    throw Error("plm::model::swigluBackward: pre, dpre must be (R, 2F) for dact (R, F) (a bug)");
+  if (isBf16(pre)) {
+#if PLM_HAVE_CUDA
+    if (pre.ld != pre.cols || dact.ld != dact.cols || dpre.ld != dpre.cols)
+      throw Error("plm::model::swigluBackward: strided operands (a bug in the layout)");
+    gpu::swigluBackward(streamOf(ctx), cptr<bf16>(pre), cptr<bf16>(dact), mptr<bf16>(dpre),
+                        dact.rows, static_cast<int>(dact.cols));
+    ctx.mark(OpKind::Other);
+    return;
+#else
+    noCuda("swigluBackward");
+#endif
+  }
+  portable(pre.dtype, "swigluBackward", [&](auto t) {
+    using T = decltype(t);
+    portableSwiglu<T>(ctx, pre, Mat{}, &dact, &dpre);
   });
 }
 

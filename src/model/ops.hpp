@@ -240,6 +240,10 @@ void linearBackwardGelu(OpContext& ctx, const Mat& x, const Mat& w, const Mat& d
                         const Mat& dpre, const Mat& dw, const Vec& db);
 /// \brief dx = dy * gelu'(pre) (dx may be dy).
 void geluBackward(OpContext& ctx, const Mat& pre, const Mat& dy, const Mat& dx);
+/// \brief SwiGLU: pre (R, 2F) holds [gate | up] per row, act (R, F) = silu(gate) * up.
+void swigluForward(OpContext& ctx, const Mat& pre, const Mat& act);
+/// \brief Its backward in one pass: dpre (R, 2F) = [dact up silu'(gate) | dact silu(gate)].
+void swigluBackward(OpContext& ctx, const Mat& pre, const Mat& dact, const Mat& dpre);
 
 /// \brief q, k, v = x Wq^T + bq, ... (one stacked GEMM under the fused layout).
 void qkvProjection(OpContext& ctx, const Mat& x, const QkvWeights& w, const Qkv& out);

@@ -107,8 +107,9 @@ ParameterCounts parameterCounts(const model::Esm2Config& c, int expert_degree, b
     else if (ends(t.name, "attention.output.dense.bias"))
       packed = fp8_layer ? size : 0;
     else if (ends(t.name, "intermediate.dense.weight") || ends(t.name, "intermediate.dense.bias") ||
-             ends(t.name, "output.dense.weight"))
-      packed = size;  // dense FFN, routed or shared experts, LM-head dense (below)
+             ends(t.name, "output.dense.weight") || ends(t.name, "gate_proj.weight") ||
+             ends(t.name, "up_proj.weight") || ends(t.name, "down_proj.weight"))
+      packed = size;  // dense FFN, routed (GELU or SwiGLU) or shared experts, LM-head dense
     else if (ends(t.name, "output.dense.bias"))
       packed = expert || fp8_layer ? size : 0;
     else if (t.name == "esm.embeddings.word_embeddings.weight" || t.name == "lm_head.dense.bias")
@@ -196,10 +197,12 @@ MoeBuffers moeBufferBytes(const model::Esm2Config& c, Compute compute, bool gpu,
   // bf16: the router's fp32 copy of the LayerNorm output and its input gradient.
   std::int64_t token = 4 * store(r * h, cb);
   if (bf16_rows && gpu) token += 2 * store(t * h, p);
-  // Expert side: pre-activation, GELU and the pre-activation's gradient at the rows the experts
-  // compute; under expert parallelism also the received rows, their outputs, the staging
+  // Expert side: pre-activation, activation and the pre-activation's gradient at the rows the
+  // experts compute; under expert parallelism also the received rows, their outputs, the staging
   // buffer of both exchanges, the gradients' received and returned rows, and the row maps.
-  std::int64_t expert = 3 * store(x * fe, cb);
+  // SwiGLU experts: pre and its gradient 2 f_e wide (gate | up), act, and d(act) f_e wide.
+  std::int64_t expert =
+      m.swiglu() ? 2 * store(x * 2 * fe, cb) + 2 * store(x * fe, cb) : 3 * store(x * fe, cb);
   if (ep > 1) expert += 5 * store(x * h, cb) + 2 * store(x, 4);
   b.routing = b.layers * routing;
   b.token_side = b.layers * token;
@@ -467,7 +470,7 @@ void planMemory(const Input& in, Plan& p) {
              (c.moe.capacity_factor > 0 ? " = min(t k, E capacity)" : " = t k (dropless)") + kept});
     p.memory.push_back(
         {"MoE: expert rows (FFN activations, gradient)", double(mb.expert_side),
-         std::string("3 X f_e c") +
+         std::string(c.moe.swiglu() ? "6 X f_e c (SwiGLU: pre, its gradient 2 f_e)" : "3 X f_e c") +
              (l.expert > 1 ? " + 5 X h c (received rows, outputs, staging, gradients) + 8 X" : "") +
              ", X = " + std::to_string(mb.expert_rows) + " rows its experts compute" +
              (l.expert > 1 ? " = load " + fmt("%.2f", load) + " x t k" : " = R") + kept});
@@ -561,7 +564,8 @@ double encoderMatmulWeights(const model::Esm2Config& c) {
   for (int l = 0; l < c.num_layers; ++l)
     w += 4 * h * h +
          (c.moe.isMoeLayer(l)
-              ? h * c.moe.experts + 2 * h * c.moe.expert_ffn * (c.moe.top_k + c.moe.shared_experts)
+              ? h * c.moe.experts + c.moe.expertMatrices() * h * c.moe.expert_ffn * c.moe.top_k +
+                    2 * h * c.moe.expert_ffn * c.moe.shared_experts
               : 2 * h * c.ffn);
   return w;
 }
@@ -606,7 +610,7 @@ void planTime(const Input& in, Plan& p) {
   const double layer_flops =
       (L - moe_layers) * (4 * h * h + 2 * h * f) * t +
       moe_layers * ((4 * h * h + h * c.moe.experts + 2 * h * fe * c.moe.shared_experts) * t +
-                    2 * h * fe * rows);
+                    (moe ? c.moe.expertMatrices() : 2) * h * fe * rows);
 
   // GEMMs: the encoder over t rows, the LM head over m rows.
   double gemm_flops = 6 * layer_flops + 6 * (h * h + V * h) * m;
@@ -615,7 +619,7 @@ void planTime(const Input& in, Plan& p) {
   p.time.push_back({"GEMMs", gemm,
                     moe ? "mb (6 W_t + 6 (h^2 + V h) m [+ 2 W_t layer]) / (gemm_tflops k/(k + "
                           "gemm_half_k)), k = h; W_t = dense layers (4h^2 + 2hf) t + MoE layers "
-                          "((4h^2 + h E + 2 h f_e S) t + 2 h f_e X)"
+                          "((4h^2 + h E + 2 h f_e S) t + 2 h f_e X [3 h f_e X SwiGLU])"
                         : "mb (6 L (4h^2 + 2hf) t + 6 (h^2 + V h) m [+ 2 L (4h^2+2hf) t layer]) / "
                           "(gemm_tflops k/(k + gemm_half_k)), k = h"});
   double attn_flops = 12 * L * h * S * t;

@@ -117,9 +117,10 @@ std::string formatPlan(const Input& in, const Plan& p) {
       computeName(in.compute), model::recomputeName(c.recompute));
   if (c.moe.enabled())
     os << line(
-        "  MoE: %d experts of width %d, top-%d, every %d layer(s), %d shared; %s; %lld active "
-        "parameters per token\n",
-        c.moe.experts, c.moe.expert_ffn, c.moe.top_k, c.moe.every, c.moe.shared_experts,
+        "  MoE: %d %s experts of width %d, top-%d, every %d layer(s), %d shared; %s; %lld "
+        "active parameters per token\n",
+        c.moe.experts, model::expertActivationName(c.moe.expert_activation), c.moe.expert_ffn,
+        c.moe.top_k, c.moe.every, c.moe.shared_experts,
         c.moe.capacity_factor > 0 ? line("capacity factor %.2f", c.moe.capacity_factor).c_str()
                                   : "dropless",
         static_cast<long long>(c.activeParameters()));
@@ -180,6 +181,8 @@ io::json::Value planToJson(const Input& in, const Plan& p) {
     moe.set("experts", in.model.moe.experts);
     moe.set("top_k", in.model.moe.top_k);
     moe.set("expert_ffn", in.model.moe.expert_ffn);
+    moe.set("expert_activation",
+            std::string(model::expertActivationName(in.model.moe.expert_activation)));
     moe.set("every", in.model.moe.every);
     moe.set("shared_experts", in.model.moe.shared_experts);
     moe.set("dropless", in.model.moe.capacity_factor == 0);

@@ -47,6 +47,9 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.bias_rate = m.get<double>("bias_rate");
   c.router_init = model::parseRouterInit(m.get<std::string>("router_init"));
   c.expert_gemm = model::parseExpertGemm(m.get<std::string>("expert_gemm"));
+  const auto activation = m.get<std::string>("expert_activation");
+  if (activation != "auto")  // auto: the preset's (swiglu for aido_protein_16b), else gelu
+    c.expert_activation = model::parseExpertActivation(activation);
   c.dispatch_budget_bytes = m.get<double>("dispatch_budget_gib") * 1024.0 * 1024.0 * 1024.0;
   c.overlap = m.get<bool>("overlap");
   c.host_routing = m.get<std::string>("routing") == "host";

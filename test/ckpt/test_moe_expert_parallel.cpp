@@ -206,8 +206,10 @@ TEST(ExpertParallel, ResumesAtAnotherDegree) {
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 
-plm::model::Esm2Config tinyMoe() {
+plm::model::Esm2Config tinyMoe(
+    plm::model::ExpertActivation activation = plm::model::ExpertActivation::Gelu) {
   plm::model::Esm2Config c;
+  c.moe.expert_activation = activation;
   c.num_layers = 2;
   c.hidden = 16;
   c.heads = 2;
@@ -272,7 +274,7 @@ TEST(ExpertParallel, RanksHoldOnlyTheirExperts) {
     }
 }
 
-TEST(ExpertParallel, ZeroTokenRanksAndExpertsWork) {
+void zeroTokenRanksAndExpertsWork(plm::model::ExpertActivation activation) {
   if (noExpertParallelBackend())
     GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
   const int world = plm::dist::worldSize(), rank = plm::dist::worldRank();
@@ -282,7 +284,7 @@ TEST(ExpertParallel, ZeroTokenRanksAndExpertsWork) {
                              : plm::test::makeBatchForRank(r));  // rank 1: no tokens at all
   auto comm =
       plm::dist::makeCommunicator(MPI_COMM_WORLD, plm::dist::defaultBackend(MPI_COMM_WORLD));
-  plm::model::Esm2<double> model(tinyMoe());
+  plm::model::Esm2<double> model(tinyMoe(activation));
   model.initialize(5);
   plm::test::silenceExpertZero(model);
   model.setExpertParallel(comm.get());
@@ -299,7 +301,7 @@ TEST(ExpertParallel, ZeroTokenRanksAndExpertsWork) {
   EXPECT_EQ(stats[0].routed[0], 0.0) << "expert 0 received tokens";
 
   // Reference: one rank, every expert local, the same micro-batches one after the other.
-  plm::model::Esm2<double> single(tinyMoe());
+  plm::model::Esm2<double> single(tinyMoe(activation));
   single.initialize(5);
   plm::test::silenceExpertZero(single);
   single.zeroGradients();
@@ -319,8 +321,16 @@ TEST(ExpertParallel, ZeroTokenRanksAndExpertsWork) {
   EXPECT_GT(max_abs, 0.0);
   EXPECT_LT(max_diff, 1e-10 * max_abs);
   if (rank == 0)
-    std::printf("%d ranks, expert degree %d: largest gradient difference %.3g of %.3g\n", world,
-                world, max_diff, max_abs);
+    std::printf(
+        "%s experts, %d ranks, expert degree %d: largest gradient difference %.3g of %.3g\n",
+        plm::model::expertActivationName(activation), world, world, max_diff, max_abs);
+}
+
+// GELU and SwiGLU experts alike: the expert group's summed gradients are one rank's.
+TEST(ExpertParallel, ZeroTokenRanksAndExpertsWork) {
+  for (const auto activation :
+       {plm::model::ExpertActivation::Gelu, plm::model::ExpertActivation::Swiglu})
+    zeroTokenRanksAndExpertsWork(activation);
 }
 
 // bf16 expert parallelism (CUDA): the rows travel as bf16, the routing metadata (counts) first.
@@ -331,11 +341,12 @@ TEST(ExpertParallel, ZeroTokenRanksAndExpertsWork) {
 // is 0.4% of it, and such flips, rare and independent, leave the relative L2 error of the whole
 // gradient near 1e-3.  Rows sent to the wrong rank, expert or position, or bytes misread as
 // fp32, give errors of order 1.  The test allows 2e-2.
-TEST(ExpertParallel, Bf16RowsMatchOneRank) {
+void bf16RowsMatchOneRank(plm::model::ExpertActivation activation) {
   if (!PLM_HAVE_CUDA) GTEST_SKIP() << "train.precision: bf16 runs on the CUDA build only";
   if (noExpertParallelBackend())
     GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
-  const auto c = plm::test::floatMoeConfig(plm::model::Precision::Bf16);
+  auto c = plm::test::floatMoeConfig(plm::model::Precision::Bf16);
+  c.moe.expert_activation = activation;
   auto comm =
       plm::dist::makeCommunicator(MPI_COMM_WORLD, plm::dist::defaultBackend(MPI_COMM_WORLD));
   const auto m = plm::test::expertParallelVsOneRank<float>(c, comm.get(), true, false);
@@ -345,10 +356,19 @@ TEST(ExpertParallel, Bf16RowsMatchOneRank) {
   EXPECT_NEAR(m.loss, m.ref_loss, 1e-2 * m.ref_loss);
   if (plm::dist::worldRank() == 0)
     std::printf(
-        "bf16, %d ranks, expert degree %d (%s): gradient relative L2 %.3g, largest "
+        "bf16 %s experts, %d ranks, expert degree %d (%s): gradient relative L2 %.3g, largest "
         "difference %.3g of %.3g, loss %.6f vs %.6f\n",
-        plm::dist::worldSize(), plm::dist::worldSize(), plm::dist::nameOf(comm->backend()),
-        m.rel_l2, m.max_diff, m.max_abs, m.loss, m.ref_loss);
+        plm::model::expertActivationName(activation), plm::dist::worldSize(),
+        plm::dist::worldSize(), plm::dist::nameOf(comm->backend()), m.rel_l2, m.max_diff, m.max_abs,
+        m.loss, m.ref_loss);
+}
+
+// GELU experts (the grouped GEMM or the loop by moe.expert_gemm: auto), then SwiGLU experts (the
+// cuBLASLt loop with the fused SiLU-gate kernels).
+TEST(ExpertParallel, Bf16RowsMatchOneRank) {
+  for (const auto activation :
+       {plm::model::ExpertActivation::Gelu, plm::model::ExpertActivation::Swiglu})
+    bf16RowsMatchOneRank(activation);
 }
 
 /// One forward/backward of each rank's own micro-batch with the experts spread over the world

@@ -89,12 +89,15 @@ void compare(const MoeConfig& c, int tokens, int hidden, bool empty_expert) {
   Params p;
   auto& router = p.add("router", e_n, hidden, 1, 0.3f);
   std::vector<Params::Tensor*> ex;
+  // GELU experts: w1, b1, w2, b2; SwiGLU experts: [gate; up] (2 F_e, H) and down, no biases.
+  const bool swiglu = c.swiglu();
+  const int stride = swiglu ? 2 : 4;
   for (int e = 0; e < e_n; ++e) {
     const std::string n = "expert " + std::to_string(e) + " ";
-    ex.push_back(&p.add(n + "w1", fe, hidden, 10 + e, 0.15f));
-    ex.push_back(&p.add(n + "b1", fe, 0, 30 + e, 0.1f));
+    ex.push_back(&p.add(n + "w1", swiglu ? 2 * fe : fe, hidden, 10 + e, 0.15f));
+    if (!swiglu) ex.push_back(&p.add(n + "b1", fe, 0, 30 + e, 0.1f));
     ex.push_back(&p.add(n + "w2", hidden, fe, 50 + e, 0.15f));
-    ex.push_back(&p.add(n + "b2", hidden, 0, 70 + e, 0.1f));
+    if (!swiglu) ex.push_back(&p.add(n + "b2", hidden, 0, 70 + e, 0.1f));
   }
   std::vector<Params::Tensor*> sh;
   if (sw > 0) {
@@ -114,6 +117,12 @@ void compare(const MoeConfig& c, int tokens, int hidden, bool empty_expert) {
     if (c.bias_balance) w.expert_bias = vecOf(bias_d.get(), DType::F32, e_n);
     for (int e = 0; e < e_n; ++e) {
       DenseMlpWeights d;
+      if (swiglu) {
+        d.w1 = wmat(*ex[stride * e], bf16);
+        d.w2 = wmat(*ex[stride * e + 1], bf16);
+        w.experts.push_back(d);
+        continue;
+      }
       d.w1 = wmat(*ex[4 * e], bf16);
       d.b1 = wvec(*ex[4 * e + 1], bf16);
       d.w2 = wmat(*ex[4 * e + 2], bf16);
@@ -133,6 +142,12 @@ void compare(const MoeConfig& c, int tokens, int hidden, bool empty_expert) {
     g.router = gmat(router, ref);
     for (int e = 0; e < e_n; ++e) {
       DenseMlpWeights d;
+      if (swiglu) {
+        d.w1 = gmat(*ex[stride * e], ref);
+        d.w2 = gmat(*ex[stride * e + 1], ref);
+        g.experts.push_back(d);
+        continue;
+      }
       d.w1 = gmat(*ex[4 * e], ref);
       d.b1 = gvec(*ex[4 * e + 1], ref);
       d.w2 = gmat(*ex[4 * e + 2], ref);
@@ -247,6 +262,18 @@ MoeConfig config() {
 TEST(MoeBf16, DroplessMatchesFp32) {
   auto c = config();
   compare(c, 300, 64, false);
+}
+
+// SwiGLU experts: the per-expert cuBLASLt loop with the fused SiLU-gate kernels against the
+// fp32 portable path (itself checked against the formula and by finite differences on the CPU).
+TEST(MoeBf16, SwigluExpertsMatchFp32) {
+  auto c = config();
+  c.expert_activation = ExpertActivation::Swiglu;
+  compare(c, 300, 64, false);
+  c.capacity_factor = 1.0;
+  c.shared_experts = 1;
+  c.bias_balance = true;
+  compare(c, 257, 128, true);
 }
 
 TEST(MoeBf16, CapacityEmptyExpertSharedExpertsSigmoid) {

@@ -543,56 +543,70 @@ TEST(Convert, HubReadyExport) {
 
 // An MoE model goes out in plm's documented format (not EsmForMaskedLM) and comes back exactly.
 TEST(Convert, MoeExportRoundTrip) {
-  Esm2Config config;
-  config.num_layers = 2;
-  config.hidden = 16;
-  config.heads = 2;
-  config.ffn = 32;
-  config.moe.experts = 4;
-  config.moe.top_k = 2;
-  config.moe.every = 2;  // layer 0 dense, layer 1 MoE
-  config.moe.expert_ffn = 8;
-  config.moe.shared_experts = 1;
-  config.moe.capacity_factor = 1.25;
-  config.moe.bias_balance = true;
-  const auto tensors = plm::model::tensorTable(config);
-  std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size), 0.0f);
-  std::mt19937 gen(3);
-  std::normal_distribution<float> normal;
-  for (const auto& t : tensors)
-    for (std::int64_t i = 0; i < t.size; ++i) values[std::size_t(t.offset + i)] = normal(gen);
-  const std::string source = scratch("moe.h5").string();
-  io::writeModelFile(source, MPI_COMM_WORLD, config, tensors, values.data());
+  // GELU experts, then SwiGLU experts (gate_proj, up_proj, down_proj; no biases).
+  for (const auto activation :
+       {plm::model::ExpertActivation::Gelu, plm::model::ExpertActivation::Swiglu}) {
+    const bool swiglu = activation == plm::model::ExpertActivation::Swiglu;
+    Esm2Config config;
+    config.num_layers = 2;
+    config.hidden = 16;
+    config.heads = 2;
+    config.ffn = 32;
+    config.moe.experts = 4;
+    config.moe.top_k = 2;
+    config.moe.every = 2;  // layer 0 dense, layer 1 MoE
+    config.moe.expert_ffn = 8;
+    config.moe.shared_experts = 1;
+    config.moe.capacity_factor = 1.25;
+    config.moe.bias_balance = true;
+    config.moe.expert_activation = activation;
+    const auto tensors = plm::model::tensorTable(config);
+    std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size), 0.0f);
+    std::mt19937 gen(3);
+    std::normal_distribution<float> normal;
+    for (const auto& t : tensors)
+      for (std::int64_t i = 0; i < t.size; ++i) values[std::size_t(t.offset + i)] = normal(gen);
+    const std::string source = scratch("moe.h5").string();
+    io::writeModelFile(source, MPI_COMM_WORLD, config, tensors, values.data());
 
-  const fs::path out = scratch("moe_hf");
-  const io::hf::TableOf table = [](const Esm2Config& c) { return plm::model::tensorTable(c); };
-  EXPECT_THROW(io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD), plm::Error);
-  auto summary = io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD, {}, table);
-  bool warned = false;
-  for (const auto& w : summary.warnings)
-    warned = warned || w.find("transformers has no ESM MoE class") != std::string::npos;
-  EXPECT_TRUE(warned);
-  auto j = json::parse(readFile(out / "config.json"));
-  EXPECT_EQ(j.at("model_type").asString(), io::hf::moe_model_type);
-  EXPECT_EQ(j.at("plm_moe").at("experts").asInt(), 4);
-  EXPECT_EQ(j.at("plm_moe").at("router").asString(), "softmax");
-  EXPECT_TRUE(st::Reader((out / "model.safetensors").string())
-                  .has("esm.encoder.layer.1.moe.experts.3.output.dense.weight"));
-  EXPECT_TRUE(fs::exists(out / "vocab.txt"));
+    const fs::path out = scratch("moe_hf");
+    const io::hf::TableOf table = [](const Esm2Config& c) { return plm::model::tensorTable(c); };
+    EXPECT_THROW(io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD), plm::Error);
+    auto summary = io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD, {}, table);
+    bool warned = false;
+    for (const auto& w : summary.warnings)
+      warned = warned || w.find("transformers has no ESM MoE class") != std::string::npos;
+    EXPECT_TRUE(warned);
+    auto j = json::parse(readFile(out / "config.json"));
+    EXPECT_EQ(j.at("model_type").asString(), io::hf::moe_model_type);
+    EXPECT_EQ(j.at("plm_moe").at("experts").asInt(), 4);
+    EXPECT_EQ(j.at("plm_moe").at("router").asString(), "softmax");
+    EXPECT_EQ(j.at("plm_moe").at("expert_activation").asString(), swiglu ? "swiglu" : "gelu");
+    const st::Reader written((out / "model.safetensors").string());
+    for (const char* name :
+         {"output.dense.weight", "down_proj.weight", "gate_proj.weight", "up_proj.weight"}) {
+      const bool swiglu_name = std::string(name).find("_proj") != std::string::npos;
+      EXPECT_EQ(written.has(std::string("esm.encoder.layer.1.moe.experts.3.") + name),
+                swiglu_name == swiglu)
+          << name;
+    }
+    EXPECT_TRUE(fs::exists(out / "vocab.txt"));
 
-  const std::string back = scratch("moe_back.h5").string();
-  summary = io::hf::convertFromHf(out.string(), back, MPI_COMM_WORLD, table);
-  const Esm2Config read = io::readModelConfig(back);
-  EXPECT_EQ(read.moe.experts, 4);
-  EXPECT_EQ(read.moe.every, 2);
-  EXPECT_EQ(read.moe.expert_ffn, 8);
-  EXPECT_EQ(read.moe.shared_experts, 1);
-  EXPECT_EQ(read.moe.capacity_factor, 1.25);
-  EXPECT_TRUE(read.moe.bias_balance);
-  std::vector<float> again(values.size(), -1.0f);
-  io::readModelValues(back, MPI_COMM_WORLD, read, tensors, again.data());
-  for (const auto& t : tensors)
-    for (std::int64_t i = 0; i < t.size; ++i)
-      ASSERT_EQ(again[std::size_t(t.offset + i)], values[std::size_t(t.offset + i)]) << t.name;
-  fs::remove_all(scratch("").parent_path());
+    const std::string back = scratch("moe_back.h5").string();
+    summary = io::hf::convertFromHf(out.string(), back, MPI_COMM_WORLD, table);
+    const Esm2Config read = io::readModelConfig(back);
+    EXPECT_EQ(read.moe.experts, 4);
+    EXPECT_EQ(read.moe.every, 2);
+    EXPECT_EQ(read.moe.expert_ffn, 8);
+    EXPECT_EQ(read.moe.shared_experts, 1);
+    EXPECT_EQ(read.moe.capacity_factor, 1.25);
+    EXPECT_TRUE(read.moe.bias_balance);
+    EXPECT_EQ(read.moe.expert_activation, activation);
+    std::vector<float> again(values.size(), -1.0f);
+    io::readModelValues(back, MPI_COMM_WORLD, read, tensors, again.data());
+    for (const auto& t : tensors)
+      for (std::int64_t i = 0; i < t.size; ++i)
+        ASSERT_EQ(again[std::size_t(t.offset + i)], values[std::size_t(t.offset + i)]) << t.name;
+    fs::remove_all(scratch("").parent_path());
+  }
 }

@@ -161,65 +161,70 @@ TEST(MemoryPlan, MoeBuffersMatchThePlanAtTheMeasuredLoad) {
                     "validation/plan_accuracy.py)";
   const int world = dist::worldSize(), rank = dist::worldRank();
   if (4 % world != 0) GTEST_SKIP() << "the 4 experts split over 1, 2 or 4 ranks";
-  const auto c = moeConfig();
   auto comm = dist::makeCommunicator(MPI_COMM_WORLD, dist::defaultBackend(MPI_COMM_WORLD));
-  const std::int64_t base = train::AllocationTracker::inUse();
-  double state = 0, peak = 0;
-  std::vector<std::vector<double>> routed;
-  {
-    model::Esm2<float> model(c, model::ExpertPlacement{world, rank});
-    model.initialize(3);
-    if (world > 1) model.setExpertParallel(comm.get());
-    train::AdamW<float> opt(model.parameters(), model.tensors(), train::AdamWOptions{});
-    state = static_cast<double>(train::AllocationTracker::inUse() - base);
-    train::AllocationTracker::resetPeak();
-    model.zeroGradients();
-    model.forwardBackward(makeBatch(17 + rank), 1.0 / labelled);
-    opt.step(ExecSpace(), model.gradients(), 1e-4);
-    peak = static_cast<double>(train::AllocationTracker::peak() - base);
-    for (const auto& s : model.moeStats()) routed.push_back(s.routed);
-  }
-  // This rank's load: its experts' slots (routed by every rank of the group) over t k.
-  for (auto& layer : routed)
-    MPI_Allreduce(MPI_IN_PLACE, layer.data(), static_cast<int>(layer.size()), MPI_DOUBLE, MPI_SUM,
-                  MPI_COMM_WORLD);
-  double load = 0;
-  for (const auto& layer : routed) {
-    double mine = 0, all = 0;
-    for (int e = 0; e < 4; ++e) {
-      all += layer[e];
-      if (e / (4 / world) == rank) mine += layer[e];
+  // GELU experts, then SwiGLU experts (three matrices each; twice the activations per row).
+  for (const auto activation : {model::ExpertActivation::Gelu, model::ExpertActivation::Swiglu}) {
+    auto c = moeConfig();
+    c.moe.expert_activation = activation;
+    const std::int64_t base = train::AllocationTracker::inUse();
+    double state = 0, peak = 0;
+    std::vector<std::vector<double>> routed;
+    {
+      model::Esm2<float> model(c, model::ExpertPlacement{world, rank});
+      model.initialize(3);
+      if (world > 1) model.setExpertParallel(comm.get());
+      train::AdamW<float> opt(model.parameters(), model.tensors(), train::AdamWOptions{});
+      state = static_cast<double>(train::AllocationTracker::inUse() - base);
+      train::AllocationTracker::resetPeak();
+      model.zeroGradients();
+      model.forwardBackward(makeBatch(17 + rank), 1.0 / labelled);
+      opt.step(ExecSpace(), model.gradients(), 1e-4);
+      peak = static_cast<double>(train::AllocationTracker::peak() - base);
+      for (const auto& s : model.moeStats()) routed.push_back(s.routed);
     }
-    load += world * mine / all / static_cast<double>(routed.size());
-  }
-  plan::Input in;
-  in.model = c;
-  in.micro_batch_tokens = tokens;
-  in.mask_prob = (labelled - 0.5) / tokens;
-  in.layout.ranks_per_node = world;
-  in.layout.expert = world;
-  in.moe_load = load;
-  in.rates = plan::builtinRates("cpu");
-  const auto p = plan::makePlan(in);
-  const double planned_state = stateOf(p);
-  std::printf(
-      "rank %d, expert degree %d, load %.3f: state planned %s, measured %s; first step peak "
-      "planned %s, measured %s\n",
-      rank, world, load, plan::bytesText(planned_state).c_str(), plan::bytesText(state).c_str(),
-      plan::bytesText(p.memory_allocated).c_str(), plan::bytesText(peak).c_str());
-  EXPECT_NEAR(state, planned_state, 0.10 * planned_state);
-  EXPECT_NEAR(peak, p.memory_allocated, 0.10 * p.memory_allocated);
-  // The MoE buffers are the part this test is about: without them the plan misses the peak.
-  double moe = 0;
-  for (const auto& i : p.memory)
-    if (i.name.rfind("MoE", 0) == 0) moe += i.value;
-  EXPECT_GT(moe, 0.10 * peak);
-  EXPECT_GT(peak - (p.memory_allocated - moe), 0.5 * moe);
-  // The state per rank falls with the expert degree (the routed experts divide by it).
-  if (world > 1) {
-    plan::Input one = in;
-    one.layout.expert = 1;
-    EXPECT_LT(planned_state, stateOf(plan::makePlan(one)));
+    // This rank's load: its experts' slots (routed by every rank of the group) over t k.
+    for (auto& layer : routed)
+      MPI_Allreduce(MPI_IN_PLACE, layer.data(), static_cast<int>(layer.size()), MPI_DOUBLE, MPI_SUM,
+                    MPI_COMM_WORLD);
+    double load = 0;
+    for (const auto& layer : routed) {
+      double mine = 0, all = 0;
+      for (int e = 0; e < 4; ++e) {
+        all += layer[e];
+        if (e / (4 / world) == rank) mine += layer[e];
+      }
+      load += world * mine / all / static_cast<double>(routed.size());
+    }
+    plan::Input in;
+    in.model = c;
+    in.micro_batch_tokens = tokens;
+    in.mask_prob = (labelled - 0.5) / tokens;
+    in.layout.ranks_per_node = world;
+    in.layout.expert = world;
+    in.moe_load = load;
+    in.rates = plan::builtinRates("cpu");
+    const auto p = plan::makePlan(in);
+    const double planned_state = stateOf(p);
+    std::printf(
+        "%s experts, rank %d, expert degree %d, load %.3f: state planned %s, measured %s; first "
+        "step peak planned %s, measured %s\n",
+        model::expertActivationName(activation), rank, world, load,
+        plan::bytesText(planned_state).c_str(), plan::bytesText(state).c_str(),
+        plan::bytesText(p.memory_allocated).c_str(), plan::bytesText(peak).c_str());
+    EXPECT_NEAR(state, planned_state, 0.10 * planned_state);
+    EXPECT_NEAR(peak, p.memory_allocated, 0.10 * p.memory_allocated);
+    // The MoE buffers are the part this test is about: without them the plan misses the peak.
+    double moe = 0;
+    for (const auto& i : p.memory)
+      if (i.name.rfind("MoE", 0) == 0) moe += i.value;
+    EXPECT_GT(moe, 0.10 * peak);
+    EXPECT_GT(peak - (p.memory_allocated - moe), 0.5 * moe);
+    // The state per rank falls with the expert degree (the routed experts divide by it).
+    if (world > 1) {
+      plan::Input one = in;
+      one.layout.expert = 1;
+      EXPECT_LT(planned_state, stateOf(plan::makePlan(one)));
+    }
   }
   train::AllocationTracker::stop();
 }

@@ -452,6 +452,19 @@ TEST(Plan, MoeParameterCountsFollowTheModelsTable) {
   }
   // The compute copy packs every expert's four tensors (b2 too: an expert's output is bf16).
   EXPECT_EQ(whole.compute_experts, whole.experts);
+  // SwiGLU experts: gate, up (48, h) and down (h, 48), no biases: 3 x 1536 elements each.
+  auto swiglu = c;
+  swiglu.moe.expert_activation = model::ExpertActivation::Swiglu;
+  const auto three = plan::parameterCounts(swiglu);
+  EXPECT_EQ(three.experts, 2 * 4 * 4608);
+  EXPECT_EQ(three.compute_experts, three.experts);
+  EXPECT_EQ(three.dense(), whole.dense());
+  {
+    model::Esm2<float> m(swiglu);
+    EXPECT_EQ(static_cast<std::int64_t>(m.parameters().extent(0)), three.flat);
+  }
+  EXPECT_EQ(three.flat - whole.flat, 2 * 4 * (4608 - 3152));
+  EXPECT_EQ(swiglu.numParameters() - c.numParameters(), 2 * 4 * (4608 - 3152));
   // A dense model's counts are the hand formula's.
   EXPECT_EQ(plan::parameterCounts(small()).flat, plan::flatParameterCount(small()));
   EXPECT_EQ(plan::parameterCounts(small()).experts, 0);
@@ -483,6 +496,11 @@ TEST(Plan, MoeBuffersByHand) {
   const auto g = plan::moeBufferBytes(c, Compute::Bf16, true, 10, 1, 1.0);
   EXPECT_EQ(g.token_side, 2 * (4 * 20 * 32 * 2 + 2 * 10 * 32 * 4));
   EXPECT_EQ(g.expert_side, 2 * 3 * 20 * 48 * 2);
+  // SwiGLU experts: pre-activation and its gradient 2 f_e wide, act and d(act) f_e wide.
+  auto swiglu = c;
+  swiglu.moe.expert_activation = model::ExpertActivation::Swiglu;
+  EXPECT_EQ(plan::moeBufferBytes(swiglu, Compute::Fp32, false, 10, 1, 1.0).expert_side,
+            2 * 6 * 20 * 48 * 4);
   // Shared experts: pre-activation, GELU and gradient over every token.
   auto shared = c;
   shared.moe.shared_experts = 1;
