@@ -76,6 +76,9 @@ const std::vector<SectionSpec>& sections() {
       {"parallel",
        "How ranks split the work beyond data parallelism: sharded data parallelism (FSDP/HSDP, "
        "doc/parallelism.md) and expert parallelism."},
+      {"lora",
+       "LoRA adapters for fine-tuning (doc/finetune.md): rank = 0 trains the whole model. "
+       "Adapters (rank > 0) are not yet part of the training step: plm train refuses them."},
   };
   return table;
 }
@@ -404,6 +407,19 @@ const std::vector<KeySpec>& keys() {
        "On the GPU under delayed and block scaling, LayerNorm and the GELU pass write the E4M3 "
        "codes for the FP8 GEMM that reads their output; false = a separate cast pass (slower; "
        "doc/fp8.md).", any(), {}},
+      // lora
+      {"lora", "rank", K::integer, "0",
+       "Adapter rank r; 0 = no adapters. A target y = x W^T + b becomes y + (alpha / r) "
+       "(x A^T) B^T with A (r, in) kaiming-uniform and B (out, r) zero, so step 0 is the base "
+       "model exactly (PEFT's LoRA).", atLeast(0), {}},
+      {"lora", "alpha", K::real, "8",
+       "Adapter scale numerator: the update is multiplied by alpha / rank.", above(0), {}},
+      {"lora", "targets", K::text, "q,k,v,o",
+       "Comma-separated linear layers of every encoder layer that get an adapter: any of q, k, "
+       "v (attention projections), o (attention output), ffn_in, ffn_out.", any(), {}},
+      {"lora", "dropout", K::real, "0",
+       "Dropout on the adapter input. Only 0 is implemented; other values are refused.",
+       interval(0, 1, false, true), {}},
       // checkpoint
       {"checkpoint", "dir", K::text, "run/ckpt", "Directory of the checkpoint files.", any(), {},
        true},

@@ -17,6 +17,7 @@
 #include "train/blas_threads.hpp"
 #include "train/fp8_run.hpp"
 #include "train/fsdp.hpp"
+#include "train/lora_run.hpp"
 #include "train/memory_tracker.hpp"
 #include "train/moe_run.hpp"
 #include "train/optim/from_deck.hpp"
@@ -91,6 +92,7 @@ model::Esm2Config modelConfigFromDeck(const Teuchos::ParameterList& deck) {
   config.attention = model::parseAttentionKernel(t.get<std::string>("attention"));
   config.deterministic = t.get<bool>("deterministic");
   applyFp8Section(deck, config);
+  loraSection(deck);  // refuses adapters until they are part of the model's step
   config.validate();
   return config;
 }

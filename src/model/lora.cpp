@@ -1,0 +1,113 @@
+// LoRA adapter kernels (see lora.hpp for the accumulation rule).
+#include "model/lora.hpp"
+
+#include "core/error.hpp"
+#include "model/gemm.hpp"
+#include "model/math.hpp"
+
+#include <cmath>
+
+namespace plm::model {
+namespace {
+
+struct TargetName {
+  const char* name;
+  LoraTarget bit;
+};
+
+constexpr TargetName target_names[] = {{"q", lora_q},           {"k", lora_k},
+                                       {"v", lora_v},           {"o", lora_o},
+                                       {"ffn_in", lora_ffn_in}, {"ffn_out", lora_ffn_out}};
+
+}  // namespace
+
+std::string loraTargetNames(unsigned targets) {
+  std::string out;
+  for (const auto& t : target_names)
+    if (targets & t.bit) out += (out.empty() ? "" : ",") + std::string(t.name);
+  return out;
+}
+
+unsigned parseLoraTargets(const std::string& text) {
+  unsigned targets = 0;
+  std::string item;
+  auto flush = [&] {
+    if (item.empty()) return;
+    bool found = false;
+    for (const auto& t : target_names)
+      if (item == t.name) {
+        targets |= t.bit;
+        found = true;
+      }
+    if (!found)
+      throw collectiveError("lora.targets: unknown target '" + item + "' in '" + text +
+                            "'; use a comma-separated subset of " + loraTargetNames(~0u));
+    item.clear();
+  };
+  for (char ch : text) {
+    if (ch == ',')
+      flush();
+    else if (ch != ' ' && ch != '\t')
+      item += ch;
+  }
+  flush();
+  if (targets == 0)
+    throw collectiveError("lora.targets: empty; name at least one of " + loraTargetNames(~0u));
+  return targets;
+}
+
+template <class T> void loraInitA(const ExecSpace& space, const View2<T>& a, std::uint64_t seed,
+                                  std::uint64_t stream) {
+  // kaiming_uniform_(a = sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 / fan_in) =
+  // 1 / sqrt(fan_in).
+  const std::int64_t in = static_cast<std::int64_t>(a.extent(1));
+  const double bound = in > 0 ? 1.0 / std::sqrt(static_cast<double>(in)) : 0.0;
+  T* data = a.data();
+  Kokkos::parallel_for(
+      "plm::model::lora_init_a",
+      Kokkos::RangePolicy<ExecSpace>(space, 0, static_cast<std::int64_t>(a.size())),
+      KOKKOS_LAMBDA(const std::int64_t i) {
+        const std::uint64_t base = math::hash64(seed ^ math::hash64(stream + 0x4C6F5241ull));
+        const double u = static_cast<double>(math::hash64(base + i) >> 11) *
+                         (1.0 / 9007199254740992.0);  // [0, 1)
+        data[i] = static_cast<T>((2.0 * u - 1.0) * bound);
+      });
+}
+
+template <class T> void loraForward(const ExecSpace& space, const View2<T>& x, const View2<T>& a,
+                                    const View2<T>& b, T s, const View2<T>& tmp,
+                                    const View2<T>& y) {
+  gemm(space, Trans::N, Trans::T, T(1), x, a, T(0), tmp);
+  gemm(space, Trans::N, Trans::T, s, tmp, b, T(1), y);
+}
+
+template <class T> void loraBackward(const ExecSpace& space, const View2<T>& x, const View2<T>& a,
+                                     const View2<T>& b, T s, const View2<T>& tmp,
+                                     bool recompute_tmp, const View2<T>& dy, const View2<T>& dtmp,
+                                     const View2<T>& dx, const View2<T>& da, const View2<T>& db) {
+  if (recompute_tmp) gemm(space, Trans::N, Trans::T, T(1), x, a, T(0), tmp);
+  gemm(space, Trans::T, Trans::N, s, dy, tmp, T(1), db);     // (out, r)
+  gemm(space, Trans::N, Trans::N, s, dy, b, T(0), dtmp);     // (R, r)
+  gemm(space, Trans::T, Trans::N, T(1), dtmp, x, T(1), da);  // (r, in)
+  if (dx.extent(0) != 0) gemm(space, Trans::N, Trans::N, T(1), dtmp, a, T(1), dx);
+}
+
+template <class T> void loraMerge(const ExecSpace& space, const View2<T>& w, const View2<T>& a,
+                                  const View2<T>& b, T s) {
+  gemm(space, Trans::N, Trans::N, s, b, a, T(1), w);
+}
+
+#define PLM_MODEL_LORA_INSTANTIATE(T)                                                             \
+  template void loraInitA<T>(const ExecSpace&, const View2<T>&, std::uint64_t, std::uint64_t);    \
+  template void loraForward<T>(const ExecSpace&, const View2<T>&, const View2<T>&,                \
+                               const View2<T>&, T, const View2<T>&, const View2<T>&);             \
+  template void loraBackward<T>(                                                                  \
+      const ExecSpace&, const View2<T>&, const View2<T>&, const View2<T>&, T, const View2<T>&,    \
+      bool, const View2<T>&, const View2<T>&, const View2<T>&, const View2<T>&, const View2<T>&); \
+  template void loraMerge<T>(const ExecSpace&, const View2<T>&, const View2<T>&, const View2<T>&, \
+                             T);
+
+PLM_MODEL_LORA_INSTANTIATE(float)
+PLM_MODEL_LORA_INSTANTIATE(double)
+
+}  // namespace plm::model
