@@ -4,14 +4,13 @@
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
-#                                       gemm_tune
+#                                       gemm_tune fp8_fsdp
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
 #        train.gemm_autotune false and true (PLM_GEMM_TUNE_TOKENS, default 24576; PLM_TRAIN_STEPS),
 #        then plm train 650M bf16 with train.gemm_autotune on, twice in one run_dir (the second
 #        run reads <run_dir>/gemm_autotune.txt: its "gemm autotune:" lines say "from the cache file")
-#                                       fp8_fsdp
 #   context: the context-parallel tests (test/context, packaged with PLM_PKG_CTEST=1) at 2 and 4
 #        ranks, the bf16 ring and MoE among them; with 2 GPUs, 650M bf16 on 16,384-token sequences
 #        at context degree 1 (one GPU) and 2 (two GPUs): tokens/s per GPU
