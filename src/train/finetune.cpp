@@ -6,6 +6,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "data/loader.hpp"
+#include "io/dataset.hpp"
 #include "io/hdf5.hpp"
 #include "io/model_file.hpp"
 #include "train/metrics.hpp"
@@ -37,7 +38,8 @@ struct TaskStats {
   std::int64_t counted = 0;
   std::vector<double> scores;  // regression: prediction; 2 classes: logit difference
   std::vector<double> targets;
-  std::int64_t correct = 0;  // classification
+  std::int64_t correct = 0;                // classification
+  std::vector<std::int64_t> class_counts;  // labelled rows per class
 };
 
 /// Host copy of a (rows, L) view as doubles.
@@ -76,6 +78,8 @@ template <class T> void headPass(model::Esm2<T>& encoder, model::TaskHead<T>& he
       continue;
     }
     if (targets[r] < 0) continue;
+    if (stats.class_counts.empty()) stats.class_counts.assign(l, 0);
+    ++stats.class_counts[int(targets[r])];
     const int best = int(std::max_element(z, z + l) - z);
     stats.correct += best == int(targets[r]);
     if (l == 2) {
@@ -93,7 +97,7 @@ template <class T> void headPass(model::Esm2<T>& encoder, model::TaskHead<T>& he
 }
 
 /// Sums over the ranks; gathers the metric inputs (validation sets are small).
-void finish(TaskStats& s, MPI_Comm comm) {
+void finish(TaskStats& s, int num_labels, MPI_Comm comm) {
   double sums[2] = {s.loss_sum, 0};
   std::int64_t counts[2] = {s.counted, s.correct};
   PLM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, sums, 1, MPI_DOUBLE, MPI_SUM, comm));
@@ -101,6 +105,9 @@ void finish(TaskStats& s, MPI_Comm comm) {
   s.loss_sum = sums[0];
   s.counted = counts[0];
   s.correct = counts[1];
+  s.class_counts.resize(num_labels, 0);
+  PLM_CHECK_MPI(
+      MPI_Allreduce(MPI_IN_PLACE, s.class_counts.data(), num_labels, MPI_INT64_T, MPI_SUM, comm));
   int world = 1;
   PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
   int n = int(s.scores.size());
@@ -125,8 +132,18 @@ io::json::Value metricFields(const TaskStats& s, TaskKind kind, int num_labels) 
   if (kind == TaskKind::SequenceRegression) {
     f.set("mse", loss);
     f.set("spearman", model::spearman(s.scores, s.targets));
+    // The trivial baseline: predicting the targets' own mean (their variance).
+    double mean = 0, var = 0;
+    for (double y : s.targets) mean += y / double(std::max<std::size_t>(1, s.targets.size()));
+    for (double y : s.targets) var += (y - mean) * (y - mean);
+    f.set("baseline_mse", var / double(std::max<std::size_t>(1, s.targets.size())));
   } else {
     f.set("accuracy", s.counted ? double(s.correct) / double(s.counted) : 0.0);
+    // The trivial baseline: always the most frequent class of these rows.
+    std::int64_t most = 0;
+    for (int c = 0; c < num_labels; ++c)
+      most = std::max(most, c < int(s.class_counts.size()) ? s.class_counts[c] : 0);
+    f.set("baseline_accuracy", s.counted ? double(most) / double(s.counted) : 0.0);
     if (num_labels == 2 && kind == TaskKind::SequenceClassification) {
       std::vector<int> positive(s.targets.size());
       for (std::size_t i = 0; i < positive.size(); ++i) positive[i] = s.targets[i] > 0.5;
@@ -169,6 +186,41 @@ data::LoaderOptions loaderOptions(const Trainer& trainer, const std::string& pat
   return o;
 }
 
+/// Every rank reads the same labels, so the refusal is collective.
+void checkLabels(const std::string& path, const model::TaskConfig& config) {
+  io::DatasetReader reader(path);
+  const std::string task = std::string("task.kind ") + model::taskKindName(config.kind);
+  if (config.kind == TaskKind::TokenClassification) {
+    if (!reader.hasResidueLabels())
+      throw collectiveError(task + ": dataset `" + path +
+                            "` has no per-residue labels; make it with plm prep --residue-labels");
+    const auto labels = reader.readResidueLabels(0, reader.numSequences());
+    for (std::size_t i = 0; i < labels.size(); ++i)
+      if (labels[i] >= config.num_labels) {
+        const auto& off = reader.offsets();
+        const auto seq =
+            std::upper_bound(off.begin(), off.end(), std::int64_t(i)) - off.begin() - 1;
+        throw collectiveError(task + ": residue " + std::to_string(std::int64_t(i) - off[seq] + 1) +
+                              " of `" + reader.readIds(seq, 1)[0] + "` in `" + path +
+                              "` has class " + std::to_string(labels[i]) + ", task.num_labels is " +
+                              std::to_string(config.num_labels) + "; raise task.num_labels");
+      }
+    return;
+  }
+  if (!reader.hasLabels())
+    throw collectiveError(task + ": dataset `" + path +
+                          "` has no per-sequence labels; make it with plm prep --labels CSV");
+  if (config.kind != TaskKind::SequenceClassification) return;
+  const auto labels = reader.readLabels(0, reader.numSequences());
+  for (std::size_t i = 0; i < labels.size(); ++i)
+    if (labels[i] < 0 || labels[i] >= config.num_labels || labels[i] != std::floor(labels[i]))
+      throw collectiveError(task + ": sequence `" + reader.readIds(std::int64_t(i), 1)[0] +
+                            "` in `" + path + "` has label " + std::to_string(labels[i]) +
+                            ", not a class in [0, " + std::to_string(config.num_labels) +
+                            "); give class indices 0.." + std::to_string(config.num_labels - 1) +
+                            " or set task.num_labels");
+}
+
 template <class T> TaskStats evaluate(Trainer& trainer, model::TaskHead<T>& head,
                                       const std::string& path, data::Targets targets) {
   data::Loader loader(loaderOptions(trainer, path, targets, true));
@@ -178,7 +230,7 @@ template <class T> TaskStats evaluate(Trainer& trainer, model::TaskHead<T>& head
     if (local.empty()) break;
     for (const auto& mb : local) headPass(trainer.model(), head, mb, false, stats);
   }
-  finish(stats, trainer.comm());
+  finish(stats, head.config().num_labels, trainer.comm());
   return stats;
 }
 
@@ -205,6 +257,8 @@ void trainTaskHead(Trainer& trainer) {
   head.initialize(trainer.state().init_seed);
 
   const auto& d = deck.sublist("data");
+  checkLabels(d.get<std::string>("train"), config);
+  if (!d.get<std::string>("valid").empty()) checkLabels(d.get<std::string>("valid"), config);
   const auto& tr = deck.sublist("train");
   data::Loader loader(loaderOptions(trainer, d.get<std::string>("train"), targets, false));
   const std::string valid = d.get<std::string>("valid");
@@ -256,7 +310,7 @@ void trainTaskHead(Trainer& trainer) {
       headPass(encoder, head, mb, true, stats);
       tokens += mb.numTokens();
     }
-    finish(stats, trainer.comm());
+    finish(stats, head.config().num_labels, trainer.comm());
     auto grads = Kokkos::create_mirror_view_and_copy(HostSpace(), head.gradients());
     std::vector<double> g(grads.data(), grads.data() + n);
     PLM_CHECK_MPI(
