@@ -234,6 +234,48 @@ template <class T> TaskStats evaluate(Trainer& trainer, model::TaskHead<T>& head
   return stats;
 }
 
+/// <run_dir>/task_logits.tsv (rank 0): the first sequences of `path` (at most 32), whole and
+/// unmasked, one per line: id, sequence, then the head's logits (sequence tasks: num_labels;
+/// token tasks: every token's, <cls> and <eos> included, row after row).  What
+/// validation/hf_head_parity.py compares with transformers.
+template <class T>
+void writeLogits(Trainer& trainer, model::TaskHead<T>& head, const std::string& path) {
+  if (trainer.rank() != 0) return;
+  io::DatasetReader reader(path);
+  const std::int64_t n = std::min<std::int64_t>(32, reader.numSequences());
+  std::FILE* f = std::fopen((trainer.runDir() + "/task_logits.tsv").c_str(), "w");
+  if (!f) {
+    log::warn("task: cannot write %s/task_logits.tsv", trainer.runDir().c_str());
+    return;
+  }
+  const int max_len = trainer.model().config().max_positions - 2;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const std::string seq = reader.sequenceString(i);
+    if (std::int64_t(seq.size()) > max_len) continue;
+    const auto residues = reader.readTokens(i, 1);
+    const std::int64_t t = std::int64_t(residues.size()) + 2;
+    data::MicroBatch mb;
+    mb.tokens = HostView1<token_t>("plm::train::logit_tokens", t);
+    mb.labels = HostView1<std::int32_t>("plm::train::logit_labels", t);
+    mb.cu_seqlens = HostView1<seqlen_t>("plm::train::logit_cu", 2);
+    Kokkos::deep_copy(mb.labels, vocab::ignore_label);
+    mb.tokens(0) = vocab::cls;
+    for (std::size_t k = 0; k < residues.size(); ++k) mb.tokens(k + 1) = residues[k];
+    mb.tokens(t - 1) = vocab::eos;
+    mb.cu_seqlens(1) = seqlen_t(t);
+    mb.max_seqlen = std::int32_t(t);
+    model::ForwardOutputs<T> out;
+    out.want_hidden = true;
+    trainer.model().forward(mb, &out);
+    const auto logits = toHostDoubles(head.forward(ExecSpace(), out.hidden, mb.cu_seqlens));
+    std::fprintf(f, "%s\t%s\t", reader.readIds(i, 1)[0].c_str(), seq.c_str());
+    for (std::size_t k = 0; k < logits.size(); ++k)
+      std::fprintf(f, k ? " %.9g" : "%.9g", logits[k]);
+    std::fprintf(f, "\n");
+  }
+  std::fclose(f);
+}
+
 }  // namespace
 
 void trainTaskHead(Trainer& trainer) {
@@ -342,6 +384,8 @@ void trainTaskHead(Trainer& trainer) {
   }
   runEval(steps);
 
+  writeLogits(trainer, head, valid.empty() ? d.get<std::string>("train") : valid);
+
   // The head beside the encoder's model.h5: /head/<HF name> (fp32) and the task attributes.
   std::vector<model::TensorInfo> table;
   for (const auto& ht : head.tensors()) {
@@ -361,7 +405,17 @@ void trainTaskHead(Trainer& trainer) {
   io::h5::writeAttribute(file, "pooling",
                          std::string(config.pooling == model::Pooling::Cls ? "cls" : "mean"));
   io::writeTensorGroup(file, trainer.comm(), "head", table, values.data());
-  log::info("task: wrote %s", path.c_str());
+  // The (frozen) encoder beside it, so `plm convert --to-hf run/model.h5 --head run/head.h5`
+  // exports the pair without the init source.
+  {
+    auto enc = Kokkos::create_mirror_view_and_copy(HostSpace(), encoder.parameters());
+    std::vector<float> all(enc.data(), enc.data() + enc.size());
+    io::ModelAttributes extra;
+    extra.strings["source"] = "plm train (task head on the frozen encoder)";
+    io::writeModelFile(trainer.runDir() + "/model.h5", trainer.comm(), encoder.config(),
+                       encoder.tensors(), all.data(), extra);
+  }
+  log::info("task: wrote %s and %s/model.h5", path.c_str(), trainer.runDir().c_str());
 }
 
 }  // namespace plm::train
