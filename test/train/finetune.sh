@@ -86,6 +86,16 @@ auc=$(field run_cls auroc)
 echo "sequence classification: auroc $auc accuracy $(field run_cls accuracy)"
 check "$auc" 0.65 "a > b" "charge-sign AUROC"
 
+# Export: the head joins the Hugging Face folder as EsmForSequenceClassification.
+"$plm" convert --to-hf run/model.h5 --head run/head.h5 --out hf > conv.log 2>&1 ||
+  fail "convert --head: $(cat conv.log)"
+grep -q '"EsmForSequenceClassification"' hf/config.json || fail "config.json architectures"
+grep -q '"problem_type": "regression"' hf/config.json || fail "config.json problem_type"
+for t in classifier.dense.weight classifier.dense.bias classifier.out_proj.weight \
+  classifier.out_proj.bias; do
+  head -c 100000 hf/model.safetensors | grep -aq "\"$t\"" || fail "$t not in model.safetensors"
+done
+
 # Refusals: each must fail and name the culprit.
 refuse() {  # EXPECTED-TEXT COMMAND...
   local want=$1; shift
@@ -103,4 +113,6 @@ refuse "has label 0.3" "$plm" train deck.yaml --set task.kind=sequence_classific
   --set task.num_labels=2
 refuse "task.freeze_encoder" "$plm" train deck.yaml --set task.freeze_encoder=false
 refuse "task.num_labels" "$plm" train deck.yaml --set task.num_labels=2
+refuse "mean-pooled head cannot be exported" "$plm" convert --to-hf run_cls/model.h5 \
+  --head run_cls/head.h5 --out hf_mean
 echo "all fine-tuning checks passed"
