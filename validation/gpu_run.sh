@@ -4,13 +4,19 @@
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
-#                                       gemm_tune fp8_fsdp
+#                                       gemm_tune fp8_fsdp finetune_parity
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
 #        train.gemm_autotune false and true (PLM_GEMM_TUNE_TOKENS, default 24576; PLM_TRAIN_STEPS),
 #        then plm train 650M bf16 with train.gemm_autotune on, twice in one run_dir (the second
 #        run reads <run_dir>/gemm_autotune.txt: its "gemm autotune:" lines say "from the cache file")
+#   finetune_parity: a task head (doc/finetune.md) on ESM-2 650M's shape in bf16 from a
+#         Hugging Face folder (random weights saved by transformers' EsmForMaskedLM, the machine
+#         has no Hub access): sequence_regression of the hydrophobic fraction of synthetic
+#         proteins, PLM_FT_STEPS steps (default 20) on the frozen encoder, `plm convert --to-hf
+#         --head`, then validation/hf_head_parity.py (EsmForSequenceClassification in fp32 vs
+#         plm's bf16 logits): the max abs logit difference and the fine-tuning tokens/s
 #   context: the context-parallel tests (test/context, packaged with PLM_PKG_CTEST=1) at 2 and 4
 #        ranks, the bf16 ring and MoE among them; with 2 GPUs, 650M bf16 on 16,384-token sequences
 #        at context degree 1 (one GPU) and 2 (two GPUs): tokens/s per GPU
@@ -993,6 +999,47 @@ if has decks && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     tail -1 "$d/metrics.jsonl" 2>/dev/null | cut -c1-600 | tee -a "$summary"
     ls "$d/tb" 2>/dev/null | tee -a "$summary"
   done
+fi
+
+if has finetune_parity && [[ -x "$pkg/bin/plm" ]]; then
+  d=/tmp/plm-ft; rm -rf "$d"; mkdir -p "$d"
+  python3 - "$d" > "$out/finetune_parity_setup.log" 2>&1 <<'PY'
+import random, sys, transformers
+d = sys.argv[1]; rng = random.Random(1); aa = "ACDEFGHIKLMNPQRSTVWY"
+with open(f"{d}/s.fa", "w") as fa, open(f"{d}/lab.csv", "w") as lab:
+    lab.write("id,label\n")
+    for i in range(3000):
+        w = [rng.random() for _ in aa]
+        s = "".join(rng.choices(aa, weights=w, k=rng.randint(80, 400)))
+        fa.write(f">p{i}\n{s}\n")
+        lab.write(f"p{i},{sum(c in 'AILMFVW' for c in s) / len(s):.6f}\n")
+c = transformers.EsmConfig(vocab_size=33, hidden_size=1280, num_hidden_layers=33,
+    num_attention_heads=20, intermediate_size=5120, max_position_embeddings=1026,
+    position_embedding_type="rotary", token_dropout=True, mask_token_id=32, pad_token_id=1,
+    emb_layer_norm_before=False)
+transformers.EsmForMaskedLM(c).save_pretrained(f"{d}/hf_init")
+PY
+  note "finetune_parity: setup rc=$? (synthetic proteins, random 650M HF folder)"
+  "$pkg/bin/plm" prep "$d/s.fa" --out "$d/data" --labels "$d/lab.csv" --valid-fraction 0.1 \
+    > "$out/finetune_parity_prep.log" 2>&1
+  timeout 500 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" --set model.preset=esm2_650m \
+    --set model.init_from="$d/hf_init" --set data.train="$d/data/train.h5" \
+    --set data.valid="$d/data/valid.h5" --set data.micro_batch_tokens=16384 \
+    --set data.tokens_per_batch=16384 --set train.precision=bf16 \
+    --set train.steps=${PLM_FT_STEPS:-20} --set train.log_every=5 --set train.eval_every=0 \
+    --set train.run_dir="$d/run" --set checkpoint.every=0 --set checkpoint.resume=none \
+    --set task.kind=sequence_regression --set task.head_lr=1e-3 --set schedule.warmup_steps=2 \
+    > "$out/finetune_parity_train.log" 2>&1
+  note "finetune_parity: plm train 650M bf16 task head rc=$?"
+  grep -E "init_from|task |error" "$out/finetune_parity_train.log" | tail -8 | tee -a "$summary"
+  "$pkg/bin/plm" convert --to-hf "$d/run/model.h5" --head "$d/run/head.h5" --out "$d/hf_out" \
+    > "$out/finetune_parity_convert.log" 2>&1
+  note "finetune_parity: convert --to-hf --head rc=$?"
+  timeout 300 python3 "$repo/validation/hf_head_parity.py" "$d/hf_out" "$d/run/task_logits.tsv" \
+    > "$out/finetune_parity.txt" 2>&1
+  note "finetune_parity: hf_head_parity rc=$?"
+  tail -3 "$out/finetune_parity.txt" | tee -a "$summary"
+  rm -rf "$d"
 fi
 
 if has hf; then

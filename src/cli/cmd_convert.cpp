@@ -28,6 +28,9 @@ Parser convertParser() {
            "doc/interop.md lists what is supported.");
   p.option({"from-hf", "HF_DIR", "read a transformers EsmForMaskedLM directory"});
   p.option({"to-hf", "MODEL.h5", "read a plm model file or checkpoint"});
+  p.option({"head", "HEAD.h5",
+            "--to-hf: add the task head plm train wrote (<run_dir>/head.h5) and export the "
+            "matching EsmForSequenceClassification / EsmForTokenClassification"});
   p.option({"out", "PATH", "the plm model file (--from-hf) or the output directory (--to-hf)"});
   p.option({"dtype", "fp32|bf16",
             "--to-hf: the weights' dtype (default fp32; bf16 rounds to "
@@ -60,6 +63,10 @@ int runConvert(const Argv& argv) {
         "plm convert: give exactly one of --from-hf HF_DIR or --to-hf MODEL.h5, and --out; see "
         "`plm convert --help`");
   const std::string out = args.get("out");
+  if (args.has("from-hf") && args.has("head"))
+    throw collectiveError(
+        "plm convert: --head applies to --to-hf; --from-hf of a classification folder loads "
+        "its encoder and lists the classifier as not used");
   if (args.has("from-hf") && (args.has("dtype") || args.has("max-shard-size")))
     throw collectiveError(
         "plm convert: --dtype and --max-shard-size apply to --to-hf (--from-hf reads any dtype "
@@ -76,6 +83,7 @@ int runConvert(const Argv& argv) {
   try {
     if (args.has("max-shard-size"))
       options.max_shard_bytes = io::hf::parseByteSize(args.get("max-shard-size"));
+    options.head = args.get("head");
     const io::hf::TableOf table = [](const model::Esm2Config& c) { return model::tensorTable(c); };
     if (args.has("from-hf")) {
       summary = io::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD, table);

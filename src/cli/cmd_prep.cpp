@@ -17,7 +17,7 @@ Parser prepParser() {
   Parser p(
       "plm prep",
       "plm prep INPUT... --out DIR [--valid-fraction F | --valid FILE] [--on-invalid error|skip] "
-      "[--allow-nucleotide]",
+      "[--allow-nucleotide] [--labels CSV] [--residue-labels FILE]",
       "Reads FASTA files (plain or gzip; wrapped or not, CRLF, lowercase, a final '*' and the "
       "ambiguity letters B Z X U O are fine) and writes DIR/train.h5 and DIR/valid.h5 in "
       "parallel over the MPI ranks. Exact duplicate sequences are removed; the split is a "
@@ -33,6 +33,12 @@ Parser prepParser() {
   p.option({"allow-nucleotide", "",
             "keep a file whose records are mostly nucleotide-like (>= 90% A C G T/U N, >= 20 "
             "long) as protein; without it such a file is refused (a few such records only warn)"});
+  p.option({"labels", "CSV",
+            "per-sequence labels for fine-tuning: header `id,label`, one row per record id (a "
+            "number for regression, a class 0, 1, ... for classification); stored as /labels"});
+  p.option({"residue-labels", "FILE",
+            "per-residue labels: a FASTA of label strings keyed by the record ids, one "
+            "character per residue (0-9 = class, . or - = none); stored as /residue_labels"});
   p.option(
       {"progress-seconds", "S", "rank 0 reports progress every S seconds (default 10; 0: never)"});
   return p;
@@ -77,6 +83,8 @@ int runPrep(const Argv& argv) {
     throw collectiveError("plm prep: --on-invalid takes `error` or `skip`, got `" + policy + "`");
   }
   options.allow_nucleotide = args.has("allow-nucleotide");
+  options.labels = args.get("labels");
+  options.residue_labels = args.get("residue-labels");
   options.command_line = "plm prep";
   for (const auto& a : argv) options.command_line += " " + a;
 

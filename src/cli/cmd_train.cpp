@@ -1,5 +1,6 @@
 // `plm train DECK [--set section.key=value]...`: resolves the deck and hands it to the trainer.
 #include "ckpt/checkpoint.hpp"
+#include "ckpt/init_from.hpp"
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
@@ -7,6 +8,7 @@
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
 #include "plan/train_report.hpp"
+#include "train/finetune.hpp"
 #include "train/preemption.hpp"
 #include "train/trainer.hpp"
 
@@ -64,6 +66,12 @@ int runTrain(const Argv& argv) {
   plan::logMemoryPlan(trainer);  // the bytes per rank; the first step's measured peak follows
   // checkpoint.resume on start, checkpoint.every saves (src/ckpt); the plan's prediction next to
   // the measured figures after the first steps (src/plan).
+  if (deck->sublist("task").get<std::string>("kind") != "mlm") {
+    // A task head on the (frozen) encoder: weights from model.init_from, then the head's loop.
+    ckpt::applyInitFrom(trainer);
+    train::trainTaskHead(trainer);
+    return 0;
+  }
   train::Trainer::Hooks extra;
   extra.on_step = plan::predictionReport();
   ckpt::installHooks(trainer, extra);

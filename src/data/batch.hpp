@@ -26,6 +26,10 @@ struct MicroBatch {
   HostView1<seqlen_t> cu_seqlens;  // (n+1) cumulative sequence starts, cu_seqlens[0] = 0
   std::int32_t max_seqlen = 0;     // longest sequence in this micro-batch
   std::int64_t num_masked = 0;     // positions with a label != -100
+  /// Fine-tuning targets (LoaderOptions::targets), empty for masked-LM training: per sequence
+  /// (n) the /labels value, or per token (T) the /residue_labels class, -100 at <cls>, <eos>
+  /// and unlabelled residues.  Such batches carry no MLM corruption.
+  HostView1<double> targets;
   /// Set on a context-parallel shard (data/context_split.hpp): then sequences may be empty, and
   /// positions and token dropout follow the whole sequences, not this shard's tokens.
   std::shared_ptr<const ContextShard> context;

@@ -79,6 +79,7 @@ struct HostBatch {
   std::vector<seqlen_t> cu_seqlens;
   std::int32_t max_seqlen = 0;
   std::int64_t num_masked = 0;
+  std::vector<double> targets;  // fine-tuning: per sequence or per token
 };
 
 struct Step {
@@ -102,6 +103,11 @@ MicroBatch toMicroBatch(const HostBatch& h) {
   std::memcpy(mb.cu_seqlens.data(), h.cu_seqlens.data(), s * sizeof(seqlen_t));
   mb.max_seqlen = h.max_seqlen;
   mb.num_masked = h.num_masked;
+  if (!h.targets.empty()) {
+    mb.targets = HostView1<double>(
+        Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::data::targets"), h.targets.size());
+    std::memcpy(mb.targets.data(), h.targets.data(), h.targets.size() * sizeof(double));
+  }
   return mb;
 }
 
@@ -113,7 +119,9 @@ struct Loader::Impl {
   int fd = -1;
   std::int64_t tokens_address = -1;
   std::int64_t n = 0;
-  std::int64_t window = 0;  // residues kept per sequence
+  std::int64_t window = 0;                  // residues kept per sequence
+  std::vector<double> labels;               // (n) /labels (Targets::Sequence)
+  std::vector<std::int8_t> residue_labels;  // (R) /residue_labels (Targets::Residue)
 
   // Producer side (the prefetch thread, or the caller when prefetch == 0).
   Cursor next;            // where planning continues
@@ -205,8 +213,16 @@ struct Loader::Impl {
     h.labels.assign(size_t(total), vocab::ignore_label);
     h.cu_seqlens.reserve(pieces.size() + 1);
     h.cu_seqlens.push_back(0);
+    const bool masked_lm = options.targets == Targets::MaskedLm;
+    if (options.targets == Targets::Residue) h.targets.assign(size_t(total), vocab::ignore_label);
     std::int64_t at = 0;
     for (const auto& p : pieces) {
+      if (options.targets == Targets::Sequence) h.targets.push_back(labels[p.index]);
+      if (options.targets == Targets::Residue) {
+        const std::int8_t* from = residue_labels.data() + reader.offsets()[p.index] + p.start;
+        for (std::int64_t k = 0; k < p.length; ++k)
+          if (from[k] >= 0) h.targets[at + 1 + k] = from[k];
+      }
       h.tokens[at] = vocab::cls;
       token_t* residues = h.tokens.data() + at + 1;
       std::int32_t* labels = h.labels.data() + at + 1;
@@ -216,7 +232,7 @@ struct Loader::Impl {
       for (std::int64_t k = 0; k < p.length; ++k) {
         // Keyed by the residue's position in the whole sequence, so a crop does not change it.
         const std::uint64_t draw = random::mix64(base ^ random::mix64(std::uint64_t(p.start + k)));
-        if (random::unit(draw) >= options.mask_prob) continue;
+        if (!masked_lm || random::unit(draw) >= options.mask_prob) continue;
         const token_t original = residues[k];
         labels[k] = original;
         ++h.num_masked;
@@ -331,6 +347,20 @@ Loader::Loader(const LoaderOptions& options) : impl_member(std::make_unique<Impl
   if (d.n == 0)
     throw collectiveError(where + "the dataset holds no sequences; check the plm prep output");
   d.window = std::min<std::int64_t>(o.max_seq_len, o.micro_batch_tokens) - 2;
+  if (o.targets == Targets::Sequence) {
+    if (!d.reader.hasLabels())
+      throw collectiveError(where +
+                            "the task needs per-sequence labels and the dataset has "
+                            "none; make it with plm prep --labels CSV");
+    d.labels = d.reader.readLabels(0, d.n);
+  }
+  if (o.targets == Targets::Residue) {
+    if (!d.reader.hasResidueLabels())
+      throw collectiveError(where +
+                            "the task needs per-residue labels and the dataset has "
+                            "none; make it with plm prep --residue-labels FILE");
+    d.residue_labels = d.reader.readResidueLabels(0, d.n);
+  }
   d.tokens_address = d.reader.tokensFileAddress();
   if (d.tokens_address >= 0) {
     d.fd = ::open(o.path.c_str(), O_RDONLY | O_CLOEXEC);

@@ -43,6 +43,11 @@ inline bool operator==(const Cursor& a, const Cursor& b) {
 }
 inline bool operator!=(const Cursor& a, const Cursor& b) { return !(a == b); }
 
+/// What a micro-batch carries besides tokens: masked-LM labels (pre-training), or the
+/// dataset's fine-tuning labels (no masking then; /labels and /residue_labels are read into
+/// memory at open, 8 bytes per sequence or 1 per residue).
+enum class Targets { MaskedLm, Sequence, Residue };
+
 struct LoaderOptions {
   std::string path;                         // a dataset written by `plm prep`
   std::int64_t micro_batch_tokens = 8192;   // packing budget of one micro-batch (>= 3)
@@ -54,6 +59,7 @@ struct LoaderOptions {
   int prefetch = 2;          // steps prepared ahead by the background thread
   bool shuffle = true;       // false: visit 0..n-1 every epoch
   bool single_pass = false;  // one unshuffled pass, masking of epoch 0, then end
+  Targets targets = Targets::MaskedLm;
 };
 
 /// \brief The global micro-batches per step for a global token budget: ceil(tokens_per_batch /

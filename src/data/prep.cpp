@@ -14,10 +14,12 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <ctime>
 #include <numeric>
+#include <unordered_map>
 
 namespace plm::data {
 
@@ -307,6 +309,150 @@ io::fasta::Segment wholeFile(const std::string& path, const std::string& command
   return s;
 }
 
+/// Every rank's first problem, agreed on: the lowest rank's message is everyone's error.
+void agreeOnError(const std::string& mine, MPI_Comm comm) {
+  int rank = 0, flag = mine.empty() ? INT32_MAX : 0, first = INT32_MAX;
+  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  if (flag == 0) flag = rank;
+  PLM_CHECK_MPI(MPI_Allreduce(&flag, &first, 1, MPI_INT, MPI_MIN, comm));
+  if (first == INT32_MAX) return;
+  throw collectiveError(broadcastString(mine, first, comm));
+}
+
+std::string trimmed(std::string s) {
+  while (!s.empty() && (s.back() == '\r' || s.back() == ' ' || s.back() == '\t')) s.pop_back();
+  std::size_t b = 0;
+  while (b < s.size() && (s[b] == ' ' || s[b] == '\t')) ++b;
+  return s.substr(b);
+}
+
+/// --labels and --residue-labels: read on every rank (they are small next to the FASTA), looked
+/// up by the kept records' ids.  Refuses a missing id, a duplicate id, a bad value and a
+/// residue string whose length is not the sequence's, naming the file, line and id.
+void attachLabels(const PrepOptions& options, io::SequenceShard& train, io::SequenceShard& valid,
+                  MPI_Comm comm) {
+  std::string problem;
+  if (!options.labels.empty()) {
+    std::unordered_map<std::string, double> table;
+    std::FILE* f = std::fopen(options.labels.c_str(), "rb");
+    if (!f) {
+      problem = "plm prep: --labels `" + options.labels + "` cannot be read (" +
+                std::strerror(errno) + ")";
+    } else {
+      char* line = nullptr;
+      std::size_t cap = 0;
+      std::int64_t number = 0;
+      while (problem.empty() && getline(&line, &cap, f) > 0) {
+        ++number;
+        std::string text = trimmed(line);
+        while (!text.empty() && text.back() == '\n')
+          text = trimmed(text.substr(0, text.size() - 1));
+        if (text.empty()) continue;
+        const auto comma = text.find(',');
+        const std::string where = options.labels + ":" + std::to_string(number);
+        if (number == 1) {
+          if (comma == std::string::npos || trimmed(text.substr(0, comma)) != "id" ||
+              trimmed(text.substr(comma + 1)) != "label")
+            problem = "plm prep: " + where + ": the first line must be the header `id,label`";
+          continue;
+        }
+        if (comma == std::string::npos) {
+          problem = "plm prep: " + where + ": expected `id,label`, got `" + text + "`";
+          break;
+        }
+        const std::string id = trimmed(text.substr(0, comma)),
+                          value = trimmed(text.substr(comma + 1));
+        char* end = nullptr;
+        const double x = std::strtod(value.c_str(), &end);
+        if (value.empty() || *end != '\0' || !std::isfinite(x))
+          problem = "plm prep: " + where + ": label `" + value + "` of id `" + id +
+                    "` is not a finite number";
+        else if (!table.emplace(id, x).second)
+          problem = "plm prep: " + where + ": id `" + id + "` has a second label";
+      }
+      std::free(line);
+      std::fclose(f);
+    }
+    for (auto* shard : {&train, &valid}) {
+      shard->labels.clear();
+      for (const auto& id : shard->ids) {
+        if (!problem.empty()) break;
+        const auto it = table.find(id);
+        if (it == table.end())
+          problem = "plm prep: record `" + id + "` has no row in --labels `" + options.labels +
+                    "`; add one (every kept record needs a label)";
+        else
+          shard->labels.push_back(it->second);
+      }
+    }
+  }
+  if (problem.empty() && !options.residue_labels.empty()) {
+    std::unordered_map<std::string, std::string> table;
+    std::FILE* f = std::fopen(options.residue_labels.c_str(), "rb");
+    if (!f) {
+      problem = "plm prep: --residue-labels `" + options.residue_labels + "` cannot be read (" +
+                std::strerror(errno) + ")";
+    } else {
+      char* line = nullptr;
+      std::size_t cap = 0;
+      std::string id;
+      std::int64_t number = 0;
+      while (problem.empty() && getline(&line, &cap, f) > 0) {
+        ++number;
+        std::string text = trimmed(line);
+        while (!text.empty() && text.back() == '\n')
+          text = trimmed(text.substr(0, text.size() - 1));
+        if (text.empty()) continue;
+        if (text[0] == '>') {
+          id = text.substr(1, text.find_first_of(" \t") == std::string::npos
+                                  ? std::string::npos
+                                  : text.find_first_of(" \t") - 1);
+          if (!table.emplace(id, std::string()).second)
+            problem = "plm prep: " + options.residue_labels + ":" + std::to_string(number) +
+                      ": id `" + id + "` appears twice";
+          continue;
+        }
+        if (id.empty()) {
+          problem = "plm prep: " + options.residue_labels + ":" + std::to_string(number) +
+                    ": label text before the first `>id` line";
+          break;
+        }
+        for (char c : text)
+          if (!((c >= '0' && c <= '9') || c == '.' || c == '-')) {
+            problem = "plm prep: " + options.residue_labels + ":" + std::to_string(number) +
+                      ": character `" + std::string(1, c) + "` in the labels of `" + id +
+                      "`; use 0-9 (class) or . / - (no label)";
+            break;
+          }
+        table[id] += text;
+      }
+      std::free(line);
+      std::fclose(f);
+    }
+    for (auto* shard : {&train, &valid}) {
+      shard->residue_labels.clear();
+      for (std::size_t i = 0; i < shard->ids.size() && problem.empty(); ++i) {
+        const auto& id = shard->ids[i];
+        const auto length = std::size_t(shard->lengths[i]);
+        const auto it = table.find(id);
+        if (it == table.end()) {
+          problem = "plm prep: record `" + id + "` has no entry in --residue-labels `" +
+                    options.residue_labels + "`; add `>" + id + "` and its label string";
+        } else if (it->second.size() != length) {
+          problem = "plm prep: record `" + id + "`: " + std::to_string(it->second.size()) +
+                    " residue labels in `" + options.residue_labels + "` for a sequence of " +
+                    std::to_string(length) + " residues; give one character per residue";
+        } else {
+          for (char c : it->second)
+            shard->residue_labels.push_back(c >= '0' && c <= '9' ? std::int8_t(c - '0')
+                                                                 : std::int8_t(-1));
+        }
+      }
+    }
+  }
+  agreeOnError(problem, comm);
+}
+
 PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   const auto start_time = Clock::now();
   int rank = 0, world = 1;
@@ -411,6 +557,7 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
     }
     parsed = Parsed();  // release the parse buffers before writing
   }
+  attachLabels(options, train, valid, comm);
   std::int64_t local[6] = {std::int64_t(n),
                            std::int64_t(n) - std::int64_t(std::count(keep.begin(), keep.end(), 1)),
                            fasta_bytes,

@@ -29,6 +29,12 @@ struct PrepOptions {
   std::string command_line;       // recorded in the files
   double progress_seconds = 10;   // rank 0 logs progress this often (0 = never)
   bool allow_nucleotide = false;  // keep files made mostly of nucleotide-like records
+  /// --labels: CSV with header `id,label`, one row per record id (a float for regression, a
+  /// class index 0, 1, ... for classification); every kept record needs a row.
+  std::string labels;
+  /// --residue-labels: FASTA whose records are label strings keyed by the same ids, one
+  /// character per residue: 0-9 = class 0-9, `.` or `-` = no label (doc/finetune.md).
+  std::string residue_labels;
 };
 
 struct PrepReport {

@@ -73,6 +73,9 @@ const std::vector<SectionSpec>& sections() {
       {"fp8",
        "FP8 training (train.precision: fp8, doc/fp8.md): Transformer Engine's scaling recipes "
        "for the four GEMMs of each encoder layer."},
+      {"task",
+       "What the run trains: masked-LM pre-training (mlm), or a task head on the encoder "
+       "(doc/finetune.md) with labels from `plm prep --labels / --residue-labels`."},
       {"parallel",
        "How ranks split the work beyond data parallelism: sharded data parallelism (FSDP/HSDP, "
        "doc/parallelism.md) and expert parallelism."},
@@ -420,6 +423,26 @@ const std::vector<KeySpec>& keys() {
       {"lora", "dropout", K::real, "0",
        "Dropout on the adapter input. Only 0 is implemented; other values are refused.",
        interval(0, 1, false, true), {}},
+      // task
+      {"task", "kind", K::text, "mlm",
+       "mlm = masked-LM pre-training; sequence_regression (MSE, Spearman; /labels), "
+       "sequence_classification (cross-entropy, accuracy, AUROC for 2 classes; /labels) and "
+       "token_classification (per-residue cross-entropy and accuracy; /residue_labels) train "
+       "the Hugging Face EsmForSequenceClassification / EsmForTokenClassification head.",
+       any(), {"mlm", "sequence_regression", "sequence_classification", "token_classification"}},
+      {"task", "num_labels", K::integer, "1",
+       "Outputs of the head: 1 for regression, the number of classes for classification.",
+       atLeast(1), {}},
+      {"task", "pooling", K::text, "cls",
+       "Sequence tasks: cls = the <cls> token's hidden state (Hugging Face's head); mean = the "
+       "mean over the sequence's residues (plm only; not exportable to Hugging Face).",
+       any(), {"cls", "mean"}},
+      {"task", "freeze_encoder", K::boolean, "true",
+       "Train the head only: the encoder runs forward only and gets no update. false "
+       "(fine-tuning the encoder too) is not available yet and is refused.", any(), {}},
+      {"task", "head_lr", K::real, "0.001",
+       "Peak learning rate of the head (AdamW, the schedule section's warm-up and decay); the "
+       "encoder uses optimizer.lr.", above(0), {}},
       // checkpoint
       {"checkpoint", "dir", K::text, "run/ckpt", "Directory of the checkpoint files.", any(), {},
        true},

@@ -120,6 +120,22 @@ void writeDataset(const std::string& path, MPI_Comm comm, const SequenceShard& l
     h5::Hid dataset = h5::createDataset<std::int64_t>(file, "offsets", {n + 1});
     writeInRounds<std::int64_t>(dataset, comm, starts[0], rows, offsets.data());
   }
+  // Labels are all-or-none over the ranks: a rank with no sequences has none to give.
+  int has[2] = {!local.labels.empty(), !local.residue_labels.empty()}, any[2] = {0, 0};
+  PLM_CHECK_MPI(MPI_Allreduce(has, any, 2, MPI_INT, MPI_MAX, comm));
+  if (any[0]) {
+    PLM_REQUIRE(local.labels.size() == local.lengths.size(),
+                "writeDataset: one label per sequence on every rank");
+    h5::Hid dataset = h5::createDataset<double>(file, "labels", {n});
+    writeInRounds<double>(dataset, comm, starts[0], local_sequences, local.labels.data());
+  }
+  if (any[1]) {
+    PLM_REQUIRE(std::int64_t(local.residue_labels.size()) == local_residues,
+                "writeDataset: one residue label per residue on every rank");
+    h5::Hid dataset = h5::createDataset<std::int8_t>(file, "residue_labels", {residues});
+    writeInRounds<std::int8_t>(dataset, comm, starts[1], local_residues,
+                               local.residue_labels.data());
+  }
   if (n > 0) {
     h5::writeStrings(file, "ids", comm, n, starts[0], local.ids);
   } else {  // nothing to write; the (empty) dataset still exists
@@ -302,6 +318,39 @@ std::vector<std::uint8_t> DatasetReader::readTokens(std::int64_t first, std::int
 
 std::vector<std::string> DatasetReader::readIds(std::int64_t first, std::int64_t count) const {
   return h5::readStrings(impl_member->file, "ids", first, count);
+}
+
+bool DatasetReader::hasLabels() const { return h5::exists(impl_member->file, "labels"); }
+
+bool DatasetReader::hasResidueLabels() const {
+  return h5::exists(impl_member->file, "residue_labels");
+}
+
+std::vector<double> DatasetReader::readLabels(std::int64_t first, std::int64_t count) const {
+  const Impl& d = *impl_member;
+  if (!hasLabels())
+    throw Error(describe(d.path) + " has no per-sequence labels; make it with plm prep --labels");
+  PLM_REQUIRE(first >= 0 && count >= 0 && first + count <= numSequences(),
+              "readLabels: sequence range out of bounds");
+  std::vector<double> out(count);
+  h5::Hid dataset(PLM_CHECK_H5(H5Dopen2(d.file, "labels", H5P_DEFAULT)));
+  h5::readRows<double>(dataset, first, count, out.data(), true);
+  return out;
+}
+
+std::vector<std::int8_t> DatasetReader::readResidueLabels(std::int64_t first,
+                                                          std::int64_t count) const {
+  const Impl& d = *impl_member;
+  if (!hasResidueLabels())
+    throw Error(describe(d.path) +
+                " has no per-residue labels; make it with plm prep --residue-labels");
+  PLM_REQUIRE(first >= 0 && count >= 0 && first + count <= numSequences(),
+              "readResidueLabels: sequence range out of bounds");
+  const std::int64_t begin = d.offsets[first], end = d.offsets[first + count];
+  std::vector<std::int8_t> out(end - begin);
+  h5::Hid dataset(PLM_CHECK_H5(H5Dopen2(d.file, "residue_labels", H5P_DEFAULT)));
+  h5::readRows<std::int8_t>(dataset, begin, end - begin, out.data(), true);
+  return out;
 }
 
 std::string DatasetReader::sequenceString(std::int64_t i) const {

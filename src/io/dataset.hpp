@@ -4,6 +4,10 @@
 //   /tokens   uint8 (R)     ESM-2 token ids of the residues (4..28), no special tokens
 //   /offsets  int64 (n+1)   sequence i is tokens[offsets[i] : offsets[i+1]]
 //   /ids      string (n)    FASTA identifiers (first word of the header), fixed length
+//   /labels          float64 (n)  optional (`plm prep --labels`): one label per sequence, a
+//                                 value (regression) or a class index (classification)
+//   /residue_labels  int8 (R)     optional (`plm prep --residue-labels`): one class per residue,
+//                                 aligned with /tokens; -1 = no label at that residue
 //   attributes on `/`: format, format_version, vocabulary, num_sequences, num_residues, split,
 //   split_rule, valid_fraction, duplicates_removed, skipped_records, source_files,
 //   source_sizes, source_crc32, command_line, plm_version, created_utc.
@@ -52,9 +56,11 @@ struct DatasetMetadata {
 
 /// \brief One rank's consecutive run of sequences, in output order.
 struct SequenceShard {
-  std::vector<std::uint8_t> tokens;   // residue ids of all sequences, concatenated
-  std::vector<std::int64_t> lengths;  // residues per sequence
-  std::vector<std::string> ids;       // one per sequence
+  std::vector<std::uint8_t> tokens;         // residue ids of all sequences, concatenated
+  std::vector<std::int64_t> lengths;        // residues per sequence
+  std::vector<std::string> ids;             // one per sequence
+  std::vector<double> labels;               // one per sequence, or empty (no /labels)
+  std::vector<std::int8_t> residue_labels;  // one per residue (-1 = none), or empty
 };
 
 /// \brief Collective over `comm`: writes `path` with rank r's shard after those of ranks < r.
@@ -86,6 +92,13 @@ class DatasetReader {
   /// \brief Residue ids of sequences [first, first+count), concatenated, validated.
   std::vector<std::uint8_t> readTokens(std::int64_t first, std::int64_t count) const;
   std::vector<std::string> readIds(std::int64_t first, std::int64_t count) const;
+  /// \brief Whether the file carries /labels (per sequence) and /residue_labels (per residue).
+  bool hasLabels() const;
+  bool hasResidueLabels() const;
+  /// \brief /labels of sequences [first, first+count); a plm::Error naming the file without it.
+  std::vector<double> readLabels(std::int64_t first, std::int64_t count) const;
+  /// \brief /residue_labels of sequences [first, first+count), concatenated as readTokens().
+  std::vector<std::int8_t> readResidueLabels(std::int64_t first, std::int64_t count) const;
   /// \brief Sequence i as letters (for tests and tools).
   std::string sequenceString(std::int64_t i) const;
   /// \brief Reads every token (in blocks) and checks it is a residue id.

@@ -624,6 +624,41 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
       }
     }
   }
+  // The task head (options.head), read whole by every rank: /head/<name> and its attributes.
+  std::vector<std::pair<safetensors::TensorOut, std::vector<float>>> head_tensors;
+  std::string head_kind, head_pooling;
+  std::int64_t head_labels = 0;
+  if (!options.head.empty()) {
+    h5::Hid file = h5::openFile(options.head, comm);
+    if (!h5::exists(file, "head"))
+      throw collectiveError("--head `" + options.head +
+                            "`: no /head group; give the head.h5 that plm train wrote for a "
+                            "task (task.kind other than mlm)");
+    head_kind = h5::readStringAttribute(file, "task_kind");
+    head_pooling = h5::readStringAttribute(file, "pooling");
+    head_labels = h5::readIntAttribute(file, "num_labels");
+    if (head_pooling != "cls" && head_kind != "token_classification")
+      throw collectiveError(
+          "--head `" + options.head + "`: the head pools with `" + head_pooling +
+          "`; Hugging Face's EsmForSequenceClassification reads the <cls> token only, so a "
+          "mean-pooled head cannot be exported (train it with task.pooling: cls)");
+    h5::Hid group(PLM_CHECK_H5(H5Gopen2(file, "head", H5P_DEFAULT)));
+    for (const auto& name : h5::groupMembers(group)) {
+      h5::Hid dataset = h5::openDataset(group, name);
+      safetensors::TensorOut t;
+      t.name = name;
+      t.shape = h5::datasetShape(dataset);
+      std::int64_t numel = 1;
+      for (auto d : t.shape) numel *= d;
+      if (t.shape.back() != summary.config.hidden && t.shape.size() == 2)
+        throw collectiveError("--head `" + options.head + "`: tensor " + name +
+                              " reads hidden size " + std::to_string(t.shape.back()) +
+                              ", the model's is " + std::to_string(summary.config.hidden));
+      std::vector<float> data(static_cast<std::size_t>(numel));
+      h5::readRows<float>(dataset, 0, t.shape.empty() ? 1 : t.shape[0], data.data());
+      head_tensors.emplace_back(t, std::move(data));
+    }
+  }
   if (commRank(comm) != 0) return summary;
 
   std::error_code error;
@@ -638,7 +673,24 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
     if (!os.good()) throw Error("writing `" + path + "` failed: " + std::strerror(errno));
   };
   const std::string torch_dtype = options.dtype == "BF16" ? "bfloat16" : "float32";
-  writeText("config.json", json::write(configToJson(summary.config, torch_dtype), 2) + "\n");
+  json::Value config_json = configToJson(summary.config, torch_dtype);
+  if (!head_kind.empty()) {
+    json::Value architectures = json::Value::array();
+    architectures.push(head_kind == "token_classification" ? "EsmForTokenClassification"
+                                                           : "EsmForSequenceClassification");
+    config_json.set("architectures", std::move(architectures));
+    json::Value id2label = json::Value::object(), label2id = json::Value::object();
+    for (std::int64_t i = 0; i < head_labels; ++i) {
+      id2label.set(std::to_string(i), "LABEL_" + std::to_string(i));
+      label2id.set("LABEL_" + std::to_string(i), i);
+    }
+    config_json.set("id2label", std::move(id2label));
+    config_json.set("label2id", std::move(label2id));
+    if (head_kind == "sequence_regression") config_json.set("problem_type", "regression");
+    if (head_kind == "sequence_classification")
+      config_json.set("problem_type", "single_label_classification");
+  }
+  writeText("config.json", json::write(config_json, 2) + "\n");
   for (const auto& [name, text] : tokenizerFiles(max_tokens)) writeText(name, text);
 
   std::vector<safetensors::TensorOut> out;
@@ -657,6 +709,10 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
       if (data.size() == inv_freq.size()) inv_freq = data;
       continue;
     }
+    t.data = data.data();
+    out.push_back(t);
+  }
+  for (auto& [t, data] : head_tensors) {
     t.data = data.data();
     out.push_back(t);
   }

@@ -110,6 +110,11 @@ struct ExportOptions {
   // model-0000i-of-0000n.safetensors files with a model.safetensors.index.json, as
   // transformers' save_pretrained does (its default limit is 5 GB).
   std::int64_t max_shard_bytes = 5'000'000'000;
+  // A task head written by `plm train` with task.kind set (<run_dir>/head.h5): its tensors
+  // join the weights under their Hugging Face names and config.json names the matching class
+  // (EsmForSequenceClassification / EsmForTokenClassification, num_labels, id2label, and
+  // problem_type regression for one output).  Mean pooling has no Hugging Face class: refused.
+  std::string head;
 };
 
 /// \brief "5GB", "500MB", "1.5GiB", "1000000" (bytes) -> bytes (as save_pretrained's
