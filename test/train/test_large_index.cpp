@@ -14,6 +14,7 @@
 // PLM_LARGE_INDEX_ROWS sets the rows of the (rows, 4096) tensor: the default, 2^20 + 3, is past
 // 2^32 elements (the GPU test); the CPU build runs the same checks on a small buffer.
 #include "train/adamw.hpp"
+#include "train/fsdp.hpp"
 #include "train/optim/optimizer.hpp"
 
 #include <gtest/gtest.h>
@@ -21,6 +22,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -156,6 +158,47 @@ TEST(LargeIndex, HalfWidthCopy) {
     const float want = initial(i) > 0 ? 1 + (i & 0x3ff) : 2048 + (i & 0x3ff);
     ASSERT_EQ(got[k], want) << "element " << i << " of " << b.n;
   }
+}
+
+// The index arithmetic of esm2_15b at shard 2, without allocating: its buffer (1.5e10 elements)
+// and each rank's shard (7.5e9) are past 2^32.  The units tile the buffer, the two ranks' pieces
+// cover every tensor element once, and a range over the last tensor's global offsets (what
+// Esm2::initializeRange launches) keeps its ends.
+TEST(LargeIndex, Esm2_15bShardArithmetic) {
+  const auto config = plm::model::Esm2Config::preset("esm2_15b");
+  const auto tensors = plm::model::tensorTable(config);
+  const std::int64_t buffer = tensors.back().offset + tensors.back().size;
+  ASSERT_GT(buffer, std::int64_t(3) << 32);
+  const int shard = 2;
+  const auto units = plm::train::planShardUnits(tensors, buffer, shard);
+  std::int64_t covered = 0, local = 0;
+  for (const auto& u : units) {
+    EXPECT_EQ(u.local, local);
+    EXPECT_GE(u.slice * shard, u.count);
+    EXPECT_LT(u.slice * shard, u.count + shard);
+    local += u.slice;
+    covered += u.count;
+  }
+  EXPECT_EQ(covered, buffer);
+  EXPECT_GT(local, std::int64_t(1) << 32) << "a 15B shard is past 2^32 elements";
+  std::int64_t elements = 0, pieces_total = 0;
+  for (const auto& t : tensors) elements += t.size;
+  for (int rank = 0; rank < shard; ++rank) {
+    const auto layout = plm::train::shardParamLayout(tensors, units, rank, config.hidden);
+    EXPECT_EQ(layout.local_size, local);
+    for (const auto& p : layout.pieces) {
+      ASSERT_GE(p.local, 0);
+      ASSERT_LE(p.local + p.count, layout.local_size);
+      ASSERT_LE(p.start + p.count, tensors[p.tensor].size);
+      pieces_total += p.count;
+    }
+  }
+  EXPECT_EQ(pieces_total, elements);
+  const auto& last = tensors.back();
+  const FlatPolicy range(plm::ExecSpace(), last.offset, last.offset + last.size);
+  EXPECT_EQ(static_cast<std::int64_t>(range.begin()), last.offset);
+  EXPECT_EQ(static_cast<std::int64_t>(range.end()), last.offset + last.size);
+  static_assert(sizeof(FlatPolicy::index_type) == 8 && std::is_signed_v<FlatPolicy::index_type>);
 }
 
 }  // namespace
