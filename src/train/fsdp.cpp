@@ -550,6 +550,28 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     return loss;
   }
 
+  // Evaluation: the training forward's gathers (one unit at a time), no gradients; every unit
+  // resharded after it.  `batch` null: no data here, join the gathers anyway.
+  double forwardOnly(const data::MicroBatch* batch) {
+    if (whole) reshardAll();
+    backward_phase = false;
+    ensureGathered(embedUnit());
+    ensureGathered(headUnit());
+    double loss = 0.0;
+    if (batch != nullptr && (batch->numTokens() > 0 || batch->context)) {
+      struct Unhook {
+        model::Esm2<P>& m;
+        ~Unhook() { m.setHooks(nullptr); }
+      } unhook{model};
+      model.setHooks(this);
+      loss = model.forward(*batch, nullptr, false);
+    } else {
+      for (int l = 0; l < layers; ++l) beforeForward(l);
+    }
+    reshardAll();
+    return loss;
+  }
+
   void finishGradients() {
     for (int c = 0; c < 4; ++c) drain(c);
     if (replicate_comm->size() > 1) {
@@ -616,6 +638,12 @@ template <class P> double Fsdp<P>::microBatch(const ExecSpace& space, const data
                                               double grad_scale, model::LayerHooks* hooks) {
   impl_member->space = space;
   return impl_member->microBatch(batch, grad_scale, hooks ? hooks : impl_member);
+}
+
+template <class P>
+double Fsdp<P>::forwardOnly(const ExecSpace& space, const data::MicroBatch* batch) {
+  impl_member->space = space;
+  return impl_member->forwardOnly(batch);
 }
 
 template <class P> void Fsdp<P>::finishGradients(const ExecSpace& space) {
