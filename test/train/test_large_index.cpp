@@ -120,7 +120,9 @@ TEST_P(LargeIndex, MaskNormAndFirstStep) {
     const bool is_frozen = i >= b.frozen_lo && i < b.frozen_hi;
     const double w = initial(i);
     const double want = is_frozen ? 0.0 : w - lr * (w > 0 ? 1.0 : -1.0);
-    if (std::abs(got[k] - want) > 1e-5) {
+    // 1% of a step: the frozen zeros move Adafactor's column factors by 1/rows (1.7e-5 on the
+    // CPU's 300 rows); a skipped or misplaced element is off by a whole step (1e-2).
+    if (std::abs(got[k] - want) > 1e-4) {
       ADD_FAILURE() << plm::train::optimizerName(o.kind) << ": element " << i << " of " << b.n
                     << " is " << got[k] << ", expected " << want;
       ++bad;
