@@ -44,13 +44,15 @@ KOKKOS_INLINE_FUNCTION float initial(std::int64_t i) {
   return (h >> 40) & 1 ? 0.5f : -0.5f;
 }
 
-// The elements compared: both ends, and both sides of 2^31 and 2^32 where the buffer has them.
+// The elements compared: the start, both sides of 2^31 and 2^32 where the buffer has them,
+// and the last three rows (the frozen one among them).
 std::vector<std::int64_t> probes(std::int64_t n) {
   std::vector<std::int64_t> at;
-  const std::int64_t w = 2048;
-  for (std::int64_t c :
-       {std::int64_t(0), (std::int64_t(1) << 31) - w, (std::int64_t(1) << 32) - w, n - 2 * w})
-    for (std::int64_t i = std::max<std::int64_t>(c, 0); i < std::min(c + 2 * w, n); ++i)
+  const std::int64_t w = 2048, b31 = std::int64_t(1) << 31, b32 = std::int64_t(1) << 32;
+  const std::pair<std::int64_t, std::int64_t> windows[] = {
+      {0, 2 * w}, {b31 - w, 2 * w}, {b32 - w, 2 * w}, {n - 3 * cols, 3 * cols}};  // frozen row
+  for (const auto& [c, len] : windows)
+    for (std::int64_t i = std::max<std::int64_t>(c, 0); i < std::min(c + len, n); ++i)
       if (at.empty() || i > at.back()) at.push_back(i);
   return at;
 }
@@ -73,7 +75,8 @@ struct Buffer {
   std::int64_t n = rows() * cols;
   View1<float> params{Kokkos::view_alloc(Kokkos::WithoutInitializing, "test::large_index"), n};
   plm::train::ParamLayout layout;
-  std::int64_t frozen_lo = n - 1000, frozen_hi = n - 900;
+  // One whole row, so Adafactor's other row factors stay those of +-0.5 everywhere.
+  std::int64_t frozen_lo = n - 2 * cols, frozen_hi = n - cols;
 
   Buffer() {
     plm::model::TensorInfo t;
