@@ -140,22 +140,26 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, LargeIndex,
                            return std::string(plm::train::optimizerName(info.param));
                          });
 
+// A free function: CUDA extended lambdas may not live in a test body (a private member).
+void halfWidthRoundTrip(View1<float> p, View1<std::uint16_t> half, std::int64_t n) {
+  Kokkos::parallel_for(
+      "test::large_index::to_half", FlatPolicy(plm::ExecSpace(), 0, n),
+      KOKKOS_LAMBDA(const std::int64_t i) {
+        half(i) = static_cast<std::uint16_t>(p(i) > 0 ? 1 + (i & 0x3ff) : 2048 + (i & 0x3ff));
+      });
+  Kokkos::parallel_for(
+      "test::large_index::from_half", FlatPolicy(plm::ExecSpace(), 0, n),
+      KOKKOS_LAMBDA(const std::int64_t i) { p(i) = static_cast<float>(half(i)); });
+  Kokkos::fence();
+}
+
 // The fp32 -> bf16-width cast pattern of the compute copy and a plain copy, over the whole
 // buffer: a second buffer of 16-bit values (8.6 GB).
 TEST(LargeIndex, HalfWidthCopy) {
   Buffer b;
   b.fill();
   View1<std::uint16_t> half(Kokkos::view_alloc(Kokkos::WithoutInitializing, "test::half"), b.n);
-  auto p = b.params;
-  Kokkos::parallel_for(
-      "test::large_index::to_half", FlatPolicy(plm::ExecSpace(), 0, b.n),
-      KOKKOS_LAMBDA(const std::int64_t i) {
-        half(i) = static_cast<std::uint16_t>(p(i) > 0 ? 1 + (i & 0x3ff) : 2048 + (i & 0x3ff));
-      });
-  Kokkos::parallel_for(
-      "test::large_index::from_half", FlatPolicy(plm::ExecSpace(), 0, b.n),
-      KOKKOS_LAMBDA(const std::int64_t i) { p(i) = static_cast<float>(half(i)); });
-  Kokkos::fence();
+  halfWidthRoundTrip(b.params, half, b.n);
   const auto at = probes(b.n);
   const auto got = valuesAt(b.params, at);
   for (std::size_t k = 0; k < at.size(); ++k) {
