@@ -4,7 +4,7 @@
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
-#                                       gemm_tune fp8_fsdp finetune_parity
+#                                       gemm_tune fp8_fsdp finetune_parity large_index
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -86,6 +86,10 @@
 #         buffers through pinned host buffers and MPI; doc/parallelism.md "Communication
 #         backends"): the staged communicator against plain MPI, FSDP, expert and context
 #         parallelism and the gradient buckets at 2 (and 4) ranks sharing the GPU
+#   large_index: test_gpu_large_index (issue 28): every optimizer's step, the frozen mask and the
+#         gradient norm over one buffer of 2^32 + 12,288 fp32 elements (56 GB of GPU memory at
+#         most), elements at both ends and around 2^31 and 2^32 against host references; log
+#         copied to $OUT (large_index.log)
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/archive/performance-history.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
@@ -781,6 +785,19 @@ print(f"  median step {statistics.median(dt.values()):.3f} s; steps 1-3 after a 
       f"{statistics.mean(after):.3f} s mean, max {max(after):.3f} s")
 PY
   done
+fi
+
+if has large_index; then
+  if [[ -x "$pkg/bin/test_gpu_large_index" ]]; then
+    start=$(date +%s)
+    timeout 300 "$pkg/bin/test_gpu_large_index" > "$out/large_index.log" 2>&1
+    note "test_gpu_large_index rc=$? $(( $(date +%s) - start ))s $(grep -E '^\[  (PASSED|FAILED)' "$out/large_index.log" | tr '\n' ' ')"
+    grep -E "^\[  FAILED|Failure|element|norm|Expected|Which is|error" "$out/large_index.log" |
+      head -40 | tee -a "$summary"
+    cp "$out/large_index.log" "$final_out/large_index.log"
+  else
+    note "large_index: no test_gpu_large_index in $pkg/bin"
+  fi
 fi
 
 if has fp8; then

@@ -18,6 +18,13 @@ using MemSpace = ExecSpace::memory_space;
 using HostSpace = Kokkos::HostSpace;
 using HostExec = Kokkos::DefaultHostExecutionSpace;
 
+// Element ranges over buffers.  Kokkos' default RangePolicy index is the execution space's
+// size_type, `unsigned int` on CUDA: RangePolicy<ExecSpace>(space, lo, hi) wraps lo and hi at
+// 2^32 without a word, and a 15B model's buffer holds 1.5e10 elements (issue 28).  Every range
+// over buffer elements or buffer offsets uses this 64-bit policy; its lambdas take std::int64_t
+// (plain RangePolicy stays only for short ranges such as sequences with int lambdas).
+using FlatPolicy = Kokkos::RangePolicy<ExecSpace, Kokkos::IndexType<std::int64_t>>;
+
 // Precision roles (CPU build: all fp32).
 using param_t = float;   // parameters as the model computes with them
 using act_t = float;     // activations

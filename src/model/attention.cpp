@@ -320,8 +320,7 @@ template <class T> void transposeColumns(const ExecSpace& space, const View2<T>&
   constexpr std::int64_t block =
       32;  // tokens per thread: reads and writes both stay in cache lines
   Kokkos::parallel_for(
-      "plm::model::attention_transpose",
-      Kokkos::RangePolicy<ExecSpace>(space, 0, (tokens + block - 1) / block),
+      "plm::model::attention_transpose", FlatPolicy(space, 0, (tokens + block - 1) / block),
       KOKKOS_LAMBDA(const std::int64_t b) {
         const std::int64_t t1 = (b + 1) * block < tokens ? (b + 1) * block : tokens;
         for (std::int64_t c = 0; c < cols; ++c)
@@ -448,7 +447,7 @@ void attentionBackward(const ExecSpace& space, const View2<T>& q, const View2<T>
   const int bqp = roundUp(bq, kCols), bkp = roundUp(bk, kCols), dp = roundUp(d, kCols);
   const auto tokens = static_cast<std::int64_t>(q.extent(0));
   Kokkos::parallel_for(
-      "plm::model::attention_backward_delta", Kokkos::RangePolicy<ExecSpace>(space, 0, tokens),
+      "plm::model::attention_backward_delta", FlatPolicy(space, 0, tokens),
       KOKKOS_LAMBDA(const std::int64_t t) {
         for (int h = 0; h < heads; ++h) {
           T sum = 0;

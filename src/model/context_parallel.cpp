@@ -158,7 +158,7 @@ struct RingAttention::Impl {
     const int d = static_cast<int>(out.extent(1)) / heads;
     const T minus_inf = -std::numeric_limits<T>::infinity();
     Kokkos::parallel_for(
-        "plm::model::ring_attention_merge", Kokkos::RangePolicy<ExecSpace>(space, 0, out.extent(0)),
+        "plm::model::ring_attention_merge", FlatPolicy(space, 0, out.extent(0)),
         KOKKOS_LAMBDA(const std::int64_t t) {
           for (int hh = 0; hh < heads; ++hh) {
             const T a = lse(t, hh), b = lb(t, hh);
@@ -177,7 +177,7 @@ struct RingAttention::Impl {
 
   template <class T> static void add(const ExecSpace& space, T* dst, const T* src, std::int64_t n) {
     Kokkos::parallel_for(
-        "plm::model::ring_attention_accumulate", Kokkos::RangePolicy<ExecSpace>(space, 0, n),
+        "plm::model::ring_attention_accumulate", FlatPolicy(space, 0, n),
         KOKKOS_LAMBDA(const std::int64_t e) { dst[e] += src[e]; });
   }
 

@@ -15,7 +15,7 @@ template <class T> double crossEntropy(const ExecSpace& space, const View2<T>& l
   const T scale = static_cast<T>(grad_scale);
   double total = 0;
   Kokkos::parallel_reduce(
-      "plm::model::cross_entropy", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
+      "plm::model::cross_entropy", FlatPolicy(space, 0, rows),
       KOKKOS_LAMBDA(const std::int64_t i, double& sum) {
         const std::int32_t label = labels(i);
         if (label == data::vocab::ignore_label) {

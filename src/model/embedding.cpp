@@ -31,7 +31,7 @@ template <class T> void embeddingForward(const ExecSpace& space, const View1<tok
   const auto n = static_cast<std::int64_t>(x.extent(0));
   const int h = static_cast<int>(x.extent(1));
   Kokkos::parallel_for(
-      "plm::model::embedding_forward", Kokkos::RangePolicy<ExecSpace>(space, 0, n),
+      "plm::model::embedding_forward", FlatPolicy(space, 0, n),
       KOKKOS_LAMBDA(const std::int64_t t) {
         const T* w = &weight(tokens(t), 0);
         const T m = mult(t);

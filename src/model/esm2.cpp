@@ -1350,7 +1350,7 @@ template <class T> struct Esm2<T>::Impl {
     const int vocab = config.vocab;
     std::int64_t bad = 0, labelled = 0;
     Kokkos::parallel_reduce(
-        "plm::model::check_batch", Kokkos::RangePolicy<ExecSpace>(space, 0, t),
+        "plm::model::check_batch", FlatPolicy(space, 0, t),
         KOKKOS_LAMBDA(const std::int64_t i, std::int64_t& nbad, std::int64_t& nlab) {
           const int tok = tokens(i);
           const std::int32_t lab = labels(i);
@@ -1370,7 +1370,7 @@ template <class T> struct Esm2<T>::Impl {
     auto rows = w.head_rows;
     auto head_labels = w.head_labels;
     Kokkos::parallel_scan(
-        "plm::model::head_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, t),
+        "plm::model::head_rows", FlatPolicy(space, 0, t),
         KOKKOS_LAMBDA(const std::int64_t i, std::int64_t& offset, const bool final) {
           const bool take = all_rows || labels(i) != data::vocab::ignore_label;
           if (take && final) {
@@ -1607,8 +1607,7 @@ template <class T> void Esm2<T>::initializeRange(std::uint64_t seed, std::int64_
     const std::int64_t first = t.offset;  // element e of the tensor is buffer element first + e
     const std::uint64_t stream = im.init_streams[i];  // any placement draws the same values
     Kokkos::parallel_for(
-        "plm::model::initialize", Kokkos::RangePolicy<ExecSpace>(space, lo, hi),
-        KOKKOS_LAMBDA(const std::int64_t g) {
+        "plm::model::initialize", FlatPolicy(space, lo, hi), KOKKOS_LAMBDA(const std::int64_t g) {
           // Counter-based (math::normal hashes seed, stream and index): element e of a tensor
           // has one value whichever range of the buffer is drawn.
           T value = 0;

@@ -28,7 +28,7 @@ template <class T> float fp8Amax(const ExecSpace& space, const View2<T>& x) {
   const int cols = static_cast<int>(x.extent(1));
   float amax = 0.0f;
   Kokkos::parallel_reduce(
-      "plm::model::fp8_amax", Kokkos::RangePolicy<ExecSpace>(space, 0, x.extent(0)),
+      "plm::model::fp8_amax", FlatPolicy(space, 0, x.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t r, float& m) {
         for (int c = 0; c < cols; ++c) {
           const float v = static_cast<float>(x(r, c));
@@ -48,7 +48,7 @@ template <class T> void fp8QuantizeTensor(const ExecSpace& space, const View2<T>
                                           float scale_inv) {
   const int cols = static_cast<int>(x.extent(1));
   Kokkos::parallel_for(
-      "plm::model::fp8_quantize", Kokkos::RangePolicy<ExecSpace>(space, 0, x.extent(0)),
+      "plm::model::fp8_quantize", FlatPolicy(space, 0, x.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t r) {
         for (int c = 0; c < cols; ++c)
           y(r, c) =
@@ -64,7 +64,7 @@ template <class T> void fp8QuantizeBlocks(const ExecSpace& space, const View2<T>
   const std::int64_t nbc = (cols + block_cols - 1) / block_cols;
   const float fmax = fp8::maxOf(format);
   Kokkos::parallel_for(
-      "plm::model::fp8_quantize_blocks", Kokkos::RangePolicy<ExecSpace>(space, 0, nbr * nbc),
+      "plm::model::fp8_quantize_blocks", FlatPolicy(space, 0, nbr * nbc),
       KOKKOS_LAMBDA(const std::int64_t blk) {
         const std::int64_t r0 = (blk / nbc) * block_rows, c0 = (blk % nbc) * block_cols;
         const std::int64_t r1 = r0 + block_rows < rows ? r0 + block_rows : rows;

@@ -77,8 +77,7 @@ template <class T> void geluForward(const ExecSpace& space, const View2<T>& x, c
   const auto rows = static_cast<std::int64_t>(x.extent(0));
   const auto cols = static_cast<std::int64_t>(x.extent(1));
   Kokkos::parallel_for(
-      "plm::model::gelu_forward", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
-      KOKKOS_LAMBDA(const std::int64_t i) {
+      "plm::model::gelu_forward", FlatPolicy(space, 0, rows), KOKKOS_LAMBDA(const std::int64_t i) {
         const T* xr = &x(i, 0);
         T* yr = &y(i, 0);
         if (fastRow(cols, xr, yr)) return;
@@ -94,8 +93,7 @@ template <class T> void geluBackward(const ExecSpace& space, const View2<T>& x, 
   const auto rows = static_cast<std::int64_t>(x.extent(0));
   const auto cols = static_cast<std::int64_t>(x.extent(1));
   Kokkos::parallel_for(
-      "plm::model::gelu_backward", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
-      KOKKOS_LAMBDA(const std::int64_t i) {
+      "plm::model::gelu_backward", FlatPolicy(space, 0, rows), KOKKOS_LAMBDA(const std::int64_t i) {
         const T* xr = &x(i, 0);
         const T* dyr = &dy(i, 0);
         T* dxr = &dx(i, 0);

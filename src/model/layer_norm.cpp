@@ -15,7 +15,7 @@ template <class T> void layerNormForward(const ExecSpace& space, const View2<T>&
   const int h = static_cast<int>(x.extent(1));
   const T eps_t = static_cast<T>(eps);
   Kokkos::parallel_for(
-      "plm::model::layer_norm_forward", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
+      "plm::model::layer_norm_forward", FlatPolicy(space, 0, rows),
       KOKKOS_LAMBDA(const std::int64_t i) {
         const T* xr = &x(i, 0);
         T* yr = &y(i, 0);
@@ -38,7 +38,7 @@ void layerNormBackward(const ExecSpace& space, const View2<T>& x, const View1<T>
   const auto rows = static_cast<std::int64_t>(x.extent(0));
   const int h = static_cast<int>(x.extent(1));
   Kokkos::parallel_for(
-      "plm::model::layer_norm_backward_input", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
+      "plm::model::layer_norm_backward_input", FlatPolicy(space, 0, rows),
       KOKKOS_LAMBDA(const std::int64_t i) {
         const T* xr = &x(i, 0);
         const T* dyr = &dy(i, 0);
@@ -61,7 +61,7 @@ void layerNormBackward(const ExecSpace& space, const View2<T>& x, const View1<T>
   constexpr int block = 64;
   const std::int64_t blocks = (h + block - 1) / block;
   Kokkos::parallel_for(
-      "plm::model::layer_norm_backward_params", Kokkos::RangePolicy<ExecSpace>(space, 0, blocks),
+      "plm::model::layer_norm_backward_params", FlatPolicy(space, 0, blocks),
       KOKKOS_LAMBDA(const std::int64_t blk) {
         const int c0 = static_cast<int>(blk * block);
         const int nc = h - c0 < block ? h - c0 : block;

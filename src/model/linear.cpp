@@ -14,7 +14,7 @@ void columnSumAccumulate(const ExecSpace& space, const View2<T>& a, const View1<
   const auto cols = static_cast<std::int64_t>(a.extent(1));
   const std::int64_t blocks = (cols + block - 1) / block;
   Kokkos::parallel_for(
-      "plm::model::column_sum", Kokkos::RangePolicy<ExecSpace>(space, 0, blocks),
+      "plm::model::column_sum", FlatPolicy(space, 0, blocks),
       KOKKOS_LAMBDA(const std::int64_t blk) {
         const std::int64_t c0 = blk * block;
         const int nc = static_cast<int>(cols - c0 < block ? cols - c0 : block);
@@ -37,8 +37,7 @@ template <class T> void linearForward(const ExecSpace& space, const View2<T>& x,
     return;
   }
   Kokkos::parallel_for(
-      "plm::model::linear_bias", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
-      KOKKOS_LAMBDA(const std::int64_t i) {
+      "plm::model::linear_bias", FlatPolicy(space, 0, rows), KOKKOS_LAMBDA(const std::int64_t i) {
         for (std::int64_t j = 0; j < cols; ++j)
           y(i, j) = (beta == T(0) ? T(0) : beta * y(i, j)) + b(j);
       });

@@ -492,7 +492,7 @@ template <class T> struct MoeMlp<T>::State {
     const std::int64_t rows = x.extent(0), cols = x.extent(1);
     View1<double> sum = grow(input_sum_s, cols, "plm::model::moe::input_sum");
     Kokkos::parallel_for(
-        "plm::model::moe::input_sum", Kokkos::RangePolicy<ExecSpace>(space, 0, cols),
+        "plm::model::moe::input_sum", FlatPolicy(space, 0, cols),
         KOKKOS_LAMBDA(const std::int64_t i) {
           double acc = 0;
           for (std::int64_t t = 0; t < rows; ++t) acc += static_cast<double>(x(t, i));
@@ -500,7 +500,7 @@ template <class T> struct MoeMlp<T>::State {
         });
     double power = 0;
     Kokkos::parallel_reduce(
-        "plm::model::moe::input_power", Kokkos::RangePolicy<ExecSpace>(space, 0, rows * cols),
+        "plm::model::moe::input_power", FlatPolicy(space, 0, rows * cols),
         KOKKOS_LAMBDA(const std::int64_t i, double& acc) {
           const double v = static_cast<double>(x(i / cols, i % cols));
           acc += v * v;
@@ -1056,7 +1056,7 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
     auto srow = s.slot_row;
     auto sgate = s.slot_gate;
     Kokkos::parallel_for(
-        "plm::model::moe::unpermute", Kokkos::RangePolicy<ExecSpace>(space, 0, t_n),
+        "plm::model::moe::unpermute", FlatPolicy(space, 0, t_n),
         KOKKOS_LAMBDA(const std::int64_t t) {
           for (std::int64_t col = 0; col < hid; ++col) {
             T acc = 0;
@@ -1131,7 +1131,7 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
     auto y = s.y;
     auto srow = s.slot_row;
     Kokkos::parallel_for(
-        "plm::model::moe::dgate", Kokkos::RangePolicy<ExecSpace>(space, 0, t_n * k),
+        "plm::model::moe::dgate", FlatPolicy(space, 0, t_n * k),
         KOKKOS_LAMBDA(const std::int64_t slot) {
           const std::int32_t p = srow(slot);
           T acc = 0;
@@ -1143,7 +1143,7 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
     auto rtok = s.row_token;
     auto rgate = s.row_gate;
     Kokkos::parallel_for(
-        "plm::model::moe::permute_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
+        "plm::model::moe::permute_grad", FlatPolicy(space, 0, rows),
         KOKKOS_LAMBDA(const std::int64_t p) {
           const std::int64_t t = rtok(p);
           for (std::int64_t col = 0; col < hid; ++col) dy(p * hid + col) = rgate(p) * dout(t, col);
@@ -1247,7 +1247,7 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
     auto dst = dh.template view<T>();
     auto srow = s.slot_row;
     Kokkos::parallel_for(
-        "plm::model::moe::unpermute_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, t_n),
+        "plm::model::moe::unpermute_grad", FlatPolicy(space, 0, t_n),
         KOKKOS_LAMBDA(const std::int64_t t) {
           for (std::int64_t col = 0; col < hid; ++col) {
             T acc = 0;

@@ -1086,7 +1086,7 @@ template <class T> void gatherRowsPortable(const ExecSpace& space, const View2<T
                                            const View1<std::int32_t>& rows, const View2<T>& dst) {
   const int cols = static_cast<int>(dst.extent(1));
   Kokkos::parallel_for(
-      "plm::model::gather_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, dst.extent(0)),
+      "plm::model::gather_rows", FlatPolicy(space, 0, dst.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t m) {
         for (int c = 0; c < cols; ++c) dst(m, c) = src(rows(m), c);
       });
@@ -1097,7 +1097,7 @@ template <class T> void scatterRowsPortable(const ExecSpace& space, const View2<
   Kokkos::deep_copy(space, dst, T(0));
   const int cols = static_cast<int>(src.extent(1));
   Kokkos::parallel_for(
-      "plm::model::scatter_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, src.extent(0)),
+      "plm::model::scatter_rows", FlatPolicy(space, 0, src.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t m) {  // rows are distinct: no conflicts
         for (int c = 0; c < cols; ++c) dst(rows(m), c) = src(m, c);
       });
@@ -1107,7 +1107,7 @@ template <class T, class S> void copyStridedPortable(const ExecSpace& space, con
                                                      std::int64_t ld, const View2<T>& dst) {
   const int cols = static_cast<int>(dst.extent(1));
   Kokkos::parallel_for(
-      "plm::model::copy_rows", Kokkos::RangePolicy<ExecSpace>(space, 0, dst.extent(0)),
+      "plm::model::copy_rows", FlatPolicy(space, 0, dst.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t r) {
         for (int c = 0; c < cols; ++c) dst(r, c) = static_cast<T>(src[r * ld + c]);
       });
@@ -1151,7 +1151,7 @@ template <class T> void fp8QkvBackward(OpContext& ctx, const Mat& x, const QkvWe
   const View1<T> gb(static_cast<T*>(ctx.scratch(13, sizeof(T) * 3 * h)), 3 * h);
   const View2<T> dq = d.q.view<T>(), dk = d.k.view<T>(), dv = d.v.view<T>();
   Kokkos::parallel_for(
-      "plm::model::fp8_stack_qkv_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, rows),
+      "plm::model::fp8_stack_qkv_grad", FlatPolicy(space, 0, rows),
       KOKKOS_LAMBDA(const std::int64_t r) {
         for (std::int64_t c = 0; c < h; ++c) {
           dall(r, c) = dq(r, c);
@@ -1166,7 +1166,7 @@ template <class T> void fp8QkvBackward(OpContext& ctx, const Mat& x, const QkvWe
   const View2<T> gq = g.wq.view<T>(), gk = g.wk.view<T>(), gv = g.wv.view<T>();
   const View1<T> bq = g.bq.view<T>(), bk = g.bk.view<T>(), bv = g.bv.view<T>();
   Kokkos::parallel_for(
-      "plm::model::fp8_unstack_qkv_grad", Kokkos::RangePolicy<ExecSpace>(space, 0, h),
+      "plm::model::fp8_unstack_qkv_grad", FlatPolicy(space, 0, h),
       KOKKOS_LAMBDA(const std::int64_t r) {
         for (std::int64_t c = 0; c < h; ++c) {
           gq(r, c) += gw(r, c);

@@ -31,7 +31,7 @@ template <class T> void rotate(const char* label, const ExecSpace& space, const 
   const int head_dim = static_cast<int>(x.extent(1)) / heads;
   const int half = head_dim / 2;
   Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<ExecSpace>(space, 0, tokens), KOKKOS_LAMBDA(const std::int64_t t) {
+      label, FlatPolicy(space, 0, tokens), KOKKOS_LAMBDA(const std::int64_t t) {
         const seqlen_t p = position(t);
         const T* cs = &cos_table(p, 0);
         const T* sn = &sin_table(p, 0);

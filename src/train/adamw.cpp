@@ -11,7 +11,7 @@ namespace plm::train {
 template <class G> double globalNorm(const ExecSpace& space, View1<G> grads) {
   double sum = 0.0;
   Kokkos::parallel_reduce(
-      "plm::train::gradNorm", Kokkos::RangePolicy<ExecSpace>(space, 0, grads.extent(0)),
+      "plm::train::gradNorm", FlatPolicy(space, 0, grads.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t i, double& acc) {
         const double g = static_cast<double>(grads(i));
         acc += g * g;
@@ -57,7 +57,7 @@ void AdamW<P>::update(const ExecSpace& space, View1<P> grads, double lr, double 
   auto v = exp_avg_sq_member.f32;
   auto flags = this->flags_member;
   Kokkos::parallel_for(
-      "plm::train::adamw", Kokkos::RangePolicy<ExecSpace>(space, 0, master.extent(0)),
+      "plm::train::adamw", FlatPolicy(space, 0, master.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t i) {
         const std::uint8_t f = flags(i);
         if (f & frozen_flag) return;

@@ -447,7 +447,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     const View1<std::uint16_t> from = stageBeside(to);
     P* dst = to;
     Kokkos::parallel_for(
-        "plm::train::fsdp::widen_bf16", Kokkos::RangePolicy<ExecSpace>(space, 0, n),
+        "plm::train::fsdp::widen_bf16", FlatPolicy(space, 0, n),
         KOKKOS_LAMBDA(const std::int64_t i) { dst[i] = static_cast<P>(bf16Value(from(i))); });
   }
 
@@ -458,7 +458,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     const View1<std::uint16_t> to = shard_bf16;
     Kokkos::parallel_for(
         "plm::train::fsdp::shard_to_bf16",
-        Kokkos::RangePolicy<ExecSpace>(space, 0, static_cast<std::int64_t>(from.extent(0))),
+        FlatPolicy(space, 0, static_cast<std::int64_t>(from.extent(0))),
         KOKKOS_LAMBDA(const std::int64_t i) { to(i) = bf16Bits(static_cast<float>(from(i))); });
   }
 
@@ -782,7 +782,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     View1<P> shard = Kokkos::subview(grads_shard, std::make_pair(su.local, su.local + su.slice));
     View1<P> recv = ch.recv;
     Kokkos::parallel_for(
-        "plm::train::fsdp::accumulate_shard", Kokkos::RangePolicy<ExecSpace>(space, 0, su.slice),
+        "plm::train::fsdp::accumulate_shard", FlatPolicy(space, 0, su.slice),
         KOKKOS_LAMBDA(const std::int64_t i) { shard(i) += recv(i); });
   }
 
@@ -865,6 +865,28 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     return loss;
   }
 
+  // Evaluation: the training forward's gathers (one unit at a time), no gradients; every unit
+  // resharded after it.  `batch` null: no data here, join the gathers anyway.
+  double forwardOnly(const data::MicroBatch* batch) {
+    if (whole) reshardAll();
+    backward_phase = false;
+    ensureGathered(embedUnit());
+    ensureGathered(headUnit());
+    double loss = 0.0;
+    if (batch != nullptr && (batch->numTokens() > 0 || batch->context)) {
+      struct Unhook {
+        model::Esm2<P>& m;
+        ~Unhook() { m.setHooks(nullptr); }
+      } unhook{model};
+      model.setHooks(this);
+      loss = model.forward(*batch, nullptr, false);
+    } else {
+      for (int l = 0; l < layers; ++l) beforeForward(l);
+    }
+    reshardAll();
+    return loss;
+  }
+
   void finishGradients() {
     for (int c = 0; c < 4; ++c) drain(c);
     if (replicate_comm->size() > 1) {
@@ -933,6 +955,12 @@ template <class P> double Fsdp<P>::microBatch(const ExecSpace& space, const data
   return impl_member->microBatch(batch, grad_scale, hooks ? hooks : impl_member);
 }
 
+template <class P>
+double Fsdp<P>::forwardOnly(const ExecSpace& space, const data::MicroBatch* batch) {
+  impl_member->space = space;
+  return impl_member->forwardOnly(batch);
+}
+
 template <class P> void Fsdp<P>::finishGradients(const ExecSpace& space) {
   impl_member->space = space;
   impl_member->finishGradients();
@@ -974,7 +1002,7 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
   View1<P> g = m.grads_shard;
   double partial = 0.0;
   Kokkos::parallel_reduce(
-      "plm::train::fsdp::gradNormPartial", Kokkos::RangePolicy<ExecSpace>(space, 0, g.extent(0)),
+      "plm::train::fsdp::gradNormPartial", FlatPolicy(space, 0, g.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t i, double& acc) {
         const double x = static_cast<double>(g(i));
         acc += x * x;
@@ -1102,7 +1130,7 @@ template <class P> void Fsdp<P>::fillShards(const ExecSpace& space, const RangeS
     const View1<master_t> master = m.optimizer->master();
     Kokkos::parallel_for(
         "plm::train::fsdp::master_from_shard",
-        Kokkos::RangePolicy<ExecSpace>(space, 0, static_cast<std::int64_t>(shard.extent(0))),
+        FlatPolicy(space, 0, static_cast<std::int64_t>(shard.extent(0))),
         KOKKOS_LAMBDA(const std::int64_t i) { master(i) = static_cast<master_t>(shard(i)); });
   }
   space.fence();

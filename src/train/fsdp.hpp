@@ -154,6 +154,11 @@ template <class P> class Fsdp {
   StepStats step(const ExecSpace& space, const std::vector<data::MicroBatch>& local, double lr,
                  double clip_norm, MPI_Comm comm, const std::function<void()>& before_update = {});
 
+  /// \brief Collective over the shard group: the forward of `batch` (its loss sum) with the
+  /// training forward's gathers, one unit at a time, no gradients; every unit resharded after.
+  /// `batch` null: this rank has no data but joins the gathers (evaluate's CollectiveForward).
+  double forwardOnly(const ExecSpace& space, const data::MicroBatch* batch);
+
   /// \brief All-gathers every unit into the model's whole parameter buffer, allocated again for
   /// it (evaluation, the final model file, tests); the next step or reshardAll frees it.  The
   /// fp32 masters, also under gather_bf16.

@@ -283,18 +283,32 @@ template <class P> StepStats finishStep(const ExecSpace& space, model::Esm2<P>& 
 }
 
 template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& model,
-                                       data::Loader& loader, std::int64_t max_steps,
-                                       MPI_Comm comm) {
+                                       data::Loader& loader, std::int64_t max_steps, MPI_Comm comm,
+                                       const CollectiveForward& forward) {
   Kokkos::Profiling::pushRegion("plm::train::evaluate");
   loader.seek(data::Cursor{});
   BatchStats s;
-  model.refreshComputeWeights();
-  // No collective inside the loop: ranks may reach the end of the pass one call apart.
+  if (!forward) model.refreshComputeWeights();  // FSDP casts each unit as it gathers it
+  // No collective inside the loop (unless passes are collective): ranks may reach the end of
+  // the pass one call apart.
   for (std::int64_t step = 0; max_steps <= 0 || step < max_steps; ++step) {
     std::vector<data::MicroBatch> local = forContext(model, loader.nextStep());
     if (model.expertParallel()) {  // passes are collective: agree on each loader step
       local = padForExperts(local, comm);
       if (local.empty()) break;
+    }
+    if (forward) {  // every rank joins the same number of gathered passes
+      const auto micro =
+          static_cast<std::size_t>(dist::allreduceMax(static_cast<double>(local.size()), comm));
+      if (micro == 0) break;
+      BatchStats c = localCounts(local);
+      s.masked += c.masked;
+      s.tokens += c.tokens;
+      s.sequences += c.sequences;
+      s.sum_sq_seqlen += c.sum_sq_seqlen;
+      for (std::size_t i = 0; i < micro; ++i)
+        s.loss_sum += forward(i < local.size() ? &local[i] : nullptr);
+      continue;
     }
     if (local.empty()) break;
     BatchStats c = localCounts(local);
@@ -318,7 +332,7 @@ template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& m
   template StepStats finishStep<P>(const ExecSpace&, model::Esm2<P>&, Optimizer<P>&,               \
                                    const BatchStats&, double, double, MPI_Comm);                   \
   template BatchStats evaluate<P>(const ExecSpace&, model::Esm2<P>&, data::Loader&, std::int64_t,  \
-                                  MPI_Comm);
+                                  MPI_Comm, const CollectiveForward&);
 
 PLM_TRAIN_INSTANTIATE(float)
 PLM_TRAIN_INSTANTIATE(double)

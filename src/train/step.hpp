@@ -18,6 +18,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <functional>
 #include <vector>
 
 namespace plm::train {
@@ -82,9 +83,16 @@ template <class P> StepStats finishStep(const ExecSpace& space, model::Esm2<P>& 
 template <class P> double gradientNorm(const ExecSpace& space, const model::Esm2<P>& model,
                                        View1<P> grads, MPI_Comm comm);
 
+/// A forward-only pass that joins collectives (FSDP's gathers): nullptr = no data on this rank,
+/// join them anyway.  Returns the micro-batch's loss sum.
+using CollectiveForward = std::function<double(const data::MicroBatch*)>;
+
 /// \brief Forward-only loss over a single-pass loader (seeked to its start first), at most
-/// `max_steps` loader steps (0 = the whole pass), summed over `comm`.
+/// `max_steps` loader steps (0 = the whole pass), summed over `comm`.  With `forward` (FSDP:
+/// one unit gathered at a time, as in training), every rank runs the same number of passes per
+/// loader step, the most any rank holds, and the model's whole buffers are never used.
 template <class P> BatchStats evaluate(const ExecSpace& space, model::Esm2<P>& model,
-                                       data::Loader& loader, std::int64_t max_steps, MPI_Comm comm);
+                                       data::Loader& loader, std::int64_t max_steps, MPI_Comm comm,
+                                       const CollectiveForward& forward = {});
 
 }  // namespace plm::train

@@ -361,11 +361,14 @@ void Trainer::restore(const TrainState& state) {
 
 BatchStats Trainer::validate() {
   if (!valid_loader_member) return BatchStats{};
-  if (fsdp_member) fsdp_member->gatherAll(ExecSpace());
-  BatchStats v = evaluate(ExecSpace(), *model_member, *valid_loader_member, valid_max_steps_member,
-                          comm_member);
-  if (fsdp_member) fsdp_member->reshardAll(ExecSpace());
-  return v;
+  // Sharded: unit by unit as in training (a 15B model does not fit gathered whole).
+  CollectiveForward forward;
+  if (fsdp_member)
+    forward = [this](const data::MicroBatch* mb) {
+      return fsdp_member->forwardOnly(ExecSpace(), mb);
+    };
+  return evaluate(ExecSpace(), *model_member, *valid_loader_member, valid_max_steps_member,
+                  comm_member, forward);
 }
 
 Trainer::RunEnd Trainer::run() {

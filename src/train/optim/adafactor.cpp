@@ -181,7 +181,7 @@ void Adafactor<P>::update(const ExecSpace& space, View1<P> grads, double lr, dou
       });
   auto cols = cols_member;
   Kokkos::parallel_for(
-      "plm::train::adafactor::colSums", Kokkos::RangePolicy<ExecSpace>(space, 0, cols.extent(0)),
+      "plm::train::adafactor::colSums", FlatPolicy(space, 0, cols.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t s) {
         const auto c = cols(s);
         double sum = 0.0;

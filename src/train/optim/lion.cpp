@@ -30,7 +30,7 @@ void Lion<P>::update(const ExecSpace& space, View1<P> grads, double lr, double g
   auto m = exp_avg_member.f32;
   auto flags = this->flags_member;
   Kokkos::parallel_for(
-      "plm::train::lion", Kokkos::RangePolicy<ExecSpace>(space, 0, master.extent(0)),
+      "plm::train::lion", FlatPolicy(space, 0, master.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t i) {
         const std::uint8_t f = flags(i);
         if (f & frozen_flag) return;

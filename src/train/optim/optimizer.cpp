@@ -107,7 +107,7 @@ StateBuffer elementwiseBuffer(const std::string& name, const ParamLayout& layout
 template <class To, class From>
 void castCopy(const ExecSpace& space, View1<To> to, View1<From> from, const char* label) {
   Kokkos::parallel_for(
-      label, Kokkos::RangePolicy<ExecSpace>(space, 0, to.extent(0)),
+      label, FlatPolicy(space, 0, to.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t i) { to(i) = static_cast<To>(from(i)); });
 }
 
@@ -174,7 +174,7 @@ template <class P> void Optimizer<P>::shardMax(std::vector<float>& values) const
 template <class P> void Optimizer<P>::maskGradients(const ExecSpace& space, View1<P> grads) const {
   auto flags = flags_member;
   Kokkos::parallel_for(
-      "plm::train::maskGradients", Kokkos::RangePolicy<ExecSpace>(space, 0, grads.extent(0)),
+      "plm::train::maskGradients", FlatPolicy(space, 0, grads.extent(0)),
       KOKKOS_LAMBDA(const std::int64_t i) {
         if (flags(i) & frozen_flag) grads(i) = P(0);
       });
@@ -245,9 +245,14 @@ template <class T> void exportPieces(const StateBuffer& from, View1<T> from_view
     std::memcpy(full.data() + to.table[p.tensor].offset + p.start, local.data() + p.local,
                 p.count * sizeof(T));
   // Each element has exactly one owner; the others add zeros, so the sum is exact.
+  // MPI counts are int: a 15B model's state buffer (1.5e10 elements) goes in chunks.
+  constexpr std::int64_t chunk = std::int64_t(1) << 30;
+  const auto n = static_cast<std::int64_t>(full.extent(0));
   if (shard != MPI_COMM_NULL)
-    PLM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, full.data(), static_cast<int>(full.extent(0)), type,
-                                MPI_SUM, shard));
+    for (std::int64_t start = 0; start < n; start += chunk)
+      PLM_CHECK_MPI(MPI_Allreduce(MPI_IN_PLACE, full.data() + start,
+                                  static_cast<int>(std::min(chunk, n - start)), type, MPI_SUM,
+                                  shard));
   Kokkos::deep_copy(to_view, full);
 }
 
