@@ -1766,6 +1766,29 @@ std::vector<RouterCentring> Esm2<T>::centreRouters(const std::vector<data::Micro
   return out;
 }
 
+template <class T> void Esm2<T>::projectRouters(MPI_Comm comm) {
+  auto& im = *impl_member;
+  if (im.moe_blocks.empty()) return;
+  const std::size_t h = static_cast<std::size_t>(im.config.hidden);
+  std::vector<double> flat(im.moe_blocks.size() * h);
+  for (std::size_t i = 0; i < im.moe_blocks.size(); ++i)
+    im.moe_blocks[i]->takeStepInputSum(im.ctx, flat.data() + i * h);
+  im.ctx.space().fence();
+  dist::allreduceSum(flat, comm);
+  std::vector<std::vector<double>> units(im.moe_blocks.size());
+  for (std::size_t i = 0; i < im.moe_blocks.size(); ++i) {
+    const double* m = flat.data() + i * h;
+    double norm2 = 0;
+    for (std::size_t k = 0; k < h; ++k) norm2 += m[k] * m[k];
+    if (!(norm2 > 0) || !std::isfinite(norm2)) continue;
+    const double inv = 1.0 / std::sqrt(norm2);
+    units[i].resize(h);
+    for (std::size_t k = 0; k < h; ++k) units[i][k] = m[k] * inv;
+    im.moe_blocks[i]->projectRouter(im.ctx, units[i]);
+  }
+  im.ctx.space().fence();
+}
+
 template <class T> void Esm2<T>::setExpertParallel(dist::Communicator* comm) {
   auto& im = *impl_member;
   const int size = comm ? comm->size() : 1, rank = comm ? comm->rank() : 0;

@@ -383,6 +383,12 @@ template <class T> struct MoeMlp<T>::State {
   RouterInputSums input_sums;
   View1<double> input_sum_s;
   View1<T> centred_s;
+  // moe.router_projection: the router input summed over the step's training forwards (H, in
+  // the master type: fp32 under bf16), a column of ones for that GEMV, the unit mean (also the
+  // sum widened on its way to the host) and W u of the projection.
+  View1<T> step_sum_s, ones_s;
+  View1<double> unit_s, wu_s;
+  bool step_sum_live = false;  // step_sum_s holds sums not yet taken
 
   std::int64_t rows = 0;                // permuted rows of the pass (kept slots)
   bool routed_on_device = false;        // this pass's routing ran on the device (bf16 path)
@@ -470,6 +476,25 @@ template <class T> struct MoeMlp<T>::State {
                       w.router.template view<T>());
     space.fence();
     return host;
+  }
+
+  /// Adds the column sums of the router input x (T, H) to step_sum_s: one GEMV x^T 1 that
+  /// accumulates in the master type (fp32 under bf16).
+  void addStepInputSum(OpContext& ctx, const View2<T>& x) {
+    const auto& space = ctx.space();
+    const std::int64_t rows = x.extent(0), cols = x.extent(1);
+    if (step_sum_s.extent(0) != static_cast<std::size_t>(cols)) {
+      step_sum_s = View1<T>("plm::model::moe::step_input_sum", cols);
+      step_sum_live = false;
+    }
+    if (ones_s.extent(0) < static_cast<std::size_t>(rows)) {
+      ones_s =
+          View1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::moe::ones"), rows);
+      Kokkos::deep_copy(space, ones_s, T(1));
+    }
+    gemm(space, Trans::T, Trans::N, T(1), x, View2<T>(ones_s.data(), rows, 1),
+         step_sum_live ? T(1) : T(0), View2<T>(step_sum_s.data(), cols, 1));
+    step_sum_live = true;
   }
 
   /// A MoeStep::centring pass: adds the router input x (T, H) to input_sums and returns the
@@ -935,6 +960,9 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
     const View2<T> router =
         s.step && s.step->centring ? s.centringRouter(ctx, x) : s.w.router.template view<T>();
     gemm(space, Trans::N, Trans::T, T(1), x, router, T(0), View2<T>(s.logits.data(), t_n, e_n));
+    if (c.router_projection && s.step && s.step->training && !s.step->recomputing &&
+        !s.step->centring)
+      s.addStepInputSum(ctx, x);
   }
   s.routed_on_device = false;
   if (s.deviceRouting()) {
@@ -1283,6 +1311,49 @@ template <class T> void MoeMlp<T>::centreRouter(OpContext& ctx, const std::vecto
   Kokkos::deep_copy(ctx.space(), s.w.router.template view<T>(),
                     HostView2<const T>(router.data(), s.c.experts, s.hidden));
   ctx.space().fence();
+}
+
+template <class T> void MoeMlp<T>::takeStepInputSum(OpContext& ctx, double* host) {
+  auto& s = *state_member;
+  const auto& space = ctx.space();
+  const std::int64_t h = s.hidden;
+  if (!s.step_sum_live) {
+    std::fill(host, host + h, 0.0);
+    return;
+  }
+  // Widened to double on the device, then one copy back (the caller fences once for all layers).
+  View1<double> wide = grow(s.unit_s, h, "plm::model::moe::unit_mean");
+  const View1<T> sum = s.step_sum_s;
+  Kokkos::parallel_for(
+      "plm::model::moe::widen_step_sum", Kokkos::RangePolicy<ExecSpace>(space, 0, h),
+      KOKKOS_LAMBDA(const std::int64_t i) { wide(i) = static_cast<double>(sum(i)); });
+  Kokkos::deep_copy(space, Kokkos::View<double*, HostSpace>(host, h), wide);
+  s.step_sum_live = false;
+}
+
+template <class T> void MoeMlp<T>::projectRouter(OpContext& ctx, const std::vector<double>& unit) {
+  auto& s = *state_member;
+  PLM_REQUIRE(static_cast<int>(unit.size()) == s.hidden,
+              "plm::model::MoeMlp::projectRouter: the mean input must have the model's width");
+  const auto& space = ctx.space();
+  const std::int64_t h = s.hidden, e_n = s.c.experts;
+  View1<double> u = grow(s.unit_s, h, "plm::model::moe::unit_mean");
+  Kokkos::deep_copy(space, u, Kokkos::View<const double*, HostSpace>(unit.data(), h));
+  View1<double> wu = grow(s.wu_s, e_n, "plm::model::moe::router_times_mean");
+  const View2<T> w = s.w.router.template view<T>();
+  Kokkos::parallel_for(
+      "plm::model::moe::router_dot_mean", Kokkos::RangePolicy<ExecSpace>(space, 0, e_n),
+      KOKKOS_LAMBDA(const std::int64_t e) {
+        double acc = 0;
+        for (std::int64_t i = 0; i < h; ++i) acc += static_cast<double>(w(e, i)) * u(i);
+        wu(e) = acc;
+      });
+  Kokkos::parallel_for(
+      "plm::model::moe::router_project", Kokkos::RangePolicy<ExecSpace>(space, 0, e_n * h),
+      KOKKOS_LAMBDA(const std::int64_t k) {
+        const std::int64_t e = k / h, i = k % h;
+        w(e, i) = static_cast<T>(static_cast<double>(w(e, i)) - wu(e) * u(i));
+      });
 }
 
 template class MoeMlp<float>;

@@ -46,6 +46,7 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.bias_balance = m.get<bool>("bias_balance");
   c.bias_rate = m.get<double>("bias_rate");
   c.router_init = model::parseRouterInit(m.get<std::string>("router_init"));
+  c.router_projection = m.get<bool>("router_projection");
   c.expert_gemm = model::parseExpertGemm(m.get<std::string>("expert_gemm"));
   c.dispatch_budget_bytes = m.get<double>("dispatch_budget_gib") * 1024.0 * 1024.0 * 1024.0;
   c.overlap = m.get<bool>("overlap");
@@ -130,7 +131,7 @@ template <class P> void MoeRun<P>::centreRouters(model::Esm2<P>& model,
       layers.front().tokens, 100 * least, 100 * most, layers.size());
 }
 
-template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model) {
+template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model, bool masters_here) {
   auto stats = model.moeStats();
   model.resetMoeStats();
   if (stats.empty()) return;
@@ -164,6 +165,7 @@ template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model) {
   steps_member += 1;
   last_routed_member = routed;
   if (model.config().moe.bias_balance) model.balanceExpertBias(routed);
+  if (model.config().moe.router_projection && masters_here) model.projectRouters(comm_member);
 }
 
 template <class P> std::vector<MoeLayerSummary> MoeRun<P>::takeInterval() {
