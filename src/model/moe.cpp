@@ -1331,28 +1331,34 @@ template <class T> void MoeMlp<T>::takeStepInputSum(OpContext& ctx, double* host
   s.step_sum_live = false;
 }
 
-template <class T> void MoeMlp<T>::projectRouter(OpContext& ctx, const std::vector<double>& unit) {
+template <class T> void MoeMlp<T>::projectRouter(OpContext& ctx, const std::vector<double>& basis) {
   auto& s = *state_member;
-  PLM_REQUIRE(static_cast<int>(unit.size()) == s.hidden,
-              "plm::model::MoeMlp::projectRouter: the mean input must have the model's width");
-  const auto& space = ctx.space();
   const std::int64_t h = s.hidden, e_n = s.c.experts;
-  View1<double> u = grow(s.unit_s, h, "plm::model::moe::unit_mean");
-  Kokkos::deep_copy(space, u, Kokkos::View<const double*, HostSpace>(unit.data(), h));
-  View1<double> wu = grow(s.wu_s, e_n, "plm::model::moe::router_times_mean");
+  PLM_REQUIRE(
+      h > 0 && basis.size() % static_cast<std::size_t>(h) == 0,
+      "plm::model::MoeMlp::projectRouter: the basis must hold vectors of the model's width");
+  const std::int64_t k_n = static_cast<std::int64_t>(basis.size()) / h;
+  if (k_n == 0) return;
+  const auto& space = ctx.space();
+  View1<double> q = grow(s.unit_s, k_n * h, "plm::model::moe::unit_mean");
+  Kokkos::deep_copy(space, q, Kokkos::View<const double*, HostSpace>(basis.data(), k_n * h));
+  View1<double> wq = grow(s.wu_s, e_n * k_n, "plm::model::moe::router_times_mean");
   const View2<T> w = s.w.router.template view<T>();
   Kokkos::parallel_for(
-      "plm::model::moe::router_dot_mean", Kokkos::RangePolicy<ExecSpace>(space, 0, e_n),
-      KOKKOS_LAMBDA(const std::int64_t e) {
+      "plm::model::moe::router_dot_mean", Kokkos::RangePolicy<ExecSpace>(space, 0, e_n * k_n),
+      KOKKOS_LAMBDA(const std::int64_t ek) {
+        const std::int64_t e = ek / k_n, k = ek % k_n;
         double acc = 0;
-        for (std::int64_t i = 0; i < h; ++i) acc += static_cast<double>(w(e, i)) * u(i);
-        wu(e) = acc;
+        for (std::int64_t i = 0; i < h; ++i) acc += static_cast<double>(w(e, i)) * q(k * h + i);
+        wq(ek) = acc;
       });
   Kokkos::parallel_for(
       "plm::model::moe::router_project", Kokkos::RangePolicy<ExecSpace>(space, 0, e_n * h),
-      KOKKOS_LAMBDA(const std::int64_t k) {
-        const std::int64_t e = k / h, i = k % h;
-        w(e, i) = static_cast<T>(static_cast<double>(w(e, i)) - wu(e) * u(i));
+      KOKKOS_LAMBDA(const std::int64_t ei) {
+        const std::int64_t e = ei / h, i = ei % h;
+        double v = static_cast<double>(w(e, i));
+        for (std::int64_t k = 0; k < k_n; ++k) v -= wq(e * k_n + k) * q(k * h + i);
+        w(e, i) = static_cast<T>(v);
       });
 }
 

@@ -191,9 +191,10 @@ template <class T> class MoeMlp : public FfnBlock {
   /// call (MoeConfig::router_projection; fp32 on the device, reruns not counted) into `host` (H),
   /// then clears the sum.  `host` is valid after the next fence of ctx's space.
   void takeStepInputSum(OpContext& ctx, double* host);
-  /// \brief W <- W - (W u) u^T on the device for the stored router W and a unit vector `unit`
-  /// (H, host, kept alive until the next fence of ctx's space).
-  void projectRouter(OpContext& ctx, const std::vector<double>& unit);
+  /// \brief W <- W - (W Q) Q^T on the device for the stored router W and `basis` Q, k
+  /// orthonormal vectors of H one after another (host, kept alive until the next fence of ctx's
+  /// space): the rows made orthogonal to span(Q).
+  void projectRouter(OpContext& ctx, const std::vector<double>& basis);
 
   struct State;  // workspace and the routing kept from forward for backward
 

@@ -47,6 +47,7 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.bias_rate = m.get<double>("bias_rate");
   c.router_init = model::parseRouterInit(m.get<std::string>("router_init"));
   c.router_projection = m.get<bool>("router_projection");
+  c.router_projection_means = m.get<int>("router_projection_means");
   c.expert_gemm = model::parseExpertGemm(m.get<std::string>("expert_gemm"));
   c.dispatch_budget_bytes = m.get<double>("dispatch_budget_gib") * 1024.0 * 1024.0 * 1024.0;
   c.overlap = m.get<bool>("overlap");
