@@ -342,10 +342,11 @@ const std::vector<KeySpec>& keys() {
        "logit offset per expert to every token and sends most tokens to the same experts "
        "(doc/model.md, Router initialisation).  Not applied under parallel.shard_degree > 1.",
        any(), {}},
-      {"moe", "router_projection_means", K::integer, "4",
+      {"moe", "router_projection_means", K::integer, "1",
        "With router_projection: the routers are kept orthogonal to the mean router inputs of "
        "this many most recent steps (their span), since the shared input also moves along the "
-       "direction the updates take from step to step.",
+       "direction the updates take from step to step.  Above 1 the earlier means are not "
+       "checkpointed: a resumed run then differs from an uninterrupted one.",
        atLeast(1), {}},
       {"moe", "expert_gemm", K::text, "auto",
        "How the experts' GEMMs run under train.precision bf16 on the GPU: loop = one cuBLASLt "

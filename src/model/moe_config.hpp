@@ -51,7 +51,7 @@ struct MoeConfig {
   // (Esm2::projectRouters; trainer only, not in model files).  Training forwards then sum the
   // router input on the device.
   bool router_projection = true;
-  int router_projection_means = 4;  // the last steps' means the router is kept orthogonal to
+  int router_projection_means = 1;  // the last steps' means the router is kept orthogonal to
 
   bool enabled() const { return experts > 0; }
   bool isMoeLayer(int layer) const { return enabled() && (layer + 1) % every == 0; }
