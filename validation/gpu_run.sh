@@ -902,8 +902,13 @@ if has moe_balance && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # and, where 2 GPUs are visible, on two at expert degree 2. The deck's schedule is kept (2000
   # warm-up steps: the first steps of the real recipe); PLM_MOE_BALANCE_SETS adds --set
   # arguments (e.g. "schedule.warmup_steps=10"); PLM_MOE_BALANCE_INITS="centred normal" also
-  # runs the N(0, 0.02) routers. Summary: the centring's log line, each step's worst layer
-  # (`moe load max/mean`, dropped slots), and per layer the load max/mean of steps 1 and the last.
+  # runs the N(0, 0.02) routers; PLM_MOE_BALANCE_PROJECTION=false turns off the per-step router
+  # projection (moe.router_projection, on by default). PLM_MOE_BALANCE_TIMEOUT defaults to
+  # 120 s + 3 s per step. Done-when of the issue: PLM_MOE_BALANCE_STEPS=200, every layer at or
+  # below 1.5 at step 1 and after, at or below 1.3 after step 100, no dropped slot (dropless).
+  # Summary: the centring's log line, each step's worst layer (`moe load max/mean`, dropped
+  # slots), and per layer the load max/mean of steps 1, 100 and the last with the worst layer
+  # over steps 1.. and 101.. and the share of dropped slots.
   ngpu=$(nvidia-smi -L 2>/dev/null | wc -l)
   steps=${PLM_MOE_BALANCE_STEPS:-30}
   tokens=${PLM_MOE_BALANCE_TOKENS:-65536}
@@ -915,10 +920,11 @@ if has moe_balance && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
       d=/tmp/plm-moe-balance-$name
       rm -rf "$d"
       start=$(date +%s)
-      timeout ${PLM_MOE_BALANCE_TIMEOUT:-150} mpiexec -n $deg --oversubscribe "$pkg/bin/plm" train \
+      timeout ${PLM_MOE_BALANCE_TIMEOUT:-$((120 + 3 * steps))} mpiexec -n $deg --oversubscribe "$pkg/bin/plm" train \
         "$repo/inputs/esm2_650m.yaml" --set model.preset=esm2_moe_2b_a650m \
         --set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=bf16 \
         --set moe.router_init=$init --set parallel.expert_degree=$deg \
+        --set moe.router_projection=${PLM_MOE_BALANCE_PROJECTION:-true} \
         --set data.tokens_per_batch=$tokens --set data.micro_batch_tokens=16384 \
         --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
         --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
@@ -934,12 +940,22 @@ if has moe_balance && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 rows = [r for r in rows if r.get("kind") == "train" and "moe" in r]
-for r in (rows[:1] + rows[-1:]) if rows else []:
-    ratio = [l["tokens_per_expert_max"] / max(l["tokens_per_expert_mean"], 1e-30) for l in r["moe"]]
+def ratios(r):
+    return [l["tokens_per_expert_max"] / max(l["tokens_per_expert_mean"], 1e-30) for l in r["moe"]]
+picked = [r for r in rows if r["step"] in (1, 100)] + rows[-1:]
+for r in {r["step"]: r for r in picked}.values():
+    ratio = ratios(r)
     drop = max(l["dropped_fraction"] for l in r["moe"])
     print(f"  step {r['step']}: per-layer load max/mean " + " ".join(f"{x:.2f}" for x in ratio)
           + f" (worst {max(ratio):.2f}, over 1.5: {sum(x > 1.5 for x in ratio)} layers;"
           + f" largest dropped fraction {drop:.3f})")
+if rows:
+    worst = max(max(ratios(r)) for r in rows)
+    late = [max(ratios(r)) for r in rows if r["step"] > 100]
+    drop = sum(l["dropped_fraction"] for r in rows for l in r["moe"]) / sum(len(r["moe"]) for r in rows)
+    print(f"  worst layer over steps 1-{rows[-1]['step']}: {worst:.2f} (bound 1.5)"
+          + (f"; over steps 101-: {max(late):.2f} (bound 1.3)" if late else "")
+          + f"; mean share of dropped slots {drop:.4f}")
 PY
     done
   done

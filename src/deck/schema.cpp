@@ -350,6 +350,19 @@ const std::vector<KeySpec>& keys() {
        "tokens share at initialisation (most of it at hidden 1280 and up) does not send every "
        "token to the same experts (doc/model.md, Router initialisation).",
        any(), {"centred", "normal"}},
+      {"moe", "router_projection", K::boolean, "true",
+       "After every optimizer step, make each router's rows orthogonal to that step's mean router "
+       "input (summed over the step's tokens on every rank): W <- W - (W m) m^T / |m|^2.  The "
+       "early updates otherwise move every row along the input all tokens share, which adds one "
+       "logit offset per expert to every token and sends most tokens to the same experts "
+       "(doc/model.md, Router initialisation).  Not applied under parallel.shard_degree > 1.",
+       any(), {}},
+      {"moe", "router_projection_means", K::integer, "1",
+       "With router_projection: the routers are kept orthogonal to the mean router inputs of "
+       "this many most recent steps (their span), since the shared input also moves along the "
+       "direction the updates take from step to step.  Above 1 the earlier means are not "
+       "checkpointed: a resumed run then differs from an uninterrupted one.",
+       atLeast(1), {}},
       {"moe", "expert_gemm", K::text, "auto",
        "How the experts' GEMMs run under train.precision bf16 on the GPU: loop = one cuBLASLt "
        "call per expert (bias and GELU fused), grouped = one CUTLASS SM90 grouped GEMM launch per "

@@ -381,11 +381,13 @@ template <class T> struct Esm2<T>::Impl {
   OpContext ctx;
   View2<T> cos_table, sin_table;  // (positions, head_dim/2)
   LayerHooks* hooks = nullptr;
-  MoeStep moe_step;                     // read by every MoE layer during a pass
-  bool centring = false;                // passes of centreRouters (MoeStep::centring)
-  bool expert_parallel = false;         // setExpertParallel with more than one rank
-  std::vector<int> host_cu;             // the pass's sequence offsets (sequence-level aux loss)
-  std::vector<MoeMlp<T>*> moe_blocks;   // the MoE layers' FFN blocks (owned by `layers`)
+  MoeStep moe_step;                    // read by every MoE layer during a pass
+  bool centring = false;               // passes of centreRouters (MoeStep::centring)
+  bool expert_parallel = false;        // setExpertParallel with more than one rank
+  std::vector<int> host_cu;            // the pass's sequence offsets (sequence-level aux loss)
+  std::vector<MoeMlp<T>*> moe_blocks;  // the MoE layers' FFN blocks (owned by `layers`)
+  // projectRouters: per MoE layer the unit mean router inputs of the last steps, newest first.
+  std::vector<std::vector<std::vector<double>>> router_means;
   std::unique_ptr<RingAttention> ring;  // context parallelism (setContextParallel), else null
   dist::Communicator* context_comm = nullptr;  // its group (not owned)
   MoeContext moe_context;                      // the MoE layers' view of the pass's shard
@@ -1862,6 +1864,51 @@ std::vector<RouterCentring> Esm2<T>::centreRouters(const std::vector<data::Micro
     out.push_back(r);
   }
   return out;
+}
+
+template <class T> void Esm2<T>::projectRouters(MPI_Comm comm) {
+  auto& im = *impl_member;
+  if (im.moe_blocks.empty()) return;
+  const std::size_t h = static_cast<std::size_t>(im.config.hidden);
+  const std::size_t keep =
+      static_cast<std::size_t>(std::max(1, im.config.moe.router_projection_means));
+  std::vector<double> flat(im.moe_blocks.size() * h);
+  for (std::size_t i = 0; i < im.moe_blocks.size(); ++i)
+    im.moe_blocks[i]->takeStepInputSum(im.ctx, flat.data() + i * h);
+  im.ctx.space().fence();
+  dist::allreduceSum(flat, comm);
+  im.router_means.resize(im.moe_blocks.size());
+  std::vector<std::vector<double>> bases(im.moe_blocks.size());
+  for (std::size_t i = 0; i < im.moe_blocks.size(); ++i) {
+    const double* m = flat.data() + i * h;
+    double norm2 = 0;
+    for (std::size_t k = 0; k < h; ++k) norm2 += m[k] * m[k];
+    if (!(norm2 > 0) || !std::isfinite(norm2)) continue;
+    auto& means = im.router_means[i];  // this step's unit mean first, then earlier steps'
+    means.insert(means.begin(), std::vector<double>(m, m + h));
+    for (double& v : means.front()) v /= std::sqrt(norm2);
+    if (means.size() > keep) means.resize(keep);
+    // Gram-Schmidt (twice, for orthogonality in double) over the kept means; a mean that adds
+    // less than 1e-3 of its norm outside the others' span adds no direction.
+    auto& q = bases[i];
+    for (const auto& u : means) {
+      std::vector<double> v = u;
+      const std::size_t k_n = q.size() / h;
+      for (int pass = 0; pass < 2; ++pass)
+        for (std::size_t k = 0; k < k_n; ++k) {
+          double d = 0;
+          for (std::size_t x = 0; x < h; ++x) d += q[k * h + x] * v[x];
+          for (std::size_t x = 0; x < h; ++x) v[x] -= d * q[k * h + x];
+        }
+      double n2 = 0;
+      for (double x : v) n2 += x * x;
+      if (n2 < 1e-6) continue;
+      for (double& x : v) x /= std::sqrt(n2);
+      q.insert(q.end(), v.begin(), v.end());
+    }
+    im.moe_blocks[i]->projectRouter(im.ctx, q);
+  }
+  im.ctx.space().fence();
 }
 
 template <class T> void Esm2<T>::setExpertParallel(dist::Communicator* comm) {

@@ -277,6 +277,12 @@ template <class T> class Esm2 {
   /// model.  Returns per MoE layer the tokens seen and the share of the mean.
   std::vector<RouterCentring> centreRouters(const std::vector<data::MicroBatch>& batches,
                                             MPI_Comm comm);
+  /// \brief moe.router_projection, after an optimizer step: every MoE layer's router (fp32
+  /// master) made orthogonal to the mean of its input over the step's training forwards, summed
+  /// over `comm` (every rank that saw other tokens), W <- W - (W m) m^T / |m|^2, on the device.
+  /// The sums are then cleared.  Collective over `comm`; nothing for a dense model or a layer
+  /// that saw no tokens.
+  void projectRouters(MPI_Comm comm);
   /// \brief Expert parallelism over `comm` (not owned; nullptr = every expert local): its
   /// size must divide moe.experts.  Collective: every rank of `comm` must then run the same
   /// sequence of passes (a rank without tokens passes an empty micro-batch).

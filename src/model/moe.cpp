@@ -395,6 +395,17 @@ template <class T> struct MoeMlp<T>::State {
   RouterInputSums input_sums;
   View1<double> input_sum_s;
   View1<T> centred_s;
+  // moe.router_projection: the router input summed over the step's training forwards (H, in
+  // the master type: fp32 under bf16), a column of ones for that GEMV, the unit mean (also the
+  // sum widened on its way to the host) and W u of the projection.
+  View1<T> step_sum_s, ones_s;
+  View1<double> unit_s, wu_s;
+  // moe.router_projection in a training pass: the router projected off this micro-batch's own
+  // mean input (E, H), with which the pass routes and its backward runs (route_w).
+  View1<T> batch_sum_s, batch_w_s;
+  View1<double> batch_wu_s;
+  View2<T> route_w;
+  bool step_sum_live = false;  // step_sum_s holds sums not yet taken
 
   std::int64_t rows = 0;                // permuted rows of the pass (kept slots)
   bool routed_on_device = false;        // this pass's routing ran on the device (bf16 path)
@@ -475,6 +486,10 @@ template <class T> struct MoeMlp<T>::State {
 #endif
   }
   bool distributed() const { return ep.comm != nullptr && ep.comm->size() > 1; }
+  /// The router the last forward routed with (its backward's), else the stored one.
+  View2<T> routeWeights() const {
+    return route_w.data() != nullptr ? route_w : w.router.template view<T>();
+  }
 
   /// The router (E, H) as host values.
   std::vector<T> routerToHost(const ExecSpace& space) const {
@@ -483,6 +498,63 @@ template <class T> struct MoeMlp<T>::State {
                       w.router.template view<T>());
     space.fence();
     return host;
+  }
+
+  /// Adds the column sums of the router input x (T, H) to step_sum_s: one GEMV x^T 1 that
+  /// accumulates in the master type (fp32 under bf16).
+  void addStepInputSum(OpContext& ctx, const View2<T>& x) {
+    const auto& space = ctx.space();
+    const std::int64_t rows = x.extent(0), cols = x.extent(1);
+    if (step_sum_s.extent(0) != static_cast<std::size_t>(cols)) {
+      step_sum_s = View1<T>("plm::model::moe::step_input_sum", cols);
+      step_sum_live = false;
+    }
+    if (ones_s.extent(0) < static_cast<std::size_t>(rows)) {
+      ones_s =
+          View1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::moe::ones"), rows);
+      Kokkos::deep_copy(space, ones_s, T(1));
+    }
+    gemm(space, Trans::T, Trans::N, T(1), x, View2<T>(ones_s.data(), rows, 1),
+         step_sum_live ? T(1) : T(0), View2<T>(step_sum_s.data(), cols, 1));
+    step_sum_live = true;
+  }
+
+  /// moe.router_projection, a training pass: the router with every row made orthogonal to this
+  /// micro-batch's mean router input m (W - (W m) m^T / |m|^2, on the device), so that the
+  /// logits ignore the part all tokens share even when the last updates moved it away from the
+  /// stored router's null direction (the stored router is projected after the step).
+  View2<T> batchProjectedRouter(OpContext& ctx, const View2<T>& x) {
+    const auto& space = ctx.space();
+    const std::int64_t rows = x.extent(0), cols = x.extent(1), e_n = c.experts;
+    if (ones_s.extent(0) < static_cast<std::size_t>(rows)) {
+      ones_s =
+          View1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::moe::ones"), rows);
+      Kokkos::deep_copy(space, ones_s, T(1));
+    }
+    View1<T> m = grow(batch_sum_s, cols, "plm::model::moe::batch_input_sum");
+    gemm(space, Trans::T, Trans::N, T(1), x, View2<T>(ones_s.data(), rows, 1), T(0),
+         View2<T>(m.data(), cols, 1));
+    View1<T> wb = grow(batch_w_s, e_n * cols, "plm::model::moe::batch_router");
+    View1<double> wm = grow(batch_wu_s, e_n, "plm::model::moe::batch_router_times_mean");
+    const View2<T> w = this->w.router.template view<T>();
+    Kokkos::parallel_for(
+        "plm::model::moe::batch_router_dot_mean", Kokkos::RangePolicy<ExecSpace>(space, 0, e_n),
+        KOKKOS_LAMBDA(const std::int64_t e) {
+          double n2 = 0, d = 0;
+          for (std::int64_t i = 0; i < cols; ++i) {
+            const double mi = static_cast<double>(m(i));
+            n2 += mi * mi;
+            d += static_cast<double>(w(e, i)) * mi;
+          }
+          wm(e) = n2 > 0 ? d / n2 : 0.0;
+        });
+    Kokkos::parallel_for(
+        "plm::model::moe::batch_router_project",
+        Kokkos::RangePolicy<ExecSpace>(space, 0, e_n * cols), KOKKOS_LAMBDA(const std::int64_t ei) {
+          const std::int64_t e = ei / cols, i = ei % cols;
+          wb(ei) = static_cast<T>(static_cast<double>(w(e, i)) - wm(e) * static_cast<double>(m(i)));
+        });
+    return View2<T>(wb.data(), e_n, cols);
   }
 
   /// A MoeStep::centring pass: adds the router input x (T, H) to input_sums and returns the
@@ -951,9 +1023,13 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   s.logits = grow(s.logits_s, t_n * e_n, "plm::model::moe::logits");
   if (t_n > 0) {
     const View2<T> x = s.routerInput(ctx, h);
-    const View2<T> router =
-        s.step && s.step->centring ? s.centringRouter(ctx, x) : s.w.router.template view<T>();
+    const bool projecting = c.router_projection && s.step && s.step->training && !s.step->centring;
+    const View2<T> router = s.step && s.step->centring ? s.centringRouter(ctx, x)
+                            : projecting               ? s.batchProjectedRouter(ctx, x)
+                                                       : s.w.router.template view<T>();
+    s.route_w = projecting ? router : View2<T>();  // the stored router may move (relocate)
     gemm(space, Trans::N, Trans::T, T(1), x, router, T(0), View2<T>(s.logits.data(), t_n, e_n));
+    if (projecting && !s.step->recomputing) s.addStepInputSum(ctx, x);
   }
   s.routed_on_device = false;
   if (s.deviceRouting()) {
@@ -1234,7 +1310,7 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
       if (t_n > 0) {
         gemm(space, Trans::T, Trans::N, T(1), dl2, s.routerInput(ctx, h, true), T(1),
              s.g.router.template view<T>());
-        gemm(space, Trans::N, Trans::N, T(1), dl2, s.w.router.template view<T>(), T(0),
+        gemm(space, Trans::N, Trans::N, T(1), dl2, s.routeWeights(), T(0),
              View2<T>(dhr.data(), t_n, hid));
       }
       gpu::moeCombineGradient(space.cuda_stream(), reinterpret_cast<const gpu::bf16*>(dx.data()),
@@ -1259,8 +1335,7 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
           }
         });
     if (t_n > 0) {
-      gemm(space, Trans::N, Trans::N, T(1), dl2, s.w.router.template view<T>(), T(1),
-           dh.template view<T>());
+      gemm(space, Trans::N, Trans::N, T(1), dl2, s.routeWeights(), T(1), dh.template view<T>());
       gemm(space, Trans::T, Trans::N, T(1), dl2, h.template view<T>(), T(1),
            s.g.router.template view<T>());
     }
@@ -1310,6 +1385,55 @@ template <class T> void MoeMlp<T>::centreRouter(OpContext& ctx, const std::vecto
   Kokkos::deep_copy(ctx.space(), s.w.router.template view<T>(),
                     HostView2<const T>(router.data(), s.c.experts, s.hidden));
   ctx.space().fence();
+}
+
+template <class T> void MoeMlp<T>::takeStepInputSum(OpContext& ctx, double* host) {
+  auto& s = *state_member;
+  const auto& space = ctx.space();
+  const std::int64_t h = s.hidden;
+  if (!s.step_sum_live) {
+    std::fill(host, host + h, 0.0);
+    return;
+  }
+  // Widened to double on the device, then one copy back (the caller fences once for all layers).
+  View1<double> wide = grow(s.unit_s, h, "plm::model::moe::unit_mean");
+  const View1<T> sum = s.step_sum_s;
+  Kokkos::parallel_for(
+      "plm::model::moe::widen_step_sum", Kokkos::RangePolicy<ExecSpace>(space, 0, h),
+      KOKKOS_LAMBDA(const std::int64_t i) { wide(i) = static_cast<double>(sum(i)); });
+  Kokkos::deep_copy(space, Kokkos::View<double*, HostSpace>(host, h), wide);
+  s.step_sum_live = false;
+}
+
+template <class T> void MoeMlp<T>::projectRouter(OpContext& ctx, const std::vector<double>& basis) {
+  auto& s = *state_member;
+  const std::int64_t h = s.hidden, e_n = s.c.experts;
+  PLM_REQUIRE(
+      h > 0 && basis.size() % static_cast<std::size_t>(h) == 0,
+      "plm::model::MoeMlp::projectRouter: the basis must hold vectors of the model's width");
+  const std::int64_t k_n = static_cast<std::int64_t>(basis.size()) / h;
+  if (k_n == 0) return;
+  const auto& space = ctx.space();
+  View1<double> q = grow(s.unit_s, k_n * h, "plm::model::moe::unit_mean");
+  Kokkos::deep_copy(space, q, Kokkos::View<const double*, HostSpace>(basis.data(), k_n * h));
+  View1<double> wq = grow(s.wu_s, e_n * k_n, "plm::model::moe::router_times_mean");
+  const View2<T> w = s.w.router.template view<T>();
+  Kokkos::parallel_for(
+      "plm::model::moe::router_dot_mean", Kokkos::RangePolicy<ExecSpace>(space, 0, e_n * k_n),
+      KOKKOS_LAMBDA(const std::int64_t ek) {
+        const std::int64_t e = ek / k_n, k = ek % k_n;
+        double acc = 0;
+        for (std::int64_t i = 0; i < h; ++i) acc += static_cast<double>(w(e, i)) * q(k * h + i);
+        wq(ek) = acc;
+      });
+  Kokkos::parallel_for(
+      "plm::model::moe::router_project", Kokkos::RangePolicy<ExecSpace>(space, 0, e_n * h),
+      KOKKOS_LAMBDA(const std::int64_t ei) {
+        const std::int64_t e = ei / h, i = ei % h;
+        double v = static_cast<double>(w(e, i));
+        for (std::int64_t k = 0; k < k_n; ++k) v -= wq(e * k_n + k) * q(k * h + i);
+        w(e, i) = static_cast<T>(v);
+      });
 }
 
 template class MoeMlp<float>;

@@ -187,6 +187,14 @@ template <class T> class MoeMlp : public FfnBlock {
   RouterInputSums takeRouterInputSums();
   /// \brief Centres the stored router on `mean` (H), the mean router input (centreRows).
   void centreRouter(OpContext& ctx, const std::vector<double>& mean);
+  /// \brief Starts copying the router input summed over the training forwards since the last
+  /// call (MoeConfig::router_projection; fp32 on the device, reruns not counted) into `host` (H),
+  /// then clears the sum.  `host` is valid after the next fence of ctx's space.
+  void takeStepInputSum(OpContext& ctx, double* host);
+  /// \brief W <- W - (W Q) Q^T on the device for the stored router W and `basis` Q, k
+  /// orthonormal vectors of H one after another (host, kept alive until the next fence of ctx's
+  /// space): the rows made orthogonal to span(Q).
+  void projectRouter(OpContext& ctx, const std::vector<double>& basis);
 
   struct State;  // workspace and the routing kept from forward for backward
 

@@ -55,6 +55,11 @@ struct MoeConfig {
   bool overlap = false;
   bool host_routing = false;  // moe.routing: host = the host reference routing on the bf16 path
   RouterInit router_init = RouterInit::Centred;  // read by the trainer only (not in model files)
+  // After every optimizer step each router is made orthogonal to that step's mean router input
+  // (Esm2::projectRouters; trainer only, not in model files).  Training forwards then sum the
+  // router input on the device.
+  bool router_projection = true;
+  int router_projection_means = 1;  // the last steps' means the router is kept orthogonal to
 
   bool enabled() const { return experts > 0; }
   bool isMoeLayer(int layer) const { return enabled() && (layer + 1) % every == 0; }

@@ -46,6 +46,8 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.bias_balance = m.get<bool>("bias_balance");
   c.bias_rate = m.get<double>("bias_rate");
   c.router_init = model::parseRouterInit(m.get<std::string>("router_init"));
+  c.router_projection = m.get<bool>("router_projection");
+  c.router_projection_means = m.get<int>("router_projection_means");
   c.expert_gemm = model::parseExpertGemm(m.get<std::string>("expert_gemm"));
   const auto activation = m.get<std::string>("expert_activation");
   if (activation != "auto")  // auto: the preset's (swiglu for aido_protein_16b), else gelu
@@ -133,7 +135,7 @@ template <class P> void MoeRun<P>::centreRouters(model::Esm2<P>& model,
       layers.front().tokens, 100 * least, 100 * most, layers.size());
 }
 
-template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model) {
+template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model, bool masters_here) {
   auto stats = model.moeStats();
   model.resetMoeStats();
   if (stats.empty()) return;
@@ -167,6 +169,7 @@ template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model) {
   steps_member += 1;
   last_routed_member = routed;
   if (model.config().moe.bias_balance) model.balanceExpertBias(routed);
+  if (model.config().moe.router_projection && masters_here) model.projectRouters(comm_member);
 }
 
 template <class P> std::vector<MoeLayerSummary> MoeRun<P>::takeInterval() {

@@ -53,8 +53,10 @@ template <class P> class MoeRun {
   /// first training step (Esm2::centreRouters), and logs what it removed.
   void centreRouters(model::Esm2<P>& model, const std::vector<data::MicroBatch>& first_step);
   /// \brief Collective: reduces this step's routing statistics over all ranks, applies the
-  /// bias_balance update, and adds them to the interval.
-  void afterStep(model::Esm2<P>& model);
+  /// bias_balance update and, with moe.router_projection where the model holds its masters
+  /// (`masters_here`: not under sharding), the router projection (Esm2::projectRouters), and
+  /// adds the statistics to the interval.
+  void afterStep(model::Esm2<P>& model, bool masters_here = true);
   /// \brief The interval's statistics per MoE layer (then starts a new interval).
   std::vector<MoeLayerSummary> takeInterval();
   /// \brief Compact: worst max/mean load over layers, mean dropped fraction, aux loss.

@@ -423,7 +423,7 @@ Trainer::RunEnd Trainer::run() {
       st = finishStep(space, *model_member, *optimizer_member, batch, lr, clip_norm_member,
                       comm_member);
     }
-    moe_member->afterStep(*model_member);
+    moe_member->afterStep(*model_member, fsdp_member == nullptr);
     phase::set("between steps");
     if (steps_this_run_member == 0) {
       const double used = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);

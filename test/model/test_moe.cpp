@@ -343,6 +343,9 @@ Esm2Config tinyMoeConfig() {
   c.moe.aux_loss = 0.05;
   c.moe.seq_aux_loss = 0.3;
   c.moe.z_loss = 0.01;
+  // Training passes would route with the router projected off the micro-batch's mean
+  // (moe.router_projection), forward() with the stored one; the checks here compare the two.
+  c.moe.router_projection = false;
   return c;
 }
 
