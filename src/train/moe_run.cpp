@@ -48,6 +48,11 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.router_init = model::parseRouterInit(m.get<std::string>("router_init"));
   c.router_projection = m.get<bool>("router_projection");
   c.router_projection_means = m.get<int>("router_projection_means");
+  // Under context parallelism a rank sees part of each sequence, so the per-micro-batch mean
+  // the training pass projects the router off would differ from one rank's: not applied there.
+  if (deck.isSublist("parallel") && deck.sublist("parallel").isParameter("context_degree") &&
+      deck.sublist("parallel").get<int>("context_degree") > 1)
+    c.router_projection = false;
   c.expert_gemm = model::parseExpertGemm(m.get<std::string>("expert_gemm"));
   const auto activation = m.get<std::string>("expert_activation");
   if (activation != "auto")  // auto: the preset's (swiglu for aido_protein_16b), else gelu

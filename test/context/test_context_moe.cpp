@@ -44,6 +44,9 @@ Esm2Config moeConfig(Recompute recompute = Recompute::None) {
   c.moe.shared_experts = 1;
   c.moe.capacity_factor = 0.75;  // drops: the cut must count every shard's earlier slots
   c.moe.aux_loss = 0.05;
+  // The per-micro-batch router projection uses each rank's own mean input, so a context shard would
+  // route differently from one rank; plm train turns it off under context parallelism.
+  c.moe.router_projection = false;
   c.moe.z_loss = 0.02;
   c.moe.seq_aux_loss = 0.03;
   c.moe.bias_balance = true;
