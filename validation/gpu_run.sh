@@ -90,6 +90,9 @@
 #         gradient norm over one buffer of 2^32 + 12,288 fp32 elements (56 GB of GPU memory at
 #         most), elements at both ends and around 2^31 and 2^32 against host references; log
 #         copied to $OUT (large_index.log)
+#         Open (H200, b0b6b7a): at PLM_LARGE_INDEX_ROWS=300 all 6 tests pass; at full size the
+#         first test does not finish in 90 s with the GPU 100% busy (a kernel over > 2^32 elements
+#         that does not end): run it under `timeout`.
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/archive/performance-history.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
