@@ -92,7 +92,10 @@
 #         copied to $OUT (large_index.log)
 #         Open (H200, b0b6b7a): at PLM_LARGE_INDEX_ROWS=300 all 6 tests pass; at full size the
 #         first test does not finish in 90 s with the GPU 100% busy (a kernel over > 2^32 elements
-#         that does not end): run it under `timeout`.
+#         that does not end): run it under `timeout`. Likely cause: Kokkos 3.4's CUDA range
+#         kernel forms blockDim.y * blockIdx.x and its stride blockDim.y * gridDim.x in 32-bit
+#         unsigned arithmetic, so one launch over more than 2^32 elements wraps its stride and
+#         crawls; the cure is to launch whole-buffer ranges in chunks of at most 2^31 elements.
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/archive/performance-history.md "Planner accuracy"
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
