@@ -74,6 +74,17 @@ std::enable_if_t<Kokkos::is_reducer_type<Reducer>::value> flatReduce(
   reducer.reference() = total;
 }
 
+namespace detail {
+/// The fill's kernel body.  A named functor, not a lambda: an nvcc extended lambda inside this
+/// header template is instantiated in every translation unit that fills, and a CUDA build linked
+/// from several of them jumped to a null kernel address at the first fill past kFlatChunk.
+template <class V> struct FlatFillFunctor {
+  V* data;
+  V value;
+  KOKKOS_INLINE_FUNCTION void operator()(const std::int64_t i) const { data[i] = value; }
+};
+}  // namespace detail
+
 /// \brief Sets every element of a contiguous 1-D view to `value` on `space` (what
 /// Kokkos::deep_copy(space, view, value) does, in pieces of at most kFlatChunk elements).
 template <class T, class... Props>
@@ -90,10 +101,7 @@ void flatFill(const ExecSpace& space, const Kokkos::View<T*, Props...>& view,
                                  typename Kokkos::View<T*, Props...>::memory_space>::accessible,
       "flatFill: the view must live where ExecSpace runs");
   using V = std::remove_const_t<T>;
-  auto* data = view.data();
-  const V v = value;
-  flatFor(
-      "plm::flatFill", space, 0, n, KOKKOS_LAMBDA(const std::int64_t i) { data[i] = v; }, chunk);
+  flatFor("plm::flatFill", space, 0, n, detail::FlatFillFunctor<V>{view.data(), V(value)}, chunk);
 }
 
 /// \brief A zero-filled device view of n elements (what View1<T>(label, n) allocates: Kokkos

@@ -119,8 +119,9 @@ AdamW8bit<P>::AdamW8bit(View1<P> params, ParamLayout layout, const AdamW8bitOpti
     Kokkos::deep_copy(buffer->f32, h);
   }
   // Zero moments: the code of 0.0 in each map (the scales start at 0, so any code reads 0).
-  Kokkos::deep_copy(m_codes_member.u8, quantizeNearest(dynamicQuantileMap(true), 0.0f));
-  Kokkos::deep_copy(v_codes_member.u8, quantizeNearest(dynamicQuantileMap(false), 0.0f));
+  flatFill(ExecSpace(), m_codes_member.u8, quantizeNearest(dynamicQuantileMap(true), 0.0f));
+  flatFill(ExecSpace(), v_codes_member.u8, quantizeNearest(dynamicQuantileMap(false), 0.0f));
+  ExecSpace().fence();
 
   std::vector<detail::QuantSegment> quant;
   for (std::size_t i = 0; i < quantised.pieces.size(); ++i) {
