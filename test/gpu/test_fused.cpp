@@ -139,7 +139,8 @@ TEST_P(LayerNormWidth, ForwardBackward) {
   EXPECT_LT(test::relError(dbeta.download(), db_ref), 1e-4) << what;
 
   // Reruns from the same state: bitwise the same dgamma, dbeta, dx and residual gradient.
-  const auto dx1 = dx.download(), dres1 = dres_bf.download(), res1 = residual.download();
+  const auto dx1 = dx.download(), dres1 = dres_bf.download();
+  const auto res1 = residual.download();
   dgamma.upload(dg0);
   dbeta.upload(db0);
   backward(nullptr, false, dx2);
