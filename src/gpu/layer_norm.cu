@@ -561,15 +561,20 @@ template <class F> void withForwardTile(int cols, F&& f) {
 }
 
 // The backward: per row, phase 1 loads x, dy (and the old residual gradient) of the thread's
-// chunks, keeps h = (x - mean) rstd and e = dy gamma in registers, adds dy h and dy into the
+// chunks, keeps h = (x - mean) rstd and dy in registers, adds dy h and dy into the
 // group's dgamma/dbeta sums in shared memory (each column has one owner thread in the group: no
 // atomics) and the row sums of e and e h; phase 2 writes the input gradient.  The block is
 // persistent over rows (grid-stride); at the end it adds its groups' sums in group order and
-// writes one partial (2, cols) row.  At most 5 chunks per thread: 3 blocks per SM.
-constexpr int kBackwardBlocksPerSm = 3;
+// writes one partial (2, cols) row.  At most 5 chunks per thread: with bf16 dy that fits the 80
+// registers of 3 blocks per SM; fp32 dy (the final LayerNorms only) takes 2 blocks per SM and
+// spills nothing.
+constexpr int kBackwardBlocksPerSm = 3;  // the most, for the workspace
+template <class TDY> constexpr int backwardBlocksPerSm() {
+  return std::is_same_v<TDY, float> ? 2 : kBackwardBlocksPerSm;
+}
 
 template <class TX, class TDY, int R, int V>
-__global__ void __launch_bounds__(kThreads, kBackwardBlocksPerSm)
+__global__ void __launch_bounds__(kThreads, backwardBlocksPerSm<TDY>())
     backwardTileKernel(const TDY* dy, const TX* x, const float* gamma, const float* mean,
                        const float* rstd, float* residual, bool accumulate, bfloat* dx,
                        float* partial, std::int64_t rows, int cols) {
@@ -708,9 +713,9 @@ int multiprocessors() {
 }
 
 // Blocks of the tiled backward: enough row groups for every block, at most the resident ones.
-int backwardTileBlocks(std::int64_t rows, int cols) {
+int backwardTileBlocks(std::int64_t rows, int cols, int per_sm = kBackwardBlocksPerSm) {
   const int groups = kWarps / backwardTileWarps(cols);
-  const std::int64_t resident = std::int64_t(multiprocessors()) * kBackwardBlocksPerSm;
+  const std::int64_t resident = std::int64_t(multiprocessors()) * per_sm;
   return static_cast<int>(
       std::max<std::int64_t>(1, std::min<std::int64_t>((rows + groups - 1) / groups, resident)));
 }
@@ -864,7 +869,7 @@ void layerNormBackward(Stream stream, const TDY* dy, const TX* x, const float* g
   auto* dxs = reinterpret_cast<bfloat*>(dx);
   auto* partial = static_cast<float*>(workspace);
   if (tileable(cols, xs, {gamma, residual, partial}, {dys, dxs}) && aligned(dys, 4 * sizeof(NDY))) {
-    const int blocks = backwardTileBlocks(rows, cols);
+    const int blocks = backwardTileBlocks(rows, cols, backwardBlocksPerSm<NDY>());
     withBackwardTile(cols, [&](auto R, auto V) {
       constexpr int G = kWarps / decltype(R)::value;
       backwardTileKernel<NX, NDY, decltype(R)::value, decltype(V)::value>
