@@ -4,7 +4,7 @@
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
-#                                       gemm_tune fp8_fsdp finetune_parity large_index
+#                                       gemm_tune fp8_fsdp finetune_parity large_index layernorm
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -98,6 +98,12 @@
 #         crawls; the cure is to launch whole-buffer ranges in chunks of at most 2^31 elements.
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/archive/performance-history.md "Planner accuracy"
+#   layernorm: the LayerNorm kernels (issue 29, target 85% of a device copy): test_gpu_fused
+#         and test_gpu_fp8 filtered to their LayerNorm tests (every ESM-2 width 320 to 5120 and
+#         three sizes between, x and dy fp32/bf16, bitwise reruns; the FP8-fused forward bit for
+#         bit against the plain one), then bench_gpu_gemm_tune --layernorm: forward and backward
+#         GB/s and % of copy at 16k x 1280, 16k x 2560, 8k x 5120, 32k x 2560, x fp32 and bf16
+#         (the RESULT layernorm lines go to the summary)
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -1079,6 +1085,28 @@ PY
   note "finetune_parity: hf_head_parity rc=$?"
   tail -3 "$out/finetune_parity.txt" | tee -a "$summary"
   rm -rf "$d"
+fi
+
+if has layernorm; then
+  for t in test_gpu_fused:'*LayerNorm*' test_gpu_fp8:'*LayerNorm*'; do
+    bin=${t%%:*}
+    if [[ -x "$pkg/bin/$bin" ]]; then
+      timeout 300 "$pkg/bin/$bin" --gtest_filter="${t#*:}" > "$out/layernorm_$bin.log" 2>&1
+      note "$bin LayerNorm rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/layernorm_$bin.log" | tr '\n' ' ')"
+      grep -E "^\[  FAILED|Failure|Expected|Which is" "$out/layernorm_$bin.log" | head -40 |
+        tee -a "$summary"
+    else
+      note "layernorm: no $bin in $pkg/bin"
+    fi
+  done
+  if [[ -x "$pkg/bin/bench_gpu_gemm_tune" ]]; then
+    timeout 300 "$pkg/bin/bench_gpu_gemm_tune" --layernorm > "$out/layernorm_bench.log" 2>&1
+    note "bench_gpu_gemm_tune --layernorm rc=$?"
+    grep -E "layernorm|copy" "$out/layernorm_bench.log" | tee -a "$summary"
+    cp "$out/layernorm_bench.log" "$final_out/" 2>/dev/null
+  else
+    note "layernorm: no bench_gpu_gemm_tune in $pkg/bin"
+  fi
 fi
 
 if has hf; then

@@ -8,7 +8,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <initializer_list>
+#include <limits>
 #include <string>
+#include <type_traits>
 
 namespace plm::gpu {
 
@@ -266,17 +269,32 @@ template <class TX, class TDY, int J> __global__ void __launch_bounds__(kThreads
   for (int i = threadIdx.x; i < 2 * cols; i += blockDim.x) out[i] = acc[i];
 }
 
-// dgamma[c] += sum over blocks b of partial[b][c] (b in order); dbeta likewise from [cols + c].
-__global__ void reducePartialsKernel(const float* partial, int blocks, int cols, float* dgamma,
-                                     float* dbeta) {
-  int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= 2 * cols) return;
+// dgamma[c] += sum over blocks b of partial[b][c]; dbeta likewise from [cols + c].  A block
+// takes 32 columns: warp w sums blocks w, w + 8, ... in order, then warp 0 adds the 8 sums in
+// warp order (a fixed order: bitwise reproducible).
+constexpr int kReduceSlices = kWarps;
+
+__global__ void __launch_bounds__(kThreads)
+    reducePartialsKernel(const float* partial, int blocks, int cols, float* dgamma, float* dbeta) {
+  __shared__ float sums[kReduceSlices][33];
+  const int lane = threadIdx.x & 31, slice = threadIdx.x / 32;
+  const int c = blockIdx.x * 32 + lane;
+  const std::int64_t n = 2 * std::int64_t(cols);
   float s = 0.0f;
-  for (int b = 0; b < blocks; ++b) s += partial[std::int64_t(b) * 2 * cols + c];
+  if (c < n) {
+#pragma unroll 16  // 16 loads in flight; the adds stay in order
+    for (int b = slice; b < blocks; b += kReduceSlices) s += partial[b * n + c];
+  }
+  sums[slice][lane] = s;
+  __syncthreads();
+  if (slice != 0 || c >= n) return;
+  float total = sums[0][lane];
+#pragma unroll
+  for (int k = 1; k < kReduceSlices; ++k) total += sums[k][lane];
   if (c < cols)
-    dgamma[c] += s;
+    dgamma[c] += total;
   else
-    dbeta[c - cols] += s;
+    dbeta[c - cols] += total;
 }
 
 int backwardBlocks(std::int64_t rows) {
@@ -296,6 +314,428 @@ void launchBackward(Stream st, const TDY* dy, const TX* x, const float* gamma, c
                                                              accumulate, dx, partial, rows, cols);
 }
 
+// ---------------------------------------------------------------------------------------------
+// The tiled kernels, taken whenever cols is a multiple of 4 and every row pointer is 16-byte
+// aligned for fp32 (8-byte for bf16): one 16-byte (fp32) or 8-byte (bf16) load per 4 values.
+// A row belongs to a group of R warps (T = 32 R threads, G = 8 / R rows per 256-thread block
+// at a time); thread t of the group holds the 4-value chunks t + T v, v < V, in registers.
+// R grows with the hidden size so that V stays small: the row stays in registers without
+// spilling and many rows are in flight per SM.  Group sums go lane butterfly first, then over
+// the group's warps 0..R-1 through shared memory: one fixed order, so results are bitwise
+// reproducible, and the plain and FP8 forwards (same tile, same routine) agree bit for bit.
+
+template <int N> using Int = std::integral_constant<int, N>;
+
+__device__ __forceinline__ float4 load4(const float* p, std::int64_t chunk) {
+  return reinterpret_cast<const float4*>(p)[chunk];
+}
+__device__ __forceinline__ float4 bf16x4ToFloat4(uint2 u) {
+  const float2 lo = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.x));
+  const float2 hi = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&u.y));
+  return make_float4(lo.x, lo.y, hi.x, hi.y);
+}
+__device__ __forceinline__ float4 load4(const bfloat* p, std::int64_t chunk) {
+  return bf16x4ToFloat4(reinterpret_cast<const uint2*>(p)[chunk]);
+}
+__device__ __forceinline__ uint2 packBf16(float4 v) {
+  const __nv_bfloat162 lo = __floats2bfloat162_rn(v.x, v.y), hi = __floats2bfloat162_rn(v.z, v.w);
+  return make_uint2(*reinterpret_cast<const unsigned*>(&lo),
+                    *reinterpret_cast<const unsigned*>(&hi));
+}
+__device__ __forceinline__ void store4(bfloat* p, std::int64_t chunk, float4 v) {
+  reinterpret_cast<uint2*>(p)[chunk] = packBf16(v);
+}
+__device__ __forceinline__ void store4(float* p, std::int64_t chunk, float4 v) {
+  reinterpret_cast<float4*>(p)[chunk] = v;
+}
+
+// 4 values as loaded: float4 for fp32, 4 packed bf16 for bf16.
+template <class T> struct Raw4Of { using type = float4; };
+template <> struct Raw4Of<bfloat> { using type = uint2; };
+template <class T> using Raw4 = typename Raw4Of<T>::type;
+
+__device__ __forceinline__ float4 loadRaw4(const float* p, std::int64_t chunk) {
+  return load4(p, chunk);
+}
+__device__ __forceinline__ uint2 loadRaw4(const bfloat* p, std::int64_t chunk) {
+  return reinterpret_cast<const uint2*>(p)[chunk];
+}
+__device__ __forceinline__ float4 toFloat4(float4 v) { return v; }
+__device__ __forceinline__ float4 toFloat4(uint2 u) { return bf16x4ToFloat4(u); }
+__device__ __forceinline__ float4 mul4(float4 a, float4 b) {
+  return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
+}
+
+// The sum of v over a row group (every thread of the group gets it).  `red` holds kWarps
+// floats; callers alternate between two such slots, so a slot is written again only after a
+// later __syncthreads that every reader of its previous value has passed.  With R > 1 every
+// thread of the block must call (inactive groups with 0).
+template <int R> __device__ __forceinline__ float groupSum(float v, float* red, int warp) {
+  v = warpSum(v);
+  if constexpr (R == 1) {
+    return v;
+  } else {
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    const int first = warp - warp % R;
+    float s = red[first];
+#pragma unroll
+    for (int w = 1; w < R; ++w) s += red[first + w];
+    return s;
+  }
+}
+
+template <int R> __device__ __forceinline__ float2 groupSum2(float2 v, float2* red, int warp) {
+  v.x = warpSum(v.x);
+  v.y = warpSum(v.y);
+  if constexpr (R == 1) {
+    return v;
+  } else {
+    if ((threadIdx.x & 31) == 0) red[warp] = v;
+    __syncthreads();
+    const int first = warp - warp % R;
+    float2 s = red[first];
+#pragma unroll
+    for (int w = 1; w < R; ++w) {
+      s.x += red[first + w].x;
+      s.y += red[first + w].y;
+    }
+    return s;
+  }
+}
+
+// Thread t's chunks of row xr (zeros past the end, or everywhere when !live) with the row's
+// mean and 1 / sqrt(biased variance + eps), two passes over the registers.  red: 2 kWarps floats.
+template <class TX, int R, int V>
+__device__ __forceinline__ void tileRowStats(const TX* xr, bool live, int cols, float eps, int t,
+                                             int warp, float* red, float4 (&v)[V], float& mu,
+                                             float& rs) {
+  constexpr int T = 32 * R;
+  const int chunks = cols / 4;
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int c = t + T * j;
+    v[j] = live && c < chunks ? load4(xr, c) : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+  }
+  float s = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; ++j) s += (v[j].x + v[j].y) + (v[j].z + v[j].w);
+  mu = groupSum<R>(s, red, warp) / cols;
+  float ss = 0.0f;
+#pragma unroll
+  for (int j = 0; j < V; ++j)
+    if (t + T * j < chunks) {
+      const float a = v[j].x - mu, b = v[j].y - mu, c = v[j].z - mu, d = v[j].w - mu;
+      ss += (a * a + b * b) + (c * c + d * d);
+    }
+  rs = rsqrtf(groupSum<R>(ss, red + kWarps, warp) / cols + eps);
+}
+
+// y = (x - mean) * rstd * gamma + beta for one chunk: the one expression both forwards use.
+__device__ __forceinline__ float4 normalizeChunk(float4 v, float mu, float rs, float4 g, float4 b) {
+  return make_float4((v.x - mu) * rs * g.x + b.x, (v.y - mu) * rs * g.y + b.y,
+                     (v.z - mu) * rs * g.z + b.z, (v.w - mu) * rs * g.w + b.w);
+}
+
+template <class TX, int R, int V> __global__ void __launch_bounds__(kThreads)
+    forwardTileKernel(const TX* x, const float* gamma, const float* beta, bfloat* y, float* mean,
+                      float* rstd, std::int64_t rows, int cols, float eps) {
+  constexpr int T = 32 * R, G = kWarps / R;
+  __shared__ float red[2 * kWarps];
+  const int warp = threadIdx.x / 32, t = threadIdx.x % T;
+  const int chunks = cols / 4;
+  for (std::int64_t base = blockIdx.x * std::int64_t(G); base < rows;
+       base += std::int64_t(gridDim.x) * G) {
+    const std::int64_t row = base + warp / R;
+    const bool live = row < rows;
+    float4 v[V];
+    float mu, rs;
+    tileRowStats<TX, R, V>(x + row * cols, live, cols, eps, t, warp, red, v, mu, rs);
+    if (!live) continue;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = t + T * j;
+      if (c < chunks)
+        store4(y + row * cols, c, normalizeChunk(v[j], mu, rs, load4(gamma, c), load4(beta, c)));
+    }
+    if (t == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+  }
+}
+
+// The FP8 forward on the tile: 32 rows per block as forwardFp8Kernel, G at a time.
+template <class TX, int R, int V> __global__ void __launch_bounds__(kThreads)
+    forwardFp8TileKernel(const TX* x, const float* gamma, const float* beta, bfloat* y, float* mean,
+                         float* rstd, std::int64_t rows, int cols, float eps, Fp8Out q) {
+  constexpr int T = 32 * R, G = kWarps / R;
+  extern __shared__ std::uint8_t tile[];  // (kFp8Rows, cols + 4) codes, for codes_t
+  __shared__ float red[2 * kWarps];
+  const int stride = cols + 4;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, t = threadIdx.x % T;
+  const std::int64_t row0 = blockIdx.x * std::int64_t(kFp8Rows);
+  const float scale = *q.scale;
+  if (q.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *q.scale_inv = 1.0f / scale;
+  const int chunks = cols / 4;
+  unsigned amax_bits = 0;  // |v| as ordered bits: finite < inf < NaN
+  for (int rb = 0; rb < kFp8Rows; rb += G) {
+    const int rl = rb + warp / R;
+    const std::int64_t row = row0 + rl;
+    const bool live = row < rows;
+    float4 v[V];
+    float mu, rs;
+    tileRowStats<TX, R, V>(x + row * cols, live, cols, eps, t, warp, red, v, mu, rs);
+    if (!live) continue;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = t + T * j;
+      if (c < chunks) {
+        const uint2 h = packBf16(normalizeChunk(v[j], mu, rs, load4(gamma, c), load4(beta, c)));
+        if (y) reinterpret_cast<uint2*>(y + row * cols)[c] = h;
+        const float2 f0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h.x));
+        const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h.y));
+        amax_bits =
+            max(amax_bits,
+                max(max(__float_as_uint(f0.x) & 0x7fffffffu, __float_as_uint(f0.y) & 0x7fffffffu),
+                    max(__float_as_uint(f1.x) & 0x7fffffffu, __float_as_uint(f1.y) & 0x7fffffffu)));
+        const unsigned four = unsigned(encodeFp8(f0.x * scale, q.e4m3)) |
+                              (unsigned(encodeFp8(f0.y * scale, q.e4m3)) << 8) |
+                              (unsigned(encodeFp8(f1.x * scale, q.e4m3)) << 16) |
+                              (unsigned(encodeFp8(f1.y * scale, q.e4m3)) << 24);
+        if (q.codes) {  // the row stride is only even: two 2-byte stores
+          auto* dst = reinterpret_cast<std::uint16_t*>(q.codes + row * q.ld) + 2 * c;
+          dst[0] = static_cast<std::uint16_t>(four);
+          dst[1] = static_cast<std::uint16_t>(four >> 16);
+        }
+        if (q.codes_t) *reinterpret_cast<unsigned*>(tile + rl * stride + 4 * c) = four;
+      }
+    }
+    if (t == 0) {
+      mean[row] = mu;
+      rstd[row] = rs;
+    }
+  }
+  if (q.amax) {
+    const unsigned bits = __reduce_max_sync(0xffffffffu, amax_bits);
+    if (lane == 0 && bits != 0) atomicMax(reinterpret_cast<unsigned*>(q.amax), bits);
+  }
+  if (!q.codes_t) return;
+  __syncthreads();
+  const int nrows = rows - row0 < kFp8Rows ? static_cast<int>(rows - row0) : kFp8Rows;
+  for (int w = threadIdx.x; w < cols * (kFp8Rows / 4); w += blockDim.x) {
+    const int c = w / (kFp8Rows / 4), r = 4 * (w % (kFp8Rows / 4));
+    if (r >= nrows) continue;
+    std::uint8_t* dst = q.codes_t + c * q.ld_t + row0 + r;
+    if (r + 4 <= nrows) {
+      const unsigned b0 = tile[r * stride + c], b1 = tile[(r + 1) * stride + c],
+                     b2 = tile[(r + 2) * stride + c], b3 = tile[(r + 3) * stride + c];
+      *reinterpret_cast<unsigned*>(dst) = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+    } else {
+      for (int k = 0; k < nrows - r; ++k) dst[k] = tile[(r + k) * stride + c];
+    }
+  }
+}
+
+// The forward's tile for cols (a multiple of 4, at most 5120): one warp per row up to 1280,
+// then 2 and 4; V chunks per thread (at most 10: 40 values of x in registers).
+template <class F> void withForwardTile(int cols, F&& f) {
+  const int chunks = cols / 4;
+  const int need = (chunks + 31) / 32;
+  if (need <= 2)
+    f(Int<1>{}, Int<2>{});
+  else if (need <= 3)
+    f(Int<1>{}, Int<3>{});
+  else if (need <= 4)
+    f(Int<1>{}, Int<4>{});
+  else if (need <= 5)
+    f(Int<1>{}, Int<5>{});
+  else if (need <= 8)
+    f(Int<1>{}, Int<8>{});
+  else if (need <= 10)
+    f(Int<1>{}, Int<10>{});
+  else if (chunks <= 640)
+    f(Int<2>{}, Int<10>{});
+  else
+    f(Int<4>{}, Int<10>{});
+}
+
+// The backward: per row, phase 1 loads x, dy (and the old residual gradient) of the thread's
+// chunks, keeps h = (x - mean) rstd and dy in registers, adds dy h and dy into the
+// group's dgamma/dbeta sums in shared memory (each column has one owner thread in the group: no
+// atomics) and the row sums of e and e h; phase 2 writes the input gradient.  The block is
+// persistent over rows (grid-stride); at the end it adds its groups' sums in group order and
+// writes one partial (2, cols) row.  At most 5 chunks per thread: with bf16 dy that fits the 80
+// registers of 3 blocks per SM; fp32 dy (the final LayerNorms only) takes 2 blocks per SM and
+// spills nothing.
+constexpr int kBackwardBlocksPerSm = 3;  // the most, for the workspace
+template <class TDY> constexpr int backwardBlocksPerSm() {
+  return std::is_same_v<TDY, float> ? 2 : kBackwardBlocksPerSm;
+}
+
+template <class TX, class TDY, int R, int V>
+__global__ void __launch_bounds__(kThreads, backwardBlocksPerSm<TDY>())
+    backwardTileKernel(const TDY* dy, const TX* x, const float* gamma, const float* mean,
+                       const float* rstd, float* residual, bool accumulate, bfloat* dx,
+                       float* partial, std::int64_t rows, int cols) {
+  constexpr int T = 32 * R, G = kWarps / R;
+  extern __shared__ float4 acc4[];  // (G, 2, cols / 4): each group's dgamma, dbeta sums
+  __shared__ float2 red[2][kWarps];
+  const int warp = threadIdx.x / 32, group = warp / R, t = threadIdx.x % T;
+  const int chunks = cols / 4;
+  float4* ag = acc4 + group * 2 * chunks;
+  float4* ab = ag + chunks;
+  const float4 zero = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+  for (int j = 0; j < V; ++j) {
+    const int c = t + T * j;
+    if (c < chunks) ag[c] = ab[c] = zero;
+  }
+  const bool add_old = residual && accumulate;
+  int parity = 0;
+  for (std::int64_t base = blockIdx.x * std::int64_t(G); base < rows;
+       base += std::int64_t(gridDim.x) * G, parity ^= 1) {
+    const std::int64_t row = base + group;
+    const bool live = row < rows;
+    // h in fp32; dy as loaded (bf16 dy takes half the registers), e = dy gamma recomputed in
+    // phase 2 (gamma from L1): the row and the old residual gradient fit 80 registers.
+    float4 h[V], old[V];
+    Raw4<TDY> d[V];
+    float a = 0.0f, b = 0.0f, rs = 0.0f;
+    if (live) {
+      const float mu = mean[row];
+      rs = rstd[row];
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int c = t + T * j;
+        if (c < chunks) {
+          h[j] = load4(x + row * cols, c);
+          d[j] = loadRaw4(dy + row * cols, c);
+          if (add_old) old[j] = load4(residual + row * cols, c);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < V; ++j) {
+        const int c = t + T * j;
+        if (c < chunks) {
+          const float4 dv = toFloat4(d[j]), e = mul4(dv, load4(gamma, c));
+          float4 hh = h[j];
+          hh = make_float4((hh.x - mu) * rs, (hh.y - mu) * rs, (hh.z - mu) * rs, (hh.w - mu) * rs);
+          h[j] = hh;
+          a += (e.x + e.y) + (e.z + e.w);
+          b += (e.x * hh.x + e.y * hh.y) + (e.z * hh.z + e.w * hh.w);
+          float4 sg = ag[c], sb = ab[c];
+          sg.x += dv.x * hh.x;
+          sg.y += dv.y * hh.y;
+          sg.z += dv.z * hh.z;
+          sg.w += dv.w * hh.w;
+          sb.x += dv.x;
+          sb.y += dv.y;
+          sb.z += dv.z;
+          sb.w += dv.w;
+          ag[c] = sg;
+          ab[c] = sb;
+        }
+      }
+    }
+    const float2 s = groupSum2<R>(make_float2(a, b), red[parity], warp);
+    if (!live) continue;
+    a = s.x / cols;
+    b = s.y / cols;
+#pragma unroll
+    for (int j = 0; j < V; ++j) {
+      const int c = t + T * j;
+      if (c < chunks) {
+        const float4 e = mul4(toFloat4(d[j]), load4(gamma, c));
+        float4 g = make_float4(rs * (e.x - a - h[j].x * b), rs * (e.y - a - h[j].y * b),
+                               rs * (e.z - a - h[j].z * b), rs * (e.w - a - h[j].w * b));
+        if (residual) {
+          if (add_old) {
+            g.x += old[j].x;
+            g.y += old[j].y;
+            g.z += old[j].z;
+            g.w += old[j].w;
+          }
+          store4(residual + row * cols, c, g);
+        }
+        store4(dx + row * cols, c, g);
+      }
+    }
+  }
+  __syncthreads();
+  auto* out = reinterpret_cast<float4*>(partial + std::int64_t(blockIdx.x) * 2 * cols);
+  for (int i = threadIdx.x; i < 2 * chunks; i += kThreads) {
+    float4 s = acc4[i];
+#pragma unroll
+    for (int g = 1; g < G; ++g) {
+      const float4 o = acc4[g * 2 * chunks + i];
+      s.x += o.x;
+      s.y += o.y;
+      s.z += o.z;
+      s.w += o.w;
+    }
+    out[i] = s;
+  }
+}
+
+// The backward's tile for cols (a multiple of 4, at most 5120): at most 5 chunks per thread,
+// one warp per row up to 640, then 2, 4 and 8 warps.
+template <class F> void withBackwardTile(int cols, F&& f) {
+  const int chunks = cols / 4;
+  const int need = (chunks + 31) / 32;
+  if (need <= 2)
+    f(Int<1>{}, Int<2>{});
+  else if (need <= 3)
+    f(Int<1>{}, Int<3>{});
+  else if (need <= 4)
+    f(Int<1>{}, Int<4>{});
+  else if (need <= 5)
+    f(Int<1>{}, Int<5>{});
+  else if (chunks <= 320)
+    f(Int<2>{}, Int<5>{});
+  else if (chunks <= 640)
+    f(Int<4>{}, Int<5>{});
+  else
+    f(Int<8>{}, Int<5>{});
+}
+
+int backwardTileWarps(int cols) {
+  int r = 1;
+  withBackwardTile(cols, [&](auto R, auto) { r = decltype(R)::value; });
+  return r;
+}
+
+int multiprocessors() {
+  int dev = 0, sms = 0;
+  PLM_CHECK_CUDA(cudaGetDevice(&dev));
+  PLM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  return sms;
+}
+
+// Blocks of the tiled backward: enough row groups for every block, at most the resident ones.
+int backwardTileBlocks(std::int64_t rows, int cols, int per_sm = kBackwardBlocksPerSm) {
+  const int groups = kWarps / backwardTileWarps(cols);
+  const std::int64_t resident = std::int64_t(multiprocessors()) * per_sm;
+  return static_cast<int>(
+      std::max<std::int64_t>(1, std::min<std::int64_t>((rows + groups - 1) / groups, resident)));
+}
+
+bool aligned(const void* p, std::size_t bytes) {
+  return reinterpret_cast<std::uintptr_t>(p) % bytes == 0;
+}
+
+// Whether cols and the pointers fit the tiled kernels (null pointers always fit).
+constexpr int kMaxCols = 5120;
+template <class TX> bool tileable(int cols, const TX* x, std::initializer_list<const void*> f32,
+                                  std::initializer_list<const void*> b16) {
+  if (cols % 4 != 0 || cols > kMaxCols || !aligned(x, 4 * sizeof(TX))) return false;
+  for (const void* p : f32)
+    if (!aligned(p, 16)) return false;
+  for (const void* p : b16)
+    if (!aligned(p, 8)) return false;
+  return true;
+}
+
 }  // namespace
 
 template <class TX> void layerNormForward(Stream stream, const TX* x, const float* gamma,
@@ -305,6 +745,17 @@ template <class TX> void layerNormForward(Stream stream, const TX* x, const floa
   using NX = typename Native<TX>::type;
   const auto* xs = reinterpret_cast<const NX*>(x);
   auto* ys = reinterpret_cast<bfloat*>(y);
+  if (tileable(cols, xs, {gamma, beta}, {ys})) {
+    withForwardTile(cols, [&](auto R, auto V) {
+      constexpr int G = kWarps / decltype(R)::value;
+      const auto blocks = static_cast<unsigned>(
+          std::min<std::int64_t>((rows + G - 1) / G, std::numeric_limits<int>::max()));
+      forwardTileKernel<NX, decltype(R)::value, decltype(V)::value>
+          <<<blocks, kThreads, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
+    });
+    PLM_CHECK_CUDA(cudaGetLastError());
+    return;
+  }
   const unsigned blocks = static_cast<unsigned>((rows + 7) / 8);
   const int pairs_per_lane = (cols / 2 + 31) / 32;
   if (pairs_per_lane <= 4)
@@ -319,8 +770,7 @@ template <class TX> void layerNormForward(Stream stream, const TX* x, const floa
   else if (pairs_per_lane <= 40)
     forwardKernel<NX, 40>
         <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
-  else if (pairs_per_lane <= 80)  // esm2_15b (hidden 5120): spills registers, LayerNorm is
-                                  // a small share of that model's step
+  else if (pairs_per_lane <= 80)  // an odd multiple of 2 up to 5120: spills registers
     forwardKernel<NX, 80>
         <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
   else
@@ -368,6 +818,20 @@ template <class TX> void layerNormForwardFp8(Stream stream, const TX* x, const f
                  a.scale_inv,
                  a.amax,
                  a.out_type == DType::E4M3};
+  if (tileable(cols, xs, {gamma, beta}, {ys})) {
+    withForwardTile(cols, [&](auto R, auto V) {
+      auto* kernel = forwardFp8TileKernel<NX, decltype(R)::value, decltype(V)::value>;
+      const int smem = q.codes_t ? kFp8Rows * (cols + 4) : 0;
+      if (smem > 48 * 1024)
+        PLM_CHECK_CUDA(
+            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+      const auto blocks = static_cast<unsigned>((rows + kFp8Rows - 1) / kFp8Rows);
+      kernel<<<blocks, kThreads, smem, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps,
+                                                 q);
+    });
+    PLM_CHECK_CUDA(cudaGetLastError());
+    return;
+  }
   const int pairs_per_lane = (cols / 2 + 31) / 32;
   if (pairs_per_lane <= 4)
     launchForwardFp8<NX, 4>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
@@ -386,7 +850,10 @@ template <class TX> void layerNormForwardFp8(Stream stream, const TX* x, const f
 }
 
 std::size_t layerNormBackwardWorkspace(std::int64_t rows, int cols) {
-  return static_cast<std::size_t>(backwardBlocks(rows)) * 2 * cols * sizeof(float);
+  int blocks = backwardBlocks(rows);
+  if (rows > 0 && cols % 4 == 0 && cols > 0 && cols <= kMaxCols)
+    blocks = std::max(blocks, backwardTileBlocks(rows, cols));
+  return static_cast<std::size_t>(blocks) * 2 * cols * sizeof(float);
 }
 
 template <class TX, class TDY>
@@ -401,6 +868,20 @@ void layerNormBackward(Stream stream, const TDY* dy, const TX* x, const float* g
   const auto* dys = reinterpret_cast<const NDY*>(dy);
   auto* dxs = reinterpret_cast<bfloat*>(dx);
   auto* partial = static_cast<float*>(workspace);
+  if (tileable(cols, xs, {gamma, residual, partial}, {dys, dxs}) && aligned(dys, 4 * sizeof(NDY))) {
+    const int blocks = backwardTileBlocks(rows, cols, backwardBlocksPerSm<NDY>());
+    withBackwardTile(cols, [&](auto R, auto V) {
+      constexpr int G = kWarps / decltype(R)::value;
+      backwardTileKernel<NX, NDY, decltype(R)::value, decltype(V)::value>
+          <<<blocks, kThreads, G * 2 * cols * sizeof(float), stream>>>(
+              dys, xs, gamma, mean, rstd, residual, accumulate, dxs, partial, rows, cols);
+    });
+    PLM_CHECK_CUDA(cudaGetLastError());
+    reducePartialsKernel<<<(2 * cols + 31) / 32, kThreads, 0, stream>>>(partial, blocks, cols,
+                                                                        dgamma, dbeta);
+    PLM_CHECK_CUDA(cudaGetLastError());
+    return;
+  }
   const int blocks = backwardBlocks(rows);
   const int pairs_per_lane = (cols / 2 + 31) / 32;
   if (pairs_per_lane <= 4)
@@ -422,8 +903,8 @@ void layerNormBackward(Stream stream, const TDY* dy, const TX* x, const float* g
     throw Error("plm::gpu::layerNormBackward: hidden " + std::to_string(cols) +
                 " is larger than the kernels support (5120)");
   PLM_CHECK_CUDA(cudaGetLastError());
-  reducePartialsKernel<<<(2 * cols + 255) / 256, 256, 0, stream>>>(partial, blocks, cols, dgamma,
-                                                                   dbeta);
+  reducePartialsKernel<<<(2 * cols + 31) / 32, kThreads, 0, stream>>>(partial, blocks, cols, dgamma,
+                                                                      dbeta);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -1,13 +1,14 @@
 // LayerNorm forward and backward on CUDA for the bf16 compute policy.
 //
-// Design: one warp per row, bf16x2 / float2 loads; statistics (mean, rstd) fp32; gamma and beta
-// are the fp32 master parameters (no bf16 copy of them exists).  The input may be the fp32
-// residual stream or a bf16 activation, the output gradient fp32 or bf16.  The backward writes the
-// input gradient (=) or, in residual mode, adds it to the fp32 residual-stream gradient and writes
-// that sum's bf16 copy for the next GEMM, in the same pass.  dgamma and dbeta accumulate (+=) in a
-// fixed order with no float atomics: each block sums its rows warp by warp in a fixed order into
-// shared memory and writes one partial row to `workspace`, and a second kernel adds the partials
-// block by block, so bf16 runs are bitwise reproducible.
+// Design: a row held in registers by one warp (or 2, 4, 8 warps for wide rows), 16-byte fp32 /
+// 8-byte bf16 loads when the hidden size is a multiple of 4 (pair loads otherwise); statistics
+// (mean, rstd) fp32; gamma and beta are the fp32 master parameters (no bf16 copy of them exists).
+// The input may be the fp32 residual stream or a bf16 activation, the output gradient fp32 or bf16.
+// The backward writes the input gradient (=) or, in residual mode, adds it to the fp32
+// residual-stream gradient and writes that sum's bf16 copy for the next GEMM, in the same pass.
+// dgamma and dbeta accumulate (+=) in a fixed order with no float atomics: each block sums its rows
+// in a fixed order in registers and shared memory and writes one partial row to `workspace`, and a
+// second kernel adds the partials in a fixed order, so bf16 runs are bitwise reproducible.
 #pragma once
 
 #include "gpu/device.hpp"

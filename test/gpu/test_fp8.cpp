@@ -1009,8 +1009,9 @@ class Fp8LayerNorm : public ::testing::TestWithParam<LnCase> {};
 // the transposed codes bit for bit against the host encoder on that bf16 output times the
 // scale; the amax exactly (written, then max-accumulated); scale_inv = 1 / scale; the transposed
 // copy's columns from `rows` on untouched.  Rows not a multiple of the 32-row block nor of 4 (the
-// byte-wise tail of the transposed store), 1 row, hidden 64 to 1280 (the register widths J 4 to
-// 20), and a scale that saturates the largest values.
+// byte-wise tail of the transposed store), 1 row, hidden 64 to 5120 (the tiles of one warp per
+// row and of 2 and 4 warps per row), 66 (not a multiple of 4: the pair kernels), and a scale that
+// saturates the largest values.
 TEST_P(Fp8LayerNorm, MatchesPlainLayerNormAndHostCodes) {
   const LnCase c = GetParam();
   const std::int64_t n = c.rows * c.cols;
@@ -1106,7 +1107,11 @@ INSTANTIATE_TEST_SUITE_P(Shapes, Fp8LayerNorm,
                                            LnCase{37, 320, DType::F32, DType::E4M3},
                                            LnCase{70, 1280, DType::BF16, DType::E4M3},
                                            LnCase{130, 1280, DType::F32, DType::E5M2},
-                                           LnCase{96, 640, DType::F32, DType::E4M3}));
+                                           LnCase{96, 640, DType::F32, DType::E4M3},
+                                           LnCase{41, 480, DType::BF16, DType::E4M3},
+                                           LnCase{45, 2560, DType::F32, DType::E4M3},
+                                           LnCase{67, 5120, DType::BF16, DType::E5M2},
+                                           LnCase{50, 66, DType::F32, DType::E4M3}));
 
 TEST(Fp8LayerNorm, RefusesBadArguments) {
   DeviceBuffer<float> x(64), gamma(32), beta(32), mean(2), rstd(2), scale(1);

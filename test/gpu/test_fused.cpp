@@ -8,6 +8,8 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <string>
+#include <vector>
 
 namespace plm::gpu {
 namespace {
@@ -15,51 +17,104 @@ namespace {
 using test::Bf16Tensor;
 using test::DeviceBuffer;
 
-// bf16 input, fp32 gamma/beta (the masters), bf16 output; the backward in both modes: plain
-// (dx written as bf16) and residual (fp32 residual gradient += dx, its bf16 copy written).  Rows
-// cross several blocks of the backward (333 rows of 320 > 32 rows per block) so the fixed-order
-// partial sums of dgamma/dbeta are exercised; a rerun must be bitwise identical.
-// Widths: 320 (the small register tile) and 5120 (esm2_15b, the widest tile).
-class LayerNormWidth : public ::testing::TestWithParam<int> {};
+// x fp32 (the residual stream) or bf16, fp32 gamma/beta (the masters), bf16 output; the backward
+// with dy fp32 or bf16 in both modes: plain (dx written as bf16) and residual (fp32 residual
+// gradient += dx, its bf16 copy written).  Widths: ESM-2's 320 to 5120 (every tile: one warp per
+// row up to 640 or 1280, then 2, 4, 8 warps), 328 and 1000 and 4104 (multiples of 8 between the
+// tiles, partly filled), 322 (even but not a multiple of 4: the pair kernels).  About 2.6M values
+// per case: more row groups than 3 blocks per SM on 132 SMs hold at once, so the persistent
+// backward blocks take several rows each and the fixed-order partial sums of dgamma/dbeta are
+// exercised; a rerun must be bitwise identical.
+struct LnWidthCase {
+  int cols;
+  bool x_bf16;
+  bool dy_bf16;
+};
+
+class LayerNormWidth : public ::testing::TestWithParam<LnWidthCase> {};
+
+// fp32 values on the device as fp32 or bf16; `values` what the device holds.
+struct Input {
+  std::vector<float> values;
+  DeviceBuffer<float> f32;
+  DeviceBuffer<std::uint16_t> b16;
+  Input(const std::vector<float>& v, bool bf16_values)
+      : values(v), f32(bf16_values ? 0 : v.size()), b16(bf16_values ? v.size() : 0) {
+    if (!bf16_values) {
+      f32.upload(v);
+      return;
+    }
+    std::vector<std::uint16_t> bits(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) {
+      bits[i] = test::toBf16Bits(v[i]);
+      values[i] = test::fromBf16Bits(bits[i]);
+    }
+    b16.upload(bits);
+  }
+};
 
 TEST_P(LayerNormWidth, ForwardBackward) {
-  const std::int64_t rows = 333;
-  const int cols = GetParam();
-  Bf16Tensor x(test::randomNormal(rows * cols, 1, 2.0f));
+  const LnWidthCase p = GetParam();
+  const int cols = p.cols;
+  const std::int64_t rows = 2'560'000 / cols + 3;
+  const std::int64_t n = rows * cols;
+  std::vector<float> xh = test::randomNormal(n, 1, 2.0f);
+  for (std::int64_t i = 0; i < n; i += 5) xh[i] += 1.0f;  // non-zero means
+  Input x(xh, p.x_bf16), dy(test::randomNormal(n, 4), p.dy_bf16);
   auto g0 = test::randomNormal(cols, 2);
   for (auto& g : g0) g += 1.0f;
   const auto b0 = test::randomNormal(cols, 3);
   DeviceBuffer<float> gamma(g0), beta(b0);
-  Bf16Tensor dy(test::randomNormal(rows * cols, 4));
-  DeviceBuffer<std::uint16_t> y(rows * cols), dx(rows * cols), dres_bf(rows * cols);
+  DeviceBuffer<std::uint16_t> y(n), dx(n), dx2(n), dres_bf(n);
   DeviceBuffer<float> mean(rows), rstd(rows);
   std::vector<float> dg0 = test::randomNormal(cols, 5), db0 = test::randomNormal(cols, 6);
-  std::vector<float> res0 = test::randomNormal(rows * cols, 8);
-  DeviceBuffer<float> dgamma(dg0), dbeta(db0), residual(res0);
+  std::vector<float> res0 = test::randomNormal(n, 8);
+  DeviceBuffer<float> dgamma(dg0), dbeta(db0), residual(res0), residual2(res0);
   DeviceBuffer<std::uint8_t> work(layerNormBackwardWorkspace(rows, cols));
   y.poison();
   dx.poison();
-  layerNormForward(nullptr, x.get(), gamma.get(), beta.get(), reinterpret_cast<bf16*>(y.get()),
-                   mean.get(), rstd.get(), rows, cols, 1e-5f);
-  layerNormBackward(nullptr, dy.get(), x.get(), gamma.get(), mean.get(), rstd.get(), nullptr, false,
-                    reinterpret_cast<bf16*>(dx.get()), dgamma.get(), dbeta.get(), rows, cols,
-                    work.get());
-  const auto dg1 = dgamma.download();
-  layerNormBackward(nullptr, dy.get(), x.get(), gamma.get(), mean.get(), rstd.get(), residual.get(),
-                    true, reinterpret_cast<bf16*>(dres_bf.get()), dgamma.get(), dbeta.get(), rows,
-                    cols, work.get());
+  auto forward = [&](auto* xp) {
+    layerNormForward(nullptr, xp, gamma.get(), beta.get(), reinterpret_cast<bf16*>(y.get()),
+                     mean.get(), rstd.get(), rows, cols, 1e-5f);
+  };
+  auto backward = [&](float* res, bool accumulate, DeviceBuffer<std::uint16_t>& out) {
+    auto call = [&](auto* xp, auto* dyp) {
+      layerNormBackward(nullptr, dyp, xp, gamma.get(), mean.get(), rstd.get(), res, accumulate,
+                        reinterpret_cast<bf16*>(out.get()), dgamma.get(), dbeta.get(), rows, cols,
+                        work.get());
+    };
+    auto with_dy = [&](auto* xp) {
+      if (p.dy_bf16)
+        call(xp, reinterpret_cast<const bf16*>(dy.b16.get()));
+      else
+        call(xp, static_cast<const float*>(dy.f32.get()));
+    };
+    if (p.x_bf16)
+      with_dy(reinterpret_cast<const bf16*>(x.b16.get()));
+    else
+      with_dy(static_cast<const float*>(x.f32.get()));
+  };
+  if (p.x_bf16)
+    forward(reinterpret_cast<const bf16*>(x.b16.get()));
+  else
+    forward(static_cast<const float*>(x.f32.get()));
+  backward(nullptr, false, dx);
+  const auto dg1 = dgamma.download(), db1 = dbeta.download();
+  backward(residual.get(), true, dres_bf);
 
-  std::vector<double> y_ref(rows * cols), dx_ref(rows * cols), dg_ref(dg0.begin(), dg0.end()),
-      db_ref(db0.begin(), db0.end()), res_ref(rows * cols);
+  std::vector<double> y_ref(n), dx_ref(n), dg_ref(dg0.begin(), dg0.end()),
+      db_ref(db0.begin(), db0.end()), res_ref(n);
   for (std::int64_t r = 0; r < rows; ++r) {
+    const float* xr = x.values.data() + r * cols;
+    const float* dyr = dy.values.data() + r * cols;
     double mu = 0, var = 0;
-    for (int c = 0; c < cols; ++c) mu += x.values[r * cols + c];
+    for (int c = 0; c < cols; ++c) mu += xr[c];
     mu /= cols;
-    for (int c = 0; c < cols; ++c) var += std::pow(x.values[r * cols + c] - mu, 2);
+    for (int c = 0; c < cols; ++c) var += (xr[c] - mu) * (xr[c] - mu);
     double rs = 1.0 / std::sqrt(var / cols + 1e-5);
     double a = 0, b = 0;
     for (int c = 0; c < cols; ++c) {
-      double h = (x.values[r * cols + c] - mu) * rs, d = dy.values[r * cols + c];
+      double h = (xr[c] - mu) * rs, d = dyr[c];
       y_ref[r * cols + c] = h * g0[c] + b0[c];
       a += d * g0[c];
       b += d * g0[c] * h;
@@ -69,28 +124,48 @@ TEST_P(LayerNormWidth, ForwardBackward) {
     a /= cols;
     b /= cols;
     for (int c = 0; c < cols; ++c) {
-      double h = (x.values[r * cols + c] - mu) * rs;
-      dx_ref[r * cols + c] = rs * (dy.values[r * cols + c] * g0[c] - a - h * b);
+      double h = (xr[c] - mu) * rs;
+      dx_ref[r * cols + c] = rs * (dyr[c] * g0[c] - a - h * b);
       res_ref[r * cols + c] = res0[r * cols + c] + dx_ref[r * cols + c];
     }
   }
-  EXPECT_LT(test::relError(test::downloadBf16(y), y_ref), 1e-2);
-  EXPECT_LT(test::relError(test::downloadBf16(dx), dx_ref), 1e-2);
-  EXPECT_LT(test::relError(residual.download(), res_ref), 1e-5);
-  EXPECT_LT(test::relError(test::downloadBf16(dres_bf), res_ref), 1e-2);
-  EXPECT_LT(test::relError(dgamma.download(), dg_ref), 1e-4);
-  EXPECT_LT(test::relError(dbeta.download(), db_ref), 1e-4);
+  const std::string what = "cols " + std::to_string(cols) + (p.x_bf16 ? " x bf16" : " x fp32") +
+                           (p.dy_bf16 ? " dy bf16" : " dy fp32");
+  EXPECT_LT(test::relError(test::downloadBf16(y), y_ref), 1e-2) << what;
+  EXPECT_LT(test::relError(test::downloadBf16(dx), dx_ref), 1e-2) << what;
+  EXPECT_LT(test::relError(residual.download(), res_ref), 1e-5) << what;
+  EXPECT_LT(test::relError(test::downloadBf16(dres_bf), res_ref), 1e-2) << what;
+  EXPECT_LT(test::relError(dgamma.download(), dg_ref), 1e-4) << what;
+  EXPECT_LT(test::relError(dbeta.download(), db_ref), 1e-4) << what;
 
-  // Rerun of the first backward from the same accumulator state: bitwise the same.
+  // Reruns from the same state: bitwise the same dgamma, dbeta, dx and residual gradient.
+  const auto dx1 = dx.download(), dres1 = dres_bf.download();
+  const auto res1 = residual.download();
   dgamma.upload(dg0);
   dbeta.upload(db0);
-  layerNormBackward(nullptr, dy.get(), x.get(), gamma.get(), mean.get(), rstd.get(), nullptr, false,
-                    reinterpret_cast<bf16*>(dx.get()), dgamma.get(), dbeta.get(), rows, cols,
-                    work.get());
-  EXPECT_EQ(dgamma.download(), dg1);
+  backward(nullptr, false, dx2);
+  EXPECT_EQ(dgamma.download(), dg1) << what;
+  EXPECT_EQ(dbeta.download(), db1) << what;
+  EXPECT_EQ(dx2.download(), dx1) << what;
+  dres_bf.poison();
+  backward(residual2.get(), true, dres_bf);
+  EXPECT_EQ(residual2.download(), res1) << what;
+  EXPECT_EQ(dres_bf.download(), dres1) << what;
 }
 
-INSTANTIATE_TEST_SUITE_P(FusedKernels, LayerNormWidth, ::testing::Values(320, 5120));
+std::vector<LnWidthCase> layerNormWidthCases() {
+  std::vector<LnWidthCase> cases;
+  for (int cols : {320, 480, 640, 1280, 2560, 5120, 328, 1000, 4104, 322})
+    for (int types = 0; types < 4; ++types) cases.push_back({cols, types / 2 == 1, types % 2 == 1});
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(FusedKernels, LayerNormWidth, ::testing::ValuesIn(layerNormWidthCases()),
+                         [](const ::testing::TestParamInfo<LnWidthCase>& info) {
+                           return std::to_string(info.param.cols) +
+                                  (info.param.x_bf16 ? "_xbf16" : "_xf32") +
+                                  (info.param.dy_bf16 ? "_dybf16" : "_dyf32");
+                         });
 
 TEST(FusedKernels, RotaryPositionsRestartPerSequenceAndInverseUndoes) {
   std::vector<std::int32_t> cu{0, 1, 300, 317, 1341};
