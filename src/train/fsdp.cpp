@@ -237,11 +237,11 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   // transposed codes are derived per gathered unit (unit_weights), the scales are written
   // once per encode.  fp8_stale: the masters changed since the wire was encoded.
   bool cuda_codes = false;
-  View1<std::uintptr_t> w_code;          // (weights) fp8_w[w].codes
-  View1<std::uintptr_t> w_scale_inv;     // (weights) fp8_w[w].scale_inv
+  View1<std::uintptr_t> w_code;                // (weights) fp8_w[w].codes
+  View1<std::uintptr_t> w_scale_inv;           // (weights) fp8_w[w].scale_inv
   std::vector<std::vector<int>> unit_weights;  // per unit: the FP8 weights it holds
   bool fp8_stale = true;
-  std::int64_t gather_bytes = 0;            // sent by this rank (training gathers)
+  std::int64_t gather_bytes = 0;  // sent by this rank (training gathers)
   std::vector<char> gathered;
   int pending_unit = -1;  // unit whose prefetched all-gather is in flight
   dist::Work pending_work;

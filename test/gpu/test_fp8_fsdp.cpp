@@ -77,8 +77,8 @@ std::vector<Codes> codesOf(Esm2<float>& m, bool block) {
       const auto l = plm::gpu::blockScaleLayout(Fp8ScaleMode::Block128x128, fw.rows, fw.cols);
       const auto lt = plm::gpu::blockScaleLayout(Fp8ScaleMode::Block128x128, fw.cols, fw.rows);
       c.s = download<float>(plm::gpu::fp8BlockTensorScales(fw.codes, fw.rows, fw.cols), l.count);
-      c.st = download<float>(plm::gpu::fp8BlockTensorScales(fw.codes_t, fw.cols, fw.rows),
-                             lt.count);
+      c.st =
+          download<float>(plm::gpu::fp8BlockTensorScales(fw.codes_t, fw.cols, fw.rows), lt.count);
     } else {
       c.s = download<float>(fw.scale_inv, 1);
     }
