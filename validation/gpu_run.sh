@@ -4,7 +4,8 @@
 #                                       and, on request: compare ctest e2e plan ckpt_async fsdp fp8
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
-#                                       gemm_tune fp8_fsdp finetune_parity large_index layernorm
+#                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
+#                                       large_index layernorm
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -82,6 +83,13 @@
 #         scaling at shard 2 (NCCL) against the same global batches on one GPU (2 micro-batches
 #         of 8192 tokens a step, PLM_FP8_FSDP_STEPS steps, default 20): losses compared (1e-2),
 #         tokens/s, planned bytes and the first step's peak
+#   fp8_fsdp_gpu: FP8 weights all-gathered as E4M3 codes on the CUDA path, 2 ranks sharing GPU 0
+#         (staged MPI): test_gpu_fp8_fsdp (the gathered codes, transposed codes and scales against
+#         one rank's casts bit for bit, delayed/current/block, bytes gathered), test_fp8_fsdp
+#         (losses, weights and scales against one rank for every recipe, the wire's bytes), then
+#         esm2_650m fp8 delayed on the packaged proteins at shard 2 on 2 ranks against shard 1
+#         on 1 rank, the same 2 x 8192 tokens a step, PLM_FP8_FSDP_GPU_STEPS steps (default 10):
+#         losses compared (1e-2), planned bytes, tokens/s.  Log: $OUT/fp8_fsdp_gpu.log
 #   staged: multi-rank tests on ONE GPU through staged MPI (dist::Backend::MpiStaged: device
 #         buffers through pinned host buffers and MPI; doc/parallelism.md "Communication
 #         backends"): the staged communicator against plain MPI, FSDP, expert and context
@@ -640,6 +648,51 @@ if has fp8_fsdp; then
       /tmp/plm-fp8-fsdp-np2/metrics.jsonl --steps $steps --tol 1e-2 2>&1 | tail -2 |
       tee -a "$summary"
   fi
+fi
+
+if has fp8_fsdp_gpu; then
+  log="$out/fp8_fsdp_gpu.log"
+  : > "$log"
+  for t in test_gpu_fp8_fsdp test_fp8_fsdp; do
+    if [[ -x "$pkg/bin/$t" ]]; then
+      start=$(date +%s)
+      CUDA_VISIBLE_DEVICES=0 timeout 300 mpiexec -n 2 --oversubscribe "$pkg/bin/$t" \
+        > "$out/fp8_fsdp_gpu_$t.log" 2>&1
+      note "fp8_fsdp_gpu: $t staged np2 rc=$? $(( $(date +%s) - start ))s"
+      grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure|Expected|Which is|differ" \
+        "$out/fp8_fsdp_gpu_$t.log" | sort -u | head -20 | tee -a "$summary"
+      { echo "=== $t"; cat "$out/fp8_fsdp_gpu_$t.log"; } >> "$log"
+    else
+      note "fp8_fsdp_gpu: $t not packaged"
+    fi
+  done
+  if [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+    steps=${PLM_FP8_FSDP_GPU_STEPS:-10}
+    for run in "1 1" "2 2"; do  # ranks, shard degree: the same 2 x 8192 tokens a step, GPU 0
+      set -- $run
+      d=/tmp/plm-fp8-fsdp-gpu-np$1
+      rm -rf "$d"
+      start=$(date +%s)
+      CUDA_VISIBLE_DEVICES=0 timeout 480 mpiexec -n $1 --oversubscribe "$pkg/bin/plm" train \
+        "$repo/inputs/esm2_650m.yaml" --set data.train="$pkg/data/train.h5" --set data.valid= \
+        --set train.precision=fp8 --set fp8.recipe=delayed --set parallel.shard_degree=$2 \
+        --set data.micro_batch_tokens=8192 --set data.tokens_per_batch=16384 \
+        --set train.steps=$steps --set train.log_every=1 --set checkpoint.every=0 \
+        --set checkpoint.resume=none --set train.run_dir="$d" \
+        > "$out/fp8_fsdp_gpu_650m_np$1.log" 2>&1
+      note "fp8_fsdp_gpu: esm2_650m fp8 delayed shard $2 on $1 rank(s), one GPU rc=$? $(( $(date +%s) - start ))s"
+      grep -E "collectives over|planned bytes|memory: after the first step|refuse|Error|error" \
+        "$out/fp8_fsdp_gpu_650m_np$1.log" | head -5 | tee -a "$summary"
+      grep -E "^step" "$out/fp8_fsdp_gpu_650m_np$1.log" | tail -2 | tee -a "$summary"
+      { echo "=== esm2_650m shard $2"; cat "$out/fp8_fsdp_gpu_650m_np$1.log"; } >> "$log"
+    done
+    python3 "$repo/validation/compare_losses.py" /tmp/plm-fp8-fsdp-gpu-np1/metrics.jsonl \
+      /tmp/plm-fp8-fsdp-gpu-np2/metrics.jsonl --steps $steps --tol 1e-2 2>&1 | tail -2 |
+      tee -a "$summary" "$log"
+  else
+    note "fp8_fsdp_gpu: plm or data/train.h5 not packaged: the 650M runs skipped"
+  fi
+  cp "$log" "$final_out/" 2>/dev/null
 fi
 
 tree=$pkg/tree/test  # packaged with PLM_PKG_CTEST=1

@@ -503,6 +503,26 @@ __global__ void __launch_bounds__(kBlockThreads, 2) blockCastKernel(BlockParams 
   }
 }
 
+// One 64x64 tile per block through shared memory: rows of the input read and rows of the
+// output written as consecutive bytes.
+__global__ void __launch_bounds__(kThreads)
+    transposeCodesKernel(const std::uint8_t* in, std::int64_t rows, std::int64_t cols,
+                         std::uint8_t* out) {
+  __shared__ std::uint8_t tile[kTile][kTile + 4];
+  const std::int64_t r0 = static_cast<std::int64_t>(blockIdx.y) * kTile;
+  const std::int64_t c0 = static_cast<std::int64_t>(blockIdx.x) * kTile;
+  const int tx = threadIdx.x % kTile, ty = threadIdx.x / kTile;  // 4 rows of 64 per pass
+  for (int i = ty; i < kTile; i += kThreads / kTile) {
+    const std::int64_t r = r0 + i, c = c0 + tx;
+    if (r < rows && c < cols) tile[i][tx] = in[r * cols + c];
+  }
+  __syncthreads();
+  for (int i = ty; i < kTile; i += kThreads / kTile) {
+    const std::int64_t c = c0 + i, r = r0 + tx;
+    if (c < cols && r < rows) out[c * rows + r] = tile[tx][i];
+  }
+}
+
 bool aligned4(const void* p, std::int64_t ld) {
   return p && reinterpret_cast<std::uintptr_t>(p) % 4 == 0 && ld % 4 == 0;
 }
@@ -646,6 +666,16 @@ void castFp8Current(Stream stream, const Fp8CastArgs& args, float* scale, int ma
   cast.amax = nullptr;  // already written
   cast.scale_inv = nullptr;
   castFp8(stream, cast);
+}
+
+void transposeFp8Codes(Stream stream, const void* in, std::int64_t rows, std::int64_t cols,
+                       void* out) {
+  if (rows == 0 || cols == 0) return;
+  checkGrid("transposeFp8Codes", rows, kTile);
+  transposeCodesKernel<<<dim3(gridDimOf(cols, kTile), gridDimOf(rows, kTile)), kThreads, 0,
+                         stream>>>(static_cast<const std::uint8_t*>(in), rows, cols,
+                                   static_cast<std::uint8_t*>(out));
+  PLM_CHECK_CUDA(cudaGetLastError());
 }
 
 BlockScaleLayout blockScaleLayout(Fp8ScaleMode scaling, std::int64_t rows, std::int64_t k) {

@@ -170,6 +170,13 @@ struct BlockTailSplit {
 };
 BlockTailSplit blockTailSplit(std::int64_t rows, std::int64_t k);
 
+/// \brief out (cols, rows), row stride rows = the transpose of the codes in (rows, cols), row
+/// stride cols (one byte each).  What castFp8 / castFp8Block write to out_t where the codes came
+/// from elsewhere (all-gathered by sharded data parallelism): a per-tensor or 128x128-block
+/// scale makes a code depend on its element alone.
+void transposeFp8Codes(Stream stream, const void* in, std::int64_t rows, std::int64_t cols,
+                       void* out);
+
 /// \brief An FP8 copy of a (rows, cols) tensor with its block scales in one allocation: the codes
 /// (row stride cols) and, from the next 256-byte boundary, scale_inv in blockScaleLayout(scaling,
 /// rows, cols).  Bytes in all, and where the scales start given the codes.

@@ -607,7 +607,7 @@ template <class T> struct Esm2<T>::Impl {
   }
 
   /// bf16: group g's compute copy cast from where its masters are now.
-  void refreshGroup(int g) {
+  void refreshGroup(int g, bool cast_fp8 = true) {
 #if PLM_HAVE_CUDA
     if constexpr (std::is_same_v<T, float>) {
       const Place& p = places[g];
@@ -617,12 +617,13 @@ template <class T> struct Esm2<T>::Impl {
                       p.chunks.data(), p.num_chunks);
       ctx.mark(OpKind::Other);
 #if PLM_FP8_CUDA
-      if (fp8_scaling) castFp8Weights(g);  // the group's FP8 codes from its fresh bf16 copy
+      if (fp8_scaling && cast_fp8) castFp8Weights(g);  // the group's codes from its bf16 copy
 #endif
     }
 #else
     (void)g;
 #endif
+    (void)cast_fp8;
   }
 
   int groupOf(const std::string& name) const {
@@ -1645,10 +1646,41 @@ template <class T> void Esm2<T>::beginFp8Step() {
 template <class T> std::vector<typename Esm2<T>::Fp8WeightCopy> Esm2<T>::fp8Weights() {
   auto& im = *impl_member;
   std::vector<Fp8WeightCopy> out;
-  if (!im.fp8_scaling || im.bf16) return out;
-  for (const auto& fw : im.fp8_list)
-    out.push_back({fw.slot->index(Fp8Operand::Weight), fw.rows, fw.cols, fw.from,
-                   im.fp8_weights.data() + fw.at});
+  if (!im.fp8_scaling) return out;
+  if (!im.bf16) {
+    for (const auto& fw : im.fp8_list)
+      out.push_back({fw.slot->index(Fp8Operand::Weight), fw.rows, fw.cols, fw.from,
+                     im.fp8_weights.data() + fw.at});
+    return out;
+  }
+  // CUDA: each weight's packed bf16 range [at, at + rows * cols) holds its master tensors back
+  // to back (q, k, v for the stacked QKV weight): the packing segments give their offsets.
+  const int w = static_cast<int>(Fp8Operand::Weight);
+  for (std::size_t i = 0; i < im.fp8_cuda_weights.size(); ++i) {
+    const Fp8GemmSlot* slot = im.fp8_cuda_weights[i].first;
+    const Mat& m = im.fp8_cuda_weights[i].second;
+    const std::int64_t at = im.fp8_cuda_at[i].second, n = m.rows * m.cols;
+    Fp8WeightCopy c;
+    c.operand = slot->index(Fp8Operand::Weight);
+    c.rows = m.rows;
+    c.cols = m.cols;
+    std::int64_t covered = 0, part = 0;
+    for (std::size_t k = 0; k < im.packed_seg.size(); k += 3) {
+      const std::int64_t d = im.packed_seg[k + 1], len = im.packed_seg[k + 2];
+      if (d < at || d >= at + n) continue;
+      PLM_REQUIRE(d == at + covered && (part == 0 || len == part),
+                  "plm::model: an FP8 weight's packed parts are not back to back (a bug)");
+      c.from.push_back(im.packed_seg[k]);
+      part = len;
+      covered += len;
+    }
+    PLM_REQUIRE(covered == n && m.ld == m.cols,
+                "plm::model: an FP8 weight's packed parts do not cover it (a bug)");
+    c.codes = static_cast<std::uint8_t*>(const_cast<void*>(slot->w_codes));
+    c.codes_t = static_cast<std::uint8_t*>(const_cast<void*>(slot->wt_codes));
+    c.scale_inv = slot->scaleInv(w);
+    out.push_back(c);
+  }
   return out;
 }
 
@@ -1765,10 +1797,11 @@ std::int64_t Esm2<T>::computeElements(std::int64_t offset, std::int64_t count) c
   return p.chi - p.clo;
 }
 
-template <class T> void Esm2<T>::refreshComputeRange(std::int64_t offset, std::int64_t count) {
+template <class T>
+void Esm2<T>::refreshComputeRange(std::int64_t offset, std::int64_t count, bool cast_fp8) {
   auto& im = *impl_member;
   if (!im.bf16) return;
-  im.refreshGroup(im.groupStartingIn(offset, count));
+  im.refreshGroup(im.groupStartingIn(offset, count), cast_fp8);
 }
 
 template <class T> void Esm2<T>::holdWholeBuffers(bool params, bool grads) {

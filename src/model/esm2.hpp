@@ -203,19 +203,26 @@ template <class T> class Esm2 {
   /// device amaxes of the CUDA path included, with one all-reduce (Fp8Scaling::endStep).
   void endFp8Step(MPI_Comm comm);
 
-  /// One FP8 GEMM weight of the portable path: its master parts (q, k and v stacked as one
-  /// tensor), its scaling operand, and its quantised copy (rows x cols, row-major, the parts
-  /// one after the other), which the GEMMs read.
+  /// One FP8 GEMM weight: its master parts (q, k and v stacked as one tensor), its scaling
+  /// operand, and what the GEMMs read: on the portable path the quantised copy (rows x cols,
+  /// row-major, the parts one after the other); on the CUDA path the E4M3 codes of that
+  /// (rows, cols) tensor and of its transpose, with the per-tensor scale_inv (a device scalar)
+  /// or, under block scaling, each copy's 128x128 scale_inv after its codes
+  /// (gpu::fp8BlockTensorScales).
   struct Fp8WeightCopy {
     int operand = -1;                 // Fp8Scaling index of its Weight operand
     std::int64_t rows = 0, cols = 0;  // of the stacked tensor
     std::vector<std::int64_t> from;   // flat master offsets of the parts ((rows / parts) x cols)
-    T* copy = nullptr;                // (rows, cols) quantise-dequantised values
+    T* copy = nullptr;                // portable: (rows, cols) quantise-dequantised values
+    std::uint8_t* codes = nullptr;    // CUDA: (rows, cols) E4M3 codes, row stride cols
+    std::uint8_t* codes_t = nullptr;  // CUDA: (cols, rows) the transposed codes
+    float* scale_inv = nullptr;       // CUDA, per-tensor recipes: the GEMMs' weight scale_inv
   };
-  /// \brief Under fp8 on the portable path, every FP8 GEMM weight (empty otherwise and on the
-  /// CUDA path).  Sharded data parallelism (train/fsdp.hpp) quantises each rank's master
-  /// slices, all-gathers the codes and decodes them straight into `copy`, so the model's own
-  /// refresh (which reads the whole masters) is not run while the model is sharded.
+  /// \brief Under fp8, every FP8 GEMM weight this model computes with (empty otherwise).
+  /// Sharded data parallelism (train/fsdp.hpp) quantises each rank's master slices, all-gathers
+  /// the codes and decodes them straight into `copy` (portable) or `codes` (CUDA, which then
+  /// derives `codes_t`), so the model's own casts from whole tensors are not run while the
+  /// model is sharded.
   std::vector<Fp8WeightCopy> fp8Weights();
 
   /// \brief Under fp8 on the CUDA path: this step's delayed scales to the device, what
@@ -243,8 +250,9 @@ template <class T> class Esm2 {
   std::int64_t computeElements(std::int64_t offset, std::int64_t count) const;
   /// \brief bf16 policy: recasts that group's compute copy from its masters, wherever both are
   /// placed now (one launch on the model's stream; nothing under other policies); under fp8 on
-  /// the CUDA path also the group's FP8 weight codes, with the scales of beginFp8Step.
-  void refreshComputeRange(std::int64_t offset, std::int64_t count);
+  /// the CUDA path also the group's FP8 weight codes, with the scales of beginFp8Step, unless
+  /// `cast_fp8` is false (the caller placed the codes: fp8Weights()).
+  void refreshComputeRange(std::int64_t offset, std::int64_t count, bool cast_fp8 = true);
   /// \brief Frees (false) or allocates again (true, zero-filled) the whole-model buffers behind
   /// parameters() and gradients() (empty views while freed); the bf16 packed compute copy goes
   /// and comes with parameters().  Freeing one requires every group's views into it to be

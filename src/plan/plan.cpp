@@ -506,16 +506,16 @@ void planMemory(const Input& in, Plan& p) {
     const char* per_layer = moe ? "sum over FP8 layers of (4 h^2 + 2 h f, or 2 h f_e per held "
                                   "expert in an MoE layer)"
                                 : "L_fp8 (4 h^2 + 2 h f)";
+    if (l.shard > 1) {  // train::Fsdp's byte wires: 1 byte per FP8 weight element
+      const int slots = in.reshard_after_forward ? 2 : c.num_layers;
+      p.memory.push_back({"FP8 codes: the shard's, and one gathered layer per slot",
+                          static_cast<double>(weights / l.shard + slots * widest),
+                          std::string("(1 / shard) ") + per_layer + " + " + std::to_string(slots) +
+                              " x one layer's, one byte each"});
+    }
     if (in.rates.kind == "cpu") {
       p.memory.push_back({"FP8 quantised weight copy (CPU emulation)",
                           4.0 * static_cast<double>(weights), std::string("4 ") + per_layer});
-      if (l.shard > 1) {  // train::Fsdp's byte wires: 1 byte per FP8 weight element
-        const int slots = in.reshard_after_forward ? 2 : c.num_layers;
-        p.memory.push_back({"FP8 codes: the shard's, and one gathered layer per slot",
-                            static_cast<double>(weights / l.shard + slots * widest),
-                            std::string("(1 / shard) ") + per_layer + " + " +
-                                std::to_string(slots) + " x one layer's, one byte each"});
-      }
     } else {
       p.memory.push_back({"FP8 weight codes (E4M3 and transposed)",
                           2.0 * static_cast<double>(weights), std::string("2 ") + per_layer});
@@ -862,10 +862,9 @@ Plan makePlan(const Input& in) {
         "fp32 on a GPU runs the portable Kokkos kernels (the reference path): slow by design");
   if (in.layout.shard > 1 && in.compute == Compute::Fp8 && in.rates.kind != "cpu")
     p.notes.push_back(
-        "fp8 with shard > 1 on the GPU gathers each unit's bf16 copy and casts its FP8 codes "
-        "after the gather; the codes stay whole-model buffers on every rank (the FP8 weight codes "
-        "row; "
-        "gathering the codes themselves is done on the portable path only, doc/parallelism.md)");
+        "fp8 with shard > 1 on the GPU all-gathers the FP8 weights as their E4M3 codes (one byte "
+        "each); the gathered codes land in whole-model code buffers on every rank (the FP8 "
+        "weight codes row; doc/parallelism.md)");
   if (in.model.moe.enabled()) {
     const auto& moe = in.model.moe;
     p.notes.push_back(

@@ -10,6 +10,10 @@
 #include "model/fp8.hpp"
 #include "train/gradient_sync.hpp"
 
+#if PLM_FP8_CUDA
+#include "gpu/fp8.hpp"
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -230,7 +234,15 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   View1<std::uintptr_t> w_copy;             // (weights) the model's FP8 copies
   View1<std::uint32_t> amax_bits;           // (amax slots) max |x| as fp32 bits
   View1<float> wire_scale, wire_scale_inv;  // (amax slots)
-  std::int64_t gather_bytes = 0;            // sent by this rank (training gathers)
+  // CUDA path: the codes land in the model's FP8 code buffers (fp8_w[w].codes, w_code), the
+  // transposed codes are derived per gathered unit (unit_weights), the scales are written
+  // once per encode.  fp8_stale: the masters changed since the wire was encoded.
+  bool cuda_codes = false;
+  View1<std::uintptr_t> w_code;                // (weights) fp8_w[w].codes
+  View1<std::uintptr_t> w_scale_inv;           // (weights) fp8_w[w].scale_inv
+  std::vector<std::vector<int>> unit_weights;  // per unit: the FP8 weights it holds
+  bool fp8_stale = true;
+  std::int64_t gather_bytes = 0;  // sent by this rank (training gathers)
   std::vector<char> gathered;
   int pending_unit = -1;  // unit whose prefetched all-gather is in flight
   dist::Work pending_work;
@@ -243,9 +255,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   Impl(model::Esm2<P>& m, MPI_Comm shard, MPI_Comm replicate, const OptimizerOptions& opt,
        const FsdpOptions& opts, dist::Backend backend)
       : model(m), options(opts), layers(m.config().num_layers) {
-    // fp8: the portable path all-gathers the FP8 weights as codes (planFp8Wire); the CUDA path
-    // is the bf16 policy and casts a gathered unit's codes from its bf16 copy (the model's
-    // refreshComputeRange).
+    // fp8: the FP8 weights are all-gathered as codes (planFp8Wire); the CUDA path is the bf16
+    // policy otherwise (the rest of a gathered unit gets its bf16 copy).
     const bool fp8 = m.config().precision == model::Precision::Fp8;
     if (fp8 && !PLM_FP8_CUDA && opts.gather_bf16)
       throw collectiveError(
@@ -452,6 +463,13 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
         KOKKOS_LAMBDA(const std::int64_t i) { dst[i] = static_cast<P>(bf16Value(from(i))); });
   }
 
+  // The masters changed (an update, a restore): gather_bf16's copy is recast now, the FP8
+  // wire before its next use.
+  void mastersChanged() {
+    fp8_stale = true;
+    castShardToBf16();
+  }
+
   // gather_bf16: the shard's bf16 copy, round to nearest even (NaN stays NaN).
   void castShardToBf16() {
     if (!options.gather_bf16) return;
@@ -480,8 +498,10 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   void planFp8Wire() {
     wire_slice.assign(units.size(), 0);
     wire_local.assign(units.size(), 0);
+    unit_weights.assign(units.size(), {});
     fp8_w = model.fp8Weights();
     if (fp8_w.empty()) return;
+    cuda_codes = fp8_w.front().codes != nullptr;
     const bool block = blockScaling();
     std::int64_t slots_n = 0;
     std::vector<std::int64_t> cols;
@@ -558,6 +578,9 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
       for (int r = 0; r < s; ++r)
         for (std::size_t k = 0; k < per[r].size(); ++k) {
           WireSeg g = per[r][k];
+          auto& held = unit_weights[u];
+          if (g.w >= 0 && std::find(held.begin(), held.end(), g.w) == held.end())
+            held.push_back(g.w);
           if (r == me) {  // this rank's slice: encoded from the shard
             const std::int64_t next =
                 k + 1 < per[r].size() ? per[r][k + 1].at : (r + 1) * units[u].slice;
@@ -580,9 +603,15 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     for (auto b : wire_slice) widest_wire = std::max(widest_wire, b * s);
     for (std::size_t i = 0; i < slots.size(); ++i)
       wire_stage.push_back(View1<std::uint8_t>("plm::train::fsdp::wire_stage", widest_wire));
-    std::vector<std::uintptr_t> copies;
-    for (const auto& w : fp8_w) copies.push_back(reinterpret_cast<std::uintptr_t>(w.copy));
+    std::vector<std::uintptr_t> copies, codes, scale_invs;
+    for (const auto& w : fp8_w) {
+      copies.push_back(reinterpret_cast<std::uintptr_t>(w.copy));
+      codes.push_back(reinterpret_cast<std::uintptr_t>(w.codes));
+      scale_invs.push_back(reinterpret_cast<std::uintptr_t>(w.scale_inv));
+    }
     w_copy = toDevice(copies, "plm::train::fsdp::fp8_copies");
+    w_code = toDevice(codes, "plm::train::fsdp::fp8_codes");
+    w_scale_inv = toDevice(scale_invs, "plm::train::fsdp::fp8_scale_invs");
     w_cols = toDevice(cols, "plm::train::fsdp::fp8_cols");
     w_block_at = toDevice(block_at, "plm::train::fsdp::fp8_block_at");
     amax_bits = View1<std::uint32_t>("plm::train::fsdp::fp8_amax", slots_n);
@@ -621,14 +650,18 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     return block_at + (widx / cols / kWeightBlock) * nbc + (widx % cols) / kWeightBlock;
   }
 
-  // Once per optimizer step, collective over the shard group: this rank's FP8 weight slices
-  // quantised into shard_wire with the scales one unsharded rank would use: the weight amaxes
-  // (per tensor, or per 128x128 block) are max-reduced over the shard group first; delayed
-  // scaling records them for the step (Fp8Scaling::record, as Esm2's own refresh does).
+  // Once per change of the masters (the first pass after it), collective over the shard group:
+  // this rank's FP8 weight slices quantised into shard_wire with the scales one unsharded rank
+  // would use: the weight amaxes (per tensor, or per 128x128 block) are max-reduced over the
+  // shard group first; delayed scaling records them for the step (Fp8Scaling::record, as
+  // Esm2's own refresh does).  The CUDA path quantises what its unsharded casts read, the bf16
+  // copy of the masters (`rounded`), and writes the scale_inv its GEMMs read.
   void castShardToFp8() {
+    fp8_stale = false;
     if (fp8_w.empty()) return;
     model::Fp8Scaling& st = *model.fp8Scaling();
     const bool block = blockScaling();
+    const bool rounded = cuda_codes;
     const model::fp8::Format format = st.format(model::Fp8Operand::Weight);
     const SegView segs = enc_segs;
     const View1<P> shard = params_shard;
@@ -642,8 +675,9 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
           if (g.w < 0) return;
           const std::int64_t i = e - g.elem;
           // |x| by its bits; NaN and infinity count as +inf (fp8Amax, fp8QuantizeBlocks).
-          std::uint32_t a =
-              model::fp8::detail::bitsOf(static_cast<float>(shard(g.at + i))) & 0x7FFFFFFFu;
+          float x = static_cast<float>(shard(g.at + i));
+          if (rounded) x = bf16Value(bf16Bits(x));
+          std::uint32_t a = model::fp8::detail::bitsOf(x) & 0x7FFFFFFFu;
           if (a > 0x7F800000u) a = 0x7F800000u;
           Kokkos::atomic_fetch_max(&amax(amaxSlot(block, g.w, g.widx + i, cols(g.w), bat(g.w))), a);
         });
@@ -672,7 +706,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
         const int t = fp8_w[k].operand;
         st.record(t, a);
         sc = st.scale(t);
-        si = st.scaleInv(t);
+        si = st.scaleInv(t);  // 1 / scale, as the CUDA cast writes it
       }
       scale[k] = sc;
       scale_inv[k] = si;
@@ -689,15 +723,57 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
         KOKKOS_LAMBDA(const std::int64_t e) {
           const WireSeg g = segs(segmentOf(segs, e));
           const std::int64_t i = e - g.elem;
-          const float x = static_cast<float>(shard(g.at + i));
+          float x = static_cast<float>(shard(g.at + i));
           if (g.w < 0) {
             reinterpret_cast<P*>(wire.data() + g.byte)[i] = shard(g.at + i);
             return;
           }
+          if (rounded) x = bf16Value(bf16Bits(x));
           const float sc = sv(amaxSlot(block, g.w, g.widx + i, cols(g.w), bat(g.w)));
           wire(g.byte + i) = model::fp8::encode(format, x * sc);
         });
+    if (cuda_codes) writeCudaScales(block);
     space.fence();  // `scale` and `scale_inv` are host vectors going out of scope
+  }
+
+  // CUDA: this encode's scale_inv where the GEMMs read it: the per-tensor scalar of each
+  // weight, or both copies' 128x128 block scales in gpu::blockScaleLayout (padding 1), which
+  // follow the codes in the model's code buffers.  They hold until the next encode.
+  void writeCudaScales(bool block) {
+#if PLM_FP8_CUDA
+    const View1<float> si = wire_scale_inv;
+    if (!block) {
+      const View1<std::uintptr_t> to = w_scale_inv;
+      Kokkos::parallel_for(
+          "plm::train::fsdp::fp8_tensor_scales",
+          FlatPolicy(space, 0, static_cast<std::int64_t>(fp8_w.size())),
+          KOKKOS_LAMBDA(const std::int64_t w) { *reinterpret_cast<float*>(to(w)) = si(w); });
+      return;
+    }
+    for (std::size_t w = 0; w < fp8_w.size(); ++w) {
+      const auto& fw = fp8_w[w];
+      const std::int64_t nbr = (fw.rows + kWeightBlock - 1) / kWeightBlock;
+      const std::int64_t nbc = (fw.cols + kWeightBlock - 1) / kWeightBlock;
+      const std::int64_t at = block_at[w];
+      for (const bool t : {false, true}) {
+        // W (rows, cols): blocks (nbr, nbc); W^T: (nbc, nbr), the same values transposed.
+        const std::int64_t out_r = t ? nbc : nbr, out_c = t ? nbr : nbc;
+        const auto layout = gpu::blockScaleLayout(gpu::Fp8ScaleMode::Block128x128,
+                                                  t ? fw.cols : fw.rows, t ? fw.rows : fw.cols);
+        float* to = gpu::fp8BlockTensorScales(t ? fw.codes_t : fw.codes, t ? fw.cols : fw.rows,
+                                              t ? fw.rows : fw.cols);
+        const std::int64_t ld = layout.ld;
+        Kokkos::parallel_for(
+            "plm::train::fsdp::fp8_block_scales", FlatPolicy(space, 0, layout.count),
+            KOKKOS_LAMBDA(const std::int64_t i) {
+              const std::int64_t r = i / ld, c = i % ld;
+              to[i] = r < out_r && c < out_c ? si(at + (t ? c * nbc + r : r * nbc + c)) : 1.0f;
+            });
+      }
+    }
+#else
+    (void)block;
+#endif
   }
 
   // A gathered wire into the unit's slot `to` and the model's FP8 copies: codes decoded with
@@ -706,9 +782,9 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     const SegView segs = dec_segs[u];
     const View1<std::uint8_t> wire = wireBeside(to);
     const View1<std::int64_t> cols = w_cols, bat = w_block_at;
-    const View1<std::uintptr_t> copies = w_copy;
+    const View1<std::uintptr_t> copies = w_copy, codes = w_code;
     const View1<float> si = wire_scale_inv;
-    const bool block = blockScaling();
+    const bool block = blockScaling(), to_codes = cuda_codes;
     const model::fp8::Format format = model.fp8Scaling()->format(model::Fp8Operand::Weight);
     Kokkos::parallel_for(
         "plm::train::fsdp::fp8_weight_decode",
@@ -721,11 +797,23 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
             return;
           }
           const std::int64_t widx = g.widx + i;
-          const float v = model::fp8::decode(format, wire(g.byte + i)) *
+          const std::uint8_t code = wire(g.byte + i);
+          const float v = model::fp8::decode(format, code) *
                           si(amaxSlot(block, g.w, widx, cols(g.w), bat(g.w)));
           to[g.at + i] = static_cast<P>(v);
-          reinterpret_cast<P*>(copies(g.w))[widx] = static_cast<P>(v);
+          if (to_codes)
+            reinterpret_cast<std::uint8_t*>(codes(g.w))[widx] = code;
+          else
+            reinterpret_cast<P*>(copies(g.w))[widx] = static_cast<P>(v);
         });
+#if PLM_FP8_CUDA
+    // The dgrad GEMM's W^T codes: the gathered codes transposed (an element's code depends on
+    // its value and its tensor's or 128x128 block's scale only, so W^T's cast is this).
+    if (to_codes)
+      for (const int w : unit_weights[u])
+        gpu::transposeFp8Codes(space.cuda_stream(), fp8_w[w].codes, fp8_w[w].rows, fp8_w[w].cols,
+                               fp8_w[w].codes_t);
+#endif
   }
 
   void ensureGathered(int u) {
@@ -742,7 +830,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     }
     landGather(u, to);
     place(u, to);
-    model.refreshComputeRange(units[u].offset, units[u].count);  // bf16: cast beside it
+    // bf16: the compute copy beside it; CUDA fp8: a wire unit's codes came with it.
+    model.refreshComputeRange(units[u].offset, units[u].count, wire_slice[u] == 0);
     gathered[u] = 1;
   }
 
@@ -869,6 +958,10 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   // resharded after it.  `batch` null: no data here, join the gathers anyway.
   double forwardOnly(const data::MicroBatch* batch) {
     if (whole) reshardAll();
+    if (fp8_stale && !fp8_w.empty()) {  // the updated masters' codes, with the next step's scales
+      model.beginFp8Step();
+      castShardToFp8();
+    }
     backward_phase = false;
     ensureGathered(embedUnit());
     ensureGathered(headUnit());
@@ -981,8 +1074,8 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
       static_cast<std::int64_t>(dist::allreduceMax(static_cast<double>(local.size()), comm));
   const double grad_scale = st.masked > 0 ? 1.0 / static_cast<double>(st.masked) : 0.0;
   flatFill(space, m.grads_shard, P(0));
+  m.model.beginFp8Step();  // fp8 on CUDA: the step's scales to the device
   m.castShardToFp8();      // fp8: this step's weight codes of the shard, gathered by the layers
-  m.model.beginFp8Step();  // fp8 on CUDA: the step's scales, for the casts after each gather
   double loss = 0.0;
   for (std::int64_t i = 0; i < micro; ++i) {
     const data::MicroBatch* mb = i < static_cast<std::int64_t>(local.size()) ? &local[i] : nullptr;
@@ -1018,7 +1111,7 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
   }
   st.clip_factor = clipFactor(st.grad_norm, clip_norm);
   m.optimizer->step(space, g, lr, st.clip_factor);
-  m.castShardToBf16();
+  m.mastersChanged();
   space.fence();
   Kokkos::Profiling::popRegion();
   return st;
@@ -1109,7 +1202,7 @@ template <class P> void Fsdp<P>::importFull(const ExecSpace& space, const Optimi
   takeOwned(space, m.units, r, full.master(), opt.master());
   importState(full, opt);
   if (!opt.mastersAlias()) opt.syncParameters(space);
-  m.castShardToBf16();
+  m.mastersChanged();
   opt.setStepCount(full.stepCount());
   reshardAll(space);
 }
@@ -1149,7 +1242,7 @@ template <class P> void Fsdp<P>::restoredShards(const ExecSpace& space) {
   Optimizer<P>& opt = *m.optimizer;
   // Every copy importFull refreshes after its slices are taken must be refreshed here too.
   if (!opt.mastersAlias()) opt.syncParameters(space);
-  m.castShardToBf16();  // gather_bf16: the bf16 copy of the restored shard
+  m.mastersChanged();  // gather_bf16: the bf16 copy of the restored shard; the FP8 wire
   reshardAll(space);
 }
 

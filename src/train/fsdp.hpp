@@ -31,12 +31,13 @@
 //    so decay flags and the frozen <pad> row carry over, and per-tensor state (Adafactor's
 //    factors, 8-bit block scales) is reduced over the shard group.  The global
 //    gradient norm is one all-reduce of the shards' partial sums of squares.
-//  - FP8 (doc/parallelism.md "FP8 under sharding"): on the portable path a layer unit holding
-//    FP8 GEMM weights is all-gathered as a byte wire (E4M3 codes of this rank's master slices,
-//    quantised once per step with amaxes max-reduced over the shard group, and the unit's
-//    other elements in fp32), decoded into the slot and the model's FP8 weight copy; on the
-//    CUDA path the model casts a gathered unit's codes from its bf16 copy.  The step ends with
-//    the model's FP8 amax all-reduce over all ranks.
+//  - FP8 (doc/parallelism.md "FP8 under sharding"): a layer unit holding FP8 GEMM weights is
+//    all-gathered as a byte wire (E4M3 codes of this rank's master slices, quantised once per
+//    change of the masters with amaxes max-reduced over the shard group, and the unit's other
+//    elements in fp32), decoded into the slot and the model's FP8 weights: the emulation's
+//    quantised copy (portable), or the codes the FP8 GEMMs read, whose transpose is taken after
+//    the gather, with the scales written once per encode (CUDA).  The step ends with the
+//    model's FP8 amax all-reduce over all ranks.
 #pragma once
 
 #include "core/types.hpp"

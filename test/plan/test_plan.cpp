@@ -400,7 +400,7 @@ TEST(Plan, NotesWhatPlmRefusesToday) {
   }
   EXPECT_FALSE(has(p, "sharding runs")) << "bf16 shards since the compute copy is per unit";
   in.compute = Compute::Fp8;
-  EXPECT_TRUE(has(plan::makePlan(in), "codes stay whole-model buffers"));
+  EXPECT_TRUE(has(plan::makePlan(in), "all-gathers the FP8 weights as their E4M3 codes"));
   in.compute = Compute::Bf16;
   in.layout.shard = 4;
   in.layout.context = 2;
