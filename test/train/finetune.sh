@@ -76,6 +76,12 @@ check "$rho" 0.4 "a > b" "regression Spearman"
 mse2=$(field run_np2 mse)
 echo "regression on 2 ranks: mse $mse2"
 check "$mse2" "$mse" "a - b < 1e-4 * b && b - a < 1e-4 * b" "2 ranks differ from 1 rank"
+"$mpiexec" -n 2 --oversubscribe --bind-to none "$plm" train deck.yaml --set parallel.shard_degree=2 \
+  --set train.eval_every=20 --set train.run_dir=run_np2_sharded > r2s.log 2>&1 ||
+  fail "regression, sharded on 2 ranks: $(tail -5 r2s.log)"
+mse2s=$(field run_np2_sharded mse)
+echo "regression, sharded on 2 ranks (frozen encoder gathered once): mse $mse2s"
+check "$mse2s" "$mse" "a - b < 1e-4 * b && b - a < 1e-4 * b" "sharded 2 ranks differ from 1 rank"
 
 # The encoder trained through the head (task.freeze_encoder: false; the encoder at optimizer.lr,
 # the head at task.head_lr): its weights change, the training loss falls, the held-out MSE beats
