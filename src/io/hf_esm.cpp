@@ -592,7 +592,8 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
       list += (i ? ", " : "") + ("\"" + unknown[i] + "\"");
     if (unknown.size() > 5) list += ", ... (" + std::to_string(unknown.size()) + " in all)";
     throw Error("`" + hf_dir + "` holds tensors that EsmForMaskedLM does not have: " + list +
-                "; plm converts plain ESM-2 masked language models only");
+                "; plm converts plain ESM-2 masked language models only (and the classifier of an "
+                "EsmForSequenceClassification / EsmForTokenClassification folder)");
   }
 
   if (!head_kind.empty()) {
@@ -714,34 +715,29 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
   const std::string head_path =
       !options.head.empty() ? options.head : (hasHead(model_file, comm) ? model_file : "");
   if (!head_path.empty()) {
-    h5::Hid file = h5::openFile(head_path, comm);
-    if (!h5::exists(file, "head"))
-      throw collectiveError("--head `" + head_path +
-                            "`: no /head group; give the head.h5 that plm train wrote for a "
-                            "task (task.kind other than mlm)");
-    head_kind = h5::readStringAttribute(file, "task_kind");
-    head_pooling = h5::readStringAttribute(file, "pooling");
-    head_labels = h5::readIntAttribute(file, "num_labels");
+    HeadData head;
+    try {
+      head = readHead(head_path, comm);
+    } catch (const Error& e) {
+      throw collectiveError(std::string("--head: ") + e.what());
+    }
+    head_kind = head.task_kind;
+    head_pooling = head.pooling;
+    head_labels = head.num_labels;
     if (head_pooling != "cls" && head_kind != "token_classification")
       throw collectiveError(
           "--head `" + head_path + "`: the head pools with `" + head_pooling +
           "`; Hugging Face's EsmForSequenceClassification reads the <cls> token only, so a "
           "mean-pooled head cannot be exported (train it with task.pooling: cls)");
-    h5::Hid group(PLM_CHECK_H5(H5Gopen2(file, "head", H5P_DEFAULT)));
-    for (const auto& name : h5::groupMembers(group)) {
-      h5::Hid dataset = h5::openDataset(group, name);
+    for (std::size_t i = 0; i < head.names.size(); ++i) {
       safetensors::TensorOut t;
-      t.name = name;
-      t.shape = h5::datasetShape(dataset);
-      std::int64_t numel = 1;
-      for (auto d : t.shape) numel *= d;
-      if (t.shape.back() != summary.config.hidden && t.shape.size() == 2)
-        throw collectiveError("--head `" + head_path + "`: tensor " + name + " reads hidden size " +
-                              std::to_string(t.shape.back()) + ", the model's is " +
-                              std::to_string(summary.config.hidden));
-      std::vector<float> data(static_cast<std::size_t>(numel));
-      h5::readRows<float>(dataset, 0, t.shape.empty() ? 1 : t.shape[0], data.data());
-      head_tensors.emplace_back(t, std::move(data));
+      t.name = head.names[i];
+      t.shape = head.shapes[i];
+      if (t.shape.size() == 2 && t.shape.back() != summary.config.hidden)
+        throw collectiveError("--head `" + head_path + "`: tensor " + t.name +
+                              " reads hidden size " + std::to_string(t.shape.back()) +
+                              ", the model's is " + std::to_string(summary.config.hidden));
+      head_tensors.emplace_back(t, std::move(head.values[i]));
     }
   }
   if (commRank(comm) != 0) return summary;

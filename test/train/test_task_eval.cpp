@@ -219,8 +219,8 @@ TEST(TaskEval, TokenClassificationMatchesPlainReference) {
       if (y < 0) continue;
       const double* row = &z[(k + 1) * 3];  // token k + 1: after <cls>
       const double m = std::max({row[0], row[1], row[2]});
-      loss += m + std::log(std::exp(row[0] - m) + std::exp(row[1] - m) + std::exp(row[2] - m)) -
-              row[y];
+      loss +=
+          m + std::log(std::exp(row[0] - m) + std::exp(row[1] - m) + std::exp(row[2] - m)) - row[y];
       correct += int(std::max_element(row, row + 3) - row) == y;
       labelled += 1;
       counts[y] += 1;
