@@ -5,7 +5,7 @@
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
-#                                       large_index layernorm
+#                                       finetune_encoder large_index layernorm
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -18,6 +18,14 @@
 #         proteins, PLM_FT_STEPS steps (default 20) on the frozen encoder, `plm convert --to-hf
 #         --head`, then validation/hf_head_parity.py (EsmForSequenceClassification in fp32 vs
 #         plm's bf16 logits): the max abs logit difference and the fine-tuning tokens/s
+#   finetune_encoder: the encoder trained through a task head in bf16 (task.freeze_encoder:
+#         false; the bf16 path's hidden-state gradient cast) on ESM-2 35M's shape, starting from
+#         a random EsmForSequenceClassification saved by transformers (no LM head) read with
+#         `plm convert --from-hf` (its head kept) and task.init_head: first a 1-step run at
+#         lr 1e-30 whose task_logits.tsv hf_head_parity.py compares with transformers on the
+#         source folder (the from-hf head's parity, bf16 tolerance), then PLM_FT_STEPS (default
+#         30) steps at optimizer.lr 1e-4 / head_lr 1e-3: the task_step losses must fall, then
+#         `plm eval --head` of the result and the tokens/s
 #   context: the context-parallel tests (test/context, packaged with PLM_PKG_CTEST=1) at 2 and 4
 #        ranks, the bf16 ring and MoE among them; with 2 GPUs, 650M bf16 on 16,384-token sequences
 #        at context degree 1 (one GPU) and 2 (two GPUs): tokens/s per GPU
@@ -1160,6 +1168,59 @@ if has layernorm; then
   else
     note "layernorm: no bench_gpu_gemm_tune in $pkg/bin"
   fi
+fi
+
+if has finetune_encoder && [[ -x "$pkg/bin/plm" ]]; then
+  d=/tmp/plm-fte; rm -rf "$d"; mkdir -p "$d"
+  python3 - "$d" > "$out/finetune_encoder_setup.log" 2>&1 <<'PY'
+import random, sys, transformers
+d = sys.argv[1]; rng = random.Random(2); aa = "ACDEFGHIKLMNPQRSTVWY"
+with open(f"{d}/s.fa", "w") as fa, open(f"{d}/lab.csv", "w") as lab:
+    lab.write("id,label\n")
+    for i in range(2000):
+        w = [rng.random() for _ in aa]
+        s = "".join(rng.choices(aa, weights=w, k=rng.randint(60, 300)))
+        fa.write(f">p{i}\n{s}\n")
+        lab.write(f"p{i},{sum(c in 'AILMFVW' for c in s) / len(s):.6f}\n")
+c = transformers.EsmConfig(vocab_size=33, hidden_size=480, num_hidden_layers=12,
+    num_attention_heads=20, intermediate_size=1920, max_position_embeddings=1026,
+    position_embedding_type="rotary", token_dropout=True, mask_token_id=32, pad_token_id=1,
+    emb_layer_norm_before=False, num_labels=1, problem_type="regression")
+transformers.EsmForSequenceClassification(c).save_pretrained(f"{d}/hf_cls")
+PY
+  note "finetune_encoder: setup rc=$? (synthetic proteins, random 35M EsmForSequenceClassification)"
+  "$pkg/bin/plm" prep "$d/s.fa" --out "$d/data" --labels "$d/lab.csv" --valid-fraction 0.1 \
+    > "$out/finetune_encoder_prep.log" 2>&1
+  "$pkg/bin/plm" convert --from-hf "$d/hf_cls" --out "$d/cls.h5" > "$out/finetune_encoder_convert.log" 2>&1
+  note "finetune_encoder: convert --from-hf (head kept) rc=$?"
+  grep -E "head|LM head" "$out/finetune_encoder_convert.log" | cut -c1-200 | tee -a "$summary"
+  ft() {  # RUN_DIR STEPS LR HEAD_LR
+    timeout 400 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" --set model.preset=esm2_35m \
+      --set model.init_from="$d/cls.h5" --set task.init_head="$d/cls.h5" \
+      --set data.train="$d/data/train.h5" --set data.valid="$d/data/valid.h5" \
+      --set data.micro_batch_tokens=16384 --set data.tokens_per_batch=32768 \
+      --set train.precision=bf16 --set train.steps=$2 --set train.log_every=1 \
+      --set train.eval_every=0 --set train.run_dir="$1" --set checkpoint.every=0 \
+      --set checkpoint.resume=none --set task.kind=sequence_regression \
+      --set task.freeze_encoder=false --set optimizer.lr=$3 --set task.head_lr=$4 \
+      --set schedule.warmup_steps=2
+  }
+  ft "$d/run0" 1 1e-30 1e-30 > "$out/finetune_encoder_run0.log" 2>&1
+  note "finetune_encoder: 1 step at lr 1e-30 rc=$?"
+  timeout 300 python3 "$repo/validation/hf_head_parity.py" "$d/hf_cls" "$d/run0/task_logits.tsv" \
+    > "$out/finetune_encoder_parity.txt" 2>&1
+  note "finetune_encoder: hf_head_parity (transformers on the source folder) rc=$?"
+  tail -3 "$out/finetune_encoder_parity.txt" | tee -a "$summary"
+  ft "$d/run" ${PLM_FT_STEPS:-30} 1e-4 1e-3 > "$out/finetune_encoder_train.log" 2>&1
+  note "finetune_encoder: ${PLM_FT_STEPS:-30} steps, encoder trained rc=$?"
+  grep -E "task step (1|5|10|20|30)/|task eval|error" "$out/finetune_encoder_train.log" |
+    cut -c1-220 | tee -a "$summary"
+  "$pkg/bin/plm" eval "$repo/inputs/esm2_650m.yaml" --set model.preset=esm2_35m \
+    --set train.precision=bf16 --model "$d/run/model.h5" --head "$d/run/head.h5" \
+    --data "$d/data/valid.h5" > "$out/finetune_encoder_eval.log" 2>&1
+  note "finetune_encoder: plm eval --head rc=$?"
+  grep "task eval" "$out/finetune_encoder_eval.log" | cut -c1-220 | tee -a "$summary"
+  rm -rf "$d"
 fi
 
 if has hf; then

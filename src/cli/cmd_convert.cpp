@@ -26,11 +26,14 @@ Parser convertParser() {
            "model file or checkpoint back into a directory that "
            "EsmForMaskedLM.from_pretrained(DIR) loads (config.json + F32 model.safetensors). "
            "doc/interop.md lists what is supported.");
-  p.option({"from-hf", "HF_DIR", "read a transformers EsmForMaskedLM directory"});
+  p.option({"from-hf", "HF_DIR",
+            "read a transformers EsmForMaskedLM directory, or an EsmForSequenceClassification / "
+            "EsmForTokenClassification one (its head goes to the model file's /head group)"});
   p.option({"to-hf", "MODEL.h5", "read a plm model file or checkpoint"});
   p.option({"head", "HEAD.h5",
             "--to-hf: add the task head plm train wrote (<run_dir>/head.h5) and export the "
-            "matching EsmForSequenceClassification / EsmForTokenClassification"});
+            "matching EsmForSequenceClassification / EsmForTokenClassification (default: the "
+            "head stored in MODEL.h5 itself, if any)"});
   p.option({"out", "PATH", "the plm model file (--from-hf) or the output directory (--to-hf)"});
   p.option({"dtype", "fp32|bf16",
             "--to-hf: the weights' dtype (default fp32; bf16 rounds to "
@@ -65,8 +68,8 @@ int runConvert(const Argv& argv) {
   const std::string out = args.get("out");
   if (args.has("from-hf") && args.has("head"))
     throw collectiveError(
-        "plm convert: --head applies to --to-hf; --from-hf of a classification folder loads "
-        "its encoder and lists the classifier as not used");
+        "plm convert: --head applies to --to-hf; --from-hf of an EsmForSequenceClassification "
+        "or EsmForTokenClassification folder stores its head in the model file (/head)");
   if (args.has("from-hf") && (args.has("dtype") || args.has("max-shard-size")))
     throw collectiveError(
         "plm convert: --dtype and --max-shard-size apply to --to-hf (--from-hf reads any dtype "

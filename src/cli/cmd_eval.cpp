@@ -6,7 +6,9 @@
 #include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
+#include "io/head_file.hpp"
 #include "io/model_file.hpp"
+#include "train/finetune.hpp"
 #include "train/fp8_run.hpp"
 #include "train/step.hpp"
 #include "train/trainer.hpp"
@@ -19,17 +21,23 @@ namespace plm::cli {
 
 namespace {
 Parser evalParser() {
-  Parser p(
-      "plm eval",
-      "plm eval DECK [--model FILE] [--data PATH] [--max-tokens N] [--set section.key=value]...",
-      "Evaluates a model on a dataset (default: data.valid of the deck) and prints the "
-      "masked-token cross-entropy and perplexity, with the deck's batching and masking "
-      "(deterministic: the epoch-0 masks of data.seed). --model takes a plm model file or "
-      "checkpoint (e.g. <train.run_dir>/model.h5 written at the end of `plm train`, or the "
-      "output of `plm convert --from-hf`); its shape overrides the deck's model section. "
-      "Without --model the deck's freshly initialised model (train.seed) is evaluated: "
-      "the untrained baseline.");
+  Parser p("plm eval",
+           "plm eval DECK [--model FILE] [--head HEAD.h5] [--data PATH] [--max-tokens N] "
+           "[--set section.key=value]...",
+           "Evaluates a model on a dataset (default: data.valid of the deck) and prints the "
+           "masked-token cross-entropy and perplexity, with the deck's batching and masking "
+           "(deterministic: the epoch-0 masks of data.seed). --model takes a plm model file or "
+           "checkpoint (e.g. <train.run_dir>/model.h5 written at the end of `plm train`, or the "
+           "output of `plm convert --from-hf`); its shape overrides the deck's model section. "
+           "Without --model the deck's freshly initialised model (train.seed) is evaluated: "
+           "the untrained baseline. With --head (a head.h5 from plm train with task.kind set, or a "
+           "model file converted from a classification folder), the task's loss and metrics on the "
+           "dataset's labels instead (doc/finetune.md).");
   p.option({"model", "FILE", "plm model file or checkpoint to evaluate"});
+  p.option({"head", "HEAD.h5",
+            "evaluate this task head on the model: loss, mse/spearman (regression), "
+            "accuracy/auroc (classification), per-residue accuracy (tokens), on a labelled "
+            "dataset (plm prep --labels / --residue-labels)"});
   p.option({"data", "PATH", "dataset written by `plm prep` (default: data.valid of the deck)"});
   p.option(
       {"max-tokens", "N", "evaluate at most about N tokens (default: data.valid_tokens, 0 = all)"});
@@ -94,6 +102,44 @@ int runEval(const Argv& argv) {
         MPI_COMM_WORLD);
     log::info("eval: model %s (%d layers, hidden %d), %lld parameters", model_path.c_str(),
               config.num_layers, config.hidden, static_cast<long long>(config.numParameters()));
+  }
+
+  if (args.has("head")) {
+    const std::string head_path = args.get("head");
+    io::HeadData data;
+    model::TaskConfig task;
+    onEveryRank(
+        "plm eval: --head: ",
+        [&] {
+          data = io::readHead(head_path, MPI_COMM_WORLD);
+          task = train::taskConfigOf(data, head_path);
+        },
+        MPI_COMM_WORLD);
+    model::TaskHead<param_t> head(task, config.hidden);
+    onEveryRank(
+        "plm eval: --head: ", [&] { train::loadHead(head, data, head_path); }, MPI_COMM_WORLD);
+    const auto t0 = std::chrono::steady_clock::now();
+    io::json::Value fields;
+    onEveryRank(
+        "plm eval: ",
+        [&] {  // a dataset without the task's labels is refused by the loader on every rank
+          auto options = train::evalLoaderOptions(*deck, path, rank, world);
+          fields = train::evaluateTask(model, head, options, MPI_COMM_WORLD);
+        },
+        MPI_COMM_WORLD);
+    std::string text;
+    char buf[64];
+    for (const auto& [key, value] : fields.members()) {
+      if (key == "labelled") continue;
+      std::snprintf(buf, sizeof buf, " %s %.6g", key.c_str(), value.asDouble());
+      text += buf;
+    }
+    const double seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    log::info("task eval %s (%s, %lld labelled rows):%s | %.1fs", path.c_str(),
+              data.task_kind.c_str(), static_cast<long long>(fields.at("labelled").asInt()),
+              text.c_str(), seconds);
+    return 0;
   }
 
   const auto t0 = std::chrono::steady_clock::now();

@@ -451,11 +451,18 @@ const std::vector<KeySpec>& keys() {
        "mean over the sequence's residues (plm only; not exportable to Hugging Face).",
        any(), {"cls", "mean"}},
       {"task", "freeze_encoder", K::boolean, "true",
-       "Train the head only: the encoder runs forward only and gets no update. false "
-       "(fine-tuning the encoder too) is not available yet and is refused.", any(), {}},
+       "true = train the head only: the encoder runs forward only and gets no update. false = "
+       "fine-tune the encoder through the head (the head's loss backpropagated into every "
+       "encoder tensor but the LM head's), with the optimizer section at optimizer.lr, under "
+       "plain or sharded data parallelism.", any(), {}},
       {"task", "head_lr", K::real, "0.001",
        "Peak learning rate of the head (AdamW, the schedule section's warm-up and decay); the "
        "encoder uses optimizer.lr.", above(0), {}},
+      {"task", "init_head", K::text, "",
+       "Start the head from this file instead of a fresh one: a head.h5 written by plm train, "
+       "or a model file from plm convert --from-hf of an EsmForSequenceClassification / "
+       "EsmForTokenClassification folder. Its task kind, num_labels, pooling and hidden size "
+       "must match.", any(), {}},
       // checkpoint
       {"checkpoint", "dir", K::text, "run/ckpt", "Directory of the checkpoint files.", any(), {},
        true},

@@ -5,6 +5,7 @@
 #include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
 #include "io/hdf5_group.hpp"
+#include "io/head_file.hpp"
 #include "io/model_file.hpp"
 #include "io/safetensors.hpp"
 
@@ -471,7 +472,28 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
                 "` not found; --from-hf takes a transformers model directory "
                 "(config.json + model.safetensors)");
   ConvertSummary summary;
-  summary.config = readConfigFile(config_path.string(), &summary.warnings);
+  // EsmForSequenceClassification / EsmForTokenClassification folders are read too: their
+  // classifier becomes the model file's /head (io/head_file.hpp).
+  summary.config = readConfigFile(config_path.string(), &summary.warnings, true);
+  const json::Value config_json = json::parse(readText(config_path.string()), config_path.string());
+  std::string head_kind;  // empty: no task head
+  if (config_json.has("architectures") && config_json.at("architectures").isArray())
+    for (const auto& a : config_json.at("architectures").items()) {
+      if (!a.isString()) continue;
+      if (a.asString() == "EsmForTokenClassification") head_kind = "token_classification";
+      if (a.asString() == "EsmForSequenceClassification") head_kind = "sequence_classification";
+    }
+  if (head_kind.empty()) {
+    bool masked_lm = !config_json.has("architectures") || summary.config.moe.enabled();
+    if (!masked_lm)
+      for (const auto& a : config_json.at("architectures").items())
+        masked_lm = masked_lm || (a.isString() && a.asString() == "EsmForMaskedLM");
+    if (!masked_lm)
+      throw Error(config_path.string() +
+                  ": architectures names no EsmForMaskedLM, EsmForSequenceClassification or "
+                  "EsmForTokenClassification; plm convert reads those (model.init_from also "
+                  "reads an EsmModel's encoder)");
+  }
   // An MoE model in plm's format is stored under plm's own table (doc/interop.md).
   if (summary.config.moe.enabled() && !moe_table)
     throw Error("plm::io::hf::convertFromHf: an MoE model needs the model's table (a bug)");
@@ -487,6 +509,18 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
   std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size));
   std::set<std::string> dtypes, used;
   for (const auto& t : tensors) {
+    if (!head_kind.empty() && startsWith(t.name, "lm_head.") && !weights.has(t.name)) {
+      // A classification model has no LM head: an untrained one (zero dense layer and bias,
+      // LayerNorm 1/0) keeps the file a whole plm model; its masked-LM output means nothing.
+      const float fill = endsWith(t.name, "layer_norm.weight") ? 1.0f : 0.0f;
+      std::fill(values.begin() + t.offset, values.begin() + t.offset + t.size, fill);
+      used.insert(t.name);
+      if (t.name == "lm_head.bias")
+        summary.warnings.push_back(
+            "the source has no LM head (a classification model): lm_head.* are written untrained "
+            "(zero weights, LayerNorm 1/0), so its masked-LM loss is meaningless until trained");
+      continue;
+    }
     if (!weights.has(t.name))
       throw Error("`" + hf_dir + "` lacks the tensor \"" + t.name +
                   "\" that an EsmForMaskedLM with " + std::to_string(summary.config.num_layers) +
@@ -505,6 +539,7 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
   std::vector<model::TensorInfo> extra_tensors;
   std::vector<float> extra_values;
   std::vector<std::string> unknown;
+  HeadData head;
   const auto& embedding = tensors.front();
   auto addExtra = [&](const std::string& stored_as, const std::string& name) {
     model::TensorInfo info;
@@ -539,6 +574,10 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
     } else if (endsWith(name, "rotary_embeddings.inv_freq") ||
                name == "esm.embeddings.position_ids") {
       summary.skipped.push_back(name + " (buffer plm computes itself)");
+    } else if (!head_kind.empty() && startsWith(name, "classifier.")) {
+      head.names.push_back(name);
+      head.shapes.push_back(entry(name).shape);
+      head.values.push_back(read(name));
     } else if (startsWith(name, "esm.contact_head.")) {
       addExtra(name, name);
       summary.skipped.push_back(name + " (contact head, unused by plm; kept in /" + extra_group +
@@ -553,7 +592,43 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
       list += (i ? ", " : "") + ("\"" + unknown[i] + "\"");
     if (unknown.size() > 5) list += ", ... (" + std::to_string(unknown.size()) + " in all)";
     throw Error("`" + hf_dir + "` holds tensors that EsmForMaskedLM does not have: " + list +
-                "; plm converts plain ESM-2 masked language models only");
+                "; plm converts plain ESM-2 masked language models only (and the classifier of an "
+                "EsmForSequenceClassification / EsmForTokenClassification folder)");
+  }
+
+  if (!head_kind.empty()) {
+    // The head's task from its class and config: one output (or problem_type regression) is
+    // a regression; the label count is the output layer's rows.
+    const bool token = head_kind == "token_classification";
+    const std::vector<std::string> want =
+        token ? std::vector<std::string>{"classifier.weight", "classifier.bias"}
+              : std::vector<std::string>{"classifier.dense.weight", "classifier.dense.bias",
+                                         "classifier.out_proj.weight", "classifier.out_proj.bias"};
+    for (const auto& name : want)
+      if (std::find(head.names.begin(), head.names.end(), name) == head.names.end())
+        throw Error("`" + hf_dir + "` lacks the tensor \"" + name + "\" of its " +
+                    (token ? "EsmForTokenClassification" : "EsmForSequenceClassification") +
+                    " head");
+    for (const auto& name : head.names)
+      if (std::find(want.begin(), want.end(), name) == want.end()) unknown.push_back(name);
+    const std::size_t out = std::size_t(
+        std::find(head.names.begin(), head.names.end(), want[token ? 0 : 2]) - head.names.begin());
+    head.num_labels = head.shapes[out].front();
+    const bool regression =
+        !token && (head.num_labels == 1 ||
+                   (config_json.has("problem_type") && config_json.at("problem_type").isString() &&
+                    config_json.at("problem_type").asString() == "regression"));
+    head.task_kind = regression ? "sequence_regression" : head_kind;
+    head.pooling = "cls";
+    for (std::size_t i = 0; i < head.names.size(); ++i)
+      if (head.shapes[i].size() == 2 && head.shapes[i][1] != summary.config.hidden)
+        throw Error(describe(head.names[i]) + " has shape " + shapeText(head.shapes[i]) +
+                    " but the model's hidden size is " + std::to_string(summary.config.hidden));
+  }
+  if (!unknown.empty() && !head_kind.empty()) {
+    std::string list;
+    for (const auto& u : unknown) list += (list.empty() ? "" : ", ") + ("\"" + u + "\"");
+    throw Error("`" + hf_dir + "` holds tensors that its ESM class does not have: " + list);
   }
 
   summary.num_parameters = 0;
@@ -572,6 +647,13 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
   writeTensorGroup(file, comm, "model", tensors, values.data());
   if (!extra_tensors.empty())
     writeTensorGroup(file, comm, extra_group, extra_tensors, extra_values.data());
+  if (!head.names.empty()) {
+    writeHead(file, comm, head);
+    summary.warnings.push_back("the " + head.task_kind + " head (" +
+                               std::to_string(head.num_labels) +
+                               " label(s)) is stored in the model file's /head group: "
+                               "task.init_head, plm eval --head and plm convert --to-hf read it");
+  }
   return summary;
 }
 
@@ -628,35 +710,34 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
   std::vector<std::pair<safetensors::TensorOut, std::vector<float>>> head_tensors;
   std::string head_kind, head_pooling;
   std::int64_t head_labels = 0;
-  if (!options.head.empty()) {
-    h5::Hid file = h5::openFile(options.head, comm);
-    if (!h5::exists(file, "head"))
-      throw collectiveError("--head `" + options.head +
-                            "`: no /head group; give the head.h5 that plm train wrote for a "
-                            "task (task.kind other than mlm)");
-    head_kind = h5::readStringAttribute(file, "task_kind");
-    head_pooling = h5::readStringAttribute(file, "pooling");
-    head_labels = h5::readIntAttribute(file, "num_labels");
+  // Without --head, a head stored in the model file itself (convert --from-hf of a
+  // classification folder) comes along.
+  const std::string head_path =
+      !options.head.empty() ? options.head : (hasHead(model_file, comm) ? model_file : "");
+  if (!head_path.empty()) {
+    HeadData head;
+    try {
+      head = readHead(head_path, comm);
+    } catch (const Error& e) {
+      throw collectiveError(std::string("--head: ") + e.what());
+    }
+    head_kind = head.task_kind;
+    head_pooling = head.pooling;
+    head_labels = head.num_labels;
     if (head_pooling != "cls" && head_kind != "token_classification")
       throw collectiveError(
-          "--head `" + options.head + "`: the head pools with `" + head_pooling +
+          "--head `" + head_path + "`: the head pools with `" + head_pooling +
           "`; Hugging Face's EsmForSequenceClassification reads the <cls> token only, so a "
           "mean-pooled head cannot be exported (train it with task.pooling: cls)");
-    h5::Hid group(PLM_CHECK_H5(H5Gopen2(file, "head", H5P_DEFAULT)));
-    for (const auto& name : h5::groupMembers(group)) {
-      h5::Hid dataset = h5::openDataset(group, name);
+    for (std::size_t i = 0; i < head.names.size(); ++i) {
       safetensors::TensorOut t;
-      t.name = name;
-      t.shape = h5::datasetShape(dataset);
-      std::int64_t numel = 1;
-      for (auto d : t.shape) numel *= d;
-      if (t.shape.back() != summary.config.hidden && t.shape.size() == 2)
-        throw collectiveError("--head `" + options.head + "`: tensor " + name +
+      t.name = head.names[i];
+      t.shape = head.shapes[i];
+      if (t.shape.size() == 2 && t.shape.back() != summary.config.hidden)
+        throw collectiveError("--head `" + head_path + "`: tensor " + t.name +
                               " reads hidden size " + std::to_string(t.shape.back()) +
                               ", the model's is " + std::to_string(summary.config.hidden));
-      std::vector<float> data(static_cast<std::size_t>(numel));
-      h5::readRows<float>(dataset, 0, t.shape.empty() ? 1 : t.shape[0], data.data());
-      head_tensors.emplace_back(t, std::move(data));
+      head_tensors.emplace_back(t, std::move(head.values[i]));
     }
   }
   if (commRank(comm) != 0) return summary;

@@ -382,11 +382,12 @@ template <class T> struct Esm2<T>::Impl {
   OpContext ctx;
   View2<T> cos_table, sin_table;  // (positions, head_dim/2)
   LayerHooks* hooks = nullptr;
-  MoeStep moe_step;                    // read by every MoE layer during a pass
-  bool centring = false;               // passes of centreRouters (MoeStep::centring)
-  bool expert_parallel = false;        // setExpertParallel with more than one rank
-  std::vector<int> host_cu;            // the pass's sequence offsets (sequence-level aux loss)
-  std::vector<MoeMlp<T>*> moe_blocks;  // the MoE layers' FFN blocks (owned by `layers`)
+  HiddenHead<T>* hidden_head = nullptr;  // replaces the LM head in forwardBackward
+  MoeStep moe_step;                      // read by every MoE layer during a pass
+  bool centring = false;                 // passes of centreRouters (MoeStep::centring)
+  bool expert_parallel = false;          // setExpertParallel with more than one rank
+  std::vector<int> host_cu;              // the pass's sequence offsets (sequence-level aux loss)
+  std::vector<MoeMlp<T>*> moe_blocks;    // the MoE layers' FFN blocks (owned by `layers`)
   // projectRouters: per MoE layer the unit mean router inputs of the last steps, newest first.
   std::vector<std::vector<std::vector<double>>> router_means;
   std::unique_ptr<RingAttention> ring;  // context parallelism (setContextParallel), else null
@@ -1509,7 +1510,7 @@ template <class T> struct Esm2<T>::Impl {
     }
     layerNorm(ctx, w.xs[layers_n], pw.lnf_g, pw.lnf_b, config.layer_norm_eps, w.hidden, w.meanf,
               w.rstdf);
-    if (w.rows == 0) return;
+    if (w.rows == 0 || (backward && hidden_head)) return;
     PLM_TRACE("plm::lm_head fwd");
     gatherRows(ctx, w.hidden, w.head_rows, w.hg);
     linearGelu(ctx, w.hg, pw.head_w, pw.head_b, w.h1, w.h1g);
@@ -1519,11 +1520,26 @@ template <class T> struct Esm2<T>::Impl {
     crossEntropy(ctx, w.logits, w.head_labels, backward ? grad_scale : 1.0, w.dlogits);
   }
 
+  /// The hidden head's loss on w.hidden (after a backward forwardPass): its sum, and its
+  /// gradient in w.dhidden (compute precision), where backwardPass starts from.
+  double headGradient(const data::MicroBatch& batch, double grad_scale) {
+    const std::int64_t t = w.batch.tokens, h = config.hidden;
+    View2<T> hidden(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::head_hidden"), t,
+                    h);
+    View2<T> dhidden("plm::model::head_dhidden", t, h);
+    copyToMaster(ctx, w.hidden, matOf(hidden));
+    ctx.space().fence();
+    const double loss = hidden_head->lossAndGradient(batch, hidden, grad_scale, dhidden);
+    copyFromMaster(ctx, matOf(dhidden), w.dhidden);
+    ctx.space().fence();  // dhidden is freed on return
+    return loss;
+  }
+
   void backwardPass() {
     const int layers_n = config.num_layers;
     const auto& b = w.batch;
     auto& s = w.scratch;
-    if (w.rows > 0) {  // LM head (w.dlogits holds dlogits)
+    if (w.rows > 0 && !hidden_head) {  // LM head (w.dlogits holds dlogits)
       PLM_TRACE("plm::lm_head bwd");
       linearBackward(ctx, w.h2, pw.embed, w.dlogits, w.dh2, false, pg.embed, pg.head_bias);
       layerNormBackward(ctx, w.h1g, pw.head_ln_g, w.meanh, w.rstdh, w.dh2, Mat(), false, w.dh1,
@@ -1531,7 +1547,7 @@ template <class T> struct Esm2<T>::Impl {
       geluBackward(ctx, w.h1, w.dh1, w.dh1);
       linearBackward(ctx, w.hg, pw.head_w, w.dh1, w.dhg, false, pg.head_w, pg.head_b);
     }
-    scatterRows(ctx, w.dhg, w.head_rows, w.dhidden);
+    if (!hidden_head) scatterRows(ctx, w.dhg, w.head_rows, w.dhidden);  // else: headGradient
     layerNormBackward(ctx, w.xs[layers_n], pw.lnf_g, w.meanf, w.rstdf, w.dhidden, s.dres, false,
                       s.dres_c, pg.lnf_g, pg.lnf_b);
     for (int l = layers_n - 1; l >= 0; --l) {
@@ -1714,8 +1730,9 @@ template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch
   im.ctx.beginLoss();
   if (refresh_weights) im.refreshCompute();
   im.forwardPass(true, grad_scale);
+  const double head_loss = im.hidden_head ? im.headGradient(batch, grad_scale) : 0.0;
   im.backwardPass();
-  const double loss = im.ctx.endLoss();
+  const double loss = im.ctx.endLoss() + head_loss;
   im.ctx.space().fence();
   Kokkos::Profiling::popRegion();
   return loss;
@@ -1978,6 +1995,13 @@ template <class T> int Esm2<T>::contextRank() const {
 }
 
 template <class T> void Esm2<T>::setHooks(LayerHooks* hooks) { impl_member->hooks = hooks; }
+
+template <class T> void Esm2<T>::setHiddenHead(HiddenHead<T>* head) {
+  PLM_REQUIRE(!head || (impl_member->config.moe.experts == 0 && !impl_member->ring),
+              "plm::model::setHiddenHead: a hidden-state head runs on a dense model without "
+              "context parallelism (a caller bug)");
+  impl_member->hidden_head = head;
+}
 
 template <class T> void Esm2<T>::setProfiling(bool on) { impl_member->ctx.setProfiling(on); }
 

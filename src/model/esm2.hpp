@@ -119,6 +119,18 @@ template <class T> struct ForwardOutputs {
   View2<T> hidden;  // (T, hidden) last_hidden_state (after emb_layer_norm_after) when want_hidden
 };
 
+/// \brief Replaces the LM head and its cross-entropy in Esm2::forwardBackward with a loss on the
+/// last hidden state (task heads, train/finetune.hpp), so the encoder trains through it.
+template <class T> class HiddenHead {
+ public:
+  virtual ~HiddenHead() = default;
+  /// \brief `hidden` (T, H): the micro-batch's last_hidden_state (after emb_layer_norm_after,
+  /// master type).  Returns the micro-batch's loss sum and writes dhidden (T, H) = grad_scale
+  /// * d(loss sum)/d(hidden) (zero where the loss reads nothing).
+  virtual double lossAndGradient(const data::MicroBatch& batch, const View2<T>& hidden,
+                                 double grad_scale, const View2<T>& dhidden) = 0;
+};
+
 /// \brief Called by the orchestration around each encoder layer: where sharded data parallelism
 /// gathers a layer's parameters before use and reduces its gradients once final, and where the
 /// bucketed data-parallel all-reduce starts.  Default: nothing.
@@ -313,6 +325,11 @@ template <class T> class Esm2 {
 
   /// \brief Hooks around each layer (not owned; nullptr = none).
   void setHooks(LayerHooks* hooks);
+  /// \brief With a head (not owned; nullptr = none, the masked-LM objective), forwardBackward
+  /// skips the LM head and backpropagates the head's loss instead: the head's loss sum is
+  /// returned, grad_scale * its gradient accumulates into gradients() (the LM head's own
+  /// tensors get none).  forward() is unchanged.
+  void setHiddenHead(HiddenHead<T>* head);
 
   /// \brief Per-kind CUDA-event timing of the bf16 path's launches (GEMM, attention,
   /// LayerNorm, other), summed over the calls since setProfiling(true).

@@ -1827,4 +1827,30 @@ void copyToMaster(OpContext& ctx, const Mat& src, const Mat& dst) {
   });
 }
 
+void copyFromMaster(OpContext& ctx, const Mat& src, const Mat& dst) {
+  if (src.ld != src.cols || dst.ld != dst.cols || src.rows != dst.rows || src.cols != dst.cols)
+    throw Error("plm::model::copyFromMaster: shapes or strides differ (a bug)");
+  if (isBf16(dst)) {
+#if PLM_HAVE_CUDA
+    // One chunk (src offset, dst offset, count) of the packed-copy cast.
+    Kokkos::View<std::int64_t[3], Kokkos::HostSpace> host("plm::model::cast_chunk_host");
+    host(0) = 0, host(1) = 0, host(2) = src.rows * src.cols;
+    Kokkos::View<std::int64_t[3], MemSpace> chunk("plm::model::cast_chunk");
+    Kokkos::deep_copy(ctx.space(), chunk, host);
+    gpu::castChunks(streamOf(ctx), cptr<float>(src), mptr<bf16>(dst), chunk.data(), 1);
+    ctx.mark(OpKind::Other);
+    ctx.space().fence();  // `chunk` is freed on return
+    return;
+#else
+    noCuda("copyFromMaster");
+#endif
+  }
+  if (src.dtype != dst.dtype)
+    throw Error("plm::model::copyFromMaster: element types differ (a bug)");
+  portable(dst.dtype, "copyFromMaster", [&](auto t) {
+    using T = decltype(t);
+    copyStridedPortable(ctx.space(), static_cast<const T*>(src.data), src.ld, dst.view<T>());
+  });
+}
+
 }  // namespace plm::model

@@ -281,5 +281,8 @@ void crossEntropy(OpContext& ctx, const Mat& logits, const View1<std::int32_t>& 
 
 /// \brief dst (master type, ld == cols) = src, any element type and row stride.
 void copyToMaster(OpContext& ctx, const Mat& src, const Mat& dst);
+/// \brief dst (compute precision, ld == cols) = src (master type, ld == cols): the inverse of
+/// copyToMaster (rounds to bf16 under the bf16 policy).
+void copyFromMaster(OpContext& ctx, const Mat& src, const Mat& dst);
 
 }  // namespace plm::model

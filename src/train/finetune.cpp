@@ -8,9 +8,12 @@
 #include "data/loader.hpp"
 #include "io/dataset.hpp"
 #include "io/hdf5.hpp"
+#include "io/head_file.hpp"
 #include "io/model_file.hpp"
+#include "train/fsdp.hpp"
 #include "train/metrics.hpp"
 #include "train/schedule.hpp"
+#include "train/step.hpp"
 
 #include <algorithm>
 #include <cmath>
@@ -52,27 +55,28 @@ std::vector<double> targetsOf(const data::MicroBatch& mb) {
   return std::vector<double>(mb.targets.data(), mb.targets.data() + mb.targets.extent(0));
 }
 
-/// One micro-batch through the frozen encoder and the head; with `dlogits_scale` > 0 the head's
-/// gradients accumulate.  Adds the loss and metric inputs to `stats`.
-template <class T> void headPass(model::Esm2<T>& encoder, model::TaskHead<T>& head,
-                                 const data::MicroBatch& mb, bool backward, TaskStats& stats) {
-  if (mb.numTokens() == 0) return;
-  model::ForwardOutputs<T> out;
-  out.want_hidden = true;
-  encoder.forward(mb, &out);
+/// The head's loss on one micro-batch's last hidden state, added to `stats` with the metric
+/// inputs.  With `dhidden_scale` > 0 the head's gradients accumulate dhidden_scale * d(loss
+/// sum)/d(head), and dhidden (when not empty) receives that of the hidden state.  Returns the
+/// loss sum.
+template <class T> double headLoss(model::TaskHead<T>& head, const data::MicroBatch& mb,
+                                   const View2<T>& hidden, double dhidden_scale,
+                                   const View2<T>& dhidden, TaskStats& stats) {
   const ExecSpace space;
-  const auto logits_view = head.forward(space, out.hidden, mb.cu_seqlens);
+  const auto logits_view = head.forward(space, hidden, mb.cu_seqlens);
   const auto logits = toHostDoubles(logits_view);
   const auto targets = targetsOf(mb);
   const int l = head.config().num_labels;
+  const bool backward = dhidden_scale > 0;
   std::vector<double> dlogits;
-  const auto loss =
-      model::taskLoss(head.config().kind, logits, l, targets, 1.0, backward ? &dlogits : nullptr);
+  const auto loss = model::taskLoss(head.config().kind, logits, l, targets, dhidden_scale,
+                                    backward ? &dlogits : nullptr);
   stats.loss_sum += loss.sum;
   stats.counted += loss.counted;
   for (std::size_t r = 0; r < targets.size(); ++r) {
     const double* z = &logits[r * l];
     if (head.config().kind == TaskKind::SequenceRegression) {
+      if (std::isnan(targets[r])) continue;
       stats.scores.push_back(z[0]);
       stats.targets.push_back(targets[r]);
       continue;
@@ -87,13 +91,49 @@ template <class T> void headPass(model::Esm2<T>& encoder, model::TaskHead<T>& he
       stats.targets.push_back(targets[r]);
     }
   }
-  if (!backward) return;
+  if (!backward) return loss.sum;
   View2<T> d("plm::train::task_dlogits", logits_view.extent(0), logits_view.extent(1));
   auto hd = Kokkos::create_mirror_view(d);
   for (std::size_t i = 0; i < dlogits.size(); ++i) hd.data()[i] = T(dlogits[i]);
   Kokkos::deep_copy(d, hd);
-  head.backward(space, out.hidden, d, View2<T>());
+  head.backward(space, hidden, d, dhidden);
   Kokkos::fence();
+  return loss.sum;
+}
+
+/// One micro-batch through the (frozen) encoder and the head; with `backward` the head's
+/// gradients accumulate d(loss sum)/d(head).
+template <class T> void headPass(model::Esm2<T>& encoder, model::TaskHead<T>& head,
+                                 const data::MicroBatch& mb, bool backward, TaskStats& stats) {
+  if (mb.numTokens() == 0) return;
+  model::ForwardOutputs<T> out;
+  out.want_hidden = true;
+  encoder.forward(mb, &out);
+  headLoss(head, mb, out.hidden, backward ? 1.0 : 0.0, View2<T>(), stats);
+}
+
+/// The head as the encoder's objective (task.freeze_encoder: false): Esm2::forwardBackward
+/// hands it the hidden state and backpropagates the gradient it returns through the encoder.
+template <class T> class HeadObjective : public model::HiddenHead<T> {
+ public:
+  HeadObjective(model::TaskHead<T>& head, TaskStats& stats)
+      : head_member(head), stats_member(stats) {}
+  double lossAndGradient(const data::MicroBatch& batch, const View2<T>& hidden, double grad_scale,
+                         const View2<T>& dhidden) override {
+    return headLoss(head_member, batch, hidden, grad_scale, dhidden, stats_member);
+  }
+
+ private:
+  model::TaskHead<T>& head_member;
+  TaskStats& stats_member;
+};
+
+/// Rows of `mb` the task's loss counts (what taskLoss counts): labelled sequences or residues.
+std::int64_t labelledRows(const data::MicroBatch& mb, TaskKind kind) {
+  std::int64_t n = 0;
+  for (std::size_t i = 0; i < mb.targets.extent(0); ++i)
+    n += kind == TaskKind::SequenceRegression ? !std::isnan(mb.targets(i)) : mb.targets(i) >= 0;
+  return n;
 }
 
 /// Sums over the ranks; gathers the metric inputs (validation sets are small).
@@ -221,17 +261,23 @@ void checkLabels(const std::string& path, const model::TaskConfig& config) {
                             " or set task.num_labels");
 }
 
-template <class T> TaskStats evaluate(Trainer& trainer, model::TaskHead<T>& head,
-                                      const std::string& path, data::Targets targets) {
-  data::Loader loader(loaderOptions(trainer, path, targets, true));
+template <class T> TaskStats evaluatePass(model::Esm2<T>& encoder, model::TaskHead<T>& head,
+                                          const data::LoaderOptions& options, MPI_Comm comm) {
+  data::Loader loader(options);
   TaskStats stats;
   while (true) {
     auto local = loader.nextStep();
     if (local.empty()) break;
-    for (const auto& mb : local) headPass(trainer.model(), head, mb, false, stats);
+    for (const auto& mb : local) headPass(encoder, head, mb, false, stats);
   }
-  finish(stats, head.config().num_labels, trainer.comm());
+  finish(stats, head.config().num_labels, comm);
   return stats;
+}
+
+template <class T> TaskStats evaluate(Trainer& trainer, model::TaskHead<T>& head,
+                                      const std::string& path, data::Targets targets) {
+  return evaluatePass(trainer.model(), head, loaderOptions(trainer, path, targets, true),
+                      trainer.comm());
 }
 
 /// <run_dir>/task_logits.tsv (rank 0): the first sequences of `path` (at most 32), whole and
@@ -278,25 +324,90 @@ void writeLogits(Trainer& trainer, model::TaskHead<T>& head, const std::string& 
 
 }  // namespace
 
+model::TaskConfig taskConfigOf(const io::HeadData& data, const std::string& source) {
+  model::TaskConfig c;
+  try {
+    c.kind = model::parseTaskKind(data.task_kind);
+    c.num_labels = int(data.num_labels);
+    c.pooling = model::parsePooling(data.pooling);
+    c.validate();
+  } catch (const Error& e) {
+    throw Error("`" + source + "`: " + e.what());
+  }
+  if (c.kind == TaskKind::Mlm) throw Error("`" + source + "`: task_kind mlm is not a task head");
+  return c;
+}
+
+void loadHead(model::TaskHead<param_t>& head, const io::HeadData& data, const std::string& source) {
+  const auto& c = head.config();
+  if (data.task_kind != model::taskKindName(c.kind) || data.num_labels != c.num_labels ||
+      data.pooling != (c.pooling == model::Pooling::Cls ? "cls" : "mean"))
+    throw Error("`" + source + "` holds a " + data.task_kind + " head with " +
+                std::to_string(data.num_labels) + " label(s) and " + data.pooling +
+                " pooling, the task is " + model::taskKindName(c.kind) + " with " +
+                std::to_string(c.num_labels) + " and " +
+                (c.pooling == model::Pooling::Cls ? "cls" : "mean") +
+                "; make the task section match the head");
+  auto host = Kokkos::create_mirror_view(head.parameters());
+  for (const auto& t : head.tensors()) {
+    const auto it = std::find(data.names.begin(), data.names.end(), t.name);
+    if (it == data.names.end()) throw Error("`" + source + "` lacks the head tensor " + t.name);
+    const std::size_t i = std::size_t(it - data.names.begin());
+    if (data.shapes[i] != t.shape) {
+      auto text = [](const std::vector<std::int64_t>& s) {
+        std::string out = "(";
+        for (std::size_t k = 0; k < s.size(); ++k) out += (k ? ", " : "") + std::to_string(s[k]);
+        return out + ")";
+      };
+      throw Error("`" + source + "`: head tensor " + t.name + " is " + text(data.shapes[i]) +
+                  " in the file but " + text(t.shape) +
+                  " for the model (hidden size or label count differ)");
+    }
+    std::copy(data.values[i].begin(), data.values[i].end(), host.data() + t.offset);
+  }
+  Kokkos::deep_copy(head.parameters(), host);
+}
+
+io::json::Value evaluateTask(model::Esm2<param_t>& encoder, model::TaskHead<param_t>& head,
+                             data::LoaderOptions options, MPI_Comm comm) {
+  options.targets = head.config().kind == TaskKind::TokenClassification ? data::Targets::Residue
+                                                                        : data::Targets::Sequence;
+  options.single_pass = true;
+  options.shuffle = false;
+  const auto stats = evaluatePass(encoder, head, options, comm);
+  return metricFields(stats, head.config().kind, head.config().num_labels);
+}
+
 void trainTaskHead(Trainer& trainer) {
   const auto& deck = trainer.deck();
   const model::TaskConfig config = taskConfigFromDeck(deck);
   const auto& t = deck.sublist("task");
-  if (!t.get<bool>("freeze_encoder"))
-    throw collectiveError(
-        "task.freeze_encoder: false (training the encoder with the head) is not available in "
-        "this build; set task.freeze_encoder: true to train the head on the frozen encoder");
-  if (trainer.sharding() || trainer.model().contextDegree() > 1 ||
-      trainer.model().config().moe.experts > 0)
+  const bool frozen = t.get<bool>("freeze_encoder");
+  if (trainer.model().contextDegree() > 1 || trainer.model().config().moe.experts > 0)
     throw collectiveError("task." + std::string(model::taskKindName(config.kind)) +
-                          ": task heads run with plain data parallelism on a dense model; set "
-                          "parallel.shard_degree and parallel.context_degree to 1");
+                          ": task heads run on a dense model with data parallelism (plain or "
+                          "sharded); set parallel.context_degree to 1");
   const data::Targets targets = config.kind == TaskKind::TokenClassification
                                     ? data::Targets::Residue
                                     : data::Targets::Sequence;
   auto& encoder = trainer.model();
   model::TaskHead<param_t> head(config, encoder.config().hidden);
   head.initialize(trainer.state().init_seed);
+  const std::string init_head = t.get<std::string>("init_head");
+  if (!init_head.empty()) {
+    try {  // every rank reads the same file: the same outcome everywhere
+      loadHead(head, io::readHead(init_head, trainer.comm()), init_head);
+    } catch (const Error& e) {
+      throw collectiveError(std::string("task.init_head: ") + e.what());
+    }
+    log::info("task: head from %s", init_head.c_str());
+  }
+  const ExecSpace space;
+  // Sharded runs: the whole encoder for the forward-only passes (evaluation, the frozen
+  // encoder); the next sharded step frees it again.
+  auto wholeEncoder = [&] {
+    if (trainer.sharding()) trainer.sharding()->gatherAll(space);
+  };
 
   const auto& d = deck.sublist("data");
   checkLabels(d.get<std::string>("train"), config);
@@ -307,8 +418,10 @@ void trainTaskHead(Trainer& trainer) {
   const std::int64_t steps = tr.get<int>("steps");
   const int log_every = std::max(1, tr.get<int>("log_every"));
   const int eval_every = tr.get<int>("eval_every");
-  ScheduleOptions schedule = trainer.schedule();
-  schedule.peak_lr = t.get<double>("head_lr");
+  ScheduleOptions schedule = trainer.schedule();  // the encoder's: optimizer.lr
+  ScheduleOptions head_schedule = schedule;
+  head_schedule.peak_lr = t.get<double>("head_lr");
+  const double clip_norm = deck.sublist("optimizer").get<double>("clip_grad_norm");
   const auto& adamw = trainer.optimizerOptions().adamw;  // the head's AdamW: optimizer.betas ...
   const double beta1 = adamw.beta1, beta2 = adamw.beta2, eps = adamw.eps;
   const double decay = adamw.weight_decay;
@@ -325,6 +438,7 @@ void trainTaskHead(Trainer& trainer) {
   };
   auto runEval = [&](std::int64_t step) {
     if (valid.empty()) return;
+    wholeEncoder();
     const auto stats = evaluate(trainer, head, valid, targets);
     const auto f = metricFields(stats, config.kind, config.num_labels);
     log::info("task eval step %lld:%s", (long long)step, describe(f).c_str());
@@ -340,39 +454,76 @@ void trainTaskHead(Trainer& trainer) {
     if (ht.shape.size() == 2)
       std::fill(decays.begin() + ht.offset, decays.begin() + ht.offset + ht.shape[0] * ht.shape[1],
                 1);
-  log::info("task %s: head of %zu parameters (%s pooling) on a frozen encoder, %lld steps",
+  log::info("task %s: head of %zu parameters (%s pooling) on a %s encoder, %lld steps",
             model::taskKindName(config.kind), n,
-            config.pooling == model::Pooling::Cls ? "cls" : "mean", (long long)steps);
+            config.pooling == model::Pooling::Cls ? "cls" : "mean", frozen ? "frozen" : "trainable",
+            (long long)steps);
+  if (frozen) wholeEncoder();
   const double start = clock::unixSeconds();
-  std::int64_t tokens = 0;
+  std::int64_t tokens = 0, head_steps = 0;
   for (std::int64_t step = 1; step <= steps; ++step) {
     head.zeroGradients();
     TaskStats stats;
-    for (const auto& mb : loader.nextStep()) {
-      headPass(encoder, head, mb, true, stats);
-      tokens += mb.numTokens();
+    std::vector<data::MicroBatch> local = loader.nextStep();
+    for (const auto& mb : local) tokens += mb.numTokens();
+    double inv = 1.0;  // what turns the head's accumulated gradient into that of the mean loss
+    StepStats st;
+    if (frozen) {
+      for (const auto& mb : local) headPass(encoder, head, mb, true, stats);
+    } else {
+      // The encoder's step as in pre-training (trainStep / Fsdp::step: gradient all-reduce or
+      // reduce-scatter, clipping by optimizer.clip_grad_norm, the encoder's optimizer at
+      // optimizer.lr), with the head's loss in place of the LM head's: the labelled rows are
+      // the step's count, so grad_scale = 1 / (global labelled rows) reaches the head too.
+      for (auto& mb : local) mb.num_masked = labelledRows(mb, config.kind);
+      HeadObjective<param_t> objective(head, stats);
+      encoder.setHiddenHead(&objective);
+      struct Unset {
+        model::Esm2<param_t>& m;
+        ~Unset() { m.setHiddenHead(nullptr); }
+      } unset{encoder};
+      const double lr = learningRate(schedule, step - 1);
+      if (trainer.sharding()) {
+        st = trainer.sharding()->step(space, local, lr, clip_norm, trainer.comm());
+      } else {
+        st = trainStep(space, encoder, trainer.optimizer(), local, lr, clip_norm, trainer.comm());
+      }
     }
     finish(stats, head.config().num_labels, trainer.comm());
+    if (frozen) inv = stats.counted ? 1.0 / double(stats.counted) : 0.0;
     auto grads = Kokkos::create_mirror_view_and_copy(HostSpace(), head.gradients());
     std::vector<double> g(grads.data(), grads.data() + n);
     PLM_CHECK_MPI(
         MPI_Allreduce(MPI_IN_PLACE, g.data(), int(n), MPI_DOUBLE, MPI_SUM, trainer.comm()));
-    const double lr = learningRate(schedule, step - 1);
-    const double inv = stats.counted ? 1.0 / double(stats.counted) : 0.0;
-    const double c1 = 1 - std::pow(beta1, double(step)), c2 = 1 - std::pow(beta2, double(step));
-    for (std::size_t i = 0; i < n; ++i) {
-      const double gi = g[i] * inv;
-      m1[i] = beta1 * m1[i] + (1 - beta1) * gi;
-      m2[i] = beta2 * m2[i] + (1 - beta2) * gi * gi;
-      double p = params(i);
-      if (decays[i]) p -= lr * decay * p;
-      p -= lr * (m1[i] / c1) / (std::sqrt(m2[i] / c2) + eps);
-      params(i) = param_t(p);
+    const double lr = learningRate(head_schedule, step - 1);
+    if (!frozen && !st.applied) {
+      // Every rank sees the same (all-reduced) outcome: the head skips the step with the encoder.
+      log::warn(
+          "task step %lld: no labelled row or a non-finite loss or gradient; the step is "
+          "skipped (encoder and head)",
+          (long long)step);
+    } else {
+      ++head_steps;
+      const double c1 = 1 - std::pow(beta1, double(head_steps));
+      const double c2 = 1 - std::pow(beta2, double(head_steps));
+      for (std::size_t i = 0; i < n; ++i) {
+        const double gi = g[i] * inv;
+        m1[i] = beta1 * m1[i] + (1 - beta1) * gi;
+        m2[i] = beta2 * m2[i] + (1 - beta2) * gi * gi;
+        double p = params(i);
+        if (decays[i]) p -= lr * decay * p;
+        p -= lr * (m1[i] / c1) / (std::sqrt(m2[i] / c2) + eps);
+        params(i) = param_t(p);
+      }
+      Kokkos::deep_copy(head.parameters(), params);
     }
-    Kokkos::deep_copy(head.parameters(), params);
     if (step % log_every == 0 || step == steps) {
       auto f = metricFields(stats, config.kind, config.num_labels);
       f.set("lr", lr);
+      if (!frozen) {
+        f.set("encoder_lr", st.lr);
+        f.set("grad_norm", st.grad_norm);
+      }
       double all_tokens = double(tokens);
       PLM_CHECK_MPI(
           MPI_Allreduce(MPI_IN_PLACE, &all_tokens, 1, MPI_DOUBLE, MPI_SUM, trainer.comm()));
@@ -384,37 +535,30 @@ void trainTaskHead(Trainer& trainer) {
   }
   runEval(steps);
 
+  wholeEncoder();
   writeLogits(trainer, head, valid.empty() ? d.get<std::string>("train") : valid);
 
   // The head beside the encoder's model.h5: /head/<HF name> (fp32) and the task attributes.
-  std::vector<model::TensorInfo> table;
-  for (const auto& ht : head.tensors()) {
-    model::TensorInfo info;
-    info.name = ht.name;
-    info.shape = ht.shape;
-    info.offset = ht.offset;
-    info.size = 1;
-    for (auto dim : ht.shape) info.size *= dim;
-    table.push_back(info);
-  }
   std::vector<float> values(params.data(), params.data() + n);
   const std::string path = trainer.runDir() + "/head.h5";
-  io::h5::Hid file = io::h5::createFile(path, trainer.comm());
-  io::h5::writeAttribute(file, "task_kind", std::string(model::taskKindName(config.kind)));
-  io::h5::writeAttribute(file, "num_labels", std::int64_t(config.num_labels));
-  io::h5::writeAttribute(file, "pooling",
-                         std::string(config.pooling == model::Pooling::Cls ? "cls" : "mean"));
-  io::writeTensorGroup(file, trainer.comm(), "head", table, values.data());
-  // The (frozen) encoder beside it, so `plm convert --to-hf run/model.h5 --head run/head.h5`
-  // exports the pair without the init source.
   {
-    auto enc = Kokkos::create_mirror_view_and_copy(HostSpace(), encoder.parameters());
-    std::vector<float> all(enc.data(), enc.data() + enc.size());
-    io::ModelAttributes extra;
-    extra.strings["source"] = "plm train (task head on the frozen encoder)";
-    io::writeModelFile(trainer.runDir() + "/model.h5", trainer.comm(), encoder.config(),
-                       encoder.tensors(), all.data(), extra);
+    io::HeadData data;
+    data.task_kind = model::taskKindName(config.kind);
+    data.num_labels = config.num_labels;
+    data.pooling = config.pooling == model::Pooling::Cls ? "cls" : "mean";
+    for (const auto& ht : head.tensors()) {
+      std::int64_t size = 1;
+      for (auto dim : ht.shape) size *= dim;
+      data.names.push_back(ht.name);
+      data.shapes.push_back(ht.shape);
+      data.values.emplace_back(values.begin() + ht.offset, values.begin() + ht.offset + size);
+    }
+    io::h5::Hid file = io::h5::createFile(path, trainer.comm());
+    io::writeHead(file, trainer.comm(), data);
   }
+  // The encoder beside it (trained or as loaded), so `plm convert --to-hf run/model.h5 --head
+  // run/head.h5` exports the pair without the init source.
+  trainer.writeFinalModel();
   log::info("task: wrote %s and %s/model.h5", path.c_str(), trainer.runDir().c_str());
 }
 

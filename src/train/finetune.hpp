@@ -10,6 +10,8 @@
 // backend.
 #pragma once
 
+#include "io/head_file.hpp"
+#include "io/json.hpp"
 #include "model/task_head.hpp"
 #include "train/trainer.hpp"
 
@@ -19,11 +21,28 @@ namespace plm::train {
 /// plm::Error naming the key).
 model::TaskConfig taskConfigFromDeck(const Teuchos::ParameterList& deck);
 
+/// \brief The task a stored head was trained for (io::HeadData's attributes), validated.
+model::TaskConfig taskConfigOf(const io::HeadData& data, const std::string& source);
+
+/// \brief Copies a stored head into `head`: same task kind and labels, every tensor present
+/// with its shape.  Throws plm::Error naming `source`, the tensor and both shapes otherwise.
+void loadHead(model::TaskHead<param_t>& head, const io::HeadData& data, const std::string& source);
+
+/// \brief Collective over `comm`: the task's loss and metrics of `encoder` + `head` over one
+/// pass of the labelled dataset `options.path` (its targets set here from the task): "loss",
+/// "labelled", and "mse", "spearman", "baseline_mse" (regression), "accuracy",
+/// "baseline_accuracy" and, for two classes per sequence, "auroc" (classification).  The
+/// encoder's whole parameters must be in place (sharded runs: gathered).
+io::json::Value evaluateTask(model::Esm2<param_t>& encoder, model::TaskHead<param_t>& head,
+                             data::LoaderOptions options, MPI_Comm comm);
+
 /// \brief Collective over trainer.comm(): trains the deck's task head for train.steps steps on
 /// data.train's labels, evaluates on data.valid every train.eval_every steps and at the end,
 /// appends "task_step" / "task_eval" records to <run_dir>/metrics.jsonl and writes the head to
-/// <run_dir>/head.h5.  Refuses (collective plm::Error) an unfrozen encoder, sharded or
-/// context-parallel layouts, and data without the labels the task needs.
+/// <run_dir>/head.h5 (the encoder beside it as model.h5).  task.freeze_encoder: false trains
+/// the encoder through the head with the trainer's optimizer at optimizer.lr (plain or sharded
+/// data parallelism), the head at task.head_lr.  Refuses (collective plm::Error) context
+/// parallelism, MoE models and data without the labels the task needs.
 void trainTaskHead(Trainer& trainer);
 
 }  // namespace plm::train

@@ -142,10 +142,13 @@ class Trainer {
   void logEvent(const std::string& event, std::int64_t step,
                 io::json::Value fields = io::json::Value::object());
 
+  /// \brief Writes the model to <run_dir>/model.h5 (collective; sharded runs gather it unit by
+  /// unit), as run() does at its end.
+  void writeFinalModel();
+
  private:
   void logStep(const StepStats& last, double interval_seconds);
   void logEval(const BatchStats& valid, double seconds);
-  void writeFinalModel();
   void logPlan();  // the run's plan: one log line and a "start" event (collective)
   bool handleNonfinite(std::int64_t step, const StepStats& st);  // true: rolled back
   void injectFaults(std::int64_t step, bool after_gradients);    // PLM_TEST_* (tests only)

@@ -4,6 +4,7 @@
 // values.  Sequences of length 1 and 2 (just <cls>, <cls><eos>: no residue to mean-pool) reach
 // the empty-pool path.
 #include "core/error.hpp"
+#include "model/esm2.hpp"
 #include "model/task_head.hpp"
 #include "model_test_util.hpp"
 
@@ -159,6 +160,102 @@ TEST(TaskHead, Metrics) {
   EXPECT_NEAR(ce.sum, 2 * std::log(4.0), 1e-14);
   const auto mse = taskLoss(TaskKind::SequenceRegression, {1.0, 2.0}, 1, {0.5, 4.0}, 1.0, nullptr);
   EXPECT_NEAR(mse.sum, 0.25 + 4.0, 1e-14);
+}
+
+// The task head as the encoder's objective (Esm2::setHiddenHead), as train/finetune.cpp wires
+// it: the head's loss on the hidden state, its gradient handed back to the encoder.
+class HeadObjective : public HiddenHead<double> {
+ public:
+  explicit HeadObjective(TaskHead<double>& head) : head_member(head) {}
+  double lossAndGradient(const data::MicroBatch& batch, const View2<double>& hidden,
+                         double grad_scale, const View2<double>& dhidden) override {
+    const ExecSpace space;
+    const auto logits = toHost(head_member.forward(space, hidden, batch.cu_seqlens));
+    std::vector<double> targets(batch.targets.data(), batch.targets.data() + batch.targets.size());
+    std::vector<double> dlogits;
+    const auto loss = taskLoss(head_member.config().kind, logits, head_member.config().num_labels,
+                               targets, grad_scale, &dlogits);
+    View2<double> d("dlogits", logits.size() / head_member.config().num_labels,
+                    head_member.config().num_labels);
+    auto hd = Kokkos::create_mirror_view(d);
+    for (std::size_t i = 0; i < dlogits.size(); ++i) hd.data()[i] = dlogits[i];
+    Kokkos::deep_copy(d, hd);
+    head_member.backward(space, hidden, d, dhidden);
+    return loss.sum;
+  }
+
+ private:
+  TaskHead<double>& head_member;
+};
+
+// Every encoder parameter's gradient through a head against central differences of the head's
+// loss (sequence regression and token classification, 2 layers, hidden 8), and the head's own
+// gradients accumulated with grad_scale.  The LM head's tensors get no gradient.
+void checkEncoderThroughHead(TaskKind kind, int labels) {
+  Esm2Config c;
+  c.num_layers = 2;
+  c.hidden = 8;
+  c.heads = 2;
+  c.ffn = 16;
+  Esm2<double> model(c);
+  // Weights larger than the 0.02 initialisation, so every path carries a visible derivative.
+  for (const auto& t : model.tensors()) {
+    const bool gain = t.shape.size() == 1 && t.name.find("weight") != std::string::npos;
+    fillNormal(View1<double>(model.parameters().data() + t.offset, t.size), 77 + t.offset,
+               t.shape.size() == 2 ? 0.5 : 0.2, gain ? 1.0 : 0.0);
+  }
+  TaskConfig tc;
+  tc.kind = kind;
+  tc.num_labels = labels;
+  TaskHead<double> head(tc, c.hidden);
+  fillNormal(head.parameters(), 5, 0.5);
+  auto batch = makeBatch({6, 1, 9, 4}, 11, 0.0);  // no masking: fine-tuning batches
+  const std::vector<int> lengths = {6, 1, 9, 4};
+  if (sequenceLevel(kind)) {
+    batch.targets = HostView1<double>("targets", 4);
+    for (int s = 0; s < 4; ++s) batch.targets(s) = 0.3 * s - 0.5;
+    batch.targets(1) = std::nan("");  // an unlabelled sequence is skipped
+  } else {
+    batch.targets = HostView1<double>("targets", batch.numTokens());
+    for (std::int64_t i = 0; i < batch.numTokens(); ++i)
+      batch.targets(i) = double(i % (labels + 1)) - 1;
+  }
+  const double scale = 0.25;
+  HeadObjective objective(head);
+  model.setHiddenHead(&objective);
+  model.zeroGradients();
+  head.zeroGradients();
+  const double loss = model.forwardBackward(batch, scale);
+  model.setHiddenHead(nullptr);
+  // The head's loss by a forward-only pass: the encoder's hidden state, then the head.
+  auto headLossOf = [&] {
+    ForwardOutputs<double> out;
+    out.want_hidden = true;
+    model.forward(batch, &out);
+    const auto logits = toHost(head.forward(ExecSpace(), out.hidden, batch.cu_seqlens));
+    std::vector<double> targets(batch.targets.data(), batch.targets.data() + batch.targets.size());
+    return taskLoss(kind, logits, labels, targets, 1.0, nullptr).sum;
+  };
+  EXPECT_NEAR(loss, headLossOf(), 1e-12 * (1 + std::abs(loss)));
+  // gradients() hold scale * d(loss)/d(theta): compare with the scaled loss.
+  std::vector<TensorInfo> encoder;
+  for (const auto& t : model.tensors())
+    if (t.name.rfind("lm_head.", 0) == 0)
+      for (double g : toHost(View1<double>(model.gradients().data() + t.offset, t.size)))
+        ASSERT_EQ(g, 0.0) << t.name << ": the LM head is not part of a task objective";
+  checkGradient(
+      std::string("encoder through ") + taskKindName(kind), model.parameters(), model.gradients(),
+      [&] { return scale * headLossOf(); }, 1e-8, 1e-5, 100000);
+  checkGradient(
+      std::string("head ") + taskKindName(kind), head.parameters(), head.gradients(),
+      [&] { return scale * headLossOf(); }, 1e-8, 1e-5, 100000);
+}
+
+TEST(TaskHead, EncoderGradientThroughSequenceRegression) {
+  checkEncoderThroughHead(TaskKind::SequenceRegression, 1);
+}
+TEST(TaskHead, EncoderGradientThroughTokenClassification) {
+  checkEncoderThroughHead(TaskKind::TokenClassification, 3);
 }
 
 }  // namespace
