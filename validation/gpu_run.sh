@@ -664,7 +664,7 @@ if has fp8_fsdp_gpu; then
   for t in test_gpu_fp8_fsdp test_fp8_fsdp; do
     if [[ -x "$pkg/bin/$t" ]]; then
       start=$(date +%s)
-      CUDA_VISIBLE_DEVICES=0 timeout 300 mpiexec -n 2 --oversubscribe "$pkg/bin/$t" \
+      CUDA_VISIBLE_DEVICES=0 timeout 120 mpiexec -n 2 --oversubscribe "$pkg/bin/$t" \
         > "$out/fp8_fsdp_gpu_$t.log" 2>&1
       note "fp8_fsdp_gpu: $t staged np2 rc=$? $(( $(date +%s) - start ))s"
       grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure|Expected|Which is|differ" \
@@ -681,7 +681,7 @@ if has fp8_fsdp_gpu; then
       d=/tmp/plm-fp8-fsdp-gpu-np$1
       rm -rf "$d"
       start=$(date +%s)
-      CUDA_VISIBLE_DEVICES=0 timeout 480 mpiexec -n $1 --oversubscribe "$pkg/bin/plm" train \
+      CUDA_VISIBLE_DEVICES=0 timeout 150 mpiexec -n $1 --oversubscribe "$pkg/bin/plm" train \
         "$repo/inputs/esm2_650m.yaml" --set data.train="$pkg/data/train.h5" --set data.valid= \
         --set train.precision=fp8 --set fp8.recipe=delayed --set parallel.shard_degree=$2 \
         --set data.micro_batch_tokens=8192 --set data.tokens_per_batch=16384 \
@@ -863,7 +863,7 @@ fi
 if has large_index; then
   if [[ -x "$pkg/bin/test_gpu_large_index" ]]; then
     start=$(date +%s)
-    timeout 300 "$pkg/bin/test_gpu_large_index" > "$out/large_index.log" 2>&1
+    timeout 150 "$pkg/bin/test_gpu_large_index" > "$out/large_index.log" 2>&1
     note "test_gpu_large_index rc=$? $(( $(date +%s) - start ))s $(grep -E '^\[  (PASSED|FAILED)' "$out/large_index.log" | tr '\n' ' ')"
     grep -E "^\[  FAILED|Failure|element|norm|Expected|Which is|error" "$out/large_index.log" |
       head -40 | tee -a "$summary"
@@ -1152,7 +1152,7 @@ if has layernorm; then
   for t in test_gpu_fused:'*LayerNorm*' test_gpu_fp8:'*LayerNorm*'; do
     bin=${t%%:*}
     if [[ -x "$pkg/bin/$bin" ]]; then
-      timeout 300 "$pkg/bin/$bin" --gtest_filter="${t#*:}" > "$out/layernorm_$bin.log" 2>&1
+      timeout 120 "$pkg/bin/$bin" --gtest_filter="${t#*:}" > "$out/layernorm_$bin.log" 2>&1
       note "$bin LayerNorm rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/layernorm_$bin.log" | tr '\n' ' ')"
       grep -E "^\[  FAILED|Failure|Expected|Which is" "$out/layernorm_$bin.log" | head -40 |
         tee -a "$summary"
@@ -1161,7 +1161,7 @@ if has layernorm; then
     fi
   done
   if [[ -x "$pkg/bin/bench_gpu_gemm_tune" ]]; then
-    timeout 300 "$pkg/bin/bench_gpu_gemm_tune" --layernorm > "$out/layernorm_bench.log" 2>&1
+    timeout 120 "$pkg/bin/bench_gpu_gemm_tune" --layernorm > "$out/layernorm_bench.log" 2>&1
     note "bench_gpu_gemm_tune --layernorm rc=$?"
     grep -E "layernorm|copy" "$out/layernorm_bench.log" | tee -a "$summary"
     cp "$out/layernorm_bench.log" "$final_out/" 2>/dev/null
