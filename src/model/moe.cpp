@@ -1444,7 +1444,11 @@ template <class T> void MoeMlp<T>::balanceBias(OpContext& ctx, const std::vector
   ctx.space().fence();
   for (int e = 0; e < e_n; ++e) {
     const double diff = mean - routed[e];
-    b[e] += static_cast<T>(s.c.bias_rate * (diff > 0 ? 1.0 : diff < 0 ? -1.0 : 0.0));
+    const double step = s.c.bias_update == BiasUpdate::Proportional ? (mean > 0 ? diff / mean : 0.0)
+                                                                    : (diff > 0   ? 1.0
+                                                                       : diff < 0 ? -1.0
+                                                                                  : 0.0);
+    b[e] += static_cast<T>(s.c.bias_rate * step);
   }
   Kokkos::deep_copy(ctx.space(), dev, Kokkos::View<const T*, HostSpace>(b.data(), e_n));
   ctx.space().fence();

@@ -497,6 +497,30 @@ TEST(ModelMoe, GradientsThroughTheRouterProjectionMatchFiniteDifferences) {
       1e-7, 1e-5, 1500);
 }
 
+TEST(ModelMoe, BiasBalanceFollowsItsRule) {
+  // moe.bias_update: sign moves every expert's bias by bias_rate toward the mean load;
+  // proportional by bias_rate x (mean - load) / mean.  Loads 10, 30, 20, 20 (mean 20).
+  for (BiasUpdate rule : {BiasUpdate::Sign, BiasUpdate::Proportional}) {
+    auto c = tinyMoeConfig();
+    c.moe.bias_balance = true;
+    c.moe.bias_rate = 0.01;
+    c.moe.bias_update = rule;
+    Esm2<double> model(c);
+    const auto t = model.tensor("esm.encoder.layer.1.moe.router.expert_bias");
+    const std::vector<double> routed{10, 30, 20, 20};
+    model.balanceExpertBias({routed});
+    model.balanceExpertBias({routed});
+    const auto all = toHost(model.parameters());
+    const std::vector<double> step = rule == BiasUpdate::Sign
+                                         ? std::vector<double>{0.01, -0.01, 0, 0}
+                                         : std::vector<double>{0.005, -0.005, 0, 0};
+    for (int e = 0; e < 4; ++e)
+      EXPECT_NEAR(all[t.offset + e], 2 * step[e], 1e-15)
+          << (rule == BiasUpdate::Sign ? "sign" : "proportional") << " expert " << e;
+  }
+  EXPECT_THROW(parseBiasUpdate("linear"), plm::Error);
+}
+
 TEST(ModelMoe, SwigluExpertsByNameAndEveryGradientMatchesFiniteDifferences) {
   auto c = tinyMoeConfig();
   c.moe.expert_activation = ExpertActivation::Swiglu;
