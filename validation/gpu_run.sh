@@ -909,9 +909,11 @@ if has moe_balance && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # 16384) at expert degree 1 on one GPU (about 3.5 min of training at 77k tokens/s);
   # PLM_MOE_BALANCE_DEGREES="1 2 4" adds expert degree 2 and 4 where that many GPUs are
   # visible. The deck's schedule is kept (2000 warm-up steps: the first steps of the real
-  # recipe); PLM_MOE_BALANCE_SETS adds --set arguments to every run (e.g.
-  # "moe.bias_balance=true moe.bias_rate=0.002"); PLM_MOE_BALANCE_INITS="centred normal" also
-  # runs the N(0, 0.02) routers; PLM_MOE_BALANCE_PROJECTION=false turns off the router
+  # recipe). Bias balancing is on as in the shipped MoE decks (moe.bias_balance, sign rule,
+  # 1e-3 per step); PLM_MOE_BALANCE_BIAS=false turns it off (the runs before it), and
+  # PLM_MOE_BALANCE_SETS adds --set arguments to every run (e.g. "moe.bias_rate=0.003" or
+  # "moe.bias_update=proportional moe.bias_rate=0.01"); PLM_MOE_BALANCE_INITS="centred normal"
+  # also runs the N(0, 0.02) routers; PLM_MOE_BALANCE_PROJECTION=false turns off the router
   # projection (moe.router_projection). PLM_MOE_BALANCE_TIMEOUT defaults to 120 s + 1.5 s per
   # step. Each run's output goes straight to $OUT/moe_balance_<init>_deg<d>.log, its
   # metrics.jsonl to $OUT/moe_balance_<init>_deg<d>.jsonl. Done-when of the issue: every layer
@@ -938,12 +940,13 @@ if has moe_balance && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
         --set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=bf16 \
         --set moe.router_init=$init --set parallel.expert_degree=$deg --set moe.capacity_factor=0 \
         --set moe.router_projection=${PLM_MOE_BALANCE_PROJECTION:-true} \
+        --set moe.bias_balance=${PLM_MOE_BALANCE_BIAS:-true} \
         --set data.tokens_per_batch=$tokens --set data.micro_batch_tokens=16384 \
         --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
         --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
         --set checkpoint.dir="$d/ckpt" "${extra[@]}" > "$log" 2>&1
       note "moe_balance: esm2_moe_2b_a650m bf16, moe.router_init=$init, $deg GPU(s) at expert" \
-        "degree $deg, $steps steps of $tokens tokens${PLM_MOE_BALANCE_SETS:+, --set $PLM_MOE_BALANCE_SETS}" \
+        "degree $deg, $steps steps of $tokens tokens, bias_balance ${PLM_MOE_BALANCE_BIAS:-true}${PLM_MOE_BALANCE_SETS:+, --set $PLM_MOE_BALANCE_SETS}" \
         "rc=$? $(( $(date +%s) - start ))s"
       cp "$log" "$out/" 2>/dev/null
       grep -E "moe: |error|out of memory|memory: after" "$log" | head -5 | tee -a "$summary"
