@@ -938,7 +938,7 @@ if has moe_balance && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
       timeout ${PLM_MOE_BALANCE_TIMEOUT:-$((120 + 3 * steps / 2))} mpiexec -n $deg --oversubscribe "$pkg/bin/plm" train \
         "$repo/inputs/esm2_650m.yaml" --set model.preset=esm2_moe_2b_a650m \
         --set data.train="$pkg/data/train.h5" --set data.valid= --set train.precision=bf16 \
-        --set moe.router_init=$init --set parallel.expert_degree=$deg --set moe.capacity_factor=0 \
+        --set moe.router_init=$init --set parallel.expert_degree=$deg --set moe.dropless=true \
         --set moe.router_projection=${PLM_MOE_BALANCE_PROJECTION:-true} \
         --set moe.bias_balance=${PLM_MOE_BALANCE_BIAS:-true} \
         --set data.tokens_per_batch=$tokens --set data.micro_batch_tokens=16384 \
@@ -952,8 +952,8 @@ if has moe_balance && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
       grep -E "moe: |error|out of memory|memory: after" "$log" | head -5 | tee -a "$summary"
       cp "$d/metrics.jsonl" "$final_out/moe_balance_$name.jsonl" 2>/dev/null
       timeout 60 python3 - "$final_out/moe_balance_$name.jsonl" <<'PY' 2>&1 |
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1])]
+import json, os, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
 rows = [r for r in rows if r.get("kind") == "train" and "moe" in r]
 def ratios(r):
     return [l["tokens_per_expert_max"] / max(l["tokens_per_expert_mean"], 1e-30) for l in r["moe"]]
