@@ -334,6 +334,11 @@ const std::vector<KeySpec>& keys() {
        "Aux-loss-free balancing (DeepSeek-V3): a per-expert bias, used only to select experts, "
        "moves by bias_rate toward the mean load after every step.", any(), {}},
       {"moe", "bias_rate", K::real, "0.001", "Step of the bias_balance update.", above(0), {}},
+      {"moe", "bias_update", K::text, "sign",
+       "The bias_balance rule, with load_e the slots expert e took over the step and mean their "
+       "mean: sign = bias_rate x sign(mean - load_e) (DeepSeek-V3); proportional = bias_rate x "
+       "(mean - load_e) / mean (doc/model.md, Aux-loss-free balancing).",
+       any(), {"sign", "proportional"}},
       {"moe", "dispatch_budget_gib", K::real, "0",
        "Expert parallelism: the most memory (GiB) one rank's expert-side buffers of one MoE "
        "layer may take (the rows it receives, their GELU pre-activation and activation kept for "

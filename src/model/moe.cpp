@@ -401,10 +401,15 @@ template <class T> struct MoeMlp<T>::State {
   View1<T> step_sum_s, ones_s;
   View1<double> unit_s, wu_s;
   // moe.router_projection in a training pass: the router projected off this micro-batch's own
-  // mean input (E, H), with which the pass routes and its backward runs (route_w).
+  // mean input (E, H), with which the pass routes and its backward runs (route_w); the
+  // micro-batch's column sum s (H) and [W s / |s|^2 (E) | |s|^2], which the backward reuses.
   View1<T> batch_sum_s, batch_w_s;
   View1<double> batch_wu_s;
   View2<T> route_w;
+  // The projection's backward (projectionBackward): X s and G (W s) / |s|^2 (T), X^T of the
+  // latter and the input gradient every token shares (H), G^T X s (E), a dot product (1).
+  View1<T> proj_xs_s, proj_gw_s, proj_xg_s, proj_gx_s;
+  View1<double> proj_v_s, proj_dot_s;
   bool step_sum_live = false;  // step_sum_s holds sums not yet taken
 
   std::int64_t rows = 0;                // permuted rows of the pass (kept slots)
@@ -535,7 +540,7 @@ template <class T> struct MoeMlp<T>::State {
     gemm(space, Trans::T, Trans::N, T(1), x, View2<T>(ones_s.data(), rows, 1), T(0),
          View2<T>(m.data(), cols, 1));
     View1<T> wb = grow(batch_w_s, e_n * cols, "plm::model::moe::batch_router");
-    View1<double> wm = grow(batch_wu_s, e_n, "plm::model::moe::batch_router_times_mean");
+    View1<double> wm = grow(batch_wu_s, e_n + 1, "plm::model::moe::batch_router_times_mean");
     const View2<T> w = this->w.router.template view<T>();
     Kokkos::parallel_for(
         "plm::model::moe::batch_router_dot_mean", Kokkos::RangePolicy<ExecSpace>(space, 0, e_n),
@@ -547,6 +552,7 @@ template <class T> struct MoeMlp<T>::State {
             d += static_cast<double>(w(e, i)) * mi;
           }
           wm(e) = n2 > 0 ? d / n2 : 0.0;
+          if (e == 0) wm(e_n) = n2;
         });
     Kokkos::parallel_for(
         "plm::model::moe::batch_router_project",
@@ -555,6 +561,76 @@ template <class T> struct MoeMlp<T>::State {
           wb(ei) = static_cast<T>(static_cast<double>(w(e, i)) - wm(e) * static_cast<double>(m(i)));
         });
     return View2<T>(wb.data(), e_n, cols);
+  }
+
+  /// The backward of batchProjectedRouter's logits L = X W'^T, W' = W P, P = I - s s^T / |s|^2,
+  /// with s the column sum of X (T, H) over the micro-batch, through P's dependence on X as well
+  /// (doc/model.md "Router initialisation").  Given G = dL (T, E): writing L = X W^T -
+  /// (X u)(W u)^T with u = s / |s|, the loss's gradient along u is
+  /// -(X^T G W u + W^T G^T X u), and ds/dx_t = I with du/ds = P / |s| gives every token the same
+  /// extra input gradient v = -P (X^T G (W s) / |s|^2 + W^T G^T (X s) / |s|^2), added to
+  /// `dx` (T, H); and dW = G^T X P, so (G^T X s)(s^T) / |s|^2 is taken off dW (the caller added
+  /// G^T X).  All on the device; sums in the master type, scalars in double.
+  void projectionBackward(OpContext& ctx, const View2<T>& x, const View2<T>& dl,
+                          const View2<T>& dx) {
+    const auto& space = ctx.space();
+    const std::int64_t t_n = x.extent(0), cols = x.extent(1), e_n = c.experts;
+    const View1<T> sum(batch_sum_s.data(), cols);
+    const View1<double> wm(batch_wu_s.data(), e_n + 1);  // W s / |s|^2, then |s|^2
+    View1<T> xs = grow(proj_xs_s, t_n, "plm::model::moe::projection_xs");
+    View1<T> gw = grow(proj_gw_s, t_n, "plm::model::moe::projection_gw");
+    View1<T> xg = grow(proj_xg_s, cols, "plm::model::moe::projection_xg");
+    View1<T> gx = grow(proj_gx_s, e_n, "plm::model::moe::projection_gx");
+    View1<double> v = grow(proj_v_s, cols, "plm::model::moe::projection_v");
+    View1<double> dot = grow(proj_dot_s, 1, "plm::model::moe::projection_dot");
+    gemm(space, Trans::N, Trans::N, T(1), x, View2<T>(sum.data(), cols, 1), T(0),
+         View2<T>(xs.data(), t_n, 1));
+    gemm(space, Trans::T, Trans::N, T(1), dl, View2<T>(xs.data(), t_n, 1), T(0),
+         View2<T>(gx.data(), e_n, 1));
+    Kokkos::parallel_for(
+        "plm::model::moe::projection_g_wm", FlatPolicy(space, 0, t_n),
+        KOKKOS_LAMBDA(const std::int64_t t) {
+          double acc = 0;
+          for (std::int64_t e = 0; e < e_n; ++e) acc += static_cast<double>(dl(t, e)) * wm(e);
+          gw(t) = static_cast<T>(acc);
+        });
+    gemm(space, Trans::T, Trans::N, T(1), x, View2<T>(gw.data(), t_n, 1), T(0),
+         View2<T>(xg.data(), cols, 1));
+    const View2<T> w = this->w.router.template view<T>();
+    Kokkos::parallel_for(
+        "plm::model::moe::projection_y", FlatPolicy(space, 0, cols),
+        KOKKOS_LAMBDA(const std::int64_t i) {
+          const double n2 = wm(e_n);
+          double acc = 0;
+          for (std::int64_t e = 0; e < e_n; ++e)
+            acc += static_cast<double>(w(e, i)) * static_cast<double>(gx(e));
+          v(i) = n2 > 0 ? static_cast<double>(xg(i)) + acc / n2 : 0.0;
+        });
+    Kokkos::parallel_reduce(
+        "plm::model::moe::projection_dot", FlatPolicy(space, 0, cols),
+        KOKKOS_LAMBDA(const std::int64_t i, double& acc) {
+          acc += static_cast<double>(sum(i)) * v(i);
+        },
+        Kokkos::View<double, MemSpace>(dot.data()));
+    Kokkos::parallel_for(
+        "plm::model::moe::projection_dx", FlatPolicy(space, 0, t_n * cols),
+        KOKKOS_LAMBDA(const std::int64_t ti) {
+          const std::int64_t i = ti % cols;
+          const double n2 = wm(e_n);
+          const double p = n2 > 0 ? v(i) - static_cast<double>(sum(i)) * dot(0) / n2 : 0.0;
+          dx(ti / cols, i) = static_cast<T>(static_cast<double>(dx(ti / cols, i)) - p);
+        });
+    const View2<T> dw = g.router.template view<T>();
+    Kokkos::parallel_for(
+        "plm::model::moe::projection_dw", FlatPolicy(space, 0, e_n * cols),
+        KOKKOS_LAMBDA(const std::int64_t ei) {
+          const std::int64_t e = ei / cols, i = ei % cols;
+          const double n2 = wm(e_n);
+          if (n2 > 0)
+            dw(e, i) =
+                static_cast<T>(static_cast<double>(dw(e, i)) -
+                               static_cast<double>(gx(e)) * static_cast<double>(sum(i)) / n2);
+        });
   }
 
   /// A MoeStep::centring pass: adds the router input x (T, H) to input_sums and returns the
@@ -1312,6 +1388,9 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
              s.g.router.template view<T>());
         gemm(space, Trans::N, Trans::N, T(1), dl2, s.routeWeights(), T(0),
              View2<T>(dhr.data(), t_n, hid));
+        if (s.route_w.data() != nullptr)
+          s.projectionBackward(ctx, s.routerInput(ctx, h, true), dl2,
+                               View2<T>(dhr.data(), t_n, hid));
       }
       gpu::moeCombineGradient(space.cuda_stream(), reinterpret_cast<const gpu::bf16*>(dx.data()),
                               s.slot_row.data(), bf16Data(dh), t_n, static_cast<int>(k),
@@ -1338,6 +1417,8 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
       gemm(space, Trans::N, Trans::N, T(1), dl2, s.routeWeights(), T(1), dh.template view<T>());
       gemm(space, Trans::T, Trans::N, T(1), dl2, h.template view<T>(), T(1),
            s.g.router.template view<T>());
+      if (s.route_w.data() != nullptr)
+        s.projectionBackward(ctx, h.template view<T>(), dl2, dh.template view<T>());
     }
   }
 
@@ -1363,7 +1444,11 @@ template <class T> void MoeMlp<T>::balanceBias(OpContext& ctx, const std::vector
   ctx.space().fence();
   for (int e = 0; e < e_n; ++e) {
     const double diff = mean - routed[e];
-    b[e] += static_cast<T>(s.c.bias_rate * (diff > 0 ? 1.0 : diff < 0 ? -1.0 : 0.0));
+    const double step = s.c.bias_update == BiasUpdate::Proportional ? (mean > 0 ? diff / mean : 0.0)
+                                                                    : (diff > 0   ? 1.0
+                                                                       : diff < 0 ? -1.0
+                                                                                  : 0.0);
+    b[e] += static_cast<T>(s.c.bias_rate * step);
   }
   Kokkos::deep_copy(ctx.space(), dev, Kokkos::View<const T*, HostSpace>(b.data(), e_n));
   ctx.space().fence();

@@ -177,7 +177,8 @@ template <class T> class MoeMlp : public FfnBlock {
   void setExpertParallel(const ExpertParallel& ep);
   const MoeLayerStats& stats() const;
   void resetStats();
-  /// \brief Adds rate * sign(mean - routed_e) to the expert bias, routed_e given over the
+  /// \brief Adds rate * sign(mean - routed_e) (MoeConfig::bias_update Sign) or
+  /// rate * (mean - routed_e) / mean (Proportional) to the expert bias, routed_e given over the
   /// whole step (all ranks).  Nothing without bias_balance.
   void balanceBias(OpContext& ctx, const std::vector<double>& routed);
   /// \brief The router input sums of the MoeStep::centring passes since the last call (then

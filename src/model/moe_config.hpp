@@ -18,6 +18,11 @@ enum class RouterKind { Softmax, Sigmoid };
 /// does not decide the routing.
 enum class RouterInit { Normal, Centred };
 
+/// The bias_balance update after each step (moe.bias_update), with load_e expert e's slots over
+/// the step and mean their mean: Sign = bias_rate * sign(mean - load_e) (DeepSeek-V3);
+/// Proportional = bias_rate * (mean - load_e) / mean.
+enum class BiasUpdate { Sign, Proportional };
+
 /// How the experts' GEMMs run under bf16 on the GPU (model/moe_experts.hpp): Auto picks by the
 /// measured crossover, Loop = one cuBLASLt call per expert, Grouped = one CUTLASS grouped launch
 /// per GEMM.
@@ -47,6 +52,7 @@ struct MoeConfig {
   ExpertGemmMode expert_gemm = ExpertGemmMode::Auto;
   ExpertActivation expert_activation = ExpertActivation::Gelu;
   double bias_rate = 1e-3;
+  BiasUpdate bias_update = BiasUpdate::Sign;  // read by the trainer only (not in model files)
   // Most bytes one rank's expert-side buffers of one MoE layer may take under expert
   // parallelism (moe.dispatch_budget_gib); 0 = what the device has free when the layer runs.
   double dispatch_budget_bytes = 0;
@@ -122,6 +128,13 @@ inline ExpertActivation parseExpertActivation(const std::string& name) {
 }
 inline const char* expertActivationName(ExpertActivation a) {
   return a == ExpertActivation::Swiglu ? "swiglu" : "gelu";
+}
+
+/// \brief "sign" | "proportional"; a collective plm::Error otherwise.
+inline BiasUpdate parseBiasUpdate(const std::string& name) {
+  if (name == "sign") return BiasUpdate::Sign;
+  if (name == "proportional") return BiasUpdate::Proportional;
+  throw collectiveError("moe.bias_update: unknown rule '" + name + "'; use sign or proportional");
 }
 
 /// \brief "centred" | "normal"; a collective plm::Error otherwise.

@@ -45,6 +45,7 @@ void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& conf
   c.seq_aux_loss = m.get<double>("seq_aux_loss");
   c.bias_balance = m.get<bool>("bias_balance");
   c.bias_rate = m.get<double>("bias_rate");
+  c.bias_update = model::parseBiasUpdate(m.get<std::string>("bias_update"));
   c.router_init = model::parseRouterInit(m.get<std::string>("router_init"));
   c.router_projection = m.get<bool>("router_projection");
   c.router_projection_means = m.get<int>("router_projection_means");

@@ -80,6 +80,13 @@ struct Layer {
   }
 };
 
+double maxAbsDiff(const View2<double>& a, const View2<double>& b) {
+  const auto x = toHost(a), y = toHost(b);
+  double out = 0;
+  for (std::size_t i = 0; i < x.size(); ++i) out = std::max(out, std::abs(x[i] - y[i]));
+  return out;
+}
+
 double gelu(double x) { return 0.5 * x * (1.0 + std::erf(x / std::sqrt(2.0))); }
 
 /// out = residual + sum over kept slots of gate * FFN_e(h) + shared(h), token by token.
@@ -299,6 +306,77 @@ TEST(MoeMlp, GradientsMatchFiniteDifferences) {
   }
 }
 
+TEST(MoeMlp, GradientsThroughTheRouterProjectionMatchFiniteDifferences) {
+  // moe.router_projection in a training pass routes with W (I - s s^T / |s|^2), s the column sum
+  // of this pass's router input: the gradients include s's dependence on every token.  The
+  // router and the input are checked against finite differences, and the input gradient must
+  // differ from the one that holds the projection constant (the check can fail).
+  const int h = 5, tokens = 9;
+  for (const auto& base : configurations()) {
+    MoeConfig c = base;
+    c.router_projection = true;
+    c.aux_loss = 0.9;  // a larger router share of the objective
+    Layer L(c, h, 23);
+    if (c.bias_balance) fillNormal(L.bias, 4, 0.1);
+    MoeStep step;
+    step.loss_weight = 2.5;
+    step.grad_scale = 1.0;
+    step.training = true;
+    MoeMlp<double> block(0, c, h, L.w, L.g, &step);
+    OpContext ctx(ExecSpace{});
+    auto hv = test::randomView<double>(tokens, h, 35);
+    // A component every token shares, as the LN2 output has at initialisation.
+    auto shift = toHost(hv);
+    for (int t = 0; t < tokens; ++t)
+      for (int i = 0; i < h; ++i) shift[t * h + i] += 0.8 * (i + 1);
+    Kokkos::deep_copy(hv, HostView2<double>(shift.data(), tokens, h));
+    auto res = test::randomView<double>(tokens, h, 36);
+    auto probe = test::randomView<double>(tokens, h, 37);
+    View2<double> out("out", tokens, h), dh("dh", tokens, h);
+    LayerActs acts;
+    acts.ln2 = matOf(hv);
+    LayerScratch scratch;
+    auto objective = [&]() {
+      step.objective = 0;
+      block.forward(ctx, matOf(hv), matOf(res), matOf(out), acts);
+      return test::dotViews(out, probe) + step.objective;
+    };
+    Kokkos::deep_copy(L.grads, 0.0);
+    objective();
+    block.backward(ctx, acts, matOf(probe), matOf(dh), scratch);
+    const std::string what = std::string("projected moe ") + routerName(c.router) + " k" +
+                             std::to_string(c.top_k) + " cf" + std::to_string(c.capacity_factor);
+    checkGradient(what + " parameters", L.params, L.grads, objective, 1e-8, 1e-6, 100000, 1e-6);
+    checkGradient(what + " input", test::flat(hv), test::flat(dh), objective, 1e-8, 1e-6, 100000,
+                  1e-6);
+    // The same input gradient with the router input's mean held constant: the straight-through
+    // form differs from the exact one by the same vector on every token.
+    {
+      objective();  // out at the unperturbed input
+      MoeStep frozen = step;
+      MoeConfig off = c;
+      off.router_projection = false;
+      Layer L2(off, h, 23);
+      if (c.bias_balance) Kokkos::deep_copy(L2.bias, L.bias);
+      // Route with the router already projected off this input's mean: the same logits.
+      auto w = toHost(L2.params);
+      std::vector<double> sum(h, 0.0);
+      for (int t = 0; t < tokens; ++t)
+        for (int i = 0; i < h; ++i) sum[i] += shift[t * h + i];
+      centreRows(w, c.experts, sum);
+      Kokkos::deep_copy(L2.params, HostView1<double>(w.data(), w.size()));
+      MoeMlp<double> plain(0, off, h, L2.w, L2.g, &frozen);
+      View2<double> out2("out2", tokens, h), dh2("dh2", tokens, h);
+      LayerActs acts2;
+      acts2.ln2 = matOf(hv);
+      plain.forward(ctx, matOf(hv), matOf(res), matOf(out2), acts2);
+      EXPECT_LT(maxAbsDiff(out, out2), 1e-12) << what << ": the projected router's output";
+      plain.backward(ctx, acts2, matOf(probe), matOf(dh2), scratch);
+      EXPECT_GT(maxAbsDiff(dh, dh2), 1e-6) << what << ": the mean's dependence is missing";
+    }
+  }
+}
+
 TEST(MoeMlp, RouterLossesReachTheRouter) {
   // With the probe zero, only aux and z remain: the router gradient must be theirs alone.
   MoeConfig c = configurations()[0];
@@ -393,6 +471,54 @@ TEST(ModelMoe, EveryParameterGradientMatchesFiniteDifferences) {
     for (double r : stats[0].routed) routed += r;
     EXPECT_EQ(routed, 32.0);
   }
+}
+
+TEST(ModelMoe, GradientsThroughTheRouterProjectionMatchFiniteDifferences) {
+  // moe.router_projection on: a training pass routes with the router projected off its own mean
+  // router input, so the objective is a training pass's (forwardBackward), and the analytic
+  // gradients are those of the first pass.  Layer recomputation reruns the projection.
+  auto c = tinyMoeConfig();
+  c.moe.router_projection = true;
+  c.recompute = Recompute::Layer;
+  Esm2<double> model(c);
+  randomize(model, 5);
+  const auto batch = makeBatch({1, 6, 9}, 3, 0.4);
+  model.zeroGradients();
+  model.forwardBackward(batch, 1.0);
+  const auto grads = model.gradients();
+  View1<double> analytic("analytic", grads.extent(0));
+  Kokkos::deep_copy(analytic, grads);
+  checkGradient(
+      "esm2 moe, router projection", model.parameters(), analytic,
+      [&]() {
+        const double loss = model.forwardBackward(batch, 1.0);
+        return loss + model.routerLoss();
+      },
+      1e-7, 1e-5, 1500);
+}
+
+TEST(ModelMoe, BiasBalanceFollowsItsRule) {
+  // moe.bias_update: sign moves every expert's bias by bias_rate toward the mean load;
+  // proportional by bias_rate x (mean - load) / mean.  Loads 10, 30, 20, 20 (mean 20).
+  for (BiasUpdate rule : {BiasUpdate::Sign, BiasUpdate::Proportional}) {
+    auto c = tinyMoeConfig();
+    c.moe.bias_balance = true;
+    c.moe.bias_rate = 0.01;
+    c.moe.bias_update = rule;
+    Esm2<double> model(c);
+    const auto t = model.tensor("esm.encoder.layer.1.moe.router.expert_bias");
+    const std::vector<double> routed{10, 30, 20, 20};
+    model.balanceExpertBias({routed});
+    model.balanceExpertBias({routed});
+    const auto all = toHost(model.parameters());
+    const std::vector<double> step = rule == BiasUpdate::Sign
+                                         ? std::vector<double>{0.01, -0.01, 0, 0}
+                                         : std::vector<double>{0.005, -0.005, 0, 0};
+    for (int e = 0; e < 4; ++e)
+      EXPECT_NEAR(all[t.offset + e], 2 * step[e], 1e-15)
+          << (rule == BiasUpdate::Sign ? "sign" : "proportional") << " expert " << e;
+  }
+  EXPECT_THROW(parseBiasUpdate("linear"), plm::Error);
 }
 
 TEST(ModelMoe, SwigluExpertsByNameAndEveryGradientMatchesFiniteDifferences) {
