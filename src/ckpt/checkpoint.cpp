@@ -376,7 +376,7 @@ template <class T> void detail::shareHeldRows(const std::vector<model::TensorInf
                                               MPI_Comm comm) {
   if (!placement.sharded()) return shareRows(table, values, comm);
   std::vector<model::TensorInfo> dense, routed;
-  for (const auto& t : table) (model::expertOfTensor(t.name) >= 0 ? routed : dense).push_back(t);
+  for (const auto& t : table) (t.expert >= 0 ? routed : dense).push_back(t);
   shareRows(dense, values, comm);
   MPI_Comm holders = MPI_COMM_NULL;
   PLM_CHECK_MPI(MPI_Comm_split(comm, placement.rank, commRank(comm), &holders));

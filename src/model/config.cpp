@@ -79,18 +79,6 @@ Esm2Config Esm2Config::preset(const std::string& name) {
 
 namespace {
 
-/// Parameters of layer l's FFN (all experts, or those one token uses when `active`).
-std::int64_t ffnParameters(const Esm2Config& c, int layer, bool active) {
-  const std::int64_t h = c.hidden;
-  auto mlp = [&](std::int64_t f) { return (f * h + f) + (h * f + h); };
-  if (!c.moe.isMoeLayer(layer)) return mlp(c.ffn);
-  const std::int64_t fe = c.moe.expert_ffn, e_n = c.moe.experts;
-  const std::int64_t expert = c.moe.swiglu() ? 3 * fe * h : mlp(fe);  // SwiGLU: no biases
-  return c.moe.experts * h + (c.moe.bias_balance && !active ? e_n : 0) +
-         (active ? c.moe.top_k : e_n) * expert +
-         (c.moe.shared_experts > 0 ? mlp(fe * c.moe.shared_experts) : 0);
-}
-
 /// Matmul weights one token passes through in layer l's FFN (router included).
 double ffnMatmulWeights(const Esm2Config& c, int layer) {
   const double h = c.hidden;
@@ -103,18 +91,17 @@ double ffnMatmulWeights(const Esm2Config& c, int layer) {
 }  // namespace
 
 std::int64_t Esm2Config::numParameters() const {
-  const std::int64_t h = hidden, v = vocab;
-  const std::int64_t attention = 4 * (h * h + h) + 2 * (2 * h);
-  std::int64_t n = v * h + 2 * h + (h * h + h) + 2 * h + v;
-  for (int l = 0; l < num_layers; ++l) n += attention + ffnParameters(*this, l, false);
+  std::int64_t n = 0;
+  for (const auto& t : tensorTable(*this)) n += t.size;
   return n;
 }
 
 std::int64_t Esm2Config::activeParameters() const {
-  const std::int64_t h = hidden, v = vocab;
-  const std::int64_t attention = 4 * (h * h + h) + 2 * (2 * h);
-  std::int64_t n = v * h + 2 * h + (h * h + h) + 2 * h + v;
-  for (int l = 0; l < num_layers; ++l) n += attention + ffnParameters(*this, l, true);
+  // Routing sends a token through top_k routed experts of each MoE layer (any top_k of them
+  // have as many parameters as the first); the balancing bias only picks them.
+  std::int64_t n = 0;
+  for (const auto& t : tensorTable(*this))
+    if (t.trained && t.expert < moe.top_k) n += t.size;
   return n;
 }
 

@@ -55,93 +55,6 @@
 namespace plm::model {
 namespace {
 
-enum class InitKind { Normal, Zero, One };
-
-struct TableEntry {
-  TensorInfo info;
-  InitKind init;
-  std::uint64_t stream;  // the tensor's index in the whole model's table (its random stream)
-};
-
-// The tensors `held` holds (every tensor but other ranks' routed experts), in model order.
-std::vector<TableEntry> buildTable(const Esm2Config& c, const ExpertPlacement& held = {}) {
-  std::vector<TableEntry> table;
-  std::int64_t offset = 0;
-  std::uint64_t stream = 0;
-  const std::int64_t h = c.hidden, f = c.ffn, v = c.vocab;
-  auto add = [&](const std::string& name, std::vector<std::int64_t> shape, bool decay,
-                 InitKind init) {
-    const int expert = expertOfTensor(name);
-    if (expert >= 0 && !held.holds(expert, c.moe.experts)) {
-      ++stream;
-      return;
-    }
-    TensorInfo t;
-    t.name = name;
-    t.shape = shape;
-    t.size = 1;
-    for (auto e : shape) t.size *= e;
-    t.offset = offset;
-    t.weight_decay = decay;
-    // Keep every tensor 64-byte aligned in the flat buffer (vector loads, future sharding).
-    offset += (t.size + 15) / 16 * 16;
-    table.push_back({t, init, stream++});
-  };
-  auto linear = [&](const std::string& prefix, std::int64_t out, std::int64_t in) {
-    add(prefix + ".weight", {out, in}, true, InitKind::Normal);
-    add(prefix + ".bias", {out}, false, InitKind::Zero);
-  };
-  auto norm = [&](const std::string& prefix, std::int64_t n) {
-    add(prefix + ".weight", {n}, false, InitKind::One);
-    add(prefix + ".bias", {n}, false, InitKind::Zero);
-  };
-  add("esm.embeddings.word_embeddings.weight", {v, h}, false, InitKind::Normal);
-  for (int l = 0; l < c.num_layers; ++l) {
-    const std::string p = "esm.encoder.layer." + std::to_string(l) + ".";
-    linear(p + "attention.self.query", h, h);
-    linear(p + "attention.self.key", h, h);
-    linear(p + "attention.self.value", h, h);
-    linear(p + "attention.output.dense", h, h);
-    norm(p + "attention.LayerNorm", h);
-    if (c.moe.isMoeLayer(l)) {
-      // Experts by name, one set of tensors each, so any expert degree reads the same table.
-      const std::int64_t e_n = c.moe.experts, fe = c.moe.expert_ffn;
-      add(p + "moe.router.weight", {e_n, h}, true, InitKind::Normal);
-      if (c.moe.bias_balance) add(p + "moe.router.expert_bias", {e_n}, false, InitKind::Zero);
-      for (int e = 0; e < c.moe.experts; ++e) {
-        const std::string x = p + "moe.experts." + std::to_string(e) + ".";
-        if (c.moe.swiglu()) {  // no biases; gate and up back to back (F_e H % 16 == 0)
-          add(x + "gate_proj.weight", {fe, h}, true, InitKind::Normal);
-          add(x + "up_proj.weight", {fe, h}, true, InitKind::Normal);
-          add(x + "down_proj.weight", {h, fe}, true, InitKind::Normal);
-          continue;
-        }
-        linear(x + "intermediate.dense", fe, h);
-        linear(x + "output.dense", h, fe);
-      }
-      if (c.moe.shared_experts > 0) {
-        const std::int64_t sw = fe * c.moe.shared_experts;
-        linear(p + "moe.shared_experts.intermediate.dense", sw, h);
-        linear(p + "moe.shared_experts.output.dense", h, sw);
-      }
-    } else {
-      linear(p + "intermediate.dense", f, h);
-      linear(p + "output.dense", h, f);
-    }
-    norm(p + "LayerNorm", h);
-  }
-  norm("esm.encoder.emb_layer_norm_after", h);
-  linear("lm_head.dense", h, h);
-  norm("lm_head.layer_norm", h);
-  add("lm_head.bias", {v}, false, InitKind::Zero);
-  return table;
-}
-
-std::int64_t bufferSize(const std::vector<TableEntry>& table) {
-  const auto& last = table.back().info;
-  return (last.offset + last.size + 15) / 16 * 16;
-}
-
 /// Carves typed handles out of one grow-only byte arena; a first pass with base == nullptr
 /// measures.
 struct Carver {
@@ -208,108 +121,6 @@ constexpr int kLogitsLdBf16 = 40;  // vocab 33 padded to 16-byte bf16 rows for c
 
 }  // namespace
 
-std::vector<TensorInfo> tensorTable(const Esm2Config& config, const ExpertPlacement& experts) {
-  std::vector<TensorInfo> out;
-  for (auto& e : buildTable(config, experts)) out.push_back(std::move(e.info));
-  return out;
-}
-
-namespace {
-// "...moe.experts.<e>." of `name` with <e> replaced by `expert`.
-std::string renameExpert(const std::string& name, int expert) {
-  static const std::string key = ".moe.experts.";
-  const std::size_t at = name.find(key) + key.size();
-  const std::size_t end = name.find('.', at);
-  return name.substr(0, at) + std::to_string(expert) + name.substr(end);
-}
-std::string layerPrefix(const std::string& name) { return name.substr(0, name.find(".moe.")); }
-}  // namespace
-
-WholeTable wholeTable(const std::vector<TensorInfo>& table, const ExpertPlacement& placement,
-                      int experts) {
-  WholeTable out;
-  const int n = placement.count(std::max(experts, 1)), first = placement.first(experts);
-  for (std::size_t i = 0; i < table.size();) {
-    if (!placement.sharded() || expertOfTensor(table[i].name) < 0) {
-      out.tensors.push_back(table[i]);
-      out.local.push_back(static_cast<int>(i));
-      ++i;
-      continue;
-    }
-    // One layer's held experts: n sets of m entries, expert `first` first.
-    const std::string layer = layerPrefix(table[i].name);
-    std::size_t end = i;
-    while (end < table.size() && expertOfTensor(table[end].name) >= 0 &&
-           layerPrefix(table[end].name) == layer)
-      ++end;
-    const std::size_t run = end - i;
-    const std::size_t m = run / static_cast<std::size_t>(n);
-    PLM_REQUIRE(m > 0 && m * static_cast<std::size_t>(n) == run,
-                "plm::model::wholeTable: the held experts of " + layer +
-                    " are not equal sets of tensors (a bug)");
-    for (std::size_t k = 0; k < run; ++k)
-      PLM_REQUIRE(
-          expertOfTensor(table[i + k].name) == first + static_cast<int>(k / m) &&
-              table[i + k].name == renameExpert(table[i + k % m].name, first + int(k / m)),
-          "plm::model::wholeTable: unexpected expert tensor " + table[i + k].name + " (a bug)");
-    for (int e = 0; e < experts; ++e)
-      for (std::size_t j = 0; j < m; ++j) {
-        if (placement.holds(e, experts)) {
-          const std::size_t at = i + static_cast<std::size_t>(e - first) * m + j;
-          out.tensors.push_back(table[at]);
-          out.local.push_back(static_cast<int>(at));
-        } else {
-          TensorInfo t = table[i + j];
-          t.name = renameExpert(t.name, e);
-          t.offset = -1;
-          out.tensors.push_back(t);
-          out.local.push_back(-1);
-        }
-      }
-    i = end;
-  }
-  return out;
-}
-
-std::vector<TensorRows> heldRows(const std::vector<TensorInfo>& table,
-                                 const ExpertPlacement& placement, int experts, int rank,
-                                 int world) {
-  const WholeTable whole = wholeTable(table, placement, experts);
-  const int holders = std::max(1, world / placement.degree);
-  std::vector<TensorRows> out;
-  for (std::size_t i = 0; i < whole.tensors.size(); ++i) {
-    TensorRows r;
-    r.tensor = whole.tensors[i];
-    const std::int64_t rows = r.tensor.shape.empty() ? 1 : r.tensor.shape[0];
-    const bool expert = placement.sharded() && expertOfTensor(r.tensor.name) >= 0;
-    if (whole.local[i] >= 0) {
-      auto [first, last] = expert ? io::rowRange(rows, rank / placement.degree, holders)
-                                  : io::rowRange(rows, rank, world);
-      r.first_row = first;
-      r.row_count = last - first;
-    }
-    out.push_back(std::move(r));
-  }
-  return out;
-}
-
-std::vector<std::pair<std::int64_t, std::int64_t>> expertRuns(
-    const std::vector<TensorInfo>& table) {
-  std::vector<std::pair<std::int64_t, std::int64_t>> runs;
-  std::string layer;
-  for (const auto& t : table) {
-    if (expertOfTensor(t.name) < 0) continue;
-    const std::string l = layerPrefix(t.name);
-    if (runs.empty() || l != layer) {
-      runs.push_back({t.offset, t.size});
-      layer = l;
-    } else {
-      runs.back().second = t.offset + t.size - runs.back().first;
-    }
-  }
-  return runs;
-}
-
 template <class T> struct Esm2<T>::Impl {
   /// The non-layer tensors, in compute precision (weights) or the master type (gradients).
   struct Outer {
@@ -339,10 +150,8 @@ template <class T> struct Esm2<T>::Impl {
   };
 
   Esm2Config config;
-  std::vector<TensorInfo> tensors;
-  std::vector<InitKind> init_kinds;
-  std::vector<std::uint64_t> init_streams;  // per tensor: its random stream (whole-model index)
-  ExpertPlacement held;                     // the routed experts this rank holds
+  std::vector<TensorInfo> tensors;  // the tensor table (tensor_table.hpp) of the held experts
+  ExpertPlacement held;             // the routed experts this rank holds
   std::unordered_map<std::string, std::size_t> index;
   View1<T> params;  // (numParameters + alignment padding)
   View1<T> grads;   // same layout
@@ -508,14 +317,9 @@ template <class T> struct Esm2<T>::Impl {
           for (Fp8Gemm g : {Fp8Gemm::FfnIn, Fp8Gemm::FfnOut})
             fp8_slots[at++] = {fp8_scaling.get(), l, g, e};
     }
-    auto table = buildTable(config, held);
-    for (auto& e : table) {
-      index[e.info.name] = tensors.size();
-      tensors.push_back(e.info);
-      init_kinds.push_back(e.init);
-      init_streams.push_back(e.stream);
-    }
-    const std::int64_t n = bufferSize(table);
+    tensors = tensorTable(config, held);
+    for (std::size_t i = 0; i < tensors.size(); ++i) index[tensors[i].name] = i;
+    const std::int64_t n = tableElements(tensors);
     buffer_elements = n;
     if (whole_buffers) {
       params = flatZeros<T>("plm::model::parameters", n);
@@ -524,7 +328,7 @@ template <class T> struct Esm2<T>::Impl {
     bind(whole_buffers);
     places.assign(config.num_layers + 2, Place());
     for (const auto& t : tensors) {
-      Place& p = places[groupOf(t.name)];
+      Place& p = places[t.placeGroup(config.num_layers)];
       p.lo = p.lo < 0 ? t.offset : std::min(p.lo, t.offset);
       p.hi = std::max(p.hi, t.offset + t.size);
     }
@@ -561,7 +365,7 @@ template <class T> struct Esm2<T>::Impl {
     for (Place& p : places) p.clo = p.chi = -1;
     for (std::size_t i = 0; i < packed_seg.size(); i += 3) {
       Place& p = places[groupAt(packed_seg[i])];
-      const std::int64_t d = packed_seg[i + 1], end = d + (packed_seg[i + 2] + 15) / 16 * 16;
+      const std::int64_t d = packed_seg[i + 1], end = d + alignedElements(packed_seg[i + 2]);
       p.clo = p.clo < 0 ? d : std::min(p.clo, d);
       p.chi = std::max(p.chi, end);
       seg[&p - places.data()].insert(seg[&p - places.data()].end(),
@@ -625,12 +429,6 @@ template <class T> struct Esm2<T>::Impl {
     (void)g;
 #endif
     (void)cast_fp8;
-  }
-
-  int groupOf(const std::string& name) const {
-    static const std::string prefix = "esm.encoder.layer.";
-    if (name.compare(0, prefix.size(), prefix) == 0) return std::stoi(name.substr(prefix.size()));
-    return name.compare(0, 15, "esm.embeddings.") == 0 ? config.num_layers : config.num_layers + 1;
   }
 
   /// Moves group g's views from where they point now to `to_params` / `to_grads` (and, bf16,
@@ -727,9 +525,11 @@ template <class T> struct Esm2<T>::Impl {
     };
     auto pack = [&](const std::string& name) {
       const auto& t = info(name);
+      PLM_REQUIRE(t.copy == ComputeCopy::Packed || t.copy == ComputeCopy::PackedFp8,
+                  "plm::model: the tensor table keeps " + name + " out of the packed copy (a bug)");
       seg.insert(seg.end(), {t.offset, dst, t.size});
       const std::int64_t at = dst;
-      dst += (t.size + 15) / 16 * 16;
+      dst += alignedElements(t.size);
       return at;
     };
     // bf16 handles refer to offsets until the packed buffer exists.
@@ -748,17 +548,21 @@ template <class T> struct Esm2<T>::Impl {
       const std::int64_t w_at = dst;  // q, k, v weights back to back: (3H, H)
       for (const char* part : {"query", "key", "value"}) {
         const auto& t = info(p + part + ".weight");
+        PLM_REQUIRE(t.copy == ComputeCopy::QkvWeight,
+                    "plm::model: " + t.name + " not stacked (a bug)");
         seg.insert(seg.end(), {t.offset, dst, t.size});
         dst += t.size;
       }
-      dst = (dst + 15) / 16 * 16;
+      dst = alignedElements(dst);
       const std::int64_t b_at = dst;
       for (const char* part : {"query", "key", "value"}) {
         const auto& t = info(p + part + ".bias");
+        PLM_REQUIRE(t.copy == ComputeCopy::QkvBias,
+                    "plm::model: " + t.name + " not stacked (a bug)");
         seg.insert(seg.end(), {t.offset, dst, t.size});
         dst += t.size;
       }
-      dst = (dst + 15) / 16 * 16;
+      dst = alignedElements(dst);
       fw = Mat{reinterpret_cast<void*>(w_at), DType::BF16, 3 * h, h, h};
       fb = Vec{reinterpret_cast<void*>(b_at), DType::BF16, 3 * h};
     };
@@ -796,7 +600,7 @@ template <class T> struct Esm2<T>::Impl {
                        Fp8GemmSlot* up, Fp8GemmSlot* down) {
         const bool shared = x == p + "shared_experts.";
         if (!shared && config.moe.swiglu()) {
-          // [gate; up] as one (2 F_e, H) matrix: adjacent in the masters (buildTable) and, under
+          // [gate; up] as one (2 F_e, H) matrix: adjacent in the masters (tensorTable) and, under
           // bf16, packed back to back.
           const auto& gate = info(x + "gate_proj.weight");
           const auto& upw = info(x + "up_proj.weight");
@@ -1622,10 +1426,10 @@ template <class T> void Esm2<T>::initializeRange(std::uint64_t seed, std::int64_
     const auto& t = im.tensors[i];
     const std::int64_t lo = std::max(offset, t.offset);
     const std::int64_t hi = std::min(offset + count, t.offset + t.size);
-    if (lo >= hi || im.init_kinds[i] == InitKind::Zero) continue;
-    const int kind = static_cast<int>(im.init_kinds[i]);
-    const std::int64_t first = t.offset;  // element e of the tensor is buffer element first + e
-    const std::uint64_t stream = im.init_streams[i];  // any placement draws the same values
+    if (lo >= hi || t.init == InitKind::Zero) continue;
+    const int kind = static_cast<int>(t.init);
+    const std::int64_t first = t.offset;    // element e of the tensor is buffer element first + e
+    const std::uint64_t stream = t.stream;  // any placement draws the same values
     plm::flatFor(
         "plm::model::initialize", space, lo, hi, KOKKOS_LAMBDA(const std::int64_t g) {
           // Counter-based (math::normal hashes seed, stream and index): element e of a tensor
@@ -1787,10 +1591,9 @@ template <class T> std::pair<std::int64_t, std::int64_t> Esm2<T>::layerRange(int
   const auto& im = *impl_member;
   if (layer < 0 || layer >= im.config.num_layers)
     throw Error("plm::model: layer " + std::to_string(layer) + " out of range (a bug)");
-  const std::string pre = "esm.encoder.layer." + std::to_string(layer) + ".";
   std::int64_t lo = -1, hi = -1;
   for (const auto& t : im.tensors)
-    if (t.name.compare(0, pre.size(), pre) == 0) {
+    if (t.group == TensorGroup::Layer && t.layer == layer) {
       lo = lo < 0 ? t.offset : std::min(lo, t.offset);
       hi = std::max(hi, t.offset + t.size);
     }

@@ -16,6 +16,7 @@
 #include "model/fp8_scaling.hpp"
 #include "model/moe_config.hpp"
 #include "model/ops.hpp"
+#include "model/tensor_table.hpp"
 
 #include <cstdint>
 #include <string>
@@ -62,53 +63,6 @@ struct Esm2Config {
   /// head_dim, positive sizes).
   void validate() const;
 };
-
-/// A named tensor inside the flat parameter (and gradient) buffer.
-struct TensorInfo {
-  std::string name;  // Hugging Face name, e.g. "esm.encoder.layer.0.attention.self.query.weight"
-  std::vector<std::int64_t> shape;  // Hugging Face shape (Linear weights are (out, in))
-  std::int64_t offset = 0;          // into parameters() / gradients()
-  std::int64_t size = 0;            // product of shape
-  bool weight_decay = false;        // AdamW decays this tensor (not biases, LayerNorm, embedding)
-};
-
-/// \brief The tensor table of a model with `config`, without allocating it (planner, optimizer
-/// memory): the same entries and offsets as Esm2::tensors() of a model built with `experts`
-/// (only the routed experts it holds; the default holds all).
-std::vector<TensorInfo> tensorTable(const Esm2Config& config, const ExpertPlacement& experts = {});
-
-/// A rank's table with the routed experts it does not hold put back, as files store the model.
-struct WholeTable {
-  std::vector<TensorInfo> tensors;  // whole-model order; offset into the rank's buffer, or -1
-  std::vector<int> local;           // per entry: its index in the rank's table, -1 = not held
-};
-/// \brief `table` (a rank's tensor table, or one derived from it entry by entry, such as an
-/// optimizer state's) with the experts `placement` does not hold inserted where they belong,
-/// named by global expert and shaped as the held ones (all experts of a layer have one shape).
-/// Identity for a placement that holds every expert.  Throws plm::Error if the held experts'
-/// entries are not one contiguous run of equal sets per layer (a bug).
-WholeTable wholeTable(const std::vector<TensorInfo>& table, const ExpertPlacement& placement,
-                      int experts);
-/// One tensor as a file stores it, and the rows of it (dimension 0) one rank writes and reads.
-struct TensorRows {
-  TensorInfo tensor;  // whole-model name and shape; offset into the rank's buffer, or -1
-  std::int64_t first_row = 0, row_count = 0;
-  std::int64_t rowSize() const {
-    const std::int64_t rows = tensor.shape.empty() ? 1 : tensor.shape[0];
-    return rows ? tensor.size / rows : 0;
-  }
-};
-/// \brief The tensors a file stores for ranks holding `placement`'s experts, from rank `rank`'s
-/// `table` (wholeTable), with the rows rank `rank` of `world` writes and reads: a tensor every
-/// rank holds is split over all ranks (io::rowRange(rows, rank, world)); a routed expert's
-/// tensor over the world / degree ranks holding it (the rank / degree-th of them, in rank
-/// order); another rank's expert not at all.
-std::vector<TensorRows> heldRows(const std::vector<TensorInfo>& table,
-                                 const ExpertPlacement& placement, int experts, int rank,
-                                 int world);
-/// \brief [offset, offset + count) runs of the flat buffer holding routed experts' tensors, one
-/// per MoE layer (alignment padding between them included), in buffer order.
-std::vector<std::pair<std::int64_t, std::int64_t>> expertRuns(const std::vector<TensorInfo>& table);
 
 /// Optional outputs of a forward pass (device views, allocated by the model).
 template <class T> struct ForwardOutputs {

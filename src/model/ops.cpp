@@ -19,6 +19,7 @@
 #include "model/layer_norm.hpp"
 #include "model/linear.hpp"
 #include "model/rotary.hpp"
+#include "model/tensor_table.hpp"
 #include "plm/plm_config.hpp"
 
 #if PLM_HAVE_CUDA
@@ -534,7 +535,7 @@ void inputGradient(OpContext& ctx, const Mat& dy, const Mat& w, const Mat& dx, b
 // Hopper's TN layout (gpu/fp8.hpp's table): forward A = X (T,in), B = W (out,in); dgrad A = dY
 // (T,out), B = W^T (in,out); wgrad A = dY^T (out,T), B = X^T (in,T).
 
-std::int64_t pad16(std::int64_t n) { return (n + 15) / 16 * 16; }
+std::int64_t pad16(std::int64_t n) { return alignedElements(n); }
 
 gpu::DType gpuFormat(fp8::Format f) {
   return f == fp8::Format::E4M3 ? gpu::DType::E4M3 : gpu::DType::E5M2;

@@ -15,7 +15,7 @@ namespace plm::plan {
 
 namespace {
 
-std::int64_t round16(std::int64_t n) { return (n + 15) / 16 * 16; }
+using model::alignedElements;
 std::int64_t round256(std::int64_t bytes) { return (bytes + 255) / 256 * 256; }
 
 std::string fmt(const char* format, double a, double b = 0, double c = 0, double d = 0) {
@@ -60,61 +60,39 @@ const char* computeName(Compute c) {
 }
 
 std::int64_t layerParameterCount(const model::Esm2Config& c) {
-  const std::int64_t h = c.hidden, f = c.ffn;
-  return 4 * (round16(h * h) + round16(h)) + 2 * 2 * round16(h) + round16(f * h) + round16(f) +
-         round16(h * f) + round16(h);
+  model::Esm2Config dense = c;  // one dense layer
+  dense.num_layers = 1;
+  dense.moe = model::MoeConfig{};
+  std::int64_t n = 0;
+  for (const auto& t : model::tensorTable(dense))
+    if (t.group == model::TensorGroup::Layer) n += alignedElements(t.size);
+  return n;
 }
 
 ParameterCounts parameterCounts(const model::Esm2Config& c, int expert_degree, bool fp8_gpu) {
   // Walks the model's own table (the tensors one rank of the expert group holds, in buffer
-  // order) and packs the compute copy by bind()'s rules (src/model/esm2.cpp): the embedding,
-  // q/k/v stacked (weights, then biases, each run rounded to 16), the attention output weight,
-  // every FFN's first weight and bias and second weight (dense, routed and shared experts), a
-  // routed expert's second bias (its output is bf16), the LM-head dense weight and bias; under
-  // fp8 on the GPU also the FP8 layers' attention output bias and FFN second biases.  Routers,
-  // LayerNorms and the other biases stay in the master buffer.
+  // order) and its compute-copy packing (model::computeCopyElements, bind()'s rules in
+  // src/model/esm2.cpp): the embedding, q/k/v stacked (weights, then biases, each run rounded
+  // to 16), the attention output weight, every FFN's first weight and bias and second weight
+  // (dense, routed and shared experts), a routed expert's second bias (its output is bf16), the
+  // LM-head dense weight and bias; under fp8 on the GPU also the FP8 layers' attention output
+  // bias and FFN second biases.  Routers, LayerNorms and the other biases stay in the master
+  // buffer.
   model::ExpertPlacement held;
   if (c.moe.enabled() && expert_degree > 1) held = {expert_degree, 0};
   const auto table = model::tensorTable(c, held);
-  const std::int64_t h = c.hidden;
+  const auto copy_of = model::computeCopyElements(table, c, fp8_gpu);
   ParameterCounts n;
   std::vector<std::int64_t> layer(c.num_layers, 0), layer_experts(c.num_layers, 0);
   std::vector<std::int64_t> copy(c.num_layers, 0), copy_experts(c.num_layers, 0);
-  static const std::string prefix = "esm.encoder.layer.";
-  auto ends = [](const std::string& name, const std::string& tail) {
-    return name.size() >= tail.size() &&
-           name.compare(name.size() - tail.size(), tail.size(), tail) == 0;
-  };
-  for (const auto& t : table) {
-    const std::int64_t size = round16(t.size);
+  for (std::size_t i = 0; i < table.size(); ++i) {
+    const auto& t = table[i];
+    const std::int64_t size = alignedElements(t.size);
     n.flat += size;
-    const bool expert = model::expertOfTensor(t.name) >= 0;
+    const bool expert = t.expert >= 0;
     if (expert) n.experts += size;
-    int l = -1;
-    if (t.name.compare(0, prefix.size(), prefix) == 0) l = std::stoi(t.name.substr(prefix.size()));
-    const bool fp8_layer = fp8_gpu && l >= 0 && c.fp8.fp8Layer(l, c.num_layers);
-    std::int64_t packed = 0;
-    if (ends(t.name, "attention.self.query.weight"))
-      packed = round16(3 * h * h);
-    else if (ends(t.name, "attention.self.query.bias"))
-      packed = round16(3 * h);
-    else if (ends(t.name, "attention.self.key.weight") || ends(t.name, "attention.self.key.bias") ||
-             ends(t.name, "attention.self.value.weight") ||
-             ends(t.name, "attention.self.value.bias"))
-      packed = 0;  // stacked with the query's
-    else if (ends(t.name, "attention.output.dense.weight"))
-      packed = size;
-    else if (ends(t.name, "attention.output.dense.bias"))
-      packed = fp8_layer ? size : 0;
-    else if (ends(t.name, "intermediate.dense.weight") || ends(t.name, "intermediate.dense.bias") ||
-             ends(t.name, "output.dense.weight") || ends(t.name, "gate_proj.weight") ||
-             ends(t.name, "up_proj.weight") || ends(t.name, "down_proj.weight"))
-      packed = size;  // dense FFN, routed (GELU or SwiGLU) or shared experts, LM-head dense
-    else if (ends(t.name, "output.dense.bias"))
-      packed = expert || fp8_layer ? size : 0;
-    else if (t.name == "esm.embeddings.word_embeddings.weight" || t.name == "lm_head.dense.bias")
-      packed = size;
-    if (t.name == "lm_head.dense.weight") packed = size;
+    const int l = t.layer;
+    const std::int64_t packed = copy_of[i];
     n.compute += packed;
     if (expert) n.compute_experts += packed;
     if (l >= 0) {
@@ -124,7 +102,7 @@ ParameterCounts parameterCounts(const model::Esm2Config& c, int expert_degree, b
         layer_experts[l] += size;
         copy_experts[l] += packed;
       }
-    } else if (t.name.compare(0, 15, "esm.embeddings.") == 0) {
+    } else if (t.group == model::TensorGroup::Embedding) {
       n.embed += size;
       n.compute_embed += packed;
     } else {
@@ -389,7 +367,7 @@ void planMemory(const Input& in, Plan& p) {
     double bytes = 0;
     if (apart) {
       std::vector<model::TensorInfo> dense, experts;
-      for (auto& t : table) (model::expertOfTensor(t.name) >= 0 ? experts : dense).push_back(t);
+      for (auto& t : table) (t.expert >= 0 ? experts : dense).push_back(t);
       bytes =
           static_cast<double>(train::optimizerStateBytes(in.optimizer, dense, pc.dense(), l.shard) +
                               train::optimizerStateBytes(in.optimizer, experts, pc.experts, 1));
@@ -495,11 +473,11 @@ void planMemory(const Input& in, Plan& p) {
       const std::int64_t before = weights;
       if (c.moe.isMoeLayer(layer)) {
         weights += 4 * h * h + held_experts * 2 * h * fe + 2 * h * sw;
-        xt += round16(t) * 2 * h + round16(rows.expert_rows) * (h + fe) +
-              (sw > 0 ? round16(t) * (h + sw) : 0);
+        xt += alignedElements(t) * 2 * h + alignedElements(rows.expert_rows) * (h + fe) +
+              (sw > 0 ? alignedElements(t) * (h + sw) : 0);
       } else {
         weights += 4 * h * h + 2 * h * f;
-        xt += round16(t) * (3 * h + f);
+        xt += alignedElements(t) * (3 * h + f);
       }
       widest = std::max(widest, weights - before);
     }

@@ -9,28 +9,16 @@
 
 namespace plm::train {
 
-namespace {
-
-// The encoder layer a tensor belongs to, or -1 (embeddings / head).
-int layerOf(const std::string& name) {
-  static const std::string prefix = "esm.encoder.layer.";
-  if (name.compare(0, prefix.size(), prefix) != 0) return -1;
-  return std::stoi(name.substr(prefix.size()));
-}
-
-}  // namespace
-
 std::vector<dist::BufferRange> backwardOrderRanges(const std::vector<model::TensorInfo>& tensors,
                                                    std::int64_t buffer_size) {
   PLM_REQUIRE(!tensors.empty(), "train::backwardOrderRanges: empty tensor table");
   // Each group's [first offset, end of its last tensor); groups: -2 embeddings (before the
   // layers), 0..L-1 layers, L head (after the layers).
   std::map<int, dist::BufferRange> groups;
-  int last_layer = -1;
   for (const auto& t : tensors) {
-    int g = layerOf(t.name);
-    if (g < 0) g = last_layer < 0 ? -2 : 1 << 30;  // before any layer, or after them
-    last_layer = std::max(last_layer, layerOf(t.name));
+    const int g = t.group == model::TensorGroup::Layer       ? t.layer
+                  : t.group == model::TensorGroup::Embedding ? -2
+                                                             : 1 << 30;
     auto it = groups.find(g);
     if (it == groups.end()) {
       groups[g] = {t.offset, t.size};
