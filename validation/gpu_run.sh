@@ -56,7 +56,10 @@
 #        cuBLASLt loop and fused SiLU-gate kernels against fp32) and bench_gpu_moe (loop vs grouped vs dense, forward
 #        and training layer; PLM_MOE_BENCH_ONLY=650M: only the shapes whose name holds it;
 #        PLM_MOE_BENCH_REPEATS=3: three runs of it in a row); logs
-#        copied to $OUT (moe_grouped_tests.log, bench_gpu_moe.log)
+#        copied to $OUT (moe_grouped_tests.log, bench_gpu_moe.log).  MoeGrouped.Swiglu* and
+#        GroupedExperts.SwigluExpertsMatchFp32 cover SwiGLU experts on the grouped path;
+#        PLM_MOE_GROUPED_FILTER='*Swiglu*' runs only those (a gtest filter, default all),
+#        PLM_MOE_GROUPED_BENCH=0 skips the bench
 #   moe_ep: expert parallelism on ONE GPU at 2 ranks (staged MPI) against 1 rank, bf16 (GELU and
 #         SwiGLU) and FP8 experts (test_ckpt_moe_expert_parallel, test_fp8_moe; PLM_MOE_EP_FILTER narrows
 #         test_fp8_moe), and the staged all-to-all-v with one-sided ranks
@@ -922,13 +925,14 @@ if has moe_grouped; then
   : > "$out/moe_grouped_tests.log"
   for t in test_gpu_moe_grouped test_gpu_moe test_gpu_moe_bf16; do
     [[ -x "$pkg/bin/$t" ]] || { note "moe_grouped: no $t in $pkg/bin"; continue; }
-    timeout ${PLM_MOE_TEST_TIMEOUT:-120} "$pkg/bin/$t" > "$out/$t.log" 2>&1
+    timeout ${PLM_MOE_TEST_TIMEOUT:-120} "$pkg/bin/$t" --gtest_filter="${PLM_MOE_GROUPED_FILTER:-*}" \
+      > "$out/$t.log" 2>&1
     note "$t rc=$? $(grep -E '^\[  (PASSED|FAILED|SKIPPED)' "$out/$t.log" | tr '\n' ' ')"
     grep -E "Failure|Expected|Which is|FAILED|rel|SKIPPED" "$out/$t.log" | head -30 | tee -a "$summary"
     cat "$out/$t.log" >> "$out/moe_grouped_tests.log"
   done
   cp "$out/moe_grouped_tests.log" "$final_out/" 2>/dev/null
-  if [[ -x "$pkg/bin/bench_gpu_moe" ]]; then
+  if [[ -x "$pkg/bin/bench_gpu_moe" && ${PLM_MOE_GROUPED_BENCH:-1} != 0 ]]; then
     : > "$out/bench_gpu_moe.log"
     for i in $(seq ${PLM_MOE_BENCH_REPEATS:-1}); do  # repeats show the run-to-run spread
       timeout ${PLM_MOE_BENCH_TIMEOUT:-200} "$pkg/bin/bench_gpu_moe" 0 "${PLM_MOE_BENCH_ONLY:-}" \

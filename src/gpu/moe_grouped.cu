@@ -5,12 +5,14 @@
 
 #include "core/error.hpp"
 #include "gpu/detail/grouped_gemm.hpp"
+#include "gpu/fused.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdlib>
+#include <numeric>
 
 namespace plm::gpu {
 
@@ -476,6 +478,81 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
   const auto dxp = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
     return GroupedProblem{
         static_cast<int>(n), hidden, ffn, dpre + at * ffn, ffn, experts[e].w1, hidden,
+        dx + at * hidden,    hidden};
+  });
+  runGrouped(stream, GroupedLayout::Dgrad, dxp, 0.0f, workspace, e_n);
+}
+
+void groupedSwigluExpertForward(Stream stream, const std::vector<ExpertWeights>& experts,
+                                const std::vector<std::int64_t>& rows, const bf16* x, bf16* pre,
+                                bf16* act, bf16* y, int hidden, int ffn, void* workspace,
+                                std::size_t workspace_bytes) {
+  if (rows.size() != experts.size())
+    throw Error("plm::gpu::groupedSwigluExpertForward: " + std::to_string(rows.size()) +
+                " row counts for " + std::to_string(experts.size()) + " experts (a bug)");
+  checkCols(hidden, "groupedSwigluExpertForward");
+  checkCols(ffn, "groupedSwigluExpertForward");
+  const int e_n = static_cast<int>(experts.size());
+  checkWorkspace(workspace_bytes, e_n, hidden, ffn, "groupedSwigluExpertForward");
+  const int wide = 2 * ffn;  // [gate | up]
+  const auto up = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{
+        static_cast<int>(n), wide, hidden, x + at * hidden, hidden, experts[e].w1, hidden,
+        pre + at * wide,     wide};
+  });
+  if (up.empty()) return;
+  runGrouped(stream, GroupedLayout::Forward, up, 0.0f, workspace, e_n);
+  const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t(0));
+  swigluForward(stream, pre, act, total, ffn);
+  const auto down = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{static_cast<int>(n), hidden, ffn, act + at * ffn, ffn, experts[e].w2, ffn,
+                          y + at * hidden,     hidden};
+  });
+  runGrouped(stream, GroupedLayout::Forward, down, 0.0f, workspace, e_n);
+}
+
+void groupedSwigluExpertBackward(Stream stream, const std::vector<ExpertWeights>& experts,
+                                 const std::vector<ExpertGrads>& grads,
+                                 const std::vector<std::int64_t>& rows, const bf16* x,
+                                 const bf16* pre, const bf16* act, const bf16* dy, bf16* dact,
+                                 bf16* dpre, bf16* dx, int hidden, int ffn, void* workspace,
+                                 std::size_t workspace_bytes) {
+  if (rows.size() != experts.size() || grads.size() != experts.size())
+    throw Error("plm::gpu::groupedSwigluExpertBackward: " + std::to_string(rows.size()) +
+                " row counts and " + std::to_string(grads.size()) + " gradients for " +
+                std::to_string(experts.size()) + " experts (a bug)");
+  checkCols(hidden, "groupedSwigluExpertBackward");
+  checkCols(ffn, "groupedSwigluExpertBackward");
+  const int e_n = static_cast<int>(experts.size());
+  checkWorkspace(workspace_bytes, e_n, hidden, ffn, "groupedSwigluExpertBackward");
+  const int wide = 2 * ffn;
+  // dact = dy W2, then dpre = [dact * up * silu'(gate) | dact * silu(gate)] in one pass.
+  const auto dactp = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{
+        static_cast<int>(n), ffn, hidden, dy + at * hidden, hidden, experts[e].w2, ffn,
+        dact + at * ffn,     ffn};
+  });
+  if (dactp.empty()) return;
+  runGrouped(stream, GroupedLayout::Dgrad, dactp, 0.0f, workspace, e_n);
+  const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t(0));
+  swigluBackward(stream, pre, dact, dpre, total, ffn);
+  // dW2 (hidden, ffn) += dy^T act; dW1 (2 ffn, hidden) += dpre^T x.
+  const auto dw2 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{
+        hidden,      ffn, static_cast<int>(n), dy + at * hidden, hidden, act + at * ffn, ffn,
+        grads[e].w2, ffn};
+  });
+  runGrouped(stream, GroupedLayout::Wgrad, dw2, 1.0f, workspace, e_n);
+  const auto dw1 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{
+        wide,        hidden, static_cast<int>(n), dpre + at * wide, wide, x + at * hidden, hidden,
+        grads[e].w1, hidden};
+  });
+  runGrouped(stream, GroupedLayout::Wgrad, dw1, 1.0f, workspace, e_n);
+  // dx = dpre W1 (W1 stored (2 ffn, hidden)).
+  const auto dxp = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
+    return GroupedProblem{
+        static_cast<int>(n), hidden, wide, dpre + at * wide, wide, experts[e].w1, hidden,
         dx + at * hidden,    hidden};
   });
   runGrouped(stream, GroupedLayout::Dgrad, dxp, 0.0f, workspace, e_n);

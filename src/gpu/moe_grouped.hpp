@@ -82,6 +82,25 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
                            const bf16* act, const bf16* dy, bf16* dpre, bf16* dx, int hidden,
                            int ffn, void* workspace, std::size_t workspace_bytes);
 
+/// \brief SwiGLU experts (no biases; W1 = [gate; up] stored (2 ffn, hidden), W2 (hidden, ffn)) in
+/// grouped launches: pre (sum rows, 2 ffn) = x W1^T (one grouped GEMM for gate and up),
+/// act (sum rows, ffn) = silu(pre_gate) * pre_up (gpu::swigluForward, one pass over all rows),
+/// y = act W2^T.  The workspace is sized by groupedExpertWorkspaceBytes(experts, hidden, ffn).
+void groupedSwigluExpertForward(Stream stream, const std::vector<ExpertWeights>& experts,
+                                const std::vector<std::int64_t>& rows, const bf16* x, bf16* pre,
+                                bf16* act, bf16* y, int hidden, int ffn, void* workspace,
+                                std::size_t workspace_bytes);
+
+/// \brief Their backward: dact (sum rows, ffn) = dy W2, dpre (sum rows, 2 ffn) =
+/// gpu::swigluBackward(pre, dact), grads.w2 += dy^T act, grads.w1 += dpre^T x (2 ffn, hidden),
+/// dx = dpre W1 (written); the bias gradients are not touched (nullptr allowed).
+void groupedSwigluExpertBackward(Stream stream, const std::vector<ExpertWeights>& experts,
+                                 const std::vector<ExpertGrads>& grads,
+                                 const std::vector<std::int64_t>& rows, const bf16* x,
+                                 const bf16* pre, const bf16* act, const bf16* dy, bf16* dact,
+                                 bf16* dpre, bf16* dx, int hidden, int ffn, void* workspace,
+                                 std::size_t workspace_bytes);
+
 /// \brief Per expert e, rows [offset[e], offset[e] + rows[e]): pre = bf16(pre + b[e]),
 /// act = gelu_tanh(pre) (act may be nullptr: only the bias is added); cols a multiple of 8.
 void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias,

@@ -49,10 +49,6 @@ void MoeConfig::validate(int hidden) const {
          " x " + std::to_string(hidden) +
          ") to be a multiple of 16 (gate and up are stored as one "
          "matrix)");
-  if (expert_activation == ExpertActivation::Swiglu && expert_gemm == ExpertGemmMode::Grouped)
-    fail(
-        "expert_activation swiglu runs the per-expert loop on the GPU; use expert_gemm auto or "
-        "loop (the grouped GEMM is GELU only)");
   if (hidden <= 0) fail("the model width must be positive");
 }
 

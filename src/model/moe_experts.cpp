@@ -30,25 +30,25 @@ constexpr int kGroupedScratch = 64;
 
 bool contiguousBf16(const Mat& m) { return m.dtype == DType::BF16 && m.ld == m.cols; }
 
-/// Whether this call takes the grouped path: bf16 activations, bf16 weights (not FP8), fp32
-/// gradients, and gpu::chooseExpertGemm says Grouped for this shape.
-bool useGrouped(const std::vector<ExpertRows>& experts, const Mat& x, const Mat& pre, bool backward,
-                ExpertGemmMode mode) {
+/// Whether this call takes the grouped path: bf16 activations, bf16 weights (not FP8; the
+/// biases too unless SwiGLU, which has none), fp32 gradients, and gpu::chooseExpertGemm says
+/// Grouped for this shape (ffn = the activation's width: F_e for GELU and SwiGLU alike).
+bool useGrouped(const std::vector<ExpertRows>& experts, const Mat& x, const Mat& pre, int ffn,
+                bool backward, ExpertGemmMode mode, bool swiglu) {
   if (experts.empty() || !contiguousBf16(x) || !contiguousBf16(pre)) return false;
   for (const auto& e : experts) {
-    if (e.w->w1.fp8 || e.w->w2.fp8 || e.w->w1.dtype != DType::BF16 ||
-        e.w->w2.dtype != DType::BF16 || e.w->b1.dtype != DType::BF16 ||
-        e.w->b2.dtype != DType::BF16)
+    if (e.w->w1.fp8 || e.w->w2.fp8 || e.w->w1.dtype != DType::BF16 || e.w->w2.dtype != DType::BF16)
       return false;
-    if (backward && (e.g->w1.dtype != DType::F32 || e.g->w2.dtype != DType::F32 ||
-                     e.g->b1.dtype != DType::F32 || e.g->b2.dtype != DType::F32))
+    if (!swiglu && (e.w->b1.dtype != DType::BF16 || e.w->b2.dtype != DType::BF16)) return false;
+    if (backward && (e.g->w1.dtype != DType::F32 || e.g->w2.dtype != DType::F32)) return false;
+    if (backward && !swiglu && (e.g->b1.dtype != DType::F32 || e.g->b2.dtype != DType::F32))
       return false;
   }
   const gpu::ExpertGemm asked = mode == ExpertGemmMode::Loop      ? gpu::ExpertGemm::Loop
                                 : mode == ExpertGemmMode::Grouped ? gpu::ExpertGemm::Grouped
                                                                   : gpu::ExpertGemm::Auto;
   return gpu::chooseExpertGemm(asked, static_cast<int>(experts.size()), static_cast<int>(x.cols),
-                               static_cast<int>(pre.cols), backward) == gpu::ExpertGemm::Grouped;
+                               ffn, backward) == gpu::ExpertGemm::Grouped;
 }
 
 template <class E> const E* as(const void* p) { return static_cast<const E*>(p); }
@@ -63,7 +63,7 @@ struct GroupedCall {
 };
 
 GroupedCall groupedCall(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
-                        const Mat& pre) {
+                        int ffn) {
   GroupedCall c;
   for (const auto& e : experts) {
     const DenseMlpWeights& x = *e.w;
@@ -72,7 +72,7 @@ GroupedCall groupedCall(OpContext& ctx, const std::vector<ExpertRows>& experts, 
     c.rows.push_back(e.rows);
   }
   c.bytes = gpu::groupedExpertWorkspaceBytes(static_cast<int>(experts.size()),
-                                             static_cast<int>(x.cols), static_cast<int>(pre.cols));
+                                             static_cast<int>(x.cols), ffn);
   c.workspace = ctx.scratch(kGroupedScratch, c.bytes);
   return c;
 }
@@ -84,6 +84,19 @@ void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, cons
                     const Mat& pre, const Mat& act, const Mat& y, ExpertGemmMode mode,
                     ExpertActivation activation) {
   if (activation == ExpertActivation::Swiglu) {
+#if PLM_HAVE_CUDA
+    const int fe = static_cast<int>(act.cols);
+    if (contiguousBf16(act) && contiguousBf16(y) &&
+        useGrouped(experts, x, pre, fe, false, mode, true)) {
+      const GroupedCall c = groupedCall(ctx, experts, x, fe);
+      gpu::groupedSwigluExpertForward(
+          ctx.space().cuda_stream(), c.w, c.rows, as<gpu::bf16>(x.data),
+          static_cast<gpu::bf16*>(pre.data), static_cast<gpu::bf16*>(act.data),
+          static_cast<gpu::bf16*>(y.data), static_cast<int>(x.cols), fe, c.workspace, c.bytes);
+      ctx.mark(OpKind::Gemm);
+      return;
+    }
+#endif
     std::int64_t o = 0;
     for (const auto& e : experts) {
       if (e.rows > 0) {
@@ -96,8 +109,8 @@ void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, cons
     return;
   }
 #if PLM_HAVE_CUDA
-  if (useGrouped(experts, x, pre, false, mode)) {
-    const GroupedCall c = groupedCall(ctx, experts, x, pre);
+  if (useGrouped(experts, x, pre, static_cast<int>(pre.cols), false, mode, false)) {
+    const GroupedCall c = groupedCall(ctx, experts, x, static_cast<int>(pre.cols));
     gpu::groupedExpertForward(ctx.space().cuda_stream(), c.w, c.rows, as<gpu::bf16>(x.data),
                               static_cast<gpu::bf16*>(pre.data), static_cast<gpu::bf16*>(act.data),
                               static_cast<gpu::bf16*>(y.data), static_cast<int>(x.cols),
@@ -127,6 +140,24 @@ void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, con
   if (activation == ExpertActivation::Swiglu) {
     if (dact.empty() || dact.rows < x.rows)
       throw Error("plm::model::expertsBackward: SwiGLU experts need a dact buffer (a bug)");
+#if PLM_HAVE_CUDA
+    const int fe = static_cast<int>(act.cols);
+    if (contiguousBf16(act) && contiguousBf16(dy) && contiguousBf16(dpre) && contiguousBf16(dx) &&
+        contiguousBf16(dact) && useGrouped(experts, x, pre, fe, true, mode, true)) {
+      const GroupedCall c = groupedCall(ctx, experts, x, fe);
+      std::vector<gpu::ExpertGrads> g(experts.size());
+      for (std::size_t i = 0; i < experts.size(); ++i)
+        g[i] = {static_cast<float*>(experts[i].g->w1.data), nullptr,
+                static_cast<float*>(experts[i].g->w2.data), nullptr};
+      gpu::groupedSwigluExpertBackward(
+          ctx.space().cuda_stream(), c.w, g, c.rows, as<gpu::bf16>(x.data), as<gpu::bf16>(pre.data),
+          as<gpu::bf16>(act.data), as<gpu::bf16>(dy.data), static_cast<gpu::bf16*>(dact.data),
+          static_cast<gpu::bf16*>(dpre.data), static_cast<gpu::bf16*>(dx.data),
+          static_cast<int>(x.cols), fe, c.workspace, c.bytes);
+      ctx.mark(OpKind::Gemm);
+      return;
+    }
+#endif
     std::int64_t o = 0;
     for (const auto& e : experts) {
       if (e.rows > 0) {
@@ -142,9 +173,9 @@ void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, con
     return;
   }
 #if PLM_HAVE_CUDA
-  if (useGrouped(experts, x, pre, true, mode) && contiguousBf16(dy) && contiguousBf16(dpre) &&
-      contiguousBf16(dx) && contiguousBf16(act)) {
-    const GroupedCall c = groupedCall(ctx, experts, x, pre);
+  if (useGrouped(experts, x, pre, static_cast<int>(pre.cols), true, mode, false) &&
+      contiguousBf16(dy) && contiguousBf16(dpre) && contiguousBf16(dx) && contiguousBf16(act)) {
+    const GroupedCall c = groupedCall(ctx, experts, x, static_cast<int>(pre.cols));
     std::vector<gpu::ExpertGrads> g(experts.size());
     for (std::size_t i = 0; i < experts.size(); ++i) {
       const DenseMlpGrads& ge = *experts[i].g;

@@ -30,7 +30,8 @@ struct ExpertRows {
 /// y = act W2^T + b2.  x, y (sum rows, H); pre, act (sum rows, F).
 /// SwiGLU experts (moe_config.hpp; no biases, W1 = [gate; up] (2F, H)): pre = x W1^T
 /// (sum rows, 2F), act = silu(pre_gate) * pre_up (sum rows, F), y = act W2^T.  They run the loop
-/// of ordinary dispatch points (cuBLASLt under bf16) with ops.hpp's swiglu kernels between.
+/// of ordinary dispatch points (cuBLASLt under bf16) with ops.hpp's swiglu kernels between, or
+/// under bf16 on CUDA the grouped launches (gpu::groupedSwigluExpertForward) as GELU does.
 void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
                     const Mat& pre, const Mat& act, const Mat& y,
                     ExpertGemmMode mode = ExpertGemmMode::Auto,

@@ -364,7 +364,7 @@ void bf16RowsMatchOneRank(plm::model::ExpertActivation activation) {
 }
 
 // GELU experts (the grouped GEMM or the loop by moe.expert_gemm: auto), then SwiGLU experts (the
-// cuBLASLt loop with the fused SiLU-gate kernels).
+// same choice, with the fused SiLU-gate kernels).
 TEST(ExpertParallel, Bf16RowsMatchOneRank) {
   for (const auto activation :
        {plm::model::ExpertActivation::Gelu, plm::model::ExpertActivation::Swiglu})

@@ -14,7 +14,7 @@
 // tokens of dot products of rounded rows).  A wrong index, gate or transposition errs by 30% to
 // 100%.  Reruns are bitwise identical (no float atomics) and gradients accumulate (+=).
 // GroupedExperts.* repeat the comparison with the grouped expert GEMMs (moe.expert_gemm: grouped),
-// 64 experts top-8 among them.
+// 64 experts top-8 and SwiGLU experts among them.
 #include "gpu/moe_grouped.hpp"
 #include "gpu_test_util.hpp"
 #include "model/moe.hpp"
@@ -264,11 +264,13 @@ TEST(MoeBf16, DroplessMatchesFp32) {
   compare(c, 300, 64, false);
 }
 
-// SwiGLU experts: the per-expert cuBLASLt loop with the fused SiLU-gate kernels against the
-// fp32 portable path (itself checked against the formula and by finite differences on the CPU).
+// SwiGLU experts: the per-expert cuBLASLt loop (forced: auto would take the grouped backward
+// at this size) with the fused SiLU-gate kernels against the fp32 portable path (itself checked
+// against the formula and by finite differences on the CPU).
 TEST(MoeBf16, SwigluExpertsMatchFp32) {
   auto c = config();
   c.expert_activation = ExpertActivation::Swiglu;
+  c.expert_gemm = ExpertGemmMode::Loop;
   compare(c, 300, 64, false);
   c.capacity_factor = 1.0;
   c.shared_experts = 1;
@@ -308,6 +310,18 @@ TEST_F(GroupedExperts, CapacityEmptyExpertSharedExpertsSigmoid) {
   c.shared_experts = 1;
   c.bias_balance = true;  // the selection bias that empties expert 3 is the balancing bias
   c.router = RouterKind::Sigmoid;
+  compare(c, 257, 128, true);
+}
+
+// SwiGLU experts on the grouped path ([gate; up] one grouped GEMM, the fused SiLU-gate kernels
+// over all rows) against the fp32 portable path, with an emptied expert and the capacity cut.
+TEST_F(GroupedExperts, SwigluExpertsMatchFp32) {
+  auto c = config();
+  c.expert_activation = ExpertActivation::Swiglu;
+  compare(c, 300, 64, false);
+  c.capacity_factor = 1.0;
+  c.shared_experts = 1;
+  c.bias_balance = true;
   compare(c, 257, 128, true);
 }
 

@@ -6,6 +6,8 @@
 // of 8, 16 or 64 (partial tiles), with hidden and ffn multiples of 8 but not of the 64/128 tile
 // (136, 200).  A second case has 64 experts (fine-grained) with many empty ones.  Also the fp32
 // router GEMM (cuBLAS, gpu/sgemm.hpp) against its plain reference in all four transpositions.
+// MoeGrouped.Swiglu* do the same for SwiGLU experts ([gate; up] in one grouped GEMM, the SiLU
+// gate, the down GEMM; backward dact, d[gate | up], dx and the two weight gradients).
 //
 // Tolerances: outputs rounded to bf16 err by 2^-9 relative each; two or three roundings in a
 // chain give ~0.5% (threshold 1%); the weight gradients are fp32 accumulations of exact bf16
@@ -167,6 +169,133 @@ void checkGrouped(const std::vector<std::int64_t>& rows, int hidden, int ffn) {
   }
   EXPECT_LT(relError(dpre_d, dpre_ref), 1e-2) << "dpre (dGELU of dy W2)";
   EXPECT_LT(relError(dx_d, dx_ref), 1e-2) << "dx (from the device's dpre)";
+}
+
+double silu(double g) { return g / (1.0 + std::exp(-g)); }
+
+/// SwiGLU experts (no biases, W1 = [gate; up] (2 ffn, hidden)) on the grouped path against
+/// the double reference from the same bf16 values: forward, then backward onto non-zero
+/// gradients (experts without rows untouched bit for bit).
+void checkGroupedSwiglu(const std::vector<std::int64_t>& rows, int hidden, int ffn) {
+  if (!groupedExpertGemmAvailable()) GTEST_SKIP() << "no CUTLASS build or not an sm_90 GPU";
+  const int e_n = static_cast<int>(rows.size()), wide = 2 * ffn;
+  const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t(0));
+  std::vector<std::int64_t> first(e_n + 1, 0);
+  for (int e = 0; e < e_n; ++e) first[e + 1] = first[e] + rows[e];
+  Bf16Tensor x(test::randomNormal(total * hidden, 3));
+  std::deque<Bf16Tensor> w1, w2;
+  std::vector<ExpertWeights> weights;
+  for (int e = 0; e < e_n; ++e) {
+    w1.emplace_back(test::randomNormal(std::size_t(wide) * hidden, 20 + e, 0.1f));
+    w2.emplace_back(test::randomNormal(std::size_t(hidden) * ffn, 700 + e, 0.1f));
+  }
+  for (int e = 0; e < e_n; ++e) weights.push_back({w1[e].get(), nullptr, w2[e].get(), nullptr});
+
+  const std::size_t ws_bytes = groupedExpertWorkspaceBytes(e_n, hidden, ffn);
+  DeviceBuffer<char> ws(ws_bytes);
+  DeviceBuffer<std::uint16_t> pre(total * wide), act(total * ffn), y(total * hidden);
+  pre.poison();
+  act.poison();
+  y.poison();
+  groupedSwigluExpertForward(nullptr, weights, rows, x.get(), bits(pre), bits(act), bits(y), hidden,
+                             ffn, ws.get(), ws_bytes);
+  const auto pre_d = test::downloadBf16(pre), act_d = test::downloadBf16(act),
+             y_d = test::downloadBf16(y);
+  std::vector<double> pre_ref(total * wide), act_ref(total * ffn), y_ref(total * hidden);
+  for (int e = 0; e < e_n; ++e)
+    for (std::int64_t r = first[e]; r < first[e + 1]; ++r) {
+      for (int i = 0; i < wide; ++i) {
+        double s = 0;
+        for (int j = 0; j < hidden; ++j)
+          s += double(w1[e].values[std::size_t(i) * hidden + j]) * x.values[r * hidden + j];
+        pre_ref[r * wide + i] = s;
+      }
+      for (int i = 0; i < ffn; ++i)  // from the device's pre: one rounding at a time
+        act_ref[r * ffn + i] = silu(pre_d[r * wide + i]) * pre_d[r * wide + ffn + i];
+      for (int o = 0; o < hidden; ++o) {
+        double s = 0;
+        for (int i = 0; i < ffn; ++i)
+          s += double(w2[e].values[std::size_t(o) * ffn + i]) * act_d[r * ffn + i];
+        y_ref[r * hidden + o] = s;
+      }
+    }
+  EXPECT_LT(relError(pre_d, pre_ref), 1e-2) << "[gate | up]";
+  EXPECT_LT(relError(act_d, act_ref), 1e-2) << "silu(gate) * up";
+  EXPECT_LT(relError(y_d, y_ref), 1e-2) << "expert output (from the device's act)";
+
+  Bf16Tensor dy(test::randomNormal(total * hidden, 4));
+  std::deque<DeviceBuffer<float>> gw1, gw2;
+  std::vector<std::vector<float>> g0(2 * e_n);
+  std::vector<ExpertGrads> grads;
+  for (int e = 0; e < e_n; ++e) {
+    g0[2 * e] = test::randomNormal(std::size_t(wide) * hidden, 1400 + e, 0.5f);
+    g0[2 * e + 1] = test::randomNormal(std::size_t(hidden) * ffn, 1500 + e, 0.5f);
+    gw1.emplace_back(g0[2 * e]);
+    gw2.emplace_back(g0[2 * e + 1]);
+    grads.push_back({gw1[e].get(), nullptr, gw2[e].get(), nullptr});
+  }
+  DeviceBuffer<std::uint16_t> dact(total * ffn), dpre(total * wide), dx(total * hidden);
+  dact.poison();
+  dpre.poison();
+  dx.poison();
+  groupedSwigluExpertBackward(nullptr, weights, grads, rows, x.get(), bits(pre), bits(act),
+                              dy.get(), bits(dact), bits(dpre), bits(dx), hidden, ffn, ws.get(),
+                              ws_bytes);
+  const auto dact_d = test::downloadBf16(dact), dpre_d = test::downloadBf16(dpre),
+             dx_d = test::downloadBf16(dx);
+  std::vector<double> dact_ref(total * ffn), dpre_ref(total * wide), dx_ref(total * hidden);
+  for (int e = 0; e < e_n; ++e) {
+    std::vector<double> w1r(g0[2 * e].begin(), g0[2 * e].end()),
+        w2r(g0[2 * e + 1].begin(), g0[2 * e + 1].end());
+    for (std::int64_t r = first[e]; r < first[e + 1]; ++r) {
+      for (int i = 0; i < ffn; ++i) {
+        double s = 0;
+        for (int o = 0; o < hidden; ++o)
+          s += double(dy.values[r * hidden + o]) * w2[e].values[std::size_t(o) * ffn + i];
+        dact_ref[r * ffn + i] = s;
+        const double g = pre_d[r * wide + i], u = pre_d[r * wide + ffn + i],
+                     d = dact_d[r * ffn + i];
+        const double sg = 1.0 / (1.0 + std::exp(-g));
+        dpre_ref[r * wide + i] = d * u * sg * (1.0 + g * (1.0 - sg));
+        dpre_ref[r * wide + ffn + i] = d * silu(g);
+      }
+      for (int j = 0; j < hidden; ++j) {
+        double s = 0;
+        for (int i = 0; i < wide; ++i)
+          s += double(dpre_d[r * wide + i]) * w1[e].values[std::size_t(i) * hidden + j];
+        dx_ref[r * hidden + j] = s;
+      }
+      for (int o = 0; o < hidden; ++o)
+        for (int i = 0; i < ffn; ++i)
+          w2r[std::size_t(o) * ffn + i] += double(dy.values[r * hidden + o]) * act_d[r * ffn + i];
+      for (int i = 0; i < wide; ++i)
+        for (int j = 0; j < hidden; ++j)
+          w1r[std::size_t(i) * hidden + j] +=
+              double(dpre_d[r * wide + i]) * x.values[r * hidden + j];
+    }
+    const std::string who =
+        "expert " + std::to_string(e) + " (" + std::to_string(rows[e]) + " rows) ";
+    if (rows[e] == 0) {
+      EXPECT_EQ(gw1[e].download(), g0[2 * e]) << who << "d[gate; up] touched";
+      EXPECT_EQ(gw2[e].download(), g0[2 * e + 1]) << who << "dW_down touched";
+      continue;
+    }
+    EXPECT_LT(relError(gw1[e].download(), w1r), 1e-4) << who << "d[gate; up]";
+    EXPECT_LT(relError(gw2[e].download(), w2r), 1e-4) << who << "dW_down";
+  }
+  EXPECT_LT(relError(dact_d, dact_ref), 1e-2) << "dact (dy W_down)";
+  EXPECT_LT(relError(dpre_d, dpre_ref), 1e-2) << "d[gate | up] (from the device's dact)";
+  EXPECT_LT(relError(dx_d, dx_ref), 1e-2) << "dx (from the device's dpre)";
+}
+
+TEST(MoeGrouped, SwigluEightExpertsRaggedRows) {
+  checkGroupedSwiglu({0, 1, 13, 64, 100, 0, 257, 7}, 136, 200);
+}
+
+TEST(MoeGrouped, SwigluSixtyFourExpertsManyEmpty) {
+  std::vector<std::int64_t> rows(64);
+  for (int e = 0; e < 64; ++e) rows[e] = e % 5 == 0 ? 0 : (e * 37) % 61;
+  checkGroupedSwiglu(rows, 64, 40);
 }
 
 TEST(MoeGrouped, EightExpertsRaggedRows) {
