@@ -54,7 +54,7 @@
 namespace plm::model {
 namespace {
 
-enum class InitKind { Normal, Zero, One };
+enum class InitKind { Normal, Zero, One, LoraA };
 
 struct TableEntry {
   TensorInfo info;
@@ -68,8 +68,11 @@ std::vector<TableEntry> buildTable(const Esm2Config& c, const ExpertPlacement& h
   std::int64_t offset = 0;
   std::uint64_t stream = 0;
   const std::int64_t h = c.hidden, f = c.ffn, v = c.vocab;
+  // LoRA adapters draw from streams of their own, so the base tensors' values do not depend
+  // on whether adapters are present.
+  std::uint64_t lora_stream = std::uint64_t(1) << 40;
   auto add = [&](const std::string& name, std::vector<std::int64_t> shape, bool decay,
-                 InitKind init) {
+                 InitKind init, bool adapter = false) {
     const int expert = expertOfTensor(name);
     if (expert >= 0 && !held.holds(expert, c.moe.experts)) {
       ++stream;
@@ -84,7 +87,7 @@ std::vector<TableEntry> buildTable(const Esm2Config& c, const ExpertPlacement& h
     t.weight_decay = decay;
     // Keep every tensor 64-byte aligned in the flat buffer (vector loads, future sharding).
     offset += (t.size + 15) / 16 * 16;
-    table.push_back({t, init, stream++});
+    table.push_back({t, init, adapter ? lora_stream++ : stream++});
   };
   auto linear = [&](const std::string& prefix, std::int64_t out, std::int64_t in) {
     add(prefix + ".weight", {out, in}, true, InitKind::Normal);
@@ -128,6 +131,23 @@ std::vector<TableEntry> buildTable(const Esm2Config& c, const ExpertPlacement& h
       linear(p + "output.dense", h, f);
     }
     norm(p + "LayerNorm", h);
+    // LoRA adapters (model/lora.hpp) last in the layer, so they are part of its group (layer
+    // ranges, sharded units, its slice of the bf16 compute copy).  A decays like PEFT's.
+    const std::int64_t r = c.lora.rank;
+    auto adapter = [&](LoraTarget target, const std::string& prefix, std::int64_t out,
+                       std::int64_t in) {
+      if (!c.lora.enabled() || !c.lora.has(target)) return;
+      add(prefix + ".lora_A.weight", {r, in}, true, InitKind::LoraA, true);
+      add(prefix + ".lora_B.weight", {out, r}, true, InitKind::Zero, true);
+    };
+    adapter(lora_q, p + "attention.self.query", h, h);
+    adapter(lora_k, p + "attention.self.key", h, h);
+    adapter(lora_v, p + "attention.self.value", h, h);
+    adapter(lora_o, p + "attention.output.dense", h, h);
+    if (!c.moe.isMoeLayer(l)) {
+      adapter(lora_ffn_in, p + "intermediate.dense", f, h);
+      adapter(lora_ffn_out, p + "output.dense", h, f);
+    }
   }
   norm("esm.encoder.emb_layer_norm_after", h);
   linear("lm_head.dense", h, h);
@@ -506,6 +526,14 @@ template <class T> struct Esm2<T>::Impl {
           for (Fp8Gemm g : {Fp8Gemm::FfnIn, Fp8Gemm::FfnOut})
             fp8_slots[at++] = {fp8_scaling.get(), l, g, e};
     }
+    if (config.lora.enabled() && config.precision == Precision::Fp8)
+      throw collectiveError("lora.rank " + std::to_string(config.lora.rank) +
+                            ": LoRA adapters under train.precision fp8 are not implemented; use "
+                            "train.precision bf16 or fp32");
+    if (config.lora.enabled() && bf16 && config.lora.rank % 8 != 0)
+      throw collectiveError("lora.rank " + std::to_string(config.lora.rank) +
+                            ": under train.precision bf16 the rank must be a multiple of 8 "
+                            "(cuBLASLt alignment of the (out, r) B matrices); use 8, 16, 32, ...");
     auto table = buildTable(config, held);
     for (auto& e : table) {
       index[e.info.name] = tensors.size();
@@ -768,6 +796,7 @@ template <class T> struct Esm2<T>::Impl {
     std::vector<DenseMlpGrads> mg(config.num_layers);
     std::vector<LayerNormParams> ln2(config.num_layers), ln2g(config.num_layers);
     std::vector<MoeWeights> moe_w(config.num_layers), moe_g(config.num_layers);
+    std::vector<LayerLora> lw(config.num_layers);
     // fp8 weights refer to offsets into fp8_weights until it exists.
     std::int64_t fp8_at = 0;
     fp8_list.clear();
@@ -919,6 +948,20 @@ template <class T> struct Esm2<T>::Impl {
       }
       ln2[l] = {masterVec(P, pre + "LayerNorm.weight"), masterVec(P, pre + "LayerNorm.bias")};
       ln2g[l] = {masterVec(G, pre + "LayerNorm.weight"), masterVec(G, pre + "LayerNorm.bias")};
+      lw[l].scale = config.lora.scale();
+      auto adapter = [&](LoraAdapter& ad, const std::string& prefix) {
+        if (!index.count(prefix + ".lora_A.weight")) return;  // not a target here
+        ad.a = weight(prefix + ".lora_A.weight");
+        ad.b = weight(prefix + ".lora_B.weight");
+        ad.ga = masterMat(G, prefix + ".lora_A.weight");
+        ad.gb = masterMat(G, prefix + ".lora_B.weight");
+      };
+      adapter(lw[l].q, self + "query");
+      adapter(lw[l].k, self + "key");
+      adapter(lw[l].v, self + "value");
+      adapter(lw[l].o, pre + "attention.output.dense");
+      adapter(lw[l].ffn_in, pre + "intermediate.dense");
+      adapter(lw[l].ffn_out, pre + "output.dense");
     }
     pw.head_w = weight("lm_head.dense.weight");
     pw.head_b = bias("lm_head.dense.bias");
@@ -955,6 +998,10 @@ template <class T> struct Esm2<T>::Impl {
         rebase(aw[l].qkv.fused_b);
         rebase(aw[l].wo);
         rebase(aw[l].bo);  // bf16 only for an FP8 layer
+        for (LoraAdapter* ad : lw[l].adapters()) {
+          rebase(ad->a);
+          rebase(ad->b);
+        }
         if (config.moe.isMoeLayer(l)) {
           rebaseMlp(moe_w[l].shared);
           for (auto& e : moe_w[l].experts)
@@ -1016,6 +1063,7 @@ template <class T> struct Esm2<T>::Impl {
         ffn = std::make_unique<DenseMlp>(mw[l], mg[l]);
       }
       layers.emplace_back(shape, aw[l], ag[l], ln2[l], ln2g[l], std::move(ffn));
+      if (config.lora.enabled()) layers.back().setLora(lw[l]);
     }
   }
 
@@ -1608,6 +1656,8 @@ template <class T> void Esm2<T>::initializeRange(std::uint64_t seed, std::int64_
     const int kind = static_cast<int>(im.init_kinds[i]);
     const std::int64_t first = t.offset;  // element e of the tensor is buffer element first + e
     const std::uint64_t stream = im.init_streams[i];  // any placement draws the same values
+    const double lora_bound =
+        t.shape.size() == 2 ? 1.0 / std::sqrt(static_cast<double>(t.shape[1])) : 0.0;
     Kokkos::parallel_for(
         "plm::model::initialize", FlatPolicy(space, lo, hi), KOKKOS_LAMBDA(const std::int64_t g) {
           // Counter-based (math::normal hashes seed, stream and index): element e of a tensor
@@ -1616,6 +1666,8 @@ template <class T> void Esm2<T>::initializeRange(std::uint64_t seed, std::int64_
           if (kind == static_cast<int>(InitKind::Normal) && (g < pad_lo || g >= pad_hi))
             value = static_cast<T>(0.02 * math::normal(seed, stream, g - first));
           if (kind == static_cast<int>(InitKind::One)) value = T(1);
+          if (kind == static_cast<int>(InitKind::LoraA))
+            value = static_cast<T>(loraUniform(seed, stream, g - first, lora_bound));
           out[g - offset] = value;
         });
   }

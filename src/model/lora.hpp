@@ -10,7 +10,10 @@
 #pragma once
 
 #include "core/types.hpp"
+#include "model/math.hpp"
+#include "model/ops.hpp"
 
+#include <array>
 #include <cstdint>
 #include <string>
 
@@ -48,6 +51,17 @@ std::string loraTargetNames(unsigned targets);
 std::int64_t loraAdapterParameters(const LoraConfig& config, int layers, std::int64_t hidden,
                                    std::int64_t ffn);
 
+/// \brief Element `index` of an adapter A drawn from (seed, stream): U(-bound, bound) with
+/// bound = 1/sqrt(in), counter-based, so any shard of A draws the values the whole tensor has.
+KOKKOS_INLINE_FUNCTION double loraUniform(std::uint64_t seed, std::uint64_t stream,
+                                          std::int64_t index, double bound) {
+  const std::uint64_t base = math::hash64(seed ^ math::hash64(stream + 0x4C6F5241ull));
+  const double u =
+      static_cast<double>(math::hash64(base + static_cast<std::uint64_t>(index)) >> 11) *
+      (1.0 / 9007199254740992.0);  // [0, 1)
+  return (2.0 * u - 1.0) * bound;
+}
+
 /// \brief A (r, in) ~ U(-1/sqrt(in), 1/sqrt(in)) from a counter-based stream (seed, stream):
 /// the same values on every rank and backend.
 template <class T>
@@ -68,5 +82,29 @@ template <class T> void loraBackward(const ExecSpace& space, const View2<T>& x, 
 /// \brief w += s B A: folds the adapter into the base weight (w (out, in)).
 template <class T> void loraMerge(const ExecSpace& space, const View2<T>& w, const View2<T>& a,
                                   const View2<T>& b, T s);
+
+/// One adapter of a model's linear layer on the dispatch points: A (r, in) and B (out, r) in
+/// compute precision (the bf16 copy under bf16), their gradients in the master type.
+struct LoraAdapter {
+  Mat a, b;    // (r, in), (out, r)
+  Mat ga, gb;  // (r, in), (out, r)
+  bool active() const { return !a.empty(); }
+};
+
+/// The adapters of one encoder layer (an inactive one: no adapter on that linear layer).
+struct LayerLora {
+  double scale = 0.0;  // alpha / r
+  LoraAdapter q, k, v, o, ffn_in, ffn_out;
+  std::array<LoraAdapter*, 6> adapters() { return {&q, &k, &v, &o, &ffn_in, &ffn_out}; }
+};
+
+/// \brief y += s (x A^T) B^T (y = ... when !accumulate) on the dispatch points (x, y compute
+/// precision, or y the master residual stream); the (R, r) product lives in context scratch.
+void loraForward(OpContext& ctx, const LoraAdapter& ad, double s, const Mat& x, const Mat& y,
+                 bool accumulate = true);
+/// \brief Its backward given dy: gb += s dy^T (x A^T), ga += s (dy B)^T x, and
+/// dx += s (dy B) A (skipped if dx is empty).
+void loraBackward(OpContext& ctx, const LoraAdapter& ad, double s, const Mat& x, const Mat& dy,
+                  const Mat& dx);
 
 }  // namespace plm::model
