@@ -22,6 +22,7 @@
 #include "model/esm2.hpp"
 
 #include "core/error.hpp"
+#include "core/flat.hpp"
 #include "core/trace.hpp"
 #include "data/context_split.hpp"
 #include "dist/allreduce.hpp"
@@ -544,8 +545,8 @@ template <class T> struct Esm2<T>::Impl {
     const std::int64_t n = bufferSize(table);
     buffer_elements = n;
     if (whole_buffers) {
-      params = View1<T>("plm::model::parameters", n);
-      grads = View1<T>("plm::model::gradients", n);
+      params = flatZeros<T>("plm::model::parameters", n);
+      grads = flatZeros<T>("plm::model::gradients", n);
     }
     bind(whole_buffers);
     places.assign(config.num_layers + 2, Place());
@@ -979,7 +980,7 @@ template <class T> struct Esm2<T>::Impl {
     if (bf16) {
       packed_elements = dst;
       if (whole_buffers)
-        packed = View1<std::uint16_t>("plm::model::compute_weights", packed_elements);
+        packed = flatZeros<std::uint16_t>("plm::model::compute_weights", packed_elements);
       auto* base = reinterpret_cast<char*>(packedHome());
       auto rebase = [&](auto& h) {
         if (h.dtype == DType::BF16) h.data = base + 2 * reinterpret_cast<std::intptr_t>(h.data);
@@ -1643,7 +1644,7 @@ template <class T> void Esm2<T>::initializeRange(std::uint64_t seed, std::int64_
                   std::to_string(count) + ") is outside the parameter buffer of " +
                   std::to_string(im.buffer_elements) + " elements (a bug)");
   const auto& space = im.ctx.space();
-  Kokkos::deep_copy(space, View1<T>(out, count), T(0));  // also the alignment padding
+  flatFill(space, View1<T>(out, count), T(0));  // also the alignment padding
   // The <pad> row of the embedding stays zero (it is frozen: train::esm2FrozenRanges).
   const auto& embed = im.info("esm.embeddings.word_embeddings.weight");
   const std::int64_t pad_lo = embed.offset + std::int64_t(data::vocab::pad) * embed.shape[1];
@@ -1658,8 +1659,8 @@ template <class T> void Esm2<T>::initializeRange(std::uint64_t seed, std::int64_
     const std::uint64_t stream = im.init_streams[i];  // any placement draws the same values
     const double lora_bound =
         t.shape.size() == 2 ? 1.0 / std::sqrt(static_cast<double>(t.shape[1])) : 0.0;
-    Kokkos::parallel_for(
-        "plm::model::initialize", FlatPolicy(space, lo, hi), KOKKOS_LAMBDA(const std::int64_t g) {
+    plm::flatFor(
+        "plm::model::initialize", space, lo, hi, KOKKOS_LAMBDA(const std::int64_t g) {
           // Counter-based (math::normal hashes seed, stream and index): element e of a tensor
           // has one value whichever range of the buffer is drawn.
           T value = 0;
@@ -1678,7 +1679,7 @@ template <class T> std::int64_t Esm2<T>::bufferElements() const {
 }
 
 template <class T> void Esm2<T>::zeroGradients() {
-  Kokkos::deep_copy(impl_member->ctx.space(), impl_member->grads, T(0));
+  flatFill(impl_member->ctx.space(), impl_member->grads, T(0));
   impl_member->ctx.space().fence();
 }
 
@@ -1827,7 +1828,7 @@ template <class T> void Esm2<T>::holdWholeBuffers(bool params, bool grads) {
   auto hold = [&](View1<T>& buf, bool want, T* Impl::Place::*where, const char* label) {
     if (want == (buf.extent(0) > 0)) return;
     if (want) {
-      buf = View1<T>(std::string(label), im.buffer_elements);
+      buf = flatZeros<T>(std::string(label), im.buffer_elements);
       return;
     }
     for (const auto& p : im.places)
@@ -1841,7 +1842,7 @@ template <class T> void Esm2<T>::holdWholeBuffers(bool params, bool grads) {
   // bf16: the packed compute copy goes and comes with the masters.
   if (im.bf16 && params != (im.packed.extent(0) > 0)) {
     if (params) {
-      im.packed = View1<std::uint16_t>("plm::model::compute_weights", im.packed_elements);
+      im.packed = flatZeros<std::uint16_t>("plm::model::compute_weights", im.packed_elements);
     } else {
       for (const auto& p : im.places)
         PLM_REQUIRE(p.compute != nullptr || p.chi == p.clo,

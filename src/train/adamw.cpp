@@ -1,6 +1,7 @@
 #include "train/adamw.hpp"
 
 #include "core/error.hpp"
+#include "core/flat.hpp"
 #include "train/optim/detail/adam_math.hpp"
 #include "train/optim/detail/subset.hpp"
 
@@ -10,8 +11,8 @@ namespace plm::train {
 
 template <class G> double globalNorm(const ExecSpace& space, View1<G> grads) {
   double sum = 0.0;
-  Kokkos::parallel_reduce(
-      "plm::train::gradNorm", FlatPolicy(space, 0, grads.extent(0)),
+  plm::flatReduce(
+      "plm::train::gradNorm", space, 0, grads.extent(0),
       KOKKOS_LAMBDA(const std::int64_t i, double& acc) {
         const double g = static_cast<double>(grads(i));
         acc += g * g;
@@ -56,9 +57,8 @@ void AdamW<P>::update(const ExecSpace& space, View1<P> grads, double lr, double 
   auto m = exp_avg_member.f32;
   auto v = exp_avg_sq_member.f32;
   auto flags = this->flags_member;
-  Kokkos::parallel_for(
-      "plm::train::adamw", FlatPolicy(space, 0, master.extent(0)),
-      KOKKOS_LAMBDA(const std::int64_t i) {
+  plm::flatFor(
+      "plm::train::adamw", space, 0, master.extent(0), KOKKOS_LAMBDA(const std::int64_t i) {
         const std::uint8_t f = flags(i);
         if (f & frozen_flag) return;
         master_t mi = m(i), vi = v(i);

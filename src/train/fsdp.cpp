@@ -1,6 +1,7 @@
 #include "train/fsdp.hpp"
 
 #include "core/error.hpp"
+#include "core/flat.hpp"
 #include "core/log.hpp"
 #include "core/trace.hpp"
 #include "dist/allreduce.hpp"
@@ -320,8 +321,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     View1<P> full = m.parameters();  // the initial parameters, identical on every rank
     for (int u = 0; u < static_cast<int>(units.size()); ++u) park(u);
     if (full.extent(0) > 0) model.holdWholeBuffers(true, false);
-    params_shard = View1<P>("plm::train::fsdp::params_shard", total);
-    grads_shard = View1<P>("plm::train::fsdp::grads_shard", total);
+    params_shard = flatZeros<P>("plm::train::fsdp::params_shard", total);
+    grads_shard = flatZeros<P>("plm::train::fsdp::grads_shard", total);
     if (full.extent(0) > 0) {
       forOwnedPieces(units, r, 0, n, [&](std::int64_t local, std::int64_t global, std::int64_t c) {
         Kokkos::deep_copy(space, Kokkos::subview(params_shard, std::make_pair(local, local + c)),
@@ -335,7 +336,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
                                  shardParamLayout(m.tensors(), units, r, m.config().hidden));
     optimizer->setShardGroup(shard_mpi);
     if (options.gather_bf16) {
-      shard_bf16 = View1<std::uint16_t>("plm::train::fsdp::shard_bf16", total);
+      shard_bf16 = flatZeros<std::uint16_t>("plm::train::fsdp::shard_bf16", total);
       for (int k = 0; k < 2; ++k)
         outer_stage[k] =
             View1<std::uint16_t>("plm::train::fsdp::outer_stage", outer_params[k].extent(0));
@@ -446,8 +447,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     const std::int64_t n = units[u].slice * shard_comm->size();
     const View1<std::uint16_t> from = stageBeside(to);
     P* dst = to;
-    Kokkos::parallel_for(
-        "plm::train::fsdp::widen_bf16", FlatPolicy(space, 0, n),
+    plm::flatFor(
+        "plm::train::fsdp::widen_bf16", space, 0, n,
         KOKKOS_LAMBDA(const std::int64_t i) { dst[i] = static_cast<P>(bf16Value(from(i))); });
   }
 
@@ -456,9 +457,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     if (!options.gather_bf16) return;
     const View1<P> from = params_shard;
     const View1<std::uint16_t> to = shard_bf16;
-    Kokkos::parallel_for(
-        "plm::train::fsdp::shard_to_bf16",
-        FlatPolicy(space, 0, static_cast<std::int64_t>(from.extent(0))),
+    plm::flatFor(
+        "plm::train::fsdp::shard_to_bf16", space, 0, static_cast<std::int64_t>(from.extent(0)),
         KOKKOS_LAMBDA(const std::int64_t i) { to(i) = bf16Bits(static_cast<float>(from(i))); });
   }
 
@@ -575,7 +575,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
       dec_segs[u] = toDevice(dec, "plm::train::fsdp::wire_decode");
     }
     enc_segs = toDevice(enc, "plm::train::fsdp::wire_encode");
-    shard_wire = View1<std::uint8_t>("plm::train::fsdp::shard_wire", wire_total);
+    shard_wire = flatZeros<std::uint8_t>("plm::train::fsdp::shard_wire", wire_total);
     std::int64_t widest_wire = 0;
     for (auto b : wire_slice) widest_wire = std::max(widest_wire, b * s);
     for (std::size_t i = 0; i < slots.size(); ++i)
@@ -781,8 +781,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     ch.unit = -1;
     View1<P> shard = Kokkos::subview(grads_shard, std::make_pair(su.local, su.local + su.slice));
     View1<P> recv = ch.recv;
-    Kokkos::parallel_for(
-        "plm::train::fsdp::accumulate_shard", FlatPolicy(space, 0, su.slice),
+    plm::flatFor(
+        "plm::train::fsdp::accumulate_shard", space, 0, su.slice,
         KOKKOS_LAMBDA(const std::int64_t i) { shard(i) += recv(i); });
   }
 
@@ -980,7 +980,7 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
   const auto micro =
       static_cast<std::int64_t>(dist::allreduceMax(static_cast<double>(local.size()), comm));
   const double grad_scale = st.masked > 0 ? 1.0 / static_cast<double>(st.masked) : 0.0;
-  Kokkos::deep_copy(space, m.grads_shard, P(0));
+  flatFill(space, m.grads_shard, P(0));
   m.castShardToFp8();      // fp8: this step's weight codes of the shard, gathered by the layers
   m.model.beginFp8Step();  // fp8 on CUDA: the step's scales, for the casts after each gather
   double loss = 0.0;
@@ -1001,8 +1001,8 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
   m.optimizer->maskGradients(space, m.grads_shard);
   View1<P> g = m.grads_shard;
   double partial = 0.0;
-  Kokkos::parallel_reduce(
-      "plm::train::fsdp::gradNormPartial", FlatPolicy(space, 0, g.extent(0)),
+  plm::flatReduce(
+      "plm::train::fsdp::gradNormPartial", space, 0, g.extent(0),
       KOKKOS_LAMBDA(const std::int64_t i, double& acc) {
         const double x = static_cast<double>(g(i));
         acc += x * x;
@@ -1079,7 +1079,7 @@ template <class T> void gatherUnits(const ExecSpace& space, dist::Communicator& 
 
 template <class T> void takeOwned(const ExecSpace& space, const std::vector<ShardUnit>& units,
                                   int rank, View1<T> full, View1<T> shard) {
-  Kokkos::deep_copy(space, shard, T(0));
+  flatFill(space, shard, T(0));
   forOwnedPieces(units, rank, 0, static_cast<std::int64_t>(full.extent(0)),
                  [&](std::int64_t local, std::int64_t global, std::int64_t n) {
                    Kokkos::deep_copy(space,
@@ -1119,8 +1119,8 @@ template <class P> void Fsdp<P>::fillShards(const ExecSpace& space, const RangeS
   m.space = space;
   m.reshardAll();
   const View1<P> shard = m.params_shard;
-  Kokkos::deep_copy(space, shard, P(0));  // the units' padding
-  space.fence();                          // the source may enqueue on another instance
+  flatFill(space, shard, P(0));  // the units' padding
+  space.fence();                 // the source may enqueue on another instance
   forOwnedPieces(m.units, m.shard_comm->rank(), 0, m.model.bufferElements(),
                  [&](std::int64_t local, std::int64_t global, std::int64_t n) {
                    values(global, n, shard.data() + local);
@@ -1128,9 +1128,8 @@ template <class P> void Fsdp<P>::fillShards(const ExecSpace& space, const RangeS
   Kokkos::fence();
   if (!m.optimizer->mastersAlias()) {  // a separate fp32 master (Fsdp<double>) from the values
     const View1<master_t> master = m.optimizer->master();
-    Kokkos::parallel_for(
-        "plm::train::fsdp::master_from_shard",
-        FlatPolicy(space, 0, static_cast<std::int64_t>(shard.extent(0))),
+    plm::flatFor(
+        "plm::train::fsdp::master_from_shard", space, 0, static_cast<std::int64_t>(shard.extent(0)),
         KOKKOS_LAMBDA(const std::int64_t i) { master(i) = static_cast<master_t>(shard(i)); });
   }
   space.fence();

@@ -2,6 +2,7 @@
 
 #include "core/clock.hpp"
 #include "core/error.hpp"
+#include "core/flat.hpp"
 #include "core/log.hpp"
 #include "core/phase.hpp"
 #include "deck/deck.hpp"
@@ -332,7 +333,7 @@ Optimizer<param_t>& Trainer::optimizer() {
     std::int64_t n = 0;
     for (const auto& u : fsdp_member->units()) n = std::max(n, u.offset + u.count);
     optimizer_member = makeOptimizer<param_t>(
-        optimizer_options_member, View1<param_t>("plm::train::full_layout_master", n),
+        optimizer_options_member, flatZeros<param_t>("plm::train::full_layout_master", n),
         wholeLayout(model_member->tensors(), n,
                     esm2FrozenRanges(model_member->tensors(), model_member->config().hidden)));
     fsdp_member->exportFull(ExecSpace(), *optimizer_member);

@@ -11,8 +11,13 @@
 // by lr * sign(g), and Adafactor too (its factored second moment is g^2 everywhere, RMS(U) = 1).
 // A frozen range at the end of the buffer is masked to zero and must stay there.
 //
+// Kokkos 3.4's CUDA range kernel also forms its first index and stride in 32-bit arithmetic, so
+// one launch over more than 2^32 elements wraps its stride and never ends: every whole-buffer
+// loop, fill and allocation goes through core/flat.hpp (launches of at most 2^31 elements).
+//
 // PLM_LARGE_INDEX_ROWS sets the rows of the (rows, 4096) tensor: the default, 2^20 + 3, is past
 // 2^32 elements (the GPU test); the CPU build runs the same checks on a small buffer.
+#include "core/flat.hpp"
 #include "train/adamw.hpp"
 #include "train/fsdp.hpp"
 #include "train/optim/optimizer.hpp"
@@ -87,8 +92,8 @@ struct Buffer {
   }
   void fill() {
     auto p = params;
-    Kokkos::parallel_for(
-        "test::large_index::fill", FlatPolicy(plm::ExecSpace(), 0, n),
+    plm::flatFor(
+        "test::large_index::fill", plm::ExecSpace(), 0, n,
         KOKKOS_LAMBDA(const std::int64_t i) { p(i) = initial(i); });
     Kokkos::fence();
   }
@@ -142,15 +147,64 @@ INSTANTIATE_TEST_SUITE_P(Optimizers, LargeIndex,
 
 // A free function: CUDA extended lambdas may not live in a test body (a private member).
 void halfWidthRoundTrip(View1<float> p, View1<std::uint16_t> half, std::int64_t n) {
-  Kokkos::parallel_for(
-      "test::large_index::to_half", FlatPolicy(plm::ExecSpace(), 0, n),
-      KOKKOS_LAMBDA(const std::int64_t i) {
+  plm::flatFor(
+      "test::large_index::to_half", plm::ExecSpace(), 0, n, KOKKOS_LAMBDA(const std::int64_t i) {
         half(i) = static_cast<std::uint16_t>(p(i) > 0 ? 1 + (i & 0x3ff) : 2048 + (i & 0x3ff));
       });
-  Kokkos::parallel_for(
-      "test::large_index::from_half", FlatPolicy(plm::ExecSpace(), 0, n),
+  plm::flatFor(
+      "test::large_index::from_half", plm::ExecSpace(), 0, n,
       KOKKOS_LAMBDA(const std::int64_t i) { p(i) = static_cast<float>(half(i)); });
   Kokkos::fence();
+}
+
+// The piecewise launches themselves (core/flat.hpp), with pieces of 7 elements so that the CPU
+// build exercises the piece boundaries: every element of [lo, hi) is visited exactly once, the
+// sum and the maximum join across pieces, and a fill reaches every element.
+void flatPieces(View1<int> hits, View1<float> fill, std::int64_t lo, std::int64_t hi, double& sum,
+                int& max) {
+  plm::flatFor(
+      "test::large_index::hits", plm::ExecSpace(), lo, hi,
+      KOKKOS_LAMBDA(const std::int64_t i) { hits(i) += 1; }, 7);
+  plm::flatReduce(
+      "test::large_index::sum", plm::ExecSpace(), lo, hi,
+      KOKKOS_LAMBDA(const std::int64_t i, double& acc) { acc += static_cast<double>(i); }, sum, 7);
+  plm::flatReduce(
+      "test::large_index::max", plm::ExecSpace(), lo, hi,
+      KOKKOS_LAMBDA(const std::int64_t i, int& acc) {
+        const int v = static_cast<int>((i * 37) % 101);
+        if (v > acc) acc = v;
+      },
+      Kokkos::Max<int>(max), 7);
+  plm::flatFill(plm::ExecSpace(), fill, 2.5f, 7);
+  Kokkos::fence();
+}
+
+TEST(LargeIndex, FlatPiecesCoverTheRangeOnce) {
+  const std::int64_t n = 1000, lo = 3, hi = 998;
+  View1<int> hits("hits", n);
+  View1<float> fill("fill", n);
+  double sum = -1.0;
+  int max = -1;
+  flatPieces(hits, fill, lo, hi, sum, max);
+  auto h = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), hits);
+  auto f = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), fill);
+  double want_sum = 0.0;
+  int want_max = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    const bool inside = i >= lo && i < hi;
+    EXPECT_EQ(h(i), inside ? 1 : 0) << "element " << i;
+    EXPECT_EQ(f(i), 2.5f) << "element " << i;
+    if (inside) {
+      want_sum += static_cast<double>(i);
+      want_max = std::max(want_max, static_cast<int>((i * 37) % 101));
+    }
+  }
+  EXPECT_EQ(sum, want_sum);
+  EXPECT_EQ(max, want_max);
+  // flatZeros: a zero-filled buffer, whatever the allocator left there.
+  const View1<float> z = plm::flatZeros<float>("zeros", n);
+  auto hz = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), z);
+  for (std::int64_t i = 0; i < n; ++i) ASSERT_EQ(hz(i), 0.0f) << "element " << i;
 }
 
 // The fp32 -> bf16-width cast pattern of the compute copy and a plain copy, over the whole

@@ -1,6 +1,7 @@
 #include "train/optim/adafactor.hpp"
 
 #include "core/error.hpp"
+#include "core/flat.hpp"
 #include "train/optim/detail/subset.hpp"
 
 #include <algorithm>
@@ -180,8 +181,8 @@ void Adafactor<P>::update(const ExecSpace& space, View1<P> grads, double lr, dou
         Kokkos::single(Kokkos::PerTeam(team), [&] { row_sum(team.league_rank()) = sum; });
       });
   auto cols = cols_member;
-  Kokkos::parallel_for(
-      "plm::train::adafactor::colSums", FlatPolicy(space, 0, cols.extent(0)),
+  plm::flatFor(
+      "plm::train::adafactor::colSums", space, 0, cols.extent(0),
       KOKKOS_LAMBDA(const std::int64_t s) {
         const auto c = cols(s);
         double sum = 0.0;

@@ -1,6 +1,7 @@
 #include "train/optim/adamw8bit.hpp"
 
 #include "core/error.hpp"
+#include "core/flat.hpp"
 #include "train/optim/detail/adam_math.hpp"
 #include "train/optim/detail/subset.hpp"
 
@@ -38,7 +39,7 @@ StateBuffer replicated(const std::string& name, std::vector<model::TensorInfo> t
   b.layout = StateBuffer::Layout::Replicated;
   b.table = std::move(table);
   b.full_size = size;
-  b.f32 = View1<master_t>("plm::train::optim::" + name, size);
+  b.f32 = flatZeros<master_t>("plm::train::optim::" + name, size);
   return b;
 }
 

@@ -1,5 +1,6 @@
 #include "train/optim/lion.hpp"
 
+#include "core/flat.hpp"
 #include "train/optim/detail/subset.hpp"
 
 namespace plm::train {
@@ -29,9 +30,8 @@ void Lion<P>::update(const ExecSpace& space, View1<P> grads, double lr, double g
   auto master = this->master_member;
   auto m = exp_avg_member.f32;
   auto flags = this->flags_member;
-  Kokkos::parallel_for(
-      "plm::train::lion", FlatPolicy(space, 0, master.extent(0)),
-      KOKKOS_LAMBDA(const std::int64_t i) {
+  plm::flatFor(
+      "plm::train::lion", space, 0, master.extent(0), KOKKOS_LAMBDA(const std::int64_t i) {
         const std::uint8_t f = flags(i);
         if (f & frozen_flag) return;
         const master_t g = static_cast<master_t>(grads(i)) * scale;

@@ -1,6 +1,7 @@
 #include "train/optim/optimizer.hpp"
 
 #include "core/error.hpp"
+#include "core/flat.hpp"
 #include "core/vocab.hpp"
 #include "train/adamw.hpp"
 #include "train/optim/adafactor.hpp"
@@ -97,9 +98,9 @@ StateBuffer subsetBuffer(const std::string& name, const Subset& subset, bool byt
   b.full_size = subset.full_size;
   b.pieces = subset.pieces;
   if (bytes)
-    b.u8 = View1<std::uint8_t>("plm::train::optim::" + name, subset.local_size);
+    b.u8 = flatZeros<std::uint8_t>("plm::train::optim::" + name, subset.local_size);
   else
-    b.f32 = View1<master_t>("plm::train::optim::" + name, subset.local_size);
+    b.f32 = flatZeros<master_t>("plm::train::optim::" + name, subset.local_size);
   return b;
 }
 
@@ -110,15 +111,15 @@ StateBuffer elementwiseBuffer(const std::string& name, const ParamLayout& layout
   b.table = layout.tensors;
   for (const auto& t : layout.tensors) b.full_size = std::max(b.full_size, t.offset + t.size);
   b.pieces = layout.pieces;  // same offsets as the parameters
-  b.f32 = View1<master_t>("plm::train::optim::" + name, layout.local_size);
+  b.f32 = flatZeros<master_t>("plm::train::optim::" + name, layout.local_size);
   return b;
 }
 
 // A free function: CUDA extended lambdas may not live in constructors.
 template <class To, class From>
 void castCopy(const ExecSpace& space, View1<To> to, View1<From> from, const char* label) {
-  Kokkos::parallel_for(
-      label, FlatPolicy(space, 0, to.extent(0)),
+  plm::flatFor(
+      label, space, 0, to.extent(0),
       KOKKOS_LAMBDA(const std::int64_t i) { to(i) = static_cast<To>(from(i)); });
 }
 
@@ -151,7 +152,7 @@ template <class P> Optimizer<P>::Optimizer(View1<P> params, ParamLayout layout)
     PLM_REQUIRE(r.offset >= 0 && r.offset + r.size <= n, "optimizer: frozen range out of bounds");
     for (std::int64_t i = r.offset; i < r.offset + r.size; ++i) flags(i) = frozen_flag;
   }
-  flags_member = View1<std::uint8_t>("plm::train::flags", n);
+  flags_member = flatZeros<std::uint8_t>("plm::train::flags", n);
   Kokkos::deep_copy(flags_member, flags);
 }
 
@@ -184,9 +185,8 @@ template <class P> void Optimizer<P>::shardMax(std::vector<float>& values) const
 
 template <class P> void Optimizer<P>::maskGradients(const ExecSpace& space, View1<P> grads) const {
   auto flags = flags_member;
-  Kokkos::parallel_for(
-      "plm::train::maskGradients", FlatPolicy(space, 0, grads.extent(0)),
-      KOKKOS_LAMBDA(const std::int64_t i) {
+  plm::flatFor(
+      "plm::train::maskGradients", space, 0, grads.extent(0), KOKKOS_LAMBDA(const std::int64_t i) {
         if (flags(i) & frozen_flag) grads(i) = P(0);
       });
 }
