@@ -7,6 +7,9 @@
 // The FFN is a replaceable block (FfnBlock): DenseMlp is ESM-2's; a Mixture-of-Experts block
 // takes its place without touching the layer or the orchestration.  Parameters are views into
 // the model's flat buffers (compute-precision copy for the forward, master-type gradients).
+// LoRA adapters (setLora, model/lora.hpp) add s (x A^T) B^T to a projection's output: q, k, v
+// before rotary, the attention output into the residual stream, the FFN input before its GELU
+// (linearGelu's added term) and the FFN output; their backward joins the same gradients.
 #pragma once
 
 #include "model/lora.hpp"

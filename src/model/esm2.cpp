@@ -17,6 +17,9 @@
 // (q/k/v stacked (3H, H)), refreshed once per optimizer step like the bf16 copy, whose handles
 // carry the GEMM's FP8 slot (Mat::fp8): the dispatch points then emulate the FP8 GEMM
 // (fp8_gemm.hpp).  Everything else computes as under fp32.
+// LoRA (Esm2Config::lora, model/lora.hpp): A and B of every target are table rows at the end of
+// their layer (so in its group, its slice of the compute copy and its sharded unit), bound like
+// GEMM weights; the layer adds their products at its projections (encoder_layer.cpp).
 // Recomputation (Recompute in ops.hpp) changes only what is kept; every kernel is deterministic,
 // so the gradients are bitwise those of the stored-activation path on each backend.
 #include "model/esm2.hpp"

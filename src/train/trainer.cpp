@@ -239,6 +239,16 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
                 : (std::string(" (") + model::recomputeName(config.recompute) +
                    " activation recomputation)")
                       .c_str());
+  if (config.lora.enabled()) {
+    std::int64_t adapter = 0, base = 0;
+    for (const auto& t : model_member->tensors())
+      (t.name.find(".lora_") != std::string::npos ? adapter : base) += t.size;
+    log::info(
+        "lora: rank %d, alpha %g, targets %s: %lld adapter parameters train, the %lld of "
+        "the base model are frozen; model.h5 is written merged",
+        config.lora.rank, config.lora.alpha, model::loraTargetNames(config.lora.targets).c_str(),
+        static_cast<long long>(adapter), static_cast<long long>(base));
+  }
   {
     const Optimizer<param_t>& opt = fsdp_member ? fsdp_member->optimizer() : *optimizer_member;
     log::info("optimizer: %s, state %s on this rank (%.3g bytes per parameter)",

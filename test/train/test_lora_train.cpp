@@ -148,7 +148,7 @@ TEST_F(LoraTrainTest, TrainsOnlyTheAdaptersAndWritesTheMergedModel) {
       "lora run: mean loss over the first 5 steps %.4f, the last 5 %.4f; validation "
       "%.4f -> %.4f\n",
       first, last, valid_before, valid_after);
-  // Observed [3.43 -> 3.35, validation about the same fall]: a random frozen base and LM head
+  // Observed [training 3.43 -> 3.35, validation 3.52 -> 3.34]: a random frozen base and LM head
   // leave rank-4 adapters little to fit in 30 steps, but the fall is far above batch noise.
   EXPECT_LT(last, first - 0.04) << "training loss did not fall";
   EXPECT_LT(valid_after, valid_before - 0.04) << "validation loss did not fall";
