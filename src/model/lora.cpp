@@ -8,54 +8,6 @@
 #include <cmath>
 
 namespace plm::model {
-namespace {
-
-struct TargetName {
-  const char* name;
-  LoraTarget bit;
-};
-
-constexpr TargetName target_names[] = {{"q", lora_q},           {"k", lora_k},
-                                       {"v", lora_v},           {"o", lora_o},
-                                       {"ffn_in", lora_ffn_in}, {"ffn_out", lora_ffn_out}};
-
-}  // namespace
-
-std::string loraTargetNames(unsigned targets) {
-  std::string out;
-  for (const auto& t : target_names)
-    if (targets & t.bit) out += (out.empty() ? "" : ",") + std::string(t.name);
-  return out;
-}
-
-unsigned parseLoraTargets(const std::string& text) {
-  unsigned targets = 0;
-  std::string item;
-  auto flush = [&] {
-    if (item.empty()) return;
-    bool found = false;
-    for (const auto& t : target_names)
-      if (item == t.name) {
-        targets |= t.bit;
-        found = true;
-      }
-    if (!found)
-      throw collectiveError("lora.targets: unknown target '" + item + "' in '" + text +
-                            "'; use a comma-separated subset of " + loraTargetNames(~0u));
-    item.clear();
-  };
-  for (char ch : text) {
-    if (ch == ',')
-      flush();
-    else if (ch != ' ' && ch != '\t')
-      item += ch;
-  }
-  flush();
-  if (targets == 0)
-    throw collectiveError("lora.targets: empty; name at least one of " + loraTargetNames(~0u));
-  return targets;
-}
-
 template <class T> void loraInitA(const ExecSpace& space, const View2<T>& a, std::uint64_t seed,
                                   std::uint64_t stream) {
   // kaiming_uniform_(a = sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 / fan_in) =

@@ -9,6 +9,7 @@
 // backend; merging (W += s B A) is what `plm convert --to-hf` does to export a plain model.
 #pragma once
 
+#include "core/error.hpp"
 #include "core/types.hpp"
 #include "model/math.hpp"
 #include "model/ops.hpp"
@@ -40,12 +41,57 @@ struct LoraConfig {
   bool has(LoraTarget t) const { return (targets & t) != 0; }
 };
 
-/// \brief Parses lora.targets ("q,k,v,o", any subset of q,k,v,o,ffn_in,ffn_out; spaces
-/// allowed); a bad name throws a collective Error naming it and the accepted names.
-unsigned parseLoraTargets(const std::string& text);
+namespace detail {
+
+struct LoraTargetName {
+  const char* name;
+  LoraTarget bit;
+};
+
+inline constexpr LoraTargetName lora_target_names[] = {
+    {"q", lora_q}, {"k", lora_k},           {"v", lora_v},
+    {"o", lora_o}, {"ffn_in", lora_ffn_in}, {"ffn_out", lora_ffn_out}};
+
+}  // namespace detail
 
 /// \brief The names parseLoraTargets accepts, comma-separated, for messages and docs.
-std::string loraTargetNames(unsigned targets);
+inline std::string loraTargetNames(unsigned targets) {
+  std::string out;
+  for (const auto& t : detail::lora_target_names)
+    if (targets & t.bit) out += (out.empty() ? "" : ",") + std::string(t.name);
+  return out;
+}
+
+/// \brief Parses lora.targets ("q,k,v,o", any subset of q,k,v,o,ffn_in,ffn_out; spaces
+/// allowed); a bad name throws a collective Error naming it and the accepted names.  Inline:
+/// plm_io reads and writes targets in model files without linking the model library.
+inline unsigned parseLoraTargets(const std::string& text) {
+  unsigned targets = 0;
+  std::string item;
+  auto flush = [&] {
+    if (item.empty()) return;
+    bool found = false;
+    for (const auto& t : detail::lora_target_names)
+      if (item == t.name) {
+        targets |= t.bit;
+        found = true;
+      }
+    if (!found)
+      throw collectiveError("lora.targets: unknown target '" + item + "' in '" + text +
+                            "'; use a comma-separated subset of " + loraTargetNames(~0u));
+    item.clear();
+  };
+  for (char ch : text) {
+    if (ch == ',')
+      flush();
+    else if (ch != ' ' && ch != '\t')
+      item += ch;
+  }
+  flush();
+  if (targets == 0)
+    throw collectiveError("lora.targets: empty; name at least one of " + loraTargetNames(~0u));
+  return targets;
+}
 
 /// \brief Adapter parameters (A and B of every target) of a dense encoder of `layers` layers.
 std::int64_t loraAdapterParameters(const LoraConfig& config, int layers, std::int64_t hidden,

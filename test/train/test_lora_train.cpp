@@ -8,6 +8,7 @@
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
 #include "io/dataset.hpp"
+#include "io/hf_esm.hpp"
 #include "io/model_file.hpp"
 #include "train/trainer.hpp"
 
@@ -18,6 +19,8 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <random>
 #include <sstream>
 #include <string>
@@ -67,7 +70,8 @@ Teuchos::RCP<Teuchos::ParameterList> loraDeck(const std::string& dir, const std:
                                               int steps, const std::string& extra = "",
                                               const std::string& lora =
                                                   "rank: 4\n  alpha: 16\n  targets: "
-                                                  "q,k,v,o,ffn_in,ffn_out\n") {
+                                                  "q,k,v,o,ffn_in,ffn_out\n",
+                                              int checkpoint_every = 0) {
   std::ostringstream yaml;
   yaml << "model:\n  preset: custom\n  layers: 2\n  hidden: 32\n  heads: 4\n  ffn: 64\n"
        << "data:\n  train: " << dir << "/train.h5\n  valid: " << dir << "/valid.h5\n"
@@ -76,7 +80,8 @@ Teuchos::RCP<Teuchos::ParameterList> loraDeck(const std::string& dir, const std:
        << "schedule:\n  warmup_steps: 3\n"
        << "train:\n  steps: " << steps << "\n  log_every: 5\n  eval_every: 0\n"
        << "  run_dir: " << dir << "/" << run << "\n"
-       << "checkpoint:\n  every: 0\n  resume: none\n"
+       << "checkpoint:\n  every: " << checkpoint_every << "\n  resume: none\n  dir: " << dir << "/"
+       << run << "/ckpt\n"
        << "lora:\n  " << lora << extra;
   return plm::deck::resolve(*plm::deck::readYamlString(yaml.str(), "test deck"));
 }
@@ -118,7 +123,9 @@ std::vector<double> runLosses(plm::train::Trainer& trainer) {
 
 TEST_F(LoraTrainTest, TrainsOnlyTheAdaptersAndWritesTheMergedModel) {
   const int steps = 30;
-  plm::train::Trainer trainer(loraDeck(dir, "run_lora", steps));
+  plm::train::Trainer trainer(loraDeck(dir, "run_lora", steps, "",
+                                       "rank: 4\n  alpha: 16\n  targets: q,k,v,o,ffn_in,ffn_out\n",
+                                       steps));
   const auto before = hostParameters(trainer);
   const double valid_before = trainer.validate().loss();
   const auto losses = runLosses(trainer);
@@ -165,6 +172,30 @@ TEST_F(LoraTrainTest, TrainsOnlyTheAdaptersAndWritesTheMergedModel) {
     EXPECT_FALSE(isAdapter(t.name));
     for (std::int64_t i = t.offset; i < t.offset + t.size; ++i)
       ASSERT_EQ(stored[i], merged[i]) << t.name;
+  }
+
+  // The checkpoint keeps the adapters; `plm convert --to-hf` of it merges them and writes the
+  // export of model.h5 byte for byte.
+  const std::string ckpt = dir + "/run_lora/ckpt/step_000030.h5";
+  EXPECT_TRUE(plm::io::readModelConfig(ckpt).lora.enabled());
+  plm::io::hf::ExportOptions options;
+  options.lora_merge = [](const plm::model::Esm2Config& c,
+                          const std::vector<plm::model::TensorInfo>& t,
+                          const float* v) { return plm::model::mergeLora(c, t, v); };
+  const plm::io::hf::TableOf table_of = [](const plm::model::Esm2Config& c) {
+    return plm::model::tensorTable(c);
+  };
+  plm::io::hf::convertToHf(ckpt, dir + "/hf_ckpt", MPI_COMM_WORLD, options, table_of);
+  plm::io::hf::convertToHf(file, dir + "/hf_model", MPI_COMM_WORLD, {}, table_of);
+  if (plm::dist::worldRank() == 0) {
+    auto bytes = [](const std::string& path) {
+      std::ifstream in(path, std::ios::binary);
+      return std::string(std::istreambuf_iterator<char>(in), {});
+    };
+    const std::string a = bytes(dir + "/hf_ckpt/model.safetensors");
+    EXPECT_FALSE(a.empty());
+    EXPECT_TRUE(a == bytes(dir + "/hf_model/model.safetensors"))
+        << "the checkpoint's merged export differs from model.h5's";
   }
 }
 
