@@ -173,30 +173,6 @@ TEST_F(LoraTrainTest, TrainsOnlyTheAdaptersAndWritesTheMergedModel) {
     for (std::int64_t i = t.offset; i < t.offset + t.size; ++i)
       ASSERT_EQ(stored[i], merged[i]) << t.name;
   }
-
-  // The checkpoint keeps the adapters; `plm convert --to-hf` of it merges them and writes the
-  // export of model.h5 byte for byte.
-  const std::string ckpt = dir + "/run_lora/ckpt/step_000030.h5";
-  EXPECT_TRUE(plm::io::readModelConfig(ckpt).lora.enabled());
-  plm::io::hf::ExportOptions options;
-  options.lora_merge = [](const plm::model::Esm2Config& c,
-                          const std::vector<plm::model::TensorInfo>& t,
-                          const float* v) { return plm::model::mergeLora(c, t, v); };
-  const plm::io::hf::TableOf table_of = [](const plm::model::Esm2Config& c) {
-    return plm::model::tensorTable(c);
-  };
-  plm::io::hf::convertToHf(ckpt, dir + "/hf_ckpt", MPI_COMM_WORLD, options, table_of);
-  plm::io::hf::convertToHf(file, dir + "/hf_model", MPI_COMM_WORLD, {}, table_of);
-  if (plm::dist::worldRank() == 0) {
-    auto bytes = [](const std::string& path) {
-      std::ifstream in(path, std::ios::binary);
-      return std::string(std::istreambuf_iterator<char>(in), {});
-    };
-    const std::string a = bytes(dir + "/hf_ckpt/model.safetensors");
-    EXPECT_FALSE(a.empty());
-    EXPECT_TRUE(a == bytes(dir + "/hf_model/model.safetensors"))
-        << "the checkpoint's merged export differs from model.h5's";
-  }
 }
 
 TEST_F(LoraTrainTest, ShardedRunGivesTheDataParallelLosses) {
