@@ -8,7 +8,6 @@
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
 #include "io/dataset.hpp"
-#include "io/hf_esm.hpp"
 #include "io/model_file.hpp"
 #include "train/trainer.hpp"
 
@@ -19,8 +18,6 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <random>
 #include <sstream>
 #include <string>
