@@ -5,13 +5,19 @@
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
-#                                       finetune_encoder large_index layernorm
+#                                       finetune_encoder large_index layernorm lora
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
 #        train.gemm_autotune false and true (PLM_GEMM_TUNE_TOKENS, default 24576; PLM_TRAIN_STEPS),
 #        then plm train 650M bf16 with train.gemm_autotune on, twice in one run_dir (the second
 #        run reads <run_dir>/gemm_autotune.txt: its "gemm autotune:" lines say "from the cache file")
+#   lora: LoRA adapters in bf16 (doc/finetune.md section 7) on ESM-2 650M's shape (random base),
+#         rank 16 on q,k,v,o,ffn_in,ffn_out: PLM_LORA_STEPS steps (default 20) on the packaged
+#         proteins with a checkpoint at the end (tokens/s beside the same run without adapters),
+#         then `plm eval` of the checkpoint (adapters unmerged) and of model.h5 (merged): the two
+#         losses agree within bf16 tolerance; with 2+ GPUs the adapter run at shard_degree 2
+#         (NCCL) matches the 1-GPU losses (compare_losses.py); lora.rank 4 under bf16 is refused
 #   finetune_parity: a task head (doc/finetune.md) on ESM-2 650M's shape in bf16 from a
 #         Hugging Face folder (random weights saved by transformers' EsmForMaskedLM, the machine
 #         has no Hub access): sequence_regression of the hydrophobic fraction of synthetic
@@ -1244,6 +1250,43 @@ PY
   note "finetune_encoder: plm eval --head rc=$?"
   grep "task eval" "$out/finetune_encoder_eval.log" | cut -c1-220 | tee -a "$summary"
   rm -rf "$d"
+fi
+
+if has lora && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  lo=/tmp/plm-lora; rm -rf "$lo"
+  steps=${PLM_LORA_STEPS:-20}
+  common=(--set model.preset=esm2_650m --set data.train="$pkg/data/train.h5"
+          --set data.valid="$pkg/data/train.h5" --set data.valid_tokens=65536
+          --set train.precision=bf16 --set data.micro_batch_tokens=16384
+          --set data.tokens_per_batch=32768 --set train.steps=$steps --set train.log_every=5
+          --set train.eval_every=0 --set schedule.warmup_steps=2 --set checkpoint.resume=none
+          --set optimizer.lr=1e-3)
+  adapters=(--set lora.rank=16 --set lora.alpha=32 --set lora.targets=q,k,v,o,ffn_in,ffn_out)
+  timeout 400 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" "${common[@]}" "${adapters[@]}" \
+    --set checkpoint.every=$steps --set train.run_dir="$lo/run" --set checkpoint.dir="$lo/run/ckpt" \
+    > "$out/lora_train.log" 2>&1
+  note "lora: plm train 650M bf16 rank 16 rc=$?"
+  grep -E "error|step +([0-9]+)/" "$out/lora_train.log" | tail -5 | tee -a "$summary"
+  timeout 300 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" "${common[@]}" \
+    --set checkpoint.every=0 --set train.run_dir="$lo/full" > "$out/lora_full.log" 2>&1
+  note "lora: the same run without adapters rc=$?"
+  grep -E "step +$steps/" "$out/lora_full.log" | tee -a "$summary"
+  ckpt=$(ls "$lo"/run/ckpt/step_*.h5 2>/dev/null | tail -1)
+  for m in "$ckpt" "$lo/run/model.h5"; do
+    "$pkg/bin/plm" eval "$repo/inputs/esm2_650m.yaml" "${common[@]}" --model "$m" 2>&1 |
+      grep -E "^eval|error" | sed "s|^|  $(basename "$m"): |" | tee -a "$summary"
+  done
+  if (( $(nvidia-smi -L | wc -l) >= 2 )); then
+    timeout 400 mpirun -n 2 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" "${common[@]}" \
+      "${adapters[@]}" --set parallel.shard_degree=2 --set checkpoint.every=0 \
+      --set train.run_dir="$lo/fsdp" > "$out/lora_fsdp.log" 2>&1
+    note "lora: shard_degree 2 rc=$?"
+    python3 "$repo/validation/compare_losses.py" "$lo/run/metrics.jsonl" "$lo/fsdp/metrics.jsonl" \
+      --steps "$steps" --tol 2e-2 2>&1 | tail -3 | tee -a "$summary"
+  fi
+  "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" "${common[@]}" --set lora.rank=4 \
+    --set train.run_dir="$lo/bad" 2>&1 | grep -m1 "lora.rank" | tee -a "$summary"
+  rm -rf "$lo"
 fi
 
 if has hf; then

@@ -91,6 +91,8 @@ int runConvert(const Argv& argv) {
     if (args.has("from-hf")) {
       summary = io::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD, table);
     } else {
+      options.lora_merge = [](const model::Esm2Config& c, const std::vector<model::TensorInfo>& t,
+                              const float* v) { return model::mergeLora(c, t, v); };
       summary = io::hf::convertToHf(args.get("to-hf"), out, MPI_COMM_WORLD, options, table);
     }
   } catch (const Error& e) {

@@ -80,8 +80,8 @@ const std::vector<SectionSpec>& sections() {
        "How ranks split the work beyond data parallelism: sharded data parallelism (FSDP/HSDP, "
        "doc/parallelism.md) and expert parallelism."},
       {"lora",
-       "LoRA adapters for fine-tuning (doc/finetune.md): rank = 0 trains the whole model. "
-       "Adapters (rank > 0) are not yet part of the training step: plm train refuses them."},
+       "LoRA adapters for fine-tuning (doc/finetune.md): rank = 0 trains the whole model; "
+       "rank > 0 trains only the adapters (the base is frozen) and the run's model.h5 is merged."},
   };
   return table;
 }

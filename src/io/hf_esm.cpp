@@ -681,9 +681,35 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
   // Dense models: the Hugging Face table; MoE: plm's own (experts by name).
   if (moe && !moe_table)
     throw Error("plm::io::hf::convertToHf: an MoE model needs the model's table (a bug)");
+  const model::Esm2Config stored = summary.config;
+  if (stored.lora.enabled()) {  // a checkpoint of a LoRA run: exported merged, as plain ESM-2
+    if (!options.lora_merge || !moe_table)
+      throw Error("plm::io::hf::convertToHf: `" + model_file +
+                  "` holds LoRA adapters and no merge was handed over (a bug)");
+    if (moe)
+      throw Error("plm convert --to-hf: `" + model_file +
+                  "` holds LoRA adapters on a Mixture-of-Experts model, which the export does not "
+                  "merge; export the run's model.h5 (written merged) instead");
+    summary.config.lora = model::LoraConfig{};
+    summary.warnings.push_back("LoRA adapters (rank " + std::to_string(stored.lora.rank) +
+                               ", alpha " + std::to_string(stored.lora.alpha) + ", targets " +
+                               model::loraTargetNames(stored.lora.targets) +
+                               ") merged into their weights: W + (alpha / rank) B A");
+  }
   const auto tensors = moe ? moe_table(summary.config) : esmTensors(summary.config);
   std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size));
-  readModelValues(model_file, comm, summary.config, tensors, values.data());
+  if (stored.lora.enabled()) {
+    const auto adapted = moe_table(stored);
+    std::vector<float> raw(std::size_t(adapted.back().offset + adapted.back().size));
+    readModelValues(model_file, comm, stored, adapted, raw.data());
+    const auto merged = options.lora_merge(stored, adapted, raw.data());
+    std::map<std::string, std::int64_t> at;
+    for (const auto& t : moe_table(summary.config)) at[t.name] = t.offset;
+    for (const auto& t : tensors)
+      std::copy_n(merged.data() + at.at(t.name), t.size, values.data() + t.offset);
+  } else {
+    readModelValues(model_file, comm, summary.config, tensors, values.data());
+  }
   summary.num_parameters = 0;
   for (const auto& t : tensors) summary.num_parameters += t.size;
 

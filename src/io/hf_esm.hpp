@@ -115,6 +115,11 @@ struct ExportOptions {
   // (EsmForSequenceClassification / EsmForTokenClassification, num_labels, id2label, and
   // problem_type regression for one output).  Mean pooling has no Hugging Face class: refused.
   std::string head;
+  // Folds a checkpoint's LoRA adapters into their weights (model::mergeLora, which plm_io
+  // cannot call, so the caller hands it over); a checkpoint with adapters is refused without it.
+  std::function<std::vector<float>(const model::Esm2Config&, const std::vector<model::TensorInfo>&,
+                                   const float*)>
+      lora_merge;
 };
 
 /// \brief "5GB", "500MB", "1.5GiB", "1000000" (bytes) -> bytes (as save_pretrained's

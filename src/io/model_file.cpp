@@ -33,6 +33,11 @@ void writeConfigAttributes(hid_t location, const model::Esm2Config& config) {
   h5::writeAttribute(location, "max_positions", std::int64_t(config.max_positions));
   h5::writeAttribute(location, "layer_norm_eps", config.layer_norm_eps);
   h5::writeAttribute(location, "token_dropout", std::int64_t(config.token_dropout ? 1 : 0));
+  if (config.lora.enabled()) {  // a checkpoint's adapters (model files store merged weights)
+    h5::writeAttribute(location, "lora_rank", std::int64_t(config.lora.rank));
+    h5::writeAttribute(location, "lora_alpha", config.lora.alpha);
+    h5::writeAttribute(location, "lora_targets", model::loraTargetNames(config.lora.targets));
+  }
   const auto& moe = config.moe;
   if (!moe.enabled()) return;  // dense files carry no MoE attribute at all
   h5::writeAttribute(location, "moe_experts", std::int64_t(moe.experts));
@@ -83,6 +88,12 @@ model::Esm2Config readConfigAttributes(hid_t location, const std::string& path) 
   config.max_positions = readInt("max_positions");
   config.token_dropout = readInt("token_dropout") != 0;
   config.layer_norm_eps = h5::readDoubleAttribute(location, "layer_norm_eps");
+  if (h5::hasAttribute(location, "lora_rank")) {  // a checkpoint with LoRA adapters
+    config.lora.rank = readInt("lora_rank");
+    config.lora.alpha = h5::readDoubleAttribute(location, "lora_alpha");
+    config.lora.targets =
+        model::parseLoraTargets(h5::readStringAttribute(location, "lora_targets"));
+  }
   if (h5::hasAttribute(location, "moe_experts")) {  // a Mixture-of-Experts model (doc/model.md)
     auto& moe = config.moe;
     moe.experts = readInt("moe_experts");

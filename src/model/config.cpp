@@ -138,6 +138,17 @@ void Esm2Config::validate() const {
   if (max_positions <= 2) fail("max_positions must exceed 2, got " + std::to_string(max_positions));
   if (!(layer_norm_eps > 0)) fail("layer_norm_eps must be positive");
   moe.validate(hidden);
+  if (lora.enabled()) {
+    if (!(lora.alpha > 0))
+      throw collectiveError("lora.alpha must be positive, got " + std::to_string(lora.alpha));
+    if (lora.targets == 0 || (lora.targets & ~63u) != 0)
+      throw collectiveError("lora.targets: none given; name at least one of " +
+                            loraTargetNames(~0u));
+    if (moe.enabled() && (lora.has(lora_ffn_in) || lora.has(lora_ffn_out)))
+      throw collectiveError("lora.targets " + loraTargetNames(lora.targets) +
+                            ": ffn_in/ffn_out adapters are not implemented for Mixture-of-Experts "
+                            "models; use attention targets (q,k,v,o)");
+  }
 }
 
 }  // namespace plm::model

@@ -6,25 +6,61 @@
 
 namespace plm::model {
 
+namespace {
+
+// Context scratch slots of the FFN adapters' (T, F) terms (lora.cpp uses 48 and 49).
+constexpr int scratch_ffn_add = 50, scratch_ffn_dact = 51;
+
+Mat scratchLike(OpContext& ctx, int slot, const Mat& like) {
+  return Mat{
+      ctx.scratch(slot, static_cast<std::size_t>(like.rows * like.cols) * sizeOf(like.dtype)),
+      like.dtype, like.rows, like.cols, like.cols};
+}
+
+}  // namespace
+
+void FfnBlock::setLora(const LayerLora& lora) {
+  if (lora.ffn_in.active() || lora.ffn_out.active())
+    throw collectiveError(
+        "lora.targets: ffn_in/ffn_out adapters are not implemented for this FFN block "
+        "(Mixture-of-Experts layers); use attention targets (q,k,v,o)");
+}
+
 void DenseMlp::forward(OpContext& ctx, const Mat& h, const Mat& residual, const Mat& out,
                        LayerActs& saved) const {
+  const auto& lo = lora_member;
   {
     PLM_TRACE("plm::gemm ffn_in fwd (+gelu)");
-    linearGelu(ctx, h, w_member.w1, w_member.b1, saved.pre, saved.act);
+    Mat add;  // the adapter's term enters before the GELU
+    if (lo.ffn_in.active()) {
+      add = scratchLike(ctx, scratch_ffn_add, saved.pre);
+      loraForward(ctx, lo.ffn_in, lo.scale, h, add, false);
+    }
+    linearGelu(ctx, h, w_member.w1, w_member.b1, saved.pre, saved.act, add);
   }
   PLM_TRACE("plm::gemm ffn_out fwd");
   linearResidual(ctx, saved.act, w_member.w2, w_member.b2, residual, out);
+  if (lo.ffn_out.active()) loraForward(ctx, lo.ffn_out, lo.scale, saved.act, out);
 }
 
 void DenseMlp::backward(OpContext& ctx, const LayerActs& saved, const Mat& dout_c, const Mat& dh,
                         LayerScratch& scratch) const {
-  {
+  const auto& lo = lora_member;
+  if (lo.ffn_out.active()) {
+    // The adapter's input gradient joins before dGELU, so the fused epilogue is split.
+    PLM_TRACE("plm::gemm ffn_out bwd (lora)");
+    const Mat dact = scratchLike(ctx, scratch_ffn_dact, saved.act);
+    linearBackward(ctx, saved.act, w_member.w2, dout_c, dact, false, g_member.w2, g_member.b2);
+    loraBackward(ctx, lo.ffn_out, lo.scale, saved.act, dout_c, dact);
+    geluBackward(ctx, saved.pre, dact, scratch.dffn);
+  } else {
     PLM_TRACE("plm::gemm ffn_out bwd (+dgelu)");
     linearBackwardGelu(ctx, saved.act, w_member.w2, dout_c, saved.pre, scratch.dffn, g_member.w2,
                        g_member.b2);
   }
   PLM_TRACE("plm::gemm ffn_in bwd");
   linearBackward(ctx, saved.ln2, w_member.w1, scratch.dffn, dh, false, g_member.w1, g_member.b1);
+  if (lo.ffn_in.active()) loraBackward(ctx, lo.ffn_in, lo.scale, saved.ln2, scratch.dffn, dh);
 }
 
 void Relocation::operator()(QkvWeights& q) const {
@@ -44,9 +80,15 @@ void Relocation::operator()(DenseMlpWeights& w) const {
   (*this)(w.b2);
 }
 
+void Relocation::operator()(LayerLora& l) const {
+  for (LoraAdapter* ad : l.adapters())
+    for (Mat* m : {&ad->a, &ad->b, &ad->ga, &ad->gb}) (*this)(*m);
+}
+
 void DenseMlp::relocate(const Relocation& r) {
   r(w_member);
   r(g_member);
+  r(lora_member);
 }
 
 EncoderLayer::EncoderLayer(const LayerShape& shape, const AttentionWeights& attention,
@@ -71,7 +113,13 @@ void EncoderLayer::relocate(const Relocation& r) {
   r(g.wo);
   r(w.qkv);
   r(g.qkv);
+  r(lora_member);
   ffn_member->relocate(r);
+}
+
+void EncoderLayer::setLora(const LayerLora& lora) {
+  lora_member = lora;
+  ffn_member->setLora(lora);
 }
 
 void EncoderLayer::forward(OpContext& ctx, const DeviceBatch& b, const Mat& in, const Mat& out,
@@ -81,6 +129,10 @@ void EncoderLayer::forward(OpContext& ctx, const DeviceBatch& b, const Mat& in, 
   {
     PLM_TRACE("plm::gemm qkv fwd");
     qkvProjection(ctx, a.ln1, w.qkv, a.qkv);
+    const auto& lo = lora_member;
+    if (lo.q.active()) loraForward(ctx, lo.q, lo.scale, a.ln1, a.qkv.q);
+    if (lo.k.active()) loraForward(ctx, lo.k, lo.scale, a.ln1, a.qkv.k);
+    if (lo.v.active()) loraForward(ctx, lo.v, lo.scale, a.ln1, a.qkv.v);
   }
   {
     PLM_TRACE("plm::rotary");
@@ -90,6 +142,7 @@ void EncoderLayer::forward(OpContext& ctx, const DeviceBatch& b, const Mat& in, 
   {
     PLM_TRACE("plm::gemm attn_out fwd");
     linearResidual(ctx, a.o, w.wo, w.bo, in, a.xmid);
+    if (lora_member.o.active()) loraForward(ctx, lora_member.o, lora_member.scale, a.o, a.xmid);
   }
   layerNorm(ctx, a.xmid, ln2_member.gamma, ln2_member.beta, shape_member.eps, a.ln2, a.mean2,
             a.rstd2);
@@ -122,6 +175,8 @@ void EncoderLayer::backward(OpContext& ctx, const DeviceBatch& b, const Mat& in,
   {
     PLM_TRACE("plm::gemm attn_out bwd");
     linearBackward(ctx, a.o, w.wo, s.dres_c, s.dout, false, g.wo, g.bo);
+    if (lora_member.o.active())
+      loraBackward(ctx, lora_member.o, lora_member.scale, a.o, s.dres_c, s.dout);
   }
   attentionBackward(ctx, b, a.qkv, a.o, a.lse, s.dout, shape_member.heads, s.delta, s.dqkv);
   {
@@ -131,6 +186,10 @@ void EncoderLayer::backward(OpContext& ctx, const DeviceBatch& b, const Mat& in,
   {
     PLM_TRACE("plm::gemm qkv bwd");
     qkvBackward(ctx, a.ln1, w.qkv, s.dqkv, s.dln, g.qkv);
+    const auto& lo = lora_member;
+    if (lo.q.active()) loraBackward(ctx, lo.q, lo.scale, a.ln1, s.dqkv.q, s.dln);
+    if (lo.k.active()) loraBackward(ctx, lo.k, lo.scale, a.ln1, s.dqkv.k, s.dln);
+    if (lo.v.active()) loraBackward(ctx, lo.v, lo.scale, a.ln1, s.dqkv.v, s.dln);
   }
   layerNormBackward(ctx, in, w.ln_g, a.mean1, a.rstd1, s.dln, s.dres, true, s.dres_c, g.ln_g,
                     g.ln_b);

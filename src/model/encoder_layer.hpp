@@ -7,8 +7,12 @@
 // The FFN is a replaceable block (FfnBlock): DenseMlp is ESM-2's; a Mixture-of-Experts block
 // takes its place without touching the layer or the orchestration.  Parameters are views into
 // the model's flat buffers (compute-precision copy for the forward, master-type gradients).
+// LoRA adapters (setLora, model/lora.hpp) add s (x A^T) B^T to a projection's output: q, k, v
+// before rotary, the attention output into the residual stream, the FFN input before its GELU
+// (linearGelu's added term) and the FFN output; their backward joins the same gradients.
 #pragma once
 
+#include "model/lora.hpp"
 #include "model/ops.hpp"
 
 #include <cstddef>
@@ -82,6 +86,7 @@ struct Relocation {
   void operator()(QkvWeights& q) const;
   void operator()(QkvGrads& q) const;
   void operator()(DenseMlpWeights& w) const;
+  void operator()(LayerLora& l) const;
 
  private:
   void move(void*& data) const {
@@ -101,6 +106,8 @@ class FfnBlock {
   /// \brief dh (written) from dout_c, the compute copy of dL/d(out); parameter gradients +=.
   virtual void backward(OpContext& ctx, const LayerActs& saved, const Mat& dout_c, const Mat& dh,
                         LayerScratch& scratch) const = 0;
+  /// \brief The layer's LoRA adapters; a block without adapter support refuses active FFN ones.
+  virtual void setLora(const LayerLora& lora);
 };
 
 /// ESM-2's FFN: W2 gelu(W1 h + b1) + b2.
@@ -113,10 +120,12 @@ class DenseMlp : public FfnBlock {
   void backward(OpContext& ctx, const LayerActs& saved, const Mat& dout_c, const Mat& dh,
                 LayerScratch& scratch) const override;
   void relocate(const Relocation& r) override;
+  void setLora(const LayerLora& lora) override { lora_member = lora; }
 
  private:
   DenseMlpWeights w_member;
   DenseMlpGrads g_member;
+  LayerLora lora_member;  // ffn_in, ffn_out adapters when active
 };
 
 struct LayerShape {
@@ -142,6 +151,8 @@ class EncoderLayer {
                 LayerScratch& scratch, const Mat& cos_table, const Mat& sin_table) const;
   /// \brief Applies `r` to every parameter and gradient handle of the layer (FFN block too).
   void relocate(const Relocation& r);
+  /// \brief LoRA adapters on the layer's projections (model/lora.hpp); none by default.
+  void setLora(const LayerLora& lora);
 
  private:
   LayerShape shape_member;
@@ -150,6 +161,7 @@ class EncoderLayer {
   LayerNormParams ln2_member;  // LayerNorm 2 before the FFN block
   LayerNormParams ln2_grads_member;
   std::unique_ptr<FfnBlock> ffn_member;
+  LayerLora lora_member;
 };
 
 }  // namespace plm::model

@@ -17,6 +17,9 @@
 // (q/k/v stacked (3H, H)), refreshed once per optimizer step like the bf16 copy, whose handles
 // carry the GEMM's FP8 slot (Mat::fp8): the dispatch points then emulate the FP8 GEMM
 // (fp8_gemm.hpp).  Everything else computes as under fp32.
+// LoRA (Esm2Config::lora, model/lora.hpp): A and B of every target are table rows at the end of
+// their layer (so in its group, its slice of the compute copy and its sharded unit), bound like
+// GEMM weights; the layer adds their products at its projections (encoder_layer.cpp).
 // Recomputation (Recompute in ops.hpp) changes only what is kept; every kernel is deterministic,
 // so the gradients are bitwise those of the stored-activation path on each backend.
 #include "model/esm2.hpp"
@@ -317,6 +320,14 @@ template <class T> struct Esm2<T>::Impl {
           for (Fp8Gemm g : {Fp8Gemm::FfnIn, Fp8Gemm::FfnOut})
             fp8_slots[at++] = {fp8_scaling.get(), l, g, e};
     }
+    if (config.lora.enabled() && config.precision == Precision::Fp8)
+      throw collectiveError("lora.rank " + std::to_string(config.lora.rank) +
+                            ": LoRA adapters under train.precision fp8 are not implemented; use "
+                            "train.precision bf16 or fp32");
+    if (config.lora.enabled() && bf16 && config.lora.rank % 8 != 0)
+      throw collectiveError("lora.rank " + std::to_string(config.lora.rank) +
+                            ": under train.precision bf16 the rank must be a multiple of 8 "
+                            "(cuBLASLt alignment of the (out, r) B matrices); use 8, 16, 32, ...");
     tensors = tensorTable(config, held);
     for (std::size_t i = 0; i < tensors.size(); ++i) index[tensors[i].name] = i;
     const std::int64_t n = tableElements(tensors);
@@ -575,6 +586,7 @@ template <class T> struct Esm2<T>::Impl {
     std::vector<DenseMlpGrads> mg(config.num_layers);
     std::vector<LayerNormParams> ln2(config.num_layers), ln2g(config.num_layers);
     std::vector<MoeWeights> moe_w(config.num_layers), moe_g(config.num_layers);
+    std::vector<LayerLora> lw(config.num_layers);
     // fp8 weights refer to offsets into fp8_weights until it exists.
     std::int64_t fp8_at = 0;
     fp8_list.clear();
@@ -726,6 +738,20 @@ template <class T> struct Esm2<T>::Impl {
       }
       ln2[l] = {masterVec(P, pre + "LayerNorm.weight"), masterVec(P, pre + "LayerNorm.bias")};
       ln2g[l] = {masterVec(G, pre + "LayerNorm.weight"), masterVec(G, pre + "LayerNorm.bias")};
+      lw[l].scale = config.lora.scale();
+      auto adapter = [&](LoraAdapter& ad, const std::string& prefix) {
+        if (!index.count(prefix + ".lora_A.weight")) return;  // not a target here
+        ad.a = weight(prefix + ".lora_A.weight");
+        ad.b = weight(prefix + ".lora_B.weight");
+        ad.ga = masterMat(G, prefix + ".lora_A.weight");
+        ad.gb = masterMat(G, prefix + ".lora_B.weight");
+      };
+      adapter(lw[l].q, self + "query");
+      adapter(lw[l].k, self + "key");
+      adapter(lw[l].v, self + "value");
+      adapter(lw[l].o, pre + "attention.output.dense");
+      adapter(lw[l].ffn_in, pre + "intermediate.dense");
+      adapter(lw[l].ffn_out, pre + "output.dense");
     }
     pw.head_w = weight("lm_head.dense.weight");
     pw.head_b = bias("lm_head.dense.bias");
@@ -762,6 +788,10 @@ template <class T> struct Esm2<T>::Impl {
         rebase(aw[l].qkv.fused_b);
         rebase(aw[l].wo);
         rebase(aw[l].bo);  // bf16 only for an FP8 layer
+        for (LoraAdapter* ad : lw[l].adapters()) {
+          rebase(ad->a);
+          rebase(ad->b);
+        }
         if (config.moe.isMoeLayer(l)) {
           rebaseMlp(moe_w[l].shared);
           for (auto& e : moe_w[l].experts)
@@ -823,6 +853,7 @@ template <class T> struct Esm2<T>::Impl {
         ffn = std::make_unique<DenseMlp>(mw[l], mg[l]);
       }
       layers.emplace_back(shape, aw[l], ag[l], ln2[l], ln2g[l], std::move(ffn));
+      if (config.lora.enabled()) layers.back().setLora(lw[l]);
     }
   }
 
@@ -1430,6 +1461,8 @@ template <class T> void Esm2<T>::initializeRange(std::uint64_t seed, std::int64_
     const int kind = static_cast<int>(t.init);
     const std::int64_t first = t.offset;    // element e of the tensor is buffer element first + e
     const std::uint64_t stream = t.stream;  // any placement draws the same values
+    const double lora_bound =
+        t.shape.size() == 2 ? 1.0 / std::sqrt(static_cast<double>(t.shape[1])) : 0.0;
     plm::flatFor(
         "plm::model::initialize", space, lo, hi, KOKKOS_LAMBDA(const std::int64_t g) {
           // Counter-based (math::normal hashes seed, stream and index): element e of a tensor
@@ -1438,6 +1471,8 @@ template <class T> void Esm2<T>::initializeRange(std::uint64_t seed, std::int64_
           if (kind == static_cast<int>(InitKind::Normal) && (g < pad_lo || g >= pad_hi))
             value = static_cast<T>(0.02 * math::normal(seed, stream, g - first));
           if (kind == static_cast<int>(InitKind::One)) value = T(1);
+          if (kind == static_cast<int>(InitKind::LoraA))
+            value = static_cast<T>(loraUniform(seed, stream, g - first, lora_bound));
           out[g - offset] = value;
         });
   }

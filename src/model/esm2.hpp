@@ -14,6 +14,7 @@
 #include "core/types.hpp"
 #include "data/batch.hpp"
 #include "model/fp8_scaling.hpp"
+#include "model/lora.hpp"
 #include "model/moe_config.hpp"
 #include "model/ops.hpp"
 #include "model/tensor_table.hpp"
@@ -43,6 +44,7 @@ struct Esm2Config {
   bool deterministic = true;  // train.deterministic: false = cuDNN's atomic attention backward
   MoeConfig moe;              // Mixture-of-Experts FFN layers (moe.experts == 0: the dense ESM-2)
   Fp8Config fp8;              // the FP8 recipe (read under precision == Fp8; doc/fp8.md)
+  LoraConfig lora;            // LoRA adapters (lora.rank == 0: none; model/lora.hpp)
 
   /// \brief esm2_8m, esm2_35m, esm2_150m, esm2_650m, esm2_3b, esm2_15b; throws a collective
   /// plm::Error listing the valid names otherwise.
@@ -63,6 +65,14 @@ struct Esm2Config {
   /// head_dim, positive sizes).
   void validate() const;
 };
+
+/// \brief The plain model of one with LoRA adapters (config.lora enabled, every expert held):
+/// `values` (host, laid out as `tensors`) with every adapted weight W replaced by
+/// W + (alpha / r) B A and the adapters dropped, laid out as tensorTable(config without lora) (its
+/// whole flat buffer, padding included). What `plm convert --to-hf` and the model file at the end
+/// of a run write (doc/finetune.md).
+std::vector<float> mergeLora(const Esm2Config& config, const std::vector<TensorInfo>& tensors,
+                             const float* values);
 
 /// Optional outputs of a forward pass (device views, allocated by the model).
 template <class T> struct ForwardOutputs {

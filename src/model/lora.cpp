@@ -8,54 +8,6 @@
 #include <cmath>
 
 namespace plm::model {
-namespace {
-
-struct TargetName {
-  const char* name;
-  LoraTarget bit;
-};
-
-constexpr TargetName target_names[] = {{"q", lora_q},           {"k", lora_k},
-                                       {"v", lora_v},           {"o", lora_o},
-                                       {"ffn_in", lora_ffn_in}, {"ffn_out", lora_ffn_out}};
-
-}  // namespace
-
-std::string loraTargetNames(unsigned targets) {
-  std::string out;
-  for (const auto& t : target_names)
-    if (targets & t.bit) out += (out.empty() ? "" : ",") + std::string(t.name);
-  return out;
-}
-
-unsigned parseLoraTargets(const std::string& text) {
-  unsigned targets = 0;
-  std::string item;
-  auto flush = [&] {
-    if (item.empty()) return;
-    bool found = false;
-    for (const auto& t : target_names)
-      if (item == t.name) {
-        targets |= t.bit;
-        found = true;
-      }
-    if (!found)
-      throw collectiveError("lora.targets: unknown target '" + item + "' in '" + text +
-                            "'; use a comma-separated subset of " + loraTargetNames(~0u));
-    item.clear();
-  };
-  for (char ch : text) {
-    if (ch == ',')
-      flush();
-    else if (ch != ' ' && ch != '\t')
-      item += ch;
-  }
-  flush();
-  if (targets == 0)
-    throw collectiveError("lora.targets: empty; name at least one of " + loraTargetNames(~0u));
-  return targets;
-}
-
 template <class T> void loraInitA(const ExecSpace& space, const View2<T>& a, std::uint64_t seed,
                                   std::uint64_t stream) {
   // kaiming_uniform_(a = sqrt(5)): gain sqrt(2 / (1 + 5)), bound gain * sqrt(3 / fan_in) =
@@ -67,10 +19,7 @@ template <class T> void loraInitA(const ExecSpace& space, const View2<T>& a, std
       "plm::model::lora_init_a",
       Kokkos::RangePolicy<ExecSpace>(space, 0, static_cast<std::int64_t>(a.size())),
       KOKKOS_LAMBDA(const std::int64_t i) {
-        const std::uint64_t base = math::hash64(seed ^ math::hash64(stream + 0x4C6F5241ull));
-        const double u = static_cast<double>(math::hash64(base + i) >> 11) *
-                         (1.0 / 9007199254740992.0);  // [0, 1)
-        data[i] = static_cast<T>((2.0 * u - 1.0) * bound);
+        data[i] = static_cast<T>(loraUniform(seed, stream, i, bound));
       });
 }
 
@@ -95,6 +44,36 @@ template <class T> void loraBackward(const ExecSpace& space, const View2<T>& x, 
 template <class T> void loraMerge(const ExecSpace& space, const View2<T>& w, const View2<T>& a,
                                   const View2<T>& b, T s) {
   gemm(space, Trans::N, Trans::N, s, b, a, T(1), w);
+}
+
+namespace {
+
+// Scratch slots of the context (ops.hpp) the adapter products use.
+constexpr int scratch_tmp = 48, scratch_dtmp = 49;
+
+Mat scratchMat(OpContext& ctx, int slot, std::int64_t rows, std::int64_t cols, DType d) {
+  return Mat{ctx.scratch(slot, static_cast<std::size_t>(rows * cols) * sizeOf(d)), d, rows, cols,
+             cols};
+}
+
+}  // namespace
+
+void loraForward(OpContext& ctx, const LoraAdapter& ad, double s, const Mat& x, const Mat& y,
+                 bool accumulate) {
+  const Mat tmp = scratchMat(ctx, scratch_tmp, x.rows, ad.a.rows, x.dtype);
+  matmul(ctx, false, true, 1.0, x, ad.a, 0.0, tmp);
+  matmul(ctx, false, true, s, tmp, ad.b, accumulate ? 1.0 : 0.0, y);
+}
+
+void loraBackward(OpContext& ctx, const LoraAdapter& ad, double s, const Mat& x, const Mat& dy,
+                  const Mat& dx) {
+  const Mat tmp = scratchMat(ctx, scratch_tmp, x.rows, ad.a.rows, x.dtype);
+  const Mat dtmp = scratchMat(ctx, scratch_dtmp, x.rows, ad.a.rows, dy.dtype);
+  matmul(ctx, false, true, 1.0, x, ad.a, 0.0, tmp);    // (R, r), recomputed: r is small
+  matmul(ctx, true, false, s, dy, tmp, 1.0, ad.gb);    // (out, r)
+  matmul(ctx, false, false, s, dy, ad.b, 0.0, dtmp);   // (R, r)
+  matmul(ctx, true, false, 1.0, dtmp, x, 1.0, ad.ga);  // (r, in)
+  if (!dx.empty()) matmul(ctx, false, false, 1.0, dtmp, ad.a, 1.0, dx);
 }
 
 #define PLM_MODEL_LORA_INSTANTIATE(T)                                                             \

@@ -16,6 +16,7 @@
 #include "model/embedding.hpp"
 #include "model/fp8_gemm.hpp"
 #include "model/gelu.hpp"
+#include "model/gemm.hpp"
 #include "model/layer_norm.hpp"
 #include "model/linear.hpp"
 #include "model/rotary.hpp"
@@ -404,6 +405,7 @@ struct Mm {
   const void* b = nullptr;
   std::int64_t ldb = 0;
   const Mat* d = nullptr;
+  float alpha = 1.0f;
   float beta = 0.0f;
   gpu::Epilogue epilogue = gpu::Epilogue::None;
   const void* bias = nullptr;
@@ -434,6 +436,7 @@ void runGemm(OpContext& ctx, const Mm& x) {
   g.d = x.d->data;
   g.ldd = x.d->ld;
   g.d_type = gemmType(x.d->dtype);
+  g.alpha = x.alpha;
   g.beta = x.beta;
   g.epilogue = x.epilogue;
   g.bias = x.bias;
@@ -1402,11 +1405,14 @@ void linearResidual(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
 }
 
 void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& pre,
-                const Mat& y) {
+                const Mat& y, const Mat& add) {
   if (isBf16(x)) {
 #if PLM_HAVE_CUDA
 #if PLM_FP8_CUDA
-    if (w.fp8) return fp8LinearGeluCuda(ctx, x, w, b, pre, y);
+    if (w.fp8) {
+      PLM_REQUIRE(add.empty(), "plm::model::linearGelu: an added term under fp8 (a bug)");
+      return fp8LinearGeluCuda(ctx, x, w, b, pre, y);
+    }
 #endif
     Mm m = forwardGemm(x, w, y);
     expect(b.dtype, y.dtype, "a bias (cuBLASLt takes it in the output's type)");
@@ -1414,6 +1420,12 @@ void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const 
     m.bias = b.data;
     m.aux = pre.data;
     m.ldaux = pre.ld;
+    if (!add.empty()) {  // gelu(x W^T + b + add): C enters before the epilogue
+      expect(add.dtype, y.dtype, "the added term");
+      m.beta = 1.0f;
+      m.c = add.data;
+      m.ldc = add.ld;
+    }
     runGemm(ctx, m);
     return;
 #else
@@ -1422,8 +1434,47 @@ void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const 
   }
   portable(x.dtype, "linearGelu", [&](auto t) {
     using T = decltype(t);
-    portableLinear<T>(ctx, x, w, b, T(0), pre);
+    if (!add.empty()) Kokkos::deep_copy(ctx.space(), pre.view<T>(), add.view<T>());
+    portableLinear<T>(ctx, x, w, b, add.empty() ? T(0) : T(1), pre);
     geluForward(ctx.space(), pre.view<T>(), y.view<T>());
+  });
+}
+
+void matmul(OpContext& ctx, bool trans_a, bool trans_b, double alpha, const Mat& a, const Mat& b,
+            double beta, const Mat& c) {
+  const std::int64_t m = trans_a ? a.cols : a.rows, k = trans_a ? a.rows : a.cols;
+  const std::int64_t n = trans_b ? b.rows : b.cols, kb = trans_b ? b.cols : b.rows;
+  if (m != c.rows || n != c.cols || k != kb)
+    throw Error("plm::model::matmul: shapes (" + std::to_string(a.rows) + ", " +
+                std::to_string(a.cols) + ")" + (trans_a ? "^T" : "") + " x (" +
+                std::to_string(b.rows) + ", " + std::to_string(b.cols) + ")" +
+                (trans_b ? "^T" : "") + " -> (" + std::to_string(c.rows) + ", " +
+                std::to_string(c.cols) + ") do not match (a bug)");
+  if (isBf16(a)) {
+#if PLM_HAVE_CUDA
+    Mm mm;
+    mm.ta = trans_a;
+    mm.tb = trans_b;
+    mm.m = m;
+    mm.n = n;
+    mm.k = k;
+    mm.a = cptr<bf16>(a);
+    mm.lda = a.ld;
+    mm.b = cptr<bf16>(b);
+    mm.ldb = b.ld;
+    mm.d = &c;
+    mm.alpha = static_cast<float>(alpha);
+    mm.beta = static_cast<float>(beta);
+    runGemm(ctx, mm);
+    return;
+#else
+    noCuda("matmul");
+#endif
+  }
+  portable(a.dtype, "matmul", [&](auto t) {
+    using T = decltype(t);
+    gemm(ctx.space(), trans_a ? Trans::T : Trans::N, trans_b ? Trans::T : Trans::N, T(alpha),
+         a.view<T>(), b.view<T>(), T(beta), c.view<T>());
   });
 }
 

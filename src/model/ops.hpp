@@ -226,10 +226,15 @@ void linear(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat&
 /// \brief y = residual + x W^T + b (y and residual in the master type; y may be residual).
 void linearResidual(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& residual,
                     const Mat& y);
-/// \brief pre = x W^T + b, y = gelu(pre) (erf form on the portable path, cuBLASLt's tanh form
-/// on the bf16 path: doc/gpu.md).
+/// \brief pre = x W^T + b (+ add, (rows, out) in pre's type, when given), y = gelu(pre) (erf
+/// form on the portable path, cuBLASLt's tanh form on the bf16 path: doc/gpu.md).
 void linearGelu(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, const Mat& pre,
-                const Mat& y);
+                const Mat& y, const Mat& add = Mat{});
+/// \brief c = alpha op(a) op(b) + beta c, a plain GEMM on model tensors (LoRA adapters): bf16
+/// a and b with a bf16 or fp32 c on the bf16 path (leading dimensions multiples of 8); one
+/// element type and ld == cols on the portable path (model/gemm.hpp).
+void matmul(OpContext& ctx, bool trans_a, bool trans_b, double alpha, const Mat& a, const Mat& b,
+            double beta, const Mat& c);
 /// \brief dx = (dx_accumulate ? dx : 0) + dy W (skipped when dx is empty); dw += dy^T x;
 /// db += column sums of dy.
 void linearBackward(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, const Mat& dx,

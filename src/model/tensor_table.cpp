@@ -5,6 +5,7 @@
 #include "core/error.hpp"
 #include "io/model_file.hpp"
 #include "model/esm2.hpp"
+#include "model/lora.hpp"
 
 #include <algorithm>
 #include <map>
@@ -20,6 +21,10 @@ std::vector<TensorRow> tensorTable(const Esm2Config& c, const ExpertPlacement& h
   TensorGroup group = TensorGroup::Embedding;
   int layer = -1, expert = -1, fp8 = -1;
   bool trained = true;
+  // LoRA adapters draw from streams of their own and take no Hugging Face position, so the base
+  // tensors' values and HF order do not depend on whether adapters are present.
+  std::uint64_t lora_stream = std::uint64_t(1) << 40;
+  bool adapter = false;
   auto add = [&](const std::string& name, std::vector<std::int64_t> shape, bool decay,
                  InitKind init, ComputeCopy copy) {
     if (expert >= 0 && !held.holds(expert, c.moe.experts)) {
@@ -37,9 +42,13 @@ std::vector<TensorRow> tensorTable(const Esm2Config& c, const ExpertPlacement& h
     t.layer = layer;
     t.expert = expert;
     t.init = init;
-    t.stream = stream;
     t.trained = trained;
-    t.hf_order = static_cast<int>(stream++);
+    if (adapter) {
+      t.stream = lora_stream++;
+    } else {
+      t.stream = stream;
+      t.hf_order = static_cast<int>(stream++);
+    }
     t.copy = copy;
     t.fp8_gemm = decay ? fp8 : -1;  // a GEMM's weight, not its bias
     // Keep every tensor 64-byte aligned in the flat buffer (vector loads, sharding).
@@ -106,6 +115,25 @@ std::vector<TensorRow> tensorTable(const Esm2Config& c, const ExpertPlacement& h
       linear(p + "output.dense", h, f, ffn_out, CC::Packed, CC::PackedFp8);
     }
     norm(p + "LayerNorm", h);
+    // LoRA adapters (model/lora.hpp) last in the layer, so they are part of its group (layer
+    // ranges, sharded units, its slice of the bf16 compute copy).  A decays like PEFT's.
+    const std::int64_t r = c.lora.rank;
+    auto lora = [&](LoraTarget target, const std::string& prefix, std::int64_t out,
+                    std::int64_t in) {
+      if (!c.lora.enabled() || !c.lora.has(target)) return;
+      adapter = true;
+      add(prefix + ".lora_A.weight", {r, in}, true, InitKind::LoraA, CC::Packed);
+      add(prefix + ".lora_B.weight", {out, r}, true, InitKind::Zero, CC::Packed);
+      adapter = false;
+    };
+    lora(lora_q, p + "attention.self.query", h, h);
+    lora(lora_k, p + "attention.self.key", h, h);
+    lora(lora_v, p + "attention.self.value", h, h);
+    lora(lora_o, p + "attention.output.dense", h, h);
+    if (!c.moe.isMoeLayer(l)) {
+      lora(lora_ffn_in, p + "intermediate.dense", f, h);
+      lora(lora_ffn_out, p + "output.dense", h, f);
+    }
   }
   group = TensorGroup::Head;
   layer = -1;

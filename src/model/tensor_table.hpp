@@ -25,8 +25,8 @@ struct Esm2Config;
 /// leading dimension of FP8 operands (cuBLASLt wants 16-element rows).
 constexpr std::int64_t alignedElements(std::int64_t elements) { return (elements + 15) / 16 * 16; }
 
-/// How Esm2::initialize draws a tensor.
-enum class InitKind : std::uint8_t { Normal, Zero, One };
+/// How Esm2::initialize draws a tensor (LoraA: PEFT's kaiming-uniform, bound 1/sqrt(in)).
+enum class InitKind : std::uint8_t { Normal, Zero, One, LoraA };
 
 /// The part of the model a tensor belongs to; with TensorRow::layer, the group a sharded model
 /// places as one (Esm2::placeRange) and the data-parallel gradient buckets follow.
@@ -55,10 +55,13 @@ struct TensorRow {
   int layer = -1;   // encoder layer (group Layer), else -1
   int expert = -1;  // the routed expert it belongs to, else -1 (router, shared experts, dense)
   InitKind init = InitKind::Normal;
-  std::uint64_t stream = 0;  // its random stream: its index in the whole model's table
+  std::uint64_t stream = 0;  // its random stream: its index in the whole model's table (LoRA
+                             // adapters: 2^40 + their index among the adapters, so the base
+                             // tensors draw the same values with or without adapters)
   bool trained = true;       // by gradients (false: the router's balancing bias)
   int hf_order = -1;         // its position in transformers' state dict (the model's own order
-                             // but lm_head.bias, which the LM head lists before its modules)
+                             // but lm_head.bias, which the LM head lists before its modules);
+                             // -1 for LoRA adapters (merged into their weight on export)
   ComputeCopy copy = ComputeCopy::Master;
   int fp8_gemm = -1;  // the Fp8Gemm whose weight it is (in an FP8 layer), -1 for none
 

@@ -18,11 +18,16 @@ model::LoraConfig loraSection(const Teuchos::ParameterList& deck) {
   if (c.dropout != 0.0)
     throw collectiveError("lora.dropout " + std::to_string(c.dropout) +
                           ": adapter dropout is not implemented; use lora.dropout: 0");
-  // The adapter kernels (model/lora.hpp) are not yet part of the model's tensor table and
-  // step, so a run with adapters would silently train the whole model: refuse it.
-  throw collectiveError("lora.rank " + std::to_string(c.rank) +
-                        ": LoRA adapters are not wired into training in this build; use "
-                        "lora.rank: 0 (full fine-tuning, doc/finetune.md)");
+  if (deck.isSublist("task")) {
+    const auto& t = deck.sublist("task");
+    if (t.get<std::string>("kind") != "mlm" && t.get<bool>("freeze_encoder"))
+      throw collectiveError(
+          "lora.rank " + std::to_string(c.rank) + " with task.kind " + t.get<std::string>("kind") +
+          " and task.freeze_encoder: true: the adapters sit in the encoder, which then gets no "
+          "gradient, so they would never train; set task.freeze_encoder: false (the base "
+          "weights stay frozen, only the adapters and the head train) or lora.rank: 0");
+  }
+  return c;
 }
 
 }  // namespace plm::train

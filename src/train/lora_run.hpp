@@ -11,8 +11,7 @@
 namespace plm::train {
 
 /// \brief The deck's `lora` section (absent: no adapters).  Throws a collective plm::Error for
-/// a bad target name, a dropout other than 0, or adapters asked of a run they are not wired
-/// into.
+/// a bad target name or a dropout other than 0.
 model::LoraConfig loraSection(const Teuchos::ParameterList& deck);
 
 }  // namespace plm::train

@@ -93,7 +93,7 @@ model::Esm2Config modelConfigFromDeck(const Teuchos::ParameterList& deck) {
   config.attention = model::parseAttentionKernel(t.get<std::string>("attention"));
   config.deterministic = t.get<bool>("deterministic");
   applyFp8Section(deck, config);
-  loraSection(deck);  // refuses adapters until they are part of the model's step
+  config.lora = loraSection(deck);
   config.validate();
   return config;
 }
@@ -239,6 +239,16 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
                 : (std::string(" (") + model::recomputeName(config.recompute) +
                    " activation recomputation)")
                       .c_str());
+  if (config.lora.enabled()) {
+    std::int64_t adapter = 0, base = 0;
+    for (const auto& t : model_member->tensors())
+      (t.name.find(".lora_") != std::string::npos ? adapter : base) += t.size;
+    log::info(
+        "lora: rank %d, alpha %g, targets %s: %lld adapter parameters train, the %lld of "
+        "the base model are frozen; model.h5 is written merged",
+        config.lora.rank, config.lora.alpha, model::loraTargetNames(config.lora.targets).c_str(),
+        static_cast<long long>(adapter), static_cast<long long>(base));
+  }
   {
     const Optimizer<param_t>& opt = fsdp_member ? fsdp_member->optimizer() : *optimizer_member;
     log::info("optimizer: %s, state %s on this rank (%.3g bytes per parameter)",
@@ -685,7 +695,27 @@ void Trainer::writeFinalModel() {
   extra.integers["step"] = state_member.step;
   extra.integers["tokens_seen"] = state_member.tokens_seen;
   extra.strings["source"] = "plm train";
-  if (fsdp_member) {
+  if (model_member->config().lora.enabled()) {
+    // LoRA: the adapters folded into their weights (W + (alpha / r) B A), so the file is a
+    // plain model that every reader (and Hugging Face after convert) loads.
+    const model::Esm2<param_t>& m = *model_member;
+    static_assert(std::is_same_v<param_t, float>, "model files store fp32");
+    std::vector<param_t> values(std::size_t(m.bufferElements()));
+    if (fsdp_member) {
+      fsdp_member->gatherRanges(ExecSpace(), {{0, m.bufferElements()}}, values.data());
+    } else {
+      auto host =
+          Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), model_member->parameters());
+      std::copy(host.data(), host.data() + values.size(), values.begin());
+    }
+    model::Esm2Config plain = m.config();
+    plain.lora = model::LoraConfig{};
+    const auto merged = model::mergeLora(m.config(), m.tensors(), values.data());
+    extra.strings["lora"] = "merged: rank " + std::to_string(m.config().lora.rank) + ", alpha " +
+                            std::to_string(m.config().lora.alpha) + ", targets " +
+                            model::loraTargetNames(m.config().lora.targets);
+    io::writeModelFile(path, comm_member, plain, model::tensorTable(plain), merged.data(), extra);
+  } else if (fsdp_member) {
     // Each rank writes its rows of every tensor; it gathers the model unit by unit and keeps
     // only those rows, so no whole-model buffer appears on the device or in host memory (the
     // host buffer is allocated, not initialised: only the rows' pages become resident).

@@ -17,6 +17,17 @@ namespace plm::train {
 
 std::vector<FrozenRange> esm2FrozenRanges(const std::vector<model::TensorInfo>& tensors,
                                           int hidden) {
+  auto adapter = [](const std::string& name) {
+    return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
+  };
+  if (std::any_of(tensors.begin(), tensors.end(),
+                  [&](const model::TensorInfo& t) { return adapter(t.name); })) {
+    // LoRA fine-tuning: every base tensor is frozen whole, only the adapters train.
+    std::vector<FrozenRange> frozen;
+    for (const auto& t : tensors)
+      if (!adapter(t.name) && t.offset >= 0) frozen.push_back({t.offset, t.size});
+    return frozen;
+  }
   for (const auto& t : tensors) {
     if (t.name == "esm.embeddings.word_embeddings.weight")
       return {FrozenRange{t.offset + static_cast<std::int64_t>(vocab::pad) * hidden, hidden}};

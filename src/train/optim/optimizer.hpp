@@ -39,7 +39,8 @@ struct FrozenRange {
   std::int64_t size = 0;
 };
 
-/// \brief The frozen ranges of an ESM-2 model: the word embedding's `<pad>` row.
+/// \brief The frozen ranges of an ESM-2 model: the word embedding's `<pad>` row; with LoRA
+/// adapters in the table, every tensor but the adapters.
 std::vector<FrozenRange> esm2FrozenRanges(const std::vector<model::TensorInfo>& tensors,
                                           int hidden);
 
