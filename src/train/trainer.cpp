@@ -173,6 +173,11 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   // forward pass over that step, whose micro-batches step 1 then trains on). Before sharding:
   // it changes the whole model's router rows. A resumed run loads its routers after this.
   if (config.moe.enabled() && config.moe.router_init == model::RouterInit::Centred) {
+    if (shards)  // the centring pass reads the whole model, which a sharded run never builds
+      throw collectiveError(
+          "moe.router_init: centred with parallel.shard_degree > 1 is not implemented (the "
+          "centring pass runs on the whole model, which a sharded run never holds); set "
+          "moe.router_init: normal");
     const data::Cursor start = train_loader_member->cursor();
     moe_member->centreRouters(*model_member,
                               context_member->shard(train_loader_member->nextStep()));
