@@ -172,6 +172,11 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   // moe.router_init: centred: the routers start centred on the first step's router inputs (a
   // forward pass over that step, whose micro-batches step 1 then trains on). Before sharding:
   // it changes the whole model's router rows. A resumed run loads its routers after this.
+  if (shards && config.moe.enabled() && config.moe.bias_balance)
+    throw collectiveError(
+        "moe.bias_balance: true with parallel.shard_degree > 1 is not implemented (the bias "
+        "update after a step writes the whole model's rows, not the shards); set "
+        "moe.bias_balance: false or parallel.shard_degree: 1");
   if (config.moe.enabled() && config.moe.router_init == model::RouterInit::Centred) {
     if (shards)  // the centring pass reads the whole model, which a sharded run never builds
       throw collectiveError(
