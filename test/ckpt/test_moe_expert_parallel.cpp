@@ -289,6 +289,14 @@ TEST(ExpertParallel, ShardedDenseMatchesExpertDegreeAlone) {
   auto bad = fsdpSettings(1);
   bad.push_back("parallel.shard_degree=4");
   EXPECT_THROW(plm::train::Trainer(tinyDeck(dir, "bad", bad), MPI_COMM_WORLD), plm::Error);
+  // Router settings that change the whole model's rows are refused under sharding.
+  for (const char* key : {"moe.bias_balance=true", "moe.router_init=centred"}) {
+    auto refused = fsdpSettings(1);
+    refused.push_back("parallel.shard_degree=2");
+    refused.push_back(key);
+    EXPECT_THROW(plm::train::Trainer(tinyDeck(dir, "refused", refused), MPI_COMM_WORLD), plm::Error)
+        << key;
+  }
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 
