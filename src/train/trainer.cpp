@@ -337,6 +337,11 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
       throw collectiveError(what +
                             "train.precision: fp8 is not implemented for this layout; use "
                             "fp32 or bf16");
+    if (!deck.sublist("data").get<std::string>("valid").empty())
+      throw collectiveError(what +
+                            "evaluation (data.valid) is not implemented for this layout; "
+                            "set data.valid: \"\" and evaluate the final model.h5 with "
+                            "plm eval");
     if (model_member->contextDegree() > 1)
       throw collectiveError(what +
                             "parallel.context_degree > 1 is not implemented for this "

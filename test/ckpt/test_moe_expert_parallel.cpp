@@ -289,6 +289,10 @@ TEST(ExpertParallel, ShardedDenseMatchesExpertDegreeAlone) {
   auto bad = fsdpSettings(1);
   bad.push_back("parallel.shard_degree=4");
   EXPECT_THROW(plm::train::Trainer(tinyDeck(dir, "bad", bad), MPI_COMM_WORLD), plm::Error);
+  auto evaluating = fsdpSettings(1);  // evaluation during training is not implemented here
+  evaluating.push_back("parallel.shard_degree=2");
+  evaluating.push_back("data.valid=" + dir + "/train.h5");
+  EXPECT_THROW(plm::train::Trainer(tinyDeck(dir, "valid", evaluating), MPI_COMM_WORLD), plm::Error);
   // Router settings that change the whole model's rows are refused under sharding.
   for (const char* key : {"moe.bias_balance=true", "moe.router_init=centred"}) {
     auto refused = fsdpSettings(1);
