@@ -558,7 +558,11 @@ detail::StatePath detail::statePath(train::Trainer& trainer) {
   // redistribute) or replicated per whole tensor (written from each rank's copy), so every
   // sharded run saves and loads its shards directly.  A kind with state of neither layout would
   // return FullLayout here.
-  if (trainer.sharding() == nullptr) return StatePath::FullLayout;
+  // FSDP beside expert parallelism: the shard group holds one expert-group position, whose
+  // full layout (the dense tensors and its experts) is what expert parallelism writes; the
+  // shards path's row moves assume every shard group holds the whole model.
+  if (trainer.sharding() == nullptr || trainer.model().expertPlacement().sharded())
+    return StatePath::FullLayout;
   return StatePath::Shards;
 }
 

@@ -859,9 +859,9 @@ Plan makePlan(const Input& in) {
           "the row counts (a host synchronisation) is not timed");
     if (in.layout.expert > 1 && in.layout.shard > 1)
       p.notes.push_back(
-          "plm refuses parallel.shard_degree > 1 beside parallel.expert_degree > 1 today "
-          "(src/train/trainer.cpp): these figures are the planned design's (dense part sharded, "
-          "experts whole on their rank)");
+          "plm train shards beside expert parallelism over the ranks holding the same experts "
+          "(shard_degree x expert_degree = ranks; experts sharded too, doc/parallelism.md): "
+          "these figures keep the experts whole on their rank, an upper bound on their part");
   }
   return p;
 }

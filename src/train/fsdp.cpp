@@ -247,6 +247,12 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   int pending_unit = -1;  // unit whose prefetched all-gather is in flight
   dist::Work pending_work;
   bool whole = false;  // gatherAll(): the model's whole buffers hold every unit
+  // Expert parallelism (the shard group holds one expert-group position): this rank's pieces of
+  // the routed experts' runs, (shard offset, count).  Their gradients are complete after the
+  // shard group's reduce-scatter; the replicas hold other experts, so the replicate all-reduce
+  // leaves them as they are (stashed around it) and the norm sums them over every rank.
+  std::vector<std::pair<std::int64_t, std::int64_t>> expert_pieces;
+  View1<P> expert_stash;  // (sum of expert pieces)
   std::unique_ptr<Optimizer<P>> optimizer;
   ExecSpace space;
   bool backward_phase = false;
@@ -326,6 +332,19 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     grad_channel[headUnit()] = 2;
     grad_channel[embedUnit()] = 3;
     const int r = shard_comm->rank();
+    if (m.expertPlacement().sharded()) {
+      std::int64_t stash = 0;
+      for (const auto& [offset, count] : model::expertRuns(m.tensors()))
+        for (const auto& u : units) {
+          const std::int64_t mine = u.offset + r * u.slice;
+          const std::int64_t a = std::max({offset, mine, u.offset});
+          const std::int64_t b = std::min({offset + count, mine + u.slice, u.offset + u.count});
+          if (a >= b) continue;
+          expert_pieces.push_back({u.local + (a - mine), b - a});
+          stash += b - a;
+        }
+      if (replicate_comm->size() > 1) expert_stash = alloc("plm::train::fsdp::expert_stash", stash);
+    }
     // A model built without whole buffers (ModelBuffers::None) has nothing to copy: its views
     // move from reserved addresses to the gathered buffers, and initialize/fillShards draw the
     // shards.  A whole model hands over its parameters and frees its buffers.
@@ -936,7 +955,8 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     ensureGathered(headUnit());
     double loss = 0.0;
     // A context shard without tokens still runs the pass (its ring steps pass K/V on).
-    if (batch != nullptr && (batch->numTokens() > 0 || batch->context)) {
+    // Under expert parallelism an empty micro-batch still runs the pass: it serves its experts.
+    if (batch != nullptr && (batch->numTokens() > 0 || batch->context || model.expertParallel())) {
       struct Unhook {
         model::Esm2<P>& m;
         ~Unhook() { m.setHooks(nullptr); }
@@ -966,7 +986,9 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     ensureGathered(embedUnit());
     ensureGathered(headUnit());
     double loss = 0.0;
-    if (batch != nullptr && (batch->numTokens() > 0 || batch->context)) {
+    const data::MicroBatch none;
+    if (batch == nullptr && model.expertParallel()) batch = &none;  // serves its experts
+    if (batch != nullptr && (batch->numTokens() > 0 || batch->context || model.expertParallel())) {
       struct Unhook {
         model::Esm2<P>& m;
         ~Unhook() { m.setHooks(nullptr); }
@@ -983,9 +1005,22 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   void finishGradients() {
     for (int c = 0; c < 4; ++c) drain(c);
     if (replicate_comm->size() > 1) {
+      std::int64_t at = 0;
+      for (const auto& [offset, count] : expert_pieces) {
+        Kokkos::deep_copy(space, Kokkos::subview(expert_stash, std::make_pair(at, at + count)),
+                          Kokkos::subview(grads_shard, std::make_pair(offset, offset + count)));
+        at += count;
+      }
       fenceForMpi();
       replicate_comm->allReduceSum(grads_shard.data(), grads_shard.extent(0), dist::streamOf(space))
           .wait(dist::streamOf(space));
+      at = 0;
+      for (const auto& [offset, count] : expert_pieces) {
+        Kokkos::deep_copy(space,
+                          Kokkos::subview(grads_shard, std::make_pair(offset, offset + count)),
+                          Kokkos::subview(expert_stash, std::make_pair(at, at + count)));
+        at += count;
+      }
     }
     space.fence();
   }
@@ -1069,16 +1104,21 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
   StepStats st;
   static_cast<BatchStats&>(st) = countBatch(local, comm);
   st.lr = lr;
-  // Every rank of a shard group joins every all-gather, so all run the same micro-batch count.
+  // Every rank of a shard group joins every all-gather, so all run the same micro-batch count;
+  // under expert parallelism the missing ones are empty micro-batches first, which serve the
+  // experts (padForExperts, as the data-parallel path does).
+  const std::vector<data::MicroBatch> padded =
+      m.model.expertParallel() ? padForExperts(local, comm) : std::vector<data::MicroBatch>{};
+  const std::vector<data::MicroBatch>& run = m.model.expertParallel() ? padded : local;
   const auto micro =
-      static_cast<std::int64_t>(dist::allreduceMax(static_cast<double>(local.size()), comm));
+      static_cast<std::int64_t>(dist::allreduceMax(static_cast<double>(run.size()), comm));
   const double grad_scale = st.masked > 0 ? 1.0 / static_cast<double>(st.masked) : 0.0;
   flatFill(space, m.grads_shard, P(0));
   m.model.beginFp8Step();  // fp8 on CUDA: the step's scales to the device
   m.castShardToFp8();      // fp8: this step's weight codes of the shard, gathered by the layers
   double loss = 0.0;
   for (std::int64_t i = 0; i < micro; ++i) {
-    const data::MicroBatch* mb = i < static_cast<std::int64_t>(local.size()) ? &local[i] : nullptr;
+    const data::MicroBatch* mb = i < static_cast<std::int64_t>(run.size()) ? &run[i] : nullptr;
     loss += m.microBatch(mb, grad_scale, &m);
   }
   if (micro > 0) m.finishGradients();
@@ -1102,7 +1142,22 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
       },
       partial);
   // Replicas hold the same shard after the all-reduce: the shard group alone has every element.
-  st.grad_norm = std::sqrt(dist::allreduceSum(partial, m.shard_mpi));
+  // Routed experts differ between replicas (each holds its expert-group position's): their
+  // pieces are summed over every rank instead, so each expert counts once.
+  double experts = 0.0;
+  for (const auto& [offset, count] : m.expert_pieces) {
+    double piece = 0.0;
+    plm::flatReduce(
+        "plm::train::fsdp::expertNormPartial", space, offset, offset + count,
+        KOKKOS_LAMBDA(const std::int64_t i, double& acc) {
+          const double x = static_cast<double>(g(i));
+          acc += x * x;
+        },
+        piece);
+    experts += piece;
+  }
+  st.grad_norm = std::sqrt(dist::allreduceSum(partial - experts, m.shard_mpi) +
+                           (m.expert_pieces.empty() ? 0.0 : dist::allreduceSum(experts, comm)));
   if (!std::isfinite(st.grad_norm) || !std::isfinite(st.loss_sum)) {
     st.applied = false;  // the norm and the loss are all-reduced: every rank gets here
     st.nonfinite = true;

@@ -147,7 +147,7 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   // Sharding builds no whole-model buffer at all: each rank draws its own shards below
   // (doc/parallelism.md, "Start-up"); setUpSharding refuses the layouts that cannot shard.
   const model::ExpertPlacement experts = expertPlacement(*deck, config, comm);
-  const bool shards = shardDegree(*deck) > 1 && !experts.sharded();
+  const bool shards = shardDegree(*deck) > 1;
   model_member = std::make_unique<model::Esm2<param_t>>(
       config, experts, shards ? model::ModelBuffers::None : model::ModelBuffers::Whole);
   state_member.init_seed = static_cast<std::uint64_t>(t.get<int>("seed"));
@@ -172,7 +172,17 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   // moe.router_init: centred: the routers start centred on the first step's router inputs (a
   // forward pass over that step, whose micro-batches step 1 then trains on). Before sharding:
   // it changes the whole model's router rows. A resumed run loads its routers after this.
+  if (shards && config.moe.enabled() && config.moe.bias_balance)
+    throw collectiveError(
+        "moe.bias_balance: true with parallel.shard_degree > 1 is not implemented (the bias "
+        "update after a step writes the whole model's rows, not the shards); set "
+        "moe.bias_balance: false or parallel.shard_degree: 1");
   if (config.moe.enabled() && config.moe.router_init == model::RouterInit::Centred) {
+    if (shards)  // the centring pass reads the whole model, which a sharded run never builds
+      throw collectiveError(
+          "moe.router_init: centred with parallel.shard_degree > 1 is not implemented (the "
+          "centring pass runs on the whole model, which a sharded run never holds); set "
+          "moe.router_init: normal");
     const data::Cursor start = train_loader_member->cursor();
     moe_member->centreRouters(*model_member,
                               context_member->shard(train_loader_member->nextStep()));
@@ -273,6 +283,14 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
 
 Trainer::~Trainer() = default;
 
+Trainer::OwnedComms::~OwnedComms() {
+  int finalized = 0;
+  MPI_Finalized(&finalized);
+  if (finalized) return;
+  for (MPI_Comm* c : {&shard, &replicate})
+    if (*c != MPI_COMM_NULL) MPI_Comm_free(c);
+}
+
 int Trainer::shardDegree(const Teuchos::ParameterList& deck) const {
   if (!deck.isSublist("parallel")) return 1;
   const auto& p = deck.sublist("parallel");
@@ -310,14 +328,40 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
     throw collectiveError("parallel.reduce_dtype: " + p.get<std::string>("reduce_dtype") +
                           " is not implemented yet; use fp32");
   if (layout.shard == 1) return;  // plain data parallelism: the gradient-bucket path
-  if (model_member->expertPlacement().sharded())
-    throw collectiveError(
-        "parallel.shard_degree " + std::to_string(layout.shard) + " with parallel.expert_degree " +
-        std::to_string(model_member->expertPlacement().degree) +
-        ": sharding the dense parameters (FSDP) beside sharded experts is not implemented yet; "
-        "use parallel.shard_degree: 1 with expert parallelism, or parallel.expert_degree: 1 "
-        "with FSDP");
-  groups_member = std::make_unique<dist::ProcessGroups>(comm_member, layout.shard);
+  const model::ExpertPlacement& held = model_member->expertPlacement();
+  if (held.sharded()) {
+    // FSDP beside expert parallelism: the shard group is the expert-data-parallel group (the
+    // ranks holding the same experts), the replicas are the expert group.  So dense tensors are
+    // sharded over S and replicated over E_p, routed experts sharded over S (doc/parallelism.md).
+    const std::string what = "parallel.shard_degree " + std::to_string(layout.shard) +
+                             " with parallel.expert_degree " + std::to_string(held.degree) +
+                             " on " + std::to_string(world_member) + " ranks: ";
+    if (layout.shard * held.degree != world_member)
+      throw collectiveError(what +
+                            "FSDP beside expert parallelism shards over the ranks holding the same "
+                            "experts, so shard_degree x expert_degree must equal the rank count; "
+                            "set shard_degree: " +
+                            std::to_string(world_member / held.degree) +
+                            " (and replicate_degree: 0)");
+    if (model_member->config().precision == model::Precision::Fp8)
+      throw collectiveError(what +
+                            "train.precision: fp8 is not implemented for this layout; use "
+                            "fp32 or bf16");
+    if (!deck.sublist("data").get<std::string>("valid").empty())
+      throw collectiveError(what +
+                            "evaluation (data.valid) is not implemented for this layout; "
+                            "set data.valid: \"\" and evaluate the final model.h5 with "
+                            "plm eval");
+    if (model_member->contextDegree() > 1)
+      throw collectiveError(what +
+                            "parallel.context_degree > 1 is not implemented for this "
+                            "layout; use context_degree: 1");
+    PLM_CHECK_MPI(MPI_Comm_split(comm_member, held.rank, rank_member, &expert_groups_member.shard));
+    PLM_CHECK_MPI(MPI_Comm_split(comm_member, rank_member / held.degree, rank_member,
+                                 &expert_groups_member.replicate));
+  } else {
+    groups_member = std::make_unique<dist::ProcessGroups>(comm_member, layout.shard);
+  }
   FsdpOptions fo;
   fo.reshard_after_forward = p.get<bool>("reshard_after_forward");
   // bf16 compute: the bf16 policy, and fp8 on the CUDA build (bf16 storage, FP8 GEMMs).
@@ -325,9 +369,12 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
   fo.gather_bf16 = gatherInBf16(
       p.get<std::string>("gather_dtype"),
       precision == model::Precision::Bf16 || (PLM_FP8_CUDA && precision == model::Precision::Fp8));
-  fsdp_member = std::make_unique<Fsdp<param_t>>(
-      *model_member, groups_member->shard(), groups_member->replicate(), optimizer_options_member,
-      fo, dist::defaultBackend(groups_member->shard()));
+  const MPI_Comm shard_comm = groups_member ? groups_member->shard() : expert_groups_member.shard;
+  const MPI_Comm replicate_comm =
+      groups_member ? groups_member->replicate() : expert_groups_member.replicate;
+  fsdp_member = std::make_unique<Fsdp<param_t>>(*model_member, shard_comm, replicate_comm,
+                                                optimizer_options_member, fo,
+                                                dist::defaultBackend(shard_comm));
   const FsdpMemory mem = fsdp_member->plannedMemory();
   log::info(
       "parallel: shard %d x replicate %d; planned bytes per rank: parameters %s, gradients %s, "

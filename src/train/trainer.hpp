@@ -166,6 +166,13 @@ class Trainer {
   std::unique_ptr<Optimizer<param_t>> optimizer_member;
   // parallel.shard_degree > 1: the sharding engine; optimizer_member then holds the
   // full-layout state only when optimizer() was asked for it, and is null otherwise.
+  // FSDP beside expert parallelism: the shard group (the ranks holding the same experts) and
+  // the replicate group (an expert group), freed after the engine (declared before it).
+  struct OwnedComms {
+    MPI_Comm shard = MPI_COMM_NULL, replicate = MPI_COMM_NULL;
+    ~OwnedComms();
+  };
+  OwnedComms expert_groups_member;
   std::unique_ptr<dist::ProcessGroups> groups_member;
   std::unique_ptr<Fsdp<param_t>> fsdp_member;
   std::int64_t first_step_peak_member = -1;

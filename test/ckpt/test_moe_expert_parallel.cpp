@@ -7,6 +7,9 @@
 //  - a dispatch over moe.dispatch_budget_gib stops every rank with the same collective error;
 //  - a rank without tokens and an expert that receives none still work: gradients summed over
 //    the ranks equal a single-rank computation over the same micro-batches;
+//  - FSDP beside expert parallelism (4 ranks: expert_degree 2, shard_degree 2) gives the losses,
+//    gradient norms and final weights of expert_degree 2 alone, holds half of its rank's state
+//    per rank, and resumes from its own checkpoint as the uninterrupted run continues;
 //  - self rows first (moe.overlap: true, off by default: a rank's own rows of its own experts skip
 //    the all-to-all and are computed while the others travel) gives the loss and gradients of
 //    the exchange of every row (moe.overlap: false), fp64 and on CUDA bf16.
@@ -17,6 +20,7 @@
 #include "dist/runtime.hpp"
 #include "io/model_file.hpp"
 #include "model/esm2.hpp"
+#include "train/fsdp.hpp"
 
 #include <gtest/gtest.h>
 
@@ -202,6 +206,100 @@ TEST(ExpertParallel, ResumesAtAnotherDegree) {
     const auto continued = train(tinyDeck(dir, run, b), MPI_COMM_WORLD);
     expectSame(continued, reference,
                "resume at degree " + std::to_string(second) + " from " + std::to_string(first), 10);
+  }
+  plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
+}
+
+// FSDP beside expert parallelism: shard groups are the ranks holding the same experts ({0,2},
+// {1,3}), replicas the expert groups ({0,1}, {2,3}); dense and expert state are halved.
+// The router centring pass needs the whole model, which a sharded run never holds, and the
+// router projection and bias balancing after a step change the whole model's rows (not the
+// shards): every run of the comparison draws its routers normally and leaves them to AdamW.
+std::vector<std::string> fsdpSettings(int steps) {
+  auto s = moeSettings(2, steps);
+  s.push_back("moe.router_init=normal");
+  s.push_back("moe.bias_balance=false");
+  s.push_back("moe.router_projection=false");
+  return s;
+}
+
+TEST(ExpertParallel, ShardedDenseMatchesExpertDegreeAlone) {
+  if (plm::dist::worldSize() != 4) GTEST_SKIP() << "needs 4 ranks (expert 2 x shard 2)";
+  if (noExpertParallelBackend())
+    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
+  const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "moe_fsdp");
+  plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
+  constexpr int steps = 10;
+  auto ref_settings = fsdpSettings(steps);
+  ref_settings.push_back("checkpoint.every=0");
+  std::vector<double> ref_norms, norms;
+  const auto reference = train(tinyDeck(dir, "ep2", ref_settings), MPI_COMM_WORLD, &ref_norms);
+  auto settings = fsdpSettings(steps);
+  settings.push_back("checkpoint.every=0");
+  settings.push_back("parallel.shard_degree=2");
+  std::vector<double> losses;
+  std::int64_t shard = 0, whole = 0;
+  {
+    plm::train::Trainer t(tinyDeck(dir, "ep2s2", settings), MPI_COMM_WORLD);
+    plm::train::Trainer::Hooks extra;
+    extra.on_step = [&](plm::train::Trainer& tr, const plm::train::StepStats& st) {
+      losses.push_back(st.loss());
+      norms.push_back(st.grad_norm);
+      ASSERT_NE(tr.sharding(), nullptr);
+      shard = static_cast<std::int64_t>(tr.sharding()->shardParameters().extent(0));
+      whole = tr.model().bufferElements();
+    };
+    plm::ckpt::installHooks(t, extra);
+    t.run();
+  }
+  ASSERT_EQ(losses.size(), static_cast<std::size_t>(steps));
+  expectSame(losses, reference, "expert_degree 2 x shard_degree 2");
+  expectSame(norms, ref_norms, "gradient norm at expert_degree 2 x shard_degree 2");
+  // This rank's model (dense tensors and its two experts) is held in halves: each unit padded
+  // to an even length at most (head, two layers, embeddings).
+  EXPECT_GE(2 * shard, whole);
+  EXPECT_LE(2 * shard, whole + 4);
+  // Both final files hold every expert (each rank wrote its rows) and the same weights.
+  const std::string a_file = dir + "/ep2/model.h5", b_file = dir + "/ep2s2/model.h5";
+  const auto config = plm::io::readModelConfig(a_file);
+  plm::model::Esm2<float> a(config), b(config);
+  plm::io::readModelInto(a_file, MPI_COMM_WORLD, a);
+  plm::io::readModelInto(b_file, MPI_COMM_WORLD, b);
+  auto ha = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), a.parameters());
+  auto hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b.parameters());
+  for (const auto& t : a.tensors()) {
+    double diff = 0, scale = 0;
+    for (std::int64_t i = t.offset; i < t.offset + t.size; ++i) {
+      diff = std::max(diff, std::abs(double(ha(i)) - double(hb(i))));
+      scale = std::max(scale, std::abs(double(ha(i))));
+    }
+    EXPECT_LE(diff, 1e-4 * scale + 1e-7) << t.name;  // as DegreesGiveTheSameLosses
+  }
+  // A checkpoint of the combined layout resumes into it.
+  auto first = fsdpSettings(steps / 2);
+  first.push_back("parallel.shard_degree=2");
+  first.push_back("checkpoint.every=" + std::to_string(steps / 2));
+  train(tinyDeck(dir, "resumed", first), MPI_COMM_WORLD);
+  auto second = fsdpSettings(steps);
+  second.push_back("parallel.shard_degree=2");
+  second.push_back("checkpoint.every=" + std::to_string(steps / 2));
+  expectSame(train(tinyDeck(dir, "resumed", second), MPI_COMM_WORLD), reference,
+             "expert 2 x shard 2 resumed", steps / 2);
+  // Other shard degrees are refused: the shard group must be the ranks holding the same experts.
+  auto bad = fsdpSettings(1);
+  bad.push_back("parallel.shard_degree=4");
+  EXPECT_THROW(plm::train::Trainer(tinyDeck(dir, "bad", bad), MPI_COMM_WORLD), plm::Error);
+  auto evaluating = fsdpSettings(1);  // evaluation during training is not implemented here
+  evaluating.push_back("parallel.shard_degree=2");
+  evaluating.push_back("data.valid=" + dir + "/train.h5");
+  EXPECT_THROW(plm::train::Trainer(tinyDeck(dir, "valid", evaluating), MPI_COMM_WORLD), plm::Error);
+  // Router settings that change the whole model's rows are refused under sharding.
+  for (const char* key : {"moe.bias_balance=true", "moe.router_init=centred"}) {
+    auto refused = fsdpSettings(1);
+    refused.push_back("parallel.shard_degree=2");
+    refused.push_back(key);
+    EXPECT_THROW(plm::train::Trainer(tinyDeck(dir, "refused", refused), MPI_COMM_WORLD), plm::Error)
+        << key;
   }
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
