@@ -116,12 +116,9 @@
 #         gradient norm over one buffer of 2^32 + 12,288 fp32 elements (56 GB of GPU memory at
 #         most), elements at both ends and around 2^31 and 2^32 against host references; log
 #         copied to $OUT (large_index.log)
-#         Open (H200, b0b6b7a): at PLM_LARGE_INDEX_ROWS=300 all 6 tests pass; at full size the
-#         first test does not finish in 90 s with the GPU 100% busy (a kernel over > 2^32 elements
-#         that does not end): run it under `timeout`. Likely cause: Kokkos 3.4's CUDA range
-#         kernel forms blockDim.y * blockIdx.x and its stride blockDim.y * gridDim.x in 32-bit
-#         unsigned arithmetic, so one launch over more than 2^32 elements wraps its stride and
-#         crawls; the cure is to launch whole-buffer ranges in chunks of at most 2^31 elements.
+#         (H200, b20fdd1: 7 of 7 in 27 s.  The hang at b0b6b7a was Kokkos 3.4's CUDA range kernel
+#         wrapping its 32-bit index and stride past 2^32 elements; core/flat.hpp launches in
+#         pieces of at most 2^31.)
 #   plan: plm plan's prediction against this run's train stage (run `train plan` together;
 #         doc/plan.md), the table of doc/archive/performance-history.md "Planner accuracy"
 #   layernorm: the LayerNorm kernels (issue 29, target 85% of a device copy): test_gpu_fused

@@ -12,10 +12,27 @@ Needs torch and transformers (the GPU machine has them); exit 1 when the differe
 """
 import argparse
 import json
+import os
 import sys
+import tempfile
 
 import torch
 import transformers
+
+
+# ESM-2's 33 tokens in id order (facebook/esm2_t*'s vocab.txt), for a folder saved without its
+# tokenizer (a model made by transformers' save_pretrained alone, as the GPU stages do offline).
+ESM2_VOCAB = ["<cls>", "<pad>", "<eos>", "<unk>", "L", "A", "G", "V", "S", "E", "R", "T", "I",
+              "D", "P", "K", "Q", "N", "F", "Y", "M", "H", "W", "C", "X", "B", "U", "Z", "O",
+              ".", "-", "<null_1>", "<mask>"]
+
+
+def tokenizer(hf_dir):
+    if os.path.exists(os.path.join(hf_dir, "vocab.txt")):
+        return transformers.AutoTokenizer.from_pretrained(hf_dir)
+    with tempfile.NamedTemporaryFile("w", suffix=".txt", delete=False) as f:
+        f.write("\n".join(ESM2_VOCAB) + "\n")
+    return transformers.EsmTokenizer(vocab_file=f.name)
 
 
 def main():
@@ -29,7 +46,7 @@ def main():
     cls = getattr(transformers, arch)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     model = cls.from_pretrained(a.hf_dir, torch_dtype=torch.float32).to(device).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(a.hf_dir)
+    tok = tokenizer(a.hf_dir)
     worst = 0.0
     scale = 0.0
     rows = [line.rstrip("\n").split("\t") for line in open(a.tsv) if line.strip()]
