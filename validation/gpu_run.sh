@@ -1154,7 +1154,7 @@ PY
   note "finetune_parity: setup rc=$? (synthetic proteins, random 650M HF folder)"
   "$pkg/bin/plm" prep "$d/s.fa" --out "$d/data" --labels "$d/lab.csv" --valid-fraction 0.1 \
     > "$out/finetune_parity_prep.log" 2>&1
-  timeout 500 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" --set model.preset=esm2_650m \
+  timeout 200 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" --set model.preset=esm2_650m \
     --set model.init_from="$d/hf_init" --set data.train="$d/data/train.h5" \
     --set data.valid="$d/data/valid.h5" --set data.micro_batch_tokens=16384 \
     --set data.tokens_per_batch=16384 --set train.precision=bf16 \
