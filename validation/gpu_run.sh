@@ -5,7 +5,8 @@
 #                                       fp8_bench fp8_curves context optimizers fsdp_bf16 moe moe_curves scale
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
-#                                       finetune_encoder large_index layernorm lora
+#                                       finetune_encoder large_index layernorm lora big_buffer
+#                                       autotune_cached
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -112,6 +113,13 @@
 #         buffers through pinned host buffers and MPI; doc/parallelism.md "Communication
 #         backends"): the staged communicator against plain MPI, FSDP, expert and context
 #         parallelism and the gradient buckets at 2 (and 4) ranks sharing the GPU
+#   big_buffer: plm train of a 7.58B-parameter model (ESM-2 15B's layer shape, 24 layers, Lion,
+#         bf16, layer recompute) on one GPU: whole-model buffers of 7.58e9 elements (> 2^32, as a
+#         15B shard of 2), PLM_BIG_STEPS steps (default 6) of 4 x 8192 tokens: start-up line,
+#         first-step memory against the plan, tokens/s (log: $OUT/big_buffer.log)
+#   autotune_cached: plm train 650M bf16, 25 steps of 2 x 24,576 tokens, train.gemm_autotune off,
+#         on in a new run_dir (tuning), on with that run's gemm_autotune.txt (cached), off again:
+#         median tokens/s of steps 6-25 each
 #   large_index: test_gpu_large_index (issue 28): every optimizer's step, the frozen mask and the
 #         gradient norm over one buffer of 2^32 + 12,288 fp32 elements (56 GB of GPU memory at
 #         most), elements at both ends and around 2^31 and 2^32 against host references; log
@@ -865,6 +873,40 @@ print(f"  median step {statistics.median(dt.values()):.3f} s; steps 1-3 after a 
       f"{statistics.mean(after):.3f} s mean, max {max(after):.3f} s")
 PY
   done
+fi
+
+if has big_buffer && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  d=/tmp/plm-big-buffer; rm -rf "$d"; start=$(date +%s)
+  timeout 270 "$pkg/bin/plm" train "$repo/inputs/esm2_15b.yaml" --set model.layers=24 \
+    --set optimizer.name=lion --set optimizer.lr=1e-5 --set data.train="$pkg/data/train.h5" \
+    --set data.valid= --set data.tokens_per_batch=32768 --set data.micro_batch_tokens=8192 \
+    --set train.steps=${PLM_BIG_STEPS:-6} --set train.log_every=1 --set train.eval_every=0 \
+    --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
+    --set checkpoint.dir="$d/ckpt" > "$final_out/big_buffer.log" 2>&1
+  note "big_buffer: 7.58B (15B shape, 24 layers) Lion bf16 rc=$? $(( $(date +%s) - start ))s"
+  grep -E "start-up|memory: first step|plan vs measured|error" "$final_out/big_buffer.log" |
+    cut -c1-250 | tee -a "$summary"
+  rm -rf "$d"
+fi
+
+if has autotune_cached && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  for run in "off false /tmp/plm-at-off" "tune true /tmp/plm-at-on" \
+             "cached true /tmp/plm-at-cached" "off2 false /tmp/plm-at-off2"; do
+    set -- $run
+    rm -rf "$3"
+    if [[ $1 == cached ]]; then mkdir -p "$3" && cp /tmp/plm-at-on/gemm_autotune.txt "$3/"; fi
+    timeout 120 "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" --set data.train="$pkg/data/train.h5" \
+      --set data.valid= --set train.precision=bf16 --set data.micro_batch_tokens=24576 \
+      --set data.tokens_per_batch=49152 --set train.steps=25 --set train.log_every=1 \
+      --set train.eval_every=0 --set train.gemm_autotune=$2 --set checkpoint.every=0 \
+      --set checkpoint.resume=none --set train.run_dir="$3" > "$out/autotune_$1.log" 2>&1
+    note "autotune_cached: $1 rc=$? $(python3 -c "
+import json, statistics
+r = [json.loads(l) for l in open('$3/metrics.jsonl')]
+t = [x['tokens_per_s'] for x in r if x.get('kind') == 'train' and x['step'] > 5]
+print('median tokens/s steps 6-25: %.0f' % statistics.median(t))" 2>&1)"
+  done
+  rm -rf /tmp/plm-at-off /tmp/plm-at-on /tmp/plm-at-cached /tmp/plm-at-off2
 fi
 
 if has large_index; then
