@@ -90,6 +90,14 @@ echo "trainable encoder: training loss $loss1 -> $loss2, held-out mse $msef base
 check "$loss2" "$loss1" "a < 0.1 * b" "trainable encoder: the training loss did not fall"
 check "$msef" "$base" "a < 0.95 * b" "trainable encoder: MSE not below 0.95 x the baseline"
 check "$msef" "$mse" "a < 0.8 * b" "trainable encoder: MSE not below 0.8 x the frozen encoder's"
+# LoRA adapters with the head (doc/finetune.md): only the adapters and the head train.
+"$plm" train deck.yaml --set task.freeze_encoder=false --set optimizer.lr=0.001 --set lora.rank=4 \
+  --set lora.alpha=8 --set train.run_dir=run_lora > r8.log 2>&1 || fail "LoRA with a head: $(tail -5 r8.log)"
+grep -q "adapter parameters train, the [0-9]* of the base model are frozen" r8.log ||
+  fail "LoRA with a head: no frozen-base line"
+msel=$(field run_lora mse) base=$(field run_lora baseline_mse)
+echo "LoRA rank 4 with the head: mse $msel baseline $base"
+check "$msel" "$base" "a < 0.95 * b" "LoRA with a head: MSE not below 0.95 x the baseline"
 "$plm" convert --to-hf run/model.h5 --out hf_frozen > c1.log 2>&1 || fail "$(cat c1.log)"
 "$plm" convert --to-hf run_ft/model.h5 --out hf_ft > c2.log 2>&1 || fail "$(cat c2.log)"
 cmp -s hf_frozen/model.safetensors hf_ft/model.safetensors &&
