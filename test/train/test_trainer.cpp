@@ -8,6 +8,7 @@
 #include "dist/runtime.hpp"
 #include "io/dataset.hpp"
 #include "io/json.hpp"
+#include "motif_proteins.hpp"
 #include "train/trainer.hpp"
 
 #include <gtest/gtest.h>
@@ -26,42 +27,10 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// A directory every rank agrees on (rank 0 creates it).
-std::string sharedTempDir() {
-  char name[256] = "";
-  if (plm::dist::worldRank() == 0) {
-    std::snprintf(name, sizeof name, "%s/plm_train_XXXXXX",
-                  fs::temp_directory_path().string().c_str());
-    if (!mkdtemp(name)) name[0] = '\0';
-  }
-  MPI_Bcast(name, sizeof name, MPI_CHAR, 0, MPI_COMM_WORLD);
-  return name;
-}
+std::string sharedTempDir() { return plm::test::sharedTempDir("plm_train_"); }
 
-// Proteins with learnable statistics: a skewed residue distribution and a repeated motif, so a
-// tiny model has something to learn in a few dozen steps.
 void writeProteins(const std::string& path, int count, std::uint64_t seed) {
-  if (plm::dist::worldRank() == 0) {
-    std::mt19937_64 gen(seed);
-    std::discrete_distribution<int> residue(
-        {30, 20, 12, 9, 7, 5, 4, 3, 2, 2, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1});
-    std::uniform_int_distribution<int> length(20, 90);
-    const std::vector<std::uint8_t> motif = {4, 9, 13, 7, 4, 17, 21};
-    plm::io::SequenceShard shard;
-    for (int s = 0; s < count; ++s) {
-      const int n = length(gen);
-      for (int i = 0; i < n; ++i)
-        shard.tokens.push_back(i % 20 < 7 ? motif[i % 20]
-                                          : static_cast<std::uint8_t>(4 + residue(gen)));
-      shard.lengths.push_back(n);
-      shard.ids.push_back("seq" + std::to_string(s));
-    }
-    plm::io::DatasetMetadata meta;
-    meta.split = "test";
-    meta.split_rule = "generated";
-    plm::io::writeDataset(path, MPI_COMM_SELF, shard, meta);
-  }
-  MPI_Barrier(MPI_COMM_WORLD);
+  plm::test::writeMotifProteins(path, count, seed);
 }
 
 Teuchos::RCP<Teuchos::ParameterList> tinyDeck(const std::string& dir, const std::string& run,
