@@ -6,7 +6,7 @@
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
 #                                       finetune_encoder large_index layernorm lora big_buffer
-#                                       autotune_cached
+#                                       autotune_cached profile
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -135,6 +135,13 @@
 #         bit against the plain one), then bench_gpu_gemm_tune --layernorm: forward and backward
 #         GB/s and % of copy at 16k x 1280, 16k x 2560, 8k x 5120, 32k x 2560, x fp32 and bf16
 #         (the RESULT layernorm lines go to the summary)
+#   profile: where the time goes in plm train (issue 29): train.profile's GPU time per kind
+#         (metrics.jsonl gpu_ms, mean of the steps after the 5th) and tokens/s for ESM-2 650M bf16
+#         (train.deterministic true and false: cuDNN's atomic dQ backward), 650M fp8 delayed,
+#         8M and 35M bf16 (65,536-token micro-batches; also without train.profile for the
+#         undisturbed tokens/s) and esm2_moe_2b_a650m bf16 (4 x 16,384 tokens per step); then,
+#         where Nsight Systems is found, an nsys trace of 650M bf16 (8 steps, NVTX ranges per
+#         layer and op) with its NVTX and kernel summaries (nsys stats, CSV) copied to $OUT
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -907,6 +914,70 @@ t = [x['tokens_per_s'] for x in r if x.get('kind') == 'train' and x['step'] > 5]
 print('median tokens/s steps 6-25: %.0f' % statistics.median(t))" 2>&1)"
   done
   rm -rf /tmp/plm-at-off /tmp/plm-at-on /tmp/plm-at-cached /tmp/plm-at-off2
+fi
+
+if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  prof_run() {  # name deck steps micro tokens_per_step profile [--set ...]
+    local name=$1 deck=$2 steps=$3 micro=$4 tps=$5 prof=$6; shift 6
+    local d="/tmp/plm-prof-$name"; rm -rf "$d"
+    timeout 240 "$pkg/bin/plm" train "$repo/inputs/$deck.yaml" --set data.train="$pkg/data/train.h5" \
+      --set data.valid= --set data.micro_batch_tokens=$micro --set data.tokens_per_batch=$tps \
+      --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
+      --set train.profile=$prof --set checkpoint.every=0 --set checkpoint.resume=none \
+      --set train.run_dir="$d" "$@" > "$out/profile_$name.log" 2>&1
+    local rc=$?
+    cp "$d/metrics.jsonl" "$final_out/profile_$name.jsonl" 2>/dev/null
+    note "profile $name rc=$rc $(python3 -c "
+import json, statistics
+r = [json.loads(l) for l in open('$d/metrics.jsonl')]
+r = [x for x in r if x.get('kind') == 'train' and x['step'] > 5]
+t = statistics.median(x['tokens_per_s'] for x in r)
+out = 'median tokens/s %.0f, mem %.1f GiB' % (t, max(x.get('mem_bytes', 0) for x in r) / 2**30)
+if r and 'gpu_ms' in r[-1]:
+    ks = r[-1]['gpu_ms'].keys()
+    ms = {k: statistics.mean(x['gpu_ms'].get(k, 0) for x in r) for k in ks}
+    tot = sum(ms.values())
+    out += '; GPU ms per step: ' + ', '.join('%s %.1f (%.0f%%)' % (k, v, 100 * v / tot) for k, v in ms.items())
+print(out)" 2>&1 | tail -1)"
+    grep -E "error|Error" "$out/profile_$name.log" | head -3 | tee -a "$summary"
+    rm -rf "$d"
+  }
+  prof_run 650m_det esm2_650m 20 24576 49152 true --set train.precision=bf16
+  prof_run 650m_nondet esm2_650m 20 24576 49152 true --set train.precision=bf16 --set train.deterministic=false
+  prof_run 650m_plain esm2_650m 20 24576 49152 false --set train.precision=bf16
+  prof_run 650m_nondet_plain esm2_650m 20 24576 49152 false --set train.precision=bf16 --set train.deterministic=false
+  prof_run 650m_fp8 esm2_650m 20 24576 49152 true --set train.precision=fp8
+  prof_run 8m esm2_8m 30 65536 131072 true --set train.precision=bf16
+  prof_run 8m_plain esm2_8m 30 65536 131072 false --set train.precision=bf16
+  prof_run 35m esm2_35m 30 65536 131072 true --set train.precision=bf16
+  prof_run 35m_plain esm2_35m 30 65536 131072 false --set train.precision=bf16
+  prof_run moe2b esm2_650m 20 16384 65536 true --set train.precision=bf16 \
+    --set model.preset=esm2_moe_2b_a650m --set moe.router_init=centred --set moe.dropless=true \
+    --set parallel.expert_degree=1 --set moe.router_projection=true --set moe.bias_balance=true
+  nsys_bin=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys \
+    /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
+  if [[ -n "$nsys_bin" ]]; then
+    d=/tmp/plm-prof-nsys; rm -rf "$d"; mkdir -p "$d"
+    timeout 240 "$nsys_bin" profile --trace=cuda,nvtx --sample=none --cpuctxsw=none --force-overwrite=true \
+      -o "$d/trace650" "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" \
+      --set data.train="$pkg/data/train.h5" --set data.valid= --set data.micro_batch_tokens=24576 \
+      --set data.tokens_per_batch=49152 --set train.steps=8 --set train.log_every=1 \
+      --set train.eval_every=0 --set checkpoint.every=0 --set checkpoint.resume=none \
+      --set train.precision=bf16 --set train.run_dir="$d/run" > "$out/nsys_profile.log" 2>&1
+    note "nsys ($nsys_bin) profile rc=$? $(ls -la "$d" | grep -c trace650) files"
+    tail -5 "$out/nsys_profile.log" | tee -a "$summary"
+    rep=$(ls "$d"/trace650.* 2>/dev/null | grep -E "nsys-rep|qdrep" | head -1)
+    if [[ -n "$rep" ]]; then
+      timeout 240 "$nsys_bin" stats --force-export=true --format csv --report nvtx_sum \
+        --report nvtx_gpu_proj_sum --report cuda_gpu_kern_sum --output "$d/stats" "$rep" \
+        > "$out/nsys_stats.log" 2>&1
+      note "nsys stats rc=$?"
+      cp "$d"/stats* "$final_out/" 2>/dev/null
+      xz -T4 -c "$rep" > "$final_out/$(basename "$rep").xz" 2>/dev/null
+    fi
+  else
+    note "profile: no nsys found"
+  fi
 fi
 
 if has large_index; then

@@ -31,6 +31,8 @@ using plm::gpu::test::toBf16Bits;
 
 using Bits = std::uint16_t;
 using HostMat = std::vector<float>;
+using plm::model::DType;
+using plm::model::Mat;
 
 /// Host (rows, cols) -> device bf16 / fp32 views.
 View2<Bits> bf16View(const HostMat& x, std::int64_t rows, std::int64_t cols) {
