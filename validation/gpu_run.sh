@@ -926,7 +926,7 @@ if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
       --set train.profile=$prof --set checkpoint.every=0 --set checkpoint.resume=none \
       --set train.run_dir="$d" "$@" > "$out/profile_$name.log" 2>&1
     local rc=$?
-    cp "$d/metrics.jsonl" "$final_out/profile_$name.jsonl" 2>/dev/null
+    cp "$d/metrics.jsonl" "$out/profile_$name.jsonl" 2>/dev/null  # into logs.tgz
     note "profile $name rc=$rc $(python3 -c "
 import json, statistics
 r = [json.loads(l) for l in open('$d/metrics.jsonl')]
