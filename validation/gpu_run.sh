@@ -141,7 +141,9 @@
 #         8M and 35M bf16 (65,536-token micro-batches; also without train.profile for the
 #         undisturbed tokens/s) and esm2_moe_2b_a650m bf16 (4 x 16,384 tokens per step); then,
 #         where Nsight Systems is found, an nsys trace of 650M bf16 (8 steps, NVTX ranges per
-#         layer and op) with its NVTX and kernel summaries (nsys stats, CSV) copied to $OUT
+#         layer and op) with its NVTX and kernel summaries (nsys stats, CSV) copied to $OUT.
+#         Each train.profile run's <run_dir>/profile_layers.tsv (GPU ms per layer and kind) is
+#         kept in logs.tgz as profile_layers_<name>.tsv
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -927,6 +929,7 @@ if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
       --set train.run_dir="$d" "$@" > "$out/profile_$name.log" 2>&1
     local rc=$?
     cp "$d/metrics.jsonl" "$out/profile_$name.jsonl" 2>/dev/null  # into logs.tgz
+    cp "$d/profile_layers.tsv" "$out/profile_layers_$name.tsv" 2>/dev/null
     note "profile $name rc=$rc $(python3 -c "
 import json, statistics
 r = [json.loads(l) for l in open('$d/metrics.jsonl')]

@@ -250,8 +250,10 @@ const std::vector<KeySpec>& keys() {
        any(), {}},
       {"train", "profile", K::boolean, "false",
        "Time every GPU launch of the training passes by kind (GEMM, attention, LayerNorm, FP8 "
-       "casts, MoE dispatch, other) with CUDA events: a line before each progress line and a "
-       "gpu_ms object in each metrics.jsonl step record. Costs a little speed; GPU runs only.",
+       "casts, MoE dispatch, other) with CUDA events: a line before each progress line, a "
+       "gpu_ms object in each metrics.jsonl step record, and <run_dir>/profile_layers.tsv, the "
+       "same per encoder layer (mean per step after the first progress interval). Costs a "
+       "little speed; GPU runs only.",
        any(), {}},
       {"train", "gemm_autotune", K::boolean, "false",
        "Time up to 8 of cuBLASLt's candidate algorithms for each bf16 GEMM shape on its first "

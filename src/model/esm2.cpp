@@ -1341,8 +1341,10 @@ template <class T> struct Esm2<T>::Impl {
     for (int l = 0; l < layers_n; ++l) {
       if (hooks) hooks->beforeForward(l);
       PLM_TRACE(trace::layerName(l));
+      ctx.setProfileLayer(l);
       layers[l].forward(ctx, b, w.xs[l], w.xs[l + 1], actsFor(l), cosMat(), sinMat());
     }
+    ctx.setProfileLayer(-1);
     layerNorm(ctx, w.xs[layers_n], pw.lnf_g, pw.lnf_b, config.layer_norm_eps, w.hidden, w.meanf,
               w.rstdf);
     if (w.rows == 0 || (backward && hidden_head)) return;
@@ -1388,6 +1390,7 @@ template <class T> struct Esm2<T>::Impl {
     for (int l = layers_n - 1; l >= 0; --l) {
       if (hooks) hooks->beforeBackward(l);
       PLM_TRACE(trace::layerName(l));
+      ctx.setProfileLayer(l);
       LayerActs& a = actsFor(l);
       if (config.recompute == Recompute::Layer) {
         if (hooks) hooks->beforeForward(l);
@@ -1401,6 +1404,7 @@ template <class T> struct Esm2<T>::Impl {
       layers[l].backward(ctx, b, w.xs[l], a, s, cosMat(), sinMat());
       if (hooks) hooks->afterBackward(l);
     }
+    ctx.setProfileLayer(-1);
     embeddingBackward(ctx, b, s.dres_c, pg.embed);
     if (hooks) hooks->afterModelBackward();
   }

@@ -37,8 +37,10 @@
 #include <cuda_runtime.h>
 #endif
 
+#include <array>
 #include <cmath>
 #include <cstdlib>
+#include <map>
 #include <string>
 #include <unordered_map>
 
@@ -185,8 +187,11 @@ struct OpContext::Cuda {
   bool profiling = false;
   std::vector<cudaEvent_t> events;
   std::vector<int> kinds;
+  std::vector<int> layer_at;  // the layer each mark's interval belongs to (-1: outside the layers)
   std::size_t marks = 0;
+  int layer = -1;
   double totals[kProfileKinds] = {};
+  std::map<int, std::array<double, kProfileKinds>> by_layer;  // since resetLayerProfile
 #if PLM_FP8_CUDA
   // The E4M3 transposed input X^T (in, T padded to 16) of each FP8 GEMM, written by the
   // forward's cast in the pass that writes X's codes and read by the weight-gradient GEMM, so
@@ -241,6 +246,7 @@ struct OpContext::Cuda {
       float ms = 0;
       PLM_CHECK_CUDA(cudaEventElapsedTime(&ms, events[i - 1], events[i]));
       totals[kinds[i]] += ms;
+      by_layer[layer_at[i]][kinds[i]] += ms;
     }
     // The next call starts a fresh interval: host time between calls is not any kernel's.
     marks = 0;
@@ -321,19 +327,65 @@ void OpContext::setProfiling(bool on) {
 #endif
 }
 
+#if PLM_HAVE_CUDA
+namespace {
+constexpr const char* kProfileNames[] = {"gemm (cuBLASLt)", "attention",    "layernorm",
+                                         "other fused",     "moe dispatch", "moe counts",
+                                         "fp8 cast"};
+static_assert(sizeof(kProfileNames) / sizeof(kProfileNames[0]) == kProfileKinds, "a name per kind");
+}  // namespace
+#endif
+
 std::vector<std::pair<std::string, double>> OpContext::profile() {
   std::vector<std::pair<std::string, double>> out;
 #if PLM_HAVE_CUDA
   auto& c = cuda();
   c.collect();
-  const char* names[] = {"gemm (cuBLASLt)", "attention",  "layernorm", "other fused",
-                         "moe dispatch",    "moe counts", "fp8 cast"};
-  static_assert(sizeof(names) / sizeof(names[0]) == kProfileKinds, "a name per kind");
   for (int k = 0; k < kProfileKinds; ++k)  // the MoE and FP8 kinds only when they ran
     if (k <= static_cast<int>(OpKind::Other) || c.totals[k] > 0)
-      out.emplace_back(names[k], c.totals[k]);
+      out.emplace_back(kProfileNames[k], c.totals[k]);
 #endif
   return out;
+}
+
+void OpContext::setProfileLayer([[maybe_unused]] int layer) {
+#if PLM_HAVE_CUDA
+  if (!cuda_member || !cuda_member->profiling || cuda_member->layer == layer) return;
+  // Close the interval: kernels launched since the last mark (ops that do not mark) stay with
+  // the layer that launched them, as "other fused".
+  if (cuda_member->marks > 0) mark(OpKind::Other);
+  cuda_member->layer = layer;
+#endif
+}
+
+OpContext::LayerProfile OpContext::layerProfile() {
+  LayerProfile out;
+#if PLM_HAVE_CUDA
+  auto& c = cuda();
+  c.collect();
+  bool ran[kProfileKinds] = {};
+  for (const auto& [layer, ms] : c.by_layer)
+    for (int k = 0; k < kProfileKinds; ++k) ran[k] = ran[k] || ms[k] > 0;
+  std::vector<int> kinds;
+  for (int k = 0; k < kProfileKinds; ++k)
+    if (k <= static_cast<int>(OpKind::Other) || ran[k]) {
+      kinds.push_back(k);
+      out.kinds.emplace_back(kProfileNames[k]);
+    }
+  for (const auto& [layer, ms] : c.by_layer) {
+    out.layers.push_back(layer);
+    std::vector<double> row;
+    for (int k : kinds) row.push_back(ms[k]);
+    out.ms.push_back(std::move(row));
+  }
+#endif
+  return out;
+}
+
+void OpContext::resetLayerProfile() {
+#if PLM_HAVE_CUDA
+  if (cuda_member) cuda_member->by_layer.clear();
+#endif
 }
 
 void OpContext::mark(OpKind kind) {
@@ -349,8 +401,10 @@ void OpContext::mark(OpKind kind) {
     PLM_CHECK_CUDA(cudaEventCreate(&e));
     c.events.push_back(e);
     c.kinds.push_back(0);
+    c.layer_at.push_back(-1);
   }
   PLM_CHECK_CUDA(cudaEventRecord(c.events[c.marks], space_member.cuda_stream()));
+  c.layer_at[c.marks] = c.layer;
   c.kinds[c.marks++] = static_cast<int>(kind);
 #else
   (void)kind;

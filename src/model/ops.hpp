@@ -189,6 +189,19 @@ class OpContext {
   void forgetFp8Readers(const void* begin, std::size_t bytes);
   /// \brief Milliseconds per kind since setProfiling(true), as (name, ms).
   std::vector<std::pair<std::string, double>> profile();
+  /// \brief With profiling: the encoder layer the following launches belong to (-1: the
+  /// embedding, the head, the loss, the optimizer).  Closes the current interval, so kernels
+  /// of ops that do not mark stay with the layer that launched them.
+  void setProfileLayer(int layer);
+  /// \brief GPU milliseconds per (layer, kind) accumulated since resetLayerProfile(): one row
+  /// per layer index met, ascending (-1 first), columns the kinds that ran.
+  struct LayerProfile {
+    std::vector<std::string> kinds;
+    std::vector<int> layers;
+    std::vector<std::vector<double>> ms;  // [row][kind]
+  };
+  LayerProfile layerProfile();
+  void resetLayerProfile();
 
  public:  // for ops.cpp
   struct Cuda;

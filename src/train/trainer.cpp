@@ -800,6 +800,41 @@ io::json::Value number(double x) {
 }
 }  // namespace
 
+void Trainer::writeLayerProfile() {
+  if (rank_member != 0 || layer_profile_steps_member <= 0) return;
+  const auto table = model_member->context().layerProfile();
+  if (table.layers.empty()) return;
+  const std::string path = run_dir_member + "/profile_layers.tsv";
+  std::FILE* f = std::fopen(path.c_str(), "w");
+  if (!f) {
+    log::warn("train.profile: cannot write %s", path.c_str());
+    return;
+  }
+  const double steps = static_cast<double>(layer_profile_steps_member);
+  std::fprintf(f,
+               "# plm train.profile: GPU milliseconds per step on rank 0 by encoder layer and "
+               "kind, mean of the %lld steps after the first progress interval (up to step "
+               "%lld); layer \"outside\" = embedding, final LayerNorm, LM head, loss, optimizer\n",
+               static_cast<long long>(layer_profile_steps_member),
+               static_cast<long long>(state_member.step));
+  std::fprintf(f, "layer");
+  for (const auto& k : table.kinds) std::fprintf(f, "\t%s", metricName(k).c_str());
+  std::fprintf(f, "\ttotal\n");
+  for (std::size_t r = 0; r < table.layers.size(); ++r) {
+    if (table.layers[r] < 0)
+      std::fprintf(f, "outside");
+    else
+      std::fprintf(f, "%d", table.layers[r]);
+    double total = 0;
+    for (double ms : table.ms[r]) {
+      std::fprintf(f, "\t%.3f", ms / steps);
+      total += ms;
+    }
+    std::fprintf(f, "\t%.3f\n", total / steps);
+  }
+  std::fclose(f);
+}
+
 void Trainer::logStep(const StepStats& last, double seconds) {
   const Interval& in = interval_member;
   // An interval of skipped steps only has no loss (null in metrics.jsonl).
@@ -829,6 +864,15 @@ void Trainer::logStep(const StepStats& last, double seconds) {
       gpu_ms.set(metricName(kind), ms / steps);
     }
     model_member->setProfiling(true);  // a new interval
+    // The by-layer table leaves out the first interval (autotuning, cuDNN plans, first-touch
+    // allocations) and is rewritten at every progress line, so a stopped run keeps it.
+    if (layer_profile_steps_member < 0) {
+      model_member->context().resetLayerProfile();
+      layer_profile_steps_member = 0;
+    } else {
+      layer_profile_steps_member += in.steps;
+      writeLayerProfile();
+    }
   }
   if (rank_member != 0) return;
   if (!profile.empty()) log::info("profile: GPU time per step on rank 0: %s", profile.c_str());

@@ -147,6 +147,7 @@ class Trainer {
   void writeFinalModel();
 
  private:
+  void writeLayerProfile();
   void logStep(const StepStats& last, double interval_seconds);
   void logEval(const BatchStats& valid, double seconds);
   void logPlan();  // the run's plan: one log line and a "start" event (collective)
@@ -211,6 +212,7 @@ class Trainer {
   } interval_member;
   double train_seconds_member = 0.0;  // optimizer-step time of this run (no evaluation)
   bool profile_member = false;        // train.profile: per-kind GPU time per progress line
+  std::int64_t layer_profile_steps_member = -1;  // steps in profile_layers.tsv (-1: warm-up)
   std::int64_t steps_this_run_member = 0;
 };
 

@@ -145,5 +145,42 @@ TEST(Esm2Bf16, ForwardOutputsMatchFp32) {
   EXPECT_LT(gpu::test::relError(flat(b.hidden), flat(a.hidden)), 2e-2);
 }
 
+// train.profile's tables: the per-layer table has a row per encoder layer and one for what is
+// outside them, each layer's GEMM and attention time is positive, and its rows sum to the
+// per-kind totals of the same passes (one set of CUDA events feeds both).
+TEST(Esm2Bf16, ProfileByLayerSumsToTheKinds) {
+  Esm2Config c;
+  c.num_layers = 3;
+  c.hidden = 128;
+  c.heads = 2;
+  c.ffn = 256;
+  c.precision = Precision::Bf16;
+  Esm2<float> m(c);
+  initialize(m);
+  const auto batch = data::syntheticBatch({300, 41, 128}, 3);
+  m.setProfiling(true);
+  m.context().resetLayerProfile();
+  m.zeroGradients();
+  m.forwardBackward(batch, 1.0 / batch.num_masked);
+  m.forwardBackward(batch, 1.0 / batch.num_masked);
+  const auto kinds = m.profile();
+  const auto table = m.context().layerProfile();
+  ASSERT_EQ(table.layers, (std::vector<int>{-1, 0, 1, 2}));
+  ASSERT_EQ(table.kinds.size(), kinds.size());
+  for (std::size_t k = 0; k < kinds.size(); ++k) {
+    EXPECT_EQ(table.kinds[k], kinds[k].first);
+    double sum = 0;
+    for (const auto& row : table.ms) sum += row[k];
+    EXPECT_NEAR(sum, kinds[k].second, 1e-6 * std::max(1.0, kinds[k].second)) << kinds[k].first;
+  }
+  for (std::size_t r = 1; r < table.layers.size(); ++r) {
+    EXPECT_GT(table.ms[r][0], 0.0) << "GEMM time of layer " << table.layers[r];
+    EXPECT_GT(table.ms[r][1], 0.0) << "attention time of layer " << table.layers[r];
+  }
+  EXPECT_EQ(table.ms[0][1], 0.0) << "no attention outside the layers";
+  m.context().resetLayerProfile();
+  EXPECT_TRUE(m.context().layerProfile().layers.empty());
+}
+
 }  // namespace
 }  // namespace plm::model
