@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace plm::gpu {
 
@@ -105,6 +106,31 @@ class Gemm {
   /// \brief For an FP8 call with amax_d, after it has run: whether cuBLASLt computed max |D|
   /// in the GEMM (true) or a separate pass over D did (false).
   bool amaxFromCublas(const GemmArgs& args);
+  /// \brief How the plan for `args` runs: its K splits (1: none) and whether the bias gradient
+  /// of a BGradA call comes from a separate pass (split-K without the epilogue).  Plans it.
+  struct PlanInfo {
+    int splits = 1;
+    bool bias_pass = false;
+  };
+  PlanInfo planInfo(Stream stream, const GemmArgs& args);
+  /// \brief For benchmarks (bf16): cuBLASLt's heuristic #0, the split-K rule's choice and the
+  /// fastest split-K variant at each split count (2 to 16; made from the heuristic's first 4
+  /// candidates), whatever setGemmSplitK says, each timed now on scratch outputs (mean of 5 after
+  /// a warm-up) and run once more from the caller's D as C for the largest |difference| from
+  /// heuristic #0's D and bias gradient.  The plan cache is not touched.
+  struct SplitKRow {
+    int splits = 1;
+    bool rule = false;       // the rule's choice (what train.gemm_splitk runs untuned)
+    bool bias_pass = false;  // BGradA without the epilogue, bias gradient by a separate pass
+    int base = 0;            // index of the heuristic candidate it was made from
+    double ms = -1;          // -1: refused at launch
+    double max_diff = -1, max_bias_diff = -1;
+  };
+  struct SplitKReport {
+    double ref_max = 0;           // max |D| of heuristic #0's result
+    std::vector<SplitKRow> rows;  // rows[0]: heuristic #0; empty when nothing could run
+  };
+  SplitKReport splitKReport(Stream stream, const GemmArgs& args);
 
  private:
   struct Impl;
@@ -122,6 +148,20 @@ class Gemm {
 void setGemmAutotune(bool on, const std::string& cache_file = "", bool write_cache = true,
                      int candidates = 8);
 bool gemmAutotune();
+
+/// \brief Process-wide split-K (train.gemm_splitk) for the bf16 GEMMs planned after the call
+/// whose output has too few tiles to keep every SM busy over a long K: the weight gradients
+/// dW += dY^T X (K = tokens, a few hundred 128x128 tiles for 132 SMs).  On: such a GEMM runs with
+/// K split in s parts when a cost model (waves of tiles over the device's SMs, plus the extra
+/// read-modify-write of D per part) expects it at least 10% faster than unsplit; under
+/// train.gemm_autotune the split variants join the timed candidates instead.  The parts are
+/// reduced in a fixed order (cuBLASLt's INPLACE scheme with its ordering counters for fp32 D,
+/// else fp32 parts in the workspace summed by a separate pass): results are deterministic, but
+/// differ from the unsplit GEMM's in the last bits.  `force_splits` > 1 (tests) splits every
+/// eligible GEMM (epilogue none or BGradA, bf16 operands) in exactly that many parts where
+/// cuBLASLt accepts it.
+void setGemmSplitK(bool on, int force_splits = 0);
+bool gemmSplitK();
 
 /// \brief Plain reference: one thread per output element, fp32 accumulation, the same
 /// epilogues (exact for the GELU's tanh form); FP8 operands are decoded exactly and multiplied
