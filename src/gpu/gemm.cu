@@ -7,6 +7,7 @@
 
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "gpu/detail/streamk_gemm.hpp"
 #include "gpu/fp8.hpp"
 
 #include <cublasLt.h>
@@ -29,6 +30,19 @@
 #include <vector>
 
 namespace plm::gpu {
+
+#if !PLM_HAVE_CUTLASS
+namespace detail {
+bool streamKCompiled() { return false; }
+bool streamKSupports(const StreamKProblem&) { return false; }
+std::size_t streamKWorkspaceBytes(const StreamKProblem&) { return 0; }
+void streamKRun(Stream, const StreamKProblem&, void*, std::size_t) {
+  throw Error(
+      "plm::gpu: the CUTLASS stream-K GEMM is not in this build (CUTLASS was not found when it "
+      "was configured: run scripts/get-cutlass.sh and reconfigure)");
+}
+}  // namespace detail
+#endif
 
 namespace {
 
@@ -130,6 +144,7 @@ struct Plan {
   cublasLtMatmulDesc_t plain_desc = nullptr;
   bool bias_pass = false;
   int splits = 1;
+  bool streamk = false;  // CUTLASS's stream-K kernel instead of cuBLASLt
   // amax_d asked for and cuBLASLt's AMAX_D_POINTER refused (it is documented for FP8 D only):
   // max |D| then comes from a pass over D.
   bool amax_by_pass = false;
@@ -263,6 +278,7 @@ struct Scratch {
 struct SplitKState {
   std::atomic<bool> on{false};
   std::atomic<int> force{0};
+  std::atomic<bool> force_bias_pass{false};
 };
 
 SplitKState& splitKState() {
@@ -272,6 +288,8 @@ SplitKState& splitKState() {
 
 // Split counts tried as variants (autotune, benchmark) and by the rule.
 constexpr int kSplitCounts[] = {2, 3, 4, 5, 6, 8, 12, 16};
+// setGemmSplitK's force_splits that selects CUTLASS's stream-K kernel.
+constexpr int kForceStreamK = -1;
 // A part shorter than this along K spends more on its epilogue than it saves.
 constexpr std::int64_t kMinSplitK = 512;
 // Bytes after the cuBLASLt workspace that hold biasGradPass's per-chunk partial sums (kept
@@ -425,8 +443,33 @@ struct Candidate {
   cublasLtMatmulAlgo_t algo{};
   int splits = 1;
   bool bias_pass = false;  // on plain_desc, with biasGradPass
+  bool streamk = false;    // CUTLASS's stream-K kernel (gemm_streamk_sm90a.cu), with biasGradPass
   int base = 0;            // index in the heuristic's list it came from
 };
+
+// The weight-gradient layout the CUTLASS stream-K kernel takes: D (fp32) = alpha A^T B + beta C.
+detail::StreamKProblem streamKProblem(const GemmArgs& g) {
+  detail::StreamKProblem p;
+  p.m = g.m;
+  p.n = g.n;
+  p.k = g.k;
+  p.a = g.a;
+  p.lda = g.lda;
+  p.b = g.b;
+  p.ldb = g.ldb;
+  p.d = static_cast<float*>(g.d);
+  p.ldd = g.ldd;
+  p.c = static_cast<const float*>(g.c ? g.c : g.d);
+  p.ldc = g.c ? g.ldc : g.ldd;
+  p.alpha = g.alpha;
+  p.beta = g.beta;
+  return p;
+}
+
+bool streamKEligible(const GemmArgs& g) {
+  return detail::streamKCompiled() && splitEligible(g) && g.trans_a && !g.trans_b &&
+         g.d_type == DType::F32 && detail::streamKSupports(streamKProblem(g));
+}
 
 }  // namespace
 
@@ -438,6 +481,43 @@ struct Gemm::Impl {
 
   std::string device = deviceTag();
   int sms = smCount();
+
+  // CUTLASS stream-K's own workspace (it clears its flags there before each kernel), grown on
+  // first use; never during a CUDA graph capture.
+  void* streamk_workspace = nullptr;
+  std::size_t streamk_bytes = 0;
+
+  bool streamKWorkspace(std::size_t bytes, Stream stream) {
+    if (bytes <= streamk_bytes) return true;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone) {
+      cudaGetLastError();
+      return false;
+    }
+    PLM_CHECK_CUDA(cudaDeviceSynchronize());  // the old one may still be in use
+    if (streamk_workspace) cudaFree(streamk_workspace);
+    streamk_workspace = nullptr;
+    streamk_bytes = 0;
+    if (cudaMalloc(&streamk_workspace, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      streamk_workspace = nullptr;
+      return false;
+    }
+    streamk_bytes = bytes;
+    return true;
+  }
+
+  // The stream-K candidate for g where the kernel is built and takes it; false otherwise.
+  bool streamKOf(const GemmArgs& g, Stream stream, Candidate& out) {
+    if (!streamKEligible(g)) return false;
+    if (!streamKWorkspace(
+            std::max<std::size_t>(detail::streamKWorkspaceBytes(streamKProblem(g)), 256), stream))
+      return false;
+    out = Candidate{};
+    out.streamk = true;
+    return true;
+  }
 
   float* biasPartials() {
     return reinterpret_cast<float*>(static_cast<char*>(workspace) + workspace_bytes);
@@ -539,6 +619,7 @@ struct Gemm::Impl {
   bool splitOf(Plan& p, const GemmArgs& g, int splits, int bases, Candidate& out) {
     for (bool plain : {false, true}) {
       if (plain && g.epilogue != Epilogue::BGradA) break;
+      if (!plain && g.epilogue == Epilogue::BGradA && splitKState().force_bias_pass) continue;
       const cublasLtMatmulDesc_t desc = plain ? plainDesc(p, g) : p.desc;
       for (Candidate c : heuristic(p, desc, bases, plain))
         if (withSplits(p, g, c, splits)) {
@@ -551,9 +632,10 @@ struct Gemm::Impl {
 
   // The rule's choice (setGemmSplitK): the forced split count, else ruleSplits over heuristic
   // #0's tiles; false when it says no split or cuBLASLt offers none.
-  bool ruleChoice(Plan& p, const GemmArgs& g, Candidate& out) {
+  bool ruleChoice(Plan& p, const GemmArgs& g, Candidate& out, Stream stream = nullptr) {
     if (!splitEligible(g)) return false;
     int splits = splitKState().force.load();
+    if (splits == kForceStreamK) return streamKOf(g, stream, out);
     if (splits <= 1) {
       const auto first = heuristic(p, p.desc, 1);
       if (first.empty() || first[0].splits > 1) return false;  // it splits already
@@ -569,9 +651,11 @@ struct Gemm::Impl {
   // Split-K variants for the autotune and the benchmark: each split count of kSplitCounts that
   // leaves K/s >= kMinSplitK, from each of the heuristic's first `bases` candidates that takes
   // it (for BGradA without the epilogue only where none takes it with).
-  std::vector<Candidate> splitVariants(Plan& p, const GemmArgs& g, int bases) {
+  std::vector<Candidate> splitVariants(Plan& p, const GemmArgs& g, int bases, Stream stream) {
     std::vector<Candidate> out;
     if (!splitEligible(g)) return out;
+    Candidate streamk;
+    if (streamKOf(g, stream, streamk)) out.push_back(streamk);
     const auto with = heuristic(p, p.desc, bases);
     std::vector<Candidate> plain;
     if (g.epilogue == Epilogue::BGradA) plain = heuristic(p, plainDesc(p, g), bases, true);
@@ -589,16 +673,24 @@ struct Gemm::Impl {
 
   // Everything the autotune times: the heuristic's list, then with split-K on the rule's
   // choice and the split variants.  A pure function of the shape, library and device.
-  std::vector<Candidate> tuneCandidates(Plan& p, const GemmArgs& g, int count) {
+  std::vector<Candidate> tuneCandidates(Plan& p, const GemmArgs& g, int count, Stream stream) {
     std::vector<Candidate> all = candidates(p, count);
     if (!splitKState().on || all.empty()) return all;
     Candidate rule;
-    if (ruleChoice(p, g, rule)) all.push_back(rule);
-    for (const Candidate& c : splitVariants(p, g, 4)) all.push_back(c);
+    if (ruleChoice(p, g, rule, stream)) all.push_back(rule);
+    for (const Candidate& c : splitVariants(p, g, 4, stream)) all.push_back(c);
     return all;
   }
 
   cublasStatus_t launch(const Plan& p, const GemmArgs& t, const Candidate& c, Stream stream) {
+    if (c.streamk) {
+      const detail::StreamKProblem sk = streamKProblem(t);
+      if (detail::streamKWorkspaceBytes(sk) > streamk_bytes || !detail::streamKSupports(sk))
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+      detail::streamKRun(stream, sk, streamk_workspace, streamk_bytes);
+      if (t.epilogue == Epilogue::BGradA) biasGradPass(stream, t, biasPartials());
+      return CUBLAS_STATUS_SUCCESS;
+    }
     const cublasStatus_t status = cublasLtMatmul(
         handle, c.bias_pass ? p.plain_desc : p.desc, &t.alpha, t.b, p.a, t.a, p.b, &t.beta,
         t.c ? t.c : t.d, p.c, t.d, p.d, &c.algo, workspace, workspace_bytes, stream);
@@ -658,6 +750,7 @@ struct Gemm::Impl {
     p.algo = c.algo;
     p.bias_pass = c.bias_pass;
     p.splits = c.splits;
+    p.streamk = c.streamk;
   }
 
   // train.gemm_autotune: replaces the heuristic's first choice in p by the cached or the
@@ -665,9 +758,11 @@ struct Gemm::Impl {
   void autotune(Plan& p, const GemmArgs& g, Stream stream) {
     TuneState& s = tuneState();
     std::lock_guard<std::mutex> lock(s.mutex);
-    const auto algos = tuneCandidates(p, g, s.candidates);
+    const auto algos = tuneCandidates(p, g, s.candidates, stream);
     if (algos.empty()) return;
-    const std::string key = tuneKey(g, device);
+    // Split-K adds variants after the heuristic's list: an index means another algorithm then.
+    std::string key = tuneKey(g, device);
+    if (splitKState().on) key += ",splitk=" + std::to_string(splitKState().force.load());
     auto it = s.choices.find(key);
     if (it != s.choices.end()) {
       if (it->second.index < static_cast<int>(algos.size())) choose(p, algos[it->second.index]);
@@ -830,7 +925,7 @@ struct Gemm::Impl {
       Candidate rule;
       if (tuneState().on)
         autotune(p, g, stream);
-      else if (splitKState().on && ruleChoice(p, g, rule))
+      else if (splitKState().on && ruleChoice(p, g, rule, stream))
         choose(p, rule);
     }
     return plans.emplace(key, p).first->second;
@@ -846,6 +941,7 @@ struct Gemm::Impl {
       if (p.plain_desc) cublasLtMatmulDescDestroy(p.plain_desc);
     }
     if (workspace) cudaFree(workspace);
+    if (streamk_workspace) cudaFree(streamk_workspace);
     if (handle) cublasLtDestroy(handle);
   }
 };
@@ -881,6 +977,7 @@ void Gemm::run(Stream stream, const GemmArgs& g) {
     c.algo = p.algo;
     c.splits = p.splits;
     c.bias_pass = p.bias_pass;
+    c.streamk = p.streamk;
     PLM_CHECK_CUBLAS(impl_member->launch(p, g, c, stream));
     return;
   }
@@ -912,7 +1009,7 @@ Gemm::TuneResult Gemm::tune(Stream stream, const GemmArgs& g) {
   if (g.m == 0 || g.n == 0 || isFp8(g.a_type) || isFp8(g.b_type)) return r;
   Plan& p = impl_member->plan(g, stream);
   const int count = std::max(tuneState().candidates, 1);
-  const auto algos = impl_member->tuneCandidates(p, g, count);
+  const auto algos = impl_member->tuneCandidates(p, g, count, stream);
   r.candidates = static_cast<int>(algos.size());
   const std::vector<double> ms = impl_member->timeCandidates(p, g, stream, algos);
   if (ms.empty()) return r;
@@ -939,12 +1036,15 @@ void setGemmAutotune(bool on, const std::string& cache_file, bool write_cache, i
 
 bool gemmAutotune() { return tuneState().on; }
 
-void setGemmSplitK(bool on, int force_splits) {
+void setGemmSplitK(bool on, int force_splits, bool force_bias_pass) {
   splitKState().on = on;
   splitKState().force = on ? force_splits : 0;
+  splitKState().force_bias_pass = on && force_bias_pass;
 }
 
 bool gemmSplitK() { return splitKState().on; }
+
+bool gemmStreamKCompiled() { return detail::streamKCompiled(); }
 
 Gemm::PlanInfo Gemm::planInfo(Stream stream, const GemmArgs& args) {
   PlanInfo info;
@@ -952,6 +1052,7 @@ Gemm::PlanInfo Gemm::planInfo(Stream stream, const GemmArgs& args) {
   const Plan& p = impl_member->plan(args, stream);
   info.splits = p.splits;
   info.bias_pass = p.bias_pass;
+  info.streamk = p.streamk;
   return info;
 }
 
@@ -964,11 +1065,11 @@ Gemm::SplitKReport Gemm::splitKReport(Stream stream, const GemmArgs& g) {
   if (algos.empty()) return report;
   std::vector<bool> rule_flag = {false};
   Candidate rule;
-  if (impl.ruleChoice(p, g, rule)) {
+  if (impl.ruleChoice(p, g, rule, stream)) {
     algos.push_back(rule);
     rule_flag.push_back(true);
   }
-  for (const Candidate& c : impl.splitVariants(p, g, 4)) {
+  for (const Candidate& c : impl.splitVariants(p, g, 4, stream)) {
     algos.push_back(c);
     rule_flag.push_back(false);
   }
@@ -1006,9 +1107,10 @@ Gemm::SplitKReport Gemm::splitKReport(Stream stream, const GemmArgs& g) {
   std::map<int, std::size_t> fastest;  // split count -> index of its fastest variant
   for (std::size_t i = 1; i < algos.size(); ++i) {
     if (rule_flag[i]) continue;
-    auto it = fastest.find(algos[i].splits);
+    const int key = algos[i].streamk ? 0 : algos[i].splits;  // stream-K: a row of its own
+    auto it = fastest.find(key);
     if (it == fastest.end())
-      fastest[algos[i].splits] = i;
+      fastest[key] = i;
     else if (ms[i] > 0 && (ms[it->second] <= 0 || ms[i] < ms[it->second]))
       it->second = i;
   }
@@ -1021,6 +1123,7 @@ Gemm::SplitKReport Gemm::splitKReport(Stream stream, const GemmArgs& g) {
     row.splits = algos[i].splits;
     row.rule = rule_flag[i];
     row.bias_pass = algos[i].bias_pass;
+    row.streamk = algos[i].streamk;
     row.base = algos[i].base;
     row.ms = ms[i];
     if (ms[i] > 0 && runOnce(algos[i])) {

@@ -111,17 +111,20 @@ class Gemm {
   struct PlanInfo {
     int splits = 1;
     bool bias_pass = false;
+    bool streamk = false;  // CUTLASS's stream-K kernel (bias gradient by the separate pass)
   };
   PlanInfo planInfo(Stream stream, const GemmArgs& args);
-  /// \brief For benchmarks (bf16): cuBLASLt's heuristic #0, the split-K rule's choice and the
+  /// \brief For benchmarks (bf16): cuBLASLt's heuristic #0, the split-K rule's choice, the
   /// fastest split-K variant at each split count (2 to 16; made from the heuristic's first 4
-  /// candidates), whatever setGemmSplitK says, each timed now on scratch outputs (mean of 5 after
+  /// candidates) and CUTLASS's stream-K kernel where it takes the call, whatever setGemmSplitK
+  /// says, each timed now on scratch outputs (mean of 5 after
   /// a warm-up) and run once more from the caller's D as C for the largest |difference| from
   /// heuristic #0's D and bias gradient.  The plan cache is not touched.
   struct SplitKRow {
     int splits = 1;
     bool rule = false;       // the rule's choice (what train.gemm_splitk runs untuned)
     bool bias_pass = false;  // BGradA without the epilogue, bias gradient by a separate pass
+    bool streamk = false;    // CUTLASS's stream-K kernel (splits not meaningful)
     int base = 0;            // index of the heuristic candidate it was made from
     double ms = -1;          // -1: refused at launch
     double max_diff = -1, max_bias_diff = -1;
@@ -159,9 +162,14 @@ bool gemmAutotune();
 /// else fp32 parts in the workspace summed by a separate pass): results are deterministic, but
 /// differ from the unsplit GEMM's in the last bits.  `force_splits` > 1 (tests) splits every
 /// eligible GEMM (epilogue none or BGradA, bf16 operands) in exactly that many parts where
-/// cuBLASLt accepts it.
-void setGemmSplitK(bool on, int force_splits = 0);
+/// cuBLASLt accepts it, -1 runs CUTLASS's stream-K kernel where it is built and takes the call
+/// (weight-gradient layout, fp32 D); `force_bias_pass` (tests) runs split BGradA calls without
+/// the epilogue, the bias gradient from the separate pass.  Under train.gemm_autotune the
+/// stream-K kernel is one of the timed candidates.
+void setGemmSplitK(bool on, int force_splits = 0, bool force_bias_pass = false);
 bool gemmSplitK();
+/// \brief Whether this build holds CUTLASS's SM90 stream-K weight-gradient kernel.
+bool gemmStreamKCompiled();
 
 /// \brief Plain reference: one thread per output element, fp32 accumulation, the same
 /// epilogues (exact for the GELU's tanh form); FP8 operands are decoded exactly and multiplied
