@@ -325,7 +325,13 @@ fi
 if has gemm_sk; then
   if [[ -x "$pkg/bin/bench_gpu_gemm_sk" ]]; then
     timeout 420 "$pkg/bin/bench_gpu_gemm_sk" > "$out/bench_gpu_gemm_sk.log" 2>&1
-    note "bench_gpu_gemm_sk rc=$?"
+    rc=$?
+    note "bench_gpu_gemm_sk rc=$rc"
+    if [[ $rc -ne 0 ]]; then  # keep the split-K table should the CUTLASS kernel fail
+      tail -5 "$out/bench_gpu_gemm_sk.log" | tee -a "$summary"
+      timeout 420 "$pkg/bin/bench_gpu_gemm_sk" --no-streamk > "$out/bench_gpu_gemm_sk.log" 2>&1
+      note "bench_gpu_gemm_sk --no-streamk rc=$?"
+    fi
     cat "$out/bench_gpu_gemm_sk.log" >> "$summary"
     cp "$out/bench_gpu_gemm_sk.log" "$final_out/" 2>/dev/null
   else

@@ -10,7 +10,8 @@
 // |difference| of each one's D (and bias gradient) from heuristic #0's, run once from the same
 // D, relative to max |D|.  Split-K applies to the epilogue-free and bias-gradient GEMMs only.
 //
-//   bench_gpu_gemm_sk [T ...]      (default: 16384 32768)
+//   bench_gpu_gemm_sk [--no-streamk] [T ...]      (default: 16384 32768)
+//   --no-streamk leaves CUTLASS's kernel out (the stage's rerun should it fail).
 //
 // RESULT lines, one per model and T: the layer's 12 GEMMs in ms under heuristic #0, the rule,
 // and the fastest candidate of each GEMM, and the worst relative difference seen.
@@ -178,14 +179,24 @@ void layerTable(Gemm& gemm, const char* model, std::int64_t C, std::int64_t F, s
 
 int main(int argc, char** argv) {
   std::vector<std::int64_t> tokens;
-  for (int i = 1; i < argc; ++i) tokens.push_back(std::atoll(argv[i]));
+  bool streamk = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::string(argv[i]) == "--no-streamk")
+      streamk = false;
+    else
+      tokens.push_back(std::atoll(argv[i]));
+  }
+  setGemmStreamKAllowed(streamk);
   if (tokens.empty()) tokens = {16384, 32768};
   cudaDeviceProp prop{};
   PLM_CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
   std::printf(
       "bench_gpu_gemm_sk on %s (%d SMs): bf16 GEMMs, cuBLASLt heuristic #0 vs split-K (rule and "
       "variants) and CUTLASS stream-K (%s)\n",
-      prop.name, prop.multiProcessorCount, gemmStreamKCompiled() ? "built" : "not in this build");
+      prop.name, prop.multiProcessorCount,
+      !gemmStreamKCompiled() ? "not in this build"
+      : streamk              ? "built"
+                             : "left out");
   Gemm gemm;
   {
     GemmArgs a;

@@ -279,6 +279,7 @@ struct SplitKState {
   std::atomic<bool> on{false};
   std::atomic<int> force{0};
   std::atomic<bool> force_bias_pass{false};
+  std::atomic<bool> streamk_allowed{true};
 };
 
 SplitKState& splitKState() {
@@ -467,8 +468,9 @@ detail::StreamKProblem streamKProblem(const GemmArgs& g) {
 }
 
 bool streamKEligible(const GemmArgs& g) {
-  return detail::streamKCompiled() && splitEligible(g) && g.trans_a && !g.trans_b &&
-         g.d_type == DType::F32 && detail::streamKSupports(streamKProblem(g));
+  return splitKState().streamk_allowed && detail::streamKCompiled() && splitEligible(g) &&
+         g.trans_a && !g.trans_b && g.d_type == DType::F32 &&
+         detail::streamKSupports(streamKProblem(g));
 }
 
 }  // namespace
@@ -650,12 +652,11 @@ struct Gemm::Impl {
 
   // Split-K variants for the autotune and the benchmark: each split count of kSplitCounts that
   // leaves K/s >= kMinSplitK, from each of the heuristic's first `bases` candidates that takes
-  // it (for BGradA without the epilogue only where none takes it with).
+  // it (for BGradA without the epilogue only where none takes it with), then CUTLASS's
+  // stream-K kernel where it takes the call.
   std::vector<Candidate> splitVariants(Plan& p, const GemmArgs& g, int bases, Stream stream) {
     std::vector<Candidate> out;
     if (!splitEligible(g)) return out;
-    Candidate streamk;
-    if (streamKOf(g, stream, streamk)) out.push_back(streamk);
     const auto with = heuristic(p, p.desc, bases);
     std::vector<Candidate> plain;
     if (g.epilogue == Epilogue::BGradA) plain = heuristic(p, plainDesc(p, g), bases, true);
@@ -668,6 +669,8 @@ struct Gemm::Impl {
         for (Candidate c : plain)
           if (withSplits(p, g, c, s)) out.push_back(c);
     }
+    Candidate streamk;  // last: the split variants keep their indices where it is not built
+    if (streamKOf(g, stream, streamk)) out.push_back(streamk);
     return out;
   }
 
@@ -1045,6 +1048,8 @@ void setGemmSplitK(bool on, int force_splits, bool force_bias_pass) {
 bool gemmSplitK() { return splitKState().on; }
 
 bool gemmStreamKCompiled() { return detail::streamKCompiled(); }
+
+void setGemmStreamKAllowed(bool allowed) { splitKState().streamk_allowed = allowed; }
 
 Gemm::PlanInfo Gemm::planInfo(Stream stream, const GemmArgs& args) {
   PlanInfo info;

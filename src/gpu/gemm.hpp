@@ -170,6 +170,8 @@ void setGemmSplitK(bool on, int force_splits = 0, bool force_bias_pass = false);
 bool gemmSplitK();
 /// \brief Whether this build holds CUTLASS's SM90 stream-K weight-gradient kernel.
 bool gemmStreamKCompiled();
+/// \brief Whether plans made after the call may use it at all (default true; benchmarks).
+void setGemmStreamKAllowed(bool allowed);
 
 /// \brief Plain reference: one thread per output element, fp32 accumulation, the same
 /// epilogues (exact for the GELU's tanh form); FP8 operands are decoded exactly and multiplied

@@ -24,6 +24,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
 
+#include <cstdint>
 #include <string>
 #include <type_traits>
 
