@@ -9,6 +9,7 @@
 #include "core/log.hpp"
 #include "gpu/detail/streamk_gemm.hpp"
 #include "gpu/fp8.hpp"
+#include "gpu/moe_grouped.hpp"
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -363,50 +364,23 @@ int ruleSplits(std::int64_t tiles, std::int64_t k, int sms) {
   return best_cost < 0.9 * cost(1) ? best : 1;
 }
 
-// bias_grad[m] = sum over k of op(A)[m][k], deterministic: block (32 rows of op(A) x 8 lanes
-// along K) sums its K chunk in a fixed order into partial[chunk][m]; biasGradFinishKernel adds
-// the chunks in order.  Element (m, k) of op(A) is a[m * sm + k * sk].
-__global__ void biasGradPartialKernel(const __nv_bfloat16* a, std::int64_t sm, std::int64_t sk,
-                                      std::int64_t m_total, std::int64_t k_total,
-                                      std::int64_t k_chunk, float* partial) {
-  __shared__ float sums[8][33];
-  const std::int64_t m = blockIdx.x * 32 + threadIdx.x;
-  const std::int64_t k0 = blockIdx.y * k_chunk, k1 = std::min(k_total, k0 + k_chunk);
-  float s = 0.0f;
-  if (m < m_total)
-    for (std::int64_t k = k0 + threadIdx.y; k < k1; k += 8)
-      s += __bfloat162float(a[m * sm + k * sk]);
-  sums[threadIdx.y][threadIdx.x] = s;
-  __syncthreads();
-  if (threadIdx.y == 0 && m < m_total) {
-    float t = 0.0f;
-    for (int y = 0; y < 8; ++y) t += sums[y][threadIdx.x];
-    partial[blockIdx.y * m_total + m] = t;
-  }
+// The bias gradient of a BGradA call run without its epilogue: bias_grad[m] = sum over the K
+// rows of dY stored (K, M) of column m, written (=) as the epilogue writes it.  It is the MoE
+// layer's fixed-order column sum (expertBiasGradient, one "expert" of K rows; bitwise
+// reproducible), which reads dY 16 bytes at a time: it takes op(A) stored (K, M) unpadded
+// (lda = M), M a multiple of 8 and a 16-byte aligned A.  Other calls keep the epilogue.
+bool biasPassTakes(const GemmArgs& g) {
+  return g.trans_a && g.lda == g.m && g.m % 8 == 0 &&
+         reinterpret_cast<std::uintptr_t>(g.a) % 16 == 0 &&
+         expertBiasGradientWorkspaceBytes(
+             1, static_cast<int>(std::min<std::int64_t>(g.m, 1 << 30))) <= kBiasPartialBytes;
 }
 
-__global__ void biasGradFinishKernel(const float* partial, int chunks, std::int64_t m_total,
-                                     float* bias_grad) {
-  const std::int64_t m = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
-  if (m >= m_total) return;
-  float t = 0.0f;
-  for (int c = 0; c < chunks; ++c) t += partial[c * m_total + m];
-  bias_grad[m] = t;
-}
-
-void biasGradPass(Stream stream, const GemmArgs& g, float* partial) {
-  const std::int64_t sm = g.trans_a ? 1 : g.lda, sk = g.trans_a ? g.lda : 1;
-  const std::int64_t max_chunks = static_cast<std::int64_t>(kBiasPartialBytes / 4) / g.m;
-  const int chunks = static_cast<int>(
-      std::max<std::int64_t>(1, std::min<std::int64_t>({64, max_chunks, (g.k + 255) / 256})));
-  const std::int64_t k_chunk = (g.k + chunks - 1) / chunks;
-  const dim3 block(32, 8), grid(static_cast<unsigned>((g.m + 31) / 32), chunks);
-  biasGradPartialKernel<<<grid, block, 0, stream>>>(static_cast<const __nv_bfloat16*>(g.a), sm, sk,
-                                                    g.m, g.k, k_chunk, partial);
-  PLM_CHECK_CUDA(cudaGetLastError());
-  biasGradFinishKernel<<<static_cast<unsigned>((g.m + 255) / 256), 256, 0, stream>>>(
-      partial, chunks, g.m, static_cast<float*>(g.bias_grad));
-  PLM_CHECK_CUDA(cudaGetLastError());
+void biasGradPass(Stream stream, const GemmArgs& g, void* scratch) {
+  PLM_CHECK_CUDA(cudaMemsetAsync(g.bias_grad, 0, static_cast<std::size_t>(g.m) * 4, stream));
+  expertBiasGradient(stream, {static_cast<float*>(g.bias_grad)}, {g.k},
+                     static_cast<const bf16*>(g.a), static_cast<int>(g.m), scratch,
+                     kBiasPartialBytes);
 }
 
 // max |x - y| over a (rows, cols) matrix of `type` with leading dimension ld, into *out (the
@@ -469,8 +443,8 @@ detail::StreamKProblem streamKProblem(const GemmArgs& g) {
 
 bool streamKEligible(const GemmArgs& g) {
   return splitKState().streamk_allowed && detail::streamKCompiled() && splitEligible(g) &&
-         g.trans_a && !g.trans_b && g.d_type == DType::F32 &&
-         detail::streamKSupports(streamKProblem(g));
+         (g.epilogue != Epilogue::BGradA || biasPassTakes(g)) && g.trans_a && !g.trans_b &&
+         g.d_type == DType::F32 && detail::streamKSupports(streamKProblem(g));
 }
 
 }  // namespace
@@ -521,9 +495,7 @@ struct Gemm::Impl {
     return true;
   }
 
-  float* biasPartials() {
-    return reinterpret_cast<float*>(static_cast<char*>(workspace) + workspace_bytes);
-  }
+  void* biasPartials() { return static_cast<char*>(workspace) + workspace_bytes; }
 
   // The heuristic's algorithms for plan p's layouts under desc (bf16), best first; empty when
   // it has none.
@@ -620,7 +592,7 @@ struct Gemm::Impl {
   // plan's epilogue, else for BGradA without it and a bias pass); false when none does.
   bool splitOf(Plan& p, const GemmArgs& g, int splits, int bases, Candidate& out) {
     for (bool plain : {false, true}) {
-      if (plain && g.epilogue != Epilogue::BGradA) break;
+      if (plain && (g.epilogue != Epilogue::BGradA || !biasPassTakes(g))) break;
       if (!plain && g.epilogue == Epilogue::BGradA && splitKState().force_bias_pass) continue;
       const cublasLtMatmulDesc_t desc = plain ? plainDesc(p, g) : p.desc;
       for (Candidate c : heuristic(p, desc, bases, plain))
@@ -659,7 +631,8 @@ struct Gemm::Impl {
     if (!splitEligible(g)) return out;
     const auto with = heuristic(p, p.desc, bases);
     std::vector<Candidate> plain;
-    if (g.epilogue == Epilogue::BGradA) plain = heuristic(p, plainDesc(p, g), bases, true);
+    if (g.epilogue == Epilogue::BGradA && biasPassTakes(g))
+      plain = heuristic(p, plainDesc(p, g), bases, true);
     for (int s : kSplitCounts) {
       if (g.k / s < kMinSplitK) break;
       bool any = false;
