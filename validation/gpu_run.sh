@@ -15,12 +15,13 @@
 #        run reads <run_dir>/gemm_autotune.txt: its "gemm autotune:" lines say "from the cache file")
 #   gemm_sk: split-K / stream-K for the weight gradients (issue 29, doc/gpu.md "Split-K and
 #        stream-K"): bench_gpu_gemm_sk (every 650M and 3B layer GEMM at 16k and 32k tokens:
-#        heuristic #0, the train.gemm_splitk rule, the fastest split per count, CUTLASS stream-K,
+#        heuristic #0, the train.gemm_split splitk rule, the fastest split per count, CUTLASS stream-K,
 #        each one's max |difference| from heuristic #0; RESULT gemm_sk lines), test_gpu_gemm (split
 #        variants forced, by the rule and autotuned against a host double reference), then
 #        bench_gpu_train esm2_650m bf16 at PLM_GEMM_SK_TOKENS (default 24576) tokens with
-#        train.gemm_splitk false and true (PLM_TRAIN_STEPS, default 20); PLM_GEMM_SK_TUNED=1 adds
-#        a run with train.gemm_splitk and train.gemm_autotune both true (includes the tuning)
+#        train.gemm_split off, splitk and streamk (PLM_TRAIN_STEPS, default 20);
+#        PLM_GEMM_SK_TUNED=1 adds train.gemm_split=streamk with train.gemm_autotune=true (the
+#        tuning included in the time)
 #   lora: LoRA adapters in bf16 (doc/finetune.md section 7) on ESM-2 650M's shape (random base),
 #         rank 16 on q,k,v,o,ffn_in,ffn_out: PLM_LORA_STEPS steps (default 20) on the packaged
 #         proteins with a checkpoint at the end (tokens/s beside the same run without adapters),
@@ -345,8 +346,8 @@ if has gemm_sk; then
   fi
   if [[ -x "$pkg/bin/bench_gpu_train" ]]; then
     tokens=${PLM_GEMM_SK_TOKENS:-24576}
-    runs=("train.gemm_splitk=false" "train.gemm_splitk=true")
-    [[ "${PLM_GEMM_SK_TUNED:-0}" == 1 ]] && runs+=("train.gemm_splitk=true train.gemm_autotune=true")
+    runs=("train.gemm_split=off" "train.gemm_split=splitk" "train.gemm_split=streamk")
+    [[ "${PLM_GEMM_SK_TUNED:-0}" == 1 ]] && runs+=("train.gemm_split=streamk train.gemm_autotune=true")
     for r in "${runs[@]}"; do
       log="$out/gemm_sk_train_650m_${r//[ =.]/_}.log"
       # shellcheck disable=SC2086

@@ -3,7 +3,7 @@
 // micro-batch, in the bf16 model's layouts and epilogues (as bench_gpu_gemm_tune): forward
 // Y = X W^T + b (GELU fused into FFN up), dgrad dX = dY W (dGELU fused into FFN down's), wgrad
 // dW += dY^T X in fp32 with the bias gradient.  Per GEMM (Gemm::splitKReport, each timed as the
-// mean of 5 after a warm-up): heuristic #0; the train.gemm_splitk rule's choice; the fastest
+// mean of 5 after a warm-up): heuristic #0; the train.gemm_split rule's choice; the fastest
 // cuBLASLt split-K variant per split count (from the heuristic's first 4 candidates; BGradA
 // either with the epilogue or, marked "+pass", without it and the bias gradient by a separate
 // pass); CUTLASS's stream-K kernel (weight gradients, where built); the winner; and the largest

@@ -275,9 +275,10 @@ struct Scratch {
   }
 };
 
-// ---- split-K (train.gemm_splitk) -----------------------------------------------------------
+// ---- split-K and stream-K (train.gemm_split)
+// -----------------------------------------------------------
 struct SplitKState {
-  std::atomic<bool> on{false};
+  std::atomic<GemmSplit> mode{GemmSplit::Off};
   std::atomic<int> force{0};
   std::atomic<bool> force_bias_pass{false};
   std::atomic<bool> streamk_allowed{true};
@@ -290,8 +291,6 @@ SplitKState& splitKState() {
 
 // Split counts tried as variants (autotune, benchmark) and by the rule.
 constexpr int kSplitCounts[] = {2, 3, 4, 5, 6, 8, 12, 16};
-// setGemmSplitK's force_splits that selects CUTLASS's stream-K kernel.
-constexpr int kForceStreamK = -1;
 // A part shorter than this along K spends more on its epilogue than it saves.
 constexpr std::int64_t kMinSplitK = 512;
 // Bytes after the cuBLASLt workspace that hold biasGradPass's per-chunk partial sums (kept
@@ -604,18 +603,23 @@ struct Gemm::Impl {
     return false;
   }
 
-  // The rule's choice (setGemmSplitK): the forced split count, else ruleSplits over heuristic
-  // #0's tiles; false when it says no split or cuBLASLt offers none.
+  // The rule's choice (setGemmSplit): the forced split count; else under StreamK the stream-K
+  // kernel where heuristic #0's tiles fill their last wave below 90%; else ruleSplits over
+  // those tiles.  False when it says no split or nothing takes it.
   bool ruleChoice(Plan& p, const GemmArgs& g, Candidate& out, Stream stream = nullptr) {
     if (!splitEligible(g)) return false;
     int splits = splitKState().force.load();
-    if (splits == kForceStreamK) return streamKOf(g, stream, out);
     if (splits <= 1) {
       const auto first = heuristic(p, p.desc, 1);
-      if (first.empty() || first[0].splits > 1) return false;  // it splits already
+      if (first.empty()) return false;
       int rows = 128, cols = 128;
       tileShape(first[0].algo, rows, cols);
       const std::int64_t tiles = ((g.n + rows - 1) / rows) * ((g.m + cols - 1) / cols);
+      const std::int64_t waves = (tiles + sms - 1) / sms;
+      if (splitKState().mode == GemmSplit::StreamK && tiles < 0.9 * waves * sms &&
+          streamKOf(g, stream, out))
+        return true;
+      if (first[0].splits > 1) return false;  // it splits already
       splits = ruleSplits(tiles, g.k, sms);
     }
     if (splits <= 1) return false;
@@ -651,7 +655,7 @@ struct Gemm::Impl {
   // choice and the split variants.  A pure function of the shape, library and device.
   std::vector<Candidate> tuneCandidates(Plan& p, const GemmArgs& g, int count, Stream stream) {
     std::vector<Candidate> all = candidates(p, count);
-    if (!splitKState().on || all.empty()) return all;
+    if (splitKState().mode == GemmSplit::Off || all.empty()) return all;
     Candidate rule;
     if (ruleChoice(p, g, rule, stream)) all.push_back(rule);
     for (const Candidate& c : splitVariants(p, g, 4, stream)) all.push_back(c);
@@ -738,7 +742,9 @@ struct Gemm::Impl {
     if (algos.empty()) return;
     // Split-K adds variants after the heuristic's list: an index means another algorithm then.
     std::string key = tuneKey(g, device);
-    if (splitKState().on) key += ",splitk=" + std::to_string(splitKState().force.load());
+    if (splitKState().mode != GemmSplit::Off)
+      key += ",split=" + std::to_string(static_cast<int>(splitKState().mode.load())) + "/" +
+             std::to_string(splitKState().force.load());
     auto it = s.choices.find(key);
     if (it != s.choices.end()) {
       if (it->second.index < static_cast<int>(algos.size())) choose(p, algos[it->second.index]);
@@ -901,7 +907,7 @@ struct Gemm::Impl {
       Candidate rule;
       if (tuneState().on)
         autotune(p, g, stream);
-      else if (splitKState().on && ruleChoice(p, g, rule, stream))
+      else if (splitKState().mode != GemmSplit::Off && ruleChoice(p, g, rule, stream))
         choose(p, rule);
     }
     return plans.emplace(key, p).first->second;
@@ -1012,13 +1018,21 @@ void setGemmAutotune(bool on, const std::string& cache_file, bool write_cache, i
 
 bool gemmAutotune() { return tuneState().on; }
 
-void setGemmSplitK(bool on, int force_splits, bool force_bias_pass) {
-  splitKState().on = on;
+GemmSplit parseGemmSplit(const std::string& name) {
+  if (name == "off") return GemmSplit::Off;
+  if (name == "splitk") return GemmSplit::SplitK;
+  if (name == "streamk") return GemmSplit::StreamK;
+  throw Error("train.gemm_split: `" + name + "` is not one of off, splitk, streamk");
+}
+
+void setGemmSplit(GemmSplit mode, int force_splits, bool force_bias_pass) {
+  const bool on = mode != GemmSplit::Off;
+  splitKState().mode = mode;
   splitKState().force = on ? force_splits : 0;
   splitKState().force_bias_pass = on && force_bias_pass;
 }
 
-bool gemmSplitK() { return splitKState().on; }
+GemmSplit gemmSplit() { return splitKState().mode; }
 
 bool gemmStreamKCompiled() { return detail::streamKCompiled(); }
 

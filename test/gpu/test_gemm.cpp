@@ -2,8 +2,8 @@
 // the plain reference kernel, and the reference against a host double computation; the same
 // with autotuning on (the timed candidates must leave the call's outputs, the accumulated ones
 // included, as one run of the chosen algorithm writes them) and with choices read back from the
-// cache file; split-K (train.gemm_splitk) on weight-gradient-like shapes against a host double
-// reference.
+// cache file; split-K and stream-K (train.gemm_split) on weight-gradient-like shapes against a host
+// double reference.
 #include "gpu/gemm.hpp"
 #include "gpu_test_util.hpp"
 
@@ -161,12 +161,12 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"plain_bf16_accumulate", true, true, 72, 88, 96, Epilogue::None, DType::BF16, 1.0f}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
-// ---- split-K (train.gemm_splitk) ----------------------------------------------------------
-// Weight-gradient-like shapes (dW = alpha dY^T X + beta dW, K = tokens long against a small
-// output) with K split in a forced number of parts, by the rule, and among the autotune's
-// variants, against a host double reference: K odd and not a multiple of the split count, the
-// bias gradient from the epilogue and from the separate pass, fp32 and bf16 outputs (INPLACE
-// and workspace reductions).
+// ---- split-K and stream-K (train.gemm_split)
+// ---------------------------------------------------------- Weight-gradient-like shapes (dW =
+// alpha dY^T X + beta dW, K = tokens long against a small output) with K split in a forced number
+// of parts, by the rule, and among the autotune's variants, against a host double reference: K odd
+// and not a multiple of the split count, the bias gradient from the epilogue and from the separate
+// pass, fp32 and bf16 outputs (INPLACE and workspace reductions).
 
 struct SplitCase {
   const char* name;
@@ -263,10 +263,10 @@ TEST_P(GemmSplitKTest, ForcedSplitsMatchDoubleReference) {
   for (int splits : {2, 3, 7}) {
     for (bool bias_pass : {false, true}) {
       if (bias_pass && c.epilogue != Epilogue::BGradA) continue;
-      setGemmSplitK(true, splits, bias_pass);
+      setGemmSplit(GemmSplit::SplitK, splits, bias_pass);
       const SplitResult r = run();
       const SplitResult again = run();
-      setGemmSplitK(false);
+      setGemmSplit(GemmSplit::Off);
       const std::string what = std::string(c.name) + " forced " + std::to_string(splits) +
                                " splits" + (bias_pass ? " (bias pass)" : "") + ", ran " +
                                std::to_string(r.info.splits) +
@@ -292,10 +292,10 @@ TEST_P(GemmSplitKTest, ForcedSplitsMatchDoubleReference) {
 // CUTLASS's stream-K kernel where built: the weight-gradient layout with an fp32 output only.
 TEST_P(GemmSplitKTest, StreamKMatchesDoubleReference) {
   const SplitCase& c = GetParam();
-  setGemmSplitK(true, -1);
+  setGemmSplit(GemmSplit::StreamK);
   const SplitResult r = run();
   const SplitResult again = run();
-  setGemmSplitK(false);
+  setGemmSplit(GemmSplit::Off);
   const bool takes = gemmStreamKCompiled() && c.trans_a && c.d_type == DType::F32;
   const std::string what =
       std::string(c.name) + " forced stream-K, ran " + (r.info.streamk ? "stream-K" : "cuBLASLt");
@@ -308,14 +308,14 @@ TEST_P(GemmSplitKTest, StreamKMatchesDoubleReference) {
 
 TEST_P(GemmSplitKTest, RuleAndAutotuneMatchDoubleReference) {
   const SplitCase& c = GetParam();
-  setGemmSplitK(true);
+  setGemmSplit(GemmSplit::SplitK);
   const SplitResult rule = run();
   expectMatches(rule,
                 std::string(c.name) + " rule, " + std::to_string(rule.info.splits) + " splits");
   setGemmAutotune(true);  // memory only: the split variants are timed with the heuristic's list
   const SplitResult tuned = run();
   setGemmAutotune(false);
-  setGemmSplitK(false);
+  setGemmSplit(GemmSplit::Off);
   expectMatches(
       tuned, std::string(c.name) + " autotuned, " + std::to_string(tuned.info.splits) + " splits");
   const SplitResult off = run();
