@@ -275,8 +275,7 @@ struct Scratch {
   }
 };
 
-// ---- split-K and stream-K (train.gemm_split)
-// -----------------------------------------------------------
+// ---- split-K and stream-K (train.gemm_split) ----------------------------------------------------
 struct SplitKState {
   std::atomic<GemmSplit> mode{GemmSplit::Off};
   std::atomic<int> force{0};

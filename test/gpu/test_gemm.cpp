@@ -161,12 +161,12 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"plain_bf16_accumulate", true, true, 72, 88, 96, Epilogue::None, DType::BF16, 1.0f}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
 
-// ---- split-K and stream-K (train.gemm_split)
-// ---------------------------------------------------------- Weight-gradient-like shapes (dW =
-// alpha dY^T X + beta dW, K = tokens long against a small output) with K split in a forced number
-// of parts, by the rule, and among the autotune's variants, against a host double reference: K odd
-// and not a multiple of the split count, the bias gradient from the epilogue and from the separate
-// pass, fp32 and bf16 outputs (INPLACE and workspace reductions).
+// ---- split-K and stream-K (train.gemm_split) ----------------------------------------------
+// Weight-gradient-like shapes (dW = alpha dY^T X + beta dW, K = tokens long against a small
+// output) with K split in a forced number of parts, by the rule, among the autotune's variants
+// and by CUTLASS's stream-K kernel, against a host double reference: K odd and not a multiple of
+// the split count, the bias gradient from the epilogue and from the separate pass, fp32 and bf16
+// outputs (INPLACE and workspace reductions).
 
 struct SplitCase {
   const char* name;
