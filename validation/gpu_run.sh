@@ -6,13 +6,22 @@
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
 #                                       finetune_encoder large_index layernorm lora big_buffer
-#                                       autotune_cached profile
+#                                       autotune_cached profile gemm_sk
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
 #        train.gemm_autotune false and true (PLM_GEMM_TUNE_TOKENS, default 24576; PLM_TRAIN_STEPS),
 #        then plm train 650M bf16 with train.gemm_autotune on, twice in one run_dir (the second
 #        run reads <run_dir>/gemm_autotune.txt: its "gemm autotune:" lines say "from the cache file")
+#   gemm_sk: split-K / stream-K for the weight gradients (issue 29, doc/gpu.md "Split-K and
+#        stream-K"): bench_gpu_gemm_sk (every 650M and 3B layer GEMM at 16k and 32k tokens:
+#        heuristic #0, the train.gemm_split splitk rule, the fastest split per count, CUTLASS stream-K,
+#        each one's max |difference| from heuristic #0; RESULT gemm_sk lines), test_gpu_gemm (split
+#        variants forced, by the rule and autotuned against a host double reference), then
+#        bench_gpu_train esm2_650m bf16 at PLM_GEMM_SK_TOKENS (default 24576) tokens with
+#        train.gemm_split off, splitk and streamk (PLM_TRAIN_STEPS, default 20);
+#        PLM_GEMM_SK_TUNED=1 adds train.gemm_split=streamk with train.gemm_autotune=true (the
+#        tuning included in the time)
 #   lora: LoRA adapters in bf16 (doc/finetune.md section 7) on ESM-2 650M's shape (random base),
 #         rank 16 on q,k,v,o,ffn_in,ffn_out: PLM_LORA_STEPS steps (default 20) on the packaged
 #         proteins with a checkpoint at the end (tokens/s beside the same run without adapters),
@@ -312,6 +321,42 @@ if has gemm_tune && [[ -x "$pkg/bin/bench_gpu_gemm_tune" ]]; then
         "cache entries $(wc -l < "$d/gemm_autotune.txt" 2>/dev/null)"
       grep -E "gemm autotune:|tokens/s|error" "$out/gemm_tune_plm_$pass.log" | head -40 |
         tee -a "$summary"
+    done
+  fi
+fi
+
+if has gemm_sk; then
+  if [[ -x "$pkg/bin/bench_gpu_gemm_sk" ]]; then
+    timeout 420 "$pkg/bin/bench_gpu_gemm_sk" > "$out/bench_gpu_gemm_sk.log" 2>&1
+    rc=$?
+    note "bench_gpu_gemm_sk rc=$rc"
+    if [[ $rc -ne 0 ]]; then  # keep the split-K table should the CUTLASS kernel fail
+      tail -5 "$out/bench_gpu_gemm_sk.log" | tee -a "$summary"
+      timeout 420 "$pkg/bin/bench_gpu_gemm_sk" --no-streamk > "$out/bench_gpu_gemm_sk.log" 2>&1
+      note "bench_gpu_gemm_sk --no-streamk rc=$?"
+    fi
+    cat "$out/bench_gpu_gemm_sk.log" >> "$summary"
+    cp "$out/bench_gpu_gemm_sk.log" "$final_out/" 2>/dev/null
+  else
+    note "gemm_sk: no bench_gpu_gemm_sk in $pkg/bin"
+  fi
+  if [[ -x "$pkg/bin/test_gpu_gemm" ]]; then
+    timeout 300 "$pkg/bin/test_gpu_gemm" > "$out/gemm_sk_test_gpu_gemm.log" 2>&1
+    note "test_gpu_gemm rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/gemm_sk_test_gpu_gemm.log" | tr '\n' ' ')"
+    grep -E "forced|^\[  FAILED|Failure|Expected|Which is" "$out/gemm_sk_test_gpu_gemm.log" |
+      head -60 | tee -a "$summary"
+  fi
+  if [[ -x "$pkg/bin/bench_gpu_train" ]]; then
+    tokens=${PLM_GEMM_SK_TOKENS:-24576}
+    runs=("train.gemm_split=off" "train.gemm_split=splitk" "train.gemm_split=streamk")
+    [[ "${PLM_GEMM_SK_TUNED:-0}" == 1 ]] && runs+=("train.gemm_split=streamk train.gemm_autotune=true")
+    for r in "${runs[@]}"; do
+      log="$out/gemm_sk_train_650m_${r//[ =.]/_}.log"
+      # shellcheck disable=SC2086
+      timeout 300 "$pkg/bin/bench_gpu_train" esm2_650m "$tokens" ${PLM_TRAIN_STEPS:-20} none $r \
+        > "$log" 2>&1
+      note "bench_gpu_train esm2_650m:$tokens bf16 $r rc=$?"
+      grep -E "RESULT|error|out of memory" "$log" | tee -a "$summary"
     done
   fi
 fi

@@ -13,7 +13,8 @@
 //   PLM_PRECISION=fp8 [PLM_FP8_RECIPE=delayed|current|block] times the FP8 policy (doc/fp8.md); the
 //   step then ends with Esm2::endFp8Step, as in training.  KEY=VALUE sets one of the deck's kernel
 //   keys as `plm train --set` would: train.attention=auto|cudnn|cudnn-fwd|flash,
-//   train.deterministic=true|false, fp8.fused_cast=true|false, train.gemm_autotune=true|false
+//   train.deterministic=true|false, fp8.fused_cast=true|false, train.gemm_autotune=true|false,
+//   train.gemm_split=off|splitk|streamk
 //   (tuned in the warm-up steps, cached in memory only).
 #include "core/error.hpp"
 #include "data/synthetic.hpp"
@@ -68,10 +69,12 @@ int run(int argc, char** argv) {
       config.fp8.fused_cast = flag(key, value);
     else if (key == "train.gemm_autotune")
       gpu::setGemmAutotune(flag(key, value));
+    else if (key == "train.gemm_split")
+      gpu::setGemmSplit(gpu::parseGemmSplit(value));
     else
       throw Error("bench_gpu_train: unknown argument `" + arg +
-                  "`; use train.attention=, train.deterministic=, fp8.fused_cast= or "
-                  "train.gemm_autotune=");
+                  "`; use train.attention=, train.deterministic=, fp8.fused_cast=, "
+                  "train.gemm_autotune= or train.gemm_split=");
   }
   model::Esm2<float> model(config);
   model.initialize(1);

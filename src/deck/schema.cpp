@@ -262,6 +262,16 @@ const std::vector<KeySpec>& keys() {
        "so it skips the timing. Off by default: timing noise can pick a different algorithm in "
        "a fresh run directory, so two such runs need not agree bit for bit. GPU runs only.",
        any(), {}},
+      {"train", "gemm_split", K::text, "off",
+       "How the bf16 GEMMs whose output has too few tiles to keep every SM busy (the weight "
+       "gradients, K = tokens) are spread over the GPU: off = cuBLASLt's choice; splitk = K "
+       "split by cuBLASLt where a cost model expects it 10% faster; streamk = CUTLASS's "
+       "stream-K kernel (builds with CUTLASS) for the weight gradients whose last wave of tiles "
+       "is under 90% full, splitk's rule for the rest. Under train.gemm_autotune the split "
+       "variants and the stream-K kernel are timed with the other candidates instead. Partial "
+       "sums are added in a fixed order: runs stay bitwise reproducible, but differ from off in "
+       "the last bits. GPU runs only (doc/gpu.md).",
+       any(), {"off", "splitk", "streamk"}},
       {"train", "tensorboard", K::boolean, "false",
        "Also write the step and evaluation metrics as TensorBoard scalars to "
        "<run_dir>/tb/events.out.tfevents.* (rank 0; no TensorBoard needed to write them).",

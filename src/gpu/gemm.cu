@@ -7,7 +7,9 @@
 
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "gpu/detail/streamk_gemm.hpp"
 #include "gpu/fp8.hpp"
+#include "gpu/moe_grouped.hpp"
 
 #include <cublasLt.h>
 #include <cuda_bf16.h>
@@ -15,7 +17,10 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cmath>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <map>
 #include <mutex>
@@ -26,6 +31,19 @@
 #include <vector>
 
 namespace plm::gpu {
+
+#if !PLM_HAVE_CUTLASS
+namespace detail {
+bool streamKCompiled() { return false; }
+bool streamKSupports(const StreamKProblem&) { return false; }
+std::size_t streamKWorkspaceBytes(const StreamKProblem&) { return 0; }
+void streamKRun(Stream, const StreamKProblem&, void*, std::size_t) {
+  throw Error(
+      "plm::gpu: the CUTLASS stream-K GEMM is not in this build (CUTLASS was not found when it "
+      "was configured: run scripts/get-cutlass.sh and reconfigure)");
+}
+}  // namespace detail
+#endif
 
 namespace {
 
@@ -122,6 +140,12 @@ struct Plan {
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;  // cuBLASLt's
   cublasLtMatmulAlgo_t algo{};
   bool fp8 = false;
+  // Split-K of a BGradA call where cuBLASLt offers the split only without the epilogue: the
+  // GEMM runs on plain_desc (same GEMM, no epilogue) and biasGradPass writes the bias gradient.
+  cublasLtMatmulDesc_t plain_desc = nullptr;
+  bool bias_pass = false;
+  int splits = 1;
+  bool streamk = false;  // CUTLASS's stream-K kernel instead of cuBLASLt
   // amax_d asked for and cuBLASLt's AMAX_D_POINTER refused (it is documented for FP8 D only):
   // max |D| then comes from a pass over D.
   bool amax_by_pass = false;
@@ -251,6 +275,176 @@ struct Scratch {
   }
 };
 
+// ---- split-K and stream-K (train.gemm_split) ----------------------------------------------------
+struct SplitKState {
+  std::atomic<GemmSplit> mode{GemmSplit::Off};
+  std::atomic<int> force{0};
+  std::atomic<bool> force_bias_pass{false};
+  std::atomic<bool> streamk_allowed{true};
+};
+
+SplitKState& splitKState() {
+  static SplitKState state;
+  return state;
+}
+
+// Split counts tried as variants (autotune, benchmark) and by the rule.
+constexpr int kSplitCounts[] = {2, 3, 4, 5, 6, 8, 12, 16};
+// A part shorter than this along K spends more on its epilogue than it saves.
+constexpr std::int64_t kMinSplitK = 512;
+// Bytes after the cuBLASLt workspace that hold biasGradPass's per-chunk partial sums (kept
+// apart: cuBLASLt's INPLACE reduction keeps its ordering counters in its workspace).
+constexpr std::size_t kBiasPartialBytes = 4u << 20;
+
+// Split-K applies to bf16 GEMMs with no epilogue or the bias gradient one (the weight
+// gradients); the forward and dgrad GEMMs have M = tokens and fill the device already.
+bool splitEligible(const GemmArgs& g) {
+  return !isFp8(g.a_type) && !isFp8(g.b_type) &&
+         (g.epilogue == Epilogue::None || g.epilogue == Epilogue::BGradA) && g.k >= 2;
+}
+
+int smCount() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    cudaGetLastError();
+    return 132;
+  }
+  return std::max(sms, 1);
+}
+
+// cuBLASLt's tile (rows along its m = our N, columns along its n = our M) for the common
+// Hopper tiles; 128x128 when the algorithm does not say or names another.
+void tileShape(const cublasLtMatmulAlgo_t& algo, int& rows, int& cols) {
+  std::uint32_t id = CUBLASLT_MATMUL_TILE_UNDEFINED;
+  std::size_t written = 0;
+  if (cublasLtMatmulAlgoConfigGetAttribute(&algo, CUBLASLT_ALGO_CONFIG_TILE_ID, &id, sizeof(id),
+                                           &written) != CUBLAS_STATUS_SUCCESS)
+    id = CUBLASLT_MATMUL_TILE_UNDEFINED;
+  rows = cols = 128;
+  switch (id) {
+    case CUBLASLT_MATMUL_TILE_64x64: rows = 64, cols = 64; break;
+    case CUBLASLT_MATMUL_TILE_64x128: rows = 64, cols = 128; break;
+    case CUBLASLT_MATMUL_TILE_128x64: rows = 128, cols = 64; break;
+    case CUBLASLT_MATMUL_TILE_64x256: rows = 64, cols = 256; break;
+    case CUBLASLT_MATMUL_TILE_256x64: rows = 256, cols = 64; break;
+    case CUBLASLT_MATMUL_TILE_128x256: rows = 128, cols = 256; break;
+    case CUBLASLT_MATMUL_TILE_256x128: rows = 256, cols = 128; break;
+    case CUBLASLT_MATMUL_TILE_128x192: rows = 128, cols = 192; break;
+    case CUBLASLT_MATMUL_TILE_192x128: rows = 192, cols = 128; break;
+    case CUBLASLT_MATMUL_TILE_128x96: rows = 128, cols = 96; break;
+    case CUBLASLT_MATMUL_TILE_96x128: rows = 96, cols = 128; break;
+    case CUBLASLT_MATMUL_TILE_128x160: rows = 128, cols = 160; break;
+    case CUBLASLT_MATMUL_TILE_160x128: rows = 160, cols = 128; break;
+    case CUBLASLT_MATMUL_TILE_256x256: rows = 256, cols = 256; break;
+    default: break;
+  }
+}
+
+// The rule: time of the GEMM with K in s parts, in units of one tile's full-K main loop,
+// = waves(s) * (1/s + e): waves of tiles*s work units over the SMs, each a 1/s share of K plus
+// the epilogue's read-modify-write of an fp32 tile (every part adds into D in turn).  e is that
+// epilogue over the full-K main loop: (8 bytes per element / per-SM bandwidth) over (2 K flops
+// per element / per-SM bf16 rate); Hopper's ratio of the two rates is about 208 flop/byte,
+// hence e = 4 * 208 / K.  Returns the s of least time, 1 unless it saves at least 10%.
+int ruleSplits(std::int64_t tiles, std::int64_t k, int sms) {
+  const double e = 832.0 / static_cast<double>(k);
+  auto cost = [&](int s) {
+    const double waves = std::ceil(static_cast<double>(tiles * s) / sms);
+    return waves * (1.0 / s + e);
+  };
+  int best = 1;
+  double best_cost = cost(1);
+  for (int s : kSplitCounts) {
+    if (k / s < kMinSplitK) break;
+    if (cost(s) < best_cost) best = s, best_cost = cost(s);
+  }
+  return best_cost < 0.9 * cost(1) ? best : 1;
+}
+
+// The bias gradient of a BGradA call run without its epilogue: bias_grad[m] = sum over the K
+// rows of dY stored (K, M) of column m, written (=) as the epilogue writes it.  It is the MoE
+// layer's fixed-order column sum (expertBiasGradient, one "expert" of K rows; bitwise
+// reproducible), which reads dY 16 bytes at a time: it takes op(A) stored (K, M) unpadded
+// (lda = M), M a multiple of 8 and a 16-byte aligned A.  Other calls keep the epilogue.
+bool biasPassTakes(const GemmArgs& g) {
+  return g.trans_a && g.lda == g.m && g.m % 8 == 0 &&
+         reinterpret_cast<std::uintptr_t>(g.a) % 16 == 0 &&
+         expertBiasGradientWorkspaceBytes(
+             1, static_cast<int>(std::min<std::int64_t>(g.m, 1 << 30))) <= kBiasPartialBytes;
+}
+
+void biasGradPass(Stream stream, const GemmArgs& g, void* scratch) {
+  PLM_CHECK_CUDA(cudaMemsetAsync(g.bias_grad, 0, static_cast<std::size_t>(g.m) * 4, stream));
+  expertBiasGradient(stream, {static_cast<float*>(g.bias_grad)}, {g.k},
+                     static_cast<const bf16*>(g.a), static_cast<int>(g.m), scratch,
+                     kBiasPartialBytes);
+}
+
+// max |x - y| over a (rows, cols) matrix of `type` with leading dimension ld, into *out (the
+// bits of a non-negative float, so unsigned atomicMax orders them); y == nullptr: max |x|.
+__global__ void maxAbsDiffKernel(const void* x, const void* y, DType type, std::int64_t rows,
+                                 std::int64_t cols, std::int64_t ld, unsigned* out) {
+  const std::int64_t i = blockIdx.x * static_cast<std::int64_t>(blockDim.x) + threadIdx.x;
+  if (i >= rows * cols) return;
+  const std::int64_t at = (i / cols) * ld + i % cols;
+  auto load = [&](const void* p) {
+    return type == DType::BF16 ? __bfloat162float(static_cast<const __nv_bfloat16*>(p)[at])
+                               : static_cast<const float*>(p)[at];
+  };
+  const float d = y ? fabsf(load(x) - load(y)) : fabsf(load(x));
+  atomicMax(out, __float_as_uint(d));
+}
+
+double maxAbsDiff(Stream stream, const void* x, const void* y, DType type, std::int64_t rows,
+                  std::int64_t cols, std::int64_t ld, unsigned* scratch) {
+  PLM_CHECK_CUDA(cudaMemsetAsync(scratch, 0, sizeof(unsigned), stream));
+  const std::int64_t n = rows * cols;
+  maxAbsDiffKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(x, y, type, rows,
+                                                                               cols, ld, scratch);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  unsigned bits = 0;
+  PLM_CHECK_CUDA(cudaMemcpyAsync(&bits, scratch, sizeof(bits), cudaMemcpyDeviceToHost, stream));
+  PLM_CHECK_CUDA(cudaStreamSynchronize(stream));
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+}
+
+// One algorithm the plan may run: the heuristic's, or a split-K variant of one of them.
+struct Candidate {
+  cublasLtMatmulAlgo_t algo{};
+  int splits = 1;
+  bool bias_pass = false;  // on plain_desc, with biasGradPass
+  bool streamk = false;    // CUTLASS's stream-K kernel (gemm_streamk_sm90a.cu), with biasGradPass
+  int base = 0;            // index in the heuristic's list it came from
+};
+
+// The weight-gradient layout the CUTLASS stream-K kernel takes: D (fp32) = alpha A^T B + beta C.
+detail::StreamKProblem streamKProblem(const GemmArgs& g) {
+  detail::StreamKProblem p;
+  p.m = g.m;
+  p.n = g.n;
+  p.k = g.k;
+  p.a = g.a;
+  p.lda = g.lda;
+  p.b = g.b;
+  p.ldb = g.ldb;
+  p.d = static_cast<float*>(g.d);
+  p.ldd = g.ldd;
+  p.c = static_cast<const float*>(g.c ? g.c : g.d);
+  p.ldc = g.c ? g.ldc : g.ldd;
+  p.alpha = g.alpha;
+  p.beta = g.beta;
+  return p;
+}
+
+bool streamKEligible(const GemmArgs& g) {
+  return splitKState().streamk_allowed && detail::streamKCompiled() && splitEligible(g) &&
+         (g.epilogue != Epilogue::BGradA || biasPassTakes(g)) && g.trans_a && !g.trans_b &&
+         g.d_type == DType::F32 && detail::streamKSupports(streamKProblem(g));
+}
+
 }  // namespace
 
 struct Gemm::Impl {
@@ -260,9 +454,51 @@ struct Gemm::Impl {
   std::map<PlanKey, Plan> plans;
 
   std::string device = deviceTag();
+  int sms = smCount();
 
-  // The heuristic's candidates for plan p (bf16), best first; empty when it has none.
-  std::vector<cublasLtMatmulHeuristicResult_t> candidates(const Plan& p, int count) {
+  // CUTLASS stream-K's own workspace (it clears its flags there before each kernel), grown on
+  // first use; never during a CUDA graph capture.
+  void* streamk_workspace = nullptr;
+  std::size_t streamk_bytes = 0;
+
+  bool streamKWorkspace(std::size_t bytes, Stream stream) {
+    if (bytes <= streamk_bytes) return true;
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
+        capture != cudaStreamCaptureStatusNone) {
+      cudaGetLastError();
+      return false;
+    }
+    PLM_CHECK_CUDA(cudaDeviceSynchronize());  // the old one may still be in use
+    if (streamk_workspace) cudaFree(streamk_workspace);
+    streamk_workspace = nullptr;
+    streamk_bytes = 0;
+    if (cudaMalloc(&streamk_workspace, bytes) != cudaSuccess) {
+      cudaGetLastError();
+      streamk_workspace = nullptr;
+      return false;
+    }
+    streamk_bytes = bytes;
+    return true;
+  }
+
+  // The stream-K candidate for g where the kernel is built and takes it; false otherwise.
+  bool streamKOf(const GemmArgs& g, Stream stream, Candidate& out) {
+    if (!streamKEligible(g)) return false;
+    if (!streamKWorkspace(
+            std::max<std::size_t>(detail::streamKWorkspaceBytes(streamKProblem(g)), 256), stream))
+      return false;
+    out = Candidate{};
+    out.streamk = true;
+    return true;
+  }
+
+  void* biasPartials() { return static_cast<char*>(workspace) + workspace_bytes; }
+
+  // The heuristic's algorithms for plan p's layouts under desc (bf16), best first; empty when
+  // it has none.
+  std::vector<Candidate> heuristic(const Plan& p, cublasLtMatmulDesc_t desc, int count,
+                                   bool bias_pass = false) {
     cublasLtMatmulPreference_t pref = nullptr;
     PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceCreate(&pref));
     PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
@@ -270,18 +506,182 @@ struct Gemm::Impl {
     std::vector<cublasLtMatmulHeuristicResult_t> results(std::max(count, 1));
     int found = 0;
     cublasStatus_t status =
-        cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref,
+        cublasLtMatmulAlgoGetHeuristic(handle, desc, p.a, p.b, p.c, p.d, pref,
                                        static_cast<int>(results.size()), results.data(), &found);
     cublasLtMatmulPreferenceDestroy(pref);
     if (status != CUBLAS_STATUS_SUCCESS) found = 0;
-    results.resize(found);
-    return results;
+    std::vector<Candidate> out;
+    for (int i = 0; i < found; ++i) {
+      Candidate c;
+      c.algo = results[i].algo;
+      c.bias_pass = bias_pass;
+      c.base = i;
+      std::int32_t splits = 1;
+      std::size_t written = 0;
+      if (cublasLtMatmulAlgoConfigGetAttribute(&c.algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &splits,
+                                               sizeof(splits), &written) == CUBLAS_STATUS_SUCCESS)
+        c.splits = std::max(1, static_cast<int>(splits));
+      out.push_back(c);
+    }
+    return out;
+  }
+
+  // The heuristic's candidates for plan p (bf16), best first.
+  std::vector<Candidate> candidates(const Plan& p, int count) {
+    return heuristic(p, p.desc, count);
+  }
+
+  // The same bf16 GEMM as p.desc without its epilogue (BGradA plans whose split-K variants
+  // cuBLASLt offers only without it), made on first use.
+  cublasLtMatmulDesc_t plainDesc(Plan& p, const GemmArgs& g) {
+    if (p.plain_desc) return p.plain_desc;
+    PLM_CHECK_CUBLAS(cublasLtMatmulDescCreate(&p.plain_desc, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+    cublasOperation_t op_lt_a = g.trans_b ? CUBLAS_OP_T : CUBLAS_OP_N;
+    cublasOperation_t op_lt_b = g.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
+    PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.plain_desc, CUBLASLT_MATMUL_DESC_TRANSA,
+                                                    &op_lt_a, sizeof(op_lt_a)));
+    PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.plain_desc, CUBLASLT_MATMUL_DESC_TRANSB,
+                                                    &op_lt_b, sizeof(op_lt_b)));
+    return p.plain_desc;
+  }
+
+  // c with K in `splits` parts and a deterministic reduction cuBLASLt accepts for its
+  // descriptor: INPLACE for fp32 D (the parts add into D in a fixed order kept by counters in
+  // the workspace; a bf16 D would round each part), else COMPUTE_TYPE (fp32 parts in the
+  // workspace, summed by a separate kernel).  False when the algorithm cannot split, refuses
+  // both, or needs more workspace than there is.
+  bool withSplits(const Plan& p, const GemmArgs& g, Candidate& c, int splits) {
+    std::int32_t support = 0;
+    std::uint32_t mask = 0;
+    std::size_t written = 0;
+    if (cublasLtMatmulAlgoCapGetAttribute(&c.algo, CUBLASLT_ALGO_CAP_SPLITK_SUPPORT, &support,
+                                          sizeof(support), &written) != CUBLAS_STATUS_SUCCESS ||
+        support == 0)
+      return false;
+    if (cublasLtMatmulAlgoCapGetAttribute(&c.algo, CUBLASLT_ALGO_CAP_REDUCTION_SCHEME_MASK, &mask,
+                                          sizeof(mask), &written) != CUBLAS_STATUS_SUCCESS)
+      return false;
+    const cublasLtMatmulDesc_t desc = c.bias_pass ? p.plain_desc : p.desc;
+    std::vector<std::uint32_t> schemes;
+    if (g.d_type == DType::F32) schemes.push_back(CUBLASLT_REDUCTION_SCHEME_INPLACE);
+    schemes.push_back(CUBLASLT_REDUCTION_SCHEME_COMPUTE_TYPE);
+    for (std::uint32_t scheme : schemes) {
+      if ((mask & scheme) == 0) continue;
+      cublasLtMatmulAlgo_t algo = c.algo;
+      const std::int32_t s = splits;
+      if (cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_SPLITK_NUM, &s,
+                                               sizeof(s)) != CUBLAS_STATUS_SUCCESS ||
+          cublasLtMatmulAlgoConfigSetAttribute(&algo, CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME,
+                                               &scheme, sizeof(scheme)) != CUBLAS_STATUS_SUCCESS)
+        continue;
+      cublasLtMatmulHeuristicResult_t check{};
+      if (cublasLtMatmulAlgoCheck(handle, desc, p.a, p.b, p.c, p.d, &algo, &check) !=
+              CUBLAS_STATUS_SUCCESS ||
+          check.workspaceSize > workspace_bytes)
+        continue;
+      c.algo = algo;
+      c.splits = splits;
+      return true;
+    }
+    return false;
+  }
+
+  // The first of the heuristic's first `bases` candidates that takes `splits` parts (with the
+  // plan's epilogue, else for BGradA without it and a bias pass); false when none does.
+  bool splitOf(Plan& p, const GemmArgs& g, int splits, int bases, Candidate& out) {
+    for (bool plain : {false, true}) {
+      if (plain && (g.epilogue != Epilogue::BGradA || !biasPassTakes(g))) break;
+      if (!plain && g.epilogue == Epilogue::BGradA && splitKState().force_bias_pass) continue;
+      const cublasLtMatmulDesc_t desc = plain ? plainDesc(p, g) : p.desc;
+      for (Candidate c : heuristic(p, desc, bases, plain))
+        if (withSplits(p, g, c, splits)) {
+          out = c;
+          return true;
+        }
+    }
+    return false;
+  }
+
+  // The rule's choice (setGemmSplit): the forced split count; else under StreamK the stream-K
+  // kernel where heuristic #0's tiles fill their last wave below 90%; else ruleSplits over
+  // those tiles.  False when it says no split or nothing takes it.
+  bool ruleChoice(Plan& p, const GemmArgs& g, Candidate& out, Stream stream = nullptr) {
+    if (!splitEligible(g)) return false;
+    int splits = splitKState().force.load();
+    if (splits <= 1) {
+      const auto first = heuristic(p, p.desc, 1);
+      if (first.empty()) return false;
+      int rows = 128, cols = 128;
+      tileShape(first[0].algo, rows, cols);
+      const std::int64_t tiles = ((g.n + rows - 1) / rows) * ((g.m + cols - 1) / cols);
+      const std::int64_t waves = (tiles + sms - 1) / sms;
+      if (splitKState().mode == GemmSplit::StreamK && tiles < 0.9 * waves * sms &&
+          streamKOf(g, stream, out))
+        return true;
+      if (first[0].splits > 1) return false;  // it splits already
+      splits = ruleSplits(tiles, g.k, sms);
+    }
+    if (splits <= 1) return false;
+    return splitOf(p, g, splits, 8, out);
+  }
+
+  // Split-K variants for the autotune and the benchmark: each split count of kSplitCounts that
+  // leaves K/s >= kMinSplitK, from each of the heuristic's first `bases` candidates that takes
+  // it (for BGradA without the epilogue only where none takes it with), then CUTLASS's
+  // stream-K kernel where it takes the call.
+  std::vector<Candidate> splitVariants(Plan& p, const GemmArgs& g, int bases, Stream stream) {
+    std::vector<Candidate> out;
+    if (!splitEligible(g)) return out;
+    const auto with = heuristic(p, p.desc, bases);
+    std::vector<Candidate> plain;
+    if (g.epilogue == Epilogue::BGradA && biasPassTakes(g))
+      plain = heuristic(p, plainDesc(p, g), bases, true);
+    for (int s : kSplitCounts) {
+      if (g.k / s < kMinSplitK) break;
+      bool any = false;
+      for (Candidate c : with)
+        if (withSplits(p, g, c, s)) out.push_back(c), any = true;
+      if (!any)
+        for (Candidate c : plain)
+          if (withSplits(p, g, c, s)) out.push_back(c);
+    }
+    Candidate streamk;  // last: the split variants keep their indices where it is not built
+    if (streamKOf(g, stream, streamk)) out.push_back(streamk);
+    return out;
+  }
+
+  // Everything the autotune times: the heuristic's list, then with split-K on the rule's
+  // choice and the split variants.  A pure function of the shape, library and device.
+  std::vector<Candidate> tuneCandidates(Plan& p, const GemmArgs& g, int count, Stream stream) {
+    std::vector<Candidate> all = candidates(p, count);
+    if (splitKState().mode == GemmSplit::Off || all.empty()) return all;
+    Candidate rule;
+    if (ruleChoice(p, g, rule, stream)) all.push_back(rule);
+    for (const Candidate& c : splitVariants(p, g, 4, stream)) all.push_back(c);
+    return all;
+  }
+
+  cublasStatus_t launch(const Plan& p, const GemmArgs& t, const Candidate& c, Stream stream) {
+    if (c.streamk) {
+      const detail::StreamKProblem sk = streamKProblem(t);
+      if (detail::streamKWorkspaceBytes(sk) > streamk_bytes || !detail::streamKSupports(sk))
+        return CUBLAS_STATUS_NOT_SUPPORTED;
+      detail::streamKRun(stream, sk, streamk_workspace, streamk_bytes);
+      if (t.epilogue == Epilogue::BGradA) biasGradPass(stream, t, biasPartials());
+      return CUBLAS_STATUS_SUCCESS;
+    }
+    const cublasStatus_t status = cublasLtMatmul(
+        handle, c.bias_pass ? p.plain_desc : p.desc, &t.alpha, t.b, p.a, t.a, p.b, &t.beta,
+        t.c ? t.c : t.d, p.c, t.d, p.d, &c.algo, workspace, workspace_bytes, stream);
+    if (status == CUBLAS_STATUS_SUCCESS && c.bias_pass && t.epilogue == Epilogue::BGradA)
+      biasGradPass(stream, t, biasPartials());
+    return status;
   }
 
   // Times every candidate on scratch outputs (mean of 5 launches after one warm-up; -1 when
   // cuBLASLt refuses it at launch).  Empty when scratch memory ran out.  Leaves the stream idle.
   std::vector<double> timeCandidates(const Plan& p, const GemmArgs& g, Stream stream,
-                                     const std::vector<cublasLtMatmulHeuristicResult_t>& algos) {
+                                     const std::vector<Candidate>& algos) {
     Scratch scratch;
     GemmArgs t = g;
     t.d = scratch.get(static_cast<std::size_t>(g.m) * g.ldd * typeBytes(g.d_type));
@@ -308,15 +708,11 @@ struct Gemm::Impl {
     std::vector<double> ms(algos.size(), -1.0);
     const int reps = 5;
     for (std::size_t i = 0; i < algos.size(); ++i) {
-      auto launch = [&] {
-        return cublasLtMatmul(handle, p.desc, &t.alpha, t.b, p.a, t.a, p.b, &t.beta,
-                              t.c ? t.c : t.d, p.c, t.d, p.d, &algos[i].algo, workspace,
-                              workspace_bytes, stream);
-      };
-      if (launch() != CUBLAS_STATUS_SUCCESS) continue;
+      if (launch(p, t, algos[i], stream) != CUBLAS_STATUS_SUCCESS) continue;
       PLM_CHECK_CUDA(cudaEventRecord(start, stream));
       bool ok = true;
-      for (int r = 0; r < reps && ok; ++r) ok = launch() == CUBLAS_STATUS_SUCCESS;
+      for (int r = 0; r < reps && ok; ++r)
+        ok = launch(p, t, algos[i], stream) == CUBLAS_STATUS_SUCCESS;
       PLM_CHECK_CUDA(cudaEventRecord(stop, stream));
       PLM_CHECK_CUDA(cudaEventSynchronize(stop));
       float elapsed = 0;
@@ -329,17 +725,28 @@ struct Gemm::Impl {
     return ms;
   }
 
+  void choose(Plan& p, const Candidate& c) {
+    p.algo = c.algo;
+    p.bias_pass = c.bias_pass;
+    p.splits = c.splits;
+    p.streamk = c.streamk;
+  }
+
   // train.gemm_autotune: replaces the heuristic's first choice in p by the cached or the
   // fastest candidate.  Inside a CUDA graph capture (no timing possible) p keeps the first.
   void autotune(Plan& p, const GemmArgs& g, Stream stream) {
     TuneState& s = tuneState();
     std::lock_guard<std::mutex> lock(s.mutex);
-    const auto algos = candidates(p, s.candidates);
+    const auto algos = tuneCandidates(p, g, s.candidates, stream);
     if (algos.empty()) return;
-    const std::string key = tuneKey(g, device);
+    // Split-K adds variants after the heuristic's list: an index means another algorithm then.
+    std::string key = tuneKey(g, device);
+    if (splitKState().mode != GemmSplit::Off)
+      key += ",split=" + std::to_string(static_cast<int>(splitKState().mode.load())) + "/" +
+             std::to_string(splitKState().force.load());
     auto it = s.choices.find(key);
     if (it != s.choices.end()) {
-      if (it->second.index < static_cast<int>(algos.size())) p.algo = algos[it->second.index].algo;
+      if (it->second.index < static_cast<int>(algos.size())) choose(p, algos[it->second.index]);
       if (s.logged.insert(key).second)
         logChoice(g, it->second, static_cast<int>(algos.size()), true);
       return;
@@ -367,7 +774,7 @@ struct Gemm::Impl {
         c.index = static_cast<int>(i);
       }
     if (c.tuned_ms < 0) return;  // nothing ran: keep the first choice, tune no more
-    p.algo = algos[c.index].algo;
+    choose(p, algos[c.index]);
     s.choices[key] = c;
     appendTuneFile(s, key, c);
     s.logged.insert(key);
@@ -495,7 +902,13 @@ struct Gemm::Impl {
                   "); check leading dimensions (multiples of 8, 16 for FP8) and the epilogue's "
                   "data types");
     p.algo = result.algo;
-    if (!p.fp8 && tuneState().on) autotune(p, g, stream);
+    if (!p.fp8) {
+      Candidate rule;
+      if (tuneState().on)
+        autotune(p, g, stream);
+      else if (splitKState().mode != GemmSplit::Off && ruleChoice(p, g, rule, stream))
+        choose(p, rule);
+    }
     return plans.emplace(key, p).first->second;
   }
 
@@ -506,8 +919,10 @@ struct Gemm::Impl {
       cublasLtMatrixLayoutDestroy(p.c);
       cublasLtMatrixLayoutDestroy(p.d);
       cublasLtMatmulDescDestroy(p.desc);
+      if (p.plain_desc) cublasLtMatmulDescDestroy(p.plain_desc);
     }
     if (workspace) cudaFree(workspace);
+    if (streamk_workspace) cudaFree(streamk_workspace);
     if (handle) cublasLtDestroy(handle);
   }
 };
@@ -515,7 +930,8 @@ struct Gemm::Impl {
 Gemm::Gemm(std::size_t workspace_bytes) : impl_member(std::make_unique<Impl>()) {
   PLM_CHECK_CUBLAS(cublasLtCreate(&impl_member->handle));
   impl_member->workspace_bytes = workspace_bytes;
-  PLM_CHECK_CUDA(cudaMalloc(&impl_member->workspace, workspace_bytes));
+  // The bias pass's partial sums follow the part cuBLASLt is given.
+  PLM_CHECK_CUDA(cudaMalloc(&impl_member->workspace, workspace_bytes + kBiasPartialBytes));
 }
 
 Gemm::~Gemm() = default;
@@ -537,12 +953,19 @@ void Gemm::run(Stream stream, const GemmArgs& g) {
     PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
         p.desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &g.aux, sizeof(g.aux)));
   }
-  if (p.fp8) {
-    setScalePointers(p, g);
-    if (g.amax_d && !p.amax_by_pass)
-      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER,
-                                                      &g.amax_d, sizeof(g.amax_d)));
+  if (!p.fp8) {
+    Candidate c;
+    c.algo = p.algo;
+    c.splits = p.splits;
+    c.bias_pass = p.bias_pass;
+    c.streamk = p.streamk;
+    PLM_CHECK_CUBLAS(impl_member->launch(p, g, c, stream));
+    return;
   }
+  setScalePointers(p, g);
+  if (g.amax_d && !p.amax_by_pass)
+    PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER,
+                                                    &g.amax_d, sizeof(g.amax_d)));
   cublasStatus_t status = cublasLtMatmul(
       impl_member->handle, p.desc, &g.alpha, g.b, p.a, g.a, p.b, &g.beta, g.c ? g.c : g.d, p.c, g.d,
       p.d, &p.algo, impl_member->workspace, impl_member->workspace_bytes, stream);
@@ -567,7 +990,7 @@ Gemm::TuneResult Gemm::tune(Stream stream, const GemmArgs& g) {
   if (g.m == 0 || g.n == 0 || isFp8(g.a_type) || isFp8(g.b_type)) return r;
   Plan& p = impl_member->plan(g, stream);
   const int count = std::max(tuneState().candidates, 1);
-  const auto algos = impl_member->candidates(p, count);
+  const auto algos = impl_member->tuneCandidates(p, g, count, stream);
   r.candidates = static_cast<int>(algos.size());
   const std::vector<double> ms = impl_member->timeCandidates(p, g, stream, algos);
   if (ms.empty()) return r;
@@ -593,6 +1016,117 @@ void setGemmAutotune(bool on, const std::string& cache_file, bool write_cache, i
 }
 
 bool gemmAutotune() { return tuneState().on; }
+
+GemmSplit parseGemmSplit(const std::string& name) {
+  if (name == "off") return GemmSplit::Off;
+  if (name == "splitk") return GemmSplit::SplitK;
+  if (name == "streamk") return GemmSplit::StreamK;
+  throw Error("train.gemm_split: `" + name + "` is not one of off, splitk, streamk");
+}
+
+void setGemmSplit(GemmSplit mode, int force_splits, bool force_bias_pass) {
+  const bool on = mode != GemmSplit::Off;
+  splitKState().mode = mode;
+  splitKState().force = on ? force_splits : 0;
+  splitKState().force_bias_pass = on && force_bias_pass;
+}
+
+GemmSplit gemmSplit() { return splitKState().mode; }
+
+bool gemmStreamKCompiled() { return detail::streamKCompiled(); }
+
+void setGemmStreamKAllowed(bool allowed) { splitKState().streamk_allowed = allowed; }
+
+Gemm::PlanInfo Gemm::planInfo(Stream stream, const GemmArgs& args) {
+  PlanInfo info;
+  if (args.m == 0 || args.n == 0) return info;
+  const Plan& p = impl_member->plan(args, stream);
+  info.splits = p.splits;
+  info.bias_pass = p.bias_pass;
+  info.streamk = p.streamk;
+  return info;
+}
+
+Gemm::SplitKReport Gemm::splitKReport(Stream stream, const GemmArgs& g) {
+  SplitKReport report;
+  if (g.m == 0 || g.n == 0 || isFp8(g.a_type) || isFp8(g.b_type)) return report;
+  Impl& impl = *impl_member;
+  Plan& p = impl.plan(g, stream);
+  std::vector<Candidate> algos = impl.heuristic(p, p.desc, 1);
+  if (algos.empty()) return report;
+  std::vector<bool> rule_flag = {false};
+  Candidate rule;
+  if (impl.ruleChoice(p, g, rule, stream)) {
+    algos.push_back(rule);
+    rule_flag.push_back(true);
+  }
+  for (const Candidate& c : impl.splitVariants(p, g, 4, stream)) {
+    algos.push_back(c);
+    rule_flag.push_back(false);
+  }
+  const std::vector<double> ms = impl.timeCandidates(p, g, stream, algos);
+  if (ms.empty()) return report;
+
+  // Differences: each candidate once from the caller's D (as C when accumulating) against
+  // heuristic #0 run the same way.
+  const std::size_t d_bytes = static_cast<std::size_t>(g.m) * g.ldd * typeBytes(g.d_type);
+  Scratch scratch;
+  GemmArgs t = g;
+  void* d_ref = scratch.get(d_bytes);
+  void* bg_ref = scratch.get(static_cast<std::size_t>(g.m) * 4);
+  t.d = scratch.get(d_bytes);
+  t.bias_grad = scratch.get(static_cast<std::size_t>(g.m) * 4);
+  auto* bits = static_cast<unsigned*>(scratch.get(sizeof(unsigned)));
+  if (!scratch.ok) return report;
+  if (g.epilogue == Epilogue::BGradA)
+    PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                    &t.bias_grad, sizeof(t.bias_grad)));
+  auto runOnce = [&](const Candidate& c) {
+    if (g.beta != 0.0f && !g.c)
+      PLM_CHECK_CUDA(cudaMemcpyAsync(t.d, g.d, d_bytes, cudaMemcpyDeviceToDevice, stream));
+    else
+      PLM_CHECK_CUDA(cudaMemsetAsync(t.d, 0, d_bytes, stream));
+    PLM_CHECK_CUDA(cudaMemsetAsync(t.bias_grad, 0, static_cast<std::size_t>(g.m) * 4, stream));
+    return impl.launch(p, t, c, stream) == CUBLAS_STATUS_SUCCESS;
+  };
+  if (!runOnce(algos[0])) return report;
+  PLM_CHECK_CUDA(cudaMemcpyAsync(d_ref, t.d, d_bytes, cudaMemcpyDeviceToDevice, stream));
+  PLM_CHECK_CUDA(cudaMemcpyAsync(bg_ref, t.bias_grad, static_cast<std::size_t>(g.m) * 4,
+                                 cudaMemcpyDeviceToDevice, stream));
+  report.ref_max = maxAbsDiff(stream, d_ref, nullptr, g.d_type, g.m, g.n, g.ldd, bits);
+  // Rows: heuristic #0, the rule's choice, then the fastest variant of each split count.
+  std::map<int, std::size_t> fastest;  // split count -> index of its fastest variant
+  for (std::size_t i = 1; i < algos.size(); ++i) {
+    if (rule_flag[i]) continue;
+    const int key = algos[i].streamk ? 0 : algos[i].splits;  // stream-K: a row of its own
+    auto it = fastest.find(key);
+    if (it == fastest.end())
+      fastest[key] = i;
+    else if (ms[i] > 0 && (ms[it->second] <= 0 || ms[i] < ms[it->second]))
+      it->second = i;
+  }
+  std::vector<std::size_t> shown = {0};
+  for (std::size_t i = 1; i < algos.size(); ++i)
+    if (rule_flag[i]) shown.push_back(i);
+  for (const auto& [splits, i] : fastest) shown.push_back(i);
+  for (std::size_t i : shown) {
+    SplitKRow row;
+    row.splits = algos[i].splits;
+    row.rule = rule_flag[i];
+    row.bias_pass = algos[i].bias_pass;
+    row.streamk = algos[i].streamk;
+    row.base = algos[i].base;
+    row.ms = ms[i];
+    if (ms[i] > 0 && runOnce(algos[i])) {
+      row.max_diff = maxAbsDiff(stream, t.d, d_ref, g.d_type, g.m, g.n, g.ldd, bits);
+      if (g.epilogue == Epilogue::BGradA)
+        row.max_bias_diff = maxAbsDiff(stream, t.bias_grad, bg_ref, DType::F32, 1, g.m, g.m, bits);
+    }
+    report.rows.push_back(row);
+  }
+  PLM_CHECK_CUDA(cudaStreamSynchronize(stream));  // scratch is freed on return
+  return report;
+}
 
 bool Gemm::amaxFromCublas(const GemmArgs& args) {
   if (!args.amax_d) return false;

@@ -29,6 +29,7 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 namespace plm::gpu {
 
@@ -105,6 +106,34 @@ class Gemm {
   /// \brief For an FP8 call with amax_d, after it has run: whether cuBLASLt computed max |D|
   /// in the GEMM (true) or a separate pass over D did (false).
   bool amaxFromCublas(const GemmArgs& args);
+  /// \brief How the plan for `args` runs: its K splits (1: none) and whether the bias gradient
+  /// of a BGradA call comes from a separate pass (split-K without the epilogue).  Plans it.
+  struct PlanInfo {
+    int splits = 1;
+    bool bias_pass = false;
+    bool streamk = false;  // CUTLASS's stream-K kernel (bias gradient by the separate pass)
+  };
+  PlanInfo planInfo(Stream stream, const GemmArgs& args);
+  /// \brief For benchmarks (bf16): cuBLASLt's heuristic #0, the split-K rule's choice, the
+  /// fastest split-K variant at each split count (2 to 16; made from the heuristic's first 4
+  /// candidates) and CUTLASS's stream-K kernel where it takes the call, whatever setGemmSplit
+  /// says, each timed now on scratch outputs (mean of 5 after
+  /// a warm-up) and run once more from the caller's D as C for the largest |difference| from
+  /// heuristic #0's D and bias gradient.  The plan cache is not touched.
+  struct SplitKRow {
+    int splits = 1;
+    bool rule = false;       // the SplitK rule's choice (what train.gemm_split runs untuned)
+    bool bias_pass = false;  // BGradA without the epilogue, bias gradient by a separate pass
+    bool streamk = false;    // CUTLASS's stream-K kernel (splits not meaningful)
+    int base = 0;            // index of the heuristic candidate it was made from
+    double ms = -1;          // -1: refused at launch
+    double max_diff = -1, max_bias_diff = -1;
+  };
+  struct SplitKReport {
+    double ref_max = 0;           // max |D| of heuristic #0's result
+    std::vector<SplitKRow> rows;  // rows[0]: heuristic #0; empty when nothing could run
+  };
+  SplitKReport splitKReport(Stream stream, const GemmArgs& args);
 
  private:
   struct Impl;
@@ -122,6 +151,33 @@ class Gemm {
 void setGemmAutotune(bool on, const std::string& cache_file = "", bool write_cache = true,
                      int candidates = 8);
 bool gemmAutotune();
+
+/// \brief How the bf16 GEMMs whose output has too few tiles to keep every SM busy over a long K
+/// (the weight gradients dW += dY^T X: K = tokens, a few hundred 128x128 tiles for 132 SMs) are
+/// spread over the device (train.gemm_split):
+///   Off:     as cuBLASLt's heuristic (or train.gemm_autotune) chooses;
+///   SplitK:  K split in s parts by cuBLASLt where a cost model (waves of tiles over the SMs,
+///            plus the extra read-modify-write of D per part) expects at least 10% gain;
+///   StreamK: CUTLASS's stream-K kernel for the weight gradients it takes (fp32 D, A stored
+///            (K,M)) whose tiles fill their last wave below 90%, SplitK's rule for the rest.
+/// Under train.gemm_autotune (SplitK or StreamK) the split variants and the stream-K kernel join
+/// the timed candidates instead.  The parts are reduced in a fixed order (cuBLASLt's INPLACE
+/// scheme with its ordering counters for fp32 D, else fp32 parts in the workspace summed by a
+/// separate pass; CUTLASS's deterministic turnstile): results repeat bit for bit, but differ from
+/// the unsplit GEMM's in the last bits.
+enum class GemmSplit { Off, SplitK, StreamK };
+/// \brief "off", "splitk" or "streamk"; anything else throws, naming the three.
+GemmSplit parseGemmSplit(const std::string& name);
+/// \brief For the bf16 GEMMs planned after the call.  `force_splits` > 1 (tests) splits every
+/// eligible GEMM (epilogue none or BGradA, bf16 operands) in exactly that many parts where
+/// cuBLASLt accepts it; `force_bias_pass` (tests) runs split BGradA calls without the epilogue,
+/// the bias gradient from the separate pass.
+void setGemmSplit(GemmSplit mode, int force_splits = 0, bool force_bias_pass = false);
+GemmSplit gemmSplit();
+/// \brief Whether this build holds CUTLASS's SM90 stream-K weight-gradient kernel.
+bool gemmStreamKCompiled();
+/// \brief Whether plans made after the call may use it at all (default true; benchmarks).
+void setGemmStreamKAllowed(bool allowed);
 
 /// \brief Plain reference: one thread per output element, fp32 accumulation, the same
 /// epilogues (exact for the GELU's tanh form); FP8 operands are decoded exactly and multiplied

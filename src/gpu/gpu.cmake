@@ -39,10 +39,11 @@ if(PLM_HAVE_CUDNN AND (PLM_HAVE_CUDA OR PLM_CHECK_CUDA_SOURCES))
   endif()
 endif()
 
-# CUTLASS's SM90 grouped GEMM (gpu/moe_grouped_sm90a.cu) needs the sm_90a architecture, which
-# only its own translation unit gets: it is compiled as CUDA by nvcc directly (Kokkos'
-# nvcc_wrapper passes one -arch to every file), into an object library that plm_gpu takes in.
-# Without the CUTLASS headers gpu/moe_grouped.cu answers "not built" and the loop runs.
+# CUTLASS's SM90 grouped GEMM (gpu/moe_grouped_sm90a.cu) and stream-K weight-gradient GEMM
+# (gpu/gemm_streamk_sm90a.cu) need the sm_90a architecture, which only their own translation
+# units get: they are compiled as CUDA by nvcc directly (Kokkos' nvcc_wrapper passes one -arch to
+# every file), into an object library that plm_gpu takes in.  Without the CUTLASS headers
+# gpu/moe_grouped.cu and gpu/gemm.cu answer "not built": the loop and cuBLASLt run.
 if(PLM_HAVE_CUTLASS AND (PLM_HAVE_CUDA OR PLM_CHECK_CUDA_SOURCES))
   if(NOT CMAKE_CUDA_COMPILER)
     set(CMAKE_CUDA_COMPILER ${CUDAToolkit_NVCC_EXECUTABLE})
@@ -51,7 +52,8 @@ if(PLM_HAVE_CUTLASS AND (PLM_HAVE_CUDA OR PLM_CHECK_CUDA_SOURCES))
     set(CMAKE_CUDA_ARCHITECTURES 90)
   endif()
   enable_language(CUDA)
-  add_library(plm_gpu_grouped OBJECT ${CMAKE_CURRENT_SOURCE_DIR}/gpu/moe_grouped_sm90a.cu)
+  add_library(plm_gpu_grouped OBJECT ${CMAKE_CURRENT_SOURCE_DIR}/gpu/moe_grouped_sm90a.cu
+    ${CMAKE_CURRENT_SOURCE_DIR}/gpu/gemm_streamk_sm90a.cu)
   set_target_properties(plm_gpu_grouped PROPERTIES CUDA_ARCHITECTURES OFF CUDA_STANDARD 17
     CUDA_STANDARD_REQUIRED ON POSITION_INDEPENDENT_CODE ON)
   target_compile_options(plm_gpu_grouped PRIVATE --generate-code=arch=compute_90a,code=sm_90a

@@ -218,6 +218,7 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   // Before the first GEMM is planned; rank 0 alone appends new choices to the file.
   if (t.get<bool>("gemm_autotune"))
     gpu::setGemmAutotune(true, run_dir_member + "/gemm_autotune.txt", rank_member == 0);
+  gpu::setGemmSplit(gpu::parseGemmSplit(t.get<std::string>("gemm_split")));
 #endif
   if (t.get<bool>("profile")) {
     profile_member = true;  // CUDA events around every launch of the training passes

@@ -2,7 +2,8 @@
 // the plain reference kernel, and the reference against a host double computation; the same
 // with autotuning on (the timed candidates must leave the call's outputs, the accumulated ones
 // included, as one run of the chosen algorithm writes them) and with choices read back from the
-// cache file.
+// cache file; split-K and stream-K (train.gemm_split) on weight-gradient-like shapes against a host
+// double reference.
 #include "gpu/gemm.hpp"
 #include "gpu_test_util.hpp"
 
@@ -10,6 +11,7 @@
 
 #include <cstdio>
 #include <fstream>
+#include <memory>
 #include <string>
 
 namespace plm::gpu {
@@ -158,6 +160,178 @@ INSTANTIATE_TEST_SUITE_P(
         Case{"plain_fp32", false, false, 64, 40, 520, Epilogue::None, DType::F32, 0.0f},
         Case{"plain_bf16_accumulate", true, true, 72, 88, 96, Epilogue::None, DType::BF16, 1.0f}),
     [](const ::testing::TestParamInfo<Case>& info) { return std::string(info.param.name); });
+
+// ---- split-K and stream-K (train.gemm_split) ----------------------------------------------
+// Weight-gradient-like shapes (dW = alpha dY^T X + beta dW, K = tokens long against a small
+// output) with K split in a forced number of parts, by the rule, among the autotune's variants
+// and by CUTLASS's stream-K kernel, against a host double reference: K odd and not a multiple of
+// the split count, the bias gradient from the epilogue and from the separate pass, fp32 and bf16
+// outputs (INPLACE and workspace reductions).
+
+struct SplitCase {
+  const char* name;
+  bool trans_a;
+  std::int64_t m, n, k;
+  Epilogue epilogue;
+  DType d_type;
+  float beta;
+};
+
+struct SplitResult {
+  std::vector<float> d, bias_grad;
+  Gemm::PlanInfo info;
+};
+
+class GemmSplitKTest : public ::testing::TestWithParam<SplitCase> {
+ protected:
+  void SetUp() override {
+    const SplitCase& c = GetParam();
+    const std::uint64_t seed = 77 + c.m + 3 * c.n + 5 * c.k;
+    a_rows = c.trans_a ? c.k : c.m;
+    a_cols = c.trans_a ? c.m : c.k;
+    a = std::make_unique<Bf16Tensor>(test::randomNormal(a_rows * a_cols, seed));
+    b = std::make_unique<Bf16Tensor>(test::randomNormal(c.k * c.n, seed + 1));
+    d0 = test::randomNormal(c.m * c.n, seed + 2);
+    if (c.d_type == DType::BF16)
+      for (float& v : d0) v = test::roundBf16(v);
+    // Host reference in double from the bf16 values the device holds.
+    ref.assign(c.m * c.n, 0.0);
+    ref_bias.assign(c.m, 0.0);
+    for (std::int64_t i = 0; i < c.m; ++i) {
+      for (std::int64_t k = 0; k < c.k; ++k) {
+        const double x = a->values[c.trans_a ? k * a_cols + i : i * a_cols + k];
+        ref_bias[i] += x;
+        for (std::int64_t j = 0; j < c.n; ++j) ref[i * c.n + j] += x * b->values[k * c.n + j];
+      }
+      for (std::int64_t j = 0; j < c.n; ++j)
+        ref[i * c.n + j] = alpha * ref[i * c.n + j] + c.beta * d0[i * c.n + j];
+    }
+  }
+
+  SplitResult run() {
+    const SplitCase& c = GetParam();
+    DeviceBuffer<float> d32(c.m * c.n), bgrad(c.m);
+    DeviceBuffer<std::uint16_t> d16(c.m * c.n);
+    d32.upload(d0);
+    Bf16Tensor d0_16(d0);
+    PLM_CHECK_CUDA(cudaMemcpy(d16.get(), d0_16.get(), c.m * c.n * 2, cudaMemcpyDeviceToDevice));
+    bgrad.poison();
+    GemmArgs g;
+    g.trans_a = c.trans_a;
+    g.m = c.m;
+    g.n = c.n;
+    g.k = c.k;
+    g.a = a->get();
+    g.lda = a_cols;
+    g.b = b->get();
+    g.ldb = c.n;
+    g.d = c.d_type == DType::F32 ? static_cast<void*>(d32.get()) : static_cast<void*>(d16.get());
+    g.ldd = c.n;
+    g.d_type = c.d_type;
+    g.alpha = alpha;
+    g.beta = c.beta;
+    g.epilogue = c.epilogue;
+    g.bias_grad = bgrad.get();
+    Gemm gemm;  // a fresh plan cache: the current split-K setting applies
+    SplitResult r;
+    r.info = gemm.planInfo(nullptr, g);
+    gemm.run(nullptr, g);
+    PLM_CHECK_CUDA(cudaDeviceSynchronize());
+    r.d = c.d_type == DType::F32 ? d32.download() : test::downloadBf16(d16);
+    if (c.epilogue == Epilogue::BGradA) r.bias_grad = bgrad.download();
+    return r;
+  }
+
+  void expectMatches(const SplitResult& r, const std::string& what) {
+    const SplitCase& c = GetParam();
+    EXPECT_LT(test::relError(r.d, ref), c.d_type == DType::F32 ? 1e-4 : 1e-2) << what;
+    if (c.epilogue == Epilogue::BGradA) {
+      EXPECT_LT(test::relError(r.bias_grad, ref_bias), 1e-4) << what;
+    }
+  }
+
+  const float alpha = 0.75f;
+  std::int64_t a_rows = 0, a_cols = 0;
+  std::unique_ptr<Bf16Tensor> a, b;
+  std::vector<float> d0;
+  std::vector<double> ref, ref_bias;
+};
+
+TEST_P(GemmSplitKTest, ForcedSplitsMatchDoubleReference) {
+  const SplitCase& c = GetParam();
+  int split_runs = 0;
+  for (int splits : {2, 3, 7}) {
+    for (bool bias_pass : {false, true}) {
+      if (bias_pass && c.epilogue != Epilogue::BGradA) continue;
+      setGemmSplit(GemmSplit::SplitK, splits, bias_pass);
+      const SplitResult r = run();
+      const SplitResult again = run();
+      setGemmSplit(GemmSplit::Off);
+      const std::string what = std::string(c.name) + " forced " + std::to_string(splits) +
+                               " splits" + (bias_pass ? " (bias pass)" : "") + ", ran " +
+                               std::to_string(r.info.splits) +
+                               (r.info.bias_pass ? " with the bias pass" : "");
+      expectMatches(r, what);
+      EXPECT_EQ(r.d, again.d) << what << ": two runs differ (the reduction order must be fixed)";
+      EXPECT_EQ(r.bias_grad, again.bias_grad) << what;
+      // cuBLASLt may decline a split count; what it runs is either unsplit or exactly the count.
+      EXPECT_TRUE(r.info.splits == 1 || r.info.splits == splits) << what;
+      if (bias_pass && r.info.splits > 1) {
+        EXPECT_TRUE(r.info.bias_pass) << what;
+      }
+      if (r.info.splits > 1) ++split_runs;
+      std::printf("  %s\n", what.c_str());
+    }
+  }
+  // The plain fp32 weight-gradient layout is what split-K is for: cuBLASLt must take it.
+  if (c.epilogue == Epilogue::None && c.d_type == DType::F32 && c.trans_a) {
+    EXPECT_GT(split_runs, 0) << c.name << ": no forced split count was accepted";
+  }
+}
+
+// CUTLASS's stream-K kernel where built: the weight-gradient layout with an fp32 output only.
+TEST_P(GemmSplitKTest, StreamKMatchesDoubleReference) {
+  const SplitCase& c = GetParam();
+  setGemmSplit(GemmSplit::StreamK);
+  const SplitResult r = run();
+  const SplitResult again = run();
+  setGemmSplit(GemmSplit::Off);
+  const bool takes = gemmStreamKCompiled() && c.trans_a && c.d_type == DType::F32;
+  const std::string what =
+      std::string(c.name) + " forced stream-K, ran " + (r.info.streamk ? "stream-K" : "cuBLASLt");
+  std::printf("  %s\n", what.c_str());
+  EXPECT_EQ(r.info.streamk, takes) << what;
+  expectMatches(r, what);
+  EXPECT_EQ(r.d, again.d) << what << ": two runs differ (the reduction order must be fixed)";
+  EXPECT_EQ(r.bias_grad, again.bias_grad) << what;
+}
+
+TEST_P(GemmSplitKTest, RuleAndAutotuneMatchDoubleReference) {
+  const SplitCase& c = GetParam();
+  setGemmSplit(GemmSplit::SplitK);
+  const SplitResult rule = run();
+  expectMatches(rule,
+                std::string(c.name) + " rule, " + std::to_string(rule.info.splits) + " splits");
+  setGemmAutotune(true);  // memory only: the split variants are timed with the heuristic's list
+  const SplitResult tuned = run();
+  setGemmAutotune(false);
+  setGemmSplit(GemmSplit::Off);
+  expectMatches(
+      tuned, std::string(c.name) + " autotuned, " + std::to_string(tuned.info.splits) + " splits");
+  const SplitResult off = run();
+  expectMatches(off, std::string(c.name) + " split-K off");
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Shapes, GemmSplitKTest,
+    ::testing::Values(
+        // dW (136, 96) += dY^T X over 4099 tokens, bias gradient of dY's columns.
+        SplitCase{"wgrad_bgrad_accumulate", true, 136, 96, 4099, Epilogue::BGradA, DType::F32,
+                  1.0f},
+        SplitCase{"wgrad_fp32_write", true, 64, 200, 3001, Epilogue::None, DType::F32, 0.0f},
+        SplitCase{"wgrad_bf16_accumulate", true, 72, 88, 2051, Epilogue::None, DType::BF16, 1.0f},
+        SplitCase{"nn_fp32_accumulate", false, 40, 56, 1040, Epilogue::None, DType::F32, 1.0f}),
+    [](const ::testing::TestParamInfo<SplitCase>& info) { return std::string(info.param.name); });
 
 }  // namespace
 }  // namespace plm::gpu
