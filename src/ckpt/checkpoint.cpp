@@ -12,7 +12,7 @@
 #include "deck/deck.hpp"
 #include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
-#include "io/model_file.hpp"
+#include "model/model_file.hpp"
 #include "plm/plm_config.hpp"
 #include "train/fsdp.hpp"
 
@@ -37,7 +37,7 @@
 namespace plm::ckpt {
 
 static_assert(std::is_same_v<master_t, float>,
-              "checkpoints store master weights and moments as fp32 (io::writeTensorGroup)");
+              "checkpoints store master weights and moments as fp32 (model::writeTensorGroup)");
 
 namespace fs = std::filesystem;
 namespace h5 = io::h5;
@@ -106,7 +106,7 @@ void writeChecksums(hid_t file, const std::string& group,
   }
 }
 
-// io::writeTensorGroup from per-tensor rows (fp32 or 8-bit codes): creates `group`/<name> at
+// model::writeTensorGroup from per-tensor rows (fp32 or 8-bit codes): creates `group`/<name> at
 // full shape for every tensor (collective) and writes this rank's rows of each from where
 // `rows` says they lie in `values` (a full-layout buffer or a compact one of these rows only).
 template <class T> void writeRowsGroup(hid_t file, const std::string& group,
@@ -253,7 +253,7 @@ template <class T> void shareRowsOf(const std::vector<model::TensorInfo>& tensor
   auto rowsOf = [&](const model::TensorInfo& t, int r) {
     const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
     const std::int64_t row_size = rows ? t.size / rows : 0;
-    auto [first, last] = io::rowRange(rows, r, world);
+    auto [first, last] = model::rowRange(rows, r, world);
     return std::pair{first * row_size, (last - first) * row_size};  // (element offset, count)
   };
   std::size_t begin = 0;
@@ -303,7 +303,7 @@ detail::RowsLayout rowsOf(const std::vector<model::TensorInfo>& tensors, int ran
   for (const auto& t : tensors) {
     const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
     const std::int64_t row_size = rows ? t.size / rows : 0;
-    auto [first, last] = io::rowRange(rows, rank, world);
+    auto [first, last] = model::rowRange(rows, rank, world);
     r.first_row.push_back(first);
     r.row_count.push_back(last - first);
     r.row_size.push_back(row_size);
@@ -662,13 +662,13 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
   });
   {
     h5::Hid file = h5::createFile(temporary, comm);
-    io::writeConfigAttributes(file, snap.config);
-    io::ModelAttributes extra;
+    model::writeConfigAttributes(file, snap.config);
+    model::ModelAttributes extra;
     extra.strings["plm_version"] = PLM_VERSION_STRING;
     extra.strings["source"] = "plm train checkpoint";
     extra.integers["step"] = state.step;
     extra.integers["tokens_seen"] = state.tokens_seen;
-    io::writeExtraAttributes(file, extra);
+    model::writeExtraAttributes(file, extra);
 
     writeRowsGroup(file, "model", tensors, snap.master, snap.master_rows, independent_transfers);
     fault::checkpointFailPoint(state.step, "model");
@@ -802,7 +802,7 @@ Header readHeader(const std::string& path) {
                         std::to_string(h.format_version) + ", newer than this plm understands (" +
                         std::to_string(checkpoint_format_version) +
                         "); resume it with a newer plm");
-    h.config = io::readConfigAttributes(file, path);
+    h.config = model::readConfigAttributes(file, path);
     h.state.step = h5::readIntAttribute(s, "step");
     h.state.tokens_seen = h5::readIntAttribute(s, "tokens_seen");
     h.state.cursor.epoch = h5::readIntAttribute(s, "cursor_epoch");
@@ -889,7 +889,7 @@ std::function<void()> readFullLayout(train::Trainer& trainer, hid_t file, const 
 }
 
 // The sharded load: no full-layout state.  Rank s of each shard group (of S) reads rows
-// io::rowRange(rows, s, S) of every tensor into a compact buffer (so each shard group reads
+// model::rowRange(rows, s, S) of every tensor into a compact buffer (so each shard group reads
 // the file once) and checks them (CRC pieces joined over the shard group); applying moves them
 // into the shards with the inverse redistribute.  Replicated state is read the same way and
 // all-gathered in the shard group (it is per whole tensor and small).

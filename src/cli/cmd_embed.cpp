@@ -25,8 +25,8 @@
 #include "data/prep.hpp"
 #include "io/fasta.hpp"
 #include "io/hdf5.hpp"
-#include "io/model_file.hpp"
 #include "model/esm2.hpp"
+#include "model/model_file.hpp"
 
 #include <mpi.h>
 #include <Kokkos_Core.hpp>
@@ -165,7 +165,7 @@ int runEmbed(const Argv& argv) {
 
   model::Esm2Config config;
   try {
-    config = io::readModelConfig(checkpoint);
+    config = model::readModelConfig(checkpoint);
   } catch (const Error& e) {
     throw collectiveError(std::string("plm embed: ") + e.what());
   }
@@ -174,7 +174,7 @@ int runEmbed(const Argv& argv) {
   config.fp8.recipe = model::Fp8Recipe::Current;  // fp8: no amax history outside training
   model::Esm2<float> esm(config);
   try {
-    io::readModelInto(checkpoint, MPI_COMM_WORLD, esm);
+    model::readModelInto(checkpoint, MPI_COMM_WORLD, esm);
   } catch (const Error& e) {
     throw collectiveError(std::string("plm embed: ") + e.what());
   }

@@ -13,7 +13,7 @@
 #if PLM_HAVE_CUDA
 #include "gpu/gemm.hpp"
 #endif
-#include "io/model_file.hpp"
+#include "model/model_file.hpp"
 #include "plm/plm_config.hpp"
 #include "train/blas_threads.hpp"
 #include "train/fp8_run.hpp"
@@ -738,7 +738,7 @@ void Trainer::writeFinalModel() {
   // The trained weights as a plm model file (what `plm eval --model`, `plm embed` and
   // `plm convert --to-hf` read), independent of the checkpoint module's schedule.
   const std::string path = run_dir_member + "/model.h5";
-  io::ModelAttributes extra;
+  model::ModelAttributes extra;
   extra.integers["step"] = state_member.step;
   extra.integers["tokens_seen"] = state_member.tokens_seen;
   extra.strings["source"] = "plm train";
@@ -761,7 +761,8 @@ void Trainer::writeFinalModel() {
     extra.strings["lora"] = "merged: rank " + std::to_string(m.config().lora.rank) + ", alpha " +
                             std::to_string(m.config().lora.alpha) + ", targets " +
                             model::loraTargetNames(m.config().lora.targets);
-    io::writeModelFile(path, comm_member, plain, model::tensorTable(plain), merged.data(), extra);
+    model::writeModelFile(path, comm_member, plain, model::tensorTable(plain), merged.data(),
+                          extra);
   } else if (fsdp_member) {
     // Each rank writes its rows of every tensor; it gathers the model unit by unit and keeps
     // only those rows, so no whole-model buffer appears on the device or in host memory (the
@@ -776,9 +777,9 @@ void Trainer::writeFinalModel() {
     std::unique_ptr<param_t[]> values(new param_t[std::size_t(m.bufferElements())]);
     fsdp_member->gatherRanges(ExecSpace(), ranges, values.get());
     static_assert(std::is_same_v<param_t, float>, "model files store fp32");
-    io::writeModelFile(path, comm_member, m.config(), rows, values.get(), extra);
+    model::writeModelFile(path, comm_member, m.config(), rows, values.get(), extra);
   } else {
-    io::writeModelFile(path, comm_member, *model_member, extra);
+    model::writeModelFile(path, comm_member, *model_member, extra);
   }
   log::info("train: wrote the model after step %lld to %s",
             static_cast<long long>(state_member.step), path.c_str());

@@ -1,7 +1,7 @@
 // Hugging Face `EsmForMaskedLM` interoperability: config.json, the parameter table by Hugging
 // Face name, and conversion between a Hugging Face model directory (config.json +
 // model.safetensors, or a sharded model.safetensors.index.json) and a plm model file
-// (io/model_file.hpp).  doc/interop.md describes the mapping and what is supported.
+// (model/model_file.hpp).  doc/interop.md describes the mapping and what is supported.
 //
 // Design choices: the parameter table here is the *external* contract (what a transformers
 // directory holds), computed from the config alone, so converting needs no model instance and
@@ -26,7 +26,7 @@
 #include <string>
 #include <vector>
 
-namespace plm::io::hf {
+namespace plm::model::hf {
 
 /// \brief The Hugging Face EsmForMaskedLM parameters of `config` (without the tied
 /// lm_head.decoder.weight and the non-parameter buffers), in state-dict order, with offsets of
@@ -42,7 +42,7 @@ inline constexpr const char* moe_model_type = "plm-esm2-moe";
 /// settings (nonzero dropout, ...).  `any_esm_head`: accept any ESM architecture listed
 /// (EsmModel, EsmForSequenceClassification, ...; model.init_from loads their encoder), not only
 /// EsmForMaskedLM.
-model::Esm2Config configFromJson(const json::Value& config, const std::string& source,
+model::Esm2Config configFromJson(const io::json::Value& config, const std::string& source,
                                  std::vector<std::string>* warnings = nullptr,
                                  bool any_esm_head = false);
 /// \brief configFromJson of the file `config_json` (a model directory's config.json).
@@ -52,8 +52,8 @@ model::Esm2Config readConfigFile(const std::string& config_json,
 /// \brief The config.json transformers expects for `config` (EsmConfig fields, architectures
 /// ["EsmForMaskedLM"]); an MoE model gets plm's format (moe_model_type).  `torch_dtype` names
 /// the stored dtype ("float32", "bfloat16").
-json::Value configToJson(const model::Esm2Config& config,
-                         const std::string& torch_dtype = "float32");
+io::json::Value configToJson(const model::Esm2Config& config,
+                             const std::string& torch_dtype = "float32");
 
 /// \brief The tokenizer files of the ESM-2 vocabulary as transformers' EsmTokenizer reads them:
 /// file name -> contents (vocab.txt, tokenizer_config.json, special_tokens_map.json).
@@ -70,7 +70,7 @@ class Weights {
   explicit Weights(const std::string& path);
   std::vector<std::string> names() const;  // canonical names, sorted
   bool has(const std::string& name) const { return where_member.count(name) > 0; }
-  const safetensors::TensorEntry& entry(const std::string& name) const;
+  const io::safetensors::TensorEntry& entry(const std::string& name) const;
   /// \brief "`file` tensor \"stored name\"", for messages.
   std::string describe(const std::string& name) const;
   std::vector<float> read(const std::string& name) const;
@@ -79,7 +79,7 @@ class Weights {
                               std::int64_t row_count) const;
 
  private:
-  std::vector<std::unique_ptr<safetensors::Reader>> readers_member;
+  std::vector<std::unique_ptr<io::safetensors::Reader>> readers_member;
   std::map<std::string, std::pair<std::size_t, std::string>> where_member;  // -> reader, stored
 };
 
@@ -135,4 +135,4 @@ std::int64_t parseByteSize(const std::string& text);
 ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir, MPI_Comm comm,
                            const ExportOptions& options = {}, const TableOf& moe_table = {});
 
-}  // namespace plm::io::hf
+}  // namespace plm::model::hf

@@ -1,13 +1,13 @@
 // Hugging Face EsmForMaskedLM <-> plm model file.
-#include "io/hf_esm.hpp"
+#include "model/hf_esm.hpp"
 
 #include "core/error.hpp"
 #include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
 #include "io/hdf5_group.hpp"
-#include "io/head_file.hpp"
-#include "io/model_file.hpp"
 #include "io/safetensors.hpp"
+#include "model/head_file.hpp"
+#include "model/model_file.hpp"
 
 #include <algorithm>
 #include <cctype>
@@ -21,7 +21,11 @@
 #include <set>
 #include <sstream>
 
-namespace plm::io::hf {
+namespace plm::model::hf {
+
+namespace h5 = io::h5;
+namespace json = io::json;
+namespace safetensors = io::safetensors;
 
 namespace fs = std::filesystem;
 
@@ -473,7 +477,7 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
                 "(config.json + model.safetensors)");
   ConvertSummary summary;
   // EsmForSequenceClassification / EsmForTokenClassification folders are read too: their
-  // classifier becomes the model file's /head (io/head_file.hpp).
+  // classifier becomes the model file's /head (model/head_file.hpp).
   summary.config = readConfigFile(config_path.string(), &summary.warnings, true);
   const json::Value config_json = json::parse(readText(config_path.string()), config_path.string());
   std::string head_kind;  // empty: no task head
@@ -496,7 +500,7 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
   }
   // An MoE model in plm's format is stored under plm's own table (doc/interop.md).
   if (summary.config.moe.enabled() && !moe_table)
-    throw Error("plm::io::hf::convertFromHf: an MoE model needs the model's table (a bug)");
+    throw Error("plm::model::hf::convertFromHf: an MoE model needs the model's table (a bug)");
   const auto tensors =
       summary.config.moe.enabled() ? moe_table(summary.config) : esmTensors(summary.config);
   const Weights weights(hf_dir);
@@ -680,11 +684,11 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
         "load it; `plm convert --from-hf` reads it back");
   // Dense models: the Hugging Face table; MoE: plm's own (experts by name).
   if (moe && !moe_table)
-    throw Error("plm::io::hf::convertToHf: an MoE model needs the model's table (a bug)");
+    throw Error("plm::model::hf::convertToHf: an MoE model needs the model's table (a bug)");
   const model::Esm2Config stored = summary.config;
   if (stored.lora.enabled()) {  // a checkpoint of a LoRA run: exported merged, as plain ESM-2
     if (!options.lora_merge || !moe_table)
-      throw Error("plm::io::hf::convertToHf: `" + model_file +
+      throw Error("plm::model::hf::convertToHf: `" + model_file +
                   "` holds LoRA adapters and no merge was handed over (a bug)");
     if (moe)
       throw Error("plm convert --to-hf: `" + model_file +
@@ -877,4 +881,4 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
   return summary;
 }
 
-}  // namespace plm::io::hf
+}  // namespace plm::model::hf
