@@ -5,6 +5,7 @@
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "dist/runtime.hpp"
 #include "model/esm2.hpp"
 #include "model/hf_esm.hpp"
 
@@ -56,9 +57,7 @@ int runConvert(const Argv& argv) {
   Parser parser = convertParser();
   Args args = parser.parse(argv);
   if (args.has("help")) {
-    int rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    if (rank == 0) std::fputs(parser.help().c_str(), stdout);
+    if (dist::worldRank() == 0) std::fputs(parser.help().c_str(), stdout);
     return 0;
   }
   if (args.has("from-hf") == args.has("to-hf") || !args.has("out") || !args.positional().empty())

@@ -23,6 +23,7 @@
 #include "core/log.hpp"
 #include "data/batch.hpp"
 #include "data/prep.hpp"
+#include "dist/runtime.hpp"
 #include "io/fasta.hpp"
 #include "io/hdf5.hpp"
 #include "model/esm2.hpp"
@@ -126,9 +127,7 @@ View2<float> meanOverResidues(const ExecSpace& space, const View2<float>& hidden
 int runEmbed(const Argv& argv) {
   Parser parser = embedParser();
   Args args = parser.parse(argv);
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const int rank = dist::worldRank(), world = dist::worldSize();
   if (args.has("help")) {
     if (rank == 0) std::fputs(parser.help().c_str(), stdout);
     return 0;

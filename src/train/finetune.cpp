@@ -6,6 +6,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "data/loader.hpp"
+#include "dist/process_groups.hpp"
 #include "io/dataset.hpp"
 #include "io/hdf5.hpp"
 #include "model/head_file.hpp"
@@ -148,8 +149,7 @@ void finish(TaskStats& s, int num_labels, MPI_Comm comm) {
   s.class_counts.resize(num_labels, 0);
   PLM_CHECK_MPI(
       MPI_Allreduce(MPI_IN_PLACE, s.class_counts.data(), num_labels, MPI_INT64_T, MPI_SUM, comm));
-  int world = 1;
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
+  const int world = dist::commSize(comm);
   int n = int(s.scores.size());
   std::vector<int> sizes(world), displs(world, 0);
   PLM_CHECK_MPI(MPI_Allgather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm));

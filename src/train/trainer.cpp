@@ -41,9 +41,7 @@ namespace plm::train {
 
 namespace {
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+constexpr auto now = &clock::steadySeconds;
 
 const Teuchos::ParameterList& section(const Teuchos::ParameterList& deck, const char* name) {
   if (!deck.isSublist(name))
@@ -125,8 +123,8 @@ std::int64_t evalMaxSteps(const Teuchos::ParameterList& deck, int world) {
 
 Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
     : deck_member(deck), comm_member(comm) {
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank_member));
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &world_member));
+  rank_member = dist::commRank(comm);
+  world_member = dist::commSize(comm);
   const auto& d = section(*deck, "data");
   const auto& o = section(*deck, "optimizer");
   const auto& s = section(*deck, "schedule");

@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "core/flat.hpp"
 #include "core/vocab.hpp"
+#include "dist/process_groups.hpp"
 #include "train/optim/adafactor.hpp"
 #include "train/optim/adamw.hpp"
 #include "train/optim/adamw8bit.hpp"
@@ -166,9 +167,7 @@ template <class P> void Optimizer<P>::setShardGroup(MPI_Comm shard) {
   if (shard_member != MPI_COMM_NULL) MPI_Comm_free(&shard_member);
   shard_member = MPI_COMM_NULL;
   if (shard == MPI_COMM_NULL) return;
-  int size = 1;
-  PLM_CHECK_MPI(MPI_Comm_size(shard, &size));
-  if (size > 1) PLM_CHECK_MPI(MPI_Comm_dup(shard, &shard_member));
+  if (dist::commSize(shard) > 1) PLM_CHECK_MPI(MPI_Comm_dup(shard, &shard_member));
 }
 
 template <class P> void Optimizer<P>::shardSum(std::vector<double>& values) const {
