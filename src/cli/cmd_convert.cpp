@@ -86,16 +86,10 @@ int runConvert(const Argv& argv) {
     if (args.has("max-shard-size"))
       options.max_shard_bytes = model::hf::parseByteSize(args.get("max-shard-size"));
     options.head = args.get("head");
-    const model::hf::TableOf table = [](const model::Esm2Config& c) {
-      return model::tensorTable(c);
-    };
-    if (args.has("from-hf")) {
-      summary = model::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD, table);
-    } else {
-      options.lora_merge = [](const model::Esm2Config& c, const std::vector<model::TensorInfo>& t,
-                              const float* v) { return model::mergeLora(c, t, v); };
-      summary = model::hf::convertToHf(args.get("to-hf"), out, MPI_COMM_WORLD, options, table);
-    }
+    if (args.has("from-hf"))
+      summary = model::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD);
+    else
+      summary = model::hf::convertToHf(args.get("to-hf"), out, MPI_COMM_WORLD, options);
   } catch (const Error& e) {
     // Every rank reads the same files, so every rank fails the same way.
     throw collectiveError(std::string("plm convert: ") + e.what());

@@ -98,9 +98,7 @@ Source makeSource(const std::string& dir, const std::vector<std::string>& extra 
   std::vector<std::string> overrides = {"train.steps=2", "checkpoint.every=2"};
   overrides.insert(overrides.end(), extra.begin(), extra.end());
   plm::test::trainRecords(tinyDeck(dir, "source", overrides), MPI_COMM_WORLD);
-  plm::model::hf::convertToHf(
-      s.model, s.hf, MPI_COMM_WORLD, {},
-      [](const plm::model::Esm2Config& c) { return plm::model::tensorTable(c); });
+  plm::model::hf::convertToHf(s.model, s.hf, MPI_COMM_WORLD);
   MPI_Barrier(MPI_COMM_WORLD);
   return s;
 }

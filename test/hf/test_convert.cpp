@@ -571,9 +571,7 @@ TEST(Convert, MoeExportRoundTrip) {
     model::writeModelFile(source, MPI_COMM_WORLD, config, tensors, values.data());
 
     const fs::path out = scratch("moe_hf");
-    const model::hf::TableOf table = [](const Esm2Config& c) { return plm::model::tensorTable(c); };
-    EXPECT_THROW(model::hf::convertToHf(source, out.string(), MPI_COMM_WORLD), plm::Error);
-    auto summary = model::hf::convertToHf(source, out.string(), MPI_COMM_WORLD, {}, table);
+    auto summary = model::hf::convertToHf(source, out.string(), MPI_COMM_WORLD);
     bool warned = false;
     for (const auto& w : summary.warnings)
       warned = warned || w.find("transformers has no ESM MoE class") != std::string::npos;
@@ -594,7 +592,7 @@ TEST(Convert, MoeExportRoundTrip) {
     EXPECT_TRUE(fs::exists(out / "vocab.txt"));
 
     const std::string back = scratch("moe_back.h5").string();
-    summary = model::hf::convertFromHf(out.string(), back, MPI_COMM_WORLD, table);
+    summary = model::hf::convertFromHf(out.string(), back, MPI_COMM_WORLD);
     const Esm2Config read = model::readModelConfig(back);
     EXPECT_EQ(read.moe.experts, 4);
     EXPECT_EQ(read.moe.every, 2);
