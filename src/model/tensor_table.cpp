@@ -43,6 +43,7 @@ std::vector<TensorRow> tensorTable(const Esm2Config& c, const ExpertPlacement& h
     t.expert = expert;
     t.init = init;
     t.trained = trained;
+    t.lora = adapter;
     if (adapter) {
       t.stream = lora_stream++;
     } else {

@@ -59,6 +59,7 @@ struct TensorRow {
                              // adapters: 2^40 + their index among the adapters, so the base
                              // tensors draw the same values with or without adapters)
   bool trained = true;       // by gradients (false: the router's balancing bias)
+  bool lora = false;         // a LoRA adapter (model/lora.hpp): trains while the base is frozen
   int hf_order = -1;         // its position in transformers' state dict (the model's own order
                              // but lm_head.bias, which the LM head lists before its modules);
                              // -1 for LoRA adapters (merged into their weight on export)

@@ -249,8 +249,7 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
                       .c_str());
   if (config.lora.enabled()) {
     std::int64_t adapter = 0, base = 0;
-    for (const auto& t : model_member->tensors())
-      (t.name.find(".lora_") != std::string::npos ? adapter : base) += t.size;
+    for (const auto& t : model_member->tensors()) (t.lora ? adapter : base) += t.size;
     log::info(
         "lora: rank %d, alpha %g, targets %s: %lld adapter parameters train, the %lld of "
         "the base model are frozen; model.h5 is written merged",

@@ -332,7 +332,7 @@ TEST(ExpertParallel, RanksHoldOnlyTheirExperts) {
   auto hw = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), whole.parameters());
   std::int64_t expert_elements = 0;
   for (const auto& t : whole.tensors())
-    if (plm::model::expertOfTensor(t.name) >= 0) expert_elements += t.size;
+    if (t.expert >= 0) expert_elements += t.size;
   ASSERT_GT(expert_elements, 0);
   for (int degree : {1, 2, 4})
     for (int rank = 0; rank < degree; ++rank) {
@@ -343,7 +343,7 @@ TEST(ExpertParallel, RanksHoldOnlyTheirExperts) {
       auto hp = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), part.parameters());
       for (const auto& t : part.tensors()) {
         elements += t.size;
-        const int e = plm::model::expertOfTensor(t.name);
+        const int e = t.expert;
         if (e >= 0) {
           ++expert_tensors;
           EXPECT_TRUE(held.holds(e, 4)) << t.name << " on rank " << rank << " of " << degree;
@@ -364,8 +364,7 @@ TEST(ExpertParallel, RanksHoldOnlyTheirExperts) {
         EXPECT_EQ(file.tensors[i].name, whole.tensors()[i].name);
         EXPECT_EQ(file.tensors[i].shape, whole.tensors()[i].shape);
         EXPECT_EQ(file.local[i] >= 0,
-                  plm::model::expertOfTensor(file.tensors[i].name) < 0 ||
-                      held.holds(plm::model::expertOfTensor(file.tensors[i].name), 4));
+                  file.tensors[i].expert < 0 || held.holds(file.tensors[i].expert, 4));
       }
       // A pass needs the expert group the model was built for.
       if (degree > 1) EXPECT_THROW(part.forward(plm::test::makeBatchForRank(0)), plm::Error);

@@ -18,15 +18,12 @@ namespace plm::train {
 
 std::vector<FrozenRange> esm2FrozenRanges(const std::vector<model::TensorInfo>& tensors,
                                           int hidden) {
-  auto adapter = [](const std::string& name) {
-    return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
-  };
   if (std::any_of(tensors.begin(), tensors.end(),
-                  [&](const model::TensorInfo& t) { return adapter(t.name); })) {
+                  [](const model::TensorInfo& t) { return t.lora; })) {
     // LoRA fine-tuning: every base tensor is frozen whole, only the adapters train.
     std::vector<FrozenRange> frozen;
     for (const auto& t : tensors)
-      if (!adapter(t.name) && t.offset >= 0) frozen.push_back({t.offset, t.size});
+      if (!t.lora && t.offset >= 0) frozen.push_back({t.offset, t.size});
     return frozen;
   }
   for (const auto& t : tensors) {
