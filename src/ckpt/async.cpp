@@ -1,17 +1,12 @@
 #include "ckpt/async.hpp"
 
+#include "core/clock.hpp"
 #include "core/log.hpp"
 #include "train/preemption.hpp"
 
 #include <chrono>
 
 namespace plm::ckpt {
-
-namespace {
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-}  // namespace
 
 AsyncSaver::AsyncSaver(MPI_Comm comm) { PLM_CHECK_MPI(MPI_Comm_dup(comm, &comm_member)); }
 
@@ -27,7 +22,7 @@ AsyncSaver::~AsyncSaver() {
 }
 
 double AsyncSaver::start(train::Trainer& trainer, const std::string& dir, int keep) {
-  const double t0 = now();
+  const double t0 = clock::steadySeconds();
   wait();
   snapshot_member = detail::takeSnapshot(trainer, &buffers_member);
   keep_member = keep;
@@ -43,7 +38,7 @@ double AsyncSaver::start(train::Trainer& trainer, const std::string& dir, int ke
     }
     done_member = true;
   });
-  return now() - t0;
+  return clock::steadySeconds() - t0;
 }
 
 void AsyncSaver::join() {

@@ -12,7 +12,7 @@
 #include "deck/deck.hpp"
 #include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
-#include "io/model_file.hpp"
+#include "model/model_file.hpp"
 #include "plm/plm_config.hpp"
 #include "train/fsdp.hpp"
 
@@ -37,27 +37,16 @@
 namespace plm::ckpt {
 
 static_assert(std::is_same_v<master_t, float>,
-              "checkpoints store master weights and moments as fp32 (io::writeTensorGroup)");
+              "checkpoints store master weights and moments as fp32 (model::writeTensorGroup)");
 
 namespace fs = std::filesystem;
 namespace h5 = io::h5;
 
 namespace {
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
-
+using dist::broadcastString;
 using dist::commRank;
 using dist::commSize;
-
-std::string broadcastString(std::string value, MPI_Comm comm) {
-  long long length = static_cast<long long>(value.size());
-  PLM_CHECK_MPI(MPI_Bcast(&length, 1, MPI_LONG_LONG, 0, comm));
-  value.resize(static_cast<std::size_t>(length));
-  if (length > 0) PLM_CHECK_MPI(MPI_Bcast(value.data(), int(length), MPI_CHAR, 0, comm));
-  return value;
-}
 
 // CRC-32 of this rank's rows of every tensor (where `rows` says they lie in `values`), with
 // their byte counts: (crc, length) pairs, one per tensor.  Touches only host memory and zlib,
@@ -106,7 +95,7 @@ void writeChecksums(hid_t file, const std::string& group,
   }
 }
 
-// io::writeTensorGroup from per-tensor rows (fp32 or 8-bit codes): creates `group`/<name> at
+// model::writeTensorGroup from per-tensor rows (fp32 or 8-bit codes): creates `group`/<name> at
 // full shape for every tensor (collective) and writes this rank's rows of each from where
 // `rows` says they lie in `values` (a full-layout buffer or a compact one of these rows only).
 template <class T> void writeRowsGroup(hid_t file, const std::string& group,
@@ -253,7 +242,7 @@ template <class T> void shareRowsOf(const std::vector<model::TensorInfo>& tensor
   auto rowsOf = [&](const model::TensorInfo& t, int r) {
     const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
     const std::int64_t row_size = rows ? t.size / rows : 0;
-    auto [first, last] = io::rowRange(rows, r, world);
+    auto [first, last] = model::rowRange(rows, r, world);
     return std::pair{first * row_size, (last - first) * row_size};  // (element offset, count)
   };
   std::size_t begin = 0;
@@ -303,7 +292,7 @@ detail::RowsLayout rowsOf(const std::vector<model::TensorInfo>& tensors, int ran
   for (const auto& t : tensors) {
     const std::int64_t rows = t.shape.empty() ? 1 : t.shape[0];
     const std::int64_t row_size = rows ? t.size / rows : 0;
-    auto [first, last] = io::rowRange(rows, rank, world);
+    auto [first, last] = model::rowRange(rows, rank, world);
     r.first_row.push_back(first);
     r.row_count.push_back(last - first);
     r.row_size.push_back(row_size);
@@ -450,7 +439,7 @@ void fullLayoutSnapshot(train::Trainer& trainer, detail::SnapshotBuffers* buffer
   detail::HeldLayout master = detail::heldLayout(snap.tensors, held, experts, rank, world);
   snap.tensors = std::move(master.tensors);
   snap.master_rows = std::move(master.rows);
-  const double start = now();
+  const double start = clock::steadySeconds();
   // With `buffers`: copies into the saver's pinned buffers (reused from save to save); without:
   // the host views of the optimizer's buffers (on the CPU the buffers themselves, no copy).
   auto pinned = [](auto& to, const auto& from, const std::string& label) {
@@ -486,7 +475,7 @@ void fullLayoutSnapshot(train::Trainer& trainer, detail::SnapshotBuffers* buffer
     snap.optimizer_state.push_back(std::move(st));
   }
   Kokkos::fence();
-  snap.copy_seconds = now() - start;
+  snap.copy_seconds = clock::steadySeconds() - start;
 }
 
 using detail::pieceSegments;
@@ -503,7 +492,7 @@ void shardedSnapshot(train::Trainer& trainer, detail::Snapshot& snap) {
   const int rank = commRank(trainer.comm()), world = commSize(trainer.comm());
   snap.optimizer_step = optimizer.stepCount();
   snap.optimizer_attributes = optimizer.attributes();
-  const double start = now();
+  const double start = clock::steadySeconds();
 
   snap.master_rows = detail::compactRows(snap.tensors, rank, world);
   snap.host_master = detail::HostBuffer(
@@ -544,7 +533,7 @@ void shardedSnapshot(train::Trainer& trainer, detail::Snapshot& snap) {
     snap.optimizer_state.push_back(std::move(st));
   }
   Kokkos::fence();
-  snap.copy_seconds = now() - start;
+  snap.copy_seconds = clock::steadySeconds() - start;
 }
 
 }  // namespace
@@ -605,16 +594,16 @@ detail::Snapshot detail::takeSnapshot(train::Trainer& trainer, SnapshotBuffers* 
 }
 
 SaveReport save(train::Trainer& trainer, const std::string& dir) {
-  const double t0 = now();
+  const double t0 = clock::steadySeconds();
   const detail::Snapshot snap = detail::takeSnapshot(trainer, nullptr);
   SaveReport report = detail::writeSnapshot(snap, dir, trainer.comm());
-  report.seconds = now() - t0;
+  report.seconds = clock::steadySeconds() - t0;
   return report;
 }
 
 SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, MPI_Comm comm) {
   const int rank = commRank(comm), world = commSize(comm);
-  const double t0 = now();
+  const double t0 = clock::steadySeconds();
   detail::agree(comm, [&] {
     if (rank != 0) return;
     std::error_code ec;
@@ -628,7 +617,7 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
   const std::string temporary = report.path + ".tmp";
   const auto& tensors = snap.tensors;
   report.copy_seconds = snap.copy_seconds;
-  const double t1 = now();
+  const double t1 = clock::steadySeconds();
 
   const std::string created = broadcastString(rank == 0 ? clock::utcIso() : std::string(), comm);
   // Independent data transfers: each rank's rows are one contiguous range of the file, so
@@ -662,13 +651,13 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
   });
   {
     h5::Hid file = h5::createFile(temporary, comm);
-    io::writeConfigAttributes(file, snap.config);
-    io::ModelAttributes extra;
+    model::writeConfigAttributes(file, snap.config);
+    model::ModelAttributes extra;
     extra.strings["plm_version"] = PLM_VERSION_STRING;
     extra.strings["source"] = "plm train checkpoint";
     extra.integers["step"] = state.step;
     extra.integers["tokens_seen"] = state.tokens_seen;
-    io::writeExtraAttributes(file, extra);
+    model::writeExtraAttributes(file, extra);
 
     writeRowsGroup(file, "model", tensors, snap.master, snap.master_rows, independent_transfers);
     fault::checkpointFailPoint(state.step, "model");
@@ -717,7 +706,7 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
     h5::writeAttribute(s, "created_utc", created);
     // Last: a file without it was cut short and is never loaded.
     h5::writeAttribute(s, "format", std::string(checkpoint_format));
-    report.write_seconds = now() - t1;
+    report.write_seconds = clock::steadySeconds() - t1;
     PLM_CHECK_H5(H5Fflush(file, H5F_SCOPE_GLOBAL));
     fault::checkpointFailPoint(state.step, "flush");
   }
@@ -735,7 +724,7 @@ SaveReport detail::writeSnapshot(const Snapshot& snap, const std::string& dir, M
   });
   PLM_CHECK_MPI(MPI_Bcast(&bytes, 1, MPI_INT64_T, 0, comm));
   report.bytes = bytes;
-  const double t2 = now();
+  const double t2 = clock::steadySeconds();
   report.seconds = t2 - t0 + snap.copy_seconds;
   report.sync_seconds = t2 - t1 - report.write_seconds;
   return report;
@@ -802,7 +791,7 @@ Header readHeader(const std::string& path) {
                         std::to_string(h.format_version) + ", newer than this plm understands (" +
                         std::to_string(checkpoint_format_version) +
                         "); resume it with a newer plm");
-    h.config = io::readConfigAttributes(file, path);
+    h.config = model::readConfigAttributes(file, path);
     h.state.step = h5::readIntAttribute(s, "step");
     h.state.tokens_seen = h5::readIntAttribute(s, "tokens_seen");
     h.state.cursor.epoch = h5::readIntAttribute(s, "cursor_epoch");
@@ -889,7 +878,7 @@ std::function<void()> readFullLayout(train::Trainer& trainer, hid_t file, const 
 }
 
 // The sharded load: no full-layout state.  Rank s of each shard group (of S) reads rows
-// io::rowRange(rows, s, S) of every tensor into a compact buffer (so each shard group reads
+// model::rowRange(rows, s, S) of every tensor into a compact buffer (so each shard group reads
 // the file once) and checks them (CRC pieces joined over the shard group); applying moves them
 // into the shards with the inverse redistribute.  Replicated state is read the same way and
 // all-gathered in the shard group (it is per whole tensor and small).

@@ -2,7 +2,7 @@
 // (doc/checkpoints.md).
 //
 //   /                       the plm model file attributes (format "plm-esm2", config;
-//   io/model_file.hpp),
+//   model/model_file.hpp),
 //                           so a checkpoint is also a model file (`plm eval --model`, `plm
 //                           convert`)
 //   /model/<HF name>        fp32 master weights at the full Hugging Face shape
@@ -28,7 +28,7 @@
 //    fsync the directory.  A kill at any point leaves either no new name or a complete file, and
 //    /state's `format` attribute is written last, so a file that lacks it is never taken.
 //  - Each rank writes its own rows of every tensor (the model file's layout and row split,
-//    io::rowRange; independent transfers, since a rank's rows are one contiguous range)
+//    model::rowRange; independent transfers, since a rank's rows are one contiguous range)
 //    straight from the host view of the optimizer's buffers: on the CPU that view IS the buffer
 //    (no copy at all), on a GPU it is one device-to-host copy per buffer.  Nothing else passes
 //    over the bytes except the CRC, which each rank computes over its own rows only

@@ -11,9 +11,9 @@
 #include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
 #include "io/hdf5_group.hpp"
-#include "io/hf_esm.hpp"
 #include "io/json.hpp"
-#include "io/model_file.hpp"
+#include "model/hf_esm.hpp"
+#include "model/model_file.hpp"
 #include "train/fsdp.hpp"
 
 #include <Kokkos_Core.hpp>
@@ -89,7 +89,7 @@ struct Source {
   std::vector<std::string> names;                           // model names, source order
   std::map<std::string, std::string> stored;                // model name -> name in the source
   std::map<std::string, std::vector<std::int64_t>> shapes;  // model name -> shape in the source
-  std::unique_ptr<io::hf::Weights> hf;                      // Hugging Face
+  std::unique_ptr<model::hf::Weights> hf;                   // Hugging Face
   io::h5::Hid file, group;                                  // plm (opened for reading)
 
   void add(const std::string& name, const std::string& in_source, std::vector<std::int64_t> shape) {
@@ -143,10 +143,10 @@ Source describeSource(const std::string& path) {
   if (hf) {
     s.path = path;
     s.kind = "Hugging Face model";
-    s.hf = std::make_unique<io::hf::Weights>(path);
+    s.hf = std::make_unique<model::hf::Weights>(path);
     const fs::path config = (fs::is_directory(p, ec) ? p : p.parent_path()) / "config.json";
     if (fs::exists(config)) {
-      s.config = io::hf::readConfigFile(config.string(), nullptr, /*any_esm_head=*/true);
+      s.config = model::hf::readConfigFile(config.string(), nullptr, /*any_esm_head=*/true);
       s.has_config = true;
     }
     const auto names = s.hf->names();
@@ -161,7 +161,7 @@ Source describeSource(const std::string& path) {
     return s;
   }
   s.path = h5_path;
-  s.config = io::readModelConfig(h5_path);  // refuses a file that is not plm's
+  s.config = model::readModelConfig(h5_path);  // refuses a file that is not plm's
   s.has_config = true;
   io::h5::Hid file = io::h5::openFileSerial(h5_path);
   s.kind = io::h5::exists(file, "state") ? "plm checkpoint" : "plm model file";

@@ -11,7 +11,7 @@
 //    as always), run by the checkpoint hooks' on_start only when no checkpoint was resumed: a
 //    requeued job continues from its own checkpoints, never from init_from again.
 //  - It reuses the checkpoint load's layouts: every rank reads only its rows of each tensor
-//    (io::rowRange; under expert parallelism only the experts it holds), then the rows are
+//    (model::rowRange; under expert parallelism only the experts it holds), then the rows are
 //    shared (replicated and expert-parallel runs: detail::shareHeldRows) or moved into the
 //    FSDP shards (detail::redistribute), exactly as a checkpoint's /model is.
 //  - Matching is by Hugging Face name.  A tensor in both with another shape is refused (the

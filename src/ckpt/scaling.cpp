@@ -3,6 +3,7 @@
 
 #include "ckpt/checkpoint.hpp"
 #include "core/log.hpp"
+#include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
 
 namespace plm::ckpt::detail {
@@ -41,8 +42,7 @@ void writeScaling(hid_t file, const ScalingState& s, MPI_Comm comm) {
   h5::writeAttribute(g, "layers", std::int64_t(s.layers));
   h5::writeAttribute(g, "moe_layers", std::int64_t(s.moe_layers));
   h5::writeAttribute(g, "experts", std::int64_t(s.experts));
-  int rank = 0;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  const int rank = dist::commRank(comm);
   const std::int64_t rows = static_cast<std::int64_t>(s.scales.size());
   h5::Hid hist = h5::createDataset<float>(g, "amax_history", {rows, c.amax_history});
   h5::writeRows<float>(hist, 0, rank == 0 ? rows : 0, s.histories.data());

@@ -28,8 +28,7 @@ using Clock = std::chrono::steady_clock;
 
 std::string makeTemporaryDirectory() {
   std::string dir;
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  const int rank = dist::worldRank();
   if (rank == 0) {
     const char* base = std::getenv("TMPDIR");
     std::string pattern = std::string(base && *base ? base : "/tmp") + "/plm-bench-data-XXXXXX";
@@ -94,9 +93,7 @@ int benchData(const Argv& argv) {
     return 0;
   }
   if (!args.has("fasta")) throw collectiveError("plm bench data: give at least one --fasta FILE");
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const int rank = dist::worldRank(), world = dist::worldSize();
   const bool temporary = !args.has("out");
   const std::string dir = temporary ? makeTemporaryDirectory() : args.get("out");
   const double seconds = std::atof(args.get("seconds", "5").c_str());

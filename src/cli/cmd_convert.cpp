@@ -1,12 +1,13 @@
 // `plm convert`: a Hugging Face EsmForMaskedLM directory to a plm model file and back
-// (io/hf_esm.hpp; doc/interop.md).  Every rank reads the same inputs, so a bad input is the
+// (model/hf_esm.hpp; doc/interop.md).  Every rank reads the same inputs, so a bad input is the
 // same error everywhere and ends the job cleanly (collective).
 #include "cli/args.hpp"
 #include "cli/commands.hpp"
 #include "core/error.hpp"
 #include "core/log.hpp"
-#include "io/hf_esm.hpp"
+#include "dist/runtime.hpp"
 #include "model/esm2.hpp"
+#include "model/hf_esm.hpp"
 
 #include <mpi.h>
 
@@ -56,9 +57,7 @@ int runConvert(const Argv& argv) {
   Parser parser = convertParser();
   Args args = parser.parse(argv);
   if (args.has("help")) {
-    int rank = 0;
-    MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-    if (rank == 0) std::fputs(parser.help().c_str(), stdout);
+    if (dist::worldRank() == 0) std::fputs(parser.help().c_str(), stdout);
     return 0;
   }
   if (args.has("from-hf") == args.has("to-hf") || !args.has("out") || !args.positional().empty())
@@ -74,7 +73,7 @@ int runConvert(const Argv& argv) {
     throw collectiveError(
         "plm convert: --dtype and --max-shard-size apply to --to-hf (--from-hf reads any dtype "
         "and writes fp32)");
-  io::hf::ExportOptions options;
+  model::hf::ExportOptions options;
   const std::string dtype = args.get("dtype", "fp32");
   if (dtype == "fp32" || dtype == "float32")
     options.dtype = "F32";
@@ -82,19 +81,15 @@ int runConvert(const Argv& argv) {
     options.dtype = "BF16";
   else
     throw collectiveError("plm convert: --dtype takes fp32 or bf16, got `" + dtype + "`");
-  io::hf::ConvertSummary summary;
+  model::hf::ConvertSummary summary;
   try {
     if (args.has("max-shard-size"))
-      options.max_shard_bytes = io::hf::parseByteSize(args.get("max-shard-size"));
+      options.max_shard_bytes = model::hf::parseByteSize(args.get("max-shard-size"));
     options.head = args.get("head");
-    const io::hf::TableOf table = [](const model::Esm2Config& c) { return model::tensorTable(c); };
-    if (args.has("from-hf")) {
-      summary = io::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD, table);
-    } else {
-      options.lora_merge = [](const model::Esm2Config& c, const std::vector<model::TensorInfo>& t,
-                              const float* v) { return model::mergeLora(c, t, v); };
-      summary = io::hf::convertToHf(args.get("to-hf"), out, MPI_COMM_WORLD, options, table);
-    }
+    if (args.has("from-hf"))
+      summary = model::hf::convertFromHf(args.get("from-hf"), out, MPI_COMM_WORLD);
+    else
+      summary = model::hf::convertToHf(args.get("to-hf"), out, MPI_COMM_WORLD, options);
   } catch (const Error& e) {
     // Every rank reads the same files, so every rank fails the same way.
     throw collectiveError(std::string("plm convert: ") + e.what());

@@ -23,10 +23,11 @@
 #include "core/log.hpp"
 #include "data/batch.hpp"
 #include "data/prep.hpp"
+#include "dist/runtime.hpp"
 #include "io/fasta.hpp"
 #include "io/hdf5.hpp"
-#include "io/model_file.hpp"
 #include "model/esm2.hpp"
+#include "model/model_file.hpp"
 
 #include <mpi.h>
 #include <Kokkos_Core.hpp>
@@ -126,9 +127,7 @@ View2<float> meanOverResidues(const ExecSpace& space, const View2<float>& hidden
 int runEmbed(const Argv& argv) {
   Parser parser = embedParser();
   Args args = parser.parse(argv);
-  int rank = 0, world = 1;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const int rank = dist::worldRank(), world = dist::worldSize();
   if (args.has("help")) {
     if (rank == 0) std::fputs(parser.help().c_str(), stdout);
     return 0;
@@ -165,7 +164,7 @@ int runEmbed(const Argv& argv) {
 
   model::Esm2Config config;
   try {
-    config = io::readModelConfig(checkpoint);
+    config = model::readModelConfig(checkpoint);
   } catch (const Error& e) {
     throw collectiveError(std::string("plm embed: ") + e.what());
   }
@@ -174,7 +173,7 @@ int runEmbed(const Argv& argv) {
   config.fp8.recipe = model::Fp8Recipe::Current;  // fp8: no amax history outside training
   model::Esm2<float> esm(config);
   try {
-    io::readModelInto(checkpoint, MPI_COMM_WORLD, esm);
+    model::readModelInto(checkpoint, MPI_COMM_WORLD, esm);
   } catch (const Error& e) {
     throw collectiveError(std::string("plm embed: ") + e.what());
   }

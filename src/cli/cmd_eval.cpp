@@ -6,8 +6,8 @@
 #include "core/log.hpp"
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
-#include "io/head_file.hpp"
-#include "io/model_file.hpp"
+#include "model/head_file.hpp"
+#include "model/model_file.hpp"
 #include "train/finetune.hpp"
 #include "train/fp8_run.hpp"
 #include "train/step.hpp"
@@ -69,7 +69,8 @@ int runEval(const Argv& argv) {
     config = train::modelConfigFromDeck(*deck);
   else
     onEveryRank(
-        "plm eval: --model: ", [&] { config = io::readModelConfig(model_path); }, MPI_COMM_WORLD);
+        "plm eval: --model: ", [&] { config = model::readModelConfig(model_path); },
+        MPI_COMM_WORLD);
   std::unique_ptr<data::Loader> loader;
   onEveryRank(
       "plm eval: ",
@@ -98,7 +99,7 @@ int runEval(const Argv& argv) {
         seed, static_cast<long long>(config.numParameters()));
   } else {
     onEveryRank(
-        "plm eval: --model: ", [&] { io::readModelInto(model_path, MPI_COMM_WORLD, model); },
+        "plm eval: --model: ", [&] { model::readModelInto(model_path, MPI_COMM_WORLD, model); },
         MPI_COMM_WORLD);
     log::info("eval: model %s (%d layers, hidden %d), %lld parameters", model_path.c_str(),
               config.num_layers, config.hidden, static_cast<long long>(config.numParameters()));
@@ -106,12 +107,12 @@ int runEval(const Argv& argv) {
 
   if (args.has("head")) {
     const std::string head_path = args.get("head");
-    io::HeadData data;
+    model::HeadData data;
     model::TaskConfig task;
     onEveryRank(
         "plm eval: --head: ",
         [&] {
-          data = io::readHead(head_path, MPI_COMM_WORLD);
+          data = model::readHead(head_path, MPI_COMM_WORLD);
           task = train::taskConfigOf(data, head_path);
         },
         MPI_COMM_WORLD);

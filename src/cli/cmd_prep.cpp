@@ -5,6 +5,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "data/prep.hpp"
+#include "dist/runtime.hpp"
 
 #include <mpi.h>
 
@@ -89,8 +90,7 @@ int runPrep(const Argv& argv) {
   for (const auto& a : argv) options.command_line += " " + a;
 
   auto report = data::prepare(options, MPI_COMM_WORLD);
-  int world = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &world);
+  const int world = dist::worldSize();
   log::info(
       "plm prep: %lld records read (%.1f MB of FASTA from %.1f MB of input) in %.2f s: %.1f MB/s "
       "of FASTA on %d rank(s)",

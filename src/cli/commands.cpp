@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "deck/deck.hpp"
+#include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
 #include "model/esm2.hpp"
 #include "plm/plm_config.hpp"
@@ -65,8 +66,7 @@ std::string versionText() {
 }
 
 void onEveryRank(const std::string& prefix, const std::function<void()>& check, MPI_Comm comm) {
-  int rank = 0;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  const int rank = dist::commRank(comm);
   std::string message;
   try {
     check();

@@ -1,4 +1,5 @@
-// Wall-clock time as plm writes it into files: Unix seconds and ISO 8601 UTC.
+// Time as plm measures it: Unix seconds and ISO 8601 UTC as files record them, and monotonic
+// seconds for durations.
 #pragma once
 
 #include <chrono>
@@ -10,6 +11,11 @@ namespace plm::clock {
 /// \brief Seconds since the Unix epoch, now (system clock, sub-second resolution).
 inline double unixSeconds() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+/// \brief Seconds on the monotonic clock (steady_clock), for durations: differences only.
+inline double steadySeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
 }
 
 /// \brief "2026-11-28T08:09:42Z" for `seconds` since the epoch (default: now).

@@ -2,6 +2,7 @@
 
 #include "core/error.hpp"
 #include "core/log.hpp"
+#include "core/world.hpp"
 
 #include <mpi.h>
 #include <unistd.h>
@@ -38,23 +39,6 @@ volatile std::sig_atomic_t self_failing = 0;
 std::atomic<bool> fatal_taken{false};
 std::mutex note_mutex;
 std::string plan_note;
-
-bool mpiUp() {
-  int initialized = 0, finalized = 0;
-  MPI_Initialized(&initialized);
-  MPI_Finalized(&finalized);
-  return initialized && !finalized;
-}
-int worldRank() {
-  int rank = 0;
-  if (mpiUp()) MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-int worldSize() {
-  int size = 1;
-  if (mpiUp()) MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
 
 void pause(double seconds) { std::this_thread::sleep_for(std::chrono::duration<double>(seconds)); }
 

@@ -5,6 +5,7 @@
 #include "core/fault.hpp"
 #include "core/log.hpp"
 #include "data/random.hpp"
+#include "dist/process_groups.hpp"
 #include "io/dataset.hpp"
 #include "plm/plm_config.hpp"
 
@@ -70,18 +71,9 @@ std::vector<Segment> segmentsOf(const std::vector<InputFile>& files, int rank, i
   return segments;
 }
 
-std::string broadcastString(std::string value, int root, MPI_Comm comm) {
-  std::int64_t size = std::int64_t(value.size());
-  PLM_CHECK_MPI(MPI_Bcast(&size, 1, MPI_INT64_T, root, comm));
-  value.resize(size_t(size));
-  if (size) PLM_CHECK_MPI(MPI_Bcast(value.data(), int(size), MPI_CHAR, root, comm));
-  return value;
-}
-
 // Every rank's strings, in rank order, on every rank.
 std::vector<std::string> allgatherStrings(const std::vector<std::string>& local, MPI_Comm comm) {
-  int world = 1;
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
+  const int world = dist::commSize(comm);
   std::string packed;
   for (const auto& s : local) packed.append(s).push_back('\0');
   int size = int(packed.size());
@@ -106,8 +98,7 @@ std::vector<std::string> allgatherStrings(const std::vector<std::string>& local,
 // the smallest input order among equal hashes. Returns a keep flag per local record.
 std::vector<char> findFirstOccurrences(const std::vector<random::Hash128>& hashes,
                                        const std::vector<std::uint64_t>& order, MPI_Comm comm) {
-  int world = 1;
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
+  const int world = dist::commSize(comm);
   const size_t n = hashes.size();
   std::vector<int> send_counts(world, 0), send_displs(world, 0), recv_counts(world),
       recv_displs(world, 0);
@@ -172,8 +163,7 @@ void removeQuietly(const std::string& path) { std::remove(path.c_str()); }
 void checkNotices(const std::string& command, const std::vector<std::string>& files,
                   const std::vector<std::int64_t>& line_base, bool allow_nucleotide, Parsed& parsed,
                   RecordChecks& report, MPI_Comm comm) {
-  int rank = 0;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  const int rank = dist::commRank(comm);
   const std::size_t num_files = files.size();
   // Per file: records, nucleotide-like records; then the number of unnamed records.
   std::vector<std::int64_t> local(2 * num_files + 1, 0), global(2 * num_files + 1, 0);
@@ -246,8 +236,7 @@ void checkNotices(const std::string& command, const std::vector<std::string>& fi
 RecordChecks checkRecords(const std::string& command, const std::vector<std::string>& files,
                           const std::vector<std::int64_t>& line_base, Policy on_invalid,
                           bool allow_nucleotide, Parsed& parsed, MPI_Comm comm) {
-  int rank = 0;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  const int rank = dist::commRank(comm);
   for (auto& issue : parsed.issues) {
     if (issue.line_is_local) issue.line += line_base[issue.file] + 1;
     issue.line_is_local = false;
@@ -311,12 +300,12 @@ io::fasta::Segment wholeFile(const std::string& path, const std::string& command
 
 /// Every rank's first problem, agreed on: the lowest rank's message is everyone's error.
 void agreeOnError(const std::string& mine, MPI_Comm comm) {
-  int rank = 0, flag = mine.empty() ? INT32_MAX : 0, first = INT32_MAX;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
+  const int rank = dist::commRank(comm);
+  int flag = mine.empty() ? INT32_MAX : 0, first = INT32_MAX;
   if (flag == 0) flag = rank;
   PLM_CHECK_MPI(MPI_Allreduce(&flag, &first, 1, MPI_INT, MPI_MIN, comm));
   if (first == INT32_MAX) return;
-  throw collectiveError(broadcastString(mine, first, comm));
+  throw collectiveError(dist::broadcastString(mine, comm, first));
 }
 
 std::string trimmed(std::string s) {
@@ -455,9 +444,7 @@ void attachLabels(const PrepOptions& options, io::SequenceShard& train, io::Sequ
 
 PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   const auto start_time = Clock::now();
-  int rank = 0, world = 1;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
+  const int rank = dist::commRank(comm), world = dist::commSize(comm);
   if (options.inputs.empty())
     throw collectiveError("plm prep: no FASTA input given; usage: plm prep INPUT... --out DIR");
   if (options.out_dir.empty()) throw collectiveError("plm prep: --out DIR is required");
@@ -610,7 +597,7 @@ PrepReport prepare(const PrepOptions& options, MPI_Comm comm) {
   metadata.skipped_records = report.skipped;
   metadata.command_line = options.command_line;
   metadata.plm_version = std::string(PLM_VERSION_STRING) + " (git " + PLM_GIT_REVISION + ")";
-  metadata.created_utc = broadcastString(rank == 0 ? clock::utcIso() : std::string(), 0, comm);
+  metadata.created_utc = dist::broadcastString(rank == 0 ? clock::utcIso() : std::string(), comm);
   const std::string hash_rule = "h = plm-hash128 v1 of the residue ids (doc/data.md)";
   const std::string rule =
       by_file ? "valid = the records of the --valid files; exact duplicates removed, a copy in "

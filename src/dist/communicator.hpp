@@ -42,6 +42,7 @@
 namespace plm::dist {
 
 /// Element types a collective moves.  BFloat16 is stored as 16 raw bits (std::uint16_t).
+/// Apart from model::DType and gpu::DType on purpose: each lists what its API accepts.
 enum class DataType { Float32, Float64, BFloat16, Int32, Int64, UInt8, UInt16 };
 
 /// \brief Bytes per element of `type`.

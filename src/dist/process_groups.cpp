@@ -2,6 +2,7 @@
 
 #include "core/error.hpp"
 
+#include <cstdint>
 #include <string>
 
 namespace plm::dist {
@@ -16,6 +17,14 @@ int commSize(MPI_Comm comm) {
   int size = 1;
   PLM_CHECK_MPI(MPI_Comm_size(comm, &size));
   return size;
+}
+
+std::string broadcastString(std::string value, MPI_Comm comm, int root) {
+  std::int64_t length = std::int64_t(value.size());
+  PLM_CHECK_MPI(MPI_Bcast(&length, 1, MPI_INT64_T, root, comm));
+  value.resize(std::size_t(length));
+  if (length > 0) PLM_CHECK_MPI(MPI_Bcast(value.data(), int(length), MPI_CHAR, root, comm));
+  return value;
 }
 
 ProcessGroups::ProcessGroups(MPI_Comm world, int shard_size, int context_size)

@@ -13,12 +13,16 @@
 
 #include <mpi.h>
 
+#include <string>
+
 namespace plm::dist {
 
 /// \brief Rank of this process in `comm` (checked).
 int commRank(MPI_Comm comm);
 /// \brief Number of ranks in `comm` (checked).
 int commSize(MPI_Comm comm);
+/// \brief Collective over `comm`: `root`'s `value` on every rank.
+std::string broadcastString(std::string value, MPI_Comm comm, int root = 0);
 
 class ProcessGroups {
  public:

@@ -75,18 +75,6 @@ Runtime::~Runtime() {
   if (!finalized) MPI_Finalize();
 }
 
-int worldRank() {
-  int rank = 0;
-  MPI_Comm_rank(MPI_COMM_WORLD, &rank);
-  return rank;
-}
-
-int worldSize() {
-  int size = 1;
-  MPI_Comm_size(MPI_COMM_WORLD, &size);
-  return size;
-}
-
 int localRank() { return local_rank_state; }
 bool mpiThreadMultiple() { return thread_level_state == MPI_THREAD_MULTIPLE; }
 int localSize() { return local_size_state; }

@@ -2,6 +2,8 @@
 // the GPU chosen from the node-local rank.
 #pragma once
 
+#include "core/world.hpp"
+
 #include <mpi.h>
 
 #include <string>
@@ -20,8 +22,8 @@ class Runtime {
   Runtime& operator=(const Runtime&) = delete;
 };
 
-int worldRank();
-int worldSize();
+using plm::worldRank;  // core/world.hpp: 0 of 1 while MPI is not up
+using plm::worldSize;
 /// \brief Rank within this node (MPI_COMM_TYPE_SHARED split).
 int localRank();
 int localSize();

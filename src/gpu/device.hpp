@@ -5,7 +5,9 @@
 // alone (CI checks them without a CUDA Kokkos, PLM_CHECK_CUDA_SOURCES).  The model's dispatch
 // points call them only when PLM_HAVE_CUDA and the execution space is Cuda, passing the
 // instance's stream (`exec.cuda_stream()`).  Each kernel has a plain reference to compare
-// with in test/gpu/.  Tensors are row-major (C order), like the model's LayoutRight Views.
+// with in test/gpu/; the ring-attention kernels are compared with the portable path in
+// test/context/test_ring_bf16.cpp.  Tensors are row-major (C order), like the model's
+// LayoutRight Views.
 #pragma once
 
 #include <cstdint>

@@ -34,6 +34,7 @@
 namespace plm::gpu {
 
 /// Element types of GPU tensors: GEMM outputs are BF16 or F32; E4M3/E5M2 are FP8 operands.
+/// Apart from model::DType and dist::DataType on purpose: each lists what its API accepts.
 enum class DType { BF16, F32, E4M3, E5M2 };
 
 /// \brief How the scales of an FP8 GEMM operand are given (fp8.hpp casts write them).

@@ -3,6 +3,7 @@
 #include "core/error.hpp"
 #include "core/fault.hpp"
 #include "core/vocab.hpp"
+#include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
 
 #include <unistd.h>
@@ -93,9 +94,7 @@ void writeDataset(const std::string& path, MPI_Comm comm, const SequenceShard& l
   PLM_REQUIRE(std::accumulate(local.lengths.begin(), local.lengths.end(), std::int64_t(0)) ==
                   local_residues,
               "writeDataset: lengths must add up to the tokens");
-  int rank = 0, world = 1;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
+  const int rank = dist::commRank(comm), world = dist::commSize(comm);
 
   std::int64_t counts[2] = {local_sequences, local_residues}, starts[2] = {0, 0},
                totals[2] = {0, 0};

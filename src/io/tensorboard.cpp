@@ -1,5 +1,6 @@
 #include "io/tensorboard.hpp"
 
+#include "core/clock.hpp"
 #include "core/error.hpp"
 
 #include <unistd.h>
@@ -49,10 +50,6 @@ void bytesField(std::string& out, int field, const std::string& bytes) {
 void header(std::string& out, double wall_time) {
   key(out, 1, 1);
   little(out, wall_time);
-}
-
-double now() {
-  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
 
 }  // namespace
@@ -110,7 +107,7 @@ void EventWriter::open(const std::string& dir) {
   std::filesystem::create_directories(dir, ec);
   char host[256] = "localhost";
   gethostname(host, sizeof host - 1);
-  const double t = now();
+  const double t = clock::unixSeconds();
   path_member = dir + "/events.out.tfevents." + std::to_string(static_cast<long long>(t)) + "." +
                 host + "." + std::to_string(static_cast<long long>(getpid()));
   out_member.open(path_member, std::ios::binary | std::ios::app);
@@ -124,7 +121,7 @@ void EventWriter::open(const std::string& dir) {
 void EventWriter::scalars(std::int64_t step,
                           const std::vector<std::pair<std::string, double>>& values) {
   if (!out_member.is_open()) return;
-  record(scalarEvent(now(), step, values));
+  record(scalarEvent(clock::unixSeconds(), step, values));
 }
 
 void EventWriter::record(const std::string& payload) {

@@ -30,7 +30,6 @@
 #include "data/context_split.hpp"
 #include "dist/allreduce.hpp"
 #include "dist/communicator.hpp"
-#include "io/model_file.hpp"
 #include "model/context_parallel.hpp"
 #include "model/embedding.hpp"
 #include "model/encoder_layer.hpp"

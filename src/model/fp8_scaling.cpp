@@ -3,6 +3,7 @@
 
 #include "core/error.hpp"
 #include "dist/allreduce.hpp"
+#include "dist/process_groups.hpp"
 
 #include <algorithm>
 #include <cfloat>
@@ -147,8 +148,7 @@ void Fp8Scaling::endStep(MPI_Comm comm) {
   const std::size_t h = hist();
   std::vector<float> current(n);
   for (int t = 0; t < n; ++t) current[t] = history_member[t * h];
-  int world = 1;
-  if (comm != MPI_COMM_NULL) PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
+  const int world = comm != MPI_COMM_NULL ? dist::commSize(comm) : 1;
   if (world > 1) dist::allreduceMax(current, comm);  // +inf marks a non-finite amax
   for (int t = 0; t < n; ++t) {
     float* row = history_member.data() + t * h;

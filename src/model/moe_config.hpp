@@ -91,20 +91,6 @@ struct ExpertPlacement {
   bool sharded() const { return degree > 1; }
 };
 
-/// \brief The routed expert a parameter name belongs to ("...moe.experts.<e>.<...>"), -1 for any
-/// other tensor (router, shared experts, dense layers).
-inline int expertOfTensor(const std::string& name) {
-  static const std::string key = ".moe.experts.";
-  const std::size_t at = name.find(key);
-  if (at == std::string::npos) return -1;
-  std::size_t end = at + key.size();
-  int e = 0;
-  bool digits = false;
-  for (; end < name.size() && name[end] >= '0' && name[end] <= '9'; ++end, digits = true)
-    e = 10 * e + (name[end] - '0');
-  return digits && end < name.size() && name[end] == '.' ? e : -1;
-}
-
 /// \brief "softmax" | "sigmoid"; a collective plm::Error otherwise.  Inline: io reads it too.
 inline RouterKind parseRouter(const std::string& name) {
   if (name == "softmax") return RouterKind::Softmax;

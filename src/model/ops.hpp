@@ -33,7 +33,9 @@ namespace plm::model {
 
 struct Fp8GemmSlot;  // fp8_scaling.hpp
 
-/// Element types of model tensors.
+/// Element types of model tensors.  Not merged with gpu::DType (GEMM operands, FP8 included;
+/// gpu/ headers stay free of Kokkos) or dist::DataType (what a collective moves, integers
+/// included): each lists exactly what its API accepts, so an unsupported type does not compile.
 enum class DType : std::uint8_t { F32, F64, BF16 };
 
 std::size_t sizeOf(DType d);

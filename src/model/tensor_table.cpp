@@ -3,9 +3,9 @@
 #include "model/tensor_table.hpp"
 
 #include "core/error.hpp"
-#include "io/model_file.hpp"
 #include "model/esm2.hpp"
 #include "model/lora.hpp"
+#include "model/model_file.hpp"
 
 #include <algorithm>
 #include <map>
@@ -43,6 +43,7 @@ std::vector<TensorRow> tensorTable(const Esm2Config& c, const ExpertPlacement& h
     t.expert = expert;
     t.init = init;
     t.trained = trained;
+    t.lora = adapter;
     if (adapter) {
       t.stream = lora_stream++;
     } else {
@@ -252,8 +253,8 @@ std::vector<TensorRows> heldRows(const std::vector<TensorInfo>& table,
     const std::int64_t rows = r.tensor.shape.empty() ? 1 : r.tensor.shape[0];
     const bool expert = placement.sharded() && r.tensor.expert >= 0;
     if (whole.local[i] >= 0) {
-      auto [first, last] = expert ? io::rowRange(rows, rank / placement.degree, holders)
-                                  : io::rowRange(rows, rank, world);
+      auto [first, last] = expert ? model::rowRange(rows, rank / placement.degree, holders)
+                                  : model::rowRange(rows, rank, world);
       r.first_row = first;
       r.row_count = last - first;
     }

@@ -1,6 +1,6 @@
 // The tensor table: every parameter tensor of an ESM-2 model (dense, MoE, SwiGLU experts), one
 // row each, with everything a consumer needs to know about it.  Binding (esm2.cpp), the Hugging
-// Face mapping (io/hf_esm.cpp), the planner, parameter counts, gradient buckets, FSDP groups and
+// Face mapping (model/hf_esm.cpp), the planner, parameter counts, gradient buckets, FSDP groups and
 // checkpoint expert rows read these rows; none of them parses a tensor's name for its layer or
 // expert, or restates the padding rule.
 //
@@ -59,6 +59,7 @@ struct TensorRow {
                              // adapters: 2^40 + their index among the adapters, so the base
                              // tensors draw the same values with or without adapters)
   bool trained = true;       // by gradients (false: the router's balancing bias)
+  bool lora = false;         // a LoRA adapter (model/lora.hpp): trains while the base is frozen
   int hf_order = -1;         // its position in transformers' state dict (the model's own order
                              // but lm_head.bias, which the LM head lists before its modules);
                              // -1 for LoRA adapters (merged into their weight on export)
@@ -116,7 +117,7 @@ struct TensorRows {
 };
 /// \brief The tensors a file stores for ranks holding `placement`'s experts, from rank `rank`'s
 /// `table` (wholeTable), with the rows rank `rank` of `world` writes and reads: a tensor every
-/// rank holds is split over all ranks (io::rowRange(rows, rank, world)); a routed expert's
+/// rank holds is split over all ranks (model::rowRange(rows, rank, world)); a routed expert's
 /// tensor over the world / degree ranks holding it (the rank / degree-th of them, in rank
 /// order); another rank's expert not at all.
 std::vector<TensorRows> heldRows(const std::vector<TensorInfo>& table,

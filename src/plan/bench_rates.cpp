@@ -9,7 +9,7 @@
 
 #include "core/error.hpp"
 #include "model/ops.hpp"
-#include "train/adamw.hpp"
+#include "train/optim/adamw.hpp"
 
 #include <Kokkos_Core.hpp>
 

@@ -1,5 +1,6 @@
 #include "plan/train_report.hpp"
 
+#include "core/clock.hpp"
 #include "core/error.hpp"
 #include "core/failure.hpp"
 #include "core/log.hpp"
@@ -47,9 +48,6 @@ struct Window {
   bool done = false;
 };
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
 }  // namespace
 
 Input inputOfRun(const train::Trainer& trainer) {
@@ -148,7 +146,7 @@ train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook n
             "(%+.1f%%%s; plm plan, doc/plan.md)",
             bytesText(peak).c_str(), bytesText(planned).c_str(), 100 * (planned / peak - 1),
             at_load);
-      w->t0 = now();
+      w->t0 = clock::steadySeconds();
       return;
     }
     w->tokens += st.tokens;
@@ -156,7 +154,7 @@ train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook n
     const bool last = trainer.state().step >= trainer.totalSteps();
     if (w->seen < window + 1 && !last) return;
     w->done = true;
-    const double seconds = now() - w->t0;
+    const double seconds = clock::steadySeconds() - w->t0;
     const double mem =
         dist::allreduceMax(static_cast<double>(train::memoryInUse()), trainer.comm());
     const double steps = w->seen - 1;

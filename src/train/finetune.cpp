@@ -6,10 +6,11 @@
 #include "core/error.hpp"
 #include "core/log.hpp"
 #include "data/loader.hpp"
+#include "dist/process_groups.hpp"
 #include "io/dataset.hpp"
 #include "io/hdf5.hpp"
-#include "io/head_file.hpp"
-#include "io/model_file.hpp"
+#include "model/head_file.hpp"
+#include "model/model_file.hpp"
 #include "train/fsdp.hpp"
 #include "train/metrics.hpp"
 #include "train/schedule.hpp"
@@ -148,8 +149,7 @@ void finish(TaskStats& s, int num_labels, MPI_Comm comm) {
   s.class_counts.resize(num_labels, 0);
   PLM_CHECK_MPI(
       MPI_Allreduce(MPI_IN_PLACE, s.class_counts.data(), num_labels, MPI_INT64_T, MPI_SUM, comm));
-  int world = 1;
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &world));
+  const int world = dist::commSize(comm);
   int n = int(s.scores.size());
   std::vector<int> sizes(world), displs(world, 0);
   PLM_CHECK_MPI(MPI_Allgather(&n, 1, MPI_INT, sizes.data(), 1, MPI_INT, comm));
@@ -324,7 +324,7 @@ void writeLogits(Trainer& trainer, model::TaskHead<T>& head, const std::string& 
 
 }  // namespace
 
-model::TaskConfig taskConfigOf(const io::HeadData& data, const std::string& source) {
+model::TaskConfig taskConfigOf(const model::HeadData& data, const std::string& source) {
   model::TaskConfig c;
   try {
     c.kind = model::parseTaskKind(data.task_kind);
@@ -338,7 +338,8 @@ model::TaskConfig taskConfigOf(const io::HeadData& data, const std::string& sour
   return c;
 }
 
-void loadHead(model::TaskHead<param_t>& head, const io::HeadData& data, const std::string& source) {
+void loadHead(model::TaskHead<param_t>& head, const model::HeadData& data,
+              const std::string& source) {
   const auto& c = head.config();
   if (data.task_kind != model::taskKindName(c.kind) || data.num_labels != c.num_labels ||
       data.pooling != (c.pooling == model::Pooling::Cls ? "cls" : "mean"))
@@ -396,7 +397,7 @@ void trainTaskHead(Trainer& trainer) {
   const std::string init_head = t.get<std::string>("init_head");
   if (!init_head.empty()) {
     try {  // every rank reads the same file: the same outcome everywhere
-      loadHead(head, io::readHead(init_head, trainer.comm()), init_head);
+      loadHead(head, model::readHead(init_head, trainer.comm()), init_head);
     } catch (const Error& e) {
       throw collectiveError(std::string("task.init_head: ") + e.what());
     }
@@ -542,7 +543,7 @@ void trainTaskHead(Trainer& trainer) {
   std::vector<float> values(params.data(), params.data() + n);
   const std::string path = trainer.runDir() + "/head.h5";
   {
-    io::HeadData data;
+    model::HeadData data;
     data.task_kind = model::taskKindName(config.kind);
     data.num_labels = config.num_labels;
     data.pooling = config.pooling == model::Pooling::Cls ? "cls" : "mean";
@@ -554,7 +555,7 @@ void trainTaskHead(Trainer& trainer) {
       data.values.emplace_back(values.begin() + ht.offset, values.begin() + ht.offset + size);
     }
     io::h5::Hid file = io::h5::createFile(path, trainer.comm());
-    io::writeHead(file, trainer.comm(), data);
+    model::writeHead(file, trainer.comm(), data);
   }
   // The encoder beside it (trained or as loaded), so `plm convert --to-hf run/model.h5 --head
   // run/head.h5` exports the pair without the init source.

@@ -10,8 +10,8 @@
 // backend.
 #pragma once
 
-#include "io/head_file.hpp"
 #include "io/json.hpp"
+#include "model/head_file.hpp"
 #include "model/task_head.hpp"
 #include "train/trainer.hpp"
 
@@ -21,12 +21,13 @@ namespace plm::train {
 /// plm::Error naming the key).
 model::TaskConfig taskConfigFromDeck(const Teuchos::ParameterList& deck);
 
-/// \brief The task a stored head was trained for (io::HeadData's attributes), validated.
-model::TaskConfig taskConfigOf(const io::HeadData& data, const std::string& source);
+/// \brief The task a stored head was trained for (model::HeadData's attributes), validated.
+model::TaskConfig taskConfigOf(const model::HeadData& data, const std::string& source);
 
 /// \brief Copies a stored head into `head`: same task kind and labels, every tensor present
 /// with its shape.  Throws plm::Error naming `source`, the tensor and both shapes otherwise.
-void loadHead(model::TaskHead<param_t>& head, const io::HeadData& data, const std::string& source);
+void loadHead(model::TaskHead<param_t>& head, const model::HeadData& data,
+              const std::string& source);
 
 /// \brief Collective over `comm`: the task's loss and metrics of `encoder` + `head` over one
 /// pass of the labelled dataset `options.path` (its targets set here from the task): "loss",

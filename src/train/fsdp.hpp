@@ -44,7 +44,7 @@
 #include "data/batch.hpp"
 #include "dist/communicator.hpp"
 #include "model/esm2.hpp"
-#include "train/adamw.hpp"
+#include "train/optim/adamw.hpp"
 #include "train/optim/optimizer.hpp"
 #include "train/step.hpp"
 

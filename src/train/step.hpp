@@ -12,7 +12,7 @@
 #include "data/batch.hpp"
 #include "data/loader.hpp"
 #include "model/esm2.hpp"
-#include "train/adamw.hpp"
+#include "train/optim/adamw.hpp"
 
 #include <mpi.h>
 

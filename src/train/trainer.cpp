@@ -13,7 +13,7 @@
 #if PLM_HAVE_CUDA
 #include "gpu/gemm.hpp"
 #endif
-#include "io/model_file.hpp"
+#include "model/model_file.hpp"
 #include "plm/plm_config.hpp"
 #include "train/blas_threads.hpp"
 #include "train/fp8_run.hpp"
@@ -41,9 +41,7 @@ namespace plm::train {
 
 namespace {
 
-double now() {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
-}
+constexpr auto now = &clock::steadySeconds;
 
 const Teuchos::ParameterList& section(const Teuchos::ParameterList& deck, const char* name) {
   if (!deck.isSublist(name))
@@ -125,8 +123,8 @@ std::int64_t evalMaxSteps(const Teuchos::ParameterList& deck, int world) {
 
 Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
     : deck_member(deck), comm_member(comm) {
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank_member));
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &world_member));
+  rank_member = dist::commRank(comm);
+  world_member = dist::commSize(comm);
   const auto& d = section(*deck, "data");
   const auto& o = section(*deck, "optimizer");
   const auto& s = section(*deck, "schedule");
@@ -252,8 +250,7 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
                       .c_str());
   if (config.lora.enabled()) {
     std::int64_t adapter = 0, base = 0;
-    for (const auto& t : model_member->tensors())
-      (t.name.find(".lora_") != std::string::npos ? adapter : base) += t.size;
+    for (const auto& t : model_member->tensors()) (t.lora ? adapter : base) += t.size;
     log::info(
         "lora: rank %d, alpha %g, targets %s: %lld adapter parameters train, the %lld of "
         "the base model are frozen; model.h5 is written merged",
@@ -739,7 +736,7 @@ void Trainer::writeFinalModel() {
   // The trained weights as a plm model file (what `plm eval --model`, `plm embed` and
   // `plm convert --to-hf` read), independent of the checkpoint module's schedule.
   const std::string path = run_dir_member + "/model.h5";
-  io::ModelAttributes extra;
+  model::ModelAttributes extra;
   extra.integers["step"] = state_member.step;
   extra.integers["tokens_seen"] = state_member.tokens_seen;
   extra.strings["source"] = "plm train";
@@ -762,7 +759,8 @@ void Trainer::writeFinalModel() {
     extra.strings["lora"] = "merged: rank " + std::to_string(m.config().lora.rank) + ", alpha " +
                             std::to_string(m.config().lora.alpha) + ", targets " +
                             model::loraTargetNames(m.config().lora.targets);
-    io::writeModelFile(path, comm_member, plain, model::tensorTable(plain), merged.data(), extra);
+    model::writeModelFile(path, comm_member, plain, model::tensorTable(plain), merged.data(),
+                          extra);
   } else if (fsdp_member) {
     // Each rank writes its rows of every tensor; it gathers the model unit by unit and keeps
     // only those rows, so no whole-model buffer appears on the device or in host memory (the
@@ -777,9 +775,9 @@ void Trainer::writeFinalModel() {
     std::unique_ptr<param_t[]> values(new param_t[std::size_t(m.bufferElements())]);
     fsdp_member->gatherRanges(ExecSpace(), ranges, values.get());
     static_assert(std::is_same_v<param_t, float>, "model files store fp32");
-    io::writeModelFile(path, comm_member, m.config(), rows, values.get(), extra);
+    model::writeModelFile(path, comm_member, m.config(), rows, values.get(), extra);
   } else {
-    io::writeModelFile(path, comm_member, *model_member, extra);
+    model::writeModelFile(path, comm_member, *model_member, extra);
   }
   log::info("train: wrote the model after step %lld to %s",
             static_cast<long long>(state_member.step), path.c_str());

@@ -13,10 +13,10 @@
 #include "data/loader.hpp"
 #include "io/tensorboard.hpp"
 #include "model/esm2.hpp"
-#include "train/adamw.hpp"
 #include "train/context_run.hpp"
 #include "train/metrics.hpp"
 #include "train/moe_run.hpp"
+#include "train/optim/adamw.hpp"
 #include "train/schedule.hpp"
 #include "train/stability.hpp"
 #include "train/step.hpp"
@@ -92,7 +92,7 @@ class Trainer {
   /// \brief Runs steps state().step + 1 .. train.steps: logs every log_every steps, validates
   /// every eval_every steps and at the end, calls on_save every checkpoint.every steps and at
   /// the end.  Rank 0 writes <run_dir>/deck.yaml and appends to <run_dir>/metrics.jsonl; at the
-  /// end the model is written to <run_dir>/model.h5 (a plm model file, io/model_file.hpp).
+  /// end the model is written to <run_dir>/model.h5 (a plm model file, model/model_file.hpp).
   /// Between steps, every rank agrees whether a stop signal arrived (train/preemption.hpp):
   /// then on_stop saves and run() returns Stopped (no model.h5).  A watchdog thread ends a hung
   /// step (train.step_timeout); non-finite steps follow train.on_nonfinite (train/stability.hpp).

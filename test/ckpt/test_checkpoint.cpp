@@ -8,7 +8,7 @@
 #include "ckpt/detail/rows.hpp"
 #include "dist/runtime.hpp"
 #include "io/hdf5.hpp"
-#include "io/model_file.hpp"
+#include "model/model_file.hpp"
 
 #include <gtest/gtest.h>
 
@@ -116,7 +116,7 @@ TEST_F(Checkpoint, FileHoldsTheTrainersState) {
               std::string::npos);
     h5::Hid o(H5Gopen2(file, "optimizer", H5P_DEFAULT));
     EXPECT_EQ(h5::readIntAttribute(o, "step"), 2);
-    EXPECT_EQ(plm::io::readModelConfig(report.path).hidden, 32);  // also a plm model file
+    EXPECT_EQ(plm::model::readModelConfig(report.path).hidden, 32);  // also a plm model file
   }
 
   // A fresh trainer loads it back completely.
@@ -329,7 +329,7 @@ TEST(ShareRows, EveryRankGetsEveryRow) {
     std::vector<float> values(188, -1.0f);
     for (const auto& t : tensors) {  // this rank's rows only, as the reads leave them
       const std::int64_t rows = t.shape[0], row_size = t.size / rows;
-      auto [first, last] = plm::io::rowRange(rows, rank, world);
+      auto [first, last] = plm::model::rowRange(rows, rank, world);
       for (std::int64_t k = first * row_size; k < last * row_size; ++k)
         values[std::size_t(t.offset + k)] = expected(std::size_t(t.offset + k));
     }

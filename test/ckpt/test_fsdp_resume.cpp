@@ -8,7 +8,7 @@
 
 #include "core/error.hpp"
 #include "dist/runtime.hpp"
-#include "io/model_file.hpp"
+#include "model/model_file.hpp"
 
 #include <gtest/gtest.h>
 
@@ -168,12 +168,12 @@ TEST(FsdpResume, ShardedStartAndModelFileEqualDataParallel) {
   ASSERT_EQ(sharded.size(), 2u);
   EXPECT_LE(std::abs(sharded[0].loss - dp[0].loss), 1e-6 * std::abs(dp[0].loss))
       << "the sharded start differs from the whole model's";
-  const plm::model::Esm2Config config = plm::io::readModelConfig(dir + "/dp/model.h5");
+  const plm::model::Esm2Config config = plm::model::readModelConfig(dir + "/dp/model.h5");
   const auto tensors = plm::model::tensorTable(config);
   const std::int64_t n = tensors.back().offset + tensors.back().size;
   std::vector<float> a(std::size_t(n), 0.0f), b(std::size_t(n), 0.0f);
-  plm::io::readModelValues(dir + "/dp/model.h5", MPI_COMM_WORLD, config, tensors, a.data());
-  plm::io::readModelValues(dir + "/sharded/model.h5", MPI_COMM_WORLD, config, tensors, b.data());
+  plm::model::readModelValues(dir + "/dp/model.h5", MPI_COMM_WORLD, config, tensors, a.data());
+  plm::model::readModelValues(dir + "/sharded/model.h5", MPI_COMM_WORLD, config, tensors, b.data());
   double worst = 0, largest = 0;
   for (std::size_t i = 0; i < a.size(); ++i) {
     worst = std::max(worst, double(std::abs(a[i] - b[i])));

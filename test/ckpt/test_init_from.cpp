@@ -11,9 +11,9 @@
 #include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
 #include "io/hdf5_group.hpp"
-#include "io/hf_esm.hpp"
-#include "io/model_file.hpp"
 #include "io/safetensors.hpp"
+#include "model/hf_esm.hpp"
+#include "model/model_file.hpp"
 #include "train/step.hpp"
 
 #include <gtest/gtest.h>
@@ -66,8 +66,8 @@ std::map<std::string, std::vector<float>> masters(plm::train::Trainer& t) {
 plm::train::BatchStats evalSource(const Teuchos::ParameterList& deck, const std::string& source,
                                   MPI_Comm comm) {
   const int rank = plm::test::commRank(comm), world = plm::dist::commSize(comm);
-  plm::model::Esm2<plm::param_t> model(plm::io::readModelConfig(source));
-  plm::io::readModelInto(source, comm, model);
+  plm::model::Esm2<plm::param_t> model(plm::model::readModelConfig(source));
+  plm::model::readModelInto(source, comm, model);
   const std::string valid = deck.sublist("data").get<std::string>("valid");
   plm::data::Loader loader(plm::train::evalLoaderOptions(deck, valid, rank, world));
   return plm::train::evaluate(plm::ExecSpace(), model, loader,
@@ -98,9 +98,7 @@ Source makeSource(const std::string& dir, const std::vector<std::string>& extra 
   std::vector<std::string> overrides = {"train.steps=2", "checkpoint.every=2"};
   overrides.insert(overrides.end(), extra.begin(), extra.end());
   plm::test::trainRecords(tinyDeck(dir, "source", overrides), MPI_COMM_WORLD);
-  plm::io::hf::convertToHf(s.model, s.hf, MPI_COMM_WORLD, {}, [](const plm::model::Esm2Config& c) {
-    return plm::model::tensorTable(c);
-  });
+  plm::model::hf::convertToHf(s.model, s.hf, MPI_COMM_WORLD);
   MPI_Barrier(MPI_COMM_WORLD);
   return s;
 }
@@ -216,7 +214,7 @@ TEST(InitFrom, PartialLoadsAreListed) {
     for (const auto& [name, values] : want)
       if (name.rfind("esm.", 0) == 0)
         out.push_back(
-            {name.substr(4), plm::io::hf::Weights(s.hf).entry(name).shape, values.data()});
+            {name.substr(4), plm::model::hf::Weights(s.hf).entry(name).shape, values.data()});
     plm::io::safetensors::write(encoder, out);
   }
   MPI_Barrier(MPI_COMM_WORLD);

@@ -18,8 +18,8 @@
 
 #include "dist/communicator.hpp"
 #include "dist/runtime.hpp"
-#include "io/model_file.hpp"
 #include "model/esm2.hpp"
+#include "model/model_file.hpp"
 #include "train/fsdp.hpp"
 
 #include <gtest/gtest.h>
@@ -110,14 +110,14 @@ TEST(ExpertParallel, DegreesGiveTheSameLosses) {
   // The final model file records the MoE layout, so eval/embed rebuild the same model from it,
   // and its tensors (by name) load into that model and give the same loss.
   const std::string file = dir + "/ep1/model.h5";
-  const auto config = plm::io::readModelConfig(file);
+  const auto config = plm::model::readModelConfig(file);
   // The largest degree's ranks wrote their experts' rows into one file with every expert: it
   // loads whole and matches the one-rank run's weights (same training up to summation order).
   if (degrees().size() > 1) {
     const std::string sharded = dir + "/ep" + std::to_string(degrees().back()) + "/model.h5";
     plm::model::Esm2<float> a(config), b(config);
-    plm::io::readModelInto(file, MPI_COMM_WORLD, a);
-    plm::io::readModelInto(sharded, MPI_COMM_WORLD, b);
+    plm::model::readModelInto(file, MPI_COMM_WORLD, a);
+    plm::model::readModelInto(sharded, MPI_COMM_WORLD, b);
     auto ha = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), a.parameters());
     auto hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b.parameters());
     for (const auto& t : a.tensors()) {
@@ -136,7 +136,7 @@ TEST(ExpertParallel, DegreesGiveTheSameLosses) {
   EXPECT_TRUE(config.moe.bias_balance);
   EXPECT_DOUBLE_EQ(config.moe.capacity_factor, 1.0);
   plm::model::Esm2<float> loaded(config);
-  plm::io::readModelInto(file, MPI_COMM_WORLD, loaded);
+  plm::model::readModelInto(file, MPI_COMM_WORLD, loaded);
   const auto batch = plm::test::makeBatchForRank(0);
   const double loss = loaded.forward(batch) / static_cast<double>(batch.num_masked);
   EXPECT_TRUE(std::isfinite(loss));
@@ -261,10 +261,10 @@ TEST(ExpertParallel, ShardedDenseMatchesExpertDegreeAlone) {
   EXPECT_LE(2 * shard, whole + 4);
   // Both final files hold every expert (each rank wrote its rows) and the same weights.
   const std::string a_file = dir + "/ep2/model.h5", b_file = dir + "/ep2s2/model.h5";
-  const auto config = plm::io::readModelConfig(a_file);
+  const auto config = plm::model::readModelConfig(a_file);
   plm::model::Esm2<float> a(config), b(config);
-  plm::io::readModelInto(a_file, MPI_COMM_WORLD, a);
-  plm::io::readModelInto(b_file, MPI_COMM_WORLD, b);
+  plm::model::readModelInto(a_file, MPI_COMM_WORLD, a);
+  plm::model::readModelInto(b_file, MPI_COMM_WORLD, b);
   auto ha = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), a.parameters());
   auto hb = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), b.parameters());
   for (const auto& t : a.tensors()) {
@@ -332,7 +332,7 @@ TEST(ExpertParallel, RanksHoldOnlyTheirExperts) {
   auto hw = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), whole.parameters());
   std::int64_t expert_elements = 0;
   for (const auto& t : whole.tensors())
-    if (plm::model::expertOfTensor(t.name) >= 0) expert_elements += t.size;
+    if (t.expert >= 0) expert_elements += t.size;
   ASSERT_GT(expert_elements, 0);
   for (int degree : {1, 2, 4})
     for (int rank = 0; rank < degree; ++rank) {
@@ -343,7 +343,7 @@ TEST(ExpertParallel, RanksHoldOnlyTheirExperts) {
       auto hp = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(), part.parameters());
       for (const auto& t : part.tensors()) {
         elements += t.size;
-        const int e = plm::model::expertOfTensor(t.name);
+        const int e = t.expert;
         if (e >= 0) {
           ++expert_tensors;
           EXPECT_TRUE(held.holds(e, 4)) << t.name << " on rank " << rank << " of " << degree;
@@ -364,8 +364,7 @@ TEST(ExpertParallel, RanksHoldOnlyTheirExperts) {
         EXPECT_EQ(file.tensors[i].name, whole.tensors()[i].name);
         EXPECT_EQ(file.tensors[i].shape, whole.tensors()[i].shape);
         EXPECT_EQ(file.local[i] >= 0,
-                  plm::model::expertOfTensor(file.tensors[i].name) < 0 ||
-                      held.holds(plm::model::expertOfTensor(file.tensors[i].name), 4));
+                  file.tensors[i].expert < 0 || held.holds(file.tensors[i].expert, 4));
       }
       // A pass needs the expert group the model was built for.
       if (degree > 1) EXPECT_THROW(part.forward(plm::test::makeBatchForRank(0)), plm::Error);

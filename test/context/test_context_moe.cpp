@@ -281,13 +281,13 @@ TrainRun trainRun(const Esm2Config& c, int degree, int expert, MPI_Comm comm, do
   if (held.sharded()) {  // each expert from one of its holders
     std::vector<double> mine(r.params.size(), 0.0);
     for (const auto& t : m.tensors())
-      if (model::expertOfTensor(t.name) >= 0 && rank < expert) {
+      if (t.expert >= 0 && rank < expert) {
         const auto& w = whole.tensor(t.name);
         for (std::int64_t i = 0; i < t.size; ++i) mine[w.offset + i] = params[t.offset + i];
       }
     sum(mine, comm);
     for (const auto& t : whole.tensors())
-      if (model::expertOfTensor(t.name) >= 0)
+      if (t.expert >= 0)
         for (std::int64_t i = 0; i < t.size; ++i) r.params[t.offset + i] = mine[t.offset + i];
   }
   return r;

@@ -8,7 +8,7 @@
 //  - 50 training steps of each recipe end within 2% of the fp32 loss.
 #include "../train/batches.hpp"
 #include "dist/runtime.hpp"
-#include "train/adamw.hpp"
+#include "train/optim/adamw.hpp"
 #include "train/schedule.hpp"
 #include "train/step.hpp"
 

@@ -3,10 +3,10 @@
 // BF16/F16 sources decode, sharded directories read, and unsupported inputs are refused clearly.
 #include "core/error.hpp"
 #include "fixture.hpp"
-#include "io/hf_esm.hpp"
 #include "io/json.hpp"
-#include "io/model_file.hpp"
 #include "io/safetensors.hpp"
+#include "model/hf_esm.hpp"
+#include "model/model_file.hpp"
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -22,6 +22,7 @@
 
 namespace fs = std::filesystem;
 namespace io = plm::io;
+namespace model = plm::model;
 namespace st = plm::io::safetensors;
 namespace json = plm::io::json;
 using plm::model::Esm2Config;
@@ -136,14 +137,14 @@ std::vector<HfTensor> fixtureTensors(const plm::test::Fixture& f, const std::str
 void writeHfDir(const fs::path& dir, const Esm2Config& config,
                 const std::vector<HfTensor>& tensors) {
   fs::create_directories(dir);
-  writeText(dir / "config.json", json::write(io::hf::configToJson(config), 2));
+  writeText(dir / "config.json", json::write(model::hf::configToJson(config), 2));
   writeSafetensors(dir / "model.safetensors", tensors);
 }
 
 std::vector<float> readModel(const std::string& path, const Esm2Config& config) {
-  const auto tensors = io::hf::esmTensors(config);
+  const auto tensors = model::hf::esmTensors(config);
   std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size));
-  io::readModelValues(path, MPI_COMM_WORLD, config, tensors, values.data());
+  model::readModelValues(path, MPI_COMM_WORLD, config, tensors, values.data());
   return values;
 }
 
@@ -161,7 +162,7 @@ std::string errorOf(const std::function<void()>& f) {
 TEST(Convert, TensorTableMatchesTransformers) {
   for (const auto& name : plm::test::fixtureNames()) {
     auto f = plm::test::readFixture(plm::test::fixturePath(name));
-    const auto tensors = io::hf::esmTensors(f.config);
+    const auto tensors = model::hf::esmTensors(f.config);
     ASSERT_EQ(tensors.size(), f.params.size()) << name;
     std::int64_t offset = 0;
     for (const auto& t : tensors) {
@@ -186,9 +187,9 @@ TEST(Convert, ConfigJsonRoundTripAndFacebookConfig) {
   c.layer_norm_eps = 1e-5;
   c.max_positions = 1026;
   c.token_dropout = true;
-  auto j = json::parse(json::write(io::hf::configToJson(c), 2));
+  auto j = json::parse(json::write(model::hf::configToJson(c), 2));
   EXPECT_EQ(j.at("architectures").items().at(0).asString(), "EsmForMaskedLM");
-  Esm2Config back = io::hf::configFromJson(j, "config.json");
+  Esm2Config back = model::hf::configFromJson(j, "config.json");
   EXPECT_EQ(back.num_layers, 5);
   EXPECT_EQ(back.hidden, 24);
   EXPECT_EQ(back.heads, 3);
@@ -206,7 +207,7 @@ TEST(Convert, ConfigJsonRoundTripAndFacebookConfig) {
     "token_dropout": true, "torch_dtype": "float32", "transformers_version": "4.25.0.dev0", "use_cache": true,
     "vocab_list": null, "vocab_size": 33})";
   std::vector<std::string> warnings;
-  Esm2Config fb = io::hf::configFromJson(json::parse(facebook), "config.json", &warnings);
+  Esm2Config fb = model::hf::configFromJson(json::parse(facebook), "config.json", &warnings);
   EXPECT_EQ(fb.num_layers, 6);
   EXPECT_EQ(fb.hidden, 320);
   EXPECT_EQ(fb.heads, 20);
@@ -221,7 +222,7 @@ TEST(Convert, ConfigJsonRoundTripAndFacebookConfig) {
     return j2;
   };
   warnings.clear();
-  io::hf::configFromJson(edited("hidden_dropout_prob", 0.1), "config.json", &warnings);
+  model::hf::configFromJson(edited("hidden_dropout_prob", 0.1), "config.json", &warnings);
   ASSERT_EQ(warnings.size(), 1u);
   EXPECT_NE(warnings[0].find("hidden_dropout_prob"), std::string::npos);
   struct Case {
@@ -248,7 +249,7 @@ TEST(Convert, ConfigJsonRoundTripAndFacebookConfig) {
   };
   for (const auto& c2 : cases) {
     std::string message =
-        errorOf([&] { io::hf::configFromJson(edited(c2.key, c2.value), "dir/config.json"); });
+        errorOf([&] { model::hf::configFromJson(edited(c2.key, c2.value), "dir/config.json"); });
     EXPECT_NE(message.find(c2.words), std::string::npos) << c2.key << ": " << message;
     EXPECT_NE(message.find("dir/config.json"), std::string::npos) << message;
   }
@@ -268,14 +269,14 @@ TEST(Convert, F32RoundTripIsExact) {
     const fs::path dir = scratch(name + "_hf");
     writeHfDir(dir, f.config, hf);
     const std::string file1 = scratch(name + "_1.h5").string();
-    auto summary = io::hf::convertFromHf(dir.string(), file1, MPI_COMM_WORLD);
+    auto summary = model::hf::convertFromHf(dir.string(), file1, MPI_COMM_WORLD);
     EXPECT_EQ(summary.source_dtypes, (std::vector<std::string>{"F32"}));
     EXPECT_EQ(summary.skipped.size(),
               3u + f.config.num_layers);  // decoder, contact head x2, inv_freq per layer
 
     // plm file == fixture parameters in fp32, by name.
     auto values = readModel(file1, f.config);
-    for (const auto& t : io::hf::esmTensors(f.config)) {
+    for (const auto& t : model::hf::esmTensors(f.config)) {
       const auto& want = f.params.at(t.name).values;
       for (std::int64_t i = 0; i < t.size; ++i)
         ASSERT_EQ(values[std::size_t(t.offset + i)], float(want[std::size_t(i)]))
@@ -284,7 +285,7 @@ TEST(Convert, F32RoundTripIsExact) {
 
     // plm -> HF: every tensor bit-identical, decoder = embedding, contact head given back.
     const fs::path out = scratch(name + "_back");
-    io::hf::convertToHf(file1, out.string(), MPI_COMM_WORLD);
+    model::hf::convertToHf(file1, out.string(), MPI_COMM_WORLD);
     st::Reader reader((out / "model.safetensors").string());
     for (const auto& t : hf) {
       if (t.name.find("inv_freq") != std::string::npos) continue;
@@ -308,18 +309,18 @@ TEST(Convert, F32RoundTripIsExact) {
     EXPECT_EQ(reader.readFloat("lm_head.decoder.weight"),
               reader.readFloat("esm.embeddings.word_embeddings.weight"));
     auto config =
-        io::hf::configFromJson(json::parse([&] {
-                                 std::ifstream in(out / "config.json");
-                                 return std::string(std::istreambuf_iterator<char>(in), {});
-                               }()),
-                               "config.json");
+        model::hf::configFromJson(json::parse([&] {
+                                    std::ifstream in(out / "config.json");
+                                    return std::string(std::istreambuf_iterator<char>(in), {});
+                                  }()),
+                                  "config.json");
     EXPECT_EQ(config.num_layers, f.config.num_layers);
     EXPECT_EQ(config.heads, f.config.heads);
     EXPECT_EQ(config.layer_norm_eps, f.config.layer_norm_eps);
 
     // ... and back to plm: identical.
     const std::string file2 = scratch(name + "_2.h5").string();
-    io::hf::convertFromHf(out.string(), file2, MPI_COMM_WORLD);
+    model::hf::convertFromHf(out.string(), file2, MPI_COMM_WORLD);
     EXPECT_EQ(readModel(file2, f.config), values);
   }
   fs::remove_all(scratch("").parent_path());
@@ -327,14 +328,14 @@ TEST(Convert, F32RoundTripIsExact) {
 
 TEST(Convert, Bf16F16AndShardedSources) {
   auto f = plm::test::readFixture(plm::test::fixturePath("small"));
-  const auto tensors = io::hf::esmTensors(f.config);
+  const auto tensors = model::hf::esmTensors(f.config);
 
   // BF16: values are the fixture rounded to bf16.
   auto bf16 = fixtureTensors(f, "BF16");
   const fs::path dir = scratch("bf16");
   writeHfDir(dir, f.config, bf16);
   const std::string file = scratch("bf16.h5").string();
-  auto summary = io::hf::convertFromHf(dir.string(), file, MPI_COMM_WORLD);
+  auto summary = model::hf::convertFromHf(dir.string(), file, MPI_COMM_WORLD);
   EXPECT_EQ(summary.source_dtypes,
             (std::vector<std::string>{"BF16"}));  // of the parameters (inv_freq is F32)
   auto values = readModel(file, f.config);
@@ -359,7 +360,7 @@ TEST(Convert, Bf16F16AndShardedSources) {
   }
   const fs::path sharded = scratch("sharded");
   fs::create_directories(sharded);
-  writeText(sharded / "config.json", json::write(io::hf::configToJson(f.config)));
+  writeText(sharded / "config.json", json::write(model::hf::configToJson(f.config)));
   const std::size_t half = f16.size() / 2;
   writeSafetensors(sharded / "model-00001-of-00002.safetensors", {f16.begin(), f16.begin() + half});
   writeSafetensors(sharded / "model-00002-of-00002.safetensors", {f16.begin() + half, f16.end()});
@@ -371,7 +372,7 @@ TEST(Convert, Bf16F16AndShardedSources) {
   index.set("weight_map", map);
   writeText(sharded / "model.safetensors.index.json", json::write(index));
   const std::string file16 = scratch("f16.h5").string();
-  summary = io::hf::convertFromHf(sharded.string(), file16, MPI_COMM_WORLD);
+  summary = model::hf::convertFromHf(sharded.string(), file16, MPI_COMM_WORLD);
   EXPECT_EQ(summary.source_dtypes, (std::vector<std::string>{"F16"}));
   values = readModel(file16, f.config);
   for (std::size_t k = 0; k < tensors.size(); ++k)
@@ -385,7 +386,7 @@ TEST(Convert, BadInputsSayWhatIsWrong) {
   auto f = plm::test::readFixture(plm::test::fixturePath("small"));
   const std::string out = scratch("bad.h5").string();
   auto convert = [&](const fs::path& dir) {
-    return errorOf([&] { io::hf::convertFromHf(dir.string(), out, MPI_COMM_WORLD); });
+    return errorOf([&] { model::hf::convertFromHf(dir.string(), out, MPI_COMM_WORLD); });
   };
   auto base = fixtureTensors(f, "F32");
   auto expect = [](const std::string& message, const std::string& words) {
@@ -400,7 +401,7 @@ TEST(Convert, BadInputsSayWhatIsWrong) {
 
   dir = scratch("no_weights");
   fs::create_directories(dir);
-  writeText(dir / "config.json", json::write(io::hf::configToJson(f.config)));
+  writeText(dir / "config.json", json::write(model::hf::configToJson(f.config)));
   expect(convert(dir), "neither model.safetensors nor model.safetensors.index.json");
   writeText(dir / "pytorch_model.bin", "pickle");
   expect(convert(dir), "pytorch_model.bin (a Python pickle)");
@@ -444,8 +445,8 @@ TEST(Convert, BadInputsSayWhatIsWrong) {
 
   // --to-hf from something that is not a plm model file.
   expect(errorOf([&] {
-           io::hf::convertToHf(plm::test::fixturePath("small"), scratch("x").string(),
-                               MPI_COMM_WORLD);
+           model::hf::convertToHf(plm::test::fixturePath("small"), scratch("x").string(),
+                                  MPI_COMM_WORLD);
          }),
          "is not a plm model file");
   fs::remove_all(scratch("").parent_path());
@@ -465,12 +466,12 @@ TEST(Convert, HubReadyExport) {
   const fs::path dir = scratch("hub_src");
   writeHfDir(dir, f.config, fixtureTensors(f, "F32"));
   const std::string source = scratch("hub_src.h5").string();
-  io::hf::convertFromHf(dir.string(), source, MPI_COMM_WORLD);
+  model::hf::convertFromHf(dir.string(), source, MPI_COMM_WORLD);
   const auto values = readModel(source, f.config);
 
   // One F32 file, the tokenizer beside it.
   const fs::path plain = scratch("hub_plain");
-  io::hf::convertToHf(source, plain.string(), MPI_COMM_WORLD);
+  model::hf::convertToHf(source, plain.string(), MPI_COMM_WORLD);
   std::string vocab = readFile(plain / "vocab.txt");
   EXPECT_EQ(vocab.substr(0, 27), "<cls>\n<pad>\n<eos>\n<unk>\nL\nA");
   EXPECT_EQ(std::count(vocab.begin(), vocab.end(), '\n'), 33);
@@ -485,9 +486,9 @@ TEST(Convert, HubReadyExport) {
 
   // Shards: a limit below the model's size splits it; the index names every tensor's file.
   const fs::path sharded = scratch("hub_sharded");
-  io::hf::ExportOptions small;
-  small.max_shard_bytes = io::hf::parseByteSize("8KB");
-  io::hf::convertToHf(source, sharded.string(), MPI_COMM_WORLD, small);
+  model::hf::ExportOptions small;
+  small.max_shard_bytes = model::hf::parseByteSize("8KB");
+  model::hf::convertToHf(source, sharded.string(), MPI_COMM_WORLD, small);
   EXPECT_FALSE(fs::exists(sharded / "model.safetensors"));
   auto index = json::parse(readFile(sharded / "model.safetensors.index.json"));
   std::set<std::string> files;
@@ -509,21 +510,21 @@ TEST(Convert, HubReadyExport) {
                                 std::to_string(files.size()) + ".safetensors");
   EXPECT_EQ(index.at("metadata").at("total_size").asInt(), bytes);
   const std::string back = scratch("hub_sharded.h5").string();
-  io::hf::convertFromHf(sharded.string(), back, MPI_COMM_WORLD);
+  model::hf::convertFromHf(sharded.string(), back, MPI_COMM_WORLD);
   EXPECT_EQ(readModel(back, f.config), values);  // exact
 
   // bf16: half the size, every value the bf16 rounding of the fp32 one, read back exactly so.
   const fs::path bf16 = scratch("hub_bf16");
-  io::hf::ExportOptions half;
+  model::hf::ExportOptions half;
   half.dtype = "BF16";
-  io::hf::convertToHf(source, bf16.string(), MPI_COMM_WORLD, half);
+  model::hf::convertToHf(source, bf16.string(), MPI_COMM_WORLD, half);
   EXPECT_EQ(json::parse(readFile(bf16 / "config.json")).at("torch_dtype").asString(), "bfloat16");
   st::Reader reader((bf16 / "model.safetensors").string());
   EXPECT_EQ(reader.tensor("esm.embeddings.word_embeddings.weight").dtype, "BF16");
   EXPECT_EQ(reader.tensor("esm.encoder.layer.0.attention.self.rotary_embeddings.inv_freq").dtype,
             "F32");
   const std::string from_bf16 = scratch("hub_bf16.h5").string();
-  io::hf::convertFromHf(bf16.string(), from_bf16, MPI_COMM_WORLD);
+  model::hf::convertFromHf(bf16.string(), from_bf16, MPI_COMM_WORLD);
   const auto rounded = readModel(from_bf16, f.config);
   ASSERT_EQ(rounded.size(), values.size());
   bool changed = false;
@@ -533,11 +534,11 @@ TEST(Convert, HubReadyExport) {
   }
   EXPECT_TRUE(changed);
 
-  EXPECT_EQ(io::hf::parseByteSize("5GB"), 5'000'000'000);
-  EXPECT_EQ(io::hf::parseByteSize("2GiB"), 2147483648);
-  EXPECT_EQ(io::hf::parseByteSize("1000"), 1000);
-  EXPECT_THROW(io::hf::parseByteSize("lots"), plm::Error);
-  EXPECT_THROW(io::hf::parseByteSize("5XB"), plm::Error);
+  EXPECT_EQ(model::hf::parseByteSize("5GB"), 5'000'000'000);
+  EXPECT_EQ(model::hf::parseByteSize("2GiB"), 2147483648);
+  EXPECT_EQ(model::hf::parseByteSize("1000"), 1000);
+  EXPECT_THROW(model::hf::parseByteSize("lots"), plm::Error);
+  EXPECT_THROW(model::hf::parseByteSize("5XB"), plm::Error);
   fs::remove_all(scratch("").parent_path());
 }
 
@@ -567,18 +568,16 @@ TEST(Convert, MoeExportRoundTrip) {
     for (const auto& t : tensors)
       for (std::int64_t i = 0; i < t.size; ++i) values[std::size_t(t.offset + i)] = normal(gen);
     const std::string source = scratch("moe.h5").string();
-    io::writeModelFile(source, MPI_COMM_WORLD, config, tensors, values.data());
+    model::writeModelFile(source, MPI_COMM_WORLD, config, tensors, values.data());
 
     const fs::path out = scratch("moe_hf");
-    const io::hf::TableOf table = [](const Esm2Config& c) { return plm::model::tensorTable(c); };
-    EXPECT_THROW(io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD), plm::Error);
-    auto summary = io::hf::convertToHf(source, out.string(), MPI_COMM_WORLD, {}, table);
+    auto summary = model::hf::convertToHf(source, out.string(), MPI_COMM_WORLD);
     bool warned = false;
     for (const auto& w : summary.warnings)
       warned = warned || w.find("transformers has no ESM MoE class") != std::string::npos;
     EXPECT_TRUE(warned);
     auto j = json::parse(readFile(out / "config.json"));
-    EXPECT_EQ(j.at("model_type").asString(), io::hf::moe_model_type);
+    EXPECT_EQ(j.at("model_type").asString(), model::hf::moe_model_type);
     EXPECT_EQ(j.at("plm_moe").at("experts").asInt(), 4);
     EXPECT_EQ(j.at("plm_moe").at("router").asString(), "softmax");
     EXPECT_EQ(j.at("plm_moe").at("expert_activation").asString(), swiglu ? "swiglu" : "gelu");
@@ -593,8 +592,8 @@ TEST(Convert, MoeExportRoundTrip) {
     EXPECT_TRUE(fs::exists(out / "vocab.txt"));
 
     const std::string back = scratch("moe_back.h5").string();
-    summary = io::hf::convertFromHf(out.string(), back, MPI_COMM_WORLD, table);
-    const Esm2Config read = io::readModelConfig(back);
+    summary = model::hf::convertFromHf(out.string(), back, MPI_COMM_WORLD);
+    const Esm2Config read = model::readModelConfig(back);
     EXPECT_EQ(read.moe.experts, 4);
     EXPECT_EQ(read.moe.every, 2);
     EXPECT_EQ(read.moe.expert_ffn, 8);
@@ -603,7 +602,7 @@ TEST(Convert, MoeExportRoundTrip) {
     EXPECT_TRUE(read.moe.bias_balance);
     EXPECT_EQ(read.moe.expert_activation, activation);
     std::vector<float> again(values.size(), -1.0f);
-    io::readModelValues(back, MPI_COMM_WORLD, read, tensors, again.data());
+    model::readModelValues(back, MPI_COMM_WORLD, read, tensors, again.data());
     for (const auto& t : tensors)
       for (std::int64_t i = 0; i < t.size; ++i)
         ASSERT_EQ(again[std::size_t(t.offset + i)], values[std::size_t(t.offset + i)]) << t.name;

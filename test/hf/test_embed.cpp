@@ -4,9 +4,9 @@
 #include "cli/commands.hpp"
 #include "data/batch.hpp"
 #include "fixture.hpp"
-#include "io/hf_esm.hpp"
-#include "io/model_file.hpp"
 #include "model/esm2.hpp"
+#include "model/hf_esm.hpp"
+#include "model/model_file.hpp"
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -40,12 +40,12 @@ std::string letters(const std::vector<std::int32_t>& tokens, std::int32_t begin,
 
 void writeModel(const std::string& path, const plm::test::Fixture& f,
                 const plm::model::Esm2Config& config) {
-  const auto tensors = plm::io::hf::esmTensors(config);
+  const auto tensors = plm::model::hf::esmTensors(config);
   std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size));
   for (const auto& t : tensors)
     for (std::int64_t i = 0; i < t.size; ++i)
       values[std::size_t(t.offset + i)] = float(f.params.at(t.name).values[std::size_t(i)]);
-  plm::io::writeModelFile(path, MPI_COMM_WORLD, config, tensors, values.data());
+  plm::model::writeModelFile(path, MPI_COMM_WORLD, config, tensors, values.data());
 }
 
 double maxRelative(const std::vector<float>& got, const std::vector<double>& want) {
@@ -264,7 +264,7 @@ TEST(Embed, MoeOutputDoesNotDependOnBatching) {
   {
     plm::model::Esm2<float> esm(config);
     esm.initialize(11);
-    plm::io::writeModelFile(model, MPI_COMM_WORLD, esm);
+    plm::model::writeModelFile(model, MPI_COMM_WORLD, esm);
   }
   if (rank() == 0) {
     std::mt19937 gen(5);

@@ -2,8 +2,8 @@
 // attributes round-trip, and mismatched or foreign files are refused with a clear message.
 #include "core/error.hpp"
 #include "io/hdf5.hpp"
-#include "io/hf_esm.hpp"
-#include "io/model_file.hpp"
+#include "model/hf_esm.hpp"
+#include "model/model_file.hpp"
 
 #include <gtest/gtest.h>
 #include <mpi.h>
@@ -15,6 +15,7 @@
 #include <vector>
 
 namespace io = plm::io;
+namespace model = plm::model;
 using plm::model::Esm2Config;
 
 namespace {
@@ -72,7 +73,7 @@ TEST(ModelFile, RowRangesTileEveryTensor) {
     for (int world : {1, 2, 3, 4, 8}) {
       std::int64_t next = 0;
       for (int r = 0; r < world; ++r) {
-        auto [first, last] = io::rowRange(rows, r, world);
+        auto [first, last] = model::rowRange(rows, r, world);
         EXPECT_EQ(first, next);
         EXPECT_LE(first, last);
         next = last;
@@ -84,16 +85,16 @@ TEST(ModelFile, RowRangesTileEveryTensor) {
 
 TEST(ModelFile, WriteReadRoundTripIsExact) {
   const Esm2Config config = smallConfig();
-  const auto tensors = io::hf::esmTensors(config);
+  const auto tensors = model::hf::esmTensors(config);
   const auto values = patternValues(tensors.back().offset + tensors.back().size);
-  io::ModelAttributes extra;
+  model::ModelAttributes extra;
   extra.strings["source"] = "unit test";
   extra.integers["step"] = 42;
   extra.numbers["loss"] = 2.5;
   const std::string path = tempPath("roundtrip");
-  io::writeModelFile(path, MPI_COMM_WORLD, config, tensors, values.data(), extra);
+  model::writeModelFile(path, MPI_COMM_WORLD, config, tensors, values.data(), extra);
 
-  Esm2Config back = io::readModelConfig(path);
+  Esm2Config back = model::readModelConfig(path);
   EXPECT_EQ(back.num_layers, config.num_layers);
   EXPECT_EQ(back.hidden, config.hidden);
   EXPECT_EQ(back.heads, config.heads);
@@ -104,7 +105,7 @@ TEST(ModelFile, WriteReadRoundTripIsExact) {
   EXPECT_EQ(back.token_dropout, config.token_dropout);
 
   std::vector<float> read(values.size(), -1.0f);
-  io::readModelValues(path, MPI_COMM_WORLD, config, tensors, read.data());
+  model::readModelValues(path, MPI_COMM_WORLD, config, tensors, read.data());
   EXPECT_EQ(read, values);
 
   {
@@ -123,23 +124,24 @@ TEST(ModelFile, WriteReadRoundTripIsExact) {
 
 TEST(ModelFile, IndependentWritesGiveTheSameFile) {
   const Esm2Config config = smallConfig();
-  const auto tensors = io::hf::esmTensors(config);
+  const auto tensors = model::hf::esmTensors(config);
   const auto values = patternValues(tensors.back().offset + tensors.back().size);
   const std::string path = tempPath("independent");
   {
     io::h5::Hid file = io::h5::createFile(path, MPI_COMM_WORLD);
-    io::writeConfigAttributes(file, config);
-    io::writeTensorGroup(file, MPI_COMM_WORLD, "model", tensors, values.data(),
-                         /*independent=*/true);
-    io::writeTensorGroup(file, MPI_COMM_WORLD, "optimizer/exp_avg", tensors, values.data(), true);
+    model::writeConfigAttributes(file, config);
+    model::writeTensorGroup(file, MPI_COMM_WORLD, "model", tensors, values.data(),
+                            /*independent=*/true);
+    model::writeTensorGroup(file, MPI_COMM_WORLD, "optimizer/exp_avg", tensors, values.data(),
+                            true);
   }
   std::vector<float> read(values.size(), -1.0f);
-  io::readModelValues(path, MPI_COMM_WORLD, config, tensors, read.data());
+  model::readModelValues(path, MPI_COMM_WORLD, config, tensors, read.data());
   EXPECT_EQ(read, values);
   {
     io::h5::Hid file = io::h5::openFile(path, MPI_COMM_WORLD);
     std::fill(read.begin(), read.end(), -1.0f);
-    io::readTensorGroup(file, MPI_COMM_WORLD, "optimizer/exp_avg", tensors, read.data(), path);
+    model::readTensorGroup(file, MPI_COMM_WORLD, "optimizer/exp_avg", tensors, read.data(), path);
     EXPECT_EQ(read, values);
   }
   removeOnRankZero(path);
@@ -147,17 +149,17 @@ TEST(ModelFile, IndependentWritesGiveTheSameFile) {
 
 TEST(ModelFile, MismatchesAreRefused) {
   const Esm2Config config = smallConfig();
-  const auto tensors = io::hf::esmTensors(config);
+  const auto tensors = model::hf::esmTensors(config);
   const auto values = patternValues(tensors.back().offset + tensors.back().size);
   const std::string path = tempPath("mismatch");
-  io::writeModelFile(path, MPI_COMM_WORLD, config, tensors, values.data());
+  model::writeModelFile(path, MPI_COMM_WORLD, config, tensors, values.data());
   std::vector<float> read(values.size());
 
   // Same tensor shapes, different head count: only the config can tell.
   Esm2Config heads = config;
   heads.heads = 4;
   std::string message =
-      errorOf([&] { io::readModelValues(path, MPI_COMM_WORLD, heads, tensors, read.data()); });
+      errorOf([&] { model::readModelValues(path, MPI_COMM_WORLD, heads, tensors, read.data()); });
   EXPECT_NE(message.find("heads 2"), std::string::npos) << message;
 
   // A model with a tensor the file lacks.
@@ -165,13 +167,15 @@ TEST(ModelFile, MismatchesAreRefused) {
   more.push_back(more.back());
   more.back().name = "lm_head.extra";
   more.back().offset = 0;
-  message = errorOf([&] { io::readModelValues(path, MPI_COMM_WORLD, config, more, read.data()); });
+  message =
+      errorOf([&] { model::readModelValues(path, MPI_COMM_WORLD, config, more, read.data()); });
   EXPECT_NE(message.find("lacks /model/lm_head.extra"), std::string::npos) << message;
 
   // A file with a tensor the model lacks.
   auto fewer = tensors;
   fewer.pop_back();
-  message = errorOf([&] { io::readModelValues(path, MPI_COMM_WORLD, config, fewer, read.data()); });
+  message =
+      errorOf([&] { model::readModelValues(path, MPI_COMM_WORLD, config, fewer, read.data()); });
   EXPECT_NE(message.find("lm_head.layer_norm.bias is not a parameter"), std::string::npos)
       << message;
 
@@ -179,7 +183,7 @@ TEST(ModelFile, MismatchesAreRefused) {
   auto reshaped = tensors;
   reshaped[0].shape = {3, 11 * 8};
   message =
-      errorOf([&] { io::readModelValues(path, MPI_COMM_WORLD, config, reshaped, read.data()); });
+      errorOf([&] { model::readModelValues(path, MPI_COMM_WORLD, config, reshaped, read.data()); });
   EXPECT_NE(message.find("has shape (33, 8), the model expects (3, 88)"), std::string::npos)
       << message;
   removeOnRankZero(path);
@@ -191,17 +195,17 @@ TEST(ModelFile, ForeignFilesAreRefused) {
     io::h5::Hid file = io::h5::createFile(path, MPI_COMM_WORLD);
     io::h5::writeAttribute(file, "format", std::string("something-else"));
   }
-  std::string message = errorOf([&] { io::readModelConfig(path); });
+  std::string message = errorOf([&] { model::readModelConfig(path); });
   EXPECT_NE(message.find("is not a plm model file"), std::string::npos) << message;
   EXPECT_NE(message.find("plm convert --from-hf"), std::string::npos) << message;
   {
     io::h5::Hid file = io::h5::createFile(path, MPI_COMM_WORLD);
-    io::h5::writeAttribute(file, "format", std::string(io::model_format));
-    io::h5::writeAttribute(file, "format_version", io::model_format_version + 1);
+    io::h5::writeAttribute(file, "format", std::string(model::model_format));
+    io::h5::writeAttribute(file, "format_version", model::model_format_version + 1);
   }
-  message = errorOf([&] { io::readModelConfig(path); });
+  message = errorOf([&] { model::readModelConfig(path); });
   EXPECT_NE(message.find("newer than this plm"), std::string::npos) << message;
   removeOnRankZero(path);
-  message = errorOf([&] { io::readModelConfig(path + ".missing"); });
+  message = errorOf([&] { model::readModelConfig(path + ".missing"); });
   EXPECT_NE(message.find("does not exist"), std::string::npos) << message;
 }

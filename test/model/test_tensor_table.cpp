@@ -7,10 +7,10 @@
 //    equal the whole model's (one random stream per row, whatever the placement);
 //  - under fp8 (portable path) the FP8 weight copies read exactly the rows with an FP8 slot;
 //  - Hugging Face names: transformers' state-dict order written out by hand, the table's rows
-//    by HF order, and io::hf::esmTensors agree, and each HF entry finds its row back by name;
+//    by HF order, and model::hf::esmTensors agree, and each HF entry finds its row back by name;
 //  - parameter counts from the table equal the model's buffer, the planner's, and hand counts.
-#include "io/hf_esm.hpp"
 #include "model/esm2.hpp"
+#include "model/hf_esm.hpp"
 #include "model/tensor_table.hpp"
 #include "plan/plan.hpp"
 #include "plm/plm_config.hpp"
@@ -239,7 +239,7 @@ TEST(TensorTable, HuggingFaceNamesRoundTrip) {
     if (cfg.num_layers == 1)
       for (std::size_t i = 0; i < hf.size(); ++i) EXPECT_EQ(by_hf[i]->name, hf[i]);
     if (cfg.moe.enabled()) continue;  // plm's MoE format stores the table in buffer order
-    const auto tensors = io::hf::esmTensors(cfg);
+    const auto tensors = model::hf::esmTensors(cfg);
     ASSERT_EQ(tensors.size(), rows.size());
     std::int64_t offset = 0;
     for (std::size_t i = 0; i < tensors.size(); ++i) {

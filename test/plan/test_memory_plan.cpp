@@ -17,9 +17,9 @@
 #include "dist/process_groups.hpp"
 #include "dist/runtime.hpp"
 #include "plan/plan.hpp"
-#include "train/adamw.hpp"
 #include "train/fsdp.hpp"
 #include "train/memory_tracker.hpp"
+#include "train/optim/adamw.hpp"
 
 #include <gtest/gtest.h>
 

@@ -7,7 +7,7 @@
 #include "plan/bench_rates.hpp"
 #include "plan/plan.hpp"
 #include "plan/train_report.hpp"
-#include "train/adamw.hpp"
+#include "train/optim/adamw.hpp"
 
 #include <gtest/gtest.h>
 #include <unistd.h>

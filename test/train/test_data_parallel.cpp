@@ -6,7 +6,7 @@
 //    recomputes on MPI_COMM_SELF with all micro-batches of each step.
 #include "batches.hpp"
 #include "dist/runtime.hpp"
-#include "train/adamw.hpp"
+#include "train/optim/adamw.hpp"
 #include "train/schedule.hpp"
 #include "train/step.hpp"
 

@@ -18,8 +18,8 @@
 // PLM_LARGE_INDEX_ROWS sets the rows of the (rows, 4096) tensor: the default, 2^20 + 3, is past
 // 2^32 elements (the GPU test); the CPU build runs the same checks on a small buffer.
 #include "core/flat.hpp"
-#include "train/adamw.hpp"
 #include "train/fsdp.hpp"
+#include "train/optim/adamw.hpp"
 #include "train/optim/optimizer.hpp"
 
 #include <gtest/gtest.h>

@@ -8,7 +8,7 @@
 #include "deck/deck.hpp"
 #include "dist/runtime.hpp"
 #include "io/dataset.hpp"
-#include "io/model_file.hpp"
+#include "model/model_file.hpp"
 #include "motif_proteins.hpp"
 #include "train/trainer.hpp"
 
@@ -130,11 +130,11 @@ TEST_F(LoraTrainTest, TrainsOnlyTheAdaptersAndWritesTheMergedModel) {
 
   // model.h5: the plain model (no adapters, no lora attributes), equal to the merge.
   const std::string file = dir + "/run_lora/model.h5";
-  const auto config = plm::io::readModelConfig(file);
+  const auto config = plm::model::readModelConfig(file);
   EXPECT_FALSE(config.lora.enabled());
   const auto table = plm::model::tensorTable(config);
   std::vector<float> stored(std::size_t(table.back().offset + table.back().size));
-  plm::io::readModelValues(file, MPI_COMM_WORLD, config, table, stored.data());
+  plm::model::readModelValues(file, MPI_COMM_WORLD, config, table, stored.data());
   const auto merged = plm::model::mergeLora(model.config(), model.tensors(), after.data());
   for (const auto& t : table) {
     EXPECT_FALSE(isAdapter(t.name));

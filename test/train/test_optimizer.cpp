@@ -1,7 +1,7 @@
 // AdamW, clipping and the learning-rate schedule against plain scalar references (the formulas
 // of torch.optim.AdamW and torch.nn.utils.clip_grad_norm_ written out in double).
 #include "core/error.hpp"
-#include "train/adamw.hpp"
+#include "train/optim/adamw.hpp"
 #include "train/schedule.hpp"
 #include "views.hpp"
 

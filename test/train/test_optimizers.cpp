@@ -9,8 +9,8 @@
 //    scales identical, parameters to 1e-6; the quantile maps' shape; its distance from AdamW;
 //  - every kind: the decay mask, a frozen row that never moves, and stateBytes() equal to the
 //    planner's optimizerStateBytes(); 8-bit AdamW at least 35% below AdamW.
-#include "train/adamw.hpp"
 #include "train/optim/adafactor.hpp"
+#include "train/optim/adamw.hpp"
 #include "train/optim/adamw8bit.hpp"
 #include "train/optim/lion.hpp"
 

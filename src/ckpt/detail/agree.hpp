@@ -6,6 +6,7 @@
 
 #include "ckpt/checkpoint.hpp"
 #include "core/error.hpp"
+#include "dist/process_groups.hpp"
 
 #include <mpi.h>
 
@@ -26,11 +27,10 @@ template <class F> void agree(MPI_Comm comm, F&& step) {
     kind = 2;
     message = e.what();
   }
-  int worst = 0, rank = 0, size = 1;
+  int worst = 0;
   PLM_CHECK_MPI(MPI_Allreduce(&kind, &worst, 1, MPI_INT, MPI_MAX, comm));
   if (worst == 0) return;
-  PLM_CHECK_MPI(MPI_Comm_rank(comm, &rank));
-  PLM_CHECK_MPI(MPI_Comm_size(comm, &size));
+  const int rank = dist::commRank(comm), size = dist::commSize(comm);
   int mine = kind == worst ? rank : size, speaker = 0;
   PLM_CHECK_MPI(MPI_Allreduce(&mine, &speaker, 1, MPI_INT, MPI_MIN, comm));
   long long length = static_cast<long long>(message.size());

@@ -1,7 +1,7 @@
 // Moving tensor elements from one layout of a set of tensors to another over a communicator:
 // the sharded checkpoint path (src/ckpt/checkpoint.cpp) uses it between FSDP's shard layout
 // (each rank's slices of every sharding unit, train/fsdp.hpp) and a checkpoint's row layout
-// (each rank's io::rowRange rows of every tensor, back to back), in both directions.
+// (each rank's model::rowRange rows of every tensor, back to back), in both directions.
 //
 // Design choice: a layout is a list of segments per rank.  Every rank learns every rank's
 // segments (one all-gather of a few int64 per segment: O(tensors) per rank), so a sender and

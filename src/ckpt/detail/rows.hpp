@@ -1,5 +1,5 @@
 // How a checkpoint's tensors are split over ranks (src/ckpt/checkpoint.cpp): rank r of `world`
-// writes, and reads, rows io::rowRange(rows, r, world) of every tensor.  Those rows lie either
+// writes, and reads, rows model::rowRange(rows, r, world) of every tensor.  Those rows lie either
 // inside a full flat buffer (the full-layout path) or back to back in a compact buffer of this
 // rank's rows only (the sharded path, filled from the shards by detail::redistribute).
 #pragma once
@@ -16,7 +16,7 @@ namespace plm::ckpt::detail {
 
 /// Where this rank's rows of every tensor of a table lie in a host buffer.
 struct RowsLayout {
-  int rank = 0, world = 1;              // the row split (io::rowRange)
+  int rank = 0, world = 1;              // the row split (model::rowRange)
   std::vector<std::int64_t> first_row;  // per tensor: its first row of this rank
   std::vector<std::int64_t> row_count;  // per tensor: rows of this rank
   std::vector<std::int64_t> row_size;   // per tensor: elements per row

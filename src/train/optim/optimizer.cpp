@@ -3,8 +3,9 @@
 #include "core/error.hpp"
 #include "core/flat.hpp"
 #include "core/vocab.hpp"
-#include "train/adamw.hpp"
+#include "dist/process_groups.hpp"
 #include "train/optim/adafactor.hpp"
+#include "train/optim/adamw.hpp"
 #include "train/optim/adamw8bit.hpp"
 #include "train/optim/detail/subset.hpp"
 #include "train/optim/lion.hpp"
@@ -17,15 +18,12 @@ namespace plm::train {
 
 std::vector<FrozenRange> esm2FrozenRanges(const std::vector<model::TensorInfo>& tensors,
                                           int hidden) {
-  auto adapter = [](const std::string& name) {
-    return name.find(".lora_A.") != std::string::npos || name.find(".lora_B.") != std::string::npos;
-  };
   if (std::any_of(tensors.begin(), tensors.end(),
-                  [&](const model::TensorInfo& t) { return adapter(t.name); })) {
+                  [](const model::TensorInfo& t) { return t.lora; })) {
     // LoRA fine-tuning: every base tensor is frozen whole, only the adapters train.
     std::vector<FrozenRange> frozen;
     for (const auto& t : tensors)
-      if (!adapter(t.name) && t.offset >= 0) frozen.push_back({t.offset, t.size});
+      if (!t.lora && t.offset >= 0) frozen.push_back({t.offset, t.size});
     return frozen;
   }
   for (const auto& t : tensors) {
@@ -166,9 +164,7 @@ template <class P> void Optimizer<P>::setShardGroup(MPI_Comm shard) {
   if (shard_member != MPI_COMM_NULL) MPI_Comm_free(&shard_member);
   shard_member = MPI_COMM_NULL;
   if (shard == MPI_COMM_NULL) return;
-  int size = 1;
-  PLM_CHECK_MPI(MPI_Comm_size(shard, &size));
-  if (size > 1) PLM_CHECK_MPI(MPI_Comm_dup(shard, &shard_member));
+  if (dist::commSize(shard) > 1) PLM_CHECK_MPI(MPI_Comm_dup(shard, &shard_member));
 }
 
 template <class P> void Optimizer<P>::shardSum(std::vector<double>& values) const {

@@ -1,4 +1,4 @@
-// The AdamW element update, written once for AdamW (train/adamw.cpp) and 8-bit AdamW's fp32
+// The AdamW element update, written once for AdamW (train/optim/adamw.cpp) and 8-bit AdamW's fp32
 // moments and parameter step (train/optim/adamw8bit.cpp): torch.optim.AdamW's form, decay first.
 #pragma once
 

@@ -1,5 +1,5 @@
 // plm model file: config attributes + /model/<HF name> tensors written by row ranges.
-#include "io/model_file.hpp"
+#include "model/model_file.hpp"
 
 #include "core/error.hpp"
 #include "dist/process_groups.hpp"
@@ -7,7 +7,9 @@
 
 #include <set>
 
-namespace plm::io {
+namespace plm::model {
+
+namespace h5 = io::h5;
 
 namespace {
 
@@ -217,4 +219,4 @@ void readModelValues(const std::string& path, MPI_Comm comm, const model::Esm2Co
   readTensorGroup(file, comm, "model", tensors, values, path);
 }
 
-}  // namespace plm::io
+}  // namespace plm::model

@@ -1,4 +1,4 @@
-#include "train/adamw.hpp"
+#include "train/optim/adamw.hpp"
 
 #include "core/error.hpp"
 #include "core/flat.hpp"

@@ -1,11 +1,13 @@
-#include "io/head_file.hpp"
+#include "model/head_file.hpp"
 
 #include "core/error.hpp"
 #include "io/hdf5.hpp"
 #include "io/hdf5_group.hpp"
-#include "io/model_file.hpp"
+#include "model/model_file.hpp"
 
-namespace plm::io {
+namespace plm::model {
+
+namespace h5 = io::h5;
 
 bool hasHead(const std::string& path, MPI_Comm comm) {
   h5::Hid file = h5::openFile(path, comm);
@@ -55,4 +57,4 @@ void writeHead(hid_t file, MPI_Comm comm, const HeadData& head) {
   writeTensorGroup(file, comm, "head", table, flat.data());
 }
 
-}  // namespace plm::io
+}  // namespace plm::model

@@ -1,14 +1,14 @@
 // Hugging Face `EsmForMaskedLM` interoperability: config.json, the parameter table by Hugging
 // Face name, and conversion between a Hugging Face model directory (config.json +
 // model.safetensors, or a sharded model.safetensors.index.json) and a plm model file
-// (io/model_file.hpp).  doc/interop.md describes the mapping and what is supported.
+// (model/model_file.hpp).  doc/interop.md describes the mapping and what is supported.
 //
-// Design choices: the parameter table here is the *external* contract (what a transformers
-// directory holds), computed from the config alone, so converting needs no model instance and
-// the model's own tensors() is tested against it.  Conversion is strict: every ESM-2 tensor must
-// be present with its exact shape, a config that describes another architecture (ESM-1b's
-// absolute positions or emb_layer_norm_before, ESMFold, another vocabulary) is refused with a
-// message naming the key, and tensors that plm does not model are either known and reported
+// Design choices: the names, shapes and state-dict order come from the tensor table's rows
+// (model::tensorTable: TensorRow::name is the Hugging Face name, hf_order its position), so a
+// tensor is added in one place and converting needs no model instance.  Conversion is strict: every
+// ESM-2 tensor must be present with its exact shape, a config that describes another architecture
+// (ESM-1b's absolute positions or emb_layer_norm_before, ESMFold, another vocabulary) is refused
+// with a message naming the key, and tensors that plm does not model are either known and reported
 // (contact head, rotary/position buffers) or an error.  The contact head is kept in the plm
 // file under /hf_extra so that --to-hf gives back what --from-hf read.
 #pragma once
@@ -20,17 +20,17 @@
 #include <mpi.h>
 
 #include <cstdint>
-#include <functional>
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
 
-namespace plm::io::hf {
+namespace plm::model::hf {
 
 /// \brief The Hugging Face EsmForMaskedLM parameters of `config` (without the tied
-/// lm_head.decoder.weight and the non-parameter buffers), in state-dict order, with offsets of
-/// one flat buffer and the AdamW decay flag (Linear weights only).
+/// lm_head.decoder.weight, the non-parameter buffers and LoRA adapters): the rows of
+/// model::tensorTable(config) in state-dict order (TensorRow::hf_order), re-offset into one
+/// unpadded flat buffer (the safetensors layout).
 std::vector<model::TensorInfo> esmTensors(const model::Esm2Config& config);
 
 /// model_type of the documented plm format for Mixture-of-Experts models (doc/interop.md):
@@ -42,7 +42,7 @@ inline constexpr const char* moe_model_type = "plm-esm2-moe";
 /// settings (nonzero dropout, ...).  `any_esm_head`: accept any ESM architecture listed
 /// (EsmModel, EsmForSequenceClassification, ...; model.init_from loads their encoder), not only
 /// EsmForMaskedLM.
-model::Esm2Config configFromJson(const json::Value& config, const std::string& source,
+model::Esm2Config configFromJson(const io::json::Value& config, const std::string& source,
                                  std::vector<std::string>* warnings = nullptr,
                                  bool any_esm_head = false);
 /// \brief configFromJson of the file `config_json` (a model directory's config.json).
@@ -52,8 +52,8 @@ model::Esm2Config readConfigFile(const std::string& config_json,
 /// \brief The config.json transformers expects for `config` (EsmConfig fields, architectures
 /// ["EsmForMaskedLM"]); an MoE model gets plm's format (moe_model_type).  `torch_dtype` names
 /// the stored dtype ("float32", "bfloat16").
-json::Value configToJson(const model::Esm2Config& config,
-                         const std::string& torch_dtype = "float32");
+io::json::Value configToJson(const model::Esm2Config& config,
+                             const std::string& torch_dtype = "float32");
 
 /// \brief The tokenizer files of the ESM-2 vocabulary as transformers' EsmTokenizer reads them:
 /// file name -> contents (vocab.txt, tokenizer_config.json, special_tokens_map.json).
@@ -70,7 +70,7 @@ class Weights {
   explicit Weights(const std::string& path);
   std::vector<std::string> names() const;  // canonical names, sorted
   bool has(const std::string& name) const { return where_member.count(name) > 0; }
-  const safetensors::TensorEntry& entry(const std::string& name) const;
+  const io::safetensors::TensorEntry& entry(const std::string& name) const;
   /// \brief "`file` tensor \"stored name\"", for messages.
   std::string describe(const std::string& name) const;
   std::vector<float> read(const std::string& name) const;
@@ -79,7 +79,7 @@ class Weights {
                               std::int64_t row_count) const;
 
  private:
-  std::vector<std::unique_ptr<safetensors::Reader>> readers_member;
+  std::vector<std::unique_ptr<io::safetensors::Reader>> readers_member;
   std::map<std::string, std::pair<std::size_t, std::string>> where_member;  // -> reader, stored
 };
 
@@ -92,16 +92,11 @@ struct ConvertSummary {
   std::vector<std::string> warnings;
 };
 
-/// The tensor table of a model (model::tensorTable).  An MoE model's table is the model's own
-/// (experts by name), which plm_io cannot call (the model library links io, not the reverse), so
-/// the caller hands it over; dense models use esmTensors.
-using TableOf = std::function<std::vector<model::TensorInfo>(const model::Esm2Config&)>;
-
 /// \brief Collective over `comm`: reads `hf_dir` (config.json + model.safetensors or
 /// model.safetensors.index.json; an EsmForMaskedLM or plm's MoE format) and writes the plm
-/// model file `out`.
-ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm,
-                             const TableOf& moe_table = {});
+/// model file `out`.  Dense models are read in esmTensors' order; an MoE model in plm's format
+/// under its own table (model::tensorTable, experts by name).
+ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm);
 
 /// How `--to-hf` stores the weights.
 struct ExportOptions {
@@ -115,11 +110,6 @@ struct ExportOptions {
   // (EsmForSequenceClassification / EsmForTokenClassification, num_labels, id2label, and
   // problem_type regression for one output).  Mean pooling has no Hugging Face class: refused.
   std::string head;
-  // Folds a checkpoint's LoRA adapters into their weights (model::mergeLora, which plm_io
-  // cannot call, so the caller hands it over); a checkpoint with adapters is refused without it.
-  std::function<std::vector<float>(const model::Esm2Config&, const std::vector<model::TensorInfo>&,
-                                   const float*)>
-      lora_merge;
 };
 
 /// \brief "5GB", "500MB", "1.5GiB", "1000000" (bytes) -> bytes (as save_pretrained's
@@ -131,8 +121,9 @@ std::int64_t parseByteSize(const std::string& text);
 /// (model.safetensors, or shards and model.safetensors.index.json above
 /// options.max_shard_bytes; lm_head.decoder.weight as a copy of the embedding), creating
 /// `out_dir` if needed.  A Mixture-of-Experts model is written in plm's documented format
-/// (moe_model_type), which transformers does not load.
+/// (moe_model_type), which transformers does not load; a checkpoint's LoRA adapters are merged
+/// into their weights (model::mergeLora).
 ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir, MPI_Comm comm,
-                           const ExportOptions& options = {}, const TableOf& moe_table = {});
+                           const ExportOptions& options = {});
 
-}  // namespace plm::io::hf
+}  // namespace plm::model::hf

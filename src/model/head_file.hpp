@@ -12,7 +12,7 @@
 #include <string>
 #include <vector>
 
-namespace plm::io {
+namespace plm::model {
 
 struct HeadData {
   std::string task_kind;  // sequence_regression, sequence_classification, token_classification
@@ -31,4 +31,4 @@ HeadData readHead(const std::string& path, MPI_Comm comm);
 /// \brief Collective over `comm`: the attributes on `file`'s root and /head/<name> per tensor.
 void writeHead(hid_t file, MPI_Comm comm, const HeadData& head);
 
-}  // namespace plm::io
+}  // namespace plm::model

@@ -1,13 +1,14 @@
 // Hugging Face EsmForMaskedLM <-> plm model file.
-#include "io/hf_esm.hpp"
+#include "model/hf_esm.hpp"
 
 #include "core/error.hpp"
 #include "dist/process_groups.hpp"
 #include "io/hdf5.hpp"
 #include "io/hdf5_group.hpp"
-#include "io/head_file.hpp"
-#include "io/model_file.hpp"
 #include "io/safetensors.hpp"
+#include "model/head_file.hpp"
+#include "model/model_file.hpp"
+#include "model/tensor_table.hpp"
 
 #include <algorithm>
 #include <cctype>
@@ -21,7 +22,11 @@
 #include <set>
 #include <sstream>
 
-namespace plm::io::hf {
+namespace plm::model::hf {
+
+namespace h5 = io::h5;
+namespace json = io::json;
+namespace safetensors = io::safetensors;
 
 namespace fs = std::filesystem;
 
@@ -213,46 +218,18 @@ std::map<std::string, std::string> tokenizerFiles(std::int64_t model_max_length)
   return files;
 }
 
-std::vector<model::TensorInfo> esmTensors(const model::Esm2Config& c) {
-  std::vector<model::TensorInfo> t;
+std::vector<model::TensorInfo> esmTensors(const model::Esm2Config& config) {
+  model::Esm2Config plain = config;
+  plain.lora = model::LoraConfig{};  // adapters have no Hugging Face position
+  std::vector<model::TensorInfo> t = model::tensorTable(plain);
+  std::sort(t.begin(), t.end(), [](const model::TensorInfo& a, const model::TensorInfo& b) {
+    return a.hf_order < b.hf_order;
+  });
   std::int64_t offset = 0;
-  auto add = [&](const std::string& name, std::vector<std::int64_t> shape, bool decay) {
-    model::TensorInfo info;
-    info.name = name;
-    info.shape = std::move(shape);
-    info.size = 1;
-    for (auto d : info.shape) info.size *= d;
+  for (auto& info : t) {
     info.offset = offset;
-    info.weight_decay = decay;
     offset += info.size;
-    t.push_back(std::move(info));
-  };
-  const std::int64_t H = c.hidden, F = c.ffn, V = c.vocab;
-  add("esm.embeddings.word_embeddings.weight", {V, H}, false);
-  for (int l = 0; l < c.num_layers; ++l) {
-    const std::string p = "esm.encoder.layer." + std::to_string(l) + ".";
-    for (const char* proj : {"query", "key", "value"}) {
-      add(p + "attention.self." + proj + ".weight", {H, H}, true);
-      add(p + "attention.self." + proj + ".bias", {H}, false);
-    }
-    add(p + "attention.output.dense.weight", {H, H}, true);
-    add(p + "attention.output.dense.bias", {H}, false);
-    add(p + "attention.LayerNorm.weight", {H}, false);
-    add(p + "attention.LayerNorm.bias", {H}, false);
-    add(p + "intermediate.dense.weight", {F, H}, true);
-    add(p + "intermediate.dense.bias", {F}, false);
-    add(p + "output.dense.weight", {H, F}, true);
-    add(p + "output.dense.bias", {H}, false);
-    add(p + "LayerNorm.weight", {H}, false);
-    add(p + "LayerNorm.bias", {H}, false);
   }
-  add("esm.encoder.emb_layer_norm_after.weight", {H}, false);
-  add("esm.encoder.emb_layer_norm_after.bias", {H}, false);
-  add("lm_head.bias", {V}, false);
-  add("lm_head.dense.weight", {H, H}, true);
-  add("lm_head.dense.bias", {H}, false);
-  add("lm_head.layer_norm.weight", {H}, false);
-  add("lm_head.layer_norm.bias", {H}, false);
   return t;
 }
 
@@ -459,8 +436,7 @@ json::Value configToJson(const model::Esm2Config& c, const std::string& torch_dt
   return j;
 }
 
-ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm,
-                             const TableOf& moe_table) {
+ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, MPI_Comm comm) {
   const fs::path dir(hf_dir);
   if (!fs::is_directory(dir))
     throw Error("`" + hf_dir +
@@ -473,7 +449,7 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
                 "(config.json + model.safetensors)");
   ConvertSummary summary;
   // EsmForSequenceClassification / EsmForTokenClassification folders are read too: their
-  // classifier becomes the model file's /head (io/head_file.hpp).
+  // classifier becomes the model file's /head (model/head_file.hpp).
   summary.config = readConfigFile(config_path.string(), &summary.warnings, true);
   const json::Value config_json = json::parse(readText(config_path.string()), config_path.string());
   std::string head_kind;  // empty: no task head
@@ -495,10 +471,8 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
                   "reads an EsmModel's encoder)");
   }
   // An MoE model in plm's format is stored under plm's own table (doc/interop.md).
-  if (summary.config.moe.enabled() && !moe_table)
-    throw Error("plm::io::hf::convertFromHf: an MoE model needs the model's table (a bug)");
   const auto tensors =
-      summary.config.moe.enabled() ? moe_table(summary.config) : esmTensors(summary.config);
+      summary.config.moe.enabled() ? tensorTable(summary.config) : esmTensors(summary.config);
   const Weights weights(hf_dir);
   auto describe = [&](const std::string& name) { return weights.describe(name); };
   auto entry = [&](const std::string& name) -> const safetensors::TensorEntry& {
@@ -658,7 +632,7 @@ ConvertSummary convertFromHf(const std::string& hf_dir, const std::string& out, 
 }
 
 ConvertSummary convertToHf(const std::string& model_file, const std::string& out_dir, MPI_Comm comm,
-                           const ExportOptions& options, const TableOf& moe_table) {
+                           const ExportOptions& options) {
   if (options.dtype != "F32" && options.dtype != "BF16")
     throw Error("--dtype " + options.dtype + ": the export is written as fp32 or bf16");
   if (options.max_shard_bytes <= 0) throw Error("--max-shard-size must be positive");
@@ -678,14 +652,8 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
         std::string(moe_model_type) +
         "\", plm's tensor names; doc/interop.md): transformers has no ESM MoE class and does not "
         "load it; `plm convert --from-hf` reads it back");
-  // Dense models: the Hugging Face table; MoE: plm's own (experts by name).
-  if (moe && !moe_table)
-    throw Error("plm::io::hf::convertToHf: an MoE model needs the model's table (a bug)");
   const model::Esm2Config stored = summary.config;
   if (stored.lora.enabled()) {  // a checkpoint of a LoRA run: exported merged, as plain ESM-2
-    if (!options.lora_merge || !moe_table)
-      throw Error("plm::io::hf::convertToHf: `" + model_file +
-                  "` holds LoRA adapters and no merge was handed over (a bug)");
     if (moe)
       throw Error("plm convert --to-hf: `" + model_file +
                   "` holds LoRA adapters on a Mixture-of-Experts model, which the export does not "
@@ -696,15 +664,16 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
                                model::loraTargetNames(stored.lora.targets) +
                                ") merged into their weights: W + (alpha / rank) B A");
   }
-  const auto tensors = moe ? moe_table(summary.config) : esmTensors(summary.config);
+  // Dense models: the Hugging Face table; MoE: plm's own (experts by name).
+  const auto tensors = moe ? tensorTable(summary.config) : esmTensors(summary.config);
   std::vector<float> values(std::size_t(tensors.back().offset + tensors.back().size));
   if (stored.lora.enabled()) {
-    const auto adapted = moe_table(stored);
+    const auto adapted = tensorTable(stored);
     std::vector<float> raw(std::size_t(adapted.back().offset + adapted.back().size));
     readModelValues(model_file, comm, stored, adapted, raw.data());
-    const auto merged = options.lora_merge(stored, adapted, raw.data());
+    const auto merged = mergeLora(stored, adapted, raw.data());
     std::map<std::string, std::int64_t> at;
-    for (const auto& t : moe_table(summary.config)) at[t.name] = t.offset;
+    for (const auto& t : tensorTable(summary.config)) at[t.name] = t.offset;
     for (const auto& t : tensors)
       std::copy_n(merged.data() + at.at(t.name), t.size, values.data() + t.offset);
   } else {
@@ -877,4 +846,4 @@ ConvertSummary convertToHf(const std::string& model_file, const std::string& out
   return summary;
 }
 
-}  // namespace plm::io::hf
+}  // namespace plm::model::hf

@@ -29,7 +29,7 @@
 #include <string>
 #include <vector>
 
-namespace plm::io {
+namespace plm::model {
 
 inline constexpr const char* model_format = "plm-esm2";
 inline constexpr std::int64_t model_format_version = 1;
@@ -118,4 +118,4 @@ template <class Model> void readModelInto(const std::string& path, MPI_Comm comm
   Kokkos::deep_copy(device, host);
 }
 
-}  // namespace plm::io
+}  // namespace plm::model
