@@ -152,7 +152,9 @@
 #         where Nsight Systems is found, an nsys trace of 650M bf16 (8 steps, NVTX ranges per
 #         layer and op) with its NVTX and kernel summaries (nsys stats, CSV) copied to $OUT.
 #         Each train.profile run's <run_dir>/profile_layers.tsv (GPU ms per layer and kind) is
-#         kept in logs.tgz as profile_layers_<name>.tsv
+#         kept in logs.tgz as profile_layers_<name>.tsv.  PLM_PROFILE_RUNS="650m_det moe2b" runs
+#         only the runs named (650m_det 650m_nondet 650m_plain 650m_nondet_plain 650m_fp8 8m
+#         8m_plain 35m 35m_plain moe2b); PLM_PROFILE_NSYS=0 skips nsys
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -966,6 +968,7 @@ fi
 if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   prof_run() {  # name deck steps micro tokens_per_step profile [--set ...]
     local name=$1 deck=$2 steps=$3 micro=$4 tps=$5 prof=$6; shift 6
+    [[ -n "${PLM_PROFILE_RUNS:-}" && " $PLM_PROFILE_RUNS " != *" $name "* ]] && return
     local d="/tmp/plm-prof-$name"; rm -rf "$d"
     timeout 240 "$pkg/bin/plm" train "$repo/inputs/$deck.yaml" --set data.train="$pkg/data/train.h5" \
       --set data.valid= --set data.micro_batch_tokens=$micro --set data.tokens_per_batch=$tps \
@@ -1002,7 +1005,8 @@ print(out)" 2>&1 | tail -1)"
   prof_run moe2b esm2_650m 20 16384 65536 true --set train.precision=bf16 \
     --set model.preset=esm2_moe_2b_a650m --set moe.router_init=centred --set moe.dropless=true \
     --set parallel.expert_degree=1 --set moe.router_projection=true --set moe.bias_balance=true
-  nsys_bin=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys \
+  nsys_bin=""
+  [[ "${PLM_PROFILE_NSYS:-1}" == 0 ]] || nsys_bin=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys \
     /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
   if [[ -n "$nsys_bin" ]]; then
     d=/tmp/plm-prof-nsys; rm -rf "$d"; mkdir -p "$d"
