@@ -333,10 +333,6 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
                             "set shard_degree: " +
                             std::to_string(world_member / held.degree) +
                             " (and replicate_degree: 0)");
-    if (model_member->config().precision == model::Precision::Fp8)
-      throw collectiveError(what +
-                            "train.precision: fp8 is not implemented for this layout; use "
-                            "fp32 or bf16");
     if (model_member->contextDegree() > 1)
       throw collectiveError(what +
                             "parallel.context_degree > 1 is not implemented for this "
