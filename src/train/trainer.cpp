@@ -333,10 +333,6 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
                             "set shard_degree: " +
                             std::to_string(world_member / held.degree) +
                             " (and replicate_degree: 0)");
-    if (model_member->contextDegree() > 1)
-      throw collectiveError(what +
-                            "parallel.context_degree > 1 is not implemented for this "
-                            "layout; use context_degree: 1");
     PLM_CHECK_MPI(MPI_Comm_split(comm_member, held.rank, rank_member, &expert_groups_member.shard));
     PLM_CHECK_MPI(MPI_Comm_split(comm_member, rank_member / held.degree, rank_member,
                                  &expert_groups_member.replicate));
