@@ -24,7 +24,7 @@ mkdir -p "$out/bin" "$out/lib"
 bins=()
 [[ -x "$build/plm" ]] && bins+=("$build/plm")
 while IFS= read -r f; do bins+=("$f"); done < <(find "$build/test" "$build/bench" -maxdepth 3 -type f -executable \
-  \( -name 'test_gpu_*' -o -name 'test_fp8_gpu_*' -o -name 'test_fp8_training' -o -name 'test_train_fsdp' -o -name 'test_fp8_fsdp' -o -name 'test_dist_staged_communicator' -o -name 'test_fp8_moe' -o -name 'test_ckpt_moe_expert_parallel' -o -name 'bench_gpu*' -o -name 'gpu_parity_dump' \) 2>/dev/null | sort)
+  \( -name 'test_gpu_*' -o -name 'test_fp8_gpu_*' -o -name 'test_fp8_training' -o -name 'test_train_fsdp' -o -name 'test_fp8_fsdp' -o -name 'test_dist_staged_communicator' -o -name 'test_fp8_moe' -o -name 'test_ckpt_moe_expert_parallel' -o -name 'test_ckpt_moe_fsdp' -o -name 'bench_gpu*' -o -name 'gpu_parity_dump' \) 2>/dev/null | sort)
 for b in "${bins[@]}"; do cp "$b" "$out/bin/"; strip --strip-debug "$out/bin/$(basename "$b")" 2>/dev/null || true; done
 
 if [[ "${PLM_PKG_CTEST:-0}" == 1 ]]; then

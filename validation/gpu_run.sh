@@ -6,7 +6,7 @@
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
 #                                       finetune_encoder large_index layernorm lora big_buffer
-#                                       autotune_cached profile gemm_sk
+#                                       autotune_cached profile gemm_sk moe_fsdp
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -79,6 +79,10 @@
 #   moe_ep: expert parallelism on ONE GPU at 2 ranks (staged MPI) against 1 rank, bf16 (GELU and
 #         SwiGLU) and FP8 experts (test_ckpt_moe_expert_parallel, test_fp8_moe; PLM_MOE_EP_FILTER narrows
 #         test_fp8_moe), and the staged all-to-all-v with one-sided ranks
+#   moe_fsdp: FSDP with MoE on ONE GPU (staged MPI), test_ckpt_moe_fsdp at 2 ranks (shard 2)
+#         and 4 (expert 2 x shard 2): centred routers, bias balancing and evaluation against one
+#         rank (fp32, 1e-5), fp8 within 1e-3, context degree 2 against plain context
+#         parallelism, each resumed on another layout; PLM_MOE_FSDP_FILTER narrows it (gtest)
 #   moe_nccl: expert parallelism with one GPU per rank (NCCL all-to-all-v; nvidia-h100-x2 or
 #         -x4): test_ckpt_moe_expert_parallel and test_fp8_moe at 2 (and 4) ranks (expert degrees
 #         1/2/4 equal, resume across degrees, ranks holding only their experts, bf16 rows and FP8
@@ -599,6 +603,19 @@ if has moe_ep; then
       grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure|relative|expert degree" "$log" |
         sort -u | tee -a "$summary"
     done
+  done
+fi
+
+if has moe_fsdp; then
+  for np in 2 4; do
+    [[ -x "$pkg/bin/test_ckpt_moe_fsdp" ]] || { note "moe_fsdp: test_ckpt_moe_fsdp not packaged"; break; }
+    log="$out/moe_fsdp_np$np.log"
+    start=$(date +%s)
+    timeout ${PLM_MOE_FSDP_TIMEOUT:-300} mpiexec -n $np --oversubscribe "$pkg/bin/test_ckpt_moe_fsdp" \
+      --gtest_filter="${PLM_MOE_FSDP_FILTER:-*}" > "$log" 2>&1
+    note "moe_fsdp: test_ckpt_moe_fsdp np$np rc=$? $(( $(date +%s) - start ))s"
+    grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure|loss \[| OK " "$log" | sort -u |
+      head -40 | tee -a "$summary"
   done
 fi
 

@@ -1315,16 +1315,27 @@ template <class T> struct Esm2<T>::Impl {
     LayerActs acts;
     acts.ln2 = none;
     LayerScratch scratch;
-    for (auto* block : moe_blocks) block->forward(ctx, none, stream, stream, acts);
+    // The layer hooks fire as in a pass with tokens (FSDP gathers each layer's weights, the
+    // experts' included, and reduce-scatters its gradients in the same order on every rank).
+    std::vector<MoeMlp<T>*> block_of(config.num_layers, nullptr);
+    for (auto* block : moe_blocks) block_of[block->stats().layer] = block;
+    for (int l = 0; l < config.num_layers; ++l) {
+      if (hooks) hooks->beforeForward(l);
+      if (block_of[l]) block_of[l]->forward(ctx, none, stream, stream, acts);
+    }
     if (!backward) return;
-    for (auto it = moe_blocks.rbegin(); it != moe_blocks.rend(); ++it) {
-      if (config.recompute == Recompute::Layer) {
+    for (int l = config.num_layers - 1; l >= 0; --l) {
+      if (hooks) hooks->beforeBackward(l);
+      if (config.recompute != Recompute::None && hooks) hooks->beforeForward(l);
+      if (block_of[l] && config.recompute == Recompute::Layer) {
         moe_step.recomputing = true;
-        (*it)->forward(ctx, none, stream, stream, acts);
+        block_of[l]->forward(ctx, none, stream, stream, acts);
         moe_step.recomputing = false;
       }
-      (*it)->backward(ctx, acts, none, none, scratch);
+      if (block_of[l]) block_of[l]->backward(ctx, acts, none, none, scratch);
+      if (hooks) hooks->afterBackward(l);
     }
+    if (hooks) hooks->afterModelBackward();
   }
 
   LayerActs& actsFor(int layer) { return w.acts[w.acts.size() == 1 ? 0 : layer]; }
@@ -1717,6 +1728,16 @@ template <class T>
 std::vector<RouterCentring> Esm2<T>::centreRouters(const std::vector<data::MicroBatch>& batches,
                                                    MPI_Comm comm) {
   auto& im = *impl_member;
+  std::vector<RouterCentring> out = routerInputMeans(batches, comm);
+  for (std::size_t i = 0; i < out.size(); ++i)
+    if (!out[i].mean.empty()) im.moe_blocks[i]->centreRouter(im.ctx, out[i].mean);
+  return out;
+}
+
+template <class T> std::vector<RouterCentring> Esm2<T>::routerInputMeans(
+    const std::vector<data::MicroBatch>& batches, MPI_Comm comm,
+    const std::function<void(const data::MicroBatch&)>& pass) {
+  auto& im = *impl_member;
   if (im.moe_blocks.empty()) return {};
   for (auto* block : im.moe_blocks) block->takeRouterInputSums();  // nothing from before
   struct Off {  // the flag goes down on every path out (a collective error included)
@@ -1724,7 +1745,12 @@ std::vector<RouterCentring> Esm2<T>::centreRouters(const std::vector<data::Micro
     ~Off() { on = false; }
   } off{im.centring};
   im.centring = true;
-  for (const auto& batch : batches) forward(batch);
+  for (const auto& batch : batches) {
+    if (pass)
+      pass(batch);
+    else
+      forward(batch);
+  }
   im.centring = false;
   // Per layer: the input sum (H), the tokens and the power, summed over all ranks in one go.
   const std::size_t h = static_cast<std::size_t>(im.config.hidden), per = h + 2;
@@ -1751,7 +1777,7 @@ std::vector<RouterCentring> Esm2<T>::centreRouters(const std::vector<data::Micro
         norm2 += v * v;
       }
       r.mean_share = at[h + 1] > 0 ? norm2 / (at[h + 1] / r.tokens) : 0.0;
-      im.moe_blocks[i]->centreRouter(im.ctx, mean);
+      r.mean = std::move(mean);
     }
     out.push_back(r);
   }

@@ -20,6 +20,7 @@
 #include "model/tensor_table.hpp"
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -261,6 +262,13 @@ template <class T> class Esm2 {
   /// model.  Returns per MoE layer the tokens seen and the share of the mean.
   std::vector<RouterCentring> centreRouters(const std::vector<data::MicroBatch>& batches,
                                             MPI_Comm comm);
+  /// \brief The passes and means of centreRouters without centring the stored routers: for a
+  /// caller that holds them elsewhere (FSDP's master shards, train::MoeRun), which centres its
+  /// rows on each layer's RouterCentring::mean.  `pass` runs a micro-batch's forward in place of
+  /// forward() (FSDP's gathered forwardOnly); the same collective rules apply.
+  std::vector<RouterCentring> routerInputMeans(
+      const std::vector<data::MicroBatch>& batches, MPI_Comm comm,
+      const std::function<void(const data::MicroBatch&)>& pass = {});
   /// \brief moe.router_projection, after an optimizer step: every MoE layer's router (fp32
   /// master) made orthogonal to the mean of its input over the step's training forwards, summed
   /// over `comm` (every rank that saw other tokens), W <- W - (W m) m^T / |m|^2, on the device.

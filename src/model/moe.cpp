@@ -1429,23 +1429,32 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   }
 }
 
+std::vector<double> biasBalanceStep(const MoeConfig& c, const std::vector<double>& routed) {
+  PLM_REQUIRE(static_cast<int>(routed.size()) == c.experts,
+              "plm::model::biasBalanceStep: one routed count per expert (a bug)");
+  const double mean = std::accumulate(routed.begin(), routed.end(), 0.0) / c.experts;
+  std::vector<double> out(routed.size());
+  for (std::size_t e = 0; e < routed.size(); ++e) {
+    const double diff = mean - routed[e];
+    const double step = c.bias_update == BiasUpdate::Proportional ? (mean > 0 ? diff / mean : 0.0)
+                                                                  : (diff > 0   ? 1.0
+                                                                     : diff < 0 ? -1.0
+                                                                                : 0.0);
+    out[e] = c.bias_rate * step;
+  }
+  return out;
+}
+
 template <class T> void MoeMlp<T>::balanceBias(OpContext& ctx, const std::vector<double>& routed) {
   auto& s = *state_member;
   if (!s.c.bias_balance || s.w.expert_bias.empty()) return;
   const int e_n = s.c.experts;
-  const double mean = std::accumulate(routed.begin(), routed.end(), 0.0) / e_n;
+  const std::vector<double> step = biasBalanceStep(s.c, routed);
   std::vector<T> b(e_n);
   auto dev = s.w.expert_bias.template view<T>();
   Kokkos::deep_copy(ctx.space(), Kokkos::View<T*, HostSpace>(b.data(), e_n), dev);
   ctx.space().fence();
-  for (int e = 0; e < e_n; ++e) {
-    const double diff = mean - routed[e];
-    const double step = s.c.bias_update == BiasUpdate::Proportional ? (mean > 0 ? diff / mean : 0.0)
-                                                                    : (diff > 0   ? 1.0
-                                                                       : diff < 0 ? -1.0
-                                                                                  : 0.0);
-    b[e] += static_cast<T>(s.c.bias_rate * step);
-  }
+  for (int e = 0; e < e_n; ++e) b[e] += static_cast<T>(step[e]);
   Kokkos::deep_copy(ctx.space(), dev, Kokkos::View<const T*, HostSpace>(b.data(), e_n));
   ctx.space().fence();
 }

@@ -157,6 +157,12 @@ struct RouterInputSums {
 /// m.  Nothing when m = 0.  Host, double arithmetic.
 template <class T> void centreRows(std::vector<T>& w, int experts, const std::vector<double>& m);
 
+/// \brief The bias_balance increment of one layer's selection bias (E) from the slots routed to
+/// each expert over a step, summed over all ranks: bias_rate toward the mean load (sign or
+/// proportional, MoeConfig::bias_update).  What MoeMlp::balanceBias adds; a caller holding the
+/// bias elsewhere (FSDP's master shards) adds the same numbers.
+std::vector<double> biasBalanceStep(const MoeConfig& c, const std::vector<double>& routed);
+
 /// The expert-parallel group of an MoE layer (not owned; nullptr = every expert local).
 struct ExpertParallel {
   dist::Communicator* comm = nullptr;

@@ -147,8 +147,9 @@ struct MoeLayerStats {
 /// One MoE layer's router input over the passes of Esm2::centreRouters (summed over all ranks).
 struct RouterCentring {
   int layer = 0;
-  double tokens = 0;      // tokens seen
-  double mean_share = 0;  // |mean input|^2 / mean |input|^2: the part every token shares
+  double tokens = 0;         // tokens seen
+  double mean_share = 0;     // |mean input|^2 / mean |input|^2: the part every token shares
+  std::vector<double> mean;  // (H) the mean router input (empty when no token was seen)
 };
 
 }  // namespace plm::model

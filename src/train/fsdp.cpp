@@ -1200,6 +1200,72 @@ void Fsdp<P>::gatherRanges(const ExecSpace& space,
   m.reshardAll();  // the outer units' buffers held masters, not their gathered state
 }
 
+template <class P> std::vector<P> Fsdp<P>::readParameters(const ExecSpace& space,
+                                                          std::int64_t offset, std::int64_t count) {
+  Impl& m = *impl_member;
+  m.space = space;
+  m.reshardAll();
+  std::vector<P> out(static_cast<std::size_t>(count));
+  for (int u = 0; u < static_cast<int>(m.units.size()); ++u) {
+    const ShardUnit& su = m.units[u];
+    const std::int64_t a = std::max(offset, su.offset);
+    const std::int64_t b = std::min(offset + count, su.offset + su.count);
+    if (a >= b) continue;  // the same units on every rank: the range is the same
+    const View1<P> staging = m.isOuter(u) ? m.outerParams(u) : m.slots.front();
+    m.launchGather(u, staging.data(), true).wait(dist::streamOf(space));
+    Kokkos::deep_copy(space, HostView1<P>(out.data() + (a - offset), b - a),
+                      Kokkos::subview(staging, std::make_pair(a - su.offset, b - su.offset)));
+    space.fence();
+  }
+  m.reshardAll();  // the outer units' buffers held masters, not their gathered state
+  return out;
+}
+
+namespace {
+// f(master element, j) over this rank's pieces of [offset, offset + n): i in the shard, j in
+// the range (the separate parameters follow); on the host, for a few elements at a time (router
+// rows, selection biases).
+template <class P, class F>
+void editOwned(const ExecSpace& space, const std::vector<ShardUnit>& units, int rank,
+               Optimizer<P>& opt, std::int64_t offset, std::int64_t n, F&& f) {
+  const View1<master_t> master = opt.master();
+  forOwnedPieces(units, rank, offset, n,
+                 [&](std::int64_t local, std::int64_t global, std::int64_t c) {
+                   const auto range = std::make_pair(local, local + c);
+                   auto hm = Kokkos::create_mirror_view_and_copy(Kokkos::HostSpace(),
+                                                                 Kokkos::subview(master, range));
+                   for (std::int64_t k = 0; k < c; ++k) f(hm(k), global - offset + k);
+                   Kokkos::deep_copy(space, Kokkos::subview(master, range), hm);
+                   space.fence();
+                 });
+  if (!opt.mastersAlias()) opt.syncParameters(space);
+}
+}  // namespace
+
+template <class P> void Fsdp<P>::writeParameters(const ExecSpace& space, std::int64_t offset,
+                                                 const std::vector<P>& values) {
+  Impl& m = *impl_member;
+  m.space = space;
+  m.reshardAll();
+  editOwned(space, m.units, m.shard_comm->rank(), *m.optimizer, offset,
+            static_cast<std::int64_t>(values.size()),
+            [&](master_t& x, std::int64_t j) { x = static_cast<master_t>(values[j]); });
+  m.mastersChanged();
+  space.fence();
+}
+
+template <class P> void Fsdp<P>::addToParameters(const ExecSpace& space, std::int64_t offset,
+                                                 const std::vector<double>& deltas) {
+  Impl& m = *impl_member;
+  m.space = space;
+  m.reshardAll();
+  editOwned(space, m.units, m.shard_comm->rank(), *m.optimizer, offset,
+            static_cast<std::int64_t>(deltas.size()),
+            [&](master_t& x, std::int64_t j) { x += static_cast<master_t>(deltas[j]); });
+  m.mastersChanged();
+  space.fence();
+}
+
 template <class P> void Fsdp<P>::reshardAll(const ExecSpace& space) {
   impl_member->space = space;
   impl_member->reshardAll();

@@ -172,6 +172,18 @@ template <class P> class Fsdp {
   /// only the pages of the ranges become resident).
   void gatherRanges(const ExecSpace& space,
                     const std::vector<std::pair<std::int64_t, std::int64_t>>& ranges, P* host);
+  /// \brief Collective over the shard group: the values of the model's flat parameter elements
+  /// [offset, offset + count) (the fp32 masters, all-gathered unit by unit), on the host.
+  std::vector<P> readParameters(const ExecSpace& space, std::int64_t offset, std::int64_t count);
+  /// \brief Sets elements [offset, offset + values.size()) of the model's flat parameters:
+  /// each rank writes the pieces it owns into its masters (every rank of the shard group and
+  /// its replicas passes the same values), then every derived copy follows.  No communication.
+  void writeParameters(const ExecSpace& space, std::int64_t offset, const std::vector<P>& values);
+  /// \brief Adds `deltas` (each cast to the master type first, as a whole-model update adds
+  /// it) to elements [offset, offset + deltas.size()) of the model's flat parameters, as
+  /// writeParameters does: the bias_balance update of a selection bias.  No communication.
+  void addToParameters(const ExecSpace& space, std::int64_t offset,
+                       const std::vector<double>& deltas);
   /// \brief Reshards every unit and frees the model's whole buffer (with `poison`: the layers'
   /// views point at NaN).
   void reshardAll(const ExecSpace& space);

@@ -5,6 +5,8 @@
 #include "dist/allreduce.hpp"
 #include "dist/communicator.hpp"
 #include "dist/process_groups.hpp"
+#include "model/moe.hpp"
+#include "train/fsdp.hpp"
 #include "train/step.hpp"
 
 #include <algorithm>
@@ -124,11 +126,32 @@ MoeRun<P>::MoeRun(const Teuchos::ParameterList& deck, model::Esm2<P>& model, MPI
 template <class P> MoeRun<P>::~MoeRun() = default;
 
 template <class P> void MoeRun<P>::centreRouters(model::Esm2<P>& model,
-                                                 const std::vector<data::MicroBatch>& first_step) {
+                                                 const std::vector<data::MicroBatch>& first_step,
+                                                 Fsdp<P>* sharded) {
   const auto& moe = model.config().moe;
   if (!moe.enabled() || moe.router_init != model::RouterInit::Centred) return;
-  const auto layers = model.centreRouters(
-      model.expertParallel() ? padForExperts(first_step, comm_member) : first_step, comm_member);
+  // Collective passes (expert parallelism, FSDP's gathers): as many on every rank, empty ones
+  // first.
+  const std::vector<data::MicroBatch> batches = model.expertParallel() || sharded != nullptr
+                                                    ? padForExperts(first_step, comm_member)
+                                                    : first_step;
+  std::vector<model::RouterCentring> layers;
+  if (sharded == nullptr) {
+    layers = model.centreRouters(batches, comm_member);
+  } else {
+    const ExecSpace space;
+    layers = model.routerInputMeans(batches, comm_member, [&](const data::MicroBatch& mb) {
+      sharded->forwardOnly(space, &mb);
+    });
+    for (const auto& l : layers) {
+      if (l.mean.empty()) continue;  // the same on every rank: the sums are all-reduced
+      const auto& router =
+          model.tensor("esm.encoder.layer." + std::to_string(l.layer) + ".moe.router.weight");
+      std::vector<P> rows = sharded->readParameters(space, router.offset, router.size);
+      model::centreRows(rows, moe.experts, l.mean);
+      sharded->writeParameters(space, router.offset, rows);
+    }
+  }
   if (layers.empty()) return;
   double least = 1, most = 0;
   for (const auto& l : layers) {
@@ -141,7 +164,7 @@ template <class P> void MoeRun<P>::centreRouters(model::Esm2<P>& model,
       layers.front().tokens, 100 * least, 100 * most, layers.size());
 }
 
-template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model, bool masters_here) {
+template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model, Fsdp<P>* sharded) {
   auto stats = model.moeStats();
   model.resetMoeStats();
   if (stats.empty()) return;
@@ -174,8 +197,15 @@ template <class P> void MoeRun<P>::afterStep(model::Esm2<P>& model, bool masters
   }
   steps_member += 1;
   last_routed_member = routed;
-  if (model.config().moe.bias_balance) model.balanceExpertBias(routed);
-  if (model.config().moe.router_projection && masters_here) model.projectRouters(comm_member);
+  const auto& moe = model.config().moe;
+  if (moe.bias_balance && sharded == nullptr) model.balanceExpertBias(routed);
+  if (moe.bias_balance && sharded != nullptr)
+    for (std::size_t i = 0; i < stats.size(); ++i) {
+      const auto& bias = model.tensor("esm.encoder.layer." + std::to_string(stats[i].layer) +
+                                      ".moe.router.expert_bias");
+      sharded->addToParameters(ExecSpace(), bias.offset, model::biasBalanceStep(moe, routed[i]));
+    }
+  if (moe.router_projection && sharded == nullptr) model.projectRouters(comm_member);
 }
 
 template <class P> std::vector<MoeLayerSummary> MoeRun<P>::takeInterval() {

@@ -22,6 +22,8 @@ class ProcessGroups;
 
 namespace plm::train {
 
+template <class P> class Fsdp;
+
 /// \brief Fills config.moe from the deck's `moe` section over the preset's values (0 = the
 /// preset's, then the section's defaults: top_k 2, every 1, expert_ffn = ffn / top_k).
 void applyMoeSection(const Teuchos::ParameterList& deck, model::Esm2Config& config);
@@ -50,13 +52,17 @@ template <class P> class MoeRun {
 
   /// \brief Collective: moe.router_init: centred (nothing otherwise, or for a dense model):
   /// centres the routers on the router inputs of `first_step`, this rank's micro-batches of the
-  /// first training step (Esm2::centreRouters), and logs what it removed.
-  void centreRouters(model::Esm2<P>& model, const std::vector<data::MicroBatch>& first_step);
+  /// first training step (Esm2::centreRouters), and logs what it removed.  `sharded` (FSDP):
+  /// the passes are its gathered forwards (every rank runs as many) and each router is read
+  /// from the shards, centred and written back (the same arithmetic as one rank's).
+  void centreRouters(model::Esm2<P>& model, const std::vector<data::MicroBatch>& first_step,
+                     Fsdp<P>* sharded = nullptr);
   /// \brief Collective: reduces this step's routing statistics over all ranks, applies the
-  /// bias_balance update and, with moe.router_projection where the model holds its masters
-  /// (`masters_here`: not under sharding), the router projection (Esm2::projectRouters), and
-  /// adds the statistics to the interval.
-  void afterStep(model::Esm2<P>& model, bool masters_here = true);
+  /// bias_balance update (`sharded`: to the selection biases' pieces in the master shards, so
+  /// every rank holding a piece adds the same numbers) and, with moe.router_projection where
+  /// the model holds its masters (not under sharding), the router projection
+  /// (Esm2::projectRouters), and adds the statistics to the interval.
+  void afterStep(model::Esm2<P>& model, Fsdp<P>* sharded = nullptr);
   /// \brief The interval's statistics per MoE layer (then starts a new interval).
   std::vector<MoeLayerSummary> takeInterval();
   /// \brief Compact: worst max/mean load over layers, mean dropped fraction, aux loss.

@@ -197,12 +197,16 @@ template <class P> BatchStats accumulateGradients(const ExecSpace& space, model:
       model::Esm2<P>& m;
       ~Unhook() { m.setHooks(nullptr); }
     } unhook{model};
+    // A rank without a micro-batch (an empty one, expert parallelism's idle pass) marks every
+    // range after the loop instead.
+    const bool idle_last =
+        local.empty() || (local.back().numTokens() == 0 && !local.back().context);
     for (std::size_t i = 0; i < local.size(); ++i) {
-      model.setHooks(i + 1 == local.size() ? &hooks : nullptr);
+      model.setHooks(i + 1 == local.size() && !idle_last ? &hooks : nullptr);
       s.loss_sum += model.forwardBackward(local[i], grad_scale, false);
     }
     model.setHooks(nullptr);
-    if (local.empty() || (local.back().numTokens() == 0 && !local.back().context))
+    if (idle_last)
       sync.readyAll(space);  // a rank with no micro-batch this step (a shard ran the hooks)
     phase::set("gradient all-reduce (finish)");
     sync.finish(space);

@@ -167,26 +167,6 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
   lo.world = context_member->dataSize();
   lo.prefetch = d.get<int>("prefetch");
   train_loader_member = std::make_unique<data::Loader>(lo);
-  // moe.router_init: centred: the routers start centred on the first step's router inputs (a
-  // forward pass over that step, whose micro-batches step 1 then trains on). Before sharding:
-  // it changes the whole model's router rows. A resumed run loads its routers after this.
-  if (shards && config.moe.enabled() && config.moe.bias_balance)
-    throw collectiveError(
-        "moe.bias_balance: true with parallel.shard_degree > 1 is not implemented (the bias "
-        "update after a step writes the whole model's rows, not the shards); set "
-        "moe.bias_balance: false or parallel.shard_degree: 1");
-  if (config.moe.enabled() && config.moe.router_init == model::RouterInit::Centred) {
-    if (shards)  // the centring pass reads the whole model, which a sharded run never builds
-      throw collectiveError(
-          "moe.router_init: centred with parallel.shard_degree > 1 is not implemented (the "
-          "centring pass runs on the whole model, which a sharded run never holds); set "
-          "moe.router_init: normal");
-    const data::Cursor start = train_loader_member->cursor();
-    moe_member->centreRouters(*model_member,
-                              context_member->shard(train_loader_member->nextStep()));
-    train_loader_member->seek(start);
-  }
-
   optimizer_options_member = optimizerOptionsFromDeck(o);
   clip_norm_member = o.get<double>("clip_grad_norm");
   setUpSharding(*deck);
@@ -194,7 +174,17 @@ Trainer::Trainer(Teuchos::RCP<const Teuchos::ParameterList> deck, MPI_Comm comm)
               "train: the model's buffers and the sharding layout disagree (a bug)");
   if (fsdp_member)  // each rank draws its slices of every tensor's own random stream
     fsdp_member->initialize(ExecSpace(), state_member.init_seed);
-  else  // sharded runs allocate the full-layout state only for checkpoints
+  // moe.router_init: centred: the routers start centred on the first step's router inputs (a
+  // forward pass over that step, whose micro-batches step 1 then trains on). Sharded: the
+  // passes gather unit by unit and each router is centred through the shards. Before the
+  // optimizer takes the masters; a resumed run loads its routers after this.
+  if (config.moe.enabled() && config.moe.router_init == model::RouterInit::Centred) {
+    const data::Cursor start = train_loader_member->cursor();
+    moe_member->centreRouters(*model_member, context_member->shard(train_loader_member->nextStep()),
+                              fsdp_member.get());
+    train_loader_member->seek(start);
+  }
+  if (!fsdp_member)  // sharded runs allocate the full-layout state only for checkpoints
     optimizer_member = makeOptimizer<param_t>(
         optimizer_options_member, model_member->parameters(),
         wholeLayout(model_member->tensors(), model_member->bufferElements(),
@@ -341,19 +331,6 @@ void Trainer::setUpSharding(const Teuchos::ParameterList& deck) {
                             "set shard_degree: " +
                             std::to_string(world_member / held.degree) +
                             " (and replicate_degree: 0)");
-    if (model_member->config().precision == model::Precision::Fp8)
-      throw collectiveError(what +
-                            "train.precision: fp8 is not implemented for this layout; use "
-                            "fp32 or bf16");
-    if (!deck.sublist("data").get<std::string>("valid").empty())
-      throw collectiveError(what +
-                            "evaluation (data.valid) is not implemented for this layout; "
-                            "set data.valid: \"\" and evaluate the final model.h5 with "
-                            "plm eval");
-    if (model_member->contextDegree() > 1)
-      throw collectiveError(what +
-                            "parallel.context_degree > 1 is not implemented for this "
-                            "layout; use context_degree: 1");
     PLM_CHECK_MPI(MPI_Comm_split(comm_member, held.rank, rank_member, &expert_groups_member.shard));
     PLM_CHECK_MPI(MPI_Comm_split(comm_member, rank_member / held.degree, rank_member,
                                  &expert_groups_member.replicate));
@@ -479,7 +456,7 @@ Trainer::RunEnd Trainer::run() {
       st = finishStep(space, *model_member, *optimizer_member, batch, lr, clip_norm_member,
                       comm_member);
     }
-    moe_member->afterStep(*model_member, fsdp_member == nullptr);
+    moe_member->afterStep(*model_member, fsdp_member.get());
     phase::set("between steps");
     if (steps_this_run_member == 0) {
       const double used = dist::allreduceMax(static_cast<double>(memoryInUse()), comm_member);
