@@ -4,8 +4,8 @@
 // compared with the 1-rank run of the same deck, one table row per layout:
 //  - the per-step losses within 1e-5 relative (fp32: only the summation order differs) or, for
 //    FP8, within doc/fp8.md's rank bound (1e-3 relative in the losses, delayed scaling: a
-//    one-ulp difference of order moves an operand to a neighbouring FP8 code now and then), and
-//    the per-step token and masked-token counts equal (the same data);
+//    one-ulp difference from another summation order moves an operand to a neighbouring FP8
+//    code now and then), and the per-step token and masked-token counts equal (the same data);
 //  - layouts plm refuses are rows too: the refusal must be a collective error naming each part
 //    of the combination (its deck keys); a refused row that starts to run fails, saying to flip
 //    the row to a running one;
