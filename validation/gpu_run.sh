@@ -125,7 +125,11 @@
 #   staged: multi-rank tests on ONE GPU through staged MPI (dist::Backend::MpiStaged: device
 #         buffers through pinned host buffers and MPI; doc/parallelism.md "Communication
 #         backends"): the staged communicator against plain MPI, FSDP, expert and context
-#         parallelism and the gradient buckets at 2 (and 4) ranks sharing the GPU
+#         parallelism and the gradient buckets at 2 (and 4) ranks sharing the GPU; then the
+#         composition matrix (test_train_composition at 2 and 4 ranks: FSDP x experts x context
+#         x FP8 in pairs and triples against one rank, refusals, resume across layouts) with its
+#         high-precision rows in fp32 and again in bf16 (PLM_COMPOSITION_PRECISION=bf16); the
+#         table is in staged_test_train_composition*_np*.log ("composition matrix at")
 #   big_buffer: plm train of a 7.58B-parameter model (ESM-2 15B's layer shape, 24 layers, Lion,
 #         bf16, layer recompute) on one GPU: whole-model buffers of 7.58e9 elements (> 2^32, as a
 #         15B shard of 2), PLM_BIG_STEPS steps (default 6) of 4 x 8192 tokens: start-up line,
@@ -798,7 +802,7 @@ if has staged && [[ -d "$tree" ]]; then
   for run in "dist/test_dist_staged_communicator 1 2 4" "dist/test_dist_gradient_buckets 2 4" \
              "train/test_train_fsdp 2 4" "ckpt/test_ckpt_fsdp_resume 4" \
              "context/test_context_model 2" \
-             "train/test_train_optimizer_shards 2"; do
+             "train/test_train_optimizer_shards 2" "train/test_train_composition 2 4"; do
     set -- $run
     t=$1; shift
     for np in "$@"; do
@@ -808,6 +812,16 @@ if has staged && [[ -d "$tree" ]]; then
       note "staged: $(basename "$t") np$np rc=$? $(( $(date +%s) - start ))s"
       grep -E "collectives over|PASSED|FAILED|SKIPPED|Failure" "$log" | sort -u | tee -a "$summary"
     done
+  done
+  # The composition matrix with its fp32 rows in bf16 (the FP8 rows run in both passes); the
+  # GPU rows are held to 1e-2 (test_composition.cpp says why).
+  for np in 2 4; do
+    log="$out/staged_test_train_composition_bf16_np$np.log"
+    start=$(date +%s)
+    PLM_COMPOSITION_PRECISION=bf16 timeout 600 mpiexec -n $np --oversubscribe \
+      "$tree/train/test_train_composition" > "$log" 2>&1
+    note "staged: test_train_composition bf16 np$np rc=$? $(( $(date +%s) - start ))s"
+    grep -E "PASSED|FAILED|Failure| pass$| FAIL$|refused|REFUSED|RUNS" "$log" | tee -a "$summary"
   done
 fi
 

@@ -1143,7 +1143,9 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
       partial);
   // Replicas hold the same shard after the all-reduce: the shard group alone has every element.
   // Routed experts differ between replicas (each holds its expert-group position's): their
-  // pieces are summed over every rank instead, so each expert counts once.
+  // pieces are summed over every rank instead, so each expert counts once.  That sum is
+  // collective whatever this rank's slices hold: with small experts a rank's slice of every
+  // layer may hold none of them (moe.expert_ffn 16 at hidden 32, test_train_composition).
   double experts = 0.0;
   for (const auto& [offset, count] : m.expert_pieces) {
     double piece = 0.0;
@@ -1156,8 +1158,9 @@ template <class P> StepStats Fsdp<P>::step(const ExecSpace& space,
         piece);
     experts += piece;
   }
-  st.grad_norm = std::sqrt(dist::allreduceSum(partial - experts, m.shard_mpi) +
-                           (m.expert_pieces.empty() ? 0.0 : dist::allreduceSum(experts, comm)));
+  st.grad_norm =
+      std::sqrt(dist::allreduceSum(partial - experts, m.shard_mpi) +
+                (m.model.expertPlacement().sharded() ? dist::allreduceSum(experts, comm) : 0.0));
   if (!std::isfinite(st.grad_norm) || !std::isfinite(st.loss_sum)) {
     st.applied = false;  // the norm and the loss are all-reduced: every rank gets here
     st.nonfinite = true;
