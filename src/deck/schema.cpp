@@ -262,7 +262,7 @@ const std::vector<KeySpec>& keys() {
        "so it skips the timing. Off by default: timing noise can pick a different algorithm in "
        "a fresh run directory, so two such runs need not agree bit for bit. GPU runs only.",
        any(), {}},
-      {"train", "gemm_split", K::text, "off",
+      {"train", "gemm_split", K::text, "streamk",
        "How the bf16 GEMMs whose output has too few tiles to keep every SM busy (the weight "
        "gradients, K = tokens) are spread over the GPU: off = cuBLASLt's choice; splitk = K "
        "split by cuBLASLt where a cost model expects it 10% faster; streamk = CUTLASS's "
