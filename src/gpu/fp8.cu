@@ -667,13 +667,16 @@ bool vectorRows(const void* p, std::int64_t ld, int n, int elem) {
 
 int elemBytes(DType t) { return t == DType::BF16 ? 2 : 4; }
 
-// Blocks of a grid-stride kernel: as many as are resident at once (`per_sm` of the kernel on
-// each multiprocessor), at most `tiles`.
-unsigned residentGrid(const void* kernel, int threads, std::int64_t tiles) {
+// Blocks of a kernel that fit on one multiprocessor at once.
+int blocksPerSm(const void* kernel, int threads) {
   int per_sm = 0;
   PLM_CHECK_CUDA(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-  const std::int64_t resident =
-      static_cast<std::int64_t>(multiprocessorCount()) * (per_sm > 0 ? per_sm : 1);
+  return per_sm > 0 ? per_sm : 1;
+}
+
+// Blocks of a grid-stride kernel: as many as are resident at once, at most `tiles`.
+unsigned residentGrid(int per_sm, std::int64_t tiles) {
+  const std::int64_t resident = static_cast<std::int64_t>(multiprocessorCount()) * per_sm;
   return static_cast<unsigned>(tiles < resident ? tiles : resident);
 }
 
@@ -761,9 +764,12 @@ void castFp8(Stream stream, const Fp8CastArgs& a) {
                (a.cols + kTileCols - 1) / kTileCols,
                0};
   p.tiles = p.col_tiles * ((a.rows + kTile - 1) / kTile);
-  const void* kernel = bf16 ? reinterpret_cast<const void*>(castKernel<__nv_bfloat16>)
-                            : reinterpret_cast<const void*>(castKernel<float>);
-  const unsigned blocks = residentGrid(kernel, kThreads, p.tiles);
+  // Occupancy of each instantiation, asked once (it depends on the architecture alone).
+  static const int per_sm_bf16 =
+      blocksPerSm(reinterpret_cast<const void*>(castKernel<__nv_bfloat16>), kThreads);
+  static const int per_sm_f32 =
+      blocksPerSm(reinterpret_cast<const void*>(castKernel<float>), kThreads);
+  const unsigned blocks = residentGrid(bf16 ? per_sm_bf16 : per_sm_f32, p.tiles);
   if (bf16)
     castKernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(p);
   else
