@@ -85,8 +85,16 @@ template <class In, int N> struct Vec;
 
 template <int N> struct Vec<__nv_bfloat16, N> {
   unsigned w[N / 2];
+  // Widened at each use: volatile, so that the compiler keeps the packed words rather than
+  // hoisting 2N floats across the kernel (which spilled the block cast at 3 blocks per
+  // multiprocessor; this way it fits 4 in 64 registers).
   __device__ __forceinline__ float operator[](int j) const {
-    return __uint_as_float(j % 2 ? w[j / 2] & 0xffff0000u : w[j / 2] << 16);
+    unsigned u;
+    if (j % 2)
+      asm volatile("and.b32 %0, %1, 0xffff0000;" : "=r"(u) : "r"(w[j / 2]));
+    else
+      asm volatile("shl.b32 %0, %1, 16;" : "=r"(u) : "r"(w[j / 2]));
+    return __uint_as_float(u);
   }
   // x must be a bf16 value (the GELU's output is).
   __device__ __forceinline__ void set(int j, float x) {
@@ -161,7 +169,6 @@ constexpr int kGroups = kTileCols / 8;            // 8-column groups of a row (1
 constexpr int kRowStep = kThreads / kGroups;      // 16: a thread's rows are q + 16 i
 constexpr int kRowsPerThread = kTile / kRowStep;  // 4
 constexpr int kTileLd = kTileCols + 4;            // bytes per row of the code tile
-constexpr int kChunks = kTile / 16;               // 16-byte runs per row of out_t (4)
 
 struct CastParams {
   std::int64_t rows, cols;
@@ -174,7 +181,7 @@ struct CastParams {
   bool out_vec;  // 8-code stores allowed
   std::uint8_t* out_t;
   std::int64_t ld_out_t;
-  bool out_t_vec;  // 16-code stores allowed
+  bool out_t_vec;  // 8-code stores allowed
   const float* scale;
   float* scale_inv;
   float* amax;
@@ -195,16 +202,17 @@ __device__ __forceinline__ float geluTanhBf16(float x) {
 // Grid-stride over 64x128 tiles (row tiles outer), 256 threads: thread (q, g) holds rows
 // q, q + 16, q + 32, q + 48 of the tile at columns 8g..8g+7, loaded with one 16-byte load per
 // row (two for fp32), 64 bytes in flight per thread.  Codes of `out` go from registers to global
-// memory 8 per store; all codes also go to a byte tile in shared memory, from which out_t's rows
-// (the tile's columns) are written 16 consecutive codes per store, four threads per 64-byte run.
-// Column sums: a thread's 4 rows in order, then the 16 row groups in order (the fixed order of
-// the 64-row partials that colSumKernel adds up).  amax: one atomic per block, after its last
-// tile.  bf16 inputs stay packed in registers (16 registers for the 32 values), so that four
-// blocks fit on a multiprocessor.
+// memory 8 per store; all codes also go to a byte tile in shared memory (conflict-free word
+// stores), from which out_t's rows (the tile's columns) are written 8 consecutive codes per
+// store, eight threads per 64-byte run (word loads and byte permutes, not byte loads).  Column
+// sums: a thread's 4 rows in order, then the 16 row groups in order (the fixed order of the
+// 64-row partials that colSumKernel adds up).  amax: one atomic per block, after its last tile.
+// bf16 inputs stay packed in registers (16 registers for the 32 values), so that four blocks
+// fit on a multiprocessor.
 template <class In> __global__ void __launch_bounds__(kThreads, sizeof(In) == 2 ? 4 : 2)
     castKernel(CastParams p) {
   __shared__ __align__(16) std::uint8_t tile[kTile][kTileLd];
-  __shared__ float red[kRowStep][kTileCols];
+  __shared__ __align__(16) float red[kRowStep][kTileCols];
   const int g = threadIdx.x % kGroups, q = threadIdx.x / kGroups;
   const float scale = *p.scale;
   if (p.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *p.scale_inv = 1.0f / scale;
@@ -246,13 +254,15 @@ template <class In> __global__ void __launch_bounds__(kThreads, sizeof(In) == 2 
       }
     }
     if (p.col_partial) {
+      float sum[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        float sum = 0.0f;
+        sum[j] = 0.0f;
 #pragma unroll
-        for (int i = 0; i < kRowsPerThread; ++i) sum += x[i][j];
-        red[q][8 * g + j] = sum;
+        for (int i = 0; i < kRowsPerThread; ++i) sum[j] += x[i][j];
       }
+      *reinterpret_cast<float4*>(&red[q][8 * g]) = make_float4(sum[0], sum[1], sum[2], sum[3]);
+      *reinterpret_cast<float4*>(&red[q][8 * g + 4]) = make_float4(sum[4], sum[5], sum[6], sum[7]);
     }
 #pragma unroll
     for (int i = 0; i < kRowsPerThread; ++i) {
@@ -284,27 +294,33 @@ template <class In> __global__ void __launch_bounds__(kThreads, sizeof(In) == 2 
       p.col_partial[rt * p.cols + c0 + threadIdx.x] = sum;
     }
     if (p.out_t) {
-      // Row c0 + lc of out_t: tile rows 16k..16k+15 of column lc, by thread 4 lc + k.
+      // Thread (quad, piece): tile columns 4 quad..4 quad+3, rows 8 piece..8 piece+7.  Eight
+      // words of the code tile (four columns each) are transposed by byte permutes into eight
+      // codes of each column, one 8-byte store per out_t row; the 8 threads of a quad write each
+      // of its rows' 64-byte runs whole.
+      const int piece = threadIdx.x % 8, quad = threadIdx.x / 8;
+      const std::int64_t r = r0 + 8 * piece;
+      std::uint32_t w[8];
 #pragma unroll
-      for (int h = 0; h < kTileCols * kChunks / kThreads; ++h) {
-        const int item = threadIdx.x + kThreads * h;
-        const int lc = item / kChunks, k = item % kChunks;
-        const std::int64_t col = c0 + lc, r = r0 + 16 * k;
+      for (int m = 0; m < 8; ++m)
+        w[m] = *reinterpret_cast<const std::uint32_t*>(&tile[8 * piece + m][4 * quad]);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const std::int64_t col = c0 + 4 * quad + e;
         if (col >= p.cols || r >= p.rows) continue;
-        std::uint32_t w[4];
-#pragma unroll
-        for (int m = 0; m < 4; ++m)
-          w[m] = std::uint32_t(tile[16 * k + 4 * m][lc]) |
-                 std::uint32_t(tile[16 * k + 4 * m + 1][lc]) << 8 |
-                 std::uint32_t(tile[16 * k + 4 * m + 2][lc]) << 16 |
-                 std::uint32_t(tile[16 * k + 4 * m + 3][lc]) << 24;
+        const unsigned sel = e | (e + 4) << 4;  // byte e of each of two words
+        const std::uint32_t lo =
+            __byte_perm(__byte_perm(w[0], w[1], sel), __byte_perm(w[2], w[3], sel), 0x5410);
+        const std::uint32_t hi =
+            __byte_perm(__byte_perm(w[4], w[5], sel), __byte_perm(w[6], w[7], sel), 0x5410);
         std::uint8_t* dst = p.out_t + col * p.ld_out_t + r;
-        if (p.out_t_vec && r + 15 < p.rows) {
-          *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+        if (p.out_t_vec && r + 7 < p.rows) {
+          *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
         } else {
 #pragma unroll
-          for (int b = 0; b < 16; ++b)
-            if (r + b < p.rows) dst[b] = static_cast<std::uint8_t>(w[b / 4] >> (8 * (b % 4)));
+          for (int b = 0; b < 8; ++b)
+            if (r + b < p.rows)
+              dst[b] = static_cast<std::uint8_t>((b < 4 ? lo : hi) >> (8 * (b % 4)));
         }
       }
     }
@@ -457,19 +473,21 @@ __device__ __forceinline__ float pow2Scale(unsigned amax_bits, float fp8_max) {
 
 // One 128x128 tile per thread block, held in registers: warp w has rows 16w..16w+15 of the tile,
 // lane l columns 4l..4l+3 (one 8- or 16-byte load per row, 16 in flight per thread; bf16 kept
-// packed, 32 registers for the 64 values, so that three blocks fit on a multiprocessor and one
-// block's loads overlap another's codes).  A row's amax (its 1x128 block) is a warp reduction,
-// kept in shared memory until its codes are written; a column's (its 128x1 block) the maximum
-// of the 8 warps' partials in shared memory, as are the column sums (16 rows per warp in order,
-// then the warps in order: fixed, deterministic).  The codes of `out` go straight from registers
+// packed, 32 registers for the 64 values, so that four blocks fit on a multiprocessor and one
+// block's loads overlap another's codes).  A row's amax (its 1x128 block) is a warp reduction;
+// a column's (its 128x1 block) the maximum of the 8 warps' partials in shared memory, as are the
+// column sums (16 rows per warp in order, then the warps in order: fixed, deterministic).  The
+// 128 row and 128 column scales (a division each) are computed once per tile, one per thread,
+// into shared memory.  The codes of `out` go straight from registers
 // to global memory, 4 per store; those of `out_t` through a byte tile in shared memory, so that
 // each row of out_t is written as 128 consecutive bytes.  Codes are converted two at a time.
-template <class In> __global__ void __launch_bounds__(kBlockThreads, sizeof(In) == 2 ? 3 : 2)
+template <class In> __global__ void __launch_bounds__(kBlockThreads, sizeof(In) == 2 ? 4 : 2)
     blockCastKernel(BlockParams p) {
   __shared__ unsigned col_part[kBlockWarps][kBlock];
   __shared__ float sum_part[kBlockWarps][kBlock];
   __shared__ float col_scale[kBlock];
   __shared__ unsigned row_bits[kBlock];
+  __shared__ float row_scale[kBlock];
   __shared__ unsigned warp_bits[kBlockWarps];
   __shared__ __align__(16) std::uint8_t tile_t[kBlock][kBlockLdT];  // [column][row] codes
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -546,6 +564,7 @@ template <class In> __global__ void __launch_bounds__(kBlockThreads, sizeof(In) 
       sum += sum_part[w][c];
     }
     col_scale[c] = pow2Scale(p.square ? tile_bits : b, p.fp8_max);
+    row_scale[c] = pow2Scale(row_bits[c], p.fp8_max);
     if (p.col_partial && c0 + c < p.cols) p.col_partial[blockIdx.y * p.cols + c0 + c] = sum;
   }
   if (p.amax && threadIdx.x == 0 && tile_bits != 0)
@@ -573,8 +592,7 @@ template <class In> __global__ void __launch_bounds__(kBlockThreads, sizeof(In) 
     // sld; with a tail, its 8 rows in their own layout after the body's).
     if (p.out && lane < kBlockRows) {
       const std::int64_t r = rw + lane;
-      const float inv =
-          r < p.rows ? 1.0f / pow2Scale(row_bits[warp * kBlockRows + lane], p.fp8_max) : 1.0f;
+      const float inv = r < p.rows ? 1.0f / row_scale[warp * kBlockRows + lane] : 1.0f;
       if (r < p.sld) {
         p.scale_inv[cb * p.sld + r] = inv;
       } else if (p.tail >= 0 && r < p.tail + 8) {
@@ -593,8 +611,7 @@ template <class In> __global__ void __launch_bounds__(kBlockThreads, sizeof(In) 
     for (int i = 0; i < kBlockRows; ++i) {
       const std::int64_t r = rw + i;
       if (r >= p.out_rows) break;
-      const float s =
-          p.square ? col_scale[0] : pow2Scale(row_bits[warp * kBlockRows + i], p.fp8_max);
+      const float s = p.square ? col_scale[0] : row_scale[warp * kBlockRows + i];
       const std::uint32_t word = encode4(v[i], 0, s, p.e4m3);
       if (p.out_vec && full_cols) {
         *reinterpret_cast<std::uint32_t*>(p.out + r * p.ld_out + cl) = word;
@@ -752,7 +769,7 @@ void castFp8(Stream stream, const Fp8CastArgs& a) {
                vectorRows(a.out, a.ld_out, 8, 1),
                static_cast<std::uint8_t*>(a.out_t),
                a.ld_out_t,
-               vectorRows(a.out_t, a.ld_out_t, 16, 1),
+               vectorRows(a.out_t, a.ld_out_t, 8, 1),
                a.scale,
                a.scale_inv,
                a.amax,
