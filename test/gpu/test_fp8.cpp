@@ -1010,8 +1010,8 @@ TEST(Fp8GemmArgs, RefusesWhatHopperCannotDo) {
 // times |x| / 2 (2^-21 |x| allows 8; the H100 run of 2026-11-25 missed 2^-7 |g| alone by ~1e-9
 // at x = -5.06 and gave -0 for gelu(-7) = -2.3e-15, as cuBLASLt's epilogue does).  The codes and
 // transposed codes bit for bit against the host encoder on the g the kernel wrote, the amax
-// exactly max |g|; without gelu_out the same codes.  70 x 200: partial 64x64 tiles and a row
-// stride (200) that allows the 4-code stores but not all columns.
+// exactly max |g|, the column sums of g bit for bit; without gelu_out the same codes.  70 x 200:
+// partial 64x64 tiles and a row stride (200) that allows the 4-code stores but not all columns.
 TEST(Fp8Cast, GeluOfThePreActivation) {
   const std::int64_t rows = 70, cols = 200, ld_t = 80;
   for (DType f : {DType::E4M3, DType::E5M2}) {
@@ -1041,8 +1041,15 @@ TEST(Fp8Cast, GeluOfThePreActivation) {
     a.gelu = true;
     a.gelu_out = g.get();
     a.ld_gelu_out = cols;
+    DeviceBuffer<float> col_sum(cols);  // of g, in the cast's order
+    DeviceBuffer<std::uint8_t> work(fp8ColSumWorkspace(rows, cols));
+    col_sum.poison();
+    a.col_sum = col_sum.get();
+    a.workspace = work.get();
     castFp8(nullptr, a);
     const std::vector<float> gv = test::downloadBf16(g);
+    EXPECT_EQ(col_sum.download(), exactColumnSums(gv, rows, cols, cols, false)) << name(f);
+    a.col_sum = nullptr;
     int far = 0;
     for (std::int64_t i = 0; i < rows * cols; ++i) {
       const double x = pre.values[i];
