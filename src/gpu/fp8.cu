@@ -112,6 +112,14 @@ template <int N> struct Vec<__nv_bfloat16, N> {
       w[0] = v.x, w[1] = v.y;
     }
   }
+  // N / 4 8-byte loads (p 8-byte aligned).
+  __device__ __forceinline__ void loadHalves(const __nv_bfloat16* p) {
+#pragma unroll
+    for (int k = 0; k < N / 4; ++k) {
+      const uint2 v = *reinterpret_cast<const uint2*>(p + 4 * k);
+      w[2 * k] = v.x, w[2 * k + 1] = v.y;
+    }
+  }
   // The first n (may be <= 0) elements one by one, the rest +0.
   __device__ __forceinline__ void loadPartial(const __nv_bfloat16* p, std::int64_t n) {
     const auto* h = reinterpret_cast<const unsigned short*>(p);
@@ -134,6 +142,7 @@ template <int N> struct Vec<float, N> {
       v[4 * k] = a.x, v[4 * k + 1] = a.y, v[4 * k + 2] = a.z, v[4 * k + 3] = a.w;
     }
   }
+  __device__ __forceinline__ void loadHalves(const float* p) { loadPartial(p, N); }
   __device__ __forceinline__ void loadPartial(const float* p, std::int64_t n) {
 #pragma unroll
     for (int j = 0; j < N; ++j) v[j] = j < n ? p[j] : 0.0f;
@@ -177,11 +186,14 @@ struct CastParams {
   bool e4m3;
   std::uint8_t* out;
   std::int64_t ld_out;
-  bool in_vec;   // 8-element loads allowed (16-byte aligned base and row stride)
-  bool out_vec;  // 8-code stores allowed
+  bool in_vec;    // 8-element loads allowed (16-byte aligned base and row stride)
+  bool in_half;   // bf16: 4-element loads allowed (8-byte aligned)
+  bool out_vec;   // 8-code stores allowed
+  bool out_word;  // 4-code stores allowed
   std::uint8_t* out_t;
   std::int64_t ld_out_t;
-  bool out_t_vec;  // 8-code stores allowed
+  bool out_t_vec;   // 8-code stores allowed
+  bool out_t_word;  // 4-code stores allowed
   const float* scale;
   float* scale_inv;
   float* amax;
@@ -230,6 +242,8 @@ template <class In> __global__ void __launch_bounds__(kThreads, sizeof(In) == 2 
       const std::int64_t r = r0 + q + kRowStep * i;
       if (r < p.rows && full_cols && p.in_vec)
         x[i].load(in + r * p.ld_in + c);
+      else if (r < p.rows && full_cols && p.in_half)
+        x[i].loadHalves(in + r * p.ld_in + c);
       else
         x[i].loadPartial(in + (r < p.rows ? r : 0) * p.ld_in + c, r < p.rows ? p.cols - c : 0);
     }
@@ -278,6 +292,9 @@ template <class In> __global__ void __launch_bounds__(kThreads, sizeof(In) == 2 
         std::uint8_t* dst = p.out + r * p.ld_out + c;
         if (full_cols && p.out_vec) {
           *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+        } else if (full_cols && p.out_word) {
+          reinterpret_cast<std::uint32_t*>(dst)[0] = lo;
+          reinterpret_cast<std::uint32_t*>(dst)[1] = hi;
         } else {
 #pragma unroll
           for (int j = 0; j < 8; ++j)
@@ -316,6 +333,9 @@ template <class In> __global__ void __launch_bounds__(kThreads, sizeof(In) == 2 
         std::uint8_t* dst = p.out_t + col * p.ld_out_t + r;
         if (p.out_t_vec && r + 7 < p.rows) {
           *reinterpret_cast<uint2*>(dst) = make_uint2(lo, hi);
+        } else if (p.out_t_word && r + 7 < p.rows) {
+          reinterpret_cast<std::uint32_t*>(dst)[0] = lo;
+          reinterpret_cast<std::uint32_t*>(dst)[1] = hi;
         } else {
 #pragma unroll
           for (int b = 0; b < 8; ++b)
@@ -766,10 +786,13 @@ void castFp8(Stream stream, const Fp8CastArgs& a) {
                static_cast<std::uint8_t*>(a.out),
                a.ld_out,
                bf16 ? vectorRows(a.in, a.ld_in, 8, 2) : vectorRows(a.in, a.ld_in, 4, 4),
+               bf16 && vectorRows(a.in, a.ld_in, 4, 2),
                vectorRows(a.out, a.ld_out, 8, 1),
+               vectorRows(a.out, a.ld_out, 4, 1),
                static_cast<std::uint8_t*>(a.out_t),
                a.ld_out_t,
                vectorRows(a.out_t, a.ld_out_t, 8, 1),
+               vectorRows(a.out_t, a.ld_out_t, 4, 1),
                a.scale,
                a.scale_inv,
                a.amax,

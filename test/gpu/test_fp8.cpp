@@ -404,6 +404,9 @@ INSTANTIATE_TEST_SUITE_P(
                       CastCase{200, 96, 0, DType::BF16, DType::E5M2, true, false},
                       CastCase{96, 200, 0, DType::F32, DType::E4M3, false, true},
                       CastCase{5, 3, 0, DType::BF16, DType::E4M3, true, true},
+                      // Strides of 4 mod 8 (ld_in 132, ld_out 148, ld_t 76): the 8-byte loads
+                      // and 4-code stores between the vector and the byte-wise paths.
+                      CastCase{68, 132, 0, DType::BF16, DType::E5M2, true, true},
                       // The training layouts: T = 150 (not a multiple of 8, 16 or 64) x 1280,
                       // full row tiles in E5M2 (dY), fp32 with a partial column tile, and more
                       // tiles than the grid has blocks (each block casts several).
