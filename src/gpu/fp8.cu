@@ -1,9 +1,9 @@
 // FP8 casts (fp8.hpp): one pass over the input per tile, both layouts written from a shared-memory
 // tile, amaxes reduced as integer maxima of |x|'s bit pattern (exact, order-free).
 //
-// Per-tensor cast: a grid of a few blocks per multiprocessor striding over 64x128 tiles, 16-byte
-// loads, 8 codes per store of `out` and 16 per store of the transposed copy, which is written
-// from the tile of codes in shared memory (castKernel says how).  Block cast: 128x128 tiles (one
+// Per-tensor cast: a grid of as many blocks as fit on the device at once striding over 64x128
+// tiles, 16-byte loads, 8 codes per store of both copies; the transposed copy is written from
+// the tile of codes in shared memory, each 64-byte run of its rows whole (castKernel says how).  Block cast: 128x128 tiles (one
 // 128x128 block, 128 1x128 row blocks and 128 128x1 column blocks) held in registers, so that
 // the block amaxes and the codes come from one read of global memory (blockCastKernel says
 // how).  Inputs are templated on their type: bf16 stays packed in registers.  Every kernel
