@@ -3,11 +3,12 @@
 //
 // Per-tensor cast: a grid of as many blocks as fit on the device at once striding over 64x128
 // tiles, 16-byte loads, 8 codes per store of both copies; the transposed copy is written from
-// the tile of codes in shared memory, each 64-byte run of its rows whole (castKernel says how).  Block cast: 128x128 tiles (one
-// 128x128 block, 128 1x128 row blocks and 128 128x1 column blocks) held in registers, so that
-// the block amaxes and the codes come from one read of global memory (blockCastKernel says
-// how).  Inputs are templated on their type: bf16 stays packed in registers.  Every kernel
-// converts two values per instruction (the instruction the one-value intrinsic issues too).
+// the tile of codes in shared memory, each 64-byte run of its rows whole (castKernel says how).
+// Block cast: 128x128 tiles (one 128x128 block, 128 1x128 row blocks and 128 128x1 column
+// blocks) held in registers, so that the block amaxes and the codes come from one read of
+// global memory (blockCastKernel says how).  Inputs are templated on their type: bf16 stays
+// packed in registers.  Every kernel converts two values per instruction (the instruction the
+// one-value intrinsic issues too).
 #include "gpu/fp8.hpp"
 
 #include "core/error.hpp"
