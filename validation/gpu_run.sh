@@ -6,7 +6,7 @@
 #                                       staged moe_grouped moe_ep moe_nccl decks moe_plan shard_start moe_balance
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
 #                                       finetune_encoder large_index layernorm lora big_buffer
-#                                       autotune_cached profile gemm_sk moe_fsdp
+#                                       autotune_cached profile gemm_sk moe_fsdp fp8_cast
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -163,6 +163,14 @@
 #         kept in logs.tgz as profile_layers_<name>.tsv.  PLM_PROFILE_RUNS="650m_det moe2b" runs
 #         only the runs named (650m_det 650m_nondet 650m_plain 650m_nondet_plain 650m_fp8 8m
 #         8m_plain 35m 35m_plain moe2b); PLM_PROFILE_NSYS=0 skips nsys
+#   fp8_cast: the FP8 cast kernels (issue 29, "FP8 without the cast tax"): test_gpu_fp8 (casts bit
+#         for bit against the host encoder in every variant, column sums bit for bit in the casts'
+#         order), test_gpu_fp8_fused (block cast with GELU against the separate passes) and
+#         test_fp8_gpu_linear (the FP8 Linear through the model's dispatch against the CPU
+#         emulation), then bench_gpu_fp8_cast: every cast's GB/s and % of a device copy on the
+#         650M (24576 x 1280/3840/5120) and 3B (x 2560/7680/10240) shapes (PLM_FP8_CAST_TOKENS,
+#         default 24576); logs fp8_cast_<test>.log and fp8_cast_bench.log in $OUT, the RESULT
+#         fp8_cast lines in the summary
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -1389,6 +1397,29 @@ if has layernorm; then
     cp "$out/layernorm_bench.log" "$final_out/" 2>/dev/null
   else
     note "layernorm: no bench_gpu_gemm_tune in $pkg/bin"
+  fi
+fi
+
+if has fp8_cast; then
+  for bin in test_gpu_fp8 test_gpu_fp8_fused test_fp8_gpu_linear; do
+    if [[ -x "$pkg/bin/$bin" ]]; then
+      timeout 300 "$pkg/bin/$bin" > "$out/fp8_cast_$bin.log" 2>&1
+      note "fp8_cast: $bin rc=$? $(grep -E '^\[  (PASSED|FAILED)' "$out/fp8_cast_$bin.log" | tr '\n' ' ')"
+      grep -E "^\[  FAILED|Failure|Expected|Which is" "$out/fp8_cast_$bin.log" | head -40 |
+        tee -a "$summary"
+      cp "$out/fp8_cast_$bin.log" "$final_out/" 2>/dev/null
+    else
+      note "fp8_cast: no $bin in $pkg/bin"
+    fi
+  done
+  if [[ -x "$pkg/bin/bench_gpu_fp8_cast" ]]; then
+    timeout 300 "$pkg/bin/bench_gpu_fp8_cast" "${PLM_FP8_CAST_TOKENS:-24576}" \
+      > "$out/fp8_cast_bench.log" 2>&1
+    note "bench_gpu_fp8_cast rc=$?"
+    grep -E "^RESULT|: copy|bench_gpu_fp8_cast" "$out/fp8_cast_bench.log" | tee -a "$summary"
+    cp "$out/fp8_cast_bench.log" "$final_out/" 2>/dev/null
+  else
+    note "fp8_cast: no bench_gpu_fp8_cast in $pkg/bin"
   fi
 fi
 

@@ -26,4 +26,9 @@ struct bf16 {
 /// \brief True when this build carries the CUDA kernels (PLM_HAVE_CUDA).
 bool available();
 
+/// \brief Streaming multiprocessors of the current device (cudaDevAttrMultiProcessorCount),
+/// queried once per device and cached: what grid-stride kernels size their grids from.  CUDA
+/// builds only (src/gpu/device.cu).
+int multiprocessorCount();
+
 }  // namespace plm::gpu

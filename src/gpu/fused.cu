@@ -249,8 +249,10 @@ __global__ void adamwKernel(float* master, const float* grad, float* m, float* v
   }
 }
 
+// Grid-stride kernels: at most 16 blocks of 256 threads per multiprocessor (two waves of resident
+// blocks), the device's own count.
 int gridCap(std::int64_t blocks) {
-  return static_cast<int>(std::min<std::int64_t>(blocks, 132 * 16));
+  return static_cast<int>(std::min<std::int64_t>(blocks, std::int64_t(multiprocessorCount()) * 16));
 }
 
 // --------------------------------------------------------------------------------------------

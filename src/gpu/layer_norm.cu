@@ -705,17 +705,10 @@ int backwardTileWarps(int cols) {
   return r;
 }
 
-int multiprocessors() {
-  int dev = 0, sms = 0;
-  PLM_CHECK_CUDA(cudaGetDevice(&dev));
-  PLM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
-  return sms;
-}
-
 // Blocks of the tiled backward: enough row groups for every block, at most the resident ones.
 int backwardTileBlocks(std::int64_t rows, int cols, int per_sm = kBackwardBlocksPerSm) {
   const int groups = kWarps / backwardTileWarps(cols);
-  const std::int64_t resident = std::int64_t(multiprocessors()) * per_sm;
+  const std::int64_t resident = std::int64_t(multiprocessorCount()) * per_sm;
   return static_cast<int>(
       std::max<std::int64_t>(1, std::min<std::int64_t>((rows + groups - 1) / groups, resident)));
 }

@@ -133,6 +133,42 @@ std::vector<double> columnSums(const std::vector<float>& v, std::int64_t rows, s
   return s;
 }
 
+// The column sums as the casts add them up in fp32 (a fixed order, fp8.hpp), so that they can be
+// compared bit for bit: a tile of `tile_rows` rows is split into runs of rows, each summed in
+// order from +0, then the runs in order; per-tensor casts: 64-row tiles, 16 runs (run k: rows
+// k, k + 16, k + 32, k + 48); block casts: 128-row tiles, 8 runs (run w: rows 16w..16w+15).
+// Rows past the tensor add +0.  The tiles' partials are then added as the cast's final pass
+// does: 16 contiguous ranges of tiles, each in order from +0, then the ranges in order.
+std::vector<float> exactColumnSums(const std::vector<float>& v, std::int64_t rows,
+                                   std::int64_t cols, std::int64_t ld, bool block) {
+  const std::int64_t tile_rows = block ? 128 : 64, runs = block ? 8 : 16;
+  const std::int64_t per_run = tile_rows / runs, tiles = (rows + tile_rows - 1) / tile_rows;
+  auto at = [&](std::int64_t r, std::int64_t c) { return r < rows ? v[r * ld + c] : 0.0f; };
+  std::vector<float> out(cols);
+  for (std::int64_t c = 0; c < cols; ++c) {
+    std::vector<float> partial(tiles);
+    for (std::int64_t t = 0; t < tiles; ++t) {
+      float tile_sum = 0.0f;
+      for (std::int64_t k = 0; k < runs; ++k) {
+        float run = 0.0f;
+        for (std::int64_t i = 0; i < per_run; ++i)
+          run += at(t * tile_rows + (block ? k * per_run + i : k + runs * i), c);
+        tile_sum += run;
+      }
+      partial[t] = tile_sum;
+    }
+    const std::int64_t parts = 16, per = (tiles + parts - 1) / parts;
+    float total = 0.0f;
+    for (std::int64_t k = 0; k < parts; ++k) {
+      float part = 0.0f;
+      for (std::int64_t t = k * per; t < std::min(tiles, (k + 1) * per); ++t) part += partial[t];
+      total += part;
+    }
+    out[c] = total;
+  }
+  return out;
+}
+
 float maxAbs(const std::vector<float>& v, std::int64_t rows, std::int64_t cols, std::int64_t ld) {
   float m = 0.0f;
   for (std::int64_t r = 0; r < rows; ++r)
@@ -257,23 +293,30 @@ struct CastCase {
   std::int64_t rows, cols, ld_pad;  // ld_in = cols + ld_pad
   DType in_type, out_type;
   bool transpose, rowwise;  // which copies are written
+  // The training layouts: codes with row stride cols, the transposed codes with their rows (the
+  // tokens) padded to 16 (the kernel's 8- and 16-code stores); else odd strides (cols + 16,
+  // rows + 8).
+  bool training_layout = false;
 };
 
 std::string castName(const ::testing::TestParamInfo<CastCase>& i) {
   const CastCase& c = i.param;
   return std::to_string(c.rows) + "x" + std::to_string(c.cols) + "_" + name(c.in_type) + "_" +
-         name(c.out_type) + (c.rowwise ? "_rows" : "") + (c.transpose ? "_t" : "");
+         name(c.out_type) + (c.rowwise ? "_rows" : "") + (c.transpose ? "_t" : "") +
+         (c.training_layout ? "_pad16" : "");
 }
 
 class Fp8CastShapes : public ::testing::TestWithParam<CastCase> {};
 
 // Delayed scaling (the scale read from the device), then current scaling, then the amax
-// accumulated over two tensors; shapes that are not multiples of the 64x64 tile or of 4 (the
-// byte-wise edge paths), a row stride wider than the row.
+// accumulated over two tensors; shapes that are not multiples of the 64x128 tile or of 8 or 16
+// (the byte-wise edge paths), a row stride wider than the row; the column sums bit for bit in
+// the cast's order.
 TEST_P(Fp8CastShapes, PerTensorDelayedAndCurrent) {
   const CastCase c = GetParam();
   const std::int64_t ld_in = c.cols + c.ld_pad;
-  const std::int64_t ld_out = c.cols + 16, ld_t = c.rows + 8;
+  const std::int64_t ld_out = c.training_layout ? c.cols : c.cols + 16;
+  const std::int64_t ld_t = c.training_layout ? (c.rows + 15) / 16 * 16 : c.rows + 8;
   std::vector<float> host = test::randomNormal(c.rows * ld_in, 77 + c.rows + c.cols, 3.0f);
   Input in(host, c.in_type);
   DeviceBuffer<std::uint8_t> out(c.rows * ld_out), out_t(c.cols * ld_t);
@@ -306,6 +349,7 @@ TEST_P(Fp8CastShapes, PerTensorDelayedAndCurrent) {
   const std::vector<double> sums = columnSums(in.values, c.rows, c.cols, ld_in);
   const std::vector<float> sums_dev = col_sum.download();
   EXPECT_LT(test::relError(sums_dev, sums), 1e-5);
+  EXPECT_EQ(sums_dev, exactColumnSums(in.values, c.rows, c.cols, ld_in, false));
   EXPECT_EQ(downloadScalar(amax), amax_host);
   EXPECT_EQ(downloadScalar(scale_inv), 1.0f / delayed);
   if (c.rowwise)
@@ -358,8 +402,45 @@ INSTANTIATE_TEST_SUITE_P(
                       CastCase{128, 256, 0, DType::BF16, DType::E4M3, true, true},
                       CastCase{256, 320, 8, DType::F32, DType::E5M2, true, true},
                       CastCase{200, 96, 0, DType::BF16, DType::E5M2, true, false},
-                      CastCase{96, 200, 0, DType::F32, DType::E4M3, false, true}),
+                      CastCase{96, 200, 0, DType::F32, DType::E4M3, false, true},
+                      CastCase{5, 3, 0, DType::BF16, DType::E4M3, true, true},
+                      // Strides of 4 mod 8 (ld_in 132, ld_out 148, ld_t 76): the 8-byte loads
+                      // and 4-code stores between the vector and the byte-wise paths.
+                      CastCase{68, 132, 0, DType::BF16, DType::E5M2, true, true},
+                      // The training layouts: T = 150 (not a multiple of 8, 16 or 64) x 1280,
+                      // full row tiles in E5M2 (dY), fp32 with a partial column tile, and more
+                      // tiles than the grid has blocks (each block casts several).
+                      CastCase{150, 1280, 0, DType::BF16, DType::E4M3, true, true, true},
+                      CastCase{256, 384, 0, DType::BF16, DType::E5M2, true, true, true},
+                      CastCase{77, 200, 4, DType::F32, DType::E4M3, true, true, true},
+                      CastCase{4100, 1280, 0, DType::BF16, DType::E5M2, true, true, true}),
     castName);
+
+// amaxFp8 over contiguous tensors of every length class (16-byte chunks, the 1-7 elements after
+// the last chunk, unaligned starts that take the strided path), the largest |x| placed first,
+// in the middle and last: exact.
+TEST(Fp8Cast, AmaxFindsEveryElement) {
+  for (DType t : {DType::BF16, DType::F32}) {
+    for (std::int64_t n : {1, 7, 8, 9, 4099, 1 << 20}) {
+      for (std::int64_t offset : {0, 1}) {
+        for (std::int64_t where : {std::int64_t(0), n / 2, n - 1}) {
+          std::vector<float> host = test::randomNormal(n + offset, 13 + n + where, 1.0f);
+          host[offset + where] = -1000.0f;
+          Input in(host, t);
+          const std::size_t bytes = t == DType::BF16 ? 2 : 4;
+          const void* p = static_cast<const std::uint8_t*>(in.get()) + offset * bytes;
+          DeviceBuffer<float> amax(1);
+          amaxFp8(nullptr, p, t, 1, n, n, amax.get());
+          EXPECT_EQ(downloadScalar(amax), 1000.0f)
+              << name(t) << " n=" << n << " offset=" << offset << " at " << where;
+          const std::int64_t rows = n % 3 == 0 ? 3 : 1;  // the same elements as (rows, n / rows)
+          amaxFp8(nullptr, p, t, rows, n / rows, n / rows, amax.get());
+          EXPECT_EQ(downloadScalar(amax), 1000.0f) << name(t) << " n=" << n << " (rows)";
+        }
+      }
+    }
+  }
+}
 
 TEST(Fp8Cast, ScaleFromAmaxEdgeCases) {
   // amax, margin, format -> expected scale
@@ -502,7 +583,9 @@ TEST_P(Fp8BlockCast, MatchesHost) {
   a.col_sum = col_sum.get();
   a.workspace = work.get();
   castFp8Block(nullptr, a);
-  EXPECT_LT(test::relError(col_sum.download(), columnSums(in.values, c.rows, c.cols, ld_in)), 1e-5);
+  const std::vector<float> sums_dev = col_sum.download();
+  EXPECT_LT(test::relError(sums_dev, columnSums(in.values, c.rows, c.cols, ld_in)), 1e-5);
+  EXPECT_EQ(sums_dev, exactColumnSums(in.values, c.rows, c.cols, ld_in, true));
 
   const HostBlock hb =
       hostBlockScales(in.values, c.rows, c.cols, false, ld_in, c.scaling, c.out_type);
@@ -930,8 +1013,8 @@ TEST(Fp8GemmArgs, RefusesWhatHopperCannotDo) {
 // times |x| / 2 (2^-21 |x| allows 8; the H100 run of 2026-11-25 missed 2^-7 |g| alone by ~1e-9
 // at x = -5.06 and gave -0 for gelu(-7) = -2.3e-15, as cuBLASLt's epilogue does).  The codes and
 // transposed codes bit for bit against the host encoder on the g the kernel wrote, the amax
-// exactly max |g|; without gelu_out the same codes.  70 x 200: partial 64x64 tiles and a row
-// stride (200) that allows the 4-code stores but not all columns.
+// exactly max |g|, the column sums of g bit for bit; without gelu_out the same codes.  70 x 200:
+// partial 64x64 tiles and a row stride (200) that allows the 4-code stores but not all columns.
 TEST(Fp8Cast, GeluOfThePreActivation) {
   const std::int64_t rows = 70, cols = 200, ld_t = 80;
   for (DType f : {DType::E4M3, DType::E5M2}) {
@@ -961,8 +1044,15 @@ TEST(Fp8Cast, GeluOfThePreActivation) {
     a.gelu = true;
     a.gelu_out = g.get();
     a.ld_gelu_out = cols;
+    DeviceBuffer<float> col_sum(cols);  // of g, in the cast's order
+    DeviceBuffer<std::uint8_t> work(fp8ColSumWorkspace(rows, cols));
+    col_sum.poison();
+    a.col_sum = col_sum.get();
+    a.workspace = work.get();
     castFp8(nullptr, a);
     const std::vector<float> gv = test::downloadBf16(g);
+    EXPECT_EQ(col_sum.download(), exactColumnSums(gv, rows, cols, cols, false)) << name(f);
+    a.col_sum = nullptr;
     int far = 0;
     for (std::int64_t i = 0; i < rows * cols; ++i) {
       const double x = pre.values[i];
