@@ -1121,7 +1121,9 @@ if has moe_speed && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # the summary gives tokens/s (mean over steps 11 on), the ratio MoE / dense (target >= 0.85),
   # and each run's GPU time per step by kind (means over steps 11 on), "moe route" being the
   # MoE layers' routing, permutation and unpermute with the GPU's idle time while the host
-  # waits for the routing's counts. Logs: $OUT/moe_speed_{moe,dense}.log and .jsonl.
+  # waits for the routing's counts; then tokens/s over each half of those steps (a rise in the
+  # MoE run: per-shape costs that fade, such as cuBLASLt plans made per expert row count).
+  # Logs: $OUT/moe_speed_{moe,dense}.log and .jsonl.
   steps=${PLM_MOE_SPEED_STEPS:-30}
   for run in moe dense; do
     d=/tmp/plm-moe-speed-$run
@@ -1169,6 +1171,14 @@ for name, path in zip(("moe", "dense"), sys.argv[1:]):
     print(f"  {name}: {tps:.0f} tokens/s (mean of steps {rows[0]['step']}-{rows[-1]['step']});"
           f" GPU ms per step {total:.1f}: " +
           ", ".join(f"{k} {v:.1f} ({100 * v / total:.1f}%)" for k, v in sorted(ms.items())))
+    # Rising tokens/s from one half to the next: per-shape costs that fade (cuBLASLt plans are
+    # made per row count, and the experts' row counts change with every layer and step).
+    half = len(rows) // 2
+    if half > 0:
+        print(f"  {name}: tokens/s steps {rows[0]['step']}-{rows[half - 1]['step']}"
+              f" {statistics.mean(r['tokens_per_s'] for r in rows[:half]):.0f},"
+              f" steps {rows[half]['step']}-{rows[-1]['step']}"
+              f" {statistics.mean(r['tokens_per_s'] for r in rows[half:]):.0f}")
 if len(res) == 2:
     print(f"  moe / dense tokens/s: {res['moe'] / res['dense']:.3f} (target >= 0.85)")
 PY
