@@ -555,16 +555,18 @@ void routeOnDeviceAsync(Stream stream, const RouteArgs& a, const RouteBuffers& b
     return;
   }
   const std::int64_t slots = a.tokens * a.top_k, chunks = chunksOf(slots);
+  // The summary's inputs first (the sums, then the counts), its copy and event, then the
+  // placement of the slots, which the host does not need: the host's wait ends while the GPU
+  // places them.  Each kernel reads only what routeTokensKernel (placeSlotsKernel: the scan)
+  // wrote, so the order changes no result.
   routeTokensKernel<<<static_cast<unsigned>((a.tokens + kRouteThreads - 1) / kRouteThreads),
                       kRouteThreads, 0, stream>>>(a, b);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  routeSumsKernel<<<e_n + 2, kChunk, 0, stream>>>(a, b);
   PLM_CHECK_CUDA(cudaGetLastError());
   chunkRankKernel<<<static_cast<unsigned>(chunks), kChunk, 0, stream>>>(a, b);
   PLM_CHECK_CUDA(cudaGetLastError());
   scanChunksKernel<<<1, kChunk, 0, stream>>>(a, b, chunks);
-  PLM_CHECK_CUDA(cudaGetLastError());
-  placeSlotsKernel<<<static_cast<unsigned>(chunks), kChunk, 0, stream>>>(a, b);
-  PLM_CHECK_CUDA(cudaGetLastError());
-  routeSumsKernel<<<e_n + 2, kChunk, 0, stream>>>(a, b);
   PLM_CHECK_CUDA(cudaGetLastError());
   PLM_CHECK_CUDA(cudaMemcpyAsync(r.counts, b.counts, 2 * e_n * sizeof(std::int64_t),
                                  cudaMemcpyDeviceToHost, stream));
@@ -572,6 +574,8 @@ void routeOnDeviceAsync(Stream stream, const RouteArgs& a, const RouteBuffers& b
       cudaMemcpyAsync(r.sums, b.sums, (e_n + 2) * sizeof(double), cudaMemcpyDeviceToHost, stream));
   PLM_CHECK_CUDA(cudaEventRecord(r.done, stream));
   r.pending = true;
+  placeSlotsKernel<<<static_cast<unsigned>(chunks), kChunk, 0, stream>>>(a, b);
+  PLM_CHECK_CUDA(cudaGetLastError());
 }
 
 RouteSummary routeSummary(RouteReadback& rb) {
