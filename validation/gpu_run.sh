@@ -1123,6 +1123,8 @@ if has moe_speed && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # MoE layers' routing, permutation and unpermute with the GPU's idle time while the host
   # waits for the routing's counts; then tokens/s over each half of those steps (a rise in the
   # MoE run: per-shape costs that fade, such as cuBLASLt plans made per expert row count).
+  # The MoE run's losses are then compared with 675481f's moe_balance run of the same settings
+  # (from validation/gpu_logs): equal bit for bit unless numerics changed since.
   # Logs: $OUT/moe_speed_{moe,dense}.log and .jsonl.
   steps=${PLM_MOE_SPEED_STEPS:-30}
   for run in moe dense; do
@@ -1147,15 +1149,22 @@ if has moe_speed && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     cp "$d/metrics.jsonl" "$final_out/moe_speed_$run.jsonl" 2>/dev/null
     rm -rf "$d"
   done
+  # Bitwise check: the MoE run's settings are moe_balance's at 675481f (before the one-wait
+  # routing), whose metrics travel in validation/gpu_logs; with no numerics change since, its
+  # losses and gradient norms over these steps are equal bit for bit (same kind of GPU).
+  ref=/tmp/plm-moe-speed-ref
+  rm -rf "$ref" && mkdir -p "$ref"
+  tar -xJf "$repo/validation/gpu_logs/moe-balance-lora-finetune_h200_675481f.tar.xz" -C "$ref" \
+    call4/moe_balance/moe_balance_centred_deg1.jsonl 2>/dev/null
   timeout 60 python3 - "$final_out/moe_speed_moe.jsonl" "$final_out/moe_speed_dense.jsonl" \
-    <<'PY' 2>&1 | tee -a "$summary"
+    "$ref/call4/moe_balance/moe_balance_centred_deg1.jsonl" <<'PY' 2>&1 | tee -a "$summary"
 import json, os, statistics, sys
 def load(path):
     rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
     rows = [r for r in rows if r.get("kind") == "train"]
     return [r for r in rows if r["step"] > 10] or rows
 res = {}
-for name, path in zip(("moe", "dense"), sys.argv[1:]):
+for name, path in zip(("moe", "dense"), sys.argv[1:3]):
     rows = load(path)
     if not rows:
         print(f"  {name}: no train record")
@@ -1181,6 +1190,19 @@ for name, path in zip(("moe", "dense"), sys.argv[1:]):
               f" {statistics.mean(r['tokens_per_s'] for r in rows[half:]):.0f}")
 if len(res) == 2:
     print(f"  moe / dense tokens/s: {res['moe'] / res['dense']:.3f} (target >= 0.85)")
+def train(path):
+    rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+    return {r["step"]: r for r in rows if r.get("kind") == "train"}
+got, ref = train(sys.argv[1]), train(sys.argv[3])
+common = sorted(set(got) & set(ref))
+if common:
+    same = [s for s in common if got[s]["loss"] == ref[s]["loss"]
+            and got[s]["grad_norm"] == ref[s]["grad_norm"]]
+    worst = max(abs(got[s]["loss"] - ref[s]["loss"]) for s in common)
+    print(f"  moe vs 675481f moe_balance (same settings): loss and grad norm equal bit for bit at"
+          f" {len(same)} of {len(common)} steps; max |loss diff| {worst:.3g}")
+else:
+    print("  moe vs 675481f moe_balance: no common steps (reference missing?)")
 PY
 fi
 
