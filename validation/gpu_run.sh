@@ -1217,7 +1217,8 @@ if has aido_layers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # `plm plan` of the same run goes first ($OUT/aido_layers_plan.txt). Summary (also
   # $OUT/aido_layers_summary.txt): the per-layer load max/mean at step 1, the worst layer's at
   # step 1 and its maxima over steps 1-100 and 101-200, dropped slots, tokens/s (mean over steps
-  # 11 on), and the planned bytes beside the first step's measured peak.
+  # 11 on), the planned bytes beside the first step's measured peak, and train.profile's GPU
+  # time per step by kind ("moe route": routing, permutation, unpermute, the wait for counts).
   layers=${PLM_AIDO_LAYERS:-6}
   steps=${PLM_AIDO_STEPS:-200}
   d=/tmp/plm-aido-layers
@@ -1236,8 +1237,8 @@ if has aido_layers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   timeout ${PLM_AIDO_TIMEOUT:-$((150 + 6 * steps / 5))} "$pkg/bin/plm" train \
     "$repo/inputs/aido_protein_16b.yaml" "${args[@]}" --set data.train="$pkg/data/train.h5" \
     --set data.valid= --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
-    --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
-    --set checkpoint.dir="$d/ckpt" > "$final_out/aido_layers.log" 2>&1
+    --set train.profile=true --set checkpoint.every=0 --set checkpoint.resume=none \
+    --set train.run_dir="$d" --set checkpoint.dir="$d/ckpt" > "$final_out/aido_layers.log" 2>&1
   rc=$?
   note "aido_layers: aido_protein_16b with $layers layers, bf16, dropless, $steps steps of" \
     "65536 tokens rc=$rc $(( $(date +%s) - start ))s"
@@ -1267,6 +1268,16 @@ layers = sum(len(r["moe"]) for r in rows)
 line += "; dropped slots: " + ("none" if dropped == 0 else f"mean fraction {dropped / layers:.4f}")
 line += f"; {statistics.mean(tps):.0f} tokens/s; peak in use {max(r['mem_bytes'] for r in rows) / 2**30:.2f} GiB"
 print(line)
+kinds = {}
+for r in rows:
+    if r["step"] > 10:
+        for k, ms in r.get("gpu_ms", {}).items():
+            kinds.setdefault(k, []).append(ms)
+ms = {k: statistics.mean(v) for k, v in kinds.items()}
+if ms:
+    total = sum(ms.values())
+    print(f"  GPU ms per step {total:.1f} (steps 11 on): " +
+          ", ".join(f"{k} {v:.1f} ({100 * v / total:.1f}%)" for k, v in sorted(ms.items())))
 for r in {r["step"]: r for r in [r for r in rows if r["step"] in (1, 100)] + rows[-1:]}.values():
     print(f"  step {r['step']}: per-layer load max/mean " + " ".join(f"{x:.2f}" for x in ratios(r)))
 PY
