@@ -7,6 +7,7 @@
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
 #                                       finetune_encoder large_index layernorm lora big_buffer
 #                                       autotune_cached profile gemm_sk moe_fsdp fp8_cast
+#                                       moe_speed aido_layers
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -99,6 +100,16 @@
 #        one GPU (PLM_MOE_BALANCE_DEGREES="1 2 4" adds expert degree 2 and 4 where visible): the
 #        worst per-layer load max/mean at step 1, over steps 1-100 and 101-200, dropped slots,
 #        tokens/s (doc/model.md "Router initialisation"); see the stage for its variables
+#   moe_speed: esm2_moe_2b_a650m against dense esm2_650m (inputs/esm2_650m.yaml), bf16, one GPU,
+#        PLM_MOE_SPEED_STEPS (30) steps of 65,536 tokens in 16,384-token micro-batches each, both
+#        with train.profile: tokens/s (mean over steps 11 on) of both and the ratio (issue 32:
+#        >= 0.85), and each run's GPU time per step by kind, "moe route" (routing, permutation,
+#        unpermute and the host's wait for the counts) its MoE share; $OUT/moe_speed_*.log
+#   aido_layers: the aido_protein_16b preset (inputs/aido_protein_16b.yaml) cut to
+#        PLM_AIDO_LAYERS (6) layers to fit one GPU, bf16, dropless, bias balancing as shipped,
+#        PLM_AIDO_STEPS (200) steps of 65,536 tokens: `plm plan` first, then the per-layer load
+#        max/mean at step 1, the worst over steps 1-100 and 101-200, drops, tokens/s, and the
+#        first step's peak against the plan; $OUT/aido_layers.log, aido_layers_summary.txt
 #   moe_curves: validation/moe_curves.py on the packaged mmseqs2 proteins, bf16: esm2_8m dense
 #        against 8 x 640 top-2 (equal active FLOPs), PLM_MOE_CURVE_STEPS steps of
 #        PLM_MOE_CURVE_TOKENS tokens; $OUT/moe_curves.png (-> doc/img/) and the table
@@ -1262,6 +1273,179 @@ PY
       rm -rf "$d"
     done
   done
+fi
+
+if has moe_speed && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # Issue 32 item 3: esm2_moe_2b_a650m (8 experts of 2560, top-2, dropless, router projection
+  # and bias balancing as in moe_balance) against dense esm2_650m at equal active FLOPs, the same
+  # deck (inputs/esm2_650m.yaml), tokens per step (65,536 in 16,384-token micro-batches) and
+  # proteins, one after the other on one GPU, PLM_MOE_SPEED_STEPS steps each (default 30; about
+  # 1.5 min in all). train.profile is on in both (a few percent of overhead, the same for both):
+  # the summary gives tokens/s (mean over steps 11 on), the ratio MoE / dense (target >= 0.85),
+  # and each run's GPU time per step by kind (means over steps 11 on), "moe route" being the
+  # MoE layers' routing, permutation and unpermute with the GPU's idle time while the host
+  # waits for the routing's counts; then tokens/s over each half of those steps (a rise in the
+  # MoE run: per-shape costs that fade, such as cuBLASLt plans made per expert row count).
+  # The MoE run's losses are then compared with 675481f's moe_balance run of the same settings
+  # (from validation/gpu_logs): equal bit for bit unless numerics changed since.
+  # Logs: $OUT/moe_speed_{moe,dense}.log and .jsonl.
+  steps=${PLM_MOE_SPEED_STEPS:-30}
+  for run in moe dense; do
+    d=/tmp/plm-moe-speed-$run
+    rm -rf "$d"
+    sets=()
+    [[ $run == moe ]] && sets=(--set model.preset=esm2_moe_2b_a650m --set moe.dropless=true
+      --set moe.router_projection=true --set moe.bias_balance=true --set parallel.expert_degree=1)
+    start=$(date +%s)
+    timeout ${PLM_MOE_SPEED_TIMEOUT:-$((150 + 3 * steps))} "$pkg/bin/plm" train \
+      "$repo/inputs/esm2_650m.yaml" "${sets[@]}" --set data.train="$pkg/data/train.h5" \
+      --set data.valid= --set train.precision=bf16 --set train.profile=true \
+      --set data.tokens_per_batch=65536 --set data.micro_batch_tokens=16384 \
+      --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
+      --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
+      --set checkpoint.dir="$d/ckpt" > "$final_out/moe_speed_$run.log" 2>&1
+    rc=$?
+    model=esm2_650m; [[ $run == moe ]] && model=esm2_moe_2b_a650m
+    note "moe_speed: $model bf16, $steps steps of 65536 tokens rc=$rc $(( $(date +%s) - start ))s"
+    grep -E "error|out of memory|memory: after" "$final_out/moe_speed_$run.log" | head -3 |
+      tee -a "$summary"
+    cp "$d/metrics.jsonl" "$final_out/moe_speed_$run.jsonl" 2>/dev/null
+    rm -rf "$d"
+  done
+  # Bitwise check: the MoE run's settings are moe_balance's at 675481f (before the one-wait
+  # routing), whose metrics travel in validation/gpu_logs; with no numerics change since, its
+  # losses and gradient norms over these steps are equal bit for bit (same kind of GPU).
+  ref=/tmp/plm-moe-speed-ref
+  rm -rf "$ref" && mkdir -p "$ref"
+  tar -xJf "$repo/validation/gpu_logs/moe-balance-lora-finetune_h200_675481f.tar.xz" -C "$ref" \
+    call4/moe_balance/moe_balance_centred_deg1.jsonl 2>/dev/null
+  timeout 60 python3 - "$final_out/moe_speed_moe.jsonl" "$final_out/moe_speed_dense.jsonl" \
+    "$ref/call4/moe_balance/moe_balance_centred_deg1.jsonl" <<'PY' 2>&1 | tee -a "$summary"
+import json, os, statistics, sys
+def load(path):
+    rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+    rows = [r for r in rows if r.get("kind") == "train"]
+    return [r for r in rows if r["step"] > 10] or rows
+res = {}
+for name, path in zip(("moe", "dense"), sys.argv[1:3]):
+    rows = load(path)
+    if not rows:
+        print(f"  {name}: no train record")
+        continue
+    tps = statistics.mean(r["tokens_per_s"] for r in rows)
+    kinds = {}
+    for r in rows:
+        for k, ms in r.get("gpu_ms", {}).items():
+            kinds.setdefault(k, []).append(ms)
+    ms = {k: statistics.mean(v) for k, v in kinds.items()}
+    total = sum(ms.values()) or float("nan")
+    res[name] = tps
+    print(f"  {name}: {tps:.0f} tokens/s (mean of steps {rows[0]['step']}-{rows[-1]['step']});"
+          f" GPU ms per step {total:.1f}: " +
+          ", ".join(f"{k} {v:.1f} ({100 * v / total:.1f}%)" for k, v in sorted(ms.items())))
+    # Rising tokens/s from one half to the next: per-shape costs that fade (cuBLASLt plans are
+    # made per row count, and the experts' row counts change with every layer and step).
+    half = len(rows) // 2
+    if half > 0:
+        print(f"  {name}: tokens/s steps {rows[0]['step']}-{rows[half - 1]['step']}"
+              f" {statistics.mean(r['tokens_per_s'] for r in rows[:half]):.0f},"
+              f" steps {rows[half]['step']}-{rows[-1]['step']}"
+              f" {statistics.mean(r['tokens_per_s'] for r in rows[half:]):.0f}")
+if len(res) == 2:
+    print(f"  moe / dense tokens/s: {res['moe'] / res['dense']:.3f} (target >= 0.85)")
+def train(path):
+    rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+    return {r["step"]: r for r in rows if r.get("kind") == "train"}
+got, ref = train(sys.argv[1]), train(sys.argv[3])
+common = sorted(set(got) & set(ref))
+if common:
+    same = [s for s in common if got[s]["loss"] == ref[s]["loss"]
+            and got[s]["grad_norm"] == ref[s]["grad_norm"]]
+    worst = max(abs(got[s]["loss"] - ref[s]["loss"]) for s in common)
+    print(f"  moe vs 675481f moe_balance (same settings): loss and grad norm equal bit for bit at"
+          f" {len(same)} of {len(common)} steps; max |loss diff| {worst:.3g}")
+else:
+    print("  moe vs 675481f moe_balance: no common steps (reference missing?)")
+PY
+fi
+
+if has aido_layers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # Issue 32: MoE at AIDO.Protein-16B's layer shape on one GPU. The aido_protein_16b preset
+  # (hidden 2304, 36 heads, 8 SwiGLU experts of 7680, top-2) from inputs/aido_protein_16b.yaml
+  # (AdamW, layer recompute, moe.bias_balance as shipped) with model.layers =
+  # PLM_AIDO_LAYERS (default 6: `plm plan` 73 GiB of an H200 and 85k tokens/s; 8: 97 GiB, 64k),
+  # expert degree 1, dropless, bf16, PLM_AIDO_STEPS (200) steps of 65,536 tokens in 16,384-token
+  # micro-batches (about 3 min at 6 layers; PLM_AIDO_TIMEOUT, default 150 s + 1.2 s per step).
+  # PLM_AIDO_SETS adds --set arguments (e.g. "optimizer.name=lion" where AdamW does not fit).
+  # `plm plan` of the same run goes first ($OUT/aido_layers_plan.txt). Summary (also
+  # $OUT/aido_layers_summary.txt): the per-layer load max/mean at step 1, the worst layer's at
+  # step 1 and its maxima over steps 1-100 and 101-200, dropped slots, tokens/s (mean over steps
+  # 11 on), the planned bytes beside the first step's measured peak, and train.profile's GPU
+  # time per step by kind ("moe route": routing, permutation, unpermute, the wait for counts).
+  layers=${PLM_AIDO_LAYERS:-6}
+  steps=${PLM_AIDO_STEPS:-200}
+  d=/tmp/plm-aido-layers
+  rm -rf "$d"
+  args=(--set model.layers=$layers --set parallel.expert_degree=1 --set moe.dropless=true
+    --set train.precision=bf16 --set data.tokens_per_batch=65536
+    --set data.micro_batch_tokens=16384)
+  for kv in ${PLM_AIDO_SETS:-}; do args+=(--set "$kv"); done
+  gpu_kind=h100
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && gpu_kind=h200
+  "$pkg/bin/plm" plan "$repo/inputs/aido_protein_16b.yaml" --gpu $gpu_kind --gpus 1 \
+    "${args[@]}" > "$final_out/aido_layers_plan.txt" 2>&1
+  note "aido_layers: plm plan ($gpu_kind, $layers layers) rc=$?"
+  grep -E "^  total|^predicted" "$final_out/aido_layers_plan.txt" | tee -a "$summary"
+  start=$(date +%s)
+  timeout ${PLM_AIDO_TIMEOUT:-$((150 + 6 * steps / 5))} "$pkg/bin/plm" train \
+    "$repo/inputs/aido_protein_16b.yaml" "${args[@]}" --set data.train="$pkg/data/train.h5" \
+    --set data.valid= --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
+    --set train.profile=true --set checkpoint.every=0 --set checkpoint.resume=none \
+    --set train.run_dir="$d" --set checkpoint.dir="$d/ckpt" > "$final_out/aido_layers.log" 2>&1
+  rc=$?
+  note "aido_layers: aido_protein_16b with $layers layers, bf16, dropless, $steps steps of" \
+    "65536 tokens rc=$rc $(( $(date +%s) - start ))s"
+  grep -E "moe: |memory: (planned|after|first step)|plan vs measured|error|out of memory" \
+    "$final_out/aido_layers.log" | head -8 | cut -c1-300 | tee -a "$summary"
+  cp "$d/metrics.jsonl" "$final_out/aido_layers.jsonl" 2>/dev/null
+  timeout 60 python3 - "$final_out/aido_layers.jsonl" <<'PY' 2>&1 |
+import json, os, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
+rows = [r for r in rows if r.get("kind") == "train" and "moe" in r]
+if not rows:
+    print("  no train record with MoE statistics")
+    sys.exit(0)
+def ratios(r):
+    return [l["tokens_per_expert_max"] / max(l["tokens_per_expert_mean"], 1e-30) for l in r["moe"]]
+worst = {r["step"]: max(ratios(r)) for r in rows}
+early = [w for s, w in worst.items() if s <= 100]
+late = [w for s, w in worst.items() if s > 100]
+dropped = sum(l["dropped_fraction"] for r in rows for l in r["moe"])
+tps = [r["tokens_per_s"] for r in rows if r["step"] > 10] or [r["tokens_per_s"] for r in rows]
+line = f"  worst layer load max/mean: step 1 {worst.get(1, float('nan')):.2f}"
+if early:
+    line += f"; max over steps 1-{max(s for s in worst if s <= 100)} {max(early):.2f}"
+if late:
+    line += f"; max over steps 101-{max(worst)} {max(late):.2f}"
+layers = sum(len(r["moe"]) for r in rows)
+line += "; dropped slots: " + ("none" if dropped == 0 else f"mean fraction {dropped / layers:.4f}")
+line += f"; {statistics.mean(tps):.0f} tokens/s; peak in use {max(r['mem_bytes'] for r in rows) / 2**30:.2f} GiB"
+print(line)
+kinds = {}
+for r in rows:
+    if r["step"] > 10:
+        for k, ms in r.get("gpu_ms", {}).items():
+            kinds.setdefault(k, []).append(ms)
+ms = {k: statistics.mean(v) for k, v in kinds.items()}
+if ms:
+    total = sum(ms.values())
+    print(f"  GPU ms per step {total:.1f} (steps 11 on): " +
+          ", ".join(f"{k} {v:.1f} ({100 * v / total:.1f}%)" for k, v in sorted(ms.items())))
+for r in {r["step"]: r for r in [r for r in rows if r["step"] in (1, 100)] + rows[-1:]}.values():
+    print(f"  step {r['step']}: per-layer load max/mean " + " ".join(f"{x:.2f}" for x in ratios(r)))
+PY
+    tee -a "$summary" "$final_out/aido_layers_summary.txt"
+  rm -rf "$d"
 fi
 
 if has moe_curves && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then

@@ -438,15 +438,20 @@ __global__ void routeSumsKernel(RouteArgs a, RouteBuffers b) {
   if (threadIdx.x == 0) b.sums[i] = part[0];
 }
 
+/// The aux loss's probability gradient (E) by value: a kernel parameter, not a copy.
+struct AuxGradient {
+  double dp[kMaxRouteExperts];
+};
+
 __global__ void routeBackwardKernel(RouteArgs a, RouteBuffers b, const float* dgate, double z_scale,
-                                    float* dlogits) {
+                                    float* dlogits, const __grid_constant__ AuxGradient aux) {
   const std::int64_t t = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x;
   if (t >= a.tokens) return;
   const int e_n = a.experts, k = a.top_k;
   const double* p = b.prob + t * e_n;
   const float* l = a.logits + t * e_n;
   double dp[kMaxRouteExperts];
-  for (int e = 0; e < e_n; ++e) dp[e] = b.aux_dp[e];
+  for (int e = 0; e < e_n; ++e) dp[e] = aux.dp[e];
   const std::int64_t s0 = t * k;
   if (a.normalize_topk) {
     double sel = 0, inner = 0;
@@ -503,51 +508,94 @@ RouteBuffers routeBuffers(void* workspace, std::int64_t tokens, int experts, int
   b.chunk_count = carve<std::int64_t>(at, chunksOf(slots) * experts);
   b.counts = carve<std::int64_t>(at, 3 * experts);
   b.sums = carve<double>(at, experts + 2);
-  b.aux_dp = carve<double>(at, experts);
   return b;
 }
 
 std::size_t routeWorkspaceBytes(std::int64_t tokens, int experts, int top_k) {
   RouteBuffers b = routeBuffers(nullptr, tokens, experts, top_k);
-  return reinterpret_cast<std::size_t>(b.aux_dp) +
-         (std::size_t(experts) * sizeof(double) + 255) / 256 * 256;
+  return reinterpret_cast<std::size_t>(b.sums) +
+         ((std::size_t(experts) + 2) * sizeof(double) + 255) / 256 * 256;
 }
 
-RouteSummary routeOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers& b) {
+struct RouteReadback::Impl {
+  std::int64_t* counts = nullptr;  // (2 E) routed, kept; pinned
+  double* sums = nullptr;          // (E + 2) probability sums, lse^2, entropy; pinned
+  cudaEvent_t done = nullptr;
+  int experts = 0;
+  bool pending = false;  // an event was recorded and not yet waited for
+};
+
+RouteReadback::RouteReadback() : impl_member(new Impl()) {
+  PLM_CHECK_CUDA(cudaMallocHost(&impl_member->counts, 2 * kMaxRouteExperts * sizeof(std::int64_t)));
+  PLM_CHECK_CUDA(cudaMallocHost(&impl_member->sums, (kMaxRouteExperts + 2) * sizeof(double)));
+  PLM_CHECK_CUDA(cudaEventCreateWithFlags(&impl_member->done, cudaEventDisableTiming));
+}
+
+RouteReadback::~RouteReadback() {
+  // Errors are not thrown from a destructor: the pinned memory and the event are released
+  // when the context goes in any case.
+  if (impl_member->pending) (void)cudaEventSynchronize(impl_member->done);
+  (void)cudaEventDestroy(impl_member->done);
+  (void)cudaFreeHost(impl_member->sums);
+  (void)cudaFreeHost(impl_member->counts);
+  delete impl_member;
+}
+
+void routeOnDeviceAsync(Stream stream, const RouteArgs& a, const RouteBuffers& b,
+                        RouteReadback& rb) {
   checkRouteArgs(a);
+  RouteReadback::Impl& r = *rb.impl_member;
   const int e_n = a.experts;
-  RouteSummary out;
-  out.routed.assign(e_n, 0);
-  out.kept.assign(e_n, 0);
-  out.prob_sum.assign(e_n, 0.0);
-  if (a.tokens == 0) return out;
+  r.experts = e_n;
+  if (r.pending) PLM_CHECK_CUDA(cudaEventSynchronize(r.done));  // the buffers are reused
+  r.pending = false;
+  if (a.tokens == 0) {
+    std::fill(r.counts, r.counts + 2 * e_n, std::int64_t(0));
+    std::fill(r.sums, r.sums + e_n + 2, 0.0);
+    return;
+  }
   const std::int64_t slots = a.tokens * a.top_k, chunks = chunksOf(slots);
+  // The summary's inputs first (the sums, then the counts), its copy and event, then the
+  // placement of the slots, which the host does not need: the host's wait ends while the GPU
+  // places them.  Each kernel reads only what routeTokensKernel (placeSlotsKernel: the scan)
+  // wrote, so the order changes no result.
   routeTokensKernel<<<static_cast<unsigned>((a.tokens + kRouteThreads - 1) / kRouteThreads),
                       kRouteThreads, 0, stream>>>(a, b);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  routeSumsKernel<<<e_n + 2, kChunk, 0, stream>>>(a, b);
   PLM_CHECK_CUDA(cudaGetLastError());
   chunkRankKernel<<<static_cast<unsigned>(chunks), kChunk, 0, stream>>>(a, b);
   PLM_CHECK_CUDA(cudaGetLastError());
   scanChunksKernel<<<1, kChunk, 0, stream>>>(a, b, chunks);
   PLM_CHECK_CUDA(cudaGetLastError());
+  PLM_CHECK_CUDA(cudaMemcpyAsync(r.counts, b.counts, 2 * e_n * sizeof(std::int64_t),
+                                 cudaMemcpyDeviceToHost, stream));
+  PLM_CHECK_CUDA(
+      cudaMemcpyAsync(r.sums, b.sums, (e_n + 2) * sizeof(double), cudaMemcpyDeviceToHost, stream));
+  PLM_CHECK_CUDA(cudaEventRecord(r.done, stream));
+  r.pending = true;
   placeSlotsKernel<<<static_cast<unsigned>(chunks), kChunk, 0, stream>>>(a, b);
   PLM_CHECK_CUDA(cudaGetLastError());
-  routeSumsKernel<<<e_n + 2, kChunk, 0, stream>>>(a, b);
-  PLM_CHECK_CUDA(cudaGetLastError());
-  std::vector<std::int64_t> counts(2 * e_n);
-  std::vector<double> sums(e_n + 2);
-  PLM_CHECK_CUDA(cudaMemcpyAsync(counts.data(), b.counts, counts.size() * sizeof(std::int64_t),
-                                 cudaMemcpyDeviceToHost, stream));
-  PLM_CHECK_CUDA(cudaMemcpyAsync(sums.data(), b.sums, sums.size() * sizeof(double),
-                                 cudaMemcpyDeviceToHost, stream));
-  PLM_CHECK_CUDA(cudaStreamSynchronize(stream));
-  for (int e = 0; e < e_n; ++e) {
-    out.routed[e] = counts[e];
-    out.kept[e] = counts[e_n + e];
-    out.prob_sum[e] = sums[e];
-  }
-  out.lse2_sum = sums[e_n];
-  out.entropy_sum = sums[e_n + 1];
+}
+
+RouteSummary routeSummary(RouteReadback& rb) {
+  RouteReadback::Impl& r = *rb.impl_member;
+  if (r.pending) PLM_CHECK_CUDA(cudaEventSynchronize(r.done));
+  r.pending = false;
+  const int e_n = r.experts;
+  RouteSummary out;
+  out.routed.assign(r.counts, r.counts + e_n);
+  out.kept.assign(r.counts + e_n, r.counts + 2 * e_n);
+  out.prob_sum.assign(r.sums, r.sums + e_n);
+  out.lse2_sum = r.sums[e_n];
+  out.entropy_sum = r.sums[e_n + 1];
   return out;
+}
+
+RouteSummary routeOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers& b) {
+  RouteReadback rb;
+  routeOnDeviceAsync(stream, a, b, rb);
+  return routeSummary(rb);
 }
 
 void routeBackwardOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers& b,
@@ -558,11 +606,10 @@ void routeBackwardOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers
   if (static_cast<int>(aux_dp.size()) != a.experts)
     throw Error("plm::gpu::routeBackwardOnDevice: aux_dp has " + std::to_string(aux_dp.size()) +
                 " entries for " + std::to_string(a.experts) + " experts (a bug)");
-  // Pageable source: the copy is staged before the call returns, so the vector may go.
-  PLM_CHECK_CUDA(cudaMemcpyAsync(b.aux_dp, aux_dp.data(), aux_dp.size() * sizeof(double),
-                                 cudaMemcpyHostToDevice, stream));
+  AuxGradient aux{};
+  std::copy(aux_dp.begin(), aux_dp.end(), aux.dp);
   routeBackwardKernel<<<static_cast<unsigned>((a.tokens + kRouteThreads - 1) / kRouteThreads),
-                        kRouteThreads, 0, stream>>>(a, b, dgate, z_scale, dlogits);
+                        kRouteThreads, 0, stream>>>(a, b, dgate, z_scale, dlogits, aux);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

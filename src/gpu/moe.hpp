@@ -87,8 +87,7 @@ struct RouteBuffers {
   float* row_gate = nullptr;            // (T k) gate of each row
   std::int64_t* chunk_count = nullptr;  // (chunks, E) scratch
   std::int64_t* counts = nullptr;       // (3 E) routed, kept and first row of each expert
-  double* sums = nullptr;    // (E + 2) sum of probabilities per expert, of lse^2, entropy
-  double* aux_dp = nullptr;  // (E) the aux loss's probability gradient (backward)
+  double* sums = nullptr;  // (E + 2) sum of probabilities per expert, of lse^2, entropy
 };
 
 /// \brief Bytes of device workspace routeOnDevice needs for `tokens` tokens.
@@ -107,12 +106,38 @@ struct RouteSummary {
 /// form even where the 16-byte one applies (default false).
 void setMoeScalarKernels(bool scalar);
 
-/// \brief Routes on `stream` and returns the summary (waits for the stream).
+/// Pinned host memory a routing's summary is copied into, and the event that says it has
+/// landed: routeOnDeviceAsync leaves the stream running, so work launched after it (the
+/// permutation of a dropless routing, whose row count t k is known) overlaps the host's wait in
+/// routeSummary.  One per MoE layer; not copyable.
+class RouteReadback {
+ public:
+  RouteReadback();
+  ~RouteReadback();
+  RouteReadback(const RouteReadback&) = delete;
+  RouteReadback& operator=(const RouteReadback&) = delete;
+  struct Impl;
+
+ private:
+  friend void routeOnDeviceAsync(Stream, const RouteArgs&, const RouteBuffers&, RouteReadback&);
+  friend RouteSummary routeSummary(RouteReadback&);
+  Impl* impl_member;
+};
+
+/// \brief Launches the routing on `stream` and the copy of its summary into `rb` (no wait).
+void routeOnDeviceAsync(Stream stream, const RouteArgs& a, const RouteBuffers& b,
+                        RouteReadback& rb);
+/// \brief Waits for the summary of the last routeOnDeviceAsync into `rb` (an event, not the
+/// whole stream) and returns it.
+RouteSummary routeSummary(RouteReadback& rb);
+
+/// \brief Routes on `stream` and returns the summary (routeOnDeviceAsync, then routeSummary).
 RouteSummary routeOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers& b);
 
 /// \brief The router's logit gradient on the device, as model::routeBackward without the
 /// sequence-level loss: dlogits (T, E) fp32 from the per-slot gate gradients dgate (T k, fp32,
 /// dropped slots ignored), aux_dp (E) = aux_scale d(aux)/d(P_e) per token, and z_scale.
+/// aux_dp travels as a kernel parameter (no host-to-device copy, nothing waits).
 void routeBackwardOnDevice(Stream stream, const RouteArgs& a, const RouteBuffers& b,
                            const float* dgate, const std::vector<double>& aux_dp, double z_scale,
                            float* dlogits);

@@ -332,6 +332,15 @@ View1<T> growAs(View1<T>& storage, std::int64_t n, DType dtype, const char* labe
   return grow(storage, (bytes + std::int64_t(sizeof(T)) - 1) / std::int64_t(sizeof(T)), label);
 }
 
+/// A host vector copied into grow-only device storage, ordered on `space`'s stream (no global
+/// fence).  A pageable source is staged before the copy call returns, so `host` may go after it.
+template <class X> View1<X> toDevice(const ExecSpace& space, View1<X>& storage,
+                                     const std::vector<X>& host, const char* label) {
+  auto v = grow(storage, static_cast<std::int64_t>(host.size()), label);
+  Kokkos::deep_copy(space, v, Kokkos::View<const X*, HostSpace>(host.data(), host.size()));
+  return v;
+}
+/// As above, with a global fence before and after (Kokkos' deep_copy without a space).
 template <class X>
 View1<X> toDevice(View1<X>& storage, const std::vector<X>& host, const char* label) {
   auto v = grow(storage, static_cast<std::int64_t>(host.size()), label);
@@ -409,14 +418,17 @@ template <class T> struct MoeMlp<T>::State {
   bool step_sum_live = false;  // step_sum_s holds sums not yet taken
 
   std::int64_t rows = 0;                // permuted rows of the pass (kept slots)
+  std::int64_t permuted_rows = -1;      // rows permuted before the counts arrived, else -1
   bool routed_on_device = false;        // this pass's routing ran on the device (bf16 path)
   std::vector<double> device_prob_sum;  // (E) the device routing's probability sums
   double device_lse2_sum = 0;
   std::vector<double> seq_load;  // a context shard's whole-sequence loads (sequenceAux), else empty
+  View1<std::int64_t> counts_send_s, counts_recv_s;  // plan(): the count exchange's buffers
 #if PLM_HAVE_CUDA
   gpu::RouteArgs route_args;
   gpu::RouteBuffers route_bufs;
   View1<T> route_ws_s;
+  std::unique_ptr<gpu::RouteReadback> readback;  // the summary's pinned landing place
 #endif
 
   bool bf16() const { return cdt == DType::BF16; }
@@ -429,8 +441,11 @@ template <class T> struct MoeMlp<T>::State {
     return !(step && step->context && c.capacity_factor > 0);
   }
 
-  /// Routes the logits of this pass on the device; the host keeps the summary (counts, losses).
-  void routeDevice(OpContext& ctx, std::int64_t t_n) {
+  /// Starts routing the logits of this pass on the device: the permutation's device arrays are
+  /// ready on the stream when this returns, the summary (counts, losses) for the host is on its
+  /// way (routeDeviceFinish).  Nothing waits here, so what the layer launches next (the
+  /// permutation of a dropless routing, the count exchange) overlaps the host's wait.
+  void routeDeviceStart(OpContext& ctx, std::int64_t t_n) {
     PLM_TRACE("plm::moe route");
 #if PLM_HAVE_CUDA
     const int e_n = c.experts, k = c.top_k;
@@ -450,7 +465,28 @@ template <class T> struct MoeMlp<T>::State {
     View1<T> ws = grow(route_ws_s, static_cast<std::int64_t>((bytes + sizeof(T) - 1) / sizeof(T)),
                        "plm::model::moe::route_workspace");
     route_bufs = gpu::routeBuffers(ws.data(), t_n, e_n, k);
-    const gpu::RouteSummary sum = gpu::routeOnDevice(ctx.space().cuda_stream(), a, route_bufs);
+    if (!readback) readback = std::make_unique<gpu::RouteReadback>();
+    gpu::routeOnDeviceAsync(ctx.space().cuda_stream(), a, route_bufs, *readback);
+    const std::int64_t slots = t_n * k;
+    slot_row = View1<std::int32_t>(route_bufs.slot_row, slots);
+    slot_gate = View1<T>(reinterpret_cast<T*>(route_bufs.gate), slots);
+    row_token = View1<std::int32_t>(route_bufs.row_token, slots);
+    row_gate = View1<T>(reinterpret_cast<T*>(route_bufs.row_gate), slots);
+    routed_on_device = true;
+#else
+    (void)ctx;
+    (void)t_n;
+#endif
+  }
+
+  /// Waits for the summary of routeDeviceStart (an event: the work queued after it keeps
+  /// running) and fills `routing` and the statistics the host keeps.
+  void routeDeviceFinish() {
+    PLM_TRACE("plm::moe route wait");
+#if PLM_HAVE_CUDA
+    const int e_n = c.experts, k = c.top_k;
+    const std::int64_t t_n = route_args.tokens;
+    const gpu::RouteSummary sum = gpu::routeSummary(*readback);
     Routing& r = routing;
     r = Routing();
     r.tokens = static_cast<int>(t_n);
@@ -462,7 +498,7 @@ template <class T> struct MoeMlp<T>::State {
     r.total_routed = sum.routed;
     device_prob_sum = sum.prob_sum;
     device_lse2_sum = sum.lse2_sum;
-    r.capacity = a.capacity;
+    r.capacity = route_args.capacity;
     rows = 0;
     for (int e = 0; e < e_n; ++e) {
       rows += r.kept[e];
@@ -475,16 +511,19 @@ template <class T> struct MoeMlp<T>::State {
       r.z = sum.lse2_sum / t_n;
       r.entropy = sum.entropy_sum / t_n;
     }
-    const std::int64_t slots = t_n * k;
-    slot_row = View1<std::int32_t>(route_bufs.slot_row, slots);
-    slot_gate = View1<T>(reinterpret_cast<T*>(route_bufs.gate), slots);
-    row_token = View1<std::int32_t>(route_bufs.row_token, slots);
-    row_gate = View1<T>(reinterpret_cast<T*>(route_bufs.row_gate), slots);
-    routed_on_device = true;
-#else
-    (void)ctx;
-    (void)t_n;
+    if (permuted_rows >= 0 && permuted_rows != rows)
+      throw Error("plm::model::MoeMlp: layer " + std::to_string(layer) + " permuted " +
+                  std::to_string(permuted_rows) +
+                  " rows before its counts arrived, the counts say " + std::to_string(rows) +
+                  " (a bug)");
 #endif
+  }
+  /// The first n rows of the permutation (rows grouped by expert, token order within an expert:
+  /// stable) gathered from h into xperm; y sized to match.
+  void permute(OpContext& ctx, const Mat& h, std::int64_t n) {
+    xperm = growAs(xperm_s, n * hidden, cdt, "plm::model::moe::xperm");
+    y = growAs(y_s, n * hidden, cdt, "plm::model::moe::y");
+    if (n > 0) gatherRows(ctx, h, row_token, rowsAs(xperm, cdt, 0, n, hidden), OpKind::Route);
   }
   bool distributed() const { return ep.comm != nullptr && ep.comm->size() > 1; }
   /// The router the last forward routed with (its backward's), else the stored one.
@@ -888,33 +927,49 @@ template <class T> struct MoeMlp<T>::State {
   /// Counts first: every rank learns every rank's rows per expert (an all-gather of the kept
   /// counts and each rank's dispatch limit), so each knows what it receives and the budget check
   /// is the same on all; then the maps between the received (source-major) and the expert-major
-  /// row order.
-  void plan() {
+  /// row order.  With `kept_on_device` (the device routing's kept counts, E, NCCL) this rank's
+  /// counts go from there into the exchange without the host seeing them first, and the one
+  /// wait on the stream that ends the exchange also lands routeDeviceStart's summary: the layer
+  /// synchronises with the host once.  The count buffers are kept (no allocation per layer).
+  void plan(OpContext& ctx, const std::int64_t* kept_on_device = nullptr) {
     const int n = ep.comm->size();
     const std::int64_t width = c.experts + 1;  // kept counts per expert, then the dispatch limit
-    std::vector<std::int64_t> mine(routing.kept.begin(), routing.kept.end());
-    mine.push_back(dispatchLimit());
+    std::vector<std::int64_t> mine(static_cast<std::size_t>(width), 0);
+    if (!kept_on_device) std::copy(routing.kept.begin(), routing.kept.end(), mine.begin());
+    mine.back() = dispatchLimit();
     std::vector<std::int64_t> all(static_cast<std::size_t>(n * width));
+    const auto& space = ctx.space();
     if (ep.comm->deviceMemory()) {  // NCCL moves device buffers only
-      View1<std::int64_t> d_send("plm::model::moe::counts", mine.size());
-      View1<std::int64_t> d_recv("plm::model::moe::counts", all.size());
-      Kokkos::deep_copy(d_send,
+      View1<std::int64_t> d_send = grow(counts_send_s, width, "plm::model::moe::counts");
+      View1<std::int64_t> d_recv =
+          grow(counts_recv_s, static_cast<std::int64_t>(all.size()), "plm::model::moe::counts");
+      Kokkos::deep_copy(space, d_send,
                         Kokkos::View<const std::int64_t*, HostSpace>(mine.data(), mine.size()));
-      const auto stream = dist::streamOf(ExecSpace());
+#if PLM_HAVE_CUDA
+      if (kept_on_device)
+        PLM_CHECK_CUDA(cudaMemcpyAsync(d_send.data(), kept_on_device,
+                                       c.experts * sizeof(std::int64_t), cudaMemcpyDeviceToDevice,
+                                       space.cuda_stream()));
+#endif
+      const auto stream = dist::streamOf(space);
       ep.comm->allGather(d_send.data(), d_recv.data(), width, stream).wait(stream);
-      Kokkos::fence();
-      Kokkos::deep_copy(Kokkos::View<std::int64_t*, HostSpace>(all.data(), all.size()), d_recv);
+      Kokkos::deep_copy(space, Kokkos::View<std::int64_t*, HostSpace>(all.data(), all.size()),
+                        d_recv);
+      space.fence();
     } else {
+      if (kept_on_device)
+        throw Error("plm::model::MoeMlp: device counts need a device-memory expert group (a bug)");
       ep.comm->allGather(mine.data(), all.data(), width, dist::Stream{}).wait({});
     }
     checkDispatchBudget(all, width);
-    const std::vector<std::int64_t> counts(routing.kept.begin(), routing.kept.end());
+    const int me = ep.comm->rank();
+    const std::vector<std::int64_t> counts(all.begin() + me * width,
+                                           all.begin() + me * width + c.experts);
     std::vector<std::int64_t> got(static_cast<std::size_t>(n) * local_experts);
     for (int q = 0; q < n; ++q)
       for (int i = 0; i < local_experts; ++i)
         got[static_cast<std::size_t>(q) * local_experts + i] =
             all[static_cast<std::size_t>(q * width + ep.comm->rank() * local_experts + i)];
-    const int me = ep.comm->rank();
     const bool split = c.overlap && !fp8Experts();
     send_rows.assign(n, 0);
     recv_rows.assign(n, 0);
@@ -955,8 +1010,8 @@ template <class T> struct MoeMlp<T>::State {
           to_s[src] = static_cast<std::int32_t>(dst);
         }
     }
-    to_expert = toDevice(to_expert_s, to_e, "plm::model::moe::to_expert");
-    to_source = toDevice(to_source_s, to_s, "plm::model::moe::to_source");
+    to_expert = toDevice(space, to_expert_s, to_e, "plm::model::moe::to_expert");
+    to_source = toDevice(space, to_source_s, to_s, "plm::model::moe::to_source");
   }
 
   /// The experts of this rank with `rows[i]` rows each (and their gradients when asked).
@@ -1104,8 +1159,28 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
     if (projecting && !s.step->recomputing) s.addStepInputSum(ctx, x);
   }
   s.routed_on_device = false;
+  s.permuted_rows = -1;
+  bool planned = false;
   if (s.deviceRouting()) {
-    s.routeDevice(ctx, t_n);
+    // The host waits for the routing's counts once per layer, while the GPU works: a dropless
+    // routing keeps all t k slots, so the permutation is queued before the wait; under expert
+    // parallelism over NCCL the count exchange is, and its wait is the layer's only one.
+    ctx.mark(OpKind::Other);  // the router's input and GEMM
+    s.routeDeviceStart(ctx, t_n);
+    ctx.mark(OpKind::Route);
+    if (expertCapacity(c, t_n) == 0) {  // dropless: routeDeviceStart's capacity
+      s.permute(ctx, h, t_n * k);
+      s.permuted_rows = t_n * k;
+    }
+#if PLM_HAVE_CUDA
+    if (s.distributed() && s.ep.comm->deviceMemory() && !(s.step && s.step->context)) {
+      s.plan(ctx, s.route_bufs.counts + e_n);  // the kept counts (RouteBuffers::counts)
+      ctx.mark(OpKind::DispatchCounts);
+      planned = true;
+    }
+#endif
+    s.routeDeviceFinish();
+    if (!planned) ctx.mark(OpKind::Route);  // the GPU's idle time while the host waited
     s.seq_load.clear();
     if (s.step && s.step->context) s.reduceOverContext(ctx, s.routing, nullptr, nullptr);
   } else {
@@ -1147,18 +1222,18 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   const std::int64_t rows = s.rows;
 
   // Permute: rows grouped by expert, token order within an expert (stable).
-  s.xperm = growAs(s.xperm_s, rows * hid, cdt, "plm::model::moe::xperm");
-  s.y = growAs(s.y_s, rows * hid, cdt, "plm::model::moe::y");
-  if (rows > 0) gatherRows(ctx, h, s.row_token, rowsAs(s.xperm, cdt, 0, rows, hid));
+  if (s.permuted_rows < 0) s.permute(ctx, h, rows);
 
   // The experts through their dispatch point (model/moe_experts.hpp: one after another, or on
   // CUDA with bf16 one grouped launch per GEMM), the pre-activation kept for backward.
   if (s.distributed()) {
     // This rank's experts' rows from the group: the self rows computed in place while the
     // other ranks' rows travel, then those (State::self_n; expert side [self | exchanged]).
-    ctx.mark(OpKind::Other);
-    s.plan();  // the counts' exchange, with a host synchronisation
-    ctx.mark(OpKind::DispatchCounts);
+    if (!planned) {
+      ctx.mark(OpKind::Other);
+      s.plan(ctx);  // the counts' exchange, with a host synchronisation
+      ctx.mark(OpKind::DispatchCounts);
+    }
     const std::int64_t sn = s.self_n, xn = s.exchanged;
     s.xexp = growAs(s.xexp_s, xn * hid, cdt, "plm::model::moe::xexp");
     s.yexp = growAs(s.yexp_s, xn * hid, cdt, "plm::model::moe::yexp");
@@ -1196,6 +1271,7 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
       gpu::moeUnpermute(space.cuda_stream(), reinterpret_cast<const gpu::bf16*>(s.y.data()),
                         s.slot_row.data(), s.slot_gate.data(), residual.template ptr<float>(),
                         out.template ptr<float>(), t_n, static_cast<int>(k), static_cast<int>(hid));
+    ctx.mark(OpKind::Route);
 #endif
   } else {
     auto in = residual.template view<T>();
@@ -1268,11 +1344,14 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   View1<T> dy = growAs(s.dy_s, rows * hid, cdt, "plm::model::moe::dy");
   if (s.bf16()) {
 #if PLM_HAVE_CUDA
-    if constexpr (std::is_same_v<T, float>)
+    if constexpr (std::is_same_v<T, float>) {
+      ctx.mark(OpKind::Other);
       gpu::moeUnpermuteBackward(space.cuda_stream(), bf16Data(dout_c),
                                 reinterpret_cast<const gpu::bf16*>(s.y.data()), s.slot_row.data(),
                                 s.slot_gate.data(), reinterpret_cast<gpu::bf16*>(dy.data()),
                                 dgate.data(), t_n, static_cast<int>(k), static_cast<int>(hid));
+      ctx.mark(OpKind::Route);
+    }
 #endif
   } else {
     auto dout = dout_c.template view<T>();
@@ -1354,6 +1433,7 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
                                reinterpret_cast<const float*>(dgate.data()), aux_dp,
                                weight * c.z_loss * static_cast<double>(t_n) / total,
                                reinterpret_cast<float*>(dlogits.data()));
+    ctx.mark(OpKind::Route);
 #endif
   } else {
     std::vector<T> dgate_t(t_n * k);
@@ -1388,9 +1468,11 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
           s.projectionBackward(ctx, s.routerInput(ctx, h, true), dl2,
                                View2<T>(dhr.data(), t_n, hid));
       }
+      ctx.mark(OpKind::Other);  // the router's GEMMs
       gpu::moeCombineGradient(space.cuda_stream(), reinterpret_cast<const gpu::bf16*>(dx.data()),
                               s.slot_row.data(), bf16Data(dh), t_n, static_cast<int>(k),
                               static_cast<int>(hid), dhr.data());
+      ctx.mark(OpKind::Route);
     }
 #endif
   } else {

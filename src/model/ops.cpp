@@ -331,7 +331,7 @@ void OpContext::setProfiling(bool on) {
 namespace {
 constexpr const char* kProfileNames[] = {"gemm (cuBLASLt)", "attention",    "layernorm",
                                          "other fused",     "moe dispatch", "moe counts",
-                                         "fp8 cast"};
+                                         "moe route",       "fp8 cast"};
 static_assert(sizeof(kProfileNames) / sizeof(kProfileNames[0]) == kProfileKinds, "a name per kind");
 }  // namespace
 #endif
@@ -1855,17 +1855,19 @@ void attentionBackward(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, con
 
 // ---- LM head rows and loss -----------------------------------------------------------------
 
-void gatherRows(OpContext& ctx, const Mat& src, const View1<std::int32_t>& rows, const Mat& dst) {
+void gatherRows(OpContext& ctx, const Mat& src, const View1<std::int32_t>& rows, const Mat& dst,
+                OpKind kind) {
   if (isBf16(src)) {
 #if PLM_HAVE_CUDA
     gpu::gatherRows(streamOf(ctx), cptr<bf16>(src), rows.data(), mptr<bf16>(dst), dst.rows,
                     static_cast<int>(dst.cols));
-    ctx.mark(OpKind::Other);
+    ctx.mark(kind);
     return;
 #else
     noCuda("gatherRows");
 #endif
   }
+  (void)kind;  // the portable path is not profiled
   portable(src.dtype, "gatherRows", [&](auto t) {
     using T = decltype(t);
     gatherRowsPortable(ctx.space(), src.view<T>(), rows, dst.view<T>());

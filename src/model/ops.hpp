@@ -156,8 +156,11 @@ AttentionKernel attentionKernelFor(const OpContext& ctx, int head_dim);
 /// Per-kind timing of the launches of a stream (CUDA events); see Esm2::setProfiling.
 /// What a launch's time counts as under profiling (OpContext::setProfiling).  Dispatch: the
 /// MoE layers' row all-to-alls between the ranks of an expert group (with their waits);
-/// DispatchCounts: their per-expert row counts' exchange, which the host waits for.
-enum class OpKind { Gemm, Attention, LayerNorm, Other, Dispatch, DispatchCounts, Count };
+/// DispatchCounts: their per-expert row counts' exchange, which the host waits for.  Route: the
+/// MoE layers' own token movement at any expert degree (the routing kernels, the permutation,
+/// the gate-weighted unpermute and their backward, and the GPU's idle time while the host waits
+/// for the routing's counts).
+enum class OpKind { Gemm, Attention, LayerNorm, Other, Dispatch, DispatchCounts, Route, Count };
 
 /// \brief Where operations run: the execution space instance, the attention tiles of the
 /// portable kernels, and the state of the CUDA path (cuBLASLt handle and plan cache, grow-only
@@ -290,7 +293,9 @@ void attentionBackward(OpContext& ctx, const DeviceBatch& b, const Qkv& qkv, con
 void bf16Attention(OpContext& ctx, const gpu::FlashParams& fp, bool backward);
 
 /// \brief dst(r) = src(rows(r)).
-void gatherRows(OpContext& ctx, const Mat& src, const View1<std::int32_t>& rows, const Mat& dst);
+/// `kind`: what its time counts as under profiling.
+void gatherRows(OpContext& ctx, const Mat& src, const View1<std::int32_t>& rows, const Mat& dst,
+                OpKind kind = OpKind::Other);
 /// \brief dst = 0, then dst(rows(r)) = src(r) (rows distinct).
 void scatterRows(OpContext& ctx, const Mat& src, const View1<std::int32_t>& rows, const Mat& dst);
 

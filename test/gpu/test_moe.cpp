@@ -239,6 +239,50 @@ void checkRouting(model::MoeConfig c, int tokens, bool ties, bool empty_expert,
   EXPECT_LT(test::relError(dlogits.download(), ref), 1e-6) << "logit gradient";
 }
 
+// The asynchronous routing (routeOnDeviceAsync + routeSummary, what the MoE layer runs) on a
+// stream of its own, one RouteReadback reused over routings of other sizes (dropless, a
+// capacity cut, no tokens), once with a second routing launched before the first's summary was
+// taken: every summary is bit for bit routeOnDevice's of the same (last) routing.
+TEST(MoeRouting, AsyncReadbackMatchesRouteOnDevice) {
+  const int e_n = 8, k = 2;
+  cudaStream_t stream = nullptr;
+  PLM_CHECK_CUDA(cudaStreamCreate(&stream));
+  RouteReadback rb;
+  auto expectSame = [](const RouteSummary& got, const RouteSummary& want, int tokens) {
+    EXPECT_EQ(got.routed, want.routed) << tokens << " tokens";
+    EXPECT_EQ(got.kept, want.kept) << tokens << " tokens";
+    EXPECT_EQ(got.prob_sum, want.prob_sum) << tokens << " tokens";
+    EXPECT_EQ(got.lse2_sum, want.lse2_sum) << tokens << " tokens";
+    EXPECT_EQ(got.entropy_sum, want.entropy_sum) << tokens << " tokens";
+  };
+  for (const int tokens : {300, 1000, 0, 777}) {
+    auto logits = test::randomNormal(std::size_t(tokens) * e_n, 40 + tokens, 1.5f);
+    DeviceBuffer<float> dl(std::max<std::size_t>(logits.size(), 1));
+    if (tokens > 0) dl.upload(logits);
+    const std::size_t bytes = routeWorkspaceBytes(tokens, e_n, k);
+    DeviceBuffer<char> ws(bytes), ws_ref(bytes);
+    RouteArgs a;
+    a.tokens = tokens;
+    a.experts = e_n;
+    a.top_k = k;
+    a.capacity = tokens == 777 ? 150 : 0;
+    a.logits = dl.get();
+    const RouteBuffers b = routeBuffers(ws.get(), tokens, e_n, k);
+    const RouteBuffers b_ref = routeBuffers(ws_ref.get(), tokens, e_n, k);
+    const RouteSummary want = routeOnDevice(nullptr, a, b_ref);
+    routeOnDeviceAsync(stream, a, b, rb);
+    expectSame(routeSummary(rb), want, tokens);
+    if (tokens == 1000) {  // a routing replaced before its summary was taken
+      RouteArgs other = a;
+      other.tokens = 500;
+      routeOnDeviceAsync(stream, other, b, rb);
+      routeOnDeviceAsync(stream, a, b, rb);
+      expectSame(routeSummary(rb), want, tokens);
+    }
+  }
+  PLM_CHECK_CUDA(cudaStreamDestroy(stream));
+}
+
 TEST(MoeRouting, DeviceMatchesHostReference) {
   model::MoeConfig c;
   c.experts = 8;
