@@ -69,7 +69,8 @@
 #        PLM_MOE_GROUPED_BENCH=0 skips the bench
 #   moe_ep: expert parallelism on ONE GPU at 2 ranks (staged MPI) against 1 rank, bf16 (GELU and
 #         SwiGLU) and FP8 experts (test_ckpt_moe_expert_parallel, test_fp8_moe; PLM_MOE_EP_FILTER narrows
-#         test_fp8_moe), and the staged all-to-all-v with one-sided ranks
+#         test_fp8_moe: '*Swiglu*' runs only its FP8 SwiGLU-expert tests), and the staged
+#         all-to-all-v with one-sided ranks
 #   moe_nccl: expert parallelism with one GPU per rank (NCCL all-to-all-v; nvidia-h100-x2 or
 #         -x4): test_ckpt_moe_expert_parallel and test_fp8_moe at 2 (and 4) ranks (expert degrees
 #         1/2/4 equal, resume across degrees, ranks holding only their experts, bf16 rows and FP8
