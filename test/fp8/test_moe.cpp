@@ -123,16 +123,16 @@ double worstRel(const std::vector<double>& a, const std::vector<double>& b, std:
 // 50-step FP8-vs-fp32 losses differ by up to 0.27% and its test allows 2%, as this one does.
 double degreeTolerance(Fp8Recipe r) { return r == Fp8Recipe::Delayed ? 1e-3 : 2e-2; }
 
-void degreesGiveTheSameLosses(ExpertActivation act) {
+void degreesGiveTheSameLosses(ExpertActivation act, int steps) {
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fp8moe");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   for (Fp8Recipe r : {Fp8Recipe::Delayed, Fp8Recipe::Current, Fp8Recipe::Block}) {
     std::vector<double> reference;
     for (int d : degrees()) {
       const std::string name = std::string(plm::model::fp8RecipeName(r)) + std::to_string(d);
-      const RunRecord run =
-          train(tinyDeck(dir, name, with(fp8MoeSettings(r, d, 20, act), {"checkpoint.every=0"})));
-      ASSERT_EQ(run.losses.size(), 20u);
+      const RunRecord run = train(
+          tinyDeck(dir, name, with(fp8MoeSettings(r, d, steps, act), {"checkpoint.every=0"})));
+      ASSERT_EQ(run.losses.size(), std::size_t(steps));
       for (double l : run.losses) ASSERT_TRUE(std::isfinite(l)) << name;
       if (reference.empty()) {
         reference = run.losses;
@@ -156,14 +156,15 @@ TEST(Fp8Moe, ExpertDegreesGiveTheSameLosses) {
   PLM_SKIP_WITHOUT_FP8();
   if (noExpertParallelBackend())
     GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
-  degreesGiveTheSameLosses(ExpertActivation::Gelu);
+  degreesGiveTheSameLosses(ExpertActivation::Gelu, 20);
 }
 
 TEST(Fp8Moe, SwigluExpertDegreesGiveTheSameLosses) {
   PLM_SKIP_WITHOUT_FP8();
   if (noExpertParallelBackend())
     GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
-  degreesGiveTheSameLosses(ExpertActivation::Swiglu);
+  // 10 steps (the suite's time at 4 ranks): the degrees' agreement shows from the first step.
+  degreesGiveTheSameLosses(ExpertActivation::Swiglu, 10);
 }
 
 // One pass, delayed scaling (calibrated by one pass on both sides, so both hold the scales of
