@@ -79,7 +79,8 @@
 #        PLM_MOE_GROUPED_BENCH=0 skips the bench
 #   moe_ep: expert parallelism on ONE GPU at 2 ranks (staged MPI) against 1 rank, bf16 (GELU and
 #         SwiGLU) and FP8 experts (test_ckpt_moe_expert_parallel, test_fp8_moe; PLM_MOE_EP_FILTER narrows
-#         test_fp8_moe), and the staged all-to-all-v with one-sided ranks
+#         test_fp8_moe: '*Swiglu*' runs only its FP8 SwiGLU-expert tests), and the staged
+#         all-to-all-v with one-sided ranks
 #   moe_fsdp: FSDP with MoE on ONE GPU (staged MPI), test_ckpt_moe_fsdp at 2 ranks (shard 2)
 #         and 4 (expert 2 x shard 2): centred routers, bias balancing and evaluation against one
 #         rank (fp32, 1e-5), fp8 within 1e-3, context degree 2 against plain context

@@ -391,8 +391,8 @@ const std::vector<KeySpec>& keys() {
        "output.dense + bias); swiglu = down_proj(silu(gate_proj x) * up_proj x) without biases "
        "(the Mixtral / Qwen / AIDO.Protein form: three matrices per expert); auto = the preset's "
        "(swiglu for aido_protein_16b, gelu otherwise). Shared experts stay GELU. SwiGLU experts "
-       "take moe.expert_gemm (loop or grouped) like GELU ones and have no FP8 path yet "
-       "(doc/model.md).",
+       "take moe.expert_gemm (loop or grouped) like GELU ones, and train.precision: fp8 "
+       "(doc/fp8.md \"Experts\"; doc/model.md).",
        any(), {"auto", "gelu", "swiglu"}},
       {"moe", "overlap", K::boolean, "false",
        "Under expert parallelism, compute a rank's own rows of its own experts while the other "

@@ -293,16 +293,13 @@ template <class T> struct Esm2<T>::Impl {
           "train.precision: fp8 needs the FP8 kernels of src/gpu/fp8.hpp, which this CUDA build "
           "lacks (doc/fp8.md); use train.precision: bf16 on the GPU or run fp8 on a CPU build");
 #endif
-      if (config.moe.enabled() && config.moe.swiglu())
-        throw collectiveError(
-            "train.precision: fp8 has no SwiGLU experts yet (moe.expert_activation: swiglu); use "
-            "train.precision bf16 or fp32, or moe.expert_activation: gelu");
       if (bf16 && config.moe.enabled() && config.moe.expert_ffn % 16 != 0)
         throw collectiveError("train.precision: fp8 with moe on the GPU needs moe.expert_ffn (" +
                               std::to_string(config.moe.expert_ffn) +
                               ") to be a multiple of 16 (the FP8 GEMMs' inner dimension)");
-      // Dense slots (layers x 4), then two per routed expert of each MoE layer (up, down); a
-      // MoE layer's FFN slots serve its shared experts.
+      // Dense slots (layers x 4), then two per routed expert of each MoE layer (up, down; a
+      // SwiGLU expert's up is its stacked [gate; up] GEMM); a MoE layer's FFN slots serve its
+      // shared experts.
       std::vector<int> moe_layers;
       for (int l = 0; l < config.num_layers; ++l)
         if (config.moe.isMoeLayer(l)) moe_layers.push_back(l);
@@ -617,7 +614,11 @@ template <class T> struct Esm2<T>::Impl {
           const auto& upw = info(x + "up_proj.weight");
           PLM_REQUIRE(upw.offset == gate.offset + gate.size,
                       "plm::model: SwiGLU gate_proj and up_proj not adjacent (a bug)");
-          dw.w1 = weight(x + "gate_proj.weight");
+          // Under fp8 the stacked matrix is one FP8 GEMM weight with one scale, as the dense
+          // layers' stacked q/k/v: the CPU quantises a copy of both halves, CUDA casts the packed
+          // bf16 pair (bindFp8Cuda) as one (2 F_e, H) tensor.
+          dw.w1 = fp8 && !bf16 ? fp8Weight(up, {x + "gate_proj.weight", x + "up_proj.weight"})
+                               : weight(x + "gate_proj.weight");
           if (bf16) {
             const Mat up_at = weight(x + "up_proj.weight");
             PLM_REQUIRE(reinterpret_cast<std::int64_t>(up_at.data) ==
@@ -625,9 +626,14 @@ template <class T> struct Esm2<T>::Impl {
                         "plm::model: SwiGLU gate_proj and up_proj not packed back to back (a bug)");
           }
           dw.w1.rows = 2 * gate.shape[0];
-          dw.w2 = weight(x + "down_proj.weight");
+          dw.w2 = fp8 && !bf16 ? fp8Weight(down, {x + "down_proj.weight"})
+                               : weight(x + "down_proj.weight");
           dw.b1 = Vec{};
           dw.b2 = Vec{};
+          if (fp8 && bf16) {
+            dw.w1.fp8 = up;
+            dw.w2.fp8 = down;
+          }
           dg.w1 = masterMat(G, x + "gate_proj.weight");
           dg.w1.rows = 2 * gate.shape[0];
           dg.w2 = masterMat(G, x + "down_proj.weight");

@@ -948,9 +948,15 @@ void fp8ForwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Vec& b, co
   m.k = x.cols;
   setFp8(m, xq, weightCodes(s, w, false));
   m.d = &y;
-  expect(b.dtype, DType::BF16, "the bias of an FP8 GEMM (cuBLASLt takes it in bf16)");
-  m.epilogue = epilogue;
-  m.bias = b.data;
+  if (b.empty()) {  // no bias: SwiGLU experts
+    PLM_REQUIRE(epilogue == gpu::Epilogue::Bias,
+                "plm::model: an FP8 GEMM epilogue without its bias (a bug)");
+    m.epilogue = gpu::Epilogue::None;
+  } else {
+    expect(b.dtype, DType::BF16, "the bias of an FP8 GEMM (cuBLASLt takes it in bf16)");
+    m.epilogue = epilogue;
+    m.bias = b.data;
+  }
   if (aux) {
     m.aux = aux->data;
     m.ldaux = aux->ld;

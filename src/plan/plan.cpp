@@ -461,18 +461,20 @@ void planMemory(const Input& in, Plan& p) {
     // fp8.wgrad: fp8 the GPU forward keeps each GEMM input's X^T codes for the weight gradient
     // (src/model/ops.cpp), one byte per element of the four inputs (t x h three times, t x f).
     // An MoE layer's FFN GEMMs are its held experts' (and its shared experts'): codes of
-    // 2 h f_e per held expert, X^T codes of its X expert rows (h + f_e wide).
+    // 2 h f_e per held expert (3 h f_e for SwiGLU: the stacked [gate; up] and down), X^T codes
+    // of its X expert rows (h + f_e wide: the up GEMM's input and the down GEMM's, either way).
     const std::int64_t h = c.hidden, f = c.ffn;
     std::int64_t weights = 0, xt = 0, widest = 0;  // widest: one layer's FP8 weights
     const std::int64_t fe = c.moe.expert_ffn, sw = std::int64_t(c.moe.shared_experts) * fe;
     const std::int64_t held_experts = moe ? c.moe.experts / l.expert : 0;
+    const std::int64_t per_expert = (c.moe.swiglu() ? 3 : 2) * h * fe;
     const MoeBuffers rows =
         moe ? moeBufferBytes(c, in.compute, gpu, t, l.expert, moeLoad(in).first) : MoeBuffers();
     for (int layer = 0; layer < c.num_layers; ++layer) {
       if (!c.fp8.fp8Layer(layer, c.num_layers)) continue;
       const std::int64_t before = weights;
       if (c.moe.isMoeLayer(layer)) {
-        weights += 4 * h * h + held_experts * 2 * h * fe + 2 * h * sw;
+        weights += 4 * h * h + held_experts * per_expert + 2 * h * sw;
         xt += alignedElements(t) * 2 * h + alignedElements(rows.expert_rows) * (h + fe) +
               (sw > 0 ? alignedElements(t) * (h + sw) : 0);
       } else {
@@ -481,9 +483,12 @@ void planMemory(const Input& in, Plan& p) {
       }
       widest = std::max(widest, weights - before);
     }
-    const char* per_layer = moe ? "sum over FP8 layers of (4 h^2 + 2 h f, or 2 h f_e per held "
-                                  "expert in an MoE layer)"
-                                : "L_fp8 (4 h^2 + 2 h f)";
+    const char* per_layer = !moe ? "L_fp8 (4 h^2 + 2 h f)"
+                            : c.moe.swiglu()
+                                ? "sum over FP8 layers of (4 h^2 + 2 h f, or 3 h f_e per held "
+                                  "SwiGLU expert in an MoE layer)"
+                                : "sum over FP8 layers of (4 h^2 + 2 h f, or 2 h f_e per held "
+                                  "expert in an MoE layer)";
     if (l.shard > 1) {  // train::Fsdp's byte wires: 1 byte per FP8 weight element
       const int slots = in.reshard_after_forward ? 2 : c.num_layers;
       p.memory.push_back({"FP8 codes: the shard's, and one gathered layer per slot",

@@ -9,6 +9,8 @@
 //    restores exactly the scaling state it saved (the expert slots are per global expert);
 //  - one pass's gradients against fp32 experts within doc/fp8.md's FP8 tolerance, every expert
 //    that got rows having recorded its own amaxes.
+// Each for GELU experts and again (the Swiglu* tests) for SwiGLU experts, whose stacked
+// [gate; up] matrix is one FP8 GEMM weight in the expert's up slot.
 #include "../ckpt/moe_ep_check.hpp"
 #include "../ckpt/tiny_run.hpp"
 
@@ -24,6 +26,7 @@
 
 namespace {
 
+using plm::model::ExpertActivation;
 using plm::model::Fp8Recipe;
 using plm::model::Precision;
 using plm::test::tinyDeck;
@@ -41,9 +44,13 @@ std::vector<int> degrees() {
 }
 
 // The tiny deck (2 layers, hidden 32) with an MoE FFN in both layers: 4 experts of width 32
-// (a multiple of 16, as the GPU's FP8 GEMMs want), top-2, capacity dropping, a shared expert.
-std::vector<std::string> fp8MoeSettings(Fp8Recipe recipe, int degree, int steps) {
+// (a multiple of 16, as the GPU's FP8 GEMMs want), top-2, capacity dropping, a shared expert
+// (GELU, whatever the routed experts' activation).
+std::vector<std::string> fp8MoeSettings(Fp8Recipe recipe, int degree, int steps,
+                                        ExpertActivation activation) {
   return {"train.precision=fp8",
+          std::string("moe.expert_activation=") +
+              (activation == ExpertActivation::Swiglu ? "swiglu" : "gelu"),
           std::string("fp8.recipe=") + plm::model::fp8RecipeName(recipe),
           "fp8.amax_history=4",
           "moe.experts=4",
@@ -57,6 +64,10 @@ std::vector<std::string> fp8MoeSettings(Fp8Recipe recipe, int degree, int steps)
           "schedule.decay_steps=20",
           "train.steps=" + std::to_string(steps),
           "parallel.expert_degree=" + std::to_string(degree)};
+}
+
+const char* activationName(ExpertActivation a) {
+  return a == ExpertActivation::Swiglu ? "SwiGLU" : "GELU";
 }
 
 std::vector<std::string> with(std::vector<std::string> a, const std::vector<std::string>& b) {
@@ -112,19 +123,16 @@ double worstRel(const std::vector<double>& a, const std::vector<double>& b, std:
 // 50-step FP8-vs-fp32 losses differ by up to 0.27% and its test allows 2%, as this one does.
 double degreeTolerance(Fp8Recipe r) { return r == Fp8Recipe::Delayed ? 1e-3 : 2e-2; }
 
-TEST(Fp8Moe, ExpertDegreesGiveTheSameLosses) {
-  PLM_SKIP_WITHOUT_FP8();
-  if (noExpertParallelBackend())
-    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
+void degreesGiveTheSameLosses(ExpertActivation act, int steps) {
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fp8moe");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   for (Fp8Recipe r : {Fp8Recipe::Delayed, Fp8Recipe::Current, Fp8Recipe::Block}) {
     std::vector<double> reference;
     for (int d : degrees()) {
       const std::string name = std::string(plm::model::fp8RecipeName(r)) + std::to_string(d);
-      const RunRecord run =
-          train(tinyDeck(dir, name, with(fp8MoeSettings(r, d, 20), {"checkpoint.every=0"})));
-      ASSERT_EQ(run.losses.size(), 20u);
+      const RunRecord run = train(
+          tinyDeck(dir, name, with(fp8MoeSettings(r, d, steps, act), {"checkpoint.every=0"})));
+      ASSERT_EQ(run.losses.size(), std::size_t(steps));
       for (double l : run.losses) ASSERT_TRUE(std::isfinite(l)) << name;
       if (reference.empty()) {
         reference = run.losses;
@@ -135,13 +143,28 @@ TEST(Fp8Moe, ExpertDegreesGiveTheSameLosses) {
       EXPECT_LE(rel, degreeTolerance(r)) << name;
       if (plm::dist::worldRank() == 0)
         std::printf(
-            "fp8 %s MoE, expert degree %d vs 1 on %d ranks: losses %.6f -> %.6f, "
+            "fp8 %s MoE (%s experts), expert degree %d vs 1 on %d ranks: losses %.6f -> %.6f, "
             "largest relative difference %.3g\n",
-            plm::model::fp8RecipeName(r), d, plm::dist::worldSize(), reference.front(),
-            reference.back(), rel);
+            plm::model::fp8RecipeName(r), activationName(act), d, plm::dist::worldSize(),
+            reference.front(), reference.back(), rel);
     }
   }
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
+}
+
+TEST(Fp8Moe, ExpertDegreesGiveTheSameLosses) {
+  PLM_SKIP_WITHOUT_FP8();
+  if (noExpertParallelBackend())
+    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
+  degreesGiveTheSameLosses(ExpertActivation::Gelu, 20);
+}
+
+TEST(Fp8Moe, SwigluExpertDegreesGiveTheSameLosses) {
+  PLM_SKIP_WITHOUT_FP8();
+  if (noExpertParallelBackend())
+    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
+  // 10 steps (the suite's time at 4 ranks): the degrees' agreement shows from the first step.
+  degreesGiveTheSameLosses(ExpertActivation::Swiglu, 10);
 }
 
 // One pass, delayed scaling (calibrated by one pass on both sides, so both hold the scales of
@@ -150,11 +173,9 @@ TEST(Fp8Moe, ExpertDegreesGiveTheSameLosses) {
 // gradient sums (fp32 rounding, ~1e-7 relative); the test allows 1e-5 of the largest gradient
 // on the CPU.  On CUDA cuBLASLt may choose another kernel for another row count (bf16 results
 // one ulp apart, now and then an FP8 code apart): relative L2 below 5e-2 there.
-TEST(Fp8Moe, ExpertParallelGradientsMatchOneRank) {
-  PLM_SKIP_WITHOUT_FP8();
-  if (noExpertParallelBackend())
-    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
-  const auto c = plm::test::floatMoeConfig(Precision::Fp8);  // delayed scaling
+void expertParallelGradientsMatchOneRank(ExpertActivation act) {
+  auto c = plm::test::floatMoeConfig(Precision::Fp8);  // delayed scaling
+  c.moe.expert_activation = act;
   auto comm =
       plm::dist::makeCommunicator(MPI_COMM_WORLD, plm::dist::defaultBackend(MPI_COMM_WORLD));
   const auto m = plm::test::expertParallelVsOneRank<float>(c, comm.get(), true, true);
@@ -167,10 +188,24 @@ TEST(Fp8Moe, ExpertParallelGradientsMatchOneRank) {
   EXPECT_NEAR(m.loss, m.ref_loss, (PLM_HAVE_CUDA ? 1e-2 : 1e-5) * m.ref_loss);
   if (plm::dist::worldRank() == 0)
     std::printf(
-        "fp8 delayed, %d ranks, expert degree %d (%s): gradient relative L2 %.3g, "
+        "fp8 delayed, %s experts, %d ranks, expert degree %d (%s): gradient relative L2 %.3g, "
         "largest difference %.3g of %.3g, loss %.7g vs %.7g\n",
-        plm::dist::worldSize(), plm::dist::worldSize(), plm::dist::nameOf(comm->backend()),
-        m.rel_l2, m.max_diff, m.max_abs, m.loss, m.ref_loss);
+        activationName(act), plm::dist::worldSize(), plm::dist::worldSize(),
+        plm::dist::nameOf(comm->backend()), m.rel_l2, m.max_diff, m.max_abs, m.loss, m.ref_loss);
+}
+
+TEST(Fp8Moe, ExpertParallelGradientsMatchOneRank) {
+  PLM_SKIP_WITHOUT_FP8();
+  if (noExpertParallelBackend())
+    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
+  expertParallelGradientsMatchOneRank(ExpertActivation::Gelu);
+}
+
+TEST(Fp8Moe, SwigluExpertParallelGradientsMatchOneRank) {
+  PLM_SKIP_WITHOUT_FP8();
+  if (noExpertParallelBackend())
+    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
+  expertParallelGradientsMatchOneRank(ExpertActivation::Swiglu);
 }
 
 // Resume: the checkpoint's /scaling holds the expert slots.  At the same degree the resumed run
@@ -178,17 +213,14 @@ TEST(Fp8Moe, ExpertParallelGradientsMatchOneRank) {
 // delayed scales would restart at 1).  At another degree the restored state is exactly the
 // saved one (slots by global expert), and the losses then follow the uninterrupted run within
 // the degrees' tolerance (the degree changes the summation order, see above).
-TEST(Fp8Moe, ResumesExactlyAndAtAnotherDegree) {
-  PLM_SKIP_WITHOUT_FP8();
-  if (noExpertParallelBackend())
-    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
+void resumesExactlyAndAtAnotherDegree(ExpertActivation act) {
   const std::string dir = plm::test::sharedTempDir(MPI_COMM_WORLD, "fp8moe_resume");
   plm::test::writeTinyDataset(dir + "/train.h5", 64, 9, MPI_COMM_WORLD);
   const auto ds = degrees();
   const int first = ds.back(), second = ds.front();
   const Fp8Recipe r = Fp8Recipe::Delayed;
-  const RunRecord reference =
-      train(tinyDeck(dir, "reference", with(fp8MoeSettings(r, first, 20), {"checkpoint.every=0"})));
+  const RunRecord reference = train(
+      tinyDeck(dir, "reference", with(fp8MoeSettings(r, first, 20, act), {"checkpoint.every=0"})));
   // The expert slots hold state: the scales of the experts' weights moved off their initial 1.
   {
     plm::model::Fp8Config fc;
@@ -207,10 +239,10 @@ TEST(Fp8Moe, ResumesExactlyAndAtAnotherDegree) {
   if (second != first) resume_at.push_back(second);
   for (int d : resume_at) {
     const std::string name = "resumed" + std::to_string(d);
-    const RunRecord a =
-        train(tinyDeck(dir, name, with(fp8MoeSettings(r, first, 10), {"checkpoint.every=10"})));
+    const RunRecord a = train(
+        tinyDeck(dir, name, with(fp8MoeSettings(r, first, 10, act), {"checkpoint.every=10"})));
     const RunRecord b =
-        train(tinyDeck(dir, name, with(fp8MoeSettings(r, d, 20), {"checkpoint.every=10"})));
+        train(tinyDeck(dir, name, with(fp8MoeSettings(r, d, 20, act), {"checkpoint.every=10"})));
     ASSERT_EQ(b.losses.size(), 10u) << name;
     EXPECT_EQ(b.start_hist, a.hist_at_10) << name << ": the amax histories were not restored";
     EXPECT_EQ(b.start_scale, a.scale_at_10) << name << ": the scales were not restored";
@@ -225,17 +257,31 @@ TEST(Fp8Moe, ResumesExactlyAndAtAnotherDegree) {
   plm::test::removeSharedDir(MPI_COMM_WORLD, dir);
 }
 
+TEST(Fp8Moe, ResumesExactlyAndAtAnotherDegree) {
+  PLM_SKIP_WITHOUT_FP8();
+  if (noExpertParallelBackend())
+    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
+  resumesExactlyAndAtAnotherDegree(ExpertActivation::Gelu);
+}
+
+TEST(Fp8Moe, SwigluResumesExactlyAndAtAnotherDegree) {
+  PLM_SKIP_WITHOUT_FP8();
+  if (noExpertParallelBackend())
+    GTEST_SKIP() << "expert parallelism needs NCCL, staged MPI or host memory";
+  resumesExactlyAndAtAnotherDegree(ExpertActivation::Swiglu);
+}
+
 // One pass's gradients, FP8 experts vs fp32 experts at the same weights and batch (delayed
 // after one calibration pass; current; block): doc/fp8.md's tolerance (relative L2 of the whole
 // gradient < 0.25, cosine > 0.95 per expert weight gradient; measured 0.13-0.16 on the dense
 // model) with the experts' GEMMs as two more FP8 GEMMs per layer (measured: delayed 0.155,
 // current 0.17, block 0.087; worst cosine 0.970).  That the experts ran in FP8 shows in their
 // slots: every expert recorded its input (and, in layer 0, gradient) amaxes there (delayed).
-TEST(Fp8Moe, ExpertsNearFp32AndUseTheirSlots) {
-  PLM_SKIP_WITHOUT_FP8();
-  auto config = [](Precision p, Fp8Recipe recipe) {
+void expertsNearFp32AndUseTheirSlots(ExpertActivation act) {
+  auto config = [act](Precision p, Fp8Recipe recipe) {
     auto c = plm::test::floatMoeConfig(p);
     c.fp8.recipe = recipe;
+    c.moe.expert_activation = act;
     // Every expert for every token (top-4 of 4, dropless): a top-k choice near a tie may flip
     // under FP8 rounding and move an expert's gradient by O(1) (measured with top-2: the
     // router's gradient cosine 0.18 under current scaling), which says nothing of the GEMMs.
@@ -281,8 +327,11 @@ TEST(Fp8Moe, ExpertsNearFp32AndUseTheirSlots) {
     const double rel = std::sqrt(num / den);
     EXPECT_LT(rel, 0.25) << plm::model::fp8RecipeName(r);
     EXPECT_GT(worst_cos, 0.95) << plm::model::fp8RecipeName(r);
-    std::printf("fp8 %s MoE vs %s: gradient relative L2 %.3g, worst expert-weight cosine %.4f\n",
-                plm::model::fp8RecipeName(r), plm::model::precisionName(high), rel, worst_cos);
+    std::printf(
+        "fp8 %s MoE (%s experts) vs %s: gradient relative L2 %.3g, worst expert-weight cosine "
+        "%.4f\n",
+        plm::model::fp8RecipeName(r), activationName(act), plm::model::precisionName(high), rel,
+        worst_cos);
     if (r != Fp8Recipe::Delayed) continue;
     // The step's amaxes (the CUDA path's from the device) roll to the history's last entry.
     m.endFp8Step(MPI_COMM_NULL);
@@ -308,6 +357,16 @@ TEST(Fp8Moe, ExpertsNearFp32AndUseTheirSlots) {
                 << plm::model::fp8OperandName(o);
       }
   }
+}
+
+TEST(Fp8Moe, ExpertsNearFp32AndUseTheirSlots) {
+  PLM_SKIP_WITHOUT_FP8();
+  expertsNearFp32AndUseTheirSlots(ExpertActivation::Gelu);
+}
+
+TEST(Fp8Moe, SwigluExpertsNearFp32AndUseTheirSlots) {
+  PLM_SKIP_WITHOUT_FP8();
+  expertsNearFp32AndUseTheirSlots(ExpertActivation::Swiglu);
 }
 
 }  // namespace

@@ -604,6 +604,36 @@ TEST(Plan, DeckSectionsAreHonoured) {
   EXPECT_THROW(plan::layoutFromDeck(*bad, 8, 1), Error);
 }
 
+TEST(Plan, Fp8CodesCountSwigluExpertsThreeMatrices) {
+  // Under fp8 a held SwiGLU expert's FP8 codes are its stacked [gate; up] (2 f_e x h) and its
+  // down matrix: h f_e more per held expert and FP8 MoE layer than a GELU expert's, twice (the
+  // codes and their transpose).
+  auto planFor = [](const std::string& activation) {
+    auto deck = deck::resolve(*deck::readYamlString(
+        "model: { preset: esm2_35m }\n"
+        "data: { tokens_per_batch: 65536, micro_batch_tokens: 8192, max_seq_len: 256 }\n"
+        "train: { precision: fp8 }\n"
+        "fp8: { first_layers_bf16: 2, last_layers_bf16: 1 }\n"
+        "moe: { experts: 8, top_k: 2, expert_ffn: 960, expert_activation: " +
+        activation +
+        " }\n"
+        "parallel: { shard_degree: 1, expert_degree: 4 }\n"));
+    const auto in =
+        plan::inputFromDeck(*deck, plan::layoutFromDeck(*deck, 8, 1), plan::builtinRates("h100"));
+    return std::make_pair(in.model, plan::makePlan(in));
+  };
+  const auto [gelu_c, gelu] = planFor("gelu");
+  const auto [swiglu_c, swiglu] = planFor("swiglu");
+  ASSERT_TRUE(swiglu_c.moe.swiglu());
+  double layers = 0;
+  for (int l = 0; l < swiglu_c.num_layers; ++l)
+    layers += swiglu_c.moe.isMoeLayer(l) && swiglu_c.fp8.fp8Layer(l, swiglu_c.num_layers);
+  EXPECT_GT(layers, 0);
+  const double held = 8 / 4, h = swiglu_c.hidden, fe = 960;
+  EXPECT_DOUBLE_EQ(item(swiglu.memory, "FP8 weight codes") - item(gelu.memory, "FP8 weight codes"),
+                   2 * layers * held * h * fe);
+}
+
 TEST(Plan, MeasuredMoeLoadOfTheFullestRank) {
   // Two layers, 4 experts over 2 ranks (experts 0-1 on rank 0, 2-3 on rank 1).  Layer 0:
   // rank 0 gets 30 of 40 slots (load 2 x 30/40 = 1.5); layer 1 balanced (1.0): mean 1.25.
