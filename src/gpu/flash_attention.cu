@@ -625,8 +625,39 @@ template <int D, int BN> __global__ void __launch_bounds__(128)
 // Each dQ row is read-modified-written by one lane, in key-block order: deterministic.
 // delta is computed in the prologue (rowsum(dO * O) of this sequence and head).
 
+// The fused backward's sequence order: longest work first (query blocks x key blocks, in up to
+// kOrderBuckets buckets), so a long sequence's CTAs do not start last and form the tail.  One
+// CTA; the order within a bucket varies from run to run, the results do not (each (sequence,
+// head) is one CTA's, whenever it runs).
+constexpr int kOrderBuckets = 1024;
+
+__global__ void __launch_bounds__(1024) longestFirstKernel(FlashParams p, int* order) {
+  __shared__ int count[kOrderBuckets];
+  for (int b = threadIdx.x; b < kOrderBuckets; b += blockDim.x) count[b] = 0;
+  __syncthreads();
+  auto bucket = [&](int s) {
+    const int lq = p.cu_seqlens[s + 1] - p.cu_seqlens[s];
+    const int lk = p.cu_seqlens_k[s + 1] - p.cu_seqlens_k[s];
+    const long long w = static_cast<long long>((lq + 63) / 64) * ((lk + 63) / 64);
+    return static_cast<int>(w < kOrderBuckets - 1 ? w : kOrderBuckets - 1);
+  };
+  for (int s = threadIdx.x; s < p.num_seqs; s += blockDim.x) atomicAdd(&count[bucket(s)], 1);
+  __syncthreads();
+  if (threadIdx.x == 0) {  // exclusive scan from the largest bucket down
+    int run = 0;
+    for (int b = kOrderBuckets - 1; b >= 0; --b) {
+      const int c = count[b];
+      count[b] = run;
+      run += c;
+    }
+  }
+  __syncthreads();
+  for (int s = threadIdx.x; s < p.num_seqs; s += blockDim.x)
+    order[atomicAdd(&count[bucket(s)], 1)] = s;
+}
+
 template <int D> __global__ void __launch_bounds__(128)
-    flashBackwardFusedKernel(FlashParams p, float* dq_acc) {
+    flashBackwardFusedKernel(FlashParams p, float* dq_acc, const int* order) {
   constexpr int BN = 64, BQ = 64, LD = D + kPad, LDS = BQ + kPad, THREADS = 128;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   bfloat* ks = reinterpret_cast<bfloat*>(smem_raw);        // (BN, LD)
@@ -638,8 +669,9 @@ template <int D> __global__ void __launch_bounds__(128)
   float* dels = lses + 2 * BQ;                             // (2, BQ)
 
   const int h = blockIdx.x;
-  const SeqBlock seq = seqOf(p.cu_seqlens, blockIdx.y);
-  const SeqBlock kseq = seqOf(p.cu_seqlens_k, blockIdx.y);
+  const int sidx = order[blockIdx.y];
+  const SeqBlock seq = seqOf(p.cu_seqlens, sidx);
+  const SeqBlock kseq = seqOf(p.cu_seqlens_k, sidx);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
   const std::int64_t acc_ld = static_cast<std::int64_t>(p.heads) * D;  // dq_acc row: (H, D)
@@ -865,8 +897,9 @@ template <class Kernel, class... Extra> void launch(Kernel kernel, dim3 grid, in
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
-/// The fused backward's fp32 dQ accumulator: one per (device, stream), grown on demand (after a
-/// stream synchronisation, since earlier launches may still use the old one) and kept.
+/// The fused backward's fp32 dQ accumulator (and sequence order): one per (device, stream), grown
+/// on demand (after a stream synchronisation, since earlier launches may still use the old one) and
+/// kept.
 float* dqScratch(Stream stream, std::size_t floats) {
   struct Buffer {
     float* ptr = nullptr;
@@ -903,9 +936,13 @@ bool smallD(const FlashParams& p) {
 template <int D> void backwardSmallD(Stream stream, const FlashParams& p) {
   constexpr int LD = D + kPad;
   const int smem = (2 * 64 + 4 * 64) * LD * 2 + 64 * (64 + kPad) * 2 + 4 * 64 * 4;
-  float* acc = dqScratch(stream, static_cast<std::size_t>(p.total_tokens) * p.heads * D);
+  const std::size_t acc_floats = static_cast<std::size_t>(p.total_tokens) * p.heads * D;
+  float* acc = dqScratch(stream, acc_floats + p.num_seqs);  // then the order (ints)
+  int* order = reinterpret_cast<int*>(acc + acc_floats);
+  longestFirstKernel<<<1, 1024, 0, stream>>>(p, order);
+  PLM_CHECK_CUDA(cudaGetLastError());
   dim3 grid(p.heads, p.num_seqs);
-  launch(flashBackwardFusedKernel<D>, grid, smem, stream, p, acc);
+  launch(flashBackwardFusedKernel<D>, grid, smem, stream, p, acc, order);
 }
 
 void checkParams(const FlashParams& p) {
