@@ -656,7 +656,8 @@ __global__ void __launch_bounds__(1024) longestFirstKernel(FlashParams p, int* o
     order[atomicAdd(&count[bucket(s)], 1)] = s;
 }
 
-template <int D> __global__ void __launch_bounds__(128)
+// Occupancy: 4 CTAs (16 warps) per SM at head_dim 16, 3 at 32 (the register budget).
+template <int D> __global__ void __launch_bounds__(128, D <= 16 ? 4 : 3)
     flashBackwardFusedKernel(FlashParams p, float* dq_acc, const int* order) {
   constexpr int BN = 64, BQ = 64, LD = D + kPad, LDS = BQ + kPad, THREADS = 128;
   extern __shared__ __align__(16) unsigned char smem_raw[];
