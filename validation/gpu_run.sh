@@ -7,7 +7,7 @@
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
 #                                       finetune_encoder large_index layernorm lora big_buffer
 #                                       autotune_cached profile gemm_sk moe_fsdp fp8_cast
-#                                       moe_speed aido_layers
+#                                       moe_speed aido_layers small_attn
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -183,6 +183,13 @@
 #         650M (24576 x 1280/3840/5120) and 3B (x 2560/7680/10240) shapes (PLM_FP8_CAST_TOKENS,
 #         default 24576); logs fp8_cast_<test>.log and fp8_cast_bench.log in $OUT, the RESULT
 #         fp8_cast lines in the summary
+#   small_attn: the small-head_dim flash attention kernels (issue 29: ESM-2 8M head_dim 16, 35M
+#         24): test_gpu_flash_attention (every kernel set against a host reference, backward
+#         bitwise equal on a rerun), bench_gpu_attention (65,536 tokens, 20 heads x 16 / 24 / 32:
+#         legacy vs small-head_dim kernels vs cuDNN, ms and TFLOP/s, the two flash sets' largest
+#         difference; RESULT attention lines), then plm train of 8M and 35M bf16 (30 steps,
+#         65,536-token micro-batches, 131,072 per step) with train.profile true and false, and
+#         with PLM_FLASH_LEGACY=1 (the old kernels; PLM_SMALL_ATTN_LEGACY=0 skips those runs)
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -1016,34 +1023,37 @@ print('median tokens/s steps 6-25: %.0f' % statistics.median(t))" 2>&1)"
   rm -rf /tmp/plm-at-off /tmp/plm-at-on /tmp/plm-at-cached /tmp/plm-at-off2
 fi
 
-if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
-  prof_run() {  # name deck steps micro tokens_per_step profile [--set ...]
-    local name=$1 deck=$2 steps=$3 micro=$4 tps=$5 prof=$6; shift 6
-    [[ -n "${PLM_PROFILE_RUNS:-}" && " $PLM_PROFILE_RUNS " != *" $name "* ]] && return
-    local d="/tmp/plm-prof-$name"; rm -rf "$d"
-    timeout 240 "$pkg/bin/plm" train "$repo/inputs/$deck.yaml" --set data.train="$pkg/data/train.h5" \
-      --set data.valid= --set data.micro_batch_tokens=$micro --set data.tokens_per_batch=$tps \
-      --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
-      --set train.profile=$prof --set checkpoint.every=0 --set checkpoint.resume=none \
-      --set train.run_dir="$d" "$@" > "$out/profile_$name.log" 2>&1
-    local rc=$?
-    cp "$d/metrics.jsonl" "$out/profile_$name.jsonl" 2>/dev/null  # into logs.tgz
-    cp "$d/profile_layers.tsv" "$out/profile_layers_$name.tsv" 2>/dev/null
-    note "profile $name rc=$rc $(python3 -c "
+# plm train of one deck on the packaged proteins with train.profile on or off: its median
+# tokens/s (steps after the 5th), peak memory and GPU ms per kind go to the summary (stages
+# profile and small_attn; PLM_PROFILE_RUNS, when set, names the runs to do).
+prof_run() {  # name deck steps micro tokens_per_step profile [--set ...]
+  local name=$1 deck=$2 steps=$3 micro=$4 tps=$5 prof=$6; shift 6
+  [[ -n "${PLM_PROFILE_RUNS:-}" && " $PLM_PROFILE_RUNS " != *" $name "* ]] && return
+  local d="/tmp/plm-prof-$name"; rm -rf "$d"
+  timeout 240 "$pkg/bin/plm" train "$repo/inputs/$deck.yaml" --set data.train="$pkg/data/train.h5" \
+    --set data.valid= --set data.micro_batch_tokens=$micro --set data.tokens_per_batch=$tps \
+    --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
+    --set train.profile=$prof --set checkpoint.every=0 --set checkpoint.resume=none \
+    --set train.run_dir="$d" "$@" > "$out/profile_$name.log" 2>&1
+  local rc=$?
+  cp "$d/metrics.jsonl" "$out/profile_$name.jsonl" 2>/dev/null  # into logs.tgz
+  cp "$d/profile_layers.tsv" "$out/profile_layers_$name.tsv" 2>/dev/null
+  note "profile $name rc=$rc $(python3 -c "
 import json, statistics
 r = [json.loads(l) for l in open('$d/metrics.jsonl')]
 r = [x for x in r if x.get('kind') == 'train' and x['step'] > 5]
 t = statistics.median(x['tokens_per_s'] for x in r)
 out = 'median tokens/s %.0f, mem %.1f GiB' % (t, max(x.get('mem_bytes', 0) for x in r) / 2**30)
 if r and 'gpu_ms' in r[-1]:
-    ks = r[-1]['gpu_ms'].keys()
-    ms = {k: statistics.mean(x['gpu_ms'].get(k, 0) for x in r) for k in ks}
-    tot = sum(ms.values())
-    out += '; GPU ms per step: ' + ', '.join('%s %.1f (%.0f%%)' % (k, v, 100 * v / tot) for k, v in ms.items())
+  ks = r[-1]['gpu_ms'].keys()
+  ms = {k: statistics.mean(x['gpu_ms'].get(k, 0) for x in r) for k in ks}
+  tot = sum(ms.values())
+  out += '; GPU ms per step: ' + ', '.join('%s %.1f (%.0f%%)' % (k, v, 100 * v / tot) for k, v in ms.items())
 print(out)" 2>&1 | tail -1)"
-    grep -E "error|Error" "$out/profile_$name.log" | head -3 | tee -a "$summary"
-    rm -rf "$d"
-  }
+  grep -E "error|Error" "$out/profile_$name.log" | head -3 | tee -a "$summary"
+  rm -rf "$d"
+}
+if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   prof_run 650m_det esm2_650m 20 24576 49152 true --set train.precision=bf16
   prof_run 650m_nondet esm2_650m 20 24576 49152 true --set train.precision=bf16 --set train.deterministic=false
   prof_run 650m_plain esm2_650m 20 24576 49152 false --set train.precision=bf16
@@ -1080,6 +1090,34 @@ print(out)" 2>&1 | tail -1)"
     fi
   else
     note "profile: no nsys found"
+  fi
+fi
+
+if has small_attn; then
+  # The small-head_dim flash kernels (issue 29): correctness, the kernel bench, end-to-end.
+  if [[ -x "$pkg/bin/test_gpu_flash_attention" ]]; then
+    timeout 300 "$pkg/bin/test_gpu_flash_attention" > "$out/small_attn_test.log" 2>&1
+    note "small_attn test_gpu_flash_attention rc=$? $(grep -E "PASSED|FAILED" "$out/small_attn_test.log" | tr '\n' ' ')"
+    grep -E "^\[  FAILED|Failure|error" "$out/small_attn_test.log" | head -20 | tee -a "$summary"
+  fi
+  if [[ -x "$pkg/bin/bench_gpu_attention" ]]; then
+    timeout 300 "$pkg/bin/bench_gpu_attention" > "$out/small_attn_bench.log" 2>&1
+    note "small_attn bench_gpu_attention rc=$?"
+    cat "$out/small_attn_bench.log" >> "$summary"
+  fi
+  if [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+    PLM_PROFILE_RUNS= prof_run 8m_small esm2_8m 30 65536 131072 true --set train.precision=bf16
+    PLM_PROFILE_RUNS= prof_run 8m_small_plain esm2_8m 30 65536 131072 false \
+      --set train.precision=bf16
+    PLM_PROFILE_RUNS= prof_run 35m_small esm2_35m 30 65536 131072 true --set train.precision=bf16
+    PLM_PROFILE_RUNS= prof_run 35m_small_plain esm2_35m 30 65536 131072 false \
+      --set train.precision=bf16
+    if [[ ${PLM_SMALL_ATTN_LEGACY:-1} != 0 ]]; then  # the same with the old kernels
+      PLM_PROFILE_RUNS= PLM_FLASH_LEGACY=1 prof_run 8m_legacy_plain esm2_8m 30 65536 131072 false \
+        --set train.precision=bf16
+      PLM_PROFILE_RUNS= PLM_FLASH_LEGACY=1 prof_run 35m_legacy_plain esm2_35m 30 65536 131072 \
+        false --set train.precision=bf16
+    fi
   fi
 fi
 

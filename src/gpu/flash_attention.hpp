@@ -13,6 +13,14 @@
 // dQ accumulation buffer and no shared-memory transposes.  head_dim: any multiple of 8 up to 128
 // (kernels exist for 16, 32, 64 and 128; a head_dim in between is zero-padded in shared memory,
 // e.g. ESM-2 35M's 24 runs as 32).
+// Small head_dim (<= 32, ESM-2 8M/35M/150M), where the kernels are bound by the per-score work
+// (exp, the softmax arithmetic) rather than by the matrix products: the forward uses the
+// hardware ex2 with flush-to-zero and masks keys only in a sequence's last key block, and the
+// backward is one fused kernel per (sequence, head): it walks the key blocks, and for each the
+// query blocks, computing P once per score (dK, dV in registers, dS through shared memory into
+// dQ), 5 matrix products and one exp per score instead of 7 and two.  dQ accumulates in an fp32
+// scratch the kernel owns alone for its (sequence, head), in the fixed key-block order, so the
+// result is deterministic with no atomics.
 #pragma once
 
 #include "gpu/device.hpp"
@@ -50,6 +58,13 @@ struct FlashParams {
   bf16* dv = nullptr;
   std::int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
   float* delta = nullptr;  // (T, H) scratch: rowsum(dO * O)
+
+  // Which kernels run.  Auto: the small-head_dim kernels for head_dim <= 32 (unless the
+  // environment sets PLM_FLASH_LEGACY=1), the general ones above.  Legacy: the general kernels
+  // (forward; delta + dK/dV + dQ backward) at every head_dim.  SmallD: the small-head_dim kernels
+  // (head_dim <= 32 only; larger falls back to Legacy).
+  enum class Kernels { Auto, Legacy, SmallD };
+  Kernels kernels = Kernels::Auto;
 };
 
 /// \brief O = softmax(scale Q K^T) V per sequence, and its log-sum-exp.  Throws plm::Error for an

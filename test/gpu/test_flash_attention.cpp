@@ -2,7 +2,9 @@
 // batches with sequences of length 1 and 1024 among them, head_dim 16..128, with Q, K, V read
 // from one interleaved QKV buffer (row strides) as the model stores them: the own flash
 // attention, cuDNN's fused attention (both directions, deterministic backward bitwise equal on
-// a rerun) and cuDNN's forward paired with the flash backward (their lse must agree).
+// a rerun) and cuDNN's forward paired with the flash backward (their lse must agree); the flash
+// kernels also as the general (legacy) and small-head_dim sets explicitly, with empty sequences,
+// and their backward bitwise equal on a rerun.
 #include "gpu/cudnn_attention.hpp"
 #include "gpu/flash_attention.hpp"
 #include "gpu_test_util.hpp"
@@ -90,7 +92,12 @@ struct AttnCase {
   std::uint64_t seed;
 };
 
-enum class Impl { Flash, Cudnn, CudnnForward };
+// Flash: the default dispatch; FlashLegacy / FlashSmallD: the general / small-head_dim kernels.
+enum class Impl { Flash, Cudnn, CudnnForward, FlashLegacy, FlashSmallD };
+
+bool isFlash(Impl i) {
+  return i == Impl::Flash || i == Impl::FlashLegacy || i == Impl::FlashSmallD;
+}
 
 CudnnAttention& cudnn() {
   static CudnnAttention a(/*deterministic_backward=*/true);
@@ -98,6 +105,8 @@ CudnnAttention& cudnn() {
 }
 
 void checkCase(const AttnCase& c, Impl impl = Impl::Flash) {
+  // Above head_dim 32 both explicit flash sets are the general kernels, which Flash tests.
+  if ((impl == Impl::FlashLegacy || impl == Impl::FlashSmallD) && c.head_dim > 32) return;
   std::vector<std::int32_t> cu{0};
   for (int len : c.lengths) cu.push_back(cu.back() + len);
   std::int64_t tokens = cu.back();
@@ -156,7 +165,9 @@ void checkCase(const AttnCase& c, Impl impl = Impl::Flash) {
   p.dv = reinterpret_cast<bf16*>(dv.get());
   p.dq_stride = p.dk_stride = p.dv_stride = row;
   p.delta = delta.get();
-  if (impl == Impl::Flash) {
+  if (impl == Impl::FlashLegacy) p.kernels = FlashParams::Kernels::Legacy;
+  if (impl == Impl::FlashSmallD) p.kernels = FlashParams::Kernels::SmallD;
+  if (isFlash(impl)) {
     flashAttentionForward(nullptr, p);
   } else {
     ASSERT_TRUE(cudnn().forward(nullptr, p)) << "cuDNN has no forward for head_dim " << D;
@@ -184,6 +195,14 @@ void checkCase(const AttnCase& c, Impl impl = Impl::Flash) {
     flashAttentionBackward(nullptr, p);
   }
   PLM_CHECK_CUDA(cudaDeviceSynchronize());
+  if (isFlash(impl)) {  // the flash backward is deterministic: a rerun is bitwise equal
+    auto first_dq = dq.download(), first_dk = dk.download(), first_dv = dv.download();
+    for (auto* b : {&dq, &dk, &dv}) b->poison();
+    flashAttentionBackward(nullptr, p);
+    PLM_CHECK_CUDA(cudaDeviceSynchronize());
+    EXPECT_TRUE(dq.download() == first_dq && dk.download() == first_dk && dv.download() == first_dv)
+        << "flash backward not bitwise reproducible, head_dim " << D;
+  }
   if (impl == Impl::Cudnn) {  // the deterministic backward: a rerun is bitwise equal
     auto first = dqkv.download();
     dqkv.poison();
@@ -220,7 +239,7 @@ void checkCase(const AttnCase& c, Impl impl = Impl::Flash) {
 class Attention : public ::testing::TestWithParam<Impl> {
  protected:
   void SetUp() override {
-    if (GetParam() != Impl::Flash && !cudnnAttentionAvailable())
+    if (!isFlash(GetParam()) && !cudnnAttentionAvailable())
       GTEST_SKIP() << "this build has no cuDNN attention";
   }
 };
@@ -249,6 +268,22 @@ TEST_P(Attention, SmallHeadDimsOfEsm2Presets) {
   checkCase({32, 2, {5, 640, 1}, 47}, GetParam());
 }
 
+TEST_P(Attention, SmallHeadDimsEmptyAndManySequences) {
+  // Empty sequences among short and long ones; a realistic mix of many lengths (the 8M/35M
+  // shapes: 20 heads in the model, fewer here to keep the host reference quick).
+  if (GetParam() == Impl::Cudnn || GetParam() == Impl::CudnnForward)
+    GTEST_SKIP() << "cuDNN attention buckets do not take empty sequences";
+  checkCase({16, 2, {0, 1, 65, 0, 1024, 2, 0}, 61}, GetParam());
+  checkCase({24, 2, {3, 0, 511, 64, 1}, 67}, GetParam());
+  std::mt19937 rng(13);
+  std::uniform_int_distribution<int> len(1, 400);
+  std::vector<int> lengths;
+  for (int i = 0; i < 30; ++i) lengths.push_back(len(rng));
+  lengths.push_back(1024);
+  checkCase({16, 4, lengths, 71}, GetParam());
+  checkCase({32, 2, lengths, 73}, GetParam());
+}
+
 TEST_P(Attention, ManySequencesAcrossBatchBuckets) {
   // cuDNN graphs are cached per bucket of 16 sequences: 17 and 40 sequences use padded buckets.
   std::mt19937 rng(9);
@@ -261,12 +296,18 @@ TEST_P(Attention, ManySequencesAcrossBatchBuckets) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Kernels, Attention,
-                         ::testing::Values(Impl::Flash, Impl::Cudnn, Impl::CudnnForward),
+                         ::testing::Values(Impl::Flash, Impl::Cudnn, Impl::CudnnForward,
+                                           Impl::FlashLegacy, Impl::FlashSmallD),
                          [](const ::testing::TestParamInfo<Impl>& i) {
-                           return i.param == Impl::Flash ? std::string("Flash")
-                                  : i.param == Impl::Cudnn
-                                      ? std::string("Cudnn")
-                                      : std::string("CudnnForwardFlashBackward");
+                           switch (i.param) {
+                             case Impl::Flash: return std::string("Flash");
+                             case Impl::Cudnn: return std::string("Cudnn");
+                             case Impl::CudnnForward:
+                               return std::string("CudnnForwardFlashBackward");
+                             case Impl::FlashLegacy: return std::string("FlashLegacy");
+                             case Impl::FlashSmallD: return std::string("FlashSmallD");
+                           }
+                           return std::string("Unknown");
                          });
 
 TEST(FlashAttention, RejectsUnsupportedHeadDim) {

@@ -1,0 +1,219 @@
+// Attention at the small ESM-2 shapes (8M: 20 heads x 16, 35M: 20 x 24, 150M: 20 x 32) on one
+// 65,536-token micro-batch of log-normal lengths (median 300, clamped to [1, 1024], fixed seed):
+// the general (legacy) flash kernels, the small-head_dim kernels and cuDNN (deterministic
+// backward) in one run.  Forward, backward and both, median ms and effective TFLOP/s (forward
+// 4 sum(L^2) D H, backward 2.5x), the largest difference of the small-head_dim kernels' O, lse
+// and gradients from the legacy ones', and one RESULT line per shape.
+//
+//   bench_gpu_attention [tokens]        (default 65536)
+#include "gpu/cudnn_attention.hpp"
+#include "gpu/flash_attention.hpp"
+
+#include "bench_util.hpp"
+#include "core/error.hpp"
+
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <random>
+#include <string>
+#include <vector>
+
+namespace {
+
+using namespace plm::gpu;
+
+std::vector<int> drawLengths(std::int64_t tokens, unsigned seed) {
+  std::mt19937 rng(seed);
+  std::normal_distribution<double> z(0.0, 1.0);
+  std::vector<int> v;
+  std::int64_t sum = 0;
+  while (sum < tokens) {
+    int l = std::clamp(static_cast<int>(std::lround(std::exp(z(rng) * 0.7 + std::log(300.0)))), 1,
+                       1024);
+    l = static_cast<int>(std::min<std::int64_t>(l, tokens - sum));
+    v.push_back(l);
+    sum += l;
+  }
+  return v;
+}
+
+std::vector<float> downloadBf16(const void* p, std::size_t n) {
+  std::vector<std::uint16_t> bits(n);
+  PLM_CHECK_CUDA(cudaMemcpy(bits.data(), p, n * 2, cudaMemcpyDeviceToHost));
+  std::vector<float> f(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    std::uint32_t u = std::uint32_t(bits[i]) << 16;
+    std::memcpy(&f[i], &u, 4);
+  }
+  return f;
+}
+
+std::vector<float> downloadF(const void* p, std::size_t n) {
+  std::vector<float> f(n);
+  PLM_CHECK_CUDA(cudaMemcpy(f.data(), p, n * 4, cudaMemcpyDeviceToHost));
+  return f;
+}
+
+// max |a - b| / max |b|.
+double relDiff(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, m = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    if (!std::isfinite(a[i]) || !std::isfinite(b[i])) {
+      if (a[i] != b[i]) return INFINITY;
+      continue;
+    }
+    d = std::max(d, std::abs(double(a[i]) - b[i]));
+    m = std::max(m, std::abs(double(b[i])));
+  }
+  return m > 0 ? d / m : d;
+}
+
+void row(const char* what, double ms, double flops) {
+  std::printf("  %-34s %9.3f ms  %7.1f TFLOP/s\n", what, ms, flops / ms / 1e9);
+  std::fflush(stdout);
+}
+
+void benchShape(const char* model, const std::vector<int>& lengths, int heads, int dim,
+                CudnnAttention* cudnn) {
+  std::vector<std::int32_t> cu{0};
+  double sum_sq = 0;
+  for (int l : lengths) {
+    cu.push_back(cu.back() + l);
+    sum_sq += double(l) * l;
+  }
+  const std::int64_t tokens = cu.back(), row_elems = std::int64_t(heads) * dim;
+  const std::size_t n = tokens * row_elems;
+  // q, k, v and dq, dk, dv interleaved (T, 3, H, D) as the model stores them (cuDNN's backward
+  // needs the gradients at q, k, v's strides).
+  Buffer qkv(n * 3 * 2), o(n * 2), dout(n * 2), dqkv(n * 3 * 2), lse(tokens * heads * 4),
+      delta(tokens * heads * 4), cu_dev(cu.size() * 4);
+  fill(qkv, n * 3, 1.0f, 5);
+  fill(dout, n, 1.0f, 6);
+  PLM_CHECK_CUDA(cudaMemcpy(cu_dev.ptr, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
+  FlashParams p;
+  p.q = qkv.as<bf16>();
+  p.k = qkv.as<bf16>() + row_elems;
+  p.v = qkv.as<bf16>() + 2 * row_elems;
+  p.q_stride = p.k_stride = p.v_stride = 3 * row_elems;
+  p.o = o.as<bf16>();
+  p.o_stride = row_elems;
+  p.lse = lse.as<float>();
+  p.cu_seqlens = cu_dev.as<std::int32_t>();
+  p.num_seqs = static_cast<int>(lengths.size());
+  p.max_seqlen = *std::max_element(lengths.begin(), lengths.end());
+  p.total_tokens = tokens;
+  p.heads = heads;
+  p.head_dim = dim;
+  p.softmax_scale = 1.0f / std::sqrt(float(dim));
+  p.dout = dout.as<bf16>();
+  p.dout_stride = row_elems;
+  p.dq = dqkv.as<bf16>();
+  p.dk = dqkv.as<bf16>() + row_elems;
+  p.dv = dqkv.as<bf16>() + 2 * row_elems;
+  p.dq_stride = p.dk_stride = p.dv_stride = 3 * row_elems;
+  p.delta = delta.as<float>();
+  const double fwd_flops = 4.0 * sum_sq * dim * heads, bwd_flops = 2.5 * fwd_flops;
+  std::printf("%s: %zu sequences, %ld tokens, mean length %.0f, sum L^2 %.3g, H%d D%d\n", model,
+              lengths.size(), long(tokens), double(tokens) / lengths.size(), sum_sq, heads, dim);
+
+  struct Timing {
+    double f = NAN, b = NAN, fb = NAN;
+  };
+  auto timeFlash = [&](FlashParams::Kernels k, const char* name) {
+    FlashParams q = p;
+    q.kernels = k;
+    Timing t;
+    t.f = medianMs([&] { flashAttentionForward(nullptr, q); });
+    t.b = medianMs([&] { flashAttentionBackward(nullptr, q); });
+    t.fb = medianMs([&] {
+      flashAttentionForward(nullptr, q);
+      flashAttentionBackward(nullptr, q);
+    });
+    std::string s = std::string(name) + " fwd";
+    row(s.c_str(), t.f, fwd_flops);
+    s = std::string(name) + " bwd";
+    row(s.c_str(), t.b, bwd_flops);
+    s = std::string(name) + " fwd+bwd";
+    row(s.c_str(), t.fb, fwd_flops + bwd_flops);
+    return t;
+  };
+  auto outputs = [&](FlashParams::Kernels k) {
+    FlashParams q = p;
+    q.kernels = k;
+    flashAttentionForward(nullptr, q);
+    flashAttentionBackward(nullptr, q);
+    PLM_CHECK_CUDA(cudaDeviceSynchronize());
+    return std::vector<std::vector<float>>{
+        downloadBf16(o.ptr, n), downloadF(lse.ptr, tokens * heads), downloadBf16(dqkv.ptr, 3 * n)};
+  };
+
+  const Timing legacy = timeFlash(FlashParams::Kernels::Legacy, "flash legacy");
+  const Timing small = timeFlash(FlashParams::Kernels::SmallD, "flash small-d");
+  Timing cd;
+  bool have_cudnn = false;
+  try {
+    have_cudnn = cudnn != nullptr && cudnn->forward(nullptr, p) && cudnn->backward(nullptr, p);
+  } catch (const std::exception& e) {
+    std::printf("  cudnn: %s\n", e.what());
+  }
+  if (have_cudnn) {
+    cd.f = medianMs([&] { cudnn->forward(nullptr, p); });
+    cd.b = medianMs([&] { cudnn->backward(nullptr, p); });
+    cd.fb = medianMs([&] {
+      cudnn->forward(nullptr, p);
+      cudnn->backward(nullptr, p);
+    });
+    row("cudnn fwd", cd.f, fwd_flops);
+    row("cudnn bwd (deterministic)", cd.b, bwd_flops);
+    row("cudnn fwd+bwd", cd.fb, fwd_flops + bwd_flops);
+  } else {
+    std::printf("  cudnn: not available for this shape/build\n");
+  }
+
+  const auto ref = outputs(FlashParams::Kernels::Legacy);
+  const auto got = outputs(FlashParams::Kernels::SmallD);
+  const auto again = outputs(FlashParams::Kernels::SmallD);
+  const double d_o = relDiff(got[0], ref[0]), d_lse = relDiff(got[1], ref[1]),
+               d_g = relDiff(got[2], ref[2]);
+  const bool bitwise = got[2] == again[2];
+  std::printf(
+      "  small-d vs legacy: O %.2e  lse %.2e  dQKV %.2e (max |diff| / max |legacy|); "
+      "backward rerun bitwise %s\n",
+      d_o, d_lse, d_g, bitwise ? "equal" : "DIFFERENT");
+  std::printf(
+      "RESULT attention model=%s H=%d D=%d tokens=%ld fwd_ms legacy=%.3f small=%.3f "
+      "cudnn=%.3f bwd_ms legacy=%.3f small=%.3f cudnn=%.3f fwdbwd_ms legacy=%.3f "
+      "small=%.3f cudnn=%.3f speedup=%.2f small_tflops=%.1f diff_o=%.1e diff_grad=%.1e "
+      "deterministic=%d\n",
+      model, heads, dim, long(tokens), legacy.f, small.f, cd.f, legacy.b, small.b, cd.b, legacy.fb,
+      small.fb, cd.fb, legacy.fb / small.fb, (fwd_flops + bwd_flops) / small.fb / 1e9, d_o, d_g,
+      bitwise ? 1 : 0);
+  std::fflush(stdout);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    const std::int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 65536;
+    const std::vector<int> lengths = drawLengths(tokens, 2026);
+    CudnnAttention* cudnn = nullptr;
+    if (cudnnAttentionAvailable()) cudnn = new CudnnAttention(/*deterministic_backward=*/true);
+    benchShape("esm2_8m", lengths, 20, 16, cudnn);
+    benchShape("esm2_35m", lengths, 20, 24, cudnn);
+    benchShape("esm2_150m", lengths, 20, 32, cudnn);
+    delete cudnn;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "bench_gpu_attention: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}
