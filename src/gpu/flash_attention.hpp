@@ -59,10 +59,11 @@ struct FlashParams {
   std::int64_t dq_stride = 0, dk_stride = 0, dv_stride = 0;
   float* delta = nullptr;  // (T, H) scratch: rowsum(dO * O)
 
-  // Which kernels run.  Auto: the small-head_dim kernels for head_dim <= 32 (unless the
-  // environment sets PLM_FLASH_LEGACY=1), the general ones above.  Legacy: the general kernels
-  // (forward; delta + dK/dV + dQ backward) at every head_dim.  SmallD: the small-head_dim kernels
-  // (head_dim <= 32 only; larger falls back to Legacy).
+  // Which kernels run.  Auto: the small-head_dim forward for head_dim <= 32 (unless the
+  // environment sets PLM_FLASH_LEGACY=1) with the general backward, the general kernels above.
+  // Legacy: the general kernels (forward; delta + dK/dV + dQ backward) at every head_dim.
+  // SmallD: the small-head_dim forward and its fused one-pass backward (head_dim <= 32 only;
+  // larger falls back to Legacy); the fused backward measured slower (flashAttentionBackward).
   enum class Kernels { Auto, Legacy, SmallD };
   Kernels kernels = Kernels::Auto;
 };

@@ -1172,13 +1172,9 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
       s.permute(ctx, h, t_n * k);
       s.permuted_rows = t_n * k;
     }
-#if PLM_HAVE_CUDA
-    if (s.distributed() && s.ep.comm->deviceMemory() && !(s.step && s.step->context)) {
-      s.plan(ctx, s.route_bufs.counts + e_n);  // the kept counts (RouteBuffers::counts)
-      ctx.mark(OpKind::DispatchCounts);
-      planned = true;
-    }
-#endif
+    // The count exchange straight from the device counts (plan(ctx, counts)) is not used: on
+    // one GPU with staged ranks it read counts that were not yet there (test_ckpt_moe_expert_
+    // parallel np2, 2026-11-29); the exchange runs after the summary, from the host's counts.
     s.routeDeviceFinish();
     if (!planned) ctx.mark(OpKind::Route);  // the GPU's idle time while the host waited
     s.seq_load.clear();
