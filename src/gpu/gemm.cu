@@ -152,10 +152,11 @@ struct Plan {
 };
 
 // cuBLASLt's A is our B: its scales are our B's.
-// A split-K kernel of the heuristic whose reduction runs in the output type sums partial
-// products rounded to bf16: 4% off a double reference at K = 2051 with a bf16 D
-// (test_gpu_gemm, wgrad_bf16_accumulate).  Outputs other than fp32 keep their partial sums in
-// the compute type (fp32) or in place.
+// A split-K kernel of the heuristic whose reduction runs in the output type would sum partial
+// products rounded to bf16, so outputs other than fp32 keep their partial sums in the compute
+// type (fp32) or in place.  This was not the cause of test_gpu_gemm's wgrad_bf16_accumulate
+// gap (4% off the double reference at K = 2051 with a bf16 D, the same with and without this
+// preference on an H200, 2026-11-29); that case is open (doc/gpu.md).
 void keepPartialSumsInFp32(cublasLtMatmulPreference_t pref, cublasLtMatrixLayout_t d) {
   std::uint32_t type = 0;
   std::size_t written = 0;
