@@ -4,10 +4,12 @@
     python3 validation/ckpt_ls.py CHECKPOINT.h5            groups, tensors (shape, dtype), attributes
     python3 validation/ckpt_ls.py --verify CHECKPOINT.h5   also recompute every tensor's crc32
     python3 validation/ckpt_ls.py --deck CHECKPOINT.h5     print the resolved deck it was trained with
+    python3 validation/ckpt_ls.py --diff A.h5 B.h5         every tensor that differs between two
+                                                           checkpoints (largest |a - b|, how many)
 
 The layout is described in doc/checkpoints.md.  Exit status: 0 fine, 1 a check failed
 (--verify: a checksum differs, a group is missing or the save was never completed),
-2 usage, 77 h5py is not installed (the ctest treats that as skipped).
+2 usage (--diff: 1 when a tensor differs), 77 h5py is not installed (the ctest treats that as skipped).
 """
 import argparse
 import signal
@@ -40,12 +42,50 @@ def attributes(obj, indent, skip=()):
         print(f"{indent}@{key} = {value}")
 
 
+def diff(path_a, path_b):
+    """Prints every dataset of A that B lacks or holds other values in; 1 if any, else 0."""
+    differing = []
+    with h5py.File(path_a, "r") as a, h5py.File(path_b, "r") as b:
+        def visit(name, obj):
+            if not isinstance(obj, h5py.Dataset):
+                return
+            if name not in b:
+                differing.append(f"/{name}: only in {path_a}")
+                return
+            x, y = obj[...], b[name][...]
+            if x.shape != y.shape:
+                differing.append(f"/{name}: shape {x.shape} vs {y.shape}")
+                return
+            x = np.asarray(x, dtype=np.float64) if x.dtype.kind in "fiu" else x
+            y = np.asarray(y, dtype=np.float64) if y.dtype.kind in "fiu" else y
+            if x.dtype.kind != "f":
+                if not np.array_equal(x, y):
+                    differing.append(f"/{name}: differs")
+                return
+            ne = ~((x == y) | (np.isnan(x) & np.isnan(y)))
+            if ne.any():
+                d = np.abs(x - y)[ne]
+                differing.append(f"/{name}: {int(ne.sum())} of {x.size} values differ, largest "
+                                 f"|a - b| {d.max():.3g} (|a| up to {np.abs(x).max():.3g})")
+        a.visititems(visit)
+    for line in differing:
+        print(line)
+    print(f"diff: {len(differing)} tensors differ" if differing else "diff: identical")
+    return 1 if differing else 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("file")
+    parser.add_argument("other", nargs="?", help="with --diff: the checkpoint to compare with")
+    parser.add_argument("--diff", action="store_true", help="list the tensors that differ from OTHER")
     parser.add_argument("--verify", action="store_true", help="recompute the crc32 of every tensor")
     parser.add_argument("--deck", action="store_true", help="print the stored resolved deck and exit")
     args = parser.parse_args()
+    if args.diff:
+        if not args.other:
+            parser.error("--diff needs two files")
+        return diff(args.file, args.other)
 
     problems = []
     with h5py.File(args.file, "r") as f:

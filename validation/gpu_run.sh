@@ -7,7 +7,7 @@
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
 #                                       finetune_encoder large_index layernorm lora big_buffer
 #                                       autotune_cached profile gemm_sk moe_fsdp fp8_cast
-#                                       moe_speed aido_layers small_attn
+#                                       moe_speed aido_layers small_attn fp8moe_resume moe_kernels
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -916,6 +916,8 @@ if has fp8_bench && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
   # "bf16 fp8:delayed fp8:current"). The breakdown lists the FP8 casts as "fp8 cast". 40 steps
   # by default: with 14, the 3B runs' first-shape warm-up dominated (doc/performance.md).
   # A third field "separate" (fp8:delayed:separate) turns the fused casts off (fp8.fused_cast=false).
+  # PLM_BENCH_EXTRA: more key=value overrides for every run (e.g. train.gemm_split=streamk, the
+  # trainer's default; bench_gpu_train's own is off).
   for run in ${PLM_FP8_BENCH:-esm2_650m:24576 esm2_3b:4096:selective}; do
     IFS=: read -r preset tokens recompute <<< "$run"
     for prec in ${PLM_FP8_PRECISIONS:-bf16 fp8:delayed fp8:current}; do
@@ -923,7 +925,7 @@ if has fp8_bench && [[ -x "$pkg/bin/bench_gpu_train" ]]; then
       log="$out/fp8_bench_${preset}_${tokens}${recompute:+_$recompute}_${p}${recipe:+_$recipe}${casts:+_$casts}.log"
       fused=true; [[ "$casts" == separate ]] && fused=false
       PLM_PRECISION=$p PLM_FP8_RECIPE=${recipe:-delayed} timeout 300 "$pkg/bin/bench_gpu_train" \
-        "$preset" "$tokens" ${PLM_TRAIN_STEPS:-40} "${recompute:-none}" fp8.fused_cast=$fused > "$log" 2>&1
+        "$preset" "$tokens" ${PLM_TRAIN_STEPS:-40} "${recompute:-none}" fp8.fused_cast=$fused ${PLM_BENCH_EXTRA:-} > "$log" 2>&1
       note "bench_gpu_train $run $prec rc=$?"
       grep -E "RESULT|FP8|EVAL|breakdown|^    |error|out of memory" "$log" | tee -a "$summary"
     done
@@ -1734,6 +1736,155 @@ if has lora && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" "${common[@]}" --set lora.rank=4 \
     --set train.run_dir="$lo/bad" 2>&1 | grep -m1 "lora.rank" | tee -a "$summary"
   rm -rf "$lo"
+fi
+
+if has fp8moe_resume && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # Is a run exact when repeated and when resumed from a checkpoint? test_fp8_moe's tiny MoE deck
+  # (2 layers of 32, 4 experts top-2, capacity 1.0, aux and z losses, a shared expert, fp8
+  # delayed) trained 20 steps twice, then 10 + 10 through a checkpoint; the same with
+  # train.gemm_split off, moe.dropless, fp8.fused_cast off, no shared expert, one micro-batch
+  # per step, bf16, and without experts (PLM_FP8MOE_ONLY="name ...": those variants only;
+  # PLM_FP8MOE_CKPT_DIFF=1 also saves after steps 11 and 12 of both runs and lists the tensors
+  # that differ, validation/ckpt_ls.py --diff).
+  # "repeat" and "resume" say whether every logged loss matches the uninterrupted run's bit for
+  # bit (the first difference shown).
+  fr=$(mktemp -d /tmp/plm-fp8moe.XXXX)
+  printf '%s\n' "model:" "  preset: custom" "  layers: 2" "  hidden: 32" "  heads: 4" "  ffn: 64" \
+    "data:" "  train: $pkg/data/train.h5" '  valid: ""' "  tokens_per_batch: 4096" \
+    "  micro_batch_tokens: 1024" "  max_seq_len: 40" "  seed: 7" "  prefetch: 1" \
+    "optimizer:" "  lr: 3.0e-3" "  clip_grad_norm: 0.5" \
+    "schedule:" "  warmup_steps: 2" "  decay: linear" "  decay_steps: 20" \
+    "train:" "  steps: 20" "  log_every: 1" "  eval_every: 0" "  seed: 3" \
+    "checkpoint:" "  keep: 3" "  resume: auto" > "$fr/deck.yaml"
+  moe="--set moe.experts=4 --set moe.top_k=2 --set moe.expert_ffn=32 --set moe.dropless=false"
+  moe+=" --set moe.capacity_factor=1.0 --set moe.aux_loss=0.01 --set moe.z_loss=0.001"
+  moe+=" --set moe.shared_experts=1"
+  fp8="--set train.precision=fp8 --set fp8.recipe=delayed --set fp8.amax_history=4"
+  one() {  # name steps every overrides...
+    local name=$1 steps=$2 every=$3
+    shift 3
+    timeout 120 "$pkg/bin/plm" train "$fr/deck.yaml" --set train.run_dir="$fr/$name" \
+      --set checkpoint.dir="$fr/$name/ckpt" --set train.steps=$steps \
+      --set checkpoint.every=$every "$@" >> "$out/fp8moe_resume_$name.log" 2>&1
+  }
+  same_losses() {
+    python3 - "$1" "$2" <<'PY'
+import json, sys
+def read(p):
+    out = {}
+    try:
+        for line in open(p):
+            if '"kind":"train"' in line:
+                r = json.loads(line)
+                out[r["step"]] = repr(r["loss"])
+    except OSError:
+        pass
+    return out
+a, b = read(sys.argv[1]), read(sys.argv[2])
+diff = [s for s in sorted(b) if s in a and a[s] != b[s]]
+if not a or not b:
+    print("no losses")
+elif not diff:
+    print("exact (steps %d..%d)" % (min(b), max(b)))
+else:
+    print("steps %d..%d: first difference at step %d: %s vs %s" % (
+        min(b), max(b), diff[0], a[diff[0]], b[diff[0]]))
+PY
+  }
+  variants=("fp8_moe:$fp8 $moe" "fp8_moe_split_off:$fp8 $moe --set train.gemm_split=off"
+    "fp8_moe_dropless:$fp8 $moe --set moe.dropless=true"
+    "fp8_moe_unfused:$fp8 $moe --set fp8.fused_cast=false"
+    "fp8_moe_no_shared:$fp8 $moe --set moe.shared_experts=0"
+    "fp8_moe_one_micro:$fp8 $moe --set data.tokens_per_batch=1024"
+    "bf16_moe:--set train.precision=bf16 $moe" "fp8_dense:$fp8")
+  for v in "${variants[@]}"; do
+    name=${v%%:*}
+    [[ -n "${PLM_FP8MOE_ONLY:-}" && " $PLM_FP8MOE_ONLY " != *" $name "* ]] && continue
+    read -r -a args <<< "${v#*:}"
+    one "${name}_ref" 20 0 "${args[@]}"
+    one "${name}_rep" 20 0 "${args[@]}"
+    one "${name}_res" 10 10 "${args[@]}"
+    one "${name}_res" 20 10 "${args[@]}"
+    if [[ "${PLM_FP8MOE_CKPT_DIFF:-0}" == 1 ]]; then
+      # The state after steps 11 and 12 of each run: which tensors differ first.
+      one "${name}_ref1" 12 1 --set checkpoint.keep=4 "${args[@]}"
+      one "${name}_res1" 10 10 "${args[@]}"
+      one "${name}_res1" 12 1 --set checkpoint.keep=4 "${args[@]}"
+      for s in 11 12; do
+        f=$(printf 'step_%06d.h5' $s)
+        echo "fp8moe_resume $name: checkpoint after step $s, uninterrupted vs resumed:" >> "$summary"
+        python3 "$repo/validation/ckpt_ls.py" --diff "$fr/${name}_ref1/ckpt/$f" \
+          "$fr/${name}_res1/ckpt/$f" 2>&1 | head -40 >> "$summary"
+      done
+    fi
+    note "fp8moe_resume $name: repeat: $(same_losses "$fr/${name}_ref/metrics.jsonl" \
+      "$fr/${name}_rep/metrics.jsonl"); resume: $(same_losses "$fr/${name}_ref/metrics.jsonl" \
+      "$fr/${name}_res/metrics.jsonl")"
+  done
+  rm -rf "$fr"
+fi
+
+if has moe_kernels && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # Where a MoE layer's time goes, kernel by kernel (nsys cannot write reports on the lent
+  # machines; Nsight Compute's per-kernel duration can): esm2_moe_2b_a650m cut to
+  # PLM_MOE_KERNELS_LAYERS layers (default 2), one 16,384-token micro-batch per step, bf16,
+  # dropless, centred router with projection and bias balancing, 3 steps; the kernels of step 3
+  # (PLM_MOE_KERNELS_SKIP launches skipped, default: a first run counts them) timed by
+  # `ncu --metrics gpu__time_duration.sum` without touching clocks or caches
+  # (--clock-control none --cache-control none). moe_kernels.txt: the kernels by total time.
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
+  mk=$(mktemp -d /tmp/plm-moek.XXXX)
+  layers=${PLM_MOE_KERNELS_LAYERS:-2}
+  mk_run() {  # steps run_dir [prefix...]
+    local steps=$1 dir=$2
+    shift 2
+    "$@" "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" --set data.train="$pkg/data/train.h5" \
+      --set data.valid= --set model.preset=esm2_moe_2b_a650m --set model.layers=$layers \
+      --set moe.router_init=centred --set moe.dropless=true --set moe.router_projection=true \
+      --set moe.bias_balance=true --set train.precision=bf16 --set data.micro_batch_tokens=16384 \
+      --set data.tokens_per_batch=16384 --set train.steps=$steps --set train.log_every=1 \
+      --set train.eval_every=0 --set checkpoint.every=0 --set checkpoint.resume=none \
+      --set train.run_dir="$dir"
+  }
+  if [[ -z "$ncu_bin" ]]; then
+    note "moe_kernels: no ncu on this machine"
+  else
+    # Launches in steps 1-2 = launches of a 2-step run (the process's start-up launches included).
+    timeout 120 "$ncu_bin" --metrics gpu__time_duration.sum --clock-control none \
+      --cache-control none --csv --print-units base --log-file "$out/moe_kernels_count.csv" \
+      bash -c "$(declare -f mk_run); pkg='$pkg' repo='$repo' layers=$layers mk_run 2 '$mk/count'" \
+      > "$out/moe_kernels_count.log" 2>&1
+    note "moe_kernels: counting run rc=$?"
+    skip=${PLM_MOE_KERNELS_SKIP:-$(grep -c '"gpu__time_duration.sum"' "$out/moe_kernels_count.csv" 2>/dev/null)}
+    timeout 200 "$ncu_bin" --metrics gpu__time_duration.sum --clock-control none \
+      --cache-control none --csv --print-units base --launch-skip "${skip:-0}" \
+      --log-file "$out/moe_kernels.csv" \
+      bash -c "$(declare -f mk_run); pkg='$pkg' repo='$repo' layers=$layers mk_run 3 '$mk/run'" \
+      > "$out/moe_kernels_run.log" 2>&1
+    note "moe_kernels: timed run rc=$? (skipped $skip launches)"
+    python3 - "$out/moe_kernels.csv" > "$out/moe_kernels.txt" 2>&1 <<'PY'
+import csv, collections, sys
+rows = []
+with open(sys.argv[1]) as f:
+    lines = [l for l in f if l.startswith('"')]
+for r in csv.DictReader(lines):
+    if r.get("Metric Name") == "gpu__time_duration.sum":
+        rows.append((r["Kernel Name"], float(r["Metric Value"].replace(",", ""))))
+tot = collections.defaultdict(float)
+cnt = collections.Counter()
+for name, ns in rows:
+    short = name.split("(")[0][:110]
+    tot[short] += ns
+    cnt[short] += 1
+all_ns = sum(tot.values())
+print("%d kernels, %.3f ms in all (one step, %s)" % (len(rows), all_ns / 1e6, sys.argv[1]))
+for k, v in sorted(tot.items(), key=lambda kv: -kv[1]):
+    print("%9.3f ms %5.1f%% %5d x  %s" % (v / 1e6, 100 * v / all_ns, cnt[k], k))
+PY
+    head -45 "$out/moe_kernels.txt" | tee -a "$summary"
+    cp "$out/moe_kernels.txt" "$final_out/" 2>/dev/null
+  fi
+  rm -rf "$mk"
 fi
 
 if has hf; then
