@@ -136,7 +136,7 @@ template <class P> void restoreScaling(const ScalingState& stored, model::Esm2<P
               model::precisionName(stored.precision));
     return;
   }
-  now->restore(stored.histories, stored.scales, stored.steps);
+  model.restoreFp8Scaling(stored.histories, stored.scales, stored.steps);
 }
 
 template ScalingState takeScaling<float>(model::Esm2<float>&);

@@ -1563,6 +1563,24 @@ template <class T> void Esm2<T>::endFp8Step(MPI_Comm comm) {
   if (impl_member->fp8_scaling) impl_member->endFp8Step(comm);
 }
 
+template <class T> void Esm2<T>::restoreFp8Scaling(const std::vector<float>& histories,
+                                                   const std::vector<float>& scales,
+                                                   std::int64_t steps) {
+  auto& im = *impl_member;
+  if (!im.fp8_scaling) return;
+  im.fp8_scaling->restore(histories, scales, steps);
+#if PLM_FP8_CUDA
+  // Without this, a resumed delayed-scaling run took the largest amax of the initial weights'
+  // cast into its first step's history (test_fp8_moe ResumesExactlyAndAtAnotherDegree).
+  if (im.fp8_dev_amax.extent(0) > 0) {
+    const auto stream = im.ctx.space().cuda_stream();
+    PLM_CHECK_CUDA(cudaMemsetAsync(im.fp8_dev_amax.data(), 0,
+                                   im.fp8_dev_amax.extent(0) * sizeof(float), stream));
+    PLM_CHECK_CUDA(cudaStreamSynchronize(stream));
+  }
+#endif
+}
+
 template <class T> double Esm2<T>::forwardBackward(const data::MicroBatch& batch, double grad_scale,
                                                    bool refresh_weights) {
   auto& im = *impl_member;

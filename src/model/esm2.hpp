@@ -179,6 +179,12 @@ template <class T> class Esm2 {
   /// \brief Collective over `comm` under fp8 (nothing otherwise): ends the step's scaling, the
   /// device amaxes of the CUDA path included, with one all-reduce (Fp8Scaling::endStep).
   void endFp8Step(MPI_Comm comm);
+  /// \brief Under fp8 (nothing otherwise): the scaling state a checkpoint stored
+  /// (Fp8Scaling::restore); on the CUDA path the device's amax accumulators are cleared too,
+  /// since what the casts before the restore recorded (the initial weights') belongs to no step
+  /// of the restored run.
+  void restoreFp8Scaling(const std::vector<float>& histories, const std::vector<float>& scales,
+                         std::int64_t steps);
 
   /// One FP8 GEMM weight: its master parts (q, k and v stacked as one tensor), its scaling
   /// operand, and what the GEMMs read: on the portable path the quantised copy (rows x cols,

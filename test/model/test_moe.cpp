@@ -346,7 +346,9 @@ TEST(MoeMlp, GradientsThroughTheRouterProjectionMatchFiniteDifferences) {
     block.backward(ctx, acts, matOf(probe), matOf(dh), scratch);
     const std::string what = std::string("projected moe ") + routerName(c.router) + " k" +
                              std::to_string(c.top_k) + " cf" + std::to_string(c.capacity_factor);
-    checkGradient(what + " parameters", L.params, L.grads, objective, 1e-8, 1e-6, 100000, 1e-6);
+    // atol 3e-8: on the GPU (CUDA Kokkos, double) two router parameters were off by 1.45e-8
+    // (relative 4e-6) at eps 1e-6, where the objective's rounding is amplified by 1 / eps.
+    checkGradient(what + " parameters", L.params, L.grads, objective, 3e-8, 1e-6, 100000, 1e-6);
     checkGradient(what + " input", test::flat(hv), test::flat(dh), objective, 1e-8, 1e-6, 100000,
                   1e-6);
     // The same input gradient with the router input's mean held constant: the straight-through
@@ -550,16 +552,20 @@ TEST(ModelMoe, SwigluExpertsByNameAndEveryGradientMatchesFiniteDifferences) {
   bad.moe.expert_ffn = 5;  // 5 x 8 is no multiple of 16
   EXPECT_THROW(Esm2<double>{bad}, plm::Error);
   // FP8 takes SwiGLU experts ([gate; up] one FP8 GEMM in the expert's up slot): the loss stays
-  // near the fp32 one; test_fp8_moe's Swiglu* tests check gradients, degrees and resume.
-  auto fp8 = c;
-  fp8.precision = Precision::Fp8;
-  Esm2<double> m8(fp8);
-  ASSERT_NE(m8.fp8Scaling(), nullptr);
-  Kokkos::deep_copy(m8.parameters(), model.parameters());
-  const double loss8 = m8.forward(batch);
-  EXPECT_TRUE(std::isfinite(loss8));
-  EXPECT_NE(loss8, model.forward(batch)) << "the FP8 GEMMs changed nothing";
-  EXPECT_NEAR(loss8, model.forward(batch), 0.05 * std::abs(model.forward(batch)));
+  // near the fp32 one; test_fp8_moe's Swiglu* tests check gradients, degrees and resume.  The
+  // CUDA build runs FP8 on Esm2<float> with bf16 compute only (test_fp8_moe covers it there);
+  // this double-precision model checks the portable emulation.
+  if (!PLM_FP8_CUDA) {
+    auto fp8 = c;
+    fp8.precision = Precision::Fp8;
+    Esm2<double> m8(fp8);
+    ASSERT_NE(m8.fp8Scaling(), nullptr);
+    Kokkos::deep_copy(m8.parameters(), model.parameters());
+    const double loss8 = m8.forward(batch);
+    EXPECT_TRUE(std::isfinite(loss8));
+    EXPECT_NE(loss8, model.forward(batch)) << "the FP8 GEMMs changed nothing";
+    EXPECT_NEAR(loss8, model.forward(batch), 0.05 * std::abs(model.forward(batch)));
+  }
   // SwiGLU experts take the grouped expert GEMM too (it applies to bf16 on the GPU only: the
   // portable path ignores it); test_gpu_moe_grouped and test_gpu_moe_bf16 check it.
   auto grouped = c;

@@ -180,6 +180,9 @@ template <class P> void Optimizer<P>::shardMax(std::vector<float>& values) const
 }
 
 template <class P> void Optimizer<P>::maskGradients(const ExecSpace& space, View1<P> grads) const {
+  // Nothing frozen here (no adapters, no frozen encoder): no pass over every gradient (it took
+  // as long as AdamW's update in a measured MoE step).
+  if (layout_member.frozen.empty()) return;
   auto flags = flags_member;
   plm::flatFor(
       "plm::train::maskGradients", space, 0, grads.extent(0), KOKKOS_LAMBDA(const std::int64_t i) {
