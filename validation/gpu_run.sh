@@ -174,7 +174,8 @@
 #         Each train.profile run's <run_dir>/profile_layers.tsv (GPU ms per layer and kind) is
 #         kept in logs.tgz as profile_layers_<name>.tsv.  PLM_PROFILE_RUNS="650m_det moe2b" runs
 #         only the runs named (650m_det 650m_nondet 650m_plain 650m_nondet_plain 650m_fp8 8m
-#         8m_plain 35m 35m_plain moe2b); PLM_PROFILE_NSYS=0 skips nsys
+#         8m_plain 35m 35m_plain moe2b moe2b_grouped moe2b_loop 650m_16k); PLM_PROFILE_NSYS=0
+#         skips nsys
 #   fp8_cast: the FP8 cast kernels (issue 29, "FP8 without the cast tax"): test_gpu_fp8 (casts bit
 #         for bit against the host encoder in every variant, column sums bit for bit in the casts'
 #         order), test_gpu_fp8_fused (block cast with GELU against the separate passes) and
@@ -1068,6 +1069,14 @@ if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   prof_run moe2b esm2_650m 20 16384 65536 true --set train.precision=bf16 \
     --set model.preset=esm2_moe_2b_a650m --set moe.router_init=centred --set moe.dropless=true \
     --set parallel.expert_degree=1 --set moe.router_projection=true --set moe.bias_balance=true
+  for g in grouped loop; do  # the experts' GEMM path forced both ways (auto: forward loop, backward grouped)
+    prof_run moe2b_$g esm2_650m 20 16384 65536 true --set train.precision=bf16 \
+      --set model.preset=esm2_moe_2b_a650m --set moe.router_init=centred --set moe.dropless=true \
+      --set parallel.expert_degree=1 --set moe.router_projection=true --set moe.bias_balance=true \
+      --set moe.expert_gemm=$g
+  done
+  # Dense 650M at the MoE runs' micro-batches: the denominator of "MoE against dense".
+  prof_run 650m_16k esm2_650m 20 16384 65536 true --set train.precision=bf16
   nsys_bin=""
   [[ "${PLM_PROFILE_NSYS:-1}" == 0 ]] || nsys_bin=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys \
     /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
