@@ -606,14 +606,17 @@ void planTime(const Input& in, Plan& p) {
   const bool fp8 = in.compute == Compute::Fp8;
   const double sw = moe ? c.moe.shared_experts * fe : 0;
   const double up = moe && c.moe.swiglu() ? 2 : 1;  // the expert up GEMM's width in f_e
-  double fp8_flops = 0, fp8_x = 0, fp8_dy = 0;
+  const double held_experts = moe ? static_cast<double>(c.moe.experts) / l.expert : 0;
+  double fp8_flops = 0, fp8_x = 0, fp8_dy = 0, fp8_weights = 0;
   for (int layer = 0; fp8 && layer < c.num_layers; ++layer) {
     if (!c.fp8.fp8Layer(layer, c.num_layers)) continue;
     if (c.moe.isMoeLayer(layer)) {
+      fp8_weights += 4 * h * h + 2 * h * sw + held_experts * c.moe.expertMatrices() * h * fe;
       fp8_flops += (4 * h * h + 2 * h * sw) * t + c.moe.expertMatrices() * h * fe * rows;
       fp8_x += 2 * h * t + (h + fe) * rows + (sw > 0 ? (h + sw) * t : 0);
       fp8_dy += 4 * h * t + (up * fe + h) * rows + (sw > 0 ? (sw + h) * t : 0);
     } else {
+      fp8_weights += 4 * h * h + 2 * h * f;
       fp8_flops += (4 * h * h + 2 * h * f) * t;
       fp8_x += (3 * h + f) * t;
       fp8_dy += (5 * h + f) * t;
@@ -667,13 +670,15 @@ void planTime(const Input& in, Plan& p) {
   // of a unit under sharding (per micro-batch; again before the backward with resharding).
   double cast_bytes = bf16 ? 6.0 * static_cast<double>(pc.compute) : 0.0;
   if (l.shard > 1) cast_bytes *= mb * (in.reshard_after_forward ? 2 : 1);
+  // fp8: the FP8 weights' codes and transposed codes, written once per step from the shard.
+  cast_bytes += 2 * fp8_weights / l.shard;
   const double elementwise = (mb * elem_bytes + cast_bytes) / (r.elementwise_gbps * 1e9);
   p.time.push_back({"rotary, casts, epilogues", elementwise,
                     moe ? "(mb (L t 4 c h + 2 c F) + 6 N_gemm [bf16; x mb (x 2 resharding) "
-                          "sharded]) / elementwise_gbps, F = dense layers t f + MoE layers "
-                          "(X + S t) f_e"
+                          "sharded] [+ 2 N_fp8 / shard fp8]) / elementwise_gbps, F = dense "
+                          "layers t f + MoE layers (X + S t) f_e"
                         : "(mb L t (4 c h + 2 c f) + 6 N_gemm [bf16; x mb (x 2 resharding) "
-                          "sharded]) / elementwise_gbps"});
+                          "sharded] [+ 2 N_fp8 / shard fp8]) / elementwise_gbps"});
   double fp8_cast = 0;
   if (fp8) {
     // Bytes per element: bf16 read, code written (3), the transposed code for the FP8 weight
@@ -694,7 +699,6 @@ void planTime(const Input& in, Plan& p) {
                   : "L_fp8 t (3h + f) and L_fp8 t (5h + f)") +
              "; bytes per element 3 + 1 (fp8.wgrad: fp8) + 2 (current scaling)"});
   }
-  const double experts_here = moe ? static_cast<double>(c.moe.experts) / l.expert : 0;
   if (moe) {
     // Router input widening, gather into expert order, unpermute with the gates and their
     // backward passes; under expert parallelism the received rows' reorderings both ways.
@@ -706,7 +710,7 @@ void planTime(const Input& in, Plan& p) {
                       "mb L_moe (t h (3c + 24) + 7 t k h c [+ 8 X h c expert parallel]) / "
                       "elementwise_gbps"});
   }
-  double launches = 20 * L + 20 + moe_layers * (12 + 4 * experts_here);
+  double launches = 20 * L + 20 + moe_layers * (12 + 4 * held_experts);
   if (rc == model::Recompute::Layer) launches += 8 * L;
   if (rc == model::Recompute::Selective) launches += 3 * L;
   const double launch = mb * launches * r.launch_us * 1e-6;
