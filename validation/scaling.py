@@ -310,7 +310,7 @@ def split_of(plan):
             split["communication (exposed)"] += item["value"]
         elif n.startswith("optimizer"):
             split["optimizer"] += item["value"]
-        elif n in ("GEMMs", "attention", "LayerNorm", "rotary, casts, epilogues"):
+        elif n in ("GEMMs", "attention", "LayerNorm", "rotary, casts, epilogues", "FP8 casts"):
             split["compute"] += item["value"]
         else:
             split["other"] += item["value"]

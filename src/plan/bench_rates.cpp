@@ -102,7 +102,10 @@ Rates measureRates(const Rates& base, double seconds, const std::function<void(s
   const auto [gemm_a, gemm_half] = fitSaturating(ks, gemm_rates);
   r.gemm_tflops_fp32 = gemm_a;
   r.gemm_half_k = gemm_half;
-  if (r.kind == "cpu") r.gemm_tflops_bf16 = r.gemm_tflops_fp8 = gemm_a;  // fp32 arithmetic only
+  if (r.kind == "cpu") {  // fp32 arithmetic only
+    r.gemm_tflops_bf16 = r.gemm_tflops_fp8 = r.gemm_tflops_fp8_block = gemm_a;
+    r.gemm_half_k_fp8 = gemm_half;
+  }
 
   // Attention: 8 sequences of 128 tokens, 4 heads of d, forward + backward; model FLOPs
   // 12 h S per token (doc/flops.md) with S = 128.
@@ -170,6 +173,8 @@ Rates measureRates(const Rates& base, double seconds, const std::function<void(s
                           mat(dx, n / 1024, 1024));
     });
     r.elementwise_gbps = 12.0 * n / s / 1e9;
+    if (r.kind == "cpu")  // the fp8 emulation's casts are elementwise passes too
+      r.fp8_cast_gbps = r.fp8_block_cast_gbps = r.elementwise_gbps;
     std::snprintf(text, sizeof text, "elementwise (GELU backward, %lld elements): %.4g GB/s",
                   static_cast<long long>(n), r.elementwise_gbps);
     say(text);

@@ -237,11 +237,16 @@ Activations activationBytes(const model::Esm2Config& config, Compute compute, st
 
 namespace {
 
+// GEMMs outside the FP8 layers (the LM head, fp8.first/last_layers_bf16) run in bf16 under fp8.
 double gemmRate(const Rates& r, Compute c, double k) {
-  const double asymptote = c == Compute::Fp32   ? r.gemm_tflops_fp32
-                           : c == Compute::Bf16 ? r.gemm_tflops_bf16
-                                                : r.gemm_tflops_fp8;
+  const double asymptote = c == Compute::Fp32 ? r.gemm_tflops_fp32 : r.gemm_tflops_bf16;
   return asymptote * 1e12 * k / (k + r.gemm_half_k);
+}
+
+double fp8GemmRate(const Rates& r, model::Fp8Recipe recipe, double k) {
+  const double asymptote =
+      recipe == model::Fp8Recipe::Block ? r.gemm_tflops_fp8_block : r.gemm_tflops_fp8;
+  return asymptote * 1e12 * k / (k + r.gemm_half_k_fp8);
 }
 
 double attentionRate(const Rates& r, double head_dim) {
@@ -577,7 +582,6 @@ void planTime(const Input& in, Plan& p) {
   const bool bf16 = in.compute != Compute::Fp32;
   const double cb = bf16 ? 2 : 4;
   const auto rc = c.recompute;
-  (void)f;
   const bool moe = c.moe.enabled();
   const ParameterCounts pc = parameterCounts(c, l.expert, in.compute == Compute::Fp8);
   // MoE: the fullest rank's experts compute X = load x t k rows per layer (t k, its own rows,
@@ -595,16 +599,53 @@ void planTime(const Input& in, Plan& p) {
       moe_layers * ((4 * h * h + h * c.moe.experts + 2 * h * fe * c.moe.shared_experts) * t +
                     (moe ? c.moe.expertMatrices() : 2) * h * fe * rows);
 
-  // GEMMs: the encoder over t rows, the LM head over m rows.
-  double gemm_flops = 6 * layer_flops + 6 * (h * h + V * h) * m;
-  if (rc == model::Recompute::Layer) gemm_flops += 2 * layer_flops;
-  const double gemm = mb * gemm_flops / gemmRate(r, in.compute, h);
-  p.time.push_back({"GEMMs", gemm,
-                    moe ? "mb (6 W_t + 6 (h^2 + V h) m [+ 2 W_t layer]) / (gemm_tflops k/(k + "
-                          "gemm_half_k)), k = h; W_t = dense layers (4h^2 + 2hf) t + MoE layers "
-                          "((4h^2 + h E + 2 h f_e S) t + 2 h f_e X [3 h f_e X SwiGLU])"
-                        : "mb (6 L (4h^2 + 2hf) t + 6 (h^2 + V h) m [+ 2 L (4h^2+2hf) t layer]) / "
-                          "(gemm_tflops k/(k + gemm_half_k)), k = h"});
+  // fp8: the FP8 layers' GEMMs (a dense layer's four, an MoE layer's attention, experts and
+  // shared experts; its router stays bf16) apart, with the elements their operand casts move:
+  // the inputs X (forward) and the output gradients dY (backward), doc/fp8.md "Casts per
+  // micro-batch".
+  const bool fp8 = in.compute == Compute::Fp8;
+  const double sw = moe ? c.moe.shared_experts * fe : 0;
+  const double up = moe && c.moe.swiglu() ? 2 : 1;  // the expert up GEMM's width in f_e
+  const double held_experts = moe ? static_cast<double>(c.moe.experts) / l.expert : 0;
+  double fp8_flops = 0, fp8_x = 0, fp8_dy = 0, fp8_weights = 0;
+  for (int layer = 0; fp8 && layer < c.num_layers; ++layer) {
+    if (!c.fp8.fp8Layer(layer, c.num_layers)) continue;
+    if (c.moe.isMoeLayer(layer)) {
+      fp8_weights += 4 * h * h + 2 * h * sw + held_experts * c.moe.expertMatrices() * h * fe;
+      fp8_flops += (4 * h * h + 2 * h * sw) * t + c.moe.expertMatrices() * h * fe * rows;
+      fp8_x += 2 * h * t + (h + fe) * rows + (sw > 0 ? (h + sw) * t : 0);
+      fp8_dy += 4 * h * t + (up * fe + h) * rows + (sw > 0 ? (sw + h) * t : 0);
+    } else {
+      fp8_weights += 4 * h * h + 2 * h * f;
+      fp8_flops += (4 * h * h + 2 * h * f) * t;
+      fp8_x += (3 * h + f) * t;
+      fp8_dy += (5 * h + f) * t;
+    }
+  }
+  // GEMMs: the encoder over t rows, the LM head over m rows; under fp8 the FP8 layers' part at
+  // the FP8 rate.
+  const double again = rc == model::Recompute::Layer ? 2 : 0;  // the layer's forward again
+  const double bf16_flops = (6 + again) * (layer_flops - fp8_flops) + 6 * (h * h + V * h) * m;
+  const double gemm = mb * bf16_flops / gemmRate(r, in.compute, h) +
+                      mb * (6 + again) * fp8_flops / fp8GemmRate(r, c.fp8.recipe, h);
+  const std::string fp8_rate = c.fp8.recipe == model::Fp8Recipe::Block
+                                   ? "gemm_tflops_fp8_block k/(k + gemm_half_k_fp8)"
+                                   : "gemm_tflops_fp8 k/(k + gemm_half_k_fp8)";
+  p.time.push_back(
+      {"GEMMs", gemm,
+       !fp8 ? (moe ? "mb (6 W_t + 6 (h^2 + V h) m [+ 2 W_t layer]) / (gemm_tflops k/(k + "
+                     "gemm_half_k)), k = h; W_t = dense layers (4h^2 + 2hf) t + MoE layers "
+                     "((4h^2 + h E + 2 h f_e S) t + 2 h f_e X [3 h f_e X SwiGLU])"
+                   : "mb (6 L (4h^2 + 2hf) t + 6 (h^2 + V h) m [+ 2 L (4h^2+2hf) t layer]) / "
+                     "(gemm_tflops k/(k + gemm_half_k)), k = h")
+            : (moe ? "mb (6 [+2 layer] W_fp8) / (" + fp8_rate +
+                         ") + mb (6 [+2 layer] (W_t - W_fp8) + 6 (h^2 + V h) m) / "
+                         "(gemm_tflops_bf16 k/(k + gemm_half_k)), k = h; W_t = dense layers "
+                         "(4h^2 + 2hf) t + MoE layers ((4h^2 + h E + 2 h f_e S) t + 2 h f_e X "
+                         "[3 h f_e X SwiGLU]), W_fp8 = its FP8 layers' part less the routers"
+                   : "mb (6 [+2 layer] L_fp8 (4h^2 + 2hf) t) / (" + fp8_rate +
+                         ") + mb (6 [+2 layer] (L - L_fp8) (4h^2 + 2hf) t + 6 (h^2 + V h) m) / "
+                         "(gemm_tflops_bf16 k/(k + gemm_half_k)), k = h")});
   double attn_flops = 12 * L * h * S * t;
   if (rc != model::Recompute::None) attn_flops += 4 * L * h * S * t;
   const double attention = mb * attn_flops / attentionRate(r, c.headDim());
@@ -629,14 +670,35 @@ void planTime(const Input& in, Plan& p) {
   // of a unit under sharding (per micro-batch; again before the backward with resharding).
   double cast_bytes = bf16 ? 6.0 * static_cast<double>(pc.compute) : 0.0;
   if (l.shard > 1) cast_bytes *= mb * (in.reshard_after_forward ? 2 : 1);
+  // fp8: the FP8 weights' codes and transposed codes, written once per step from the shard.
+  cast_bytes += 2 * fp8_weights / l.shard;
   const double elementwise = (mb * elem_bytes + cast_bytes) / (r.elementwise_gbps * 1e9);
   p.time.push_back({"rotary, casts, epilogues", elementwise,
                     moe ? "(mb (L t 4 c h + 2 c F) + 6 N_gemm [bf16; x mb (x 2 resharding) "
-                          "sharded]) / elementwise_gbps, F = dense layers t f + MoE layers "
-                          "(X + S t) f_e"
+                          "sharded] [+ 2 N_fp8 / shard fp8]) / elementwise_gbps, F = dense "
+                          "layers t f + MoE layers (X + S t) f_e"
                         : "(mb L t (4 c h + 2 c f) + 6 N_gemm [bf16; x mb (x 2 resharding) "
-                          "sharded]) / elementwise_gbps"});
-  const double experts_here = moe ? static_cast<double>(c.moe.experts) / l.expert : 0;
+                          "sharded] [+ 2 N_fp8 / shard fp8]) / elementwise_gbps"});
+  double fp8_cast = 0;
+  if (fp8) {
+    // Bytes per element: bf16 read, code written (3), the transposed code for the FP8 weight
+    // gradient (+1), current scaling's amax pass before the cast (+2).  Layer recomputation casts
+    // the inputs again.
+    const bool current = c.fp8.recipe == model::Fp8Recipe::Current;
+    const bool block = c.fp8.recipe == model::Fp8Recipe::Block;
+    const double b = 3 + (c.fp8.wgrad == model::Fp8Wgrad::Fp8 ? 1 : 0) + (current ? 2 : 0);
+    const double elems = fp8_x * (rc == model::Recompute::Layer ? 2 : 1) + fp8_dy;
+    fp8_cast = mb * b * elems / ((block ? r.fp8_block_cast_gbps : r.fp8_cast_gbps) * 1e9);
+    p.time.push_back(
+        {"FP8 casts", fp8_cast,
+         fmt("mb %.0f (in + out [+ in layer]) / ", b) +
+             (block ? "fp8_block_cast_gbps" : "fp8_cast_gbps") +
+             "; in, out: elements of the FP8 GEMMs' inputs and output gradients, " +
+             (moe ? "per FP8 layer in + out = dense t (8h + 2f), MoE 6 t h + X (2h + 2 f_e "
+                    "[3 f_e SwiGLU]) [+ t (2h + 2 S f_e) shared]"
+                  : "L_fp8 t (3h + f) and L_fp8 t (5h + f)") +
+             "; bytes per element 3 + 1 (fp8.wgrad: fp8) + 2 (current scaling)"});
+  }
   if (moe) {
     // Router input widening, gather into expert order, unpermute with the gates and their
     // backward passes; under expert parallelism the received rows' reorderings both ways.
@@ -648,7 +710,7 @@ void planTime(const Input& in, Plan& p) {
                       "mb L_moe (t h (3c + 24) + 7 t k h c [+ 8 X h c expert parallel]) / "
                       "elementwise_gbps"});
   }
-  double launches = 20 * L + 20 + moe_layers * (12 + 4 * experts_here);
+  double launches = 20 * L + 20 + moe_layers * (12 + 4 * held_experts);
   if (rc == model::Recompute::Layer) launches += 8 * L;
   if (rc == model::Recompute::Selective) launches += 3 * L;
   const double launch = mb * launches * r.launch_us * 1e-6;
@@ -687,7 +749,7 @@ void planTime(const Input& in, Plan& p) {
   }
   double comm = 0, exposed = 0;
   std::string comm_formula = "none";
-  const double backward_time = share * (gemm + attention + layernorm) * 2.0 / 3.0 / mb;
+  const double backward_time = share * (gemm + attention + layernorm + fp8_cast) * 2.0 / 3.0 / mb;
   const int dp = l.dataParallel() / l.shard;  // replicas that all-reduce
   if (l.shard > 1) {
     const bool spans = l.shard > l.ranks_per_node;
@@ -828,11 +890,6 @@ Plan makePlan(const Input& in) {
   planFlops(in, p);
   planTime(in, p);
   planAdvice(in, p);
-  if (in.compute == Compute::Fp8)
-    p.notes.push_back(
-        "fp8 is planned as bf16 storage plus the FP8 weight codes and kept X^T codes, with the "
-        "table's fp8 GEMM rate for the GEMMs (the FP8 casts are not timed separately; "
-        "doc/fp8.md)");
   // What plm itself refuses today (src/model/esm2.cpp): planned anyway, said plainly.
   if (in.compute != Compute::Fp32 && in.rates.kind == "cpu")
     p.notes.push_back("bf16 runs on the CUDA build only; the CPU build trains in fp32");

@@ -19,8 +19,8 @@
 
 namespace plm::plan {
 
-/// fp8 is a placeholder until the FP8 issue lands: planned as bf16 storage with the rates
-/// table's fp8 GEMM rate.
+/// fp8: bf16 storage plus the FP8 layers' weight codes (and kept X^T codes); their GEMMs at the
+/// rates table's FP8 rates, their operand casts timed as a row of their own.
 enum class Compute { Fp32, Bf16, Fp8 };
 Compute parseCompute(const std::string& name);  // "fp32" | "bf16" | "fp8"; collective error
 const char* computeName(Compute c);

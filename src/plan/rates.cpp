@@ -22,7 +22,10 @@ namespace {
 // NVLink 4: NCCL all-reduce bus bandwidth on 8 H100 SXM.  Between nodes: one 400 Gb/s
 // InfiniBand NDR port per GPU (the DGX/HGX H100 and H200 layout, 8 per node): 50 GB/s line
 // rate, taken at 45 GB/s of NCCL bus bandwidth per rank (not measured here: no multi-node
-// machine; `--inter-node-gbps` or a rates file replaces it).
+// machine; `--inter-node-gbps` or a rates file replaces it).  FP8: the measured 8192^3 FP8
+// ceiling (cuBLASLt E4M3 -> bf16, 1454 TFLOP/s, doc/anchors.md) as the asymptote, and the H200
+// fit's half-rate K and block asymptote (same SMs and clocks); the casts at the H200's rates x
+// 3.35/4.8 (HBM3).
 const char* kH100 = R"({
   "kind": "h100",
   "source": "fitted to doc/performance.md (H100, plm bf16, commit 2492b5c): 650M kernel split and 8M step",
@@ -30,12 +33,16 @@ const char* kH100 = R"({
   "reserved_gib": 0.55,
   "gemm_tflops_fp32": 0.25,
   "gemm_tflops_bf16": 770,
-  "gemm_tflops_fp8": 1540,
+  "gemm_tflops_fp8": 1454,
+  "gemm_tflops_fp8_block": 1180,
   "gemm_half_k": 402,
+  "gemm_half_k_fp8": 870,
   "attention_tflops": 162,
   "attention_half_head_dim": 29.5,
   "layernorm_gbps": 1410,
   "elementwise_gbps": 2300,
+  "fp8_cast_gbps": 1675,
+  "fp8_block_cast_gbps": 1255,
   "optimizer_gbps": 2600,
   "launch_us": 5,
   "peak_tflops": 989,
@@ -45,22 +52,32 @@ const char* kH100 = R"({
 })";
 
 // H200 (141 GB HBM3e, 4.8 TB/s): the H100's compute rates (same SMs and clocks) and the H100's
-// memory-bound rates scaled by the HBM bandwidth ratio 4.8 / 3.35. Not measured yet.  Links as
-// the H100's (NVLink 4; one 400 Gb/s NDR port per GPU between nodes).
+// memory-bound rates scaled by the HBM bandwidth ratio 4.8 / 3.35, except those fitted to
+// bench_gpu_train on one H200 at 4bf21f5 (doc/plan.md, "Prediction against measurement"): FP8
+// GEMMs 884 TFLOP/s at k = 1280 (650M) and 1040-1090 at k = 2560 (3B) give gemm_half_k_fp8
+// 870 under the 1454 asymptote; block scaling's GEMMs are 1.23x slower at the same shapes; the
+// casts of doc/fp8.md's byte count ran at 2.2-2.6 TB/s per-tensor and 1.7-1.9 TB/s block; the
+// part of the step outside forward + backward (AdamW, gradient norm, zeroing) is 36 bytes per
+// parameter at 2.75 TB/s on both models, not the scaled 3.72.  Links as the H100's (NVLink 4;
+// one 400 Gb/s NDR port per GPU between nodes).
 const char* kH200 = R"({
   "kind": "h200",
-  "source": "H100 table with memory-bound rates x 4.8/3.35 (HBM3e); not yet measured on an H200",
+  "source": "H100 table with memory-bound rates x 4.8/3.35 (HBM3e); FP8 and optimizer rates fitted to bench_gpu_train on one H200 at commit 4bf21f5",
   "memory_gib": 139.8,
   "reserved_gib": 0.55,
   "gemm_tflops_fp32": 0.25,
   "gemm_tflops_bf16": 770,
-  "gemm_tflops_fp8": 1540,
+  "gemm_tflops_fp8": 1454,
+  "gemm_tflops_fp8_block": 1180,
   "gemm_half_k": 402,
+  "gemm_half_k_fp8": 870,
   "attention_tflops": 170,
   "attention_half_head_dim": 29.5,
   "layernorm_gbps": 2020,
   "elementwise_gbps": 3300,
-  "optimizer_gbps": 3720,
+  "fp8_cast_gbps": 2400,
+  "fp8_block_cast_gbps": 1800,
+  "optimizer_gbps": 2750,
   "launch_us": 5,
   "peak_tflops": 989,
   "intra_node_gbps": 360,
@@ -72,6 +89,7 @@ const char* kH200 = R"({
 // TFLOP/s per rank and the start-up sgemm 512^3 (0.089), doc/performance.md "CPU training";
 // reserved: the resident size of a `plm train` rank beyond its model buffers (MPI, Kokkos,
 // OpenBLAS, HDF5): 39-46 MiB measured (quickstart deck and the scaling study's tiny model).
+// fp8 is emulated in fp32 here: its GEMM and cast rates are the fp32 GEMM and elementwise ones.
 const char* kCpu = R"({
   "kind": "cpu",
   "source": "development container (AMD EPYC, AVX-512), doc/performance.md CPU training; per rank = one core",
@@ -80,11 +98,15 @@ const char* kCpu = R"({
   "gemm_tflops_fp32": 0.1,
   "gemm_tflops_bf16": 0.1,
   "gemm_tflops_fp8": 0.1,
+  "gemm_tflops_fp8_block": 0.1,
   "gemm_half_k": 48,
+  "gemm_half_k_fp8": 48,
   "attention_tflops": 0.03,
   "attention_half_head_dim": 16,
   "layernorm_gbps": 6,
   "elementwise_gbps": 6,
+  "fp8_cast_gbps": 6,
+  "fp8_block_cast_gbps": 6,
   "optimizer_gbps": 6,
   "launch_us": 2,
   "peak_tflops": 0.083,
@@ -113,11 +135,15 @@ Rates ratesFromJson(const io::json::Value& v, const Rates& base, const std::stri
       {"gemm_tflops_fp32", &Rates::gemm_tflops_fp32},
       {"gemm_tflops_bf16", &Rates::gemm_tflops_bf16},
       {"gemm_tflops_fp8", &Rates::gemm_tflops_fp8},
+      {"gemm_tflops_fp8_block", &Rates::gemm_tflops_fp8_block},
       {"gemm_half_k", &Rates::gemm_half_k},
+      {"gemm_half_k_fp8", &Rates::gemm_half_k_fp8},
       {"attention_tflops", &Rates::attention_tflops},
       {"attention_half_head_dim", &Rates::attention_half_head_dim},
       {"layernorm_gbps", &Rates::layernorm_gbps},
       {"elementwise_gbps", &Rates::elementwise_gbps},
+      {"fp8_cast_gbps", &Rates::fp8_cast_gbps},
+      {"fp8_block_cast_gbps", &Rates::fp8_block_cast_gbps},
       {"optimizer_gbps", &Rates::optimizer_gbps},
       {"launch_us", &Rates::launch_us},
       {"peak_tflops", &Rates::peak_tflops},
@@ -178,11 +204,15 @@ io::json::Value ratesToJson(const Rates& r) {
   v.set("gemm_tflops_fp32", r.gemm_tflops_fp32);
   v.set("gemm_tflops_bf16", r.gemm_tflops_bf16);
   v.set("gemm_tflops_fp8", r.gemm_tflops_fp8);
+  v.set("gemm_tflops_fp8_block", r.gemm_tflops_fp8_block);
   v.set("gemm_half_k", r.gemm_half_k);
+  v.set("gemm_half_k_fp8", r.gemm_half_k_fp8);
   v.set("attention_tflops", r.attention_tflops);
   v.set("attention_half_head_dim", r.attention_half_head_dim);
   v.set("layernorm_gbps", r.layernorm_gbps);
   v.set("elementwise_gbps", r.elementwise_gbps);
+  v.set("fp8_cast_gbps", r.fp8_cast_gbps);
+  v.set("fp8_block_cast_gbps", r.fp8_block_cast_gbps);
   v.set("optimizer_gbps", r.optimizer_gbps);
   v.set("launch_us", r.launch_us);
   v.set("peak_tflops", r.peak_tflops);

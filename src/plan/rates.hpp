@@ -21,18 +21,24 @@ struct Rates {
   double memory_bytes = 0;    // device memory per rank (cpu: memory a rank may use)
   double reserved_bytes = 0;  // context, library workspaces, allocator slack per rank
   // GEMMs: effective TFLOP/s of a square-ish GEMM of inner size k is
-  //   gemm_tflops * k / (k + gemm_half_k)  (half the asymptote at k = gemm_half_k).
+  //   gemm_tflops * k / (k + gemm_half_k)  (half the asymptote at k = gemm_half_k);
+  // FP8 GEMMs saturate later (gemm_half_k_fp8), those of fp8.recipe: block at a lower
+  // asymptote (gemm_tflops_fp8_block: 128-element scales in the GEMM's main loop).
   double gemm_tflops_fp32 = 0, gemm_tflops_bf16 = 0, gemm_tflops_fp8 = 0;
-  double gemm_half_k = 0;
+  double gemm_tflops_fp8_block = 0;
+  double gemm_half_k = 0, gemm_half_k_fp8 = 0;
   // Attention (scores and weighted sum, forward + backward, model FLOPs 12 h S per token and
   // layer): attention_tflops * d / (d + attention_half_head_dim) at head dimension d.
   double attention_tflops = 0;
   double attention_half_head_dim = 0;
   double layernorm_gbps = 0;    // LayerNorm forward and backward traffic
   double elementwise_gbps = 0;  // rotary, weight casts, fused bias/GELU epilogues
-  double optimizer_gbps = 0;    // AdamW, gradient norm, gradient zeroing
-  double launch_us = 0;         // fixed cost per kernel launch (or per op on the CPU)
-  double peak_tflops = 0;       // datasheet peak of the compute precision, for MFU only
+  // The FP8 GEMMs' operand casts (X and dY to E4M3/E5M2 codes, doc/fp8.md "Casts per
+  // micro-batch"): per-tensor scaling (delayed, current) and 128-element block scaling.
+  double fp8_cast_gbps = 0, fp8_block_cast_gbps = 0;
+  double optimizer_gbps = 0;  // AdamW, gradient norm, gradient zeroing
+  double launch_us = 0;       // fixed cost per kernel launch (or per op on the CPU)
+  double peak_tflops = 0;     // datasheet peak of the compute precision, for MFU only
   // Collectives: bus bandwidth (NCCL's busbw) per rank within a node and between nodes.
   double intra_node_gbps = 0;
   double inter_node_gbps = 0;

@@ -67,8 +67,10 @@ plan::Rates unitRates() {
   r.kind = "unit";
   r.memory_bytes = 1e9;
   r.gemm_tflops_fp32 = r.gemm_tflops_bf16 = r.gemm_tflops_fp8 = 1;  // 1e12 FLOP/s, half_k 0
+  r.gemm_tflops_fp8_block = 1;
   r.attention_tflops = 1;
   r.layernorm_gbps = r.elementwise_gbps = r.optimizer_gbps = 1;
+  r.fp8_cast_gbps = r.fp8_block_cast_gbps = 1;
   r.peak_tflops = 1;
   r.intra_node_gbps = r.inter_node_gbps = 1;
   r.ranks_per_node = 8;
@@ -195,6 +197,98 @@ TEST(Plan, TimeByHand) {
   EXPECT_NEAR(p.mfu, 114624.0 * 3000 / p.step_seconds / 1e12, 1e-12);
 }
 
+TEST(Plan, Fp8TimeByHand) {
+  // The TimeByHand setup under fp8 with the FP8 GEMMs at 2 TFLOP/s: the FP8 layers' GEMMs at
+  // that rate, the LM head and the layers fp8.first_layers_bf16 keeps at the bf16 one; the casts
+  // move 3 bytes per element of the FP8 GEMMs' inputs (t (3h + f) per layer) and output
+  // gradients (t (5h + f)), + 1 for the kept X^T (fp8.wgrad: fp8), + 2 for current scaling's
+  // amax pass; layer recomputation casts the inputs again.
+  plan::Input in;
+  in.model = small();
+  in.compute = Compute::Fp8;
+  in.mean_seqlen = 5;
+  in.micro_batch_tokens = 1000;
+  in.fill = 1;
+  in.mask_prob = 0.1;
+  in.micro_batches = 3;
+  in.rates = unitRates();
+  in.rates.gemm_tflops_fp8 = 2;
+  const double layer = 6 * 8192 * 1000.0, head = 6 * (32 * 32 + 33 * 32) * 100.0;
+  const double in_elems = 1000.0 * (3 * 32 + 64), out_elems = 1000.0 * (5 * 32 + 64);
+  auto p = plan::makePlan(in);
+  EXPECT_NEAR(item(p.time, "GEMMs"), 3 * (2 * layer / 2e12 + head / 1e12), 1e-15);
+  EXPECT_NEAR(item(p.time, "FP8 casts"), 3 * 4 * 2 * (in_elems + out_elems) / 1e9, 1e-15);
+  in.model.fp8.first_layers_bf16 = 1;
+  p = plan::makePlan(in);
+  EXPECT_NEAR(item(p.time, "GEMMs"), 3 * (layer / 2e12 + (layer + head) / 1e12), 1e-15);
+  EXPECT_NEAR(item(p.time, "FP8 casts"), 3 * 4 * (in_elems + out_elems) / 1e9, 1e-15);
+  in.model.fp8.recipe = model::Fp8Recipe::Current;
+  EXPECT_NEAR(item(plan::makePlan(in).time, "FP8 casts"), 3 * 6 * (in_elems + out_elems) / 1e9,
+              1e-15);
+  in.model.fp8.recipe = model::Fp8Recipe::Delayed;
+  in.model.fp8.wgrad = model::Fp8Wgrad::Bf16;
+  EXPECT_NEAR(item(plan::makePlan(in).time, "FP8 casts"), 3 * 3 * (in_elems + out_elems) / 1e9,
+              1e-15);
+  in.model.fp8.wgrad = model::Fp8Wgrad::Fp8;
+  in.model.recompute = model::Recompute::Layer;
+  EXPECT_NEAR(item(plan::makePlan(in).time, "FP8 casts"), 3 * 4 * (2 * in_elems + out_elems) / 1e9,
+              1e-15);
+  // Block scaling: its own GEMM asymptote and cast rate.
+  in.model.recompute = model::Recompute::None;
+  in.model.fp8.recipe = model::Fp8Recipe::Block;
+  in.rates.gemm_tflops_fp8_block = 1.5;
+  in.rates.fp8_block_cast_gbps = 0.5;
+  p = plan::makePlan(in);
+  EXPECT_NEAR(item(p.time, "GEMMs"), 3 * (layer / 1.5e12 + (layer + head) / 1e12), 1e-15);
+  EXPECT_NEAR(item(p.time, "FP8 casts"), 3 * 4 * (in_elems + out_elems) / 0.5e9, 1e-15);
+  // bf16 has no cast row.
+  in.compute = Compute::Bf16;
+  for (const auto& i : plan::makePlan(in).time) EXPECT_NE(i.name, "FP8 casts");
+}
+
+TEST(Plan, Fp8CastsOfMoeLayersCountTheExpertRows) {
+  // smallMoe's layers (h 32, experts of 48, top-2) at t = 1000: attention 2h in, 4h out over t
+  // rows; the experts h + f_e in, f_e + h out over X = t k rows (expert degree 1).
+  plan::Input in;
+  in.model = small();
+  in.model.moe.experts = 4;
+  in.model.moe.top_k = 2;
+  in.model.moe.every = 1;
+  in.model.moe.expert_ffn = 48;
+  in.compute = Compute::Fp8;
+  in.micro_batch_tokens = 1000;
+  in.fill = 1;
+  in.rates = unitRates();
+  const double per_layer = 6 * 32 * 1000.0 + 2000.0 * (2 * 32 + 2 * 48);
+  EXPECT_NEAR(item(plan::makePlan(in).time, "FP8 casts"), 4 * 2 * per_layer / 1e9, 1e-15);
+}
+
+TEST(Plan, Fp8AgainstBf16WithTheBuiltInRates) {
+  // With the shipped tables: FP8 is faster than bf16 but short of 2x (the casts, attention,
+  // LayerNorm and the optimizer do not speed up), and block scaling is slower than delayed.
+  for (const std::string gpu : {"h100", "h200"})
+    for (const std::string preset : {"esm2_650m", "esm2_3b"}) {
+      plan::Input in;
+      in.model = model::Esm2Config::preset(preset);
+      in.rates = plan::builtinRates(gpu);
+      in.micro_batch_tokens = 16384;
+      in.compute = Compute::Bf16;
+      const auto bf16 = plan::makePlan(in);
+      in.compute = Compute::Fp8;
+      const auto delayed = plan::makePlan(in);
+      in.model.fp8.recipe = model::Fp8Recipe::Block;
+      const auto block = plan::makePlan(in);
+      const std::string what = gpu + " " + preset;
+      EXPECT_GT(item(delayed.time, "FP8 casts"), 0) << what;
+      EXPECT_LT(item(delayed.time, "GEMMs"), item(bf16.time, "GEMMs")) << what;
+      EXPECT_GT(delayed.tokens_per_s, bf16.tokens_per_s) << what;
+      EXPECT_LT(delayed.tokens_per_s, 2 * bf16.tokens_per_s) << what;
+      EXPECT_LT(block.tokens_per_s, delayed.tokens_per_s) << what;
+      EXPECT_GT(item(block.time, "GEMMs"), item(delayed.time, "GEMMs")) << what;
+      EXPECT_GT(item(block.time, "FP8 casts"), item(delayed.time, "FP8 casts")) << what;
+    }
+}
+
 TEST(Plan, DataParallelAllReduceAndSharding) {
   plan::Input in;
   in.model = small();
@@ -274,6 +368,14 @@ TEST(Plan, RatesRoundTripAndErrors) {
     EXPECT_DOUBLE_EQ(back.memory_bytes, r.memory_bytes);
     EXPECT_DOUBLE_EQ(back.gemm_half_k, r.gemm_half_k);
     EXPECT_DOUBLE_EQ(back.inter_node_gbps, r.inter_node_gbps);
+    EXPECT_DOUBLE_EQ(back.gemm_half_k_fp8, r.gemm_half_k_fp8);
+    EXPECT_DOUBLE_EQ(back.gemm_tflops_fp8_block, r.gemm_tflops_fp8_block);
+    EXPECT_DOUBLE_EQ(back.fp8_cast_gbps, r.fp8_cast_gbps);
+    EXPECT_DOUBLE_EQ(back.fp8_block_cast_gbps, r.fp8_block_cast_gbps);
+    // Every FP8 rate is set: a table without them would plan fp8 at infinite speed.
+    for (double x :
+         {r.gemm_tflops_fp8, r.gemm_tflops_fp8_block, r.fp8_cast_gbps, r.fp8_block_cast_gbps})
+      EXPECT_GT(x, 0) << kind;
   }
   EXPECT_THROW(plan::builtinRates("a100"), Error);
   EXPECT_THROW(plan::ratesFromJson(io::json::parse("{\"gemm_tflops\": 1}"), plan::Rates{}, "x"),
@@ -369,6 +471,10 @@ TEST(Plan, MeasuredRatesArePositive) {
     EXPECT_GT(x, 0);
   }
   EXPECT_GE(r.gemm_half_k, 0);
+  // The CPU emulates fp8 in fp32: its FP8 rates are the measured fp32 GEMM and elementwise ones.
+  EXPECT_DOUBLE_EQ(r.gemm_tflops_fp8_block, r.gemm_tflops_fp32);
+  EXPECT_DOUBLE_EQ(r.gemm_half_k_fp8, r.gemm_half_k);
+  EXPECT_DOUBLE_EQ(r.fp8_cast_gbps, r.elementwise_gbps);
   EXPECT_DOUBLE_EQ(r.memory_bytes, plan::builtinRates("cpu").memory_bytes);  // kept from base
   // The measured table plans (and round-trips through JSON like a shipped one).
   plan::Input in;

@@ -16,9 +16,10 @@ plan::Rates unitRates() {
   plan::Rates r;
   r.kind = "unit";
   r.memory_bytes = 1e12;
-  r.gemm_tflops_fp32 = r.gemm_tflops_bf16 = r.gemm_tflops_fp8 = 1;
+  r.gemm_tflops_fp32 = r.gemm_tflops_bf16 = r.gemm_tflops_fp8 = r.gemm_tflops_fp8_block = 1;
   r.attention_tflops = 1;
   r.layernorm_gbps = r.elementwise_gbps = r.optimizer_gbps = 1;
+  r.fp8_cast_gbps = r.fp8_block_cast_gbps = 1;
   r.peak_tflops = 1;
   r.intra_node_gbps = r.inter_node_gbps = 1;
   r.ranks_per_node = 8;
