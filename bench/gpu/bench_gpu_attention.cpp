@@ -1,9 +1,10 @@
 // Attention at the small ESM-2 shapes (8M: 20 heads x 16, 35M: 20 x 24, 150M: 20 x 32) on one
 // 65,536-token micro-batch of log-normal lengths (median 300, clamped to [1, 1024], fixed seed):
-// the general (legacy) flash kernels, the small-head_dim kernels and cuDNN (deterministic
-// backward) in one run.  Forward, backward and both, median ms and effective TFLOP/s (forward
-// 4 sum(L^2) D H, backward 2.5x), the largest difference of the small-head_dim kernels' O, lse
-// and gradients from the legacy ones', and one RESULT line per shape.
+// the general (legacy) flash kernels, the default ones (the small-head_dim forward with the
+// general backward; "small" below, the general kernels both ways under PLM_FLASH_LEGACY=1) and
+// cuDNN (deterministic backward) in one run.  Forward, backward and both, median ms and
+// effective TFLOP/s (forward 4 sum(L^2) D H, backward 2.5x), the largest difference of the
+// default kernels' O, lse and gradients from the legacy ones', and one RESULT line per shape.
 //
 //   bench_gpu_attention [tokens]        (default 65536)
 #include "gpu/cudnn_attention.hpp"
@@ -156,7 +157,7 @@ void benchShape(const char* model, const std::vector<int>& lengths, int heads, i
   };
 
   const Timing legacy = timeFlash(FlashParams::Kernels::Legacy, "flash legacy");
-  const Timing small = timeFlash(FlashParams::Kernels::SmallD, "flash small-d");
+  const Timing small = timeFlash(FlashParams::Kernels::Auto, "flash small-d");
   Timing cd;
   bool have_cudnn = false;
   try {
@@ -179,8 +180,8 @@ void benchShape(const char* model, const std::vector<int>& lengths, int heads, i
   }
 
   const auto ref = outputs(FlashParams::Kernels::Legacy);
-  const auto got = outputs(FlashParams::Kernels::SmallD);
-  const auto again = outputs(FlashParams::Kernels::SmallD);
+  const auto got = outputs(FlashParams::Kernels::Auto);
+  const auto again = outputs(FlashParams::Kernels::Auto);
   const double d_o = relDiff(got[0], ref[0]), d_lse = relDiff(got[1], ref[1]),
                d_g = relDiff(got[2], ref[2]);
   const bool bitwise = got[2] == again[2];
