@@ -118,20 +118,16 @@ void benchAttention(const std::vector<int>& lengths, int heads, int dim, const c
   p.delta = delta.as<float>();
   // FLOPs by the usual convention: forward 4 L^2 D per head, backward 2.5x that.
   double fwd_flops = 4.0 * sum_sq * dim * heads;
-  double f = medianMs([&] { flashAttentionForward(nullptr, p); });
-  double b = medianMs([&] { flashAttentionBackward(nullptr, p); });
-  double fb = medianMs([&] {
-    flashAttentionForward(nullptr, p);
-    flashAttentionBackward(nullptr, p);
-  });
+  const FwdBwdMs t = medianFwdBwdMs([&] { flashAttentionForward(nullptr, p); },
+                                    [&] { flashAttentionBackward(nullptr, p); });
   char label[160];
   std::snprintf(label, sizeof label, "attn %s %zu seqs %ld tok H%d D%d fwd", name, lengths.size(),
                 long(tokens), heads, dim);
-  row(label, f, fwd_flops, 0);
+  row(label, t.f, fwd_flops, 0);
   std::snprintf(label, sizeof label, "attn %s bwd", name);
-  row(label, b, 2.5 * fwd_flops, 0);
+  row(label, t.b, 2.5 * fwd_flops, 0);
   std::snprintf(label, sizeof label, "attn %s fwd+bwd", name);
-  row(label, fb, 3.5 * fwd_flops, 0);
+  row(label, t.fb, 3.5 * fwd_flops, 0);
 }
 
 }  // namespace

@@ -125,19 +125,11 @@ void benchShape(const char* model, const std::vector<int>& lengths, int heads, i
   std::printf("%s: %zu sequences, %ld tokens, mean length %.0f, sum L^2 %.3g, H%d D%d\n", model,
               lengths.size(), long(tokens), double(tokens) / lengths.size(), sum_sq, heads, dim);
 
-  struct Timing {
-    double f = NAN, b = NAN, fb = NAN;
-  };
   auto timeFlash = [&](FlashParams::Kernels k, const char* name) {
     FlashParams q = p;
     q.kernels = k;
-    Timing t;
-    t.f = medianMs([&] { flashAttentionForward(nullptr, q); });
-    t.b = medianMs([&] { flashAttentionBackward(nullptr, q); });
-    t.fb = medianMs([&] {
-      flashAttentionForward(nullptr, q);
-      flashAttentionBackward(nullptr, q);
-    });
+    const FwdBwdMs t = medianFwdBwdMs([&] { flashAttentionForward(nullptr, q); },
+                                      [&] { flashAttentionBackward(nullptr, q); });
     std::string s = std::string(name) + " fwd";
     row(s.c_str(), t.f, fwd_flops);
     s = std::string(name) + " bwd";
@@ -156,9 +148,9 @@ void benchShape(const char* model, const std::vector<int>& lengths, int heads, i
         downloadBf16(o.ptr, n), downloadF(lse.ptr, tokens * heads), downloadBf16(dqkv.ptr, 3 * n)};
   };
 
-  const Timing legacy = timeFlash(FlashParams::Kernels::Legacy, "flash legacy");
-  const Timing small = timeFlash(FlashParams::Kernels::Auto, "flash small-d");
-  Timing cd;
+  const FwdBwdMs legacy = timeFlash(FlashParams::Kernels::Legacy, "flash legacy");
+  const FwdBwdMs small = timeFlash(FlashParams::Kernels::Auto, "flash small-d");
+  FwdBwdMs cd;
   bool have_cudnn = false;
   try {
     have_cudnn = cudnn != nullptr && cudnn->forward(nullptr, p) && cudnn->backward(nullptr, p);
@@ -166,12 +158,7 @@ void benchShape(const char* model, const std::vector<int>& lengths, int heads, i
     std::printf("  cudnn: %s\n", e.what());
   }
   if (have_cudnn) {
-    cd.f = medianMs([&] { cudnn->forward(nullptr, p); });
-    cd.b = medianMs([&] { cudnn->backward(nullptr, p); });
-    cd.fb = medianMs([&] {
-      cudnn->forward(nullptr, p);
-      cudnn->backward(nullptr, p);
-    });
+    cd = medianFwdBwdMs([&] { cudnn->forward(nullptr, p); }, [&] { cudnn->backward(nullptr, p); });
     row("cudnn fwd", cd.f, fwd_flops);
     row("cudnn bwd (deterministic)", cd.b, bwd_flops);
     row("cudnn fwd+bwd", cd.fb, fwd_flops + bwd_flops);

@@ -151,9 +151,7 @@ double copyGBs() {
   const std::size_t bytes = std::size_t(1) << 30;
   Buffer src(bytes), dst(bytes);
   PLM_CHECK_CUDA(cudaMemset(src.ptr, 1, bytes));
-  const double ms = medianMs(
-      [&] { PLM_CHECK_CUDA(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice)); });
-  return 2.0 * bytes / ms / 1e6;
+  return 2.0 * bytes / copyMs(dst, src, bytes) / 1e6;
 }
 
 // One LayerNorm shape (T rows of C) with x in TX: forward (y bf16 written, mean and rstd
@@ -182,23 +180,21 @@ template <class TX> void layerNormRow(std::int64_t C, std::int64_t T, double cop
   PLM_CHECK_CUDA(cudaMemset(db.ptr, 0, C * 4));
   const double n = static_cast<double>(T * C), rows = static_cast<double>(T);
   constexpr int reps = 10;
-  const double f =
-      medianMs([&] {
-        for (int i = 0; i < reps; ++i)
-          layerNormForward(nullptr, x.as<TX>(), gamma.as<float>(), beta.as<float>(), y.as<bf16>(),
-                           mean.as<float>(), rstd.as<float>(), T, static_cast<int>(C), 1e-5f);
-      }) /
-      reps;
+  const double f = medianMsPerCall(
+      [&] {
+        layerNormForward(nullptr, x.as<TX>(), gamma.as<float>(), beta.as<float>(), y.as<bf16>(),
+                         mean.as<float>(), rstd.as<float>(), T, static_cast<int>(C), 1e-5f);
+      },
+      reps);
   const double f_bytes = (bx + 2.0) * n + 8.0 * rows + 8.0 * C;
   const double f_gbs = f_bytes / f / 1e6;
-  const double b = medianMs([&] {
-                     for (int i = 0; i < reps; ++i)
-                       layerNormBackward(
-                           nullptr, dy.as<bf16>(), x.as<TX>(), gamma.as<float>(), mean.as<float>(),
-                           rstd.as<float>(), f32 ? res.as<float>() : nullptr, true, dx.as<bf16>(),
-                           dg.as<float>(), db.as<float>(), T, static_cast<int>(C), work.as<void>());
-                   }) /
-                   reps;
+  const double b = medianMsPerCall(
+      [&] {
+        layerNormBackward(nullptr, dy.as<bf16>(), x.as<TX>(), gamma.as<float>(), mean.as<float>(),
+                          rstd.as<float>(), f32 ? res.as<float>() : nullptr, true, dx.as<bf16>(),
+                          dg.as<float>(), db.as<float>(), T, static_cast<int>(C), work.as<void>());
+      },
+      reps);
   const double b_bytes = (2.0 + bx + (f32 ? 8.0 : 0.0) + 2.0) * n + 8.0 * rows + 4.0 * C;
   const double b_gbs = b_bytes / b / 1e6;
   const char* in = f32 ? "fp32" : "bf16";
