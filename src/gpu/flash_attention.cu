@@ -100,6 +100,25 @@ __device__ __forceinline__ void accToA(std::uint32_t (&a)[4], const float (&acc)
   a[3] = pack(acc[2 * c + 1][2], acc[2 * c + 1][3]);
 }
 
+// acc (a warp's 16 x N accumulator tiles) += A (16 x K, accumulator tiles p rounded to bf16)
+// times the K x N tile stored [k][n] at `tile` (leading dimension ld).
+template <int K, int N>
+__device__ __forceinline__ void mmaAccTimesTile(float (&acc)[N / 8][4], const float (&p)[K / 8][4],
+                                                const bfloat* tile, int ld, int lane) {
+#pragma unroll
+  for (int c = 0; c < K / 16; ++c) {
+    std::uint32_t a[4];
+    accToA<K / 8>(a, p, c);
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      std::uint32_t b[4];
+      loadBkn(b, tile, ld, c * 16, np * 16, lane);
+      mma(acc[2 * np], a, b[0], b[1]);
+      mma(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
+}
+
 // ROWS x D tile of a (T, H, dh) tensor into shared memory; rows at or past `valid` and columns
 // at or past the true head_dim dh (D is dh rounded up to a multiple of 16) become zeros.
 template <int ROWS, int D, int THREADS>
@@ -285,19 +304,7 @@ template <int D, int BN, bool FAST> __global__ void __launch_bounds__(128)
       o[nt][2] *= corr[1];
       o[nt][3] *= corr[1];
     }
-    // O += P V
-#pragma unroll
-    for (int c = 0; c < BN / 16; ++c) {
-      std::uint32_t a[4];
-      accToA<BN / 8>(a, s, c);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        std::uint32_t b[4];
-        loadBkn(b, vb, LD, c * 16, dp * 16, lane);
-        mma(o[2 * dp], a, b[0], b[1]);
-        mma(o[2 * dp + 1], a, b[2], b[3]);
-      }
-    }
+    mmaAccTimesTile<BN, D>(o, s, vb, LD, lane);  // O += P V
     __syncthreads();
   }
 
@@ -592,18 +599,7 @@ template <int D, int BN> __global__ void __launch_bounds__(128)
         dp[n][e] = pe * (dp[n][e] - del[e >> 1]);
       }
     }
-#pragma unroll
-    for (int c = 0; c < BN / 16; ++c) {
-      std::uint32_t dsa[4];
-      accToA<BN / 8>(dsa, dp, c);
-#pragma unroll
-      for (int dpair = 0; dpair < D / 16; ++dpair) {
-        std::uint32_t b[4];
-        loadBkn(b, kb, LD, c * 16, dpair * 16, lane);
-        mma(dq[2 * dpair], dsa, b[0], b[1]);
-        mma(dq[2 * dpair + 1], dsa, b[2], b[3]);
-      }
-    }
+    mmaAccTimesTile<BN, D>(dq, dp, kb, LD, lane);  // dQ += dS K
     __syncthreads();
   }
 
