@@ -695,7 +695,8 @@ __global__ void __launch_bounds__(kThreads, backwardBlocksPerSm<TDY>())
 }
 
 // The backward's tile for cols (a multiple of 4, at most 5120): at most 5 chunks per thread,
-// one warp per row up to 640, then 2, 4 and 8 warps.
+// one warp per row up to 640, then 2, 4 and 8 warps.  A table apart from withForwardTile's: the
+// backward holds h, dy and the old gradient per chunk, so it spreads a row over more warps.
 template <class F> void withBackwardTile(int cols, F&& f) {
   const int chunks = cols / 4;
   const int need = (chunks + 31) / 32;
