@@ -476,6 +476,8 @@ template <int D, int BQ> __global__ void __launch_bounds__(128)
         dp[n][e] = pe * (dp[n][e] - db[col]);
       }
     }
+    // dV += P^T dO and dK += dS^T Q: two mmaAccTimesTile products, kept interleaved in one loop
+    // (as measured); two calls would issue them one after the other.
 #pragma unroll
     for (int c = 0; c < BQ / 16; ++c) {
       std::uint32_t pa[4], dsa[4];
