@@ -10,6 +10,7 @@
 #include "gpu/cudnn_attention.hpp"
 #include "gpu/flash_attention.hpp"
 
+#include "attention_case.hpp"
 #include "bench_util.hpp"
 #include "core/error.hpp"
 
@@ -84,43 +85,13 @@ void row(const char* what, double ms, double flops) {
 
 void benchShape(const char* model, const std::vector<int>& lengths, int heads, int dim,
                 CudnnAttention* cudnn) {
-  std::vector<std::int32_t> cu{0};
-  double sum_sq = 0;
-  for (int l : lengths) {
-    cu.push_back(cu.back() + l);
-    sum_sq += double(l) * l;
-  }
-  const std::int64_t tokens = cu.back(), row_elems = std::int64_t(heads) * dim;
-  const std::size_t n = tokens * row_elems;
-  // q, k, v and dq, dk, dv interleaved (T, 3, H, D) as the model stores them (cuDNN's backward
-  // needs the gradients at q, k, v's strides).
-  Buffer qkv(n * 3 * 2), o(n * 2), dout(n * 2), dqkv(n * 3 * 2), lse(tokens * heads * 4),
-      delta(tokens * heads * 4), cu_dev(cu.size() * 4);
-  fill(qkv, n * 3, 1.0f, 5);
-  fill(dout, n, 1.0f, 6);
-  PLM_CHECK_CUDA(cudaMemcpy(cu_dev.ptr, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
-  FlashParams p;
-  p.q = qkv.as<bf16>();
-  p.k = qkv.as<bf16>() + row_elems;
-  p.v = qkv.as<bf16>() + 2 * row_elems;
-  p.q_stride = p.k_stride = p.v_stride = 3 * row_elems;
-  p.o = o.as<bf16>();
-  p.o_stride = row_elems;
-  p.lse = lse.as<float>();
-  p.cu_seqlens = cu_dev.as<std::int32_t>();
-  p.num_seqs = static_cast<int>(lengths.size());
-  p.max_seqlen = *std::max_element(lengths.begin(), lengths.end());
-  p.total_tokens = tokens;
-  p.heads = heads;
-  p.head_dim = dim;
-  p.softmax_scale = 1.0f / std::sqrt(float(dim));
-  p.dout = dout.as<bf16>();
-  p.dout_stride = row_elems;
-  p.dq = dqkv.as<bf16>();
-  p.dk = dqkv.as<bf16>() + row_elems;
-  p.dv = dqkv.as<bf16>() + 2 * row_elems;
-  p.dq_stride = p.dk_stride = p.dv_stride = 3 * row_elems;
-  p.delta = delta.as<float>();
+  // dq, dk, dv interleaved (T, 3, H, D) like q, k, v (cuDNN's backward needs the gradients at
+  // q, k, v's strides).
+  const AttentionCase a(lengths, heads, dim, /*interleaved_grads=*/true);
+  const FlashParams& p = a.p;
+  const std::int64_t tokens = a.tokens;
+  const std::size_t n = a.n;
+  const double sum_sq = a.sum_sq;
   const double fwd_flops = 4.0 * sum_sq * dim * heads, bwd_flops = 2.5 * fwd_flops;
   std::printf("%s: %zu sequences, %ld tokens, mean length %.0f, sum L^2 %.3g, H%d D%d\n", model,
               lengths.size(), long(tokens), double(tokens) / lengths.size(), sum_sq, heads, dim);
@@ -144,8 +115,9 @@ void benchShape(const char* model, const std::vector<int>& lengths, int heads, i
     flashAttentionForward(nullptr, q);
     flashAttentionBackward(nullptr, q);
     PLM_CHECK_CUDA(cudaDeviceSynchronize());
-    return std::vector<std::vector<float>>{
-        downloadBf16(o.ptr, n), downloadF(lse.ptr, tokens * heads), downloadBf16(dqkv.ptr, 3 * n)};
+    return std::vector<std::vector<float>>{downloadBf16(a.o.ptr, n),
+                                           downloadF(a.lse.ptr, tokens * heads),
+                                           downloadBf16(a.dq.ptr, 3 * n)};
   };
 
   const FwdBwdMs legacy = timeFlash(FlashParams::Kernels::Legacy, "flash legacy");
