@@ -184,13 +184,14 @@
 #         650M (24576 x 1280/3840/5120) and 3B (x 2560/7680/10240) shapes (PLM_FP8_CAST_TOKENS,
 #         default 24576); logs fp8_cast_<test>.log and fp8_cast_bench.log in $OUT, the RESULT
 #         fp8_cast lines in the summary
-#   small_attn: the small-head_dim flash attention kernels (issue 29: ESM-2 8M head_dim 16, 35M
+#   small_attn: the small-head_dim flash attention forward (issue 29: ESM-2 8M head_dim 16, 35M
 #         24): test_gpu_flash_attention (every kernel set against a host reference, backward
 #         bitwise equal on a rerun), bench_gpu_attention (65,536 tokens, 20 heads x 16 / 24 / 32:
-#         legacy vs small-head_dim kernels vs cuDNN, ms and TFLOP/s, the two flash sets' largest
-#         difference; RESULT attention lines), then plm train of 8M and 35M bf16 (30 steps,
-#         65,536-token micro-batches, 131,072 per step) with train.profile true and false, and
-#         with PLM_FLASH_LEGACY=1 (the old kernels; PLM_SMALL_ATTN_LEGACY=0 skips those runs)
+#         legacy vs default (small-head_dim forward) kernels vs cuDNN, ms and TFLOP/s, the two
+#         flash sets' largest difference; RESULT attention lines), then plm train of 8M and 35M
+#         bf16 (30 steps, 65,536-token micro-batches, 131,072 per step) with train.profile true
+#         and false, and with PLM_FLASH_LEGACY=1 (the general kernels; PLM_SMALL_ATTN_LEGACY=0
+#         skips those runs)
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -1105,7 +1106,7 @@ if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
 fi
 
 if has small_attn; then
-  # The small-head_dim flash kernels (issue 29): correctness, the kernel bench, end-to-end.
+  # The small-head_dim flash forward (issue 29): correctness, the kernel bench, end-to-end.
   if [[ -x "$pkg/bin/test_gpu_flash_attention" ]]; then
     timeout 300 "$pkg/bin/test_gpu_flash_attention" > "$out/small_attn_test.log" 2>&1
     note "small_attn test_gpu_flash_attention rc=$? $(grep -E "PASSED|FAILED" "$out/small_attn_test.log" | tr '\n' ' ')"

@@ -9,6 +9,7 @@
 #include "gpu/gemm.hpp"
 #include "gpu/layer_norm.hpp"
 
+#include "attention_case.hpp"
 #include "bench_util.hpp"
 #include "core/error.hpp"
 
@@ -80,58 +81,20 @@ void benchGemm(Gemm& gemm, const char* name, bool ta, bool tb, std::int64_t m, s
 }
 
 void benchAttention(const std::vector<int>& lengths, int heads, int dim, const char* name) {
-  std::vector<std::int32_t> cu{0};
-  double sum_sq = 0;
-  for (int l : lengths) {
-    cu.push_back(cu.back() + l);
-    sum_sq += double(l) * l;
-  }
-  std::int64_t tokens = cu.back();
-  std::int64_t row_elems = std::int64_t(heads) * dim;
-  Buffer qkv(tokens * 3 * row_elems * 2), o(tokens * row_elems * 2), dout(tokens * row_elems * 2),
-      dq(tokens * row_elems * 2), dk(tokens * row_elems * 2), dv(tokens * row_elems * 2),
-      lse(tokens * heads * 4), delta(tokens * heads * 4), cu_dev(cu.size() * 4);
-  fill(qkv, tokens * 3 * row_elems, 1.0f, 5);
-  fill(dout, tokens * row_elems, 1.0f, 6);
-  PLM_CHECK_CUDA(cudaMemcpy(cu_dev.ptr, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
-  FlashParams p;
-  p.q = qkv.as<bf16>();
-  p.k = qkv.as<bf16>() + row_elems;
-  p.v = qkv.as<bf16>() + 2 * row_elems;
-  p.q_stride = p.k_stride = p.v_stride = 3 * row_elems;
-  p.o = o.as<bf16>();
-  p.o_stride = row_elems;
-  p.lse = lse.as<float>();
-  p.cu_seqlens = cu_dev.as<std::int32_t>();
-  p.num_seqs = static_cast<int>(lengths.size());
-  p.max_seqlen = *std::max_element(lengths.begin(), lengths.end());
-  p.total_tokens = tokens;
-  p.heads = heads;
-  p.head_dim = dim;
-  p.softmax_scale = 1.0f / std::sqrt(float(dim));
-  p.dout = dout.as<bf16>();
-  p.dout_stride = row_elems;
-  p.dq = dq.as<bf16>();
-  p.dk = dk.as<bf16>();
-  p.dv = dv.as<bf16>();
-  p.dq_stride = p.dk_stride = p.dv_stride = row_elems;
-  p.delta = delta.as<float>();
+  const AttentionCase a(lengths, heads, dim, /*interleaved_grads=*/false);
+  const FlashParams& p = a.p;
   // FLOPs by the usual convention: forward 4 L^2 D per head, backward 2.5x that.
-  double fwd_flops = 4.0 * sum_sq * dim * heads;
-  double f = medianMs([&] { flashAttentionForward(nullptr, p); });
-  double b = medianMs([&] { flashAttentionBackward(nullptr, p); });
-  double fb = medianMs([&] {
-    flashAttentionForward(nullptr, p);
-    flashAttentionBackward(nullptr, p);
-  });
+  double fwd_flops = 4.0 * a.sum_sq * dim * heads;
+  const FwdBwdMs t = medianFwdBwdMs([&] { flashAttentionForward(nullptr, p); },
+                                    [&] { flashAttentionBackward(nullptr, p); });
   char label[160];
   std::snprintf(label, sizeof label, "attn %s %zu seqs %ld tok H%d D%d fwd", name, lengths.size(),
-                long(tokens), heads, dim);
-  row(label, f, fwd_flops, 0);
+                long(a.tokens), heads, dim);
+  row(label, t.f, fwd_flops, 0);
   std::snprintf(label, sizeof label, "attn %s bwd", name);
-  row(label, b, 2.5 * fwd_flops, 0);
+  row(label, t.b, 2.5 * fwd_flops, 0);
   std::snprintf(label, sizeof label, "attn %s fwd+bwd", name);
-  row(label, fb, 3.5 * fwd_flops, 0);
+  row(label, t.fb, 3.5 * fwd_flops, 0);
 }
 
 }  // namespace

@@ -1,14 +1,16 @@
 // Attention at the small ESM-2 shapes (8M: 20 heads x 16, 35M: 20 x 24, 150M: 20 x 32) on one
 // 65,536-token micro-batch of log-normal lengths (median 300, clamped to [1, 1024], fixed seed):
-// the general (legacy) flash kernels, the small-head_dim kernels and cuDNN (deterministic
-// backward) in one run.  Forward, backward and both, median ms and effective TFLOP/s (forward
-// 4 sum(L^2) D H, backward 2.5x), the largest difference of the small-head_dim kernels' O, lse
-// and gradients from the legacy ones', and one RESULT line per shape.
+// the general (legacy) flash kernels, the default ones (the small-head_dim forward with the
+// general backward; "small" below, the general kernels both ways under PLM_FLASH_LEGACY=1) and
+// cuDNN (deterministic backward) in one run.  Forward, backward and both, median ms and
+// effective TFLOP/s (forward 4 sum(L^2) D H, backward 2.5x), the largest difference of the
+// default kernels' O, lse and gradients from the legacy ones', and one RESULT line per shape.
 //
 //   bench_gpu_attention [tokens]        (default 65536)
 #include "gpu/cudnn_attention.hpp"
 #include "gpu/flash_attention.hpp"
 
+#include "attention_case.hpp"
 #include "bench_util.hpp"
 #include "core/error.hpp"
 
@@ -83,60 +85,22 @@ void row(const char* what, double ms, double flops) {
 
 void benchShape(const char* model, const std::vector<int>& lengths, int heads, int dim,
                 CudnnAttention* cudnn) {
-  std::vector<std::int32_t> cu{0};
-  double sum_sq = 0;
-  for (int l : lengths) {
-    cu.push_back(cu.back() + l);
-    sum_sq += double(l) * l;
-  }
-  const std::int64_t tokens = cu.back(), row_elems = std::int64_t(heads) * dim;
-  const std::size_t n = tokens * row_elems;
-  // q, k, v and dq, dk, dv interleaved (T, 3, H, D) as the model stores them (cuDNN's backward
-  // needs the gradients at q, k, v's strides).
-  Buffer qkv(n * 3 * 2), o(n * 2), dout(n * 2), dqkv(n * 3 * 2), lse(tokens * heads * 4),
-      delta(tokens * heads * 4), cu_dev(cu.size() * 4);
-  fill(qkv, n * 3, 1.0f, 5);
-  fill(dout, n, 1.0f, 6);
-  PLM_CHECK_CUDA(cudaMemcpy(cu_dev.ptr, cu.data(), cu.size() * 4, cudaMemcpyHostToDevice));
-  FlashParams p;
-  p.q = qkv.as<bf16>();
-  p.k = qkv.as<bf16>() + row_elems;
-  p.v = qkv.as<bf16>() + 2 * row_elems;
-  p.q_stride = p.k_stride = p.v_stride = 3 * row_elems;
-  p.o = o.as<bf16>();
-  p.o_stride = row_elems;
-  p.lse = lse.as<float>();
-  p.cu_seqlens = cu_dev.as<std::int32_t>();
-  p.num_seqs = static_cast<int>(lengths.size());
-  p.max_seqlen = *std::max_element(lengths.begin(), lengths.end());
-  p.total_tokens = tokens;
-  p.heads = heads;
-  p.head_dim = dim;
-  p.softmax_scale = 1.0f / std::sqrt(float(dim));
-  p.dout = dout.as<bf16>();
-  p.dout_stride = row_elems;
-  p.dq = dqkv.as<bf16>();
-  p.dk = dqkv.as<bf16>() + row_elems;
-  p.dv = dqkv.as<bf16>() + 2 * row_elems;
-  p.dq_stride = p.dk_stride = p.dv_stride = 3 * row_elems;
-  p.delta = delta.as<float>();
+  // dq, dk, dv interleaved (T, 3, H, D) like q, k, v (cuDNN's backward needs the gradients at
+  // q, k, v's strides).
+  const AttentionCase a(lengths, heads, dim, /*interleaved_grads=*/true);
+  const FlashParams& p = a.p;
+  const std::int64_t tokens = a.tokens;
+  const std::size_t n = a.n;
+  const double sum_sq = a.sum_sq;
   const double fwd_flops = 4.0 * sum_sq * dim * heads, bwd_flops = 2.5 * fwd_flops;
   std::printf("%s: %zu sequences, %ld tokens, mean length %.0f, sum L^2 %.3g, H%d D%d\n", model,
               lengths.size(), long(tokens), double(tokens) / lengths.size(), sum_sq, heads, dim);
 
-  struct Timing {
-    double f = NAN, b = NAN, fb = NAN;
-  };
   auto timeFlash = [&](FlashParams::Kernels k, const char* name) {
     FlashParams q = p;
     q.kernels = k;
-    Timing t;
-    t.f = medianMs([&] { flashAttentionForward(nullptr, q); });
-    t.b = medianMs([&] { flashAttentionBackward(nullptr, q); });
-    t.fb = medianMs([&] {
-      flashAttentionForward(nullptr, q);
-      flashAttentionBackward(nullptr, q);
-    });
+    const FwdBwdMs t = medianFwdBwdMs([&] { flashAttentionForward(nullptr, q); },
+                                      [&] { flashAttentionBackward(nullptr, q); });
     std::string s = std::string(name) + " fwd";
     row(s.c_str(), t.f, fwd_flops);
     s = std::string(name) + " bwd";
@@ -151,13 +115,14 @@ void benchShape(const char* model, const std::vector<int>& lengths, int heads, i
     flashAttentionForward(nullptr, q);
     flashAttentionBackward(nullptr, q);
     PLM_CHECK_CUDA(cudaDeviceSynchronize());
-    return std::vector<std::vector<float>>{
-        downloadBf16(o.ptr, n), downloadF(lse.ptr, tokens * heads), downloadBf16(dqkv.ptr, 3 * n)};
+    return std::vector<std::vector<float>>{downloadBf16(a.o.ptr, n),
+                                           downloadF(a.lse.ptr, tokens * heads),
+                                           downloadBf16(a.dq.ptr, 3 * n)};
   };
 
-  const Timing legacy = timeFlash(FlashParams::Kernels::Legacy, "flash legacy");
-  const Timing small = timeFlash(FlashParams::Kernels::SmallD, "flash small-d");
-  Timing cd;
+  const FwdBwdMs legacy = timeFlash(FlashParams::Kernels::Legacy, "flash legacy");
+  const FwdBwdMs small = timeFlash(FlashParams::Kernels::Auto, "flash small-d");
+  FwdBwdMs cd;
   bool have_cudnn = false;
   try {
     have_cudnn = cudnn != nullptr && cudnn->forward(nullptr, p) && cudnn->backward(nullptr, p);
@@ -165,12 +130,7 @@ void benchShape(const char* model, const std::vector<int>& lengths, int heads, i
     std::printf("  cudnn: %s\n", e.what());
   }
   if (have_cudnn) {
-    cd.f = medianMs([&] { cudnn->forward(nullptr, p); });
-    cd.b = medianMs([&] { cudnn->backward(nullptr, p); });
-    cd.fb = medianMs([&] {
-      cudnn->forward(nullptr, p);
-      cudnn->backward(nullptr, p);
-    });
+    cd = medianFwdBwdMs([&] { cudnn->forward(nullptr, p); }, [&] { cudnn->backward(nullptr, p); });
     row("cudnn fwd", cd.f, fwd_flops);
     row("cudnn bwd (deterministic)", cd.b, bwd_flops);
     row("cudnn fwd+bwd", cd.fb, fwd_flops + bwd_flops);
@@ -179,8 +139,8 @@ void benchShape(const char* model, const std::vector<int>& lengths, int heads, i
   }
 
   const auto ref = outputs(FlashParams::Kernels::Legacy);
-  const auto got = outputs(FlashParams::Kernels::SmallD);
-  const auto again = outputs(FlashParams::Kernels::SmallD);
+  const auto got = outputs(FlashParams::Kernels::Auto);
+  const auto again = outputs(FlashParams::Kernels::Auto);
   const double d_o = relDiff(got[0], ref[0]), d_lse = relDiff(got[1], ref[1]),
                d_g = relDiff(got[2], ref[2]);
   const bool bitwise = got[2] == again[2];

@@ -46,9 +46,7 @@ void castShape(const char* model, std::int64_t T, std::int64_t cols) {
 
   // The copy: 2n bytes read and 2n written, as many as the casts move.
   Buffer copy_dst(T * cols * 2);
-  const double copy_ms = medianMs([&] {
-    PLM_CHECK_CUDA(cudaMemcpyAsync(copy_dst.ptr, in.ptr, T * cols * 2, cudaMemcpyDeviceToDevice));
-  });
+  const double copy_ms = copyMs(copy_dst, in, T * cols * 2);
   const double copy_gbs = 4 * n / copy_ms / 1e6;
 
   std::vector<Row> rows;

@@ -19,6 +19,7 @@
 
 #include "bench_util.hpp"
 #include "core/error.hpp"
+#include "layer_gemms.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -33,8 +34,6 @@ namespace {
 
 using namespace plm::gpu;
 
-enum class Kind { Forward, Dgrad, Wgrad };
-
 struct Totals {
   double flops = 0, heuristic_ms = 0, rule_ms = 0, best_ms = 0, worst_rel = 0;
   bool complete = true;
@@ -48,25 +47,11 @@ std::string rowName(const Gemm::SplitKRow& r) {
 }
 
 void benchOne(Gemm& gemm, const char* label, GemmArgs a, Totals& totals) {
-  const std::int64_t a_elems = a.m * a.k, b_elems = a.n * a.k;
-  Buffer A(a_elems * 2), B(b_elems * 2), D(a.m * a.n * 4), bias(a.n * 4), aux(a.m * a.n * 2),
-      bgrad(a.m * 4);
-  fill(A, a_elems, 1.0f, 1);
-  fill(B, b_elems, 0.05f, 2);
-  fill(bias, a.n, 0.1f, 3);
-  fill(aux, a.m * a.n, 1.0f, 4);
+  GemmOperands ops(a);
   if (a.d_type == DType::F32)
-    fillF(D, a.m * a.n, 1.0f, 5);
+    fillF(ops.D, a.m * a.n, 1.0f, 5);
   else
-    fill(D, a.m * a.n, 1.0f, 5);
-  a.a = A.ptr;
-  a.b = B.ptr;
-  a.d = D.ptr;
-  a.ldd = a.n;
-  a.bias = bias.ptr;
-  a.aux = aux.ptr;
-  a.ldaux = a.n;
-  a.bias_grad = bgrad.ptr;
+    fill(ops.D, a.m * a.n, 1.0f, 5);
   const double flops = 2.0 * a.m * a.n * a.k;
   Gemm::SplitKReport r;
   try {
@@ -123,41 +108,12 @@ void benchOne(Gemm& gemm, const char* label, GemmArgs a, Totals& totals) {
 }
 
 void layerTable(Gemm& gemm, const char* model, std::int64_t C, std::int64_t F, std::int64_t T) {
-  struct Linear {
-    const char* name;
-    std::int64_t out, in;
-    bool gelu_out, gelu_in;
-  };
-  const Linear linears[] = {{"qkv", 3 * C, C, false, false},
-                            {"attn out", C, C, false, false},
-                            {"ffn up", F, C, true, false},
-                            {"ffn down", C, F, false, true}};
   std::printf(
       "\n%s, T = %ld tokens: TFLOP/s  M      N      K    heur #0  rule        TFLOP/s  "
       "fastest     TFLOP/s  speed-up\n",
       model, long(T));
   Totals totals;
-  for (const Linear& l : linears)
-    for (Kind kind : {Kind::Forward, Kind::Dgrad, Kind::Wgrad}) {
-      GemmArgs a;
-      const bool wgrad = kind == Kind::Wgrad;
-      a.m = T, a.n = l.out, a.k = l.in;
-      if (kind == Kind::Dgrad) a.n = l.in, a.k = l.out;
-      if (wgrad) a.m = l.out, a.n = l.in, a.k = T;
-      a.trans_a = wgrad;
-      a.trans_b = kind == Kind::Forward;
-      a.lda = wgrad ? a.m : a.k;
-      a.ldb = kind == Kind::Forward ? a.k : a.n;
-      a.d_type = wgrad ? DType::F32 : DType::BF16;
-      a.beta = wgrad ? 1.0f : 0.0f;
-      a.epilogue = kind == Kind::Forward ? (l.gelu_out ? Epilogue::BiasGeluAux : Epilogue::Bias)
-                   : kind == Kind::Dgrad ? (l.gelu_in ? Epilogue::DGelu : Epilogue::None)
-                                         : Epilogue::BGradA;
-      const std::string label = std::string(l.name) + (kind == Kind::Forward ? " fwd"
-                                                       : wgrad               ? " wgrad"
-                                                                             : " dgrad");
-      benchOne(gemm, label.c_str(), a, totals);
-    }
+  for (LayerGemm& g : layerGemms(C, F, T)) benchOne(gemm, g.label.c_str(), g.args, totals);
   if (!totals.complete) {
     std::printf("  layer total: incomplete\n");
     return;

@@ -15,6 +15,7 @@
 
 #include "bench_util.hpp"
 #include "core/error.hpp"
+#include "layer_gemms.hpp"
 
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -29,8 +30,6 @@ namespace {
 
 using namespace plm::gpu;
 
-enum class Kind { Forward, Dgrad, Wgrad };
-
 struct Totals {
   double flops = 0, heuristic_ms = 0, tuned_ms = 0;
   bool complete = true;
@@ -38,22 +37,8 @@ struct Totals {
 
 // One GEMM: prints M N K, TFLOP/s of the heuristic's first choice and of the tuned one.
 void benchOne(Gemm& gemm, const char* label, GemmArgs a, Totals& totals) {
-  const std::int64_t a_elems = a.m * a.k, b_elems = a.n * a.k;
-  Buffer A(a_elems * 2), B(b_elems * 2), D(a.m * a.n * 4), bias(a.n * 4), aux(a.m * a.n * 2),
-      bgrad(a.m * 4);
-  fill(A, a_elems, 1.0f, 1);
-  fill(B, b_elems, 0.05f, 2);
-  fill(bias, a.n, 0.1f, 3);
-  fill(aux, a.m * a.n, 1.0f, 4);
-  PLM_CHECK_CUDA(cudaMemset(D.ptr, 0, a.m * a.n * 4));
-  a.a = A.ptr;
-  a.b = B.ptr;
-  a.d = D.ptr;
-  a.ldd = a.n;
-  a.bias = bias.ptr;
-  a.aux = aux.ptr;
-  a.ldaux = a.n;
-  a.bias_grad = bgrad.ptr;
+  GemmOperands ops(a);
+  PLM_CHECK_CUDA(cudaMemset(ops.D.ptr, 0, a.m * a.n * 4));
   const double flops = 2.0 * a.m * a.n * a.k;
   Gemm::TuneResult r;
   try {
@@ -80,44 +65,12 @@ void benchOne(Gemm& gemm, const char* label, GemmArgs a, Totals& totals) {
 }
 
 void layerTable(Gemm& gemm, const char* model, std::int64_t C, std::int64_t F, std::int64_t T) {
-  struct Linear {
-    const char* name;
-    std::int64_t out, in;
-    bool gelu_out;  // FFN up: GELU fused into the forward
-    bool gelu_in;   // FFN down: its dgrad carries the dGELU of FFN up's output
-  };
-  const Linear linears[] = {{"qkv", 3 * C, C, false, false},
-                            {"attn out", C, C, false, false},
-                            {"ffn up", F, C, true, false},
-                            {"ffn down", C, F, false, true}};
   std::printf(
       "\n%s, T = %ld tokens: TFLOP/s (ms)       M      N      K    heuristic #0"
       "        tuned            speed-up\n",
       model, long(T));
   Totals totals;
-  for (const Linear& l : linears)
-    for (Kind kind : {Kind::Forward, Kind::Dgrad, Kind::Wgrad}) {
-      GemmArgs a;
-      const bool wgrad = kind == Kind::Wgrad;
-      a.m = T, a.n = l.out, a.k = l.in;
-      if (kind == Kind::Dgrad) a.n = l.in, a.k = l.out;
-      if (wgrad) a.m = l.out, a.n = l.in, a.k = T;
-      // The bf16 model's layouts: X (T,in) x W (out,in)^T; dY (T,out) x W (out,in); dY^T X with
-      // dY stored (T,out) and X stored (T,in).
-      a.trans_a = wgrad;
-      a.trans_b = kind == Kind::Forward;
-      a.lda = wgrad ? a.m : a.k;
-      a.ldb = kind == Kind::Forward ? a.k : a.n;
-      a.d_type = wgrad ? DType::F32 : DType::BF16;
-      a.beta = wgrad ? 1.0f : 0.0f;
-      a.epilogue = kind == Kind::Forward ? (l.gelu_out ? Epilogue::BiasGeluAux : Epilogue::Bias)
-                   : kind == Kind::Dgrad ? (l.gelu_in ? Epilogue::DGelu : Epilogue::None)
-                                         : Epilogue::BGradA;
-      const std::string label = std::string(l.name) + (kind == Kind::Forward ? " fwd"
-                                                       : wgrad               ? " wgrad"
-                                                                             : " dgrad");
-      benchOne(gemm, label.c_str(), a, totals);
-    }
+  for (LayerGemm& g : layerGemms(C, F, T)) benchOne(gemm, g.label.c_str(), g.args, totals);
   if (!totals.complete) {
     std::printf("  layer total: incomplete\n");
     return;
@@ -151,9 +104,7 @@ double copyGBs() {
   const std::size_t bytes = std::size_t(1) << 30;
   Buffer src(bytes), dst(bytes);
   PLM_CHECK_CUDA(cudaMemset(src.ptr, 1, bytes));
-  const double ms = medianMs(
-      [&] { PLM_CHECK_CUDA(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice)); });
-  return 2.0 * bytes / ms / 1e6;
+  return 2.0 * bytes / copyMs(dst, src, bytes) / 1e6;
 }
 
 // One LayerNorm shape (T rows of C) with x in TX: forward (y bf16 written, mean and rstd
@@ -182,23 +133,21 @@ template <class TX> void layerNormRow(std::int64_t C, std::int64_t T, double cop
   PLM_CHECK_CUDA(cudaMemset(db.ptr, 0, C * 4));
   const double n = static_cast<double>(T * C), rows = static_cast<double>(T);
   constexpr int reps = 10;
-  const double f =
-      medianMs([&] {
-        for (int i = 0; i < reps; ++i)
-          layerNormForward(nullptr, x.as<TX>(), gamma.as<float>(), beta.as<float>(), y.as<bf16>(),
-                           mean.as<float>(), rstd.as<float>(), T, static_cast<int>(C), 1e-5f);
-      }) /
-      reps;
+  const double f = medianMsPerCall(
+      [&] {
+        layerNormForward(nullptr, x.as<TX>(), gamma.as<float>(), beta.as<float>(), y.as<bf16>(),
+                         mean.as<float>(), rstd.as<float>(), T, static_cast<int>(C), 1e-5f);
+      },
+      reps);
   const double f_bytes = (bx + 2.0) * n + 8.0 * rows + 8.0 * C;
   const double f_gbs = f_bytes / f / 1e6;
-  const double b = medianMs([&] {
-                     for (int i = 0; i < reps; ++i)
-                       layerNormBackward(
-                           nullptr, dy.as<bf16>(), x.as<TX>(), gamma.as<float>(), mean.as<float>(),
-                           rstd.as<float>(), f32 ? res.as<float>() : nullptr, true, dx.as<bf16>(),
-                           dg.as<float>(), db.as<float>(), T, static_cast<int>(C), work.as<void>());
-                   }) /
-                   reps;
+  const double b = medianMsPerCall(
+      [&] {
+        layerNormBackward(nullptr, dy.as<bf16>(), x.as<TX>(), gamma.as<float>(), mean.as<float>(),
+                          rstd.as<float>(), f32 ? res.as<float>() : nullptr, true, dx.as<bf16>(),
+                          dg.as<float>(), db.as<float>(), T, static_cast<int>(C), work.as<void>());
+      },
+      reps);
   const double b_bytes = (2.0 + bx + (f32 ? 8.0 : 0.0) + 2.0) * n + 8.0 * rows + 4.0 * C;
   const double b_gbs = b_bytes / b / 1e6;
   const char* in = f32 ? "fp32" : "bf16";

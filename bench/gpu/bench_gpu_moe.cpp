@@ -32,7 +32,6 @@
 #include <Kokkos_Core.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -70,11 +69,9 @@ void run(const char* name, std::int64_t tokens, int hidden, int experts, int k, 
   std::vector<double> logits(tokens * experts);
   for (std::size_t i = 0; i < logits.size(); ++i)
     logits[i] = normal(gen) + 0.15 * static_cast<double>(i % experts);  // uneven load
-  const auto t0 = std::chrono::steady_clock::now();
-  const plm::model::Routing r =
-      plm::model::route(logits.data(), static_cast<int>(tokens), c, nullptr);
+  plm::model::Routing r;
   const double route_ms =
-      std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      wallMs([&] { r = plm::model::route(logits.data(), static_cast<int>(tokens), c, nullptr); });
   const std::int64_t rows = r.rows();
   const double mean = static_cast<double>(rows) / experts;
   const double most = static_cast<double>(*std::max_element(r.kept.begin(), r.kept.end()));
@@ -244,21 +241,6 @@ struct Ffn {
   }
 };
 
-double medianWallMs(const std::function<void()>& f, int repeats = 10) {
-  for (int i = 0; i < 3; ++i) f();
-  Kokkos::fence();
-  std::vector<double> ms(repeats);
-  for (int i = 0; i < repeats; ++i) {
-    const auto t0 = std::chrono::steady_clock::now();
-    f();
-    Kokkos::fence();
-    ms[i] =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-  }
-  std::sort(ms.begin(), ms.end());
-  return ms[repeats / 2];
-}
-
 void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, int k,
                 int expert_ffn) {
   using plm::ExecSpace;
@@ -306,8 +288,16 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
     b.forward(ctx, saved.ln2, res, o, saved);
     b.backward(ctx, saved, dout_c, dhm, scratch);
   };
-  const double dense_ms = medianWallMs([&] { step(dense); });
-  const double dense_fwd_ms = medianWallMs([&] { dense.forward(ctx, saved.ln2, res, o, saved); });
+  // Wall clock of the layer's work: each timed call ends with a fence.
+  auto fenced = [](const std::function<void()>& f) {
+    return [f] {
+      f();
+      Kokkos::fence();
+    };
+  };
+  const double dense_ms = medianWallMs(fenced([&] { step(dense); }));
+  const double dense_fwd_ms =
+      medianWallMs(fenced([&] { dense.forward(ctx, saved.ln2, res, o, saved); }));
 
   std::vector<std::unique_ptr<Ffn>> ex;
   MoeWeights w, g;
@@ -365,17 +355,13 @@ void trainLayer(const char* name, std::int64_t tokens, int hidden, int experts, 
     setGroupedTiles(m.tiles);
     last = std::make_unique<MoeMlp<float>>(0, c, hidden, w, g, &ms);
     MoeMlp<float>& moe = *last;
-    const double fwd_ms = medianWallMs([&] { moe.forward(ctx, saved.ln2, res, o, saved); });
-    const double moe_ms = medianWallMs([&] { step(moe); });
+    const double fwd_ms = medianWallMs(fenced([&] { moe.forward(ctx, saved.ln2, res, o, saved); }));
+    const double moe_ms = medianWallMs(fenced([&] { step(moe); }));
     // One profiled step: the expert (and shared) GEMMs are "gemm"; the rest of the layer is the
     // remainder of the step's time.
     Kokkos::fence();
     ctx.setProfiling(true);
-    const auto t0 = std::chrono::steady_clock::now();
-    step(moe);
-    Kokkos::fence();
-    const double one_ms =
-        std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    const double one_ms = wallMs(fenced([&] { step(moe); }));
     double gemm_ms = 0, other_ms = 0;
     for (const auto& [kind, t] : ctx.profile())
       (kind.rfind("gemm", 0) == 0 ? gemm_ms : other_ms) += t;

@@ -23,10 +23,11 @@
 #include "gpu/gemm.hpp"
 #include "model/esm2.hpp"
 
+#include "bench_util.hpp"
+
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
@@ -109,7 +110,6 @@ int run(int argc, char** argv) {
   Kokkos::fence();
 
   double tokens = 0, flops = 0, seconds = 0, fb_seconds = 0, loss = 0;
-  using Clock = std::chrono::steady_clock;
   for (int it = 0; it < steps; ++it) {
     const auto& b = batches[it % batches.size()];
     double sq = 0, len = 0;
@@ -118,10 +118,10 @@ int run(int argc, char** argv) {
       sq += l * l;
       len += l;
     }
-    auto t0 = Clock::now();
+    auto t0 = WallClock::now();
     PLM_CHECK_CUDA(cudaMemsetAsync(model.gradients().data(), 0, n * 4, stream));
     double loss_sum = model.forwardBackward(b, 1.0 / b.num_masked);
-    auto t1 = Clock::now();
+    auto t1 = WallClock::now();
     PLM_CHECK_CUDA(cudaMemsetAsync(sumsq, 0, 8, stream));
     gpu::sumSquares(stream, model.gradients().data(), n, sumsq);
     gpu::AdamWParams p;
@@ -138,15 +138,15 @@ int run(int argc, char** argv) {
                    seg_d, decay_d, static_cast<int>(decay.size()), p);
     model.endFp8Step(MPI_COMM_NULL);  // fp8: the step's amaxes into new scales
     PLM_CHECK_CUDA(cudaStreamSynchronize(stream));
-    auto t2 = Clock::now();
+    auto t2 = WallClock::now();
     loss = loss_sum / b.num_masked;
     if (it < 3 || it == steps - 1)
       std::printf("  step %d: loss %.4f, %ld tokens\n", it, loss, long(b.numTokens()));
     if (it >= warmup) {
       tokens += b.numTokens();
       flops += b.numTokens() * config.trainFlopsPerToken(sq / len);
-      seconds += std::chrono::duration<double>(t2 - t0).count();
-      fb_seconds += std::chrono::duration<double>(t1 - t0).count();
+      seconds += secondsBetween(t0, t2);
+      fb_seconds += secondsBetween(t0, t1);
     }
   }
   // Where the time of one micro-batch's forward + backward goes (events after every launch).
@@ -174,12 +174,12 @@ int run(int argc, char** argv) {
   model.refreshComputeWeights();
   for (int it = 0; it < steps; ++it) {
     const auto& b = batches[it % batches.size()];
-    auto t0 = Clock::now();
+    auto t0 = WallClock::now();
     model.forward(b, nullptr, false);
-    auto t1 = Clock::now();
+    auto t1 = WallClock::now();
     if (it >= warmup) {
       eval_tokens += b.numTokens();
-      eval_seconds += std::chrono::duration<double>(t1 - t0).count();
+      eval_seconds += secondsBetween(t0, t1);
     }
   }
   std::size_t peak_free = 0, peak_total = 0;

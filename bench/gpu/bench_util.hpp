@@ -1,6 +1,8 @@
-// What the GPU benchmarks share: a device buffer, hashed random fills (never zeros) and the
-// median time of a callable with CUDA events after a warm-up.  Each benchmark is one translation
-// unit, so the kernels below live in an unnamed namespace.
+// What the GPU benchmarks share: a device buffer, hashed random fills (never zeros) and their
+// timing: the median time of a callable with CUDA events after a warm-up (per call of a
+// back-to-back batch, of a forward, backward and both, of a device copy), and host wall-clock
+// times for work that fences itself.  Each benchmark is one translation unit, so the kernels
+// below live in an unnamed namespace.
 #pragma once
 
 #include "core/error.hpp"
@@ -9,6 +11,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
+#include <cmath>
 #include <cstddef>
 #include <functional>
 #include <type_traits>
@@ -76,6 +80,62 @@ double medianMs(const std::function<void()>& fn, int warmup = 3, int iters = 15)
   cudaEventDestroy(b);
   std::sort(ms.begin(), ms.end());
   return ms[iters / 2];
+}
+
+/// medianMs of `calls` back-to-back calls of `fn` (as a training step issues them), per call.
+double medianMsPerCall(const std::function<void()>& fn, int calls) {
+  return medianMs([&] {
+           for (int i = 0; i < calls; ++i) fn();
+         }) /
+         calls;
+}
+
+/// Median ms of a forward, a backward and the two in a row; NAN where not timed.
+struct FwdBwdMs {
+  double f = NAN, b = NAN, fb = NAN;
+};
+
+/// medianMs of fwd, of bwd and of fwd then bwd, in that order.
+FwdBwdMs medianFwdBwdMs(const std::function<void()>& fwd, const std::function<void()>& bwd) {
+  FwdBwdMs t;
+  t.f = medianMs(fwd);
+  t.b = medianMs(bwd);
+  t.fb = medianMs([&] {
+    fwd();
+    bwd();
+  });
+  return t;
+}
+
+/// medianMs of a device-to-device copy of `bytes` from src to dst (the bandwidth yardstick).
+double copyMs(const Buffer& dst, const Buffer& src, std::size_t bytes) {
+  return medianMs(
+      [&] { PLM_CHECK_CUDA(cudaMemcpyAsync(dst.ptr, src.ptr, bytes, cudaMemcpyDeviceToDevice)); });
+}
+
+using WallClock = std::chrono::steady_clock;
+
+/// Seconds from `from` to `to` on the host clock.
+double secondsBetween(WallClock::time_point from, WallClock::time_point to) {
+  return std::chrono::duration<double>(to - from).count();
+}
+
+/// Host wall-clock milliseconds of one call of `fn`; device work counts only where `fn` waits
+/// for it.
+double wallMs(const std::function<void()>& fn) {
+  const auto t0 = WallClock::now();
+  fn();
+  return std::chrono::duration<double, std::milli>(WallClock::now() - t0).count();
+}
+
+/// Median wallMs of `fn` over `repeats` calls after `warmup` untimed ones (`fn` ends with a
+/// fence of the work it launched).
+double medianWallMs(const std::function<void()>& fn, int warmup = 3, int repeats = 10) {
+  for (int i = 0; i < warmup; ++i) fn();
+  std::vector<double> ms(repeats);
+  for (int i = 0; i < repeats; ++i) ms[i] = wallMs(fn);
+  std::sort(ms.begin(), ms.end());
+  return ms[repeats / 2];
 }
 
 }  // namespace

@@ -14,10 +14,7 @@
 
 #include <cmath>
 #include <cstdlib>
-#include <map>
-#include <mutex>
 #include <string>
-#include <utility>
 
 namespace plm::gpu {
 
@@ -101,6 +98,25 @@ __device__ __forceinline__ void accToA(std::uint32_t (&a)[4], const float (&acc)
   a[1] = pack(acc[2 * c][2], acc[2 * c][3]);
   a[2] = pack(acc[2 * c + 1][0], acc[2 * c + 1][1]);
   a[3] = pack(acc[2 * c + 1][2], acc[2 * c + 1][3]);
+}
+
+// acc (a warp's 16 x N accumulator tiles) += A (16 x K, accumulator tiles p rounded to bf16)
+// times the K x N tile stored [k][n] at `tile` (leading dimension ld).
+template <int K, int N>
+__device__ __forceinline__ void mmaAccTimesTile(float (&acc)[N / 8][4], const float (&p)[K / 8][4],
+                                                const bfloat* tile, int ld, int lane) {
+#pragma unroll
+  for (int c = 0; c < K / 16; ++c) {
+    std::uint32_t a[4];
+    accToA<K / 8>(a, p, c);
+#pragma unroll
+    for (int np = 0; np < N / 16; ++np) {
+      std::uint32_t b[4];
+      loadBkn(b, tile, ld, c * 16, np * 16, lane);
+      mma(acc[2 * np], a, b[0], b[1]);
+      mma(acc[2 * np + 1], a, b[2], b[3]);
+    }
+  }
 }
 
 // ROWS x D tile of a (T, H, dh) tensor into shared memory; rows at or past `valid` and columns
@@ -288,19 +304,7 @@ template <int D, int BN, bool FAST> __global__ void __launch_bounds__(128)
       o[nt][2] *= corr[1];
       o[nt][3] *= corr[1];
     }
-    // O += P V
-#pragma unroll
-    for (int c = 0; c < BN / 16; ++c) {
-      std::uint32_t a[4];
-      accToA<BN / 8>(a, s, c);
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        std::uint32_t b[4];
-        loadBkn(b, vb, LD, c * 16, dp * 16, lane);
-        mma(o[2 * dp], a, b[0], b[1]);
-        mma(o[2 * dp + 1], a, b[2], b[3]);
-      }
-    }
+    mmaAccTimesTile<BN, D>(o, s, vb, LD, lane);  // O += P V
     __syncthreads();
   }
 
@@ -472,6 +476,8 @@ template <int D, int BQ> __global__ void __launch_bounds__(128)
         dp[n][e] = pe * (dp[n][e] - db[col]);
       }
     }
+    // dV += P^T dO and dK += dS^T Q: two mmaAccTimesTile products, kept interleaved in one loop
+    // (as measured); two calls would issue them one after the other.
 #pragma unroll
     for (int c = 0; c < BQ / 16; ++c) {
       std::uint32_t pa[4], dsa[4];
@@ -595,18 +601,7 @@ template <int D, int BN> __global__ void __launch_bounds__(128)
         dp[n][e] = pe * (dp[n][e] - del[e >> 1]);
       }
     }
-#pragma unroll
-    for (int c = 0; c < BN / 16; ++c) {
-      std::uint32_t dsa[4];
-      accToA<BN / 8>(dsa, dp, c);
-#pragma unroll
-      for (int dpair = 0; dpair < D / 16; ++dpair) {
-        std::uint32_t b[4];
-        loadBkn(b, kb, LD, c * 16, dpair * 16, lane);
-        mma(dq[2 * dpair], dsa, b[0], b[1]);
-        mma(dq[2 * dpair + 1], dsa, b[2], b[3]);
-      }
-    }
+    mmaAccTimesTile<BN, D>(dq, dp, kb, LD, lane);  // dQ += dS K
     __syncthreads();
   }
 
@@ -615,335 +610,23 @@ template <int D, int BN> __global__ void __launch_bounds__(128)
                lane);
 }
 
-// ---------------------------------------------------------------------------------------------
-// Backward for small head_dim, fused: CTA = one (head, sequence), 4 warps.  For each 64-key block
-// j (K, V in shared memory, dK, dV in registers: warp w owns keys 16 w..) and each 64-query
-// block i (Q, dO, lse, delta double-buffered):
-//   S^T = K Q^T, dP^T = V dO^T, P^T = exp(scale S^T - lse), dS^T = P^T (dP^T - delta),
-//   dV += P^T dO, dK += dS^T Q, and dS^T (bf16) to shared memory, from which warp w takes
-//   queries 16 w.. for dQ_i += dS K (fp32, in dq_acc; the last key block writes bf16 dQ).
-// Each dQ row is read-modified-written by one lane, in key-block order: deterministic.
-// delta is computed in the prologue (rowsum(dO * O) of this sequence and head).
-
-// The fused backward's sequence order: longest work first (query blocks x key blocks, in up to
-// kOrderBuckets buckets), so a long sequence's CTAs do not start last and form the tail.  One
-// CTA; the order within a bucket varies from run to run, the results do not (each (sequence,
-// head) is one CTA's, whenever it runs).
-constexpr int kOrderBuckets = 1024;
-
-__global__ void __launch_bounds__(1024) longestFirstKernel(FlashParams p, int* order) {
-  __shared__ int count[kOrderBuckets];
-  for (int b = threadIdx.x; b < kOrderBuckets; b += blockDim.x) count[b] = 0;
-  __syncthreads();
-  auto bucket = [&](int s) {
-    const int lq = p.cu_seqlens[s + 1] - p.cu_seqlens[s];
-    const int lk = p.cu_seqlens_k[s + 1] - p.cu_seqlens_k[s];
-    const long long w = static_cast<long long>((lq + 63) / 64) * ((lk + 63) / 64);
-    return static_cast<int>(w < kOrderBuckets - 1 ? w : kOrderBuckets - 1);
-  };
-  for (int s = threadIdx.x; s < p.num_seqs; s += blockDim.x) atomicAdd(&count[bucket(s)], 1);
-  __syncthreads();
-  if (threadIdx.x == 0) {  // exclusive scan from the largest bucket down
-    int run = 0;
-    for (int b = kOrderBuckets - 1; b >= 0; --b) {
-      const int c = count[b];
-      count[b] = run;
-      run += c;
-    }
-  }
-  __syncthreads();
-  for (int s = threadIdx.x; s < p.num_seqs; s += blockDim.x)
-    order[atomicAdd(&count[bucket(s)], 1)] = s;
-}
-
-// Occupancy: 4 CTAs (16 warps) per SM at head_dim 16, 3 at 32 (the register budget).
-template <int D> __global__ void __launch_bounds__(128, D <= 16 ? 4 : 3)
-    flashBackwardFusedKernel(FlashParams p, float* dq_acc, const int* order) {
-  constexpr int BN = 64, BQ = 64, LD = D + kPad, LDS = BQ + kPad, THREADS = 128;
-  extern __shared__ __align__(16) unsigned char smem_raw[];
-  bfloat* ks = reinterpret_cast<bfloat*>(smem_raw);        // (BN, LD)
-  bfloat* vs = ks + BN * LD;                               // (BN, LD)
-  bfloat* qs = vs + BN * LD;                               // (2, BQ, LD)
-  bfloat* dos = qs + 2 * BQ * LD;                          // (2, BQ, LD)
-  bfloat* dss = dos + 2 * BQ * LD;                         // (BN, LDS): dS^T [key][query]
-  float* lses = reinterpret_cast<float*>(dss + BN * LDS);  // (2, BQ) log2 domain
-  float* dels = lses + 2 * BQ;                             // (2, BQ)
-
-  const int h = blockIdx.x;
-  const int sidx = order[blockIdx.y];
-  const SeqBlock seq = seqOf(p.cu_seqlens, sidx);
-  const SeqBlock kseq = seqOf(p.cu_seqlens_k, sidx);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, t = lane & 3;
-  const std::int64_t acc_ld = static_cast<std::int64_t>(p.heads) * D;  // dq_acc row: (H, D)
-
-  // delta = rowsum(dO * O) for this (sequence, head): 4 lanes per row.
-  for (int base = 0; base < seq.len; base += THREADS / 4) {  // uniform trip count: shuffles
-    const int r = base + (threadIdx.x >> 2);
-    const std::int64_t tok = seq.start + r;
-    float sum = 0.0f;
-    if (r < seq.len) {
-      const bfloat* dorow =
-          reinterpret_cast<const bfloat*>(p.dout) + tok * p.dout_stride + h * p.head_dim;
-      const bfloat* orow = reinterpret_cast<const bfloat*>(p.o) + tok * p.o_stride + h * p.head_dim;
-      for (int c = (threadIdx.x & 3) * 2; c < p.head_dim; c += 8) {
-        float2 a = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(dorow + c));
-        float2 b = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(orow + c));
-        sum += a.x * b.x + a.y * b.y;
-      }
-    }
-    sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-    sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-    if (r < seq.len && (threadIdx.x & 3) == 0) p.delta[tok * p.heads + h] = sum;
-  }
-  // No keys: dQ = 0 (dK, dV have no rows).
-  if (kseq.len == 0) {
-    for (int r = threadIdx.x; r < seq.len; r += THREADS) {
-      bfloat* dqrow =
-          reinterpret_cast<bfloat*>(p.dq) + (seq.start + r) * p.dq_stride + h * p.head_dim;
-      for (int c = 0; c < p.head_dim; ++c) dqrow[c] = __float2bfloat16(0.0f);
-    }
-    return;
-  }
-  __syncthreads();  // delta (global) written by this CTA, read below through lses/dels loads
-
-  const bfloat* qg = reinterpret_cast<const bfloat*>(p.q) + seq.start * p.q_stride + h * p.head_dim;
-  const bfloat* dog =
-      reinterpret_cast<const bfloat*>(p.dout) + seq.start * p.dout_stride + h * p.head_dim;
-  const int nq = (seq.len + BQ - 1) / BQ, nk = (kseq.len + BN - 1) / BN;
-  const float scale_log2 = p.softmax_scale * kLog2e;
-
-  auto loadQBlock = [&](int i, int buf) {
-    int q0 = i * BQ;
-    loadTile<BQ, D, THREADS>(qs + buf * BQ * LD, qg + q0 * p.q_stride, p.q_stride, seq.len - q0,
-                             p.head_dim);
-    loadTile<BQ, D, THREADS>(dos + buf * BQ * LD, dog + q0 * p.dout_stride, p.dout_stride,
-                             seq.len - q0, p.head_dim);
-    for (int r = threadIdx.x; r < BQ; r += THREADS) {
-      int q = q0 + r;
-      bool ok = q < seq.len;
-      std::int64_t idx = (seq.start + q) * p.heads + h;
-      lses[buf * BQ + r] = ok ? p.lse[idx] * kLog2e : INFINITY;  // P = 0 past the end
-      dels[buf * BQ + r] = ok ? __ldcg(p.delta + idx) : 0.0f;    // written above: skip L1
-    }
-  };
-
-  for (int j = 0; j < nk; ++j) {
-    const int k0 = j * BN;
-    const bfloat* kg =
-        reinterpret_cast<const bfloat*>(p.k) + (kseq.start + k0) * p.k_stride + h * p.head_dim;
-    const bfloat* vg =
-        reinterpret_cast<const bfloat*>(p.v) + (kseq.start + k0) * p.v_stride + h * p.head_dim;
-    __syncthreads();  // the previous key block's stores (staged in ks, vs) are done
-    loadTile<BN, D, THREADS>(ks, kg, p.k_stride, kseq.len - k0, p.head_dim);
-    loadTile<BN, D, THREADS>(vs, vg, p.v_stride, kseq.len - k0, p.head_dim);
-    if (nq > 0) loadQBlock(0, 0);
-    cpAsyncCommit();
-    if (nq == 0) {  // no queries: dK = dV = 0; ks and vs stage the stores
-      cpAsyncWait<0>();
-      __syncthreads();
-    }
-    // Keys of this warp past the sequence's end: dS = 0 so they add nothing to dQ.
-    const bool key_ok0 = k0 + warp * 16 + g < kseq.len;
-    const bool key_ok1 = k0 + warp * 16 + g + 8 < kseq.len;
-    const bool last_k = j + 1 == nk;
-
-    float dk[D / 8][4], dv[D / 8][4];
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dk[n][e] = dv[n][e] = 0.0f;
-    std::uint32_t ka[D / 16][4], va[D / 16][4];
-
-    for (int i = 0; i < nq; ++i) {
-      const int buf = i & 1;
-      if (i + 1 < nq) {
-        loadQBlock(i + 1, buf ^ 1);
-        cpAsyncCommit();
-        cpAsyncWait<1>();
-      } else {
-        cpAsyncWait<0>();
-      }
-      __syncthreads();
-      if (i == 0) {
-#pragma unroll
-        for (int kc = 0; kc < D / 16; ++kc) {
-          loadA(ka[kc], ks, LD, warp * 16, kc * 16, lane);
-          loadA(va[kc], vs, LD, warp * 16, kc * 16, lane);
-        }
-      }
-      const bfloat* qb = qs + buf * BQ * LD;
-      const bfloat* dob = dos + buf * BQ * LD;
-      const float* lb = lses + buf * BQ;
-      const float* db = dels + buf * BQ;
-
-      float s[BQ / 8][4], dp[BQ / 8][4];
-#pragma unroll
-      for (int n = 0; n < BQ / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s[n][e] = dp[n][e] = 0.0f;
-#pragma unroll
-      for (int kc = 0; kc < D / 16; ++kc) {
-#pragma unroll
-        for (int np = 0; np < BQ / 16; ++np) {
-          std::uint32_t b[4];
-          loadBnk(b, qb, LD, np * 16, kc * 16, lane);
-          mma(s[2 * np], ka[kc], b[0], b[1]);
-          mma(s[2 * np + 1], ka[kc], b[2], b[3]);
-          loadBnk(b, dob, LD, np * 16, kc * 16, lane);
-          mma(dp[2 * np], va[kc], b[0], b[1]);
-          mma(dp[2 * np + 1], va[kc], b[2], b[3]);
-        }
-      }
-      // P^T and dS^T in place (columns are queries); dS^T to shared memory.
-#pragma unroll
-      for (int n = 0; n < BQ / 8; ++n) {
-        const int col = n * 8 + 2 * t;
-        const float2 l2 = *reinterpret_cast<const float2*>(lb + col);
-        const float2 d2 = *reinterpret_cast<const float2*>(db + col);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const bool ok = (e >> 1) ? key_ok1 : key_ok0;
-          float pe = fastExp2(s[n][e] * scale_log2 - ((e & 1) ? l2.y : l2.x));
-          pe = ok ? pe : 0.0f;
-          s[n][e] = pe;
-          dp[n][e] = pe * (dp[n][e] - ((e & 1) ? d2.y : d2.x));
-        }
-        *reinterpret_cast<std::uint32_t*>(dss + (warp * 16 + g) * LDS + col) =
-            pack(dp[n][0], dp[n][1]);
-        *reinterpret_cast<std::uint32_t*>(dss + (warp * 16 + g + 8) * LDS + col) =
-            pack(dp[n][2], dp[n][3]);
-      }
-#pragma unroll
-      for (int c = 0; c < BQ / 16; ++c) {
-        std::uint32_t pa[4], dsa[4];
-        accToA<BQ / 8>(pa, s, c);
-        accToA<BQ / 8>(dsa, dp, c);
-#pragma unroll
-        for (int dpair = 0; dpair < D / 16; ++dpair) {
-          std::uint32_t b[4];
-          loadBkn(b, dob, LD, c * 16, dpair * 16, lane);
-          mma(dv[2 * dpair], pa, b[0], b[1]);
-          mma(dv[2 * dpair + 1], pa, b[2], b[3]);
-          loadBkn(b, qb, LD, c * 16, dpair * 16, lane);
-          mma(dk[2 * dpair], dsa, b[0], b[1]);
-          mma(dk[2 * dpair + 1], dsa, b[2], b[3]);
-        }
-      }
-      __syncthreads();  // dS^T complete
-
-      // dQ_i (queries 16 warp..) += dS K over this block's 64 keys.
-      float dq[D / 8][4];
-#pragma unroll
-      for (int n = 0; n < D / 8; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dq[n][e] = 0.0f;
-#pragma unroll
-      for (int kc = 0; kc < BN / 16; ++kc) {
-        std::uint32_t a[4];
-        {
-          int mi = lane >> 3, r = lane & 7;  // A = dS (queries x keys) from dS^T, transposed
-          ldsm4t(a, dss + (kc * 16 + (mi >> 1) * 8 + r) * LDS + warp * 16 + (mi & 1) * 8);
-        }
-#pragma unroll
-        for (int dpair = 0; dpair < D / 16; ++dpair) {
-          std::uint32_t b[4];
-          loadBkn(b, ks, LD, kc * 16, dpair * 16, lane);
-          mma(dq[2 * dpair], a, b[0], b[1]);
-          mma(dq[2 * dpair + 1], a, b[2], b[3]);
-        }
-      }
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const int q = i * BQ + warp * 16 + g + 8 * r;
-        if (q >= seq.len) continue;
-        const std::int64_t tok = seq.start + q;
-        float* arow = dq_acc + tok * acc_ld + h * D;
-        bfloat* dqrow = reinterpret_cast<bfloat*>(p.dq) + tok * p.dq_stride + h * p.head_dim;
-#pragma unroll
-        for (int n = 0; n < D / 8; ++n) {
-          const int col = n * 8 + 2 * t;
-          float2 v = make_float2(dq[n][2 * r], dq[n][2 * r + 1]);
-          if (j > 0) {
-            const float2 old = *reinterpret_cast<const float2*>(arow + col);
-            v.x += old.x;
-            v.y += old.y;
-          }
-          if (!last_k)
-            *reinterpret_cast<float2*>(arow + col) = v;
-          else if (col < p.head_dim)
-            *reinterpret_cast<std::uint32_t*>(dqrow + col) =
-                pack(v.x * p.softmax_scale, v.y * p.softmax_scale);
-        }
-      }
-    }
-
-    __syncthreads();  // every warp is done with ks, vs (dQ reads all keys) before the staging
-    bfloat* dkg =
-        reinterpret_cast<bfloat*>(p.dk) + (kseq.start + k0) * p.dk_stride + h * p.head_dim;
-    bfloat* dvg =
-        reinterpret_cast<bfloat*>(p.dv) + (kseq.start + k0) * p.dv_stride + h * p.head_dim;
-    storeRows<D>(dk, p.softmax_scale, ks, warp * 16, dkg, p.dk_stride, kseq.len - k0, p.head_dim,
-                 lane);
-    storeRows<D>(dv, 1.0f, vs, warp * 16, dvg, p.dv_stride, kseq.len - k0, p.head_dim, lane);
-  }
-}
-
-template <class Kernel, class... Extra> void launch(Kernel kernel, dim3 grid, int smem,
-                                                    Stream stream, const FlashParams& p,
-                                                    Extra... extra) {
+template <class Kernel>
+void launch(Kernel kernel, dim3 grid, int smem, Stream stream, const FlashParams& p) {
   if (smem > 48 * 1024)
     PLM_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-  kernel<<<grid, 128, smem, stream>>>(p, extra...);
+  kernel<<<grid, 128, smem, stream>>>(p);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
-/// The fused backward's fp32 dQ accumulator (and sequence order): one per (device, stream), grown
-/// on demand (after a stream synchronisation, since earlier launches may still use the old one) and
-/// kept.
-float* dqScratch(Stream stream, std::size_t floats) {
-  struct Buffer {
-    float* ptr = nullptr;
-    std::size_t floats = 0;
-  };
-  static std::mutex mutex;
-  static std::map<std::pair<int, Stream>, Buffer> buffers;
-  int device = 0;
-  PLM_CHECK_CUDA(cudaGetDevice(&device));
-  std::lock_guard<std::mutex> lock(mutex);
-  Buffer& b = buffers[{device, stream}];
-  if (b.floats < floats) {
-    PLM_CHECK_CUDA(cudaStreamSynchronize(stream));
-    if (b.ptr) PLM_CHECK_CUDA(cudaFree(b.ptr));
-    b.ptr = nullptr;
-    b.floats = 0;
-    PLM_CHECK_CUDA(cudaMalloc(&b.ptr, floats * sizeof(float)));
-    b.floats = floats;
-  }
-  return b.ptr;
-}
-
-/// The small-head_dim kernels, unless asked for the general ones (or PLM_FLASH_LEGACY=1).
+/// The small-head_dim forward (head_dim <= 32), unless asked for the general kernels
+/// (Kernels::Legacy or PLM_FLASH_LEGACY=1).
 bool smallD(const FlashParams& p) {
   if (p.head_dim > 32 || p.kernels == FlashParams::Kernels::Legacy) return false;
-  if (p.kernels == FlashParams::Kernels::SmallD) return true;
   static const bool legacy = [] {
     const char* e = std::getenv("PLM_FLASH_LEGACY");
     return e != nullptr && std::string(e) == "1";
   }();
   return !legacy;
-}
-
-template <int D> void backwardSmallD(Stream stream, const FlashParams& p) {
-  constexpr int LD = D + kPad;
-  const int smem = (2 * 64 + 4 * 64) * LD * 2 + 64 * (64 + kPad) * 2 + 4 * 64 * 4;
-  const std::size_t acc_floats = static_cast<std::size_t>(p.total_tokens) * p.heads * D;
-  float* acc = dqScratch(stream, acc_floats + p.num_seqs);  // then the order (ints)
-  int* order = reinterpret_cast<int*>(acc + acc_floats);
-  longestFirstKernel<<<1, 1024, 0, stream>>>(p, order);
-  PLM_CHECK_CUDA(cudaGetLastError());
-  dim3 grid(p.heads, p.num_seqs);
-  launch(flashBackwardFusedKernel<D>, grid, smem, stream, p, acc, order);
 }
 
 void checkParams(const FlashParams& p) {
@@ -992,15 +675,11 @@ void flashAttentionForward(Stream stream, const FlashParams& given) {
   checkParams(given);
   const FlashParams p = withKeys(given);
   if (p.num_seqs == 0 || p.total_tokens == 0) return;
-  if (smallD(p)) {
-    if (p.head_dim <= 16)
-      forwardD<16, true>(stream, p);
-    else
-      forwardD<32, true>(stream, p);
-  } else if (p.head_dim <= 16)
-    forwardD<16>(stream, p);
+  const bool fast = smallD(p);
+  if (p.head_dim <= 16)
+    fast ? forwardD<16, true>(stream, p) : forwardD<16>(stream, p);
   else if (p.head_dim <= 32)
-    forwardD<32>(stream, p);
+    fast ? forwardD<32, true>(stream, p) : forwardD<32>(stream, p);
   else if (p.head_dim <= 64)
     forwardD<64>(stream, p);
   else
@@ -1011,16 +690,7 @@ void flashAttentionBackward(Stream stream, const FlashParams& given) {
   checkParams(given);
   const FlashParams p = withKeys(given);
   if (p.num_seqs == 0 || p.total_tokens == 0) return;
-  // The fused one-pass backward runs only when asked for (Kernels::SmallD): on an H200 it took
-  // 2.43 ms against the general kernels' 1.25 at the 8M shape (bench_gpu_attention, 65,536
-  // tokens, 20 x 16), so Auto keeps the general backward; the small-head_dim forward is faster
-  // (0.49 against 0.55 ms) and gives the same output and log-sum-exp bit for bit.
-  if (p.kernels == FlashParams::Kernels::SmallD && p.head_dim <= 32) {
-    if (p.head_dim <= 16)
-      backwardSmallD<16>(stream, p);
-    else
-      backwardSmallD<32>(stream, p);
-  } else if (p.head_dim <= 16)
+  if (p.head_dim <= 16)
     backwardD<16>(stream, p);
   else if (p.head_dim <= 32)
     backwardD<32>(stream, p);

@@ -14,13 +14,11 @@
 // (kernels exist for 16, 32, 64 and 128; a head_dim in between is zero-padded in shared memory,
 // e.g. ESM-2 35M's 24 runs as 32).
 // Small head_dim (<= 32, ESM-2 8M/35M/150M), where the kernels are bound by the per-score work
-// (exp, the softmax arithmetic) rather than by the matrix products: the forward uses the
-// hardware ex2 with flush-to-zero and masks keys only in a sequence's last key block, and the
-// backward is one fused kernel per (sequence, head): it walks the key blocks, and for each the
-// query blocks, computing P once per score (dK, dV in registers, dS through shared memory into
-// dQ), 5 matrix products and one exp per score instead of 7 and two.  dQ accumulates in an fp32
-// scratch the kernel owns alone for its (sequence, head), in the fixed key-block order, so the
-// result is deterministic with no atomics.
+// (exp, the softmax arithmetic) rather than by the matrix products, the forward uses the
+// hardware ex2 with flush-to-zero and masks keys only in a sequence's last key block; the
+// backward is the general one.  A fused one-pass backward for small head_dim (P once per score,
+// dQ accumulated in fp32 scratch) took 2.43 ms against the general backward's 1.25 at the 8M
+// shape on an H200, so it was removed.
 #pragma once
 
 #include "gpu/device.hpp"
@@ -60,11 +58,9 @@ struct FlashParams {
   float* delta = nullptr;  // (T, H) scratch: rowsum(dO * O)
 
   // Which kernels run.  Auto: the small-head_dim forward for head_dim <= 32 (unless the
-  // environment sets PLM_FLASH_LEGACY=1) with the general backward, the general kernels above.
-  // Legacy: the general kernels (forward; delta + dK/dV + dQ backward) at every head_dim.
-  // SmallD: the small-head_dim forward and its fused one-pass backward (head_dim <= 32 only;
-  // larger falls back to Legacy); the fused backward measured slower (flashAttentionBackward).
-  enum class Kernels { Auto, Legacy, SmallD };
+  // environment sets PLM_FLASH_LEGACY=1), the general kernels otherwise; the backward is always
+  // the general one.  Legacy: the general forward at every head_dim.
+  enum class Kernels { Auto, Legacy };
   Kernels kernels = Kernels::Auto;
 };
 

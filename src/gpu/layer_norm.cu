@@ -26,6 +26,8 @@ constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
 constexpr int kMaxBlocks = 264;
 
+template <int N> using Int = std::integral_constant<int, N>;
+
 __device__ __forceinline__ float warpSum(float x) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
@@ -117,6 +119,44 @@ __device__ __forceinline__ std::uint8_t encodeFp8(float v, bool e4m3) {
   return __nv_cvt_float_to_fp8(v, __NV_SATFINITE, e4m3 ? __NV_E4M3 : __NV_E5M2);
 }
 
+// |v| as ordered bits (finite < inf < NaN), for the amax.
+__device__ __forceinline__ unsigned absBits(float v) { return __float_as_uint(v) & 0x7fffffffu; }
+
+// The FP8 kernels' scale; block 0 publishes its inverse.
+__device__ __forceinline__ float fp8Scale(const Fp8Out& q) {
+  const float scale = *q.scale;
+  if (q.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *q.scale_inv = 1.0f / scale;
+  return scale;
+}
+
+// The end of an FP8 block (every thread calls it): the warps' amax into q.amax, then the
+// transposed codes from the (kFp8Rows, cols + 4) shared tile of rows row0.., 8 threads to a
+// column (4 rows each: one 32-byte sector per column).
+__device__ __forceinline__ void finishFp8Block(const std::uint8_t* tile, const Fp8Out& q,
+                                               unsigned amax_bits, std::int64_t rows,
+                                               std::int64_t row0, int cols) {
+  if (q.amax) {
+    const unsigned bits = __reduce_max_sync(0xffffffffu, amax_bits);
+    if ((threadIdx.x & 31) == 0 && bits != 0) atomicMax(reinterpret_cast<unsigned*>(q.amax), bits);
+  }
+  if (!q.codes_t) return;
+  __syncthreads();
+  const int stride = cols + 4;
+  const int nrows = rows - row0 < kFp8Rows ? static_cast<int>(rows - row0) : kFp8Rows;
+  for (int w = threadIdx.x; w < cols * (kFp8Rows / 4); w += blockDim.x) {
+    const int c = w / (kFp8Rows / 4), r = 4 * (w % (kFp8Rows / 4));
+    if (r >= nrows) continue;
+    std::uint8_t* dst = q.codes_t + c * q.ld_t + row0 + r;
+    if (r + 4 <= nrows) {
+      const unsigned b0 = tile[r * stride + c], b1 = tile[(r + 1) * stride + c],
+                     b2 = tile[(r + 2) * stride + c], b3 = tile[(r + 3) * stride + c];
+      *reinterpret_cast<unsigned*>(dst) = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
+    } else {
+      for (int k = 0; k < nrows - r; ++k) dst[k] = tile[(r + k) * stride + c];
+    }
+  }
+}
+
 template <class TX, int J> __global__ void __launch_bounds__(256)
     forwardFp8Kernel(const TX* x, const float* gamma, const float* beta, bfloat* y, float* mean,
                      float* rstd, std::int64_t rows, int cols, float eps, Fp8Out q) {
@@ -124,8 +164,7 @@ template <class TX, int J> __global__ void __launch_bounds__(256)
   const int stride = cols + 4;
   const int warp = threadIdx.x / 32, lane = threadIdx.x & 31;
   const std::int64_t row0 = blockIdx.x * std::int64_t(kFp8Rows);
-  const float scale = *q.scale;
-  if (q.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *q.scale_inv = 1.0f / scale;
+  const float scale = fp8Scale(q);
   const int pairs = cols / 2;
   unsigned amax_bits = 0;  // |v| as ordered bits: finite < inf < NaN
   for (int rl = warp; rl < kFp8Rows; rl += kThreads / 32) {
@@ -143,8 +182,7 @@ template <class TX, int J> __global__ void __launch_bounds__(256)
             __floats2bfloat162_rn((v[j].x - mu) * rs * g.x + b.x, (v[j].y - mu) * rs * g.y + b.y);
         if (y) reinterpret_cast<__nv_bfloat162*>(y + row * cols)[i] = h;
         const float2 f = __bfloat1622float2(h);
-        amax_bits = max(
-            amax_bits, max(__float_as_uint(f.x) & 0x7fffffffu, __float_as_uint(f.y) & 0x7fffffffu));
+        amax_bits = max(amax_bits, max(absBits(f.x), absBits(f.y)));
         const std::uint16_t two = static_cast<std::uint16_t>(encodeFp8(f.x * scale, q.e4m3) |
                                                              (encodeFp8(f.y * scale, q.e4m3) << 8));
         if (q.codes) reinterpret_cast<std::uint16_t*>(q.codes + row * q.ld)[i] = two;
@@ -156,38 +194,39 @@ template <class TX, int J> __global__ void __launch_bounds__(256)
       rstd[row] = rs;
     }
   }
-  if (q.amax) {
-    const unsigned bits = __reduce_max_sync(0xffffffffu, amax_bits);
-    if (lane == 0 && bits != 0) atomicMax(reinterpret_cast<unsigned*>(q.amax), bits);
-  }
-  if (!q.codes_t) return;
-  __syncthreads();
-  const int nrows = rows - row0 < kFp8Rows ? static_cast<int>(rows - row0) : kFp8Rows;
-  for (int w = threadIdx.x; w < cols * (kFp8Rows / 4); w += blockDim.x) {
-    const int c = w / (kFp8Rows / 4), r = 4 * (w % (kFp8Rows / 4));
-    if (r >= nrows) continue;
-    std::uint8_t* dst = q.codes_t + c * q.ld_t + row0 + r;
-    if (r + 4 <= nrows) {
-      const unsigned b0 = tile[r * stride + c], b1 = tile[(r + 1) * stride + c],
-                     b2 = tile[(r + 2) * stride + c], b3 = tile[(r + 3) * stride + c];
-      *reinterpret_cast<unsigned*>(dst) = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
-    } else {
-      for (int k = 0; k < nrows - r; ++k) dst[k] = tile[(r + k) * stride + c];
-    }
-  }
+  finishFp8Block(tile, q, amax_bits, rows, row0, cols);
 }
 
-template <class TX, int J> void launchForwardFp8(Stream st, const TX* x, const float* gamma,
-                                                 const float* beta, bfloat* y, float* mean,
-                                                 float* rstd, std::int64_t rows, int cols,
-                                                 float eps, const Fp8Out& q) {
+// Either FP8 forward kernel (forwardFp8Kernel, forwardFp8TileKernel): kFp8Rows rows per block,
+// the shared tile only when there are transposed codes.
+template <class Kernel, class TX>
+void launchForwardFp8(Kernel kernel, Stream st, const TX* x, const float* gamma, const float* beta,
+                      bfloat* y, float* mean, float* rstd, std::int64_t rows, int cols, float eps,
+                      const Fp8Out& q) {
   const int smem = q.codes_t ? kFp8Rows * (cols + 4) : 0;
   if (smem > 48 * 1024)
-    PLM_CHECK_CUDA(cudaFuncSetAttribute(forwardFp8Kernel<TX, J>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
+    PLM_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
   const auto blocks = static_cast<unsigned>((rows + kFp8Rows - 1) / kFp8Rows);
-  forwardFp8Kernel<TX, J>
-      <<<blocks, kThreads, smem, st>>>(x, gamma, beta, y, mean, rstd, rows, cols, eps, q);
+  kernel<<<blocks, kThreads, smem, st>>>(x, gamma, beta, y, mean, rstd, rows, cols, eps, q);
+}
+
+// The row-in-registers kernels' J (float2 per lane, >= cols / 64) for cols: f(Int<J>{}); past
+// 5120 an error naming `where`.  J = 80 covers an odd multiple of 2 up to 5120 (and spills).
+template <class F> void withPairsPerLane(int cols, const char* where, F&& f) {
+  const int pairs_per_lane = (cols / 2 + 31) / 32;
+  if (pairs_per_lane <= 4)
+    f(Int<4>{});
+  else if (pairs_per_lane <= 10)
+    f(Int<10>{});
+  else if (pairs_per_lane <= 20)
+    f(Int<20>{});
+  else if (pairs_per_lane <= 40)
+    f(Int<40>{});
+  else if (pairs_per_lane <= 80)
+    f(Int<80>{});
+  else
+    throw Error(std::string(where) + "hidden " + std::to_string(cols) +
+                " is larger than the kernels support (5120)");
 }
 
 // A lane always owns the same column pairs (lane + 32 j), so it sums dgamma and dbeta over all
@@ -323,8 +362,6 @@ void launchBackward(Stream st, const TDY* dy, const TX* x, const float* gamma, c
 // spilling and many rows are in flight per SM.  Group sums go lane butterfly first, then over
 // the group's warps 0..R-1 through shared memory: one fixed order, so results are bitwise
 // reproducible, and the plain and FP8 forwards (same tile, same routine) agree bit for bit.
-
-template <int N> using Int = std::integral_constant<int, N>;
 
 __device__ __forceinline__ float4 load4(const float* p, std::int64_t chunk) {
   return reinterpret_cast<const float4*>(p)[chunk];
@@ -473,10 +510,9 @@ template <class TX, int R, int V> __global__ void __launch_bounds__(kThreads)
   extern __shared__ std::uint8_t tile[];  // (kFp8Rows, cols + 4) codes, for codes_t
   __shared__ float red[2 * kWarps];
   const int stride = cols + 4;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x & 31, t = threadIdx.x % T;
+  const int warp = threadIdx.x / 32, t = threadIdx.x % T;
   const std::int64_t row0 = blockIdx.x * std::int64_t(kFp8Rows);
-  const float scale = *q.scale;
-  if (q.scale_inv && blockIdx.x == 0 && threadIdx.x == 0) *q.scale_inv = 1.0f / scale;
+  const float scale = fp8Scale(q);
   const int chunks = cols / 4;
   unsigned amax_bits = 0;  // |v| as ordered bits: finite < inf < NaN
   for (int rb = 0; rb < kFp8Rows; rb += G) {
@@ -495,10 +531,8 @@ template <class TX, int R, int V> __global__ void __launch_bounds__(kThreads)
         if (y) reinterpret_cast<uint2*>(y + row * cols)[c] = h;
         const float2 f0 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h.x));
         const float2 f1 = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&h.y));
-        amax_bits =
-            max(amax_bits,
-                max(max(__float_as_uint(f0.x) & 0x7fffffffu, __float_as_uint(f0.y) & 0x7fffffffu),
-                    max(__float_as_uint(f1.x) & 0x7fffffffu, __float_as_uint(f1.y) & 0x7fffffffu)));
+        amax_bits = max(amax_bits,
+                        max(max(absBits(f0.x), absBits(f0.y)), max(absBits(f1.x), absBits(f1.y))));
         const unsigned four = unsigned(encodeFp8(f0.x * scale, q.e4m3)) |
                               (unsigned(encodeFp8(f0.y * scale, q.e4m3)) << 8) |
                               (unsigned(encodeFp8(f1.x * scale, q.e4m3)) << 16) |
@@ -516,25 +550,7 @@ template <class TX, int R, int V> __global__ void __launch_bounds__(kThreads)
       rstd[row] = rs;
     }
   }
-  if (q.amax) {
-    const unsigned bits = __reduce_max_sync(0xffffffffu, amax_bits);
-    if (lane == 0 && bits != 0) atomicMax(reinterpret_cast<unsigned*>(q.amax), bits);
-  }
-  if (!q.codes_t) return;
-  __syncthreads();
-  const int nrows = rows - row0 < kFp8Rows ? static_cast<int>(rows - row0) : kFp8Rows;
-  for (int w = threadIdx.x; w < cols * (kFp8Rows / 4); w += blockDim.x) {
-    const int c = w / (kFp8Rows / 4), r = 4 * (w % (kFp8Rows / 4));
-    if (r >= nrows) continue;
-    std::uint8_t* dst = q.codes_t + c * q.ld_t + row0 + r;
-    if (r + 4 <= nrows) {
-      const unsigned b0 = tile[r * stride + c], b1 = tile[(r + 1) * stride + c],
-                     b2 = tile[(r + 2) * stride + c], b3 = tile[(r + 3) * stride + c];
-      *reinterpret_cast<unsigned*>(dst) = b0 | (b1 << 8) | (b2 << 16) | (b3 << 24);
-    } else {
-      for (int k = 0; k < nrows - r; ++k) dst[k] = tile[(r + k) * stride + c];
-    }
-  }
+  finishFp8Block(tile, q, amax_bits, rows, row0, cols);
 }
 
 // The forward's tile for cols (a multiple of 4, at most 5120): one warp per row up to 1280,
@@ -679,7 +695,8 @@ __global__ void __launch_bounds__(kThreads, backwardBlocksPerSm<TDY>())
 }
 
 // The backward's tile for cols (a multiple of 4, at most 5120): at most 5 chunks per thread,
-// one warp per row up to 640, then 2, 4 and 8 warps.
+// one warp per row up to 640, then 2, 4 and 8 warps.  A table apart from withForwardTile's: the
+// backward holds h, dy and the old gradient per chunk, so it spreads a row over more warps.
 template <class F> void withBackwardTile(int cols, F&& f) {
   const int chunks = cols / 4;
   const int need = (chunks + 31) / 32;
@@ -750,25 +767,10 @@ template <class TX> void layerNormForward(Stream stream, const TX* x, const floa
     return;
   }
   const unsigned blocks = static_cast<unsigned>((rows + 7) / 8);
-  const int pairs_per_lane = (cols / 2 + 31) / 32;
-  if (pairs_per_lane <= 4)
-    forwardKernel<NX, 4>
+  withPairsPerLane(cols, "plm::gpu::layerNormForward: ", [&](auto J) {
+    forwardKernel<NX, decltype(J)::value>
         <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
-  else if (pairs_per_lane <= 10)
-    forwardKernel<NX, 10>
-        <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
-  else if (pairs_per_lane <= 20)
-    forwardKernel<NX, 20>
-        <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
-  else if (pairs_per_lane <= 40)
-    forwardKernel<NX, 40>
-        <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
-  else if (pairs_per_lane <= 80)  // an odd multiple of 2 up to 5120: spills registers
-    forwardKernel<NX, 80>
-        <<<blocks, 256, 0, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps);
-  else
-    throw Error("plm::gpu::layerNormForward: hidden " + std::to_string(cols) +
-                " is larger than the kernels support (5120)");
+  });
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -813,32 +815,16 @@ template <class TX> void layerNormForwardFp8(Stream stream, const TX* x, const f
                  a.out_type == DType::E4M3};
   if (tileable(cols, xs, {gamma, beta}, {ys})) {
     withForwardTile(cols, [&](auto R, auto V) {
-      auto* kernel = forwardFp8TileKernel<NX, decltype(R)::value, decltype(V)::value>;
-      const int smem = q.codes_t ? kFp8Rows * (cols + 4) : 0;
-      if (smem > 48 * 1024)
-        PLM_CHECK_CUDA(
-            cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-      const auto blocks = static_cast<unsigned>((rows + kFp8Rows - 1) / kFp8Rows);
-      kernel<<<blocks, kThreads, smem, stream>>>(xs, gamma, beta, ys, mean, rstd, rows, cols, eps,
-                                                 q);
+      launchForwardFp8(forwardFp8TileKernel<NX, decltype(R)::value, decltype(V)::value>, stream, xs,
+                       gamma, beta, ys, mean, rstd, rows, cols, eps, q);
     });
     PLM_CHECK_CUDA(cudaGetLastError());
     return;
   }
-  const int pairs_per_lane = (cols / 2 + 31) / 32;
-  if (pairs_per_lane <= 4)
-    launchForwardFp8<NX, 4>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
-  else if (pairs_per_lane <= 10)
-    launchForwardFp8<NX, 10>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
-  else if (pairs_per_lane <= 20)
-    launchForwardFp8<NX, 20>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
-  else if (pairs_per_lane <= 40)
-    launchForwardFp8<NX, 40>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
-  else if (pairs_per_lane <= 80)
-    launchForwardFp8<NX, 80>(stream, xs, gamma, beta, ys, mean, rstd, rows, cols, eps, q);
-  else
-    throw Error(std::string(where) + "hidden " + std::to_string(cols) +
-                " is larger than the kernels support (5120)");
+  withPairsPerLane(cols, where, [&](auto J) {
+    launchForwardFp8(forwardFp8Kernel<NX, decltype(J)::value>, stream, xs, gamma, beta, ys, mean,
+                     rstd, rows, cols, eps, q);
+  });
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
@@ -876,25 +862,10 @@ void layerNormBackward(Stream stream, const TDY* dy, const TX* x, const float* g
     return;
   }
   const int blocks = backwardBlocks(rows);
-  const int pairs_per_lane = (cols / 2 + 31) / 32;
-  if (pairs_per_lane <= 4)
-    launchBackward<NX, NDY, 4>(stream, dys, xs, gamma, mean, rstd, residual, accumulate, dxs,
-                               partial, rows, cols, blocks);
-  else if (pairs_per_lane <= 10)
-    launchBackward<NX, NDY, 10>(stream, dys, xs, gamma, mean, rstd, residual, accumulate, dxs,
-                                partial, rows, cols, blocks);
-  else if (pairs_per_lane <= 20)
-    launchBackward<NX, NDY, 20>(stream, dys, xs, gamma, mean, rstd, residual, accumulate, dxs,
-                                partial, rows, cols, blocks);
-  else if (pairs_per_lane <= 40)
-    launchBackward<NX, NDY, 40>(stream, dys, xs, gamma, mean, rstd, residual, accumulate, dxs,
-                                partial, rows, cols, blocks);
-  else if (pairs_per_lane <= 80)
-    launchBackward<NX, NDY, 80>(stream, dys, xs, gamma, mean, rstd, residual, accumulate, dxs,
-                                partial, rows, cols, blocks);
-  else
-    throw Error("plm::gpu::layerNormBackward: hidden " + std::to_string(cols) +
-                " is larger than the kernels support (5120)");
+  withPairsPerLane(cols, "plm::gpu::layerNormBackward: ", [&](auto J) {
+    launchBackward<NX, NDY, decltype(J)::value>(stream, dys, xs, gamma, mean, rstd, residual,
+                                                accumulate, dxs, partial, rows, cols, blocks);
+  });
   PLM_CHECK_CUDA(cudaGetLastError());
   reducePartialsKernel<<<(2 * cols + 31) / 32, kThreads, 0, stream>>>(partial, blocks, cols, dgamma,
                                                                       dbeta);

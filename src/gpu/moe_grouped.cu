@@ -277,6 +277,46 @@ void runGrouped(Stream stream, GroupedLayout layout, const std::vector<GroupedPr
                      beta, static_cast<char*>(workspace) + per * static_cast<int>(layout), per);
 }
 
+/// The activation GEMM (Forward or Dgrad layout) of every expert with rows: its row block of
+/// d (rows, n) from its row block of a (rows, k) and its weight `w` (row stride ldb as stored).
+std::vector<GroupedProblem> activationProblems(const std::vector<std::int64_t>& rows, int n, int k,
+                                               const bf16* a,
+                                               const std::vector<ExpertWeights>& experts,
+                                               const bf16* ExpertWeights::*w, std::int64_t ldb,
+                                               bf16* d) {
+  return problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t m) {
+    return GroupedProblem{static_cast<int>(m), n,   k,          a + at * k, k,
+                          experts[e].*w,       ldb, d + at * n, n};
+  });
+}
+
+/// The weight-gradient GEMM (Wgrad layout) of every expert with rows: its gradient `dw` (m, n)
+/// += a^T b over its row blocks of a (rows, m) and b (rows, n).
+std::vector<GroupedProblem> weightProblems(const std::vector<std::int64_t>& rows, int m, int n,
+                                           const bf16* a, const bf16* b,
+                                           const std::vector<ExpertGrads>& grads,
+                                           float* ExpertGrads::*dw) {
+  return problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t k) {
+    return GroupedProblem{m, n, static_cast<int>(k), a + at * m, m, b + at * n, n, grads[e].*dw, n};
+  });
+}
+
+/// The checks every grouped expert call makes (grads: nullptr in a forward).
+void checkCall(const char* what, const std::vector<std::int64_t>& rows,
+               const std::vector<ExpertWeights>& experts, const std::vector<ExpertGrads>* grads,
+               int hidden, int ffn, std::size_t workspace_bytes) {
+  if (!grads && rows.size() != experts.size())
+    throw Error(std::string("plm::gpu::") + what + ": " + std::to_string(rows.size()) +
+                " row counts for " + std::to_string(experts.size()) + " experts (a bug)");
+  if (grads && (rows.size() != experts.size() || grads->size() != experts.size()))
+    throw Error(std::string("plm::gpu::") + what + ": " + std::to_string(rows.size()) +
+                " row counts and " + std::to_string(grads->size()) + " gradients for " +
+                std::to_string(experts.size()) + " experts (a bug)");
+  checkCols(hidden, what);
+  checkCols(ffn, what);
+  checkWorkspace(workspace_bytes, static_cast<int>(experts.size()), hidden, ffn, what);
+}
+
 }  // namespace
 
 ExpertGemm parseExpertGemm(const std::string& value, const std::string& where) {
@@ -402,18 +442,10 @@ void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& exper
                           const std::vector<std::int64_t>& rows, const bf16* x, bf16* pre,
                           bf16* act, bf16* y, int hidden, int ffn, void* workspace,
                           std::size_t workspace_bytes) {
-  if (rows.size() != experts.size())
-    throw Error("plm::gpu::groupedExpertForward: " + std::to_string(rows.size()) +
-                " row counts for " + std::to_string(experts.size()) + " experts (a bug)");
-  checkCols(hidden, "groupedExpertForward");
-  checkCols(ffn, "groupedExpertForward");
+  checkCall("groupedExpertForward", rows, experts, nullptr, hidden, ffn, workspace_bytes);
   const int e_n = static_cast<int>(experts.size());
-  checkWorkspace(workspace_bytes, e_n, hidden, ffn, "groupedExpertForward");
-  const auto up = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{
-        static_cast<int>(n), ffn, hidden, x + at * hidden, hidden, experts[e].w1, hidden,
-        pre + at * ffn,      ffn};
-  });
+  const auto up =
+      activationProblems(rows, ffn, hidden, x, experts, &ExpertWeights::w1, hidden, pre);
   if (up.empty()) return;
   runGrouped(stream, GroupedLayout::Forward, up, 0.0f, workspace, e_n);
   std::vector<const bf16*> b1(e_n), b2(e_n);
@@ -422,11 +454,9 @@ void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& exper
     b2[e] = experts[e].b2;
   }
   expertBiasGelu(stream, b1, rows, pre, act, ffn);
-  const auto down = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{static_cast<int>(n), hidden, ffn, act + at * ffn, ffn, experts[e].w2, ffn,
-                          y + at * hidden,     hidden};
-  });
-  runGrouped(stream, GroupedLayout::Forward, down, 0.0f, workspace, e_n);
+  runGrouped(stream, GroupedLayout::Forward,
+             activationProblems(rows, hidden, ffn, act, experts, &ExpertWeights::w2, ffn, y), 0.0f,
+             workspace, e_n);
   expertBiasGelu(stream, b2, rows, y, nullptr, hidden);
 }
 
@@ -435,14 +465,8 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
                            const std::vector<std::int64_t>& rows, const bf16* x, const bf16* pre,
                            const bf16* act, const bf16* dy, bf16* dpre, bf16* dx, int hidden,
                            int ffn, void* workspace, std::size_t workspace_bytes) {
-  if (rows.size() != experts.size() || grads.size() != experts.size())
-    throw Error("plm::gpu::groupedExpertBackward: " + std::to_string(rows.size()) +
-                " row counts and " + std::to_string(grads.size()) + " gradients for " +
-                std::to_string(experts.size()) + " experts (a bug)");
-  checkCols(hidden, "groupedExpertBackward");
-  checkCols(ffn, "groupedExpertBackward");
+  checkCall("groupedExpertBackward", rows, experts, &grads, hidden, ffn, workspace_bytes);
   const int e_n = static_cast<int>(experts.size());
-  checkWorkspace(workspace_bytes, e_n, hidden, ffn, "groupedExpertBackward");
   void* scratch = static_cast<char*>(workspace) + gemmWorkspaceBytes(e_n);
   const std::size_t scratch_bytes = workspace_bytes - gemmWorkspaceBytes(e_n);
   std::vector<float*> db1(e_n), db2(e_n);
@@ -452,63 +476,41 @@ void groupedExpertBackward(Stream stream, const std::vector<ExpertWeights>& expe
   }
   // dact = dy W2 (into dpre), then dpre = dact * gelu'(pre) in place with db1 += sum dpre in
   // the same pass.
-  const auto dact = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{
-        static_cast<int>(n), ffn, hidden, dy + at * hidden, hidden, experts[e].w2, ffn,
-        dpre + at * ffn,     ffn};
-  });
+  const auto dact =
+      activationProblems(rows, ffn, hidden, dy, experts, &ExpertWeights::w2, ffn, dpre);
   if (dact.empty()) return;
   runGrouped(stream, GroupedLayout::Dgrad, dact, 0.0f, workspace, e_n);
   biasGradient<true>(stream, db1, rows, dpre, pre, dpre, ffn, scratch, scratch_bytes);
   // dW2 (hidden, ffn) += dy^T act; dW1 (ffn, hidden) += dpre^T x.
-  const auto dw2 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{
-        hidden,      ffn, static_cast<int>(n), dy + at * hidden, hidden, act + at * ffn, ffn,
-        grads[e].w2, ffn};
-  });
-  runGrouped(stream, GroupedLayout::Wgrad, dw2, 1.0f, workspace, e_n);
-  const auto dw1 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{
-        ffn,         hidden, static_cast<int>(n), dpre + at * ffn, ffn, x + at * hidden, hidden,
-        grads[e].w1, hidden};
-  });
-  runGrouped(stream, GroupedLayout::Wgrad, dw1, 1.0f, workspace, e_n);
+  runGrouped(stream, GroupedLayout::Wgrad,
+             weightProblems(rows, hidden, ffn, dy, act, grads, &ExpertGrads::w2), 1.0f, workspace,
+             e_n);
+  runGrouped(stream, GroupedLayout::Wgrad,
+             weightProblems(rows, ffn, hidden, dpre, x, grads, &ExpertGrads::w1), 1.0f, workspace,
+             e_n);
   expertBiasGradient(stream, db2, rows, dy, hidden, scratch, scratch_bytes);
   // dx = dpre W1.
-  const auto dxp = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{
-        static_cast<int>(n), hidden, ffn, dpre + at * ffn, ffn, experts[e].w1, hidden,
-        dx + at * hidden,    hidden};
-  });
-  runGrouped(stream, GroupedLayout::Dgrad, dxp, 0.0f, workspace, e_n);
+  runGrouped(stream, GroupedLayout::Dgrad,
+             activationProblems(rows, hidden, ffn, dpre, experts, &ExpertWeights::w1, hidden, dx),
+             0.0f, workspace, e_n);
 }
 
 void groupedSwigluExpertForward(Stream stream, const std::vector<ExpertWeights>& experts,
                                 const std::vector<std::int64_t>& rows, const bf16* x, bf16* pre,
                                 bf16* act, bf16* y, int hidden, int ffn, void* workspace,
                                 std::size_t workspace_bytes) {
-  if (rows.size() != experts.size())
-    throw Error("plm::gpu::groupedSwigluExpertForward: " + std::to_string(rows.size()) +
-                " row counts for " + std::to_string(experts.size()) + " experts (a bug)");
-  checkCols(hidden, "groupedSwigluExpertForward");
-  checkCols(ffn, "groupedSwigluExpertForward");
+  checkCall("groupedSwigluExpertForward", rows, experts, nullptr, hidden, ffn, workspace_bytes);
   const int e_n = static_cast<int>(experts.size());
-  checkWorkspace(workspace_bytes, e_n, hidden, ffn, "groupedSwigluExpertForward");
   const int wide = 2 * ffn;  // [gate | up]
-  const auto up = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{
-        static_cast<int>(n), wide, hidden, x + at * hidden, hidden, experts[e].w1, hidden,
-        pre + at * wide,     wide};
-  });
+  const auto up =
+      activationProblems(rows, wide, hidden, x, experts, &ExpertWeights::w1, hidden, pre);
   if (up.empty()) return;
   runGrouped(stream, GroupedLayout::Forward, up, 0.0f, workspace, e_n);
   const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t(0));
   swigluForward(stream, pre, act, total, ffn);
-  const auto down = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{static_cast<int>(n), hidden, ffn, act + at * ffn, ffn, experts[e].w2, ffn,
-                          y + at * hidden,     hidden};
-  });
-  runGrouped(stream, GroupedLayout::Forward, down, 0.0f, workspace, e_n);
+  runGrouped(stream, GroupedLayout::Forward,
+             activationProblems(rows, hidden, ffn, act, experts, &ExpertWeights::w2, ffn, y), 0.0f,
+             workspace, e_n);
 }
 
 void groupedSwigluExpertBackward(Stream stream, const std::vector<ExpertWeights>& experts,
@@ -517,45 +519,27 @@ void groupedSwigluExpertBackward(Stream stream, const std::vector<ExpertWeights>
                                  const bf16* pre, const bf16* act, const bf16* dy, bf16* dact,
                                  bf16* dpre, bf16* dx, int hidden, int ffn, void* workspace,
                                  std::size_t workspace_bytes) {
-  if (rows.size() != experts.size() || grads.size() != experts.size())
-    throw Error("plm::gpu::groupedSwigluExpertBackward: " + std::to_string(rows.size()) +
-                " row counts and " + std::to_string(grads.size()) + " gradients for " +
-                std::to_string(experts.size()) + " experts (a bug)");
-  checkCols(hidden, "groupedSwigluExpertBackward");
-  checkCols(ffn, "groupedSwigluExpertBackward");
+  checkCall("groupedSwigluExpertBackward", rows, experts, &grads, hidden, ffn, workspace_bytes);
   const int e_n = static_cast<int>(experts.size());
-  checkWorkspace(workspace_bytes, e_n, hidden, ffn, "groupedSwigluExpertBackward");
   const int wide = 2 * ffn;
   // dact = dy W2, then dpre = [dact * up * silu'(gate) | dact * silu(gate)] in one pass.
-  const auto dactp = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{
-        static_cast<int>(n), ffn, hidden, dy + at * hidden, hidden, experts[e].w2, ffn,
-        dact + at * ffn,     ffn};
-  });
+  const auto dactp =
+      activationProblems(rows, ffn, hidden, dy, experts, &ExpertWeights::w2, ffn, dact);
   if (dactp.empty()) return;
   runGrouped(stream, GroupedLayout::Dgrad, dactp, 0.0f, workspace, e_n);
   const std::int64_t total = std::accumulate(rows.begin(), rows.end(), std::int64_t(0));
   swigluBackward(stream, pre, dact, dpre, total, ffn);
   // dW2 (hidden, ffn) += dy^T act; dW1 (2 ffn, hidden) += dpre^T x.
-  const auto dw2 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{
-        hidden,      ffn, static_cast<int>(n), dy + at * hidden, hidden, act + at * ffn, ffn,
-        grads[e].w2, ffn};
-  });
-  runGrouped(stream, GroupedLayout::Wgrad, dw2, 1.0f, workspace, e_n);
-  const auto dw1 = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{
-        wide,        hidden, static_cast<int>(n), dpre + at * wide, wide, x + at * hidden, hidden,
-        grads[e].w1, hidden};
-  });
-  runGrouped(stream, GroupedLayout::Wgrad, dw1, 1.0f, workspace, e_n);
+  runGrouped(stream, GroupedLayout::Wgrad,
+             weightProblems(rows, hidden, ffn, dy, act, grads, &ExpertGrads::w2), 1.0f, workspace,
+             e_n);
+  runGrouped(stream, GroupedLayout::Wgrad,
+             weightProblems(rows, wide, hidden, dpre, x, grads, &ExpertGrads::w1), 1.0f, workspace,
+             e_n);
   // dx = dpre W1 (W1 stored (2 ffn, hidden)).
-  const auto dxp = problemsOf(rows, [&](std::size_t e, std::int64_t at, std::int64_t n) {
-    return GroupedProblem{
-        static_cast<int>(n), hidden, wide, dpre + at * wide, wide, experts[e].w1, hidden,
-        dx + at * hidden,    hidden};
-  });
-  runGrouped(stream, GroupedLayout::Dgrad, dxp, 0.0f, workspace, e_n);
+  runGrouped(stream, GroupedLayout::Dgrad,
+             activationProblems(rows, hidden, wide, dpre, experts, &ExpertWeights::w1, hidden, dx),
+             0.0f, workspace, e_n);
 }
 
 }  // namespace plm::gpu

@@ -3,8 +3,9 @@
 // from one interleaved QKV buffer (row strides) as the model stores them: the own flash
 // attention, cuDNN's fused attention (both directions, deterministic backward bitwise equal on
 // a rerun) and cuDNN's forward paired with the flash backward (their lse must agree); the flash
-// kernels also as the general (legacy) and small-head_dim sets explicitly, with empty sequences,
-// and their backward bitwise equal on a rerun.
+// kernels also as the general (legacy) set explicitly (the default dispatch runs the
+// small-head_dim forward at head_dim <= 32), with empty sequences, and their backward bitwise
+// equal on a rerun.
 #include "gpu/cudnn_attention.hpp"
 #include "gpu/flash_attention.hpp"
 #include "gpu_test_util.hpp"
@@ -92,12 +93,11 @@ struct AttnCase {
   std::uint64_t seed;
 };
 
-// Flash: the default dispatch; FlashLegacy / FlashSmallD: the general / small-head_dim kernels.
-enum class Impl { Flash, Cudnn, CudnnForward, FlashLegacy, FlashSmallD };
+// Flash: the default dispatch (the small-head_dim forward at head_dim <= 32); FlashLegacy: the
+// general kernels.
+enum class Impl { Flash, Cudnn, CudnnForward, FlashLegacy };
 
-bool isFlash(Impl i) {
-  return i == Impl::Flash || i == Impl::FlashLegacy || i == Impl::FlashSmallD;
-}
+bool isFlash(Impl i) { return i == Impl::Flash || i == Impl::FlashLegacy; }
 
 CudnnAttention& cudnn() {
   static CudnnAttention a(/*deterministic_backward=*/true);
@@ -105,8 +105,8 @@ CudnnAttention& cudnn() {
 }
 
 void checkCase(const AttnCase& c, Impl impl = Impl::Flash) {
-  // Above head_dim 32 both explicit flash sets are the general kernels, which Flash tests.
-  if ((impl == Impl::FlashLegacy || impl == Impl::FlashSmallD) && c.head_dim > 32) return;
+  // Above head_dim 32 the default dispatch is the general kernels, which Flash tests.
+  if (impl == Impl::FlashLegacy && c.head_dim > 32) return;
   std::vector<std::int32_t> cu{0};
   for (int len : c.lengths) cu.push_back(cu.back() + len);
   std::int64_t tokens = cu.back();
@@ -166,7 +166,6 @@ void checkCase(const AttnCase& c, Impl impl = Impl::Flash) {
   p.dq_stride = p.dk_stride = p.dv_stride = row;
   p.delta = delta.get();
   if (impl == Impl::FlashLegacy) p.kernels = FlashParams::Kernels::Legacy;
-  if (impl == Impl::FlashSmallD) p.kernels = FlashParams::Kernels::SmallD;
   if (isFlash(impl)) {
     flashAttentionForward(nullptr, p);
   } else {
@@ -297,7 +296,7 @@ TEST_P(Attention, ManySequencesAcrossBatchBuckets) {
 
 INSTANTIATE_TEST_SUITE_P(Kernels, Attention,
                          ::testing::Values(Impl::Flash, Impl::Cudnn, Impl::CudnnForward,
-                                           Impl::FlashLegacy, Impl::FlashSmallD),
+                                           Impl::FlashLegacy),
                          [](const ::testing::TestParamInfo<Impl>& i) {
                            switch (i.param) {
                              case Impl::Flash: return std::string("Flash");
@@ -305,7 +304,6 @@ INSTANTIATE_TEST_SUITE_P(Kernels, Attention,
                              case Impl::CudnnForward:
                                return std::string("CudnnForwardFlashBackward");
                              case Impl::FlashLegacy: return std::string("FlashLegacy");
-                             case Impl::FlashSmallD: return std::string("FlashSmallD");
                            }
                            return std::string("Unknown");
                          });

@@ -218,6 +218,71 @@ std::vector<MoeConfig> configurations() {
   return out;
 }
 
+/// One MoE layer (seeded weights; expert bias N(0, 0.1) where bias_balance) under a
+/// finite-difference check: input, residual and probe random (seeds input_seed, + 1, + 2), the
+/// objective sum(out * probe) + loss_weight (2.5) x (aux_loss aux + z_loss z).
+struct LayerGradientCase {
+  MoeConfig c;
+  int h, tokens;
+  Layer L;
+  MoeStep step;
+  MoeMlp<double> block;
+  OpContext ctx{ExecSpace{}};
+  View2<double> hv, res, probe, out, dh;
+  LayerActs acts;
+  LayerScratch scratch;
+
+  LayerGradientCase(const MoeConfig& config, int hidden, int n_tokens, std::uint64_t layer_seed,
+                    std::uint64_t input_seed, bool training)
+      : c(config),
+        h(hidden),
+        tokens(n_tokens),
+        L(c, h, layer_seed),
+        step(makeStep(training)),
+        block(0, c, h, L.w, L.g, &step),
+        hv(test::randomView<double>(tokens, h, input_seed)),
+        res(test::randomView<double>(tokens, h, input_seed + 1)),
+        probe(test::randomView<double>(tokens, h, input_seed + 2)),
+        out("out", tokens, h),
+        dh("dh", tokens, h) {
+    if (c.bias_balance) fillNormal(L.bias, 4, 0.1);
+    acts.ln2 = matOf(hv);
+  }
+
+  static MoeStep makeStep(bool training) {
+    MoeStep s;
+    s.loss_weight = 2.5;
+    s.grad_scale = 1.0;
+    s.training = training;
+    return s;
+  }
+
+  double objective() {
+    step.objective = 0;
+    block.forward(ctx, matOf(hv), matOf(res), matOf(out), acts);
+    return test::dotViews(out, probe) + step.objective;
+  }
+
+  /// The analytic gradients (parameters into L.grads, input into dh) of one pass.
+  void backward() {
+    Kokkos::deep_copy(L.grads, 0.0);
+    objective();
+    block.backward(ctx, acts, matOf(probe), matOf(dh), scratch);
+  }
+
+  /// Parameter and input gradients against finite differences of objective().
+  void checkGradients(const std::string& what, double params_atol = 1e-8) {
+    auto f = [&] { return objective(); };
+    checkGradient(what + " parameters", L.params, L.grads, f, params_atol, 1e-6, 100000, 1e-6);
+    checkGradient(what + " input", test::flat(hv), test::flat(dh), f, 1e-8, 1e-6, 100000, 1e-6);
+  }
+
+  std::string name(const std::string& prefix) const {
+    return prefix + routerName(c.router) + " k" + std::to_string(c.top_k) + " cf" +
+           std::to_string(c.capacity_factor);
+  }
+};
+
 TEST(MoeRouting, CapacityCutIsInTokenOrderAndStable) {
   // 6 tokens, 3 experts, top-1, capacity ceil(1.0 * 6 / 3) = 2: expert 0 wanted by tokens
   // 0, 1, 3, 5 keeps 0 and 1; expert 2 by token 2 and 4 keeps both.
@@ -273,36 +338,11 @@ TEST(MoeMlp, ForwardMatchesPlainReference) {
 }
 
 TEST(MoeMlp, GradientsMatchFiniteDifferences) {
-  const int h = 5, tokens = 9;
   for (const auto& c : configurations()) {
-    Layer L(c, h, 21);
-    if (c.bias_balance) fillNormal(L.bias, 4, 0.1);
-    MoeStep step;
-    step.loss_weight = 2.5;
-    step.grad_scale = 1.0;
-    MoeMlp<double> block(0, c, h, L.w, L.g, &step);
-    OpContext ctx(ExecSpace{});
-    auto hv = test::randomView<double>(tokens, h, 31);
-    auto res = test::randomView<double>(tokens, h, 32);
-    auto probe = test::randomView<double>(tokens, h, 33);
-    View2<double> out("out", tokens, h), dh("dh", tokens, h);
-    LayerActs acts;
-    acts.ln2 = matOf(hv);
-    LayerScratch scratch;
-    // Objective: sum(out * probe) + loss_weight * (aux_loss aux + z_loss z).
-    auto objective = [&]() {
-      step.objective = 0;
-      block.forward(ctx, matOf(hv), matOf(res), matOf(out), acts);
-      return test::dotViews(out, probe) + step.objective;
-    };
-    Kokkos::deep_copy(L.grads, 0.0);
-    objective();
-    block.backward(ctx, acts, matOf(probe), matOf(dh), scratch);
-    const std::string what = std::string("moe ") + routerName(c.router) + " k" +
-                             std::to_string(c.top_k) + " cf" + std::to_string(c.capacity_factor);
-    checkGradient(what + " parameters", L.params, L.grads, objective, 1e-8, 1e-6, 100000, 1e-6);
-    checkGradient(what + " input", test::flat(hv), test::flat(dh), objective, 1e-8, 1e-6, 100000,
-                  1e-6);
+    LayerGradientCase g(c, /*hidden=*/5, /*tokens=*/9, /*layer_seed=*/21, /*input_seed=*/31,
+                        /*training=*/false);
+    g.backward();
+    g.checkGradients(g.name("moe "));
   }
 }
 
@@ -316,50 +356,27 @@ TEST(MoeMlp, GradientsThroughTheRouterProjectionMatchFiniteDifferences) {
     MoeConfig c = base;
     c.router_projection = true;
     c.aux_loss = 0.9;  // a larger router share of the objective
-    Layer L(c, h, 23);
-    if (c.bias_balance) fillNormal(L.bias, 4, 0.1);
-    MoeStep step;
-    step.loss_weight = 2.5;
-    step.grad_scale = 1.0;
-    step.training = true;
-    MoeMlp<double> block(0, c, h, L.w, L.g, &step);
-    OpContext ctx(ExecSpace{});
-    auto hv = test::randomView<double>(tokens, h, 35);
+    LayerGradientCase g(c, h, tokens, /*layer_seed=*/23, /*input_seed=*/35, /*training=*/true);
     // A component every token shares, as the LN2 output has at initialisation.
-    auto shift = toHost(hv);
+    auto shift = toHost(g.hv);
     for (int t = 0; t < tokens; ++t)
       for (int i = 0; i < h; ++i) shift[t * h + i] += 0.8 * (i + 1);
-    Kokkos::deep_copy(hv, HostView2<double>(shift.data(), tokens, h));
-    auto res = test::randomView<double>(tokens, h, 36);
-    auto probe = test::randomView<double>(tokens, h, 37);
-    View2<double> out("out", tokens, h), dh("dh", tokens, h);
-    LayerActs acts;
-    acts.ln2 = matOf(hv);
-    LayerScratch scratch;
-    auto objective = [&]() {
-      step.objective = 0;
-      block.forward(ctx, matOf(hv), matOf(res), matOf(out), acts);
-      return test::dotViews(out, probe) + step.objective;
-    };
-    Kokkos::deep_copy(L.grads, 0.0);
-    objective();
-    block.backward(ctx, acts, matOf(probe), matOf(dh), scratch);
-    const std::string what = std::string("projected moe ") + routerName(c.router) + " k" +
-                             std::to_string(c.top_k) + " cf" + std::to_string(c.capacity_factor);
-    // atol 3e-8: on the GPU (CUDA Kokkos, double) two router parameters were off by 1.45e-8
-    // (relative 4e-6) at eps 1e-6, where the objective's rounding is amplified by 1 / eps.
-    checkGradient(what + " parameters", L.params, L.grads, objective, 3e-8, 1e-6, 100000, 1e-6);
-    checkGradient(what + " input", test::flat(hv), test::flat(dh), objective, 1e-8, 1e-6, 100000,
-                  1e-6);
+    Kokkos::deep_copy(g.hv, HostView2<double>(shift.data(), tokens, h));
+    g.backward();
+    const std::string what = g.name("projected moe ");
+    // The parameters at atol 3e-8: on the GPU (CUDA Kokkos, double) two router parameters were
+    // off by 1.45e-8 (relative 4e-6) at eps 1e-6, where the objective's rounding is amplified
+    // by 1 / eps.
+    g.checkGradients(what, 3e-8);
     // The same input gradient with the router input's mean held constant: the straight-through
     // form differs from the exact one by the same vector on every token.
     {
-      objective();  // out at the unperturbed input
-      MoeStep frozen = step;
+      g.objective();  // out at the unperturbed input
+      MoeStep frozen = g.step;
       MoeConfig off = c;
       off.router_projection = false;
       Layer L2(off, h, 23);
-      if (c.bias_balance) Kokkos::deep_copy(L2.bias, L.bias);
+      if (c.bias_balance) Kokkos::deep_copy(L2.bias, g.L.bias);
       // Route with the router already projected off this input's mean: the same logits.
       auto w = toHost(L2.params);
       std::vector<double> sum(h, 0.0);
@@ -370,11 +387,11 @@ TEST(MoeMlp, GradientsThroughTheRouterProjectionMatchFiniteDifferences) {
       MoeMlp<double> plain(0, off, h, L2.w, L2.g, &frozen);
       View2<double> out2("out2", tokens, h), dh2("dh2", tokens, h);
       LayerActs acts2;
-      acts2.ln2 = matOf(hv);
-      plain.forward(ctx, matOf(hv), matOf(res), matOf(out2), acts2);
-      EXPECT_LT(maxAbsDiff(out, out2), 1e-12) << what << ": the projected router's output";
-      plain.backward(ctx, acts2, matOf(probe), matOf(dh2), scratch);
-      EXPECT_GT(maxAbsDiff(dh, dh2), 1e-6) << what << ": the mean's dependence is missing";
+      acts2.ln2 = matOf(g.hv);
+      plain.forward(g.ctx, matOf(g.hv), matOf(g.res), matOf(out2), acts2);
+      EXPECT_LT(maxAbsDiff(g.out, out2), 1e-12) << what << ": the projected router's output";
+      plain.backward(g.ctx, acts2, matOf(g.probe), matOf(dh2), g.scratch);
+      EXPECT_GT(maxAbsDiff(g.dh, dh2), 1e-6) << what << ": the mean's dependence is missing";
     }
   }
 }
@@ -437,6 +454,28 @@ void randomize(Esm2<double>& model, std::uint64_t seed) {
   }
 }
 
+/// The micro-batch of the model-level checks: sequences of 1, 6 and 9 tokens, 40% labelled.
+data::MicroBatch tinyBatch() { return makeBatch({1, 6, 9}, 3, 0.4); }
+
+/// One training pass over `batch` of `model` randomized with `seed`, from zeroed gradients; its
+/// loss must be forward's.  Returns the pass's router loss.
+double trainingPass(Esm2<double>& model, std::uint64_t seed, const data::MicroBatch& batch) {
+  randomize(model, seed);
+  model.zeroGradients();
+  const double loss = model.forwardBackward(batch, 1.0);
+  const double router = model.routerLoss();
+  EXPECT_NEAR(loss, model.forward(batch), 1e-12);
+  return router;
+}
+
+/// The model's gradients against finite differences of forward + router losses.
+void checkModelGradients(const std::string& what, Esm2<double>& model,
+                         const data::MicroBatch& batch) {
+  checkGradient(
+      what, model.parameters(), model.gradients(),
+      [&]() { return model.forward(batch) + model.routerLoss(); }, 1e-7, 1e-5, 100000);
+}
+
 TEST(ModelMoe, EveryParameterGradientMatchesFiniteDifferences) {
   for (Recompute recompute : {Recompute::None, Recompute::Layer, Recompute::Selective}) {
     auto c = tinyMoeConfig();
@@ -445,18 +484,12 @@ TEST(ModelMoe, EveryParameterGradientMatchesFiniteDifferences) {
     EXPECT_NO_THROW(model.tensor("esm.encoder.layer.1.moe.experts.3.output.dense.weight"));
     EXPECT_NO_THROW(model.tensor("esm.encoder.layer.0.intermediate.dense.weight"));
     EXPECT_THROW(model.tensor("esm.encoder.layer.1.intermediate.dense.weight"), plm::Error);
-    randomize(model, 5);
-    const auto batch = makeBatch({1, 6, 9}, 3, 0.4);
-    model.zeroGradients();
-    const double loss = model.forwardBackward(batch, 1.0);
-    const double router = model.routerLoss();
+    const auto batch = tinyBatch();
+    const double router = trainingPass(model, 5, batch);
     EXPECT_GT(router, 0.0);
-    EXPECT_NEAR(loss, model.forward(batch), 1e-12);
     EXPECT_NEAR(router, model.routerLoss(), 1e-12);
-    checkGradient(
-        std::string("esm2 moe (recompute ") + recomputeName(recompute) + ")", model.parameters(),
-        model.gradients(), [&]() { return model.forward(batch) + model.routerLoss(); }, 1e-7, 1e-5,
-        100000);
+    checkModelGradients(std::string("esm2 moe (recompute ") + recomputeName(recompute) + ")", model,
+                        batch);
     {  // the sequence-level loss is really part of the objective (> 0 for any routing)
       auto c0 = c;
       c0.moe.seq_aux_loss = 0;
@@ -484,7 +517,7 @@ TEST(ModelMoe, GradientsThroughTheRouterProjectionMatchFiniteDifferences) {
   c.recompute = Recompute::Layer;
   Esm2<double> model(c);
   randomize(model, 5);
-  const auto batch = makeBatch({1, 6, 9}, 3, 0.4);
+  const auto batch = tinyBatch();
   model.zeroGradients();
   model.forwardBackward(batch, 1.0);
   const auto grads = model.gradients();
@@ -540,14 +573,9 @@ TEST(ModelMoe, SwigluExpertsByNameAndEveryGradientMatchesFiniteDifferences) {
   auto gelu_c = tinyMoeConfig();
   EXPECT_EQ(c.numParameters() - gelu_c.numParameters(), 4 * (6 * 8 - 6 - 8))
       << "a third matrix per expert, no biases";
-  randomize(model, 7);
-  const auto batch = makeBatch({1, 6, 9}, 3, 0.4);
-  model.zeroGradients();
-  const double loss = model.forwardBackward(batch, 1.0);
-  EXPECT_NEAR(loss, model.forward(batch), 1e-12);
-  checkGradient(
-      "esm2 moe swiglu", model.parameters(), model.gradients(),
-      [&]() { return model.forward(batch) + model.routerLoss(); }, 1e-7, 1e-5, 100000);
+  const auto batch = tinyBatch();
+  trainingPass(model, 7, batch);
+  checkModelGradients("esm2 moe swiglu", model, batch);
   auto bad = c;
   bad.moe.expert_ffn = 5;  // 5 x 8 is no multiple of 16
   EXPECT_THROW(Esm2<double>{bad}, plm::Error);
