@@ -7,7 +7,7 @@
 #                                       gemm_tune fp8_fsdp fp8_fsdp_gpu finetune_parity
 #                                       finetune_encoder large_index layernorm lora big_buffer
 #                                       autotune_cached profile gemm_sk moe_fsdp fp8_cast
-#                                       moe_speed aido_layers small_attn fp8moe_resume moe_kernels
+#                                       moe_speed aido_layers small_attn fp8moe_resume kernels
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -1834,45 +1834,48 @@ PY
   rm -rf "$fr"
 fi
 
-if has moe_kernels && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
-  # Where a MoE layer's time goes, kernel by kernel (nsys cannot write reports on the lent
-  # machines; Nsight Compute's per-kernel duration can): esm2_moe_2b_a650m cut to
-  # PLM_MOE_KERNELS_LAYERS layers (default 2), one 16,384-token micro-batch per step, bf16,
-  # dropless, centred router with projection and bias balancing, 3 steps; the kernels of step 3
-  # (PLM_MOE_KERNELS_SKIP launches skipped, default: a first run counts them) timed by
-  # `ncu --metrics gpu__time_duration.sum` without touching clocks or caches
-  # (--clock-control none --cache-control none). moe_kernels.txt: the kernels by total time.
+if has kernels && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
+  # Where a layer's time goes, kernel by kernel (nsys cannot write reports on the lent
+  # machines; Nsight Compute's per-kernel duration can). PLM_KERNELS_RUNS (default "650m moe2b"):
+  # 650m = ESM-2 650M, moe2b = esm2_moe_2b_a650m (dropless, centred router with projection and
+  # bias balancing), each cut to PLM_KERNELS_LAYERS layers (default 2; every layer runs the same
+  # kernels), one 16,384-token micro-batch per step, bf16, 3 steps; the kernels of step 3 (the
+  # launches of a first, 2-step run skipped) timed by `ncu --metrics gpu__time_duration.sum`
+  # without touching clocks or caches (--clock-control none --cache-control none).
+  # kernels_<run>.txt: the kernels by total time; kernels_<run>.csv: ncu's rows.
   ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu /usr/local/cuda/bin/ncu 2>/dev/null | head -1)
-  mk=$(mktemp -d /tmp/plm-moek.XXXX)
-  layers=${PLM_MOE_KERNELS_LAYERS:-2}
-  mk_run() {  # steps run_dir [prefix...]
-    local steps=$1 dir=$2
-    shift 2
-    "$@" "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" --set data.train="$pkg/data/train.h5" \
-      --set data.valid= --set model.preset=esm2_moe_2b_a650m --set model.layers=$layers \
-      --set moe.router_init=centred --set moe.dropless=true --set moe.router_projection=true \
-      --set moe.bias_balance=true --set train.precision=bf16 --set data.micro_batch_tokens=16384 \
+  mk=$(mktemp -d /tmp/plm-kernels.XXXX)
+  layers=${PLM_KERNELS_LAYERS:-2}
+  mk_run() {  # run steps run_dir
+    local run=$1 steps=$2 dir=$3 model=()
+    [[ "$run" == moe2b ]] && model=(--set model.preset=esm2_moe_2b_a650m --set moe.router_init=centred
+      --set moe.dropless=true --set moe.router_projection=true --set moe.bias_balance=true)
+    "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" --set data.train="$pkg/data/train.h5" \
+      --set data.valid= "${model[@]}" --set model.layers=$layers \
+      --set train.precision=bf16 --set data.micro_batch_tokens=16384 \
       --set data.tokens_per_batch=16384 --set train.steps=$steps --set train.log_every=1 \
       --set train.eval_every=0 --set checkpoint.every=0 --set checkpoint.resume=none \
       --set train.run_dir="$dir"
   }
-  if [[ -z "$ncu_bin" ]]; then
-    note "moe_kernels: no ncu on this machine"
-  else
+  for run in ${PLM_KERNELS_RUNS:-650m moe2b}; do
+    if [[ -z "$ncu_bin" ]]; then
+      note "kernels: no ncu on this machine"
+      break
+    fi
     # Launches in steps 1-2 = launches of a 2-step run (the process's start-up launches included).
-    timeout 120 "$ncu_bin" --metrics gpu__time_duration.sum --clock-control none \
-      --cache-control none --csv --print-units base --log-file "$out/moe_kernels_count.csv" \
-      bash -c "$(declare -f mk_run); pkg='$pkg' repo='$repo' layers=$layers mk_run 2 '$mk/count'" \
-      > "$out/moe_kernels_count.log" 2>&1
-    note "moe_kernels: counting run rc=$?"
-    skip=${PLM_MOE_KERNELS_SKIP:-$(grep -c '"gpu__time_duration.sum"' "$out/moe_kernels_count.csv" 2>/dev/null)}
+    timeout 150 "$ncu_bin" --metrics gpu__time_duration.sum --clock-control none \
+      --cache-control none --csv --print-units base --log-file "$out/kernels_${run}_count.csv" \
+      bash -c "$(declare -f mk_run); pkg='$pkg' repo='$repo' layers=$layers mk_run $run 2 '$mk/count$run'" \
+      > "$out/kernels_${run}_count.log" 2>&1
+    note "kernels $run: counting run rc=$?"
+    skip=$(grep -c '"gpu__time_duration.sum"' "$out/kernels_${run}_count.csv" 2>/dev/null)
     timeout 200 "$ncu_bin" --metrics gpu__time_duration.sum --clock-control none \
       --cache-control none --csv --print-units base --launch-skip "${skip:-0}" \
-      --log-file "$out/moe_kernels.csv" \
-      bash -c "$(declare -f mk_run); pkg='$pkg' repo='$repo' layers=$layers mk_run 3 '$mk/run'" \
-      > "$out/moe_kernels_run.log" 2>&1
-    note "moe_kernels: timed run rc=$? (skipped $skip launches)"
-    python3 - "$out/moe_kernels.csv" > "$out/moe_kernels.txt" 2>&1 <<'PY'
+      --log-file "$out/kernels_$run.csv" \
+      bash -c "$(declare -f mk_run); pkg='$pkg' repo='$repo' layers=$layers mk_run $run 3 '$mk/run$run'" \
+      > "$out/kernels_${run}_run.log" 2>&1
+    note "kernels $run: timed run rc=$? (skipped $skip launches)"
+    python3 - "$out/kernels_$run.csv" > "$out/kernels_$run.txt" 2>&1 <<'PY'
 import csv, collections, sys
 rows = []
 with open(sys.argv[1]) as f:
@@ -1887,13 +1890,13 @@ for name, ns in rows:
     tot[short] += ns
     cnt[short] += 1
 all_ns = sum(tot.values())
-print("%d kernels, %.3f ms in all (one step, %s)" % (len(rows), all_ns / 1e6, sys.argv[1]))
+print("%d kernels, %.3f ms in all (one step)" % (len(rows), all_ns / 1e6))
 for k, v in sorted(tot.items(), key=lambda kv: -kv[1]):
     print("%9.3f ms %5.1f%% %5d x  %s" % (v / 1e6, 100 * v / all_ns, cnt[k], k))
 PY
-    head -45 "$out/moe_kernels.txt" | tee -a "$summary"
-    cp "$out/moe_kernels.txt" "$final_out/" 2>/dev/null
-  fi
+    head -40 "$out/kernels_$run.txt" | tee -a "$summary"
+    cp "$out/kernels_$run.txt" "$out/kernels_$run.csv" "$final_out/" 2>/dev/null
+  done
   rm -rf "$mk"
 fi
 
