@@ -16,6 +16,11 @@
 
 namespace plm::train {
 
+namespace {
+// Up to this many frozen ranges, maskGradients zeroes them one launch each.
+constexpr std::size_t kFewFrozenRanges = 8;
+}  // namespace
+
 std::vector<FrozenRange> esm2FrozenRanges(const std::vector<model::TensorInfo>& tensors,
                                           int hidden) {
   if (std::any_of(tensors.begin(), tensors.end(),
@@ -180,9 +185,16 @@ template <class P> void Optimizer<P>::shardMax(std::vector<float>& values) const
 }
 
 template <class P> void Optimizer<P>::maskGradients(const ExecSpace& space, View1<P> grads) const {
-  // Nothing frozen here (no adapters, no frozen encoder): no pass over every gradient (it took
-  // as long as AdamW's update in a measured MoE step).
-  if (layout_member.frozen.empty()) return;
+  // A few frozen ranges (the <pad> embedding row of every run) are zeroed range by range; a
+  // pass over every gradient and flag took as long as AdamW's update (ncu, one H200).  Many
+  // ranges (LoRA freezes every base tensor) take the one flag pass.
+  const auto& frozen = layout_member.frozen;
+  if (frozen.size() <= kFewFrozenRanges) {
+    for (const auto& r : frozen)
+      Kokkos::deep_copy(space, Kokkos::subview(grads, std::make_pair(r.offset, r.offset + r.size)),
+                        P(0));
+    return;
+  }
   auto flags = flags_member;
   plm::flatFor(
       "plm::train::maskGradients", space, 0, grads.extent(0), KOKKOS_LAMBDA(const std::int64_t i) {
