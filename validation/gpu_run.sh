@@ -174,8 +174,8 @@
 #         Each train.profile run's <run_dir>/profile_layers.tsv (GPU ms per layer and kind) is
 #         kept in logs.tgz as profile_layers_<name>.tsv.  PLM_PROFILE_RUNS="650m_det moe2b" runs
 #         only the runs named (650m_det 650m_nondet 650m_plain 650m_nondet_plain 650m_fp8 8m
-#         8m_plain 35m 35m_plain moe2b moe2b_grouped moe2b_loop 650m_16k); PLM_PROFILE_NSYS=0
-#         skips nsys
+#         8m_plain 35m 35m_plain moe2b moe2b_grouped moe2b_loop 650m_16k 3b_bf16 3b_fp8);
+#         PLM_PROFILE_NSYS=0 skips nsys
 #   fp8_cast: the FP8 cast kernels (issue 29, "FP8 without the cast tax"): test_gpu_fp8 (casts bit
 #         for bit against the host encoder in every variant, column sums bit for bit in the casts'
 #         order), test_gpu_fp8_fused (block cast with GELU against the separate passes) and
@@ -1078,6 +1078,12 @@ if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   done
   # Dense 650M at the MoE runs' micro-batches: the denominator of "MoE against dense".
   prof_run 650m_16k esm2_650m 20 16384 65536 true --set train.precision=bf16
+  # ESM-2 3B on one GPU through the trainer (the shipped deck shards over 8 GPUs: here shard 1,
+  # no recomputation, 4 x 16,384 tokens per step), bf16 and FP8 delayed.
+  for p3 in bf16 fp8; do
+    prof_run 3b_$p3 esm2_3b 12 16384 65536 false --set train.precision=$p3 \
+      --set parallel.shard_degree=1 --set model.recompute=none
+  done
   nsys_bin=""
   [[ "${PLM_PROFILE_NSYS:-1}" == 0 ]] || nsys_bin=$(command -v nsys || ls /opt/nvidia/nsight-systems/*/bin/nsys /usr/local/cuda/bin/nsys \
     /opt/nvidia/nsight-compute/*/host/target-linux-x64/nsys 2>/dev/null | head -1)
