@@ -77,6 +77,20 @@ plan::Rates unitRates() {
   return r;
 }
 
+/// The hand-checked step: small() at S = 5, 3 micro-batches of t = 1000 real tokens (m = 100
+/// labelled rows), unit rates.
+plan::Input handInput() {
+  plan::Input in;
+  in.model = small();
+  in.mean_seqlen = 5;
+  in.micro_batch_tokens = 1000;
+  in.fill = 1;
+  in.mask_prob = 0.1;
+  in.micro_batches = 3;
+  in.rates = unitRates();
+  return in;
+}
+
 double item(const std::vector<plan::Item>& items, const std::string& prefix) {
   for (const auto& i : items)
     if (i.name.rfind(prefix, 0) == 0) return i.value;
@@ -172,14 +186,7 @@ TEST(Plan, FlopsByHand) {
 
 TEST(Plan, TimeByHand) {
   // Unit rates (1 TFLOP/s with no size penalty, 1 GB/s), t = 1000 real tokens, m = 100 rows.
-  plan::Input in;
-  in.model = small();
-  in.mean_seqlen = 5;
-  in.micro_batch_tokens = 1000;
-  in.fill = 1;
-  in.mask_prob = 0.1;
-  in.micro_batches = 3;
-  in.rates = unitRates();
+  plan::Input in = handInput();
   const auto p = plan::makePlan(in);
   // GEMMs: 3 (6 L 8192 t + 6 (h^2 + V h) m) = 3 (98,304,000 + 1,248,000) FLOP at 1e12.
   EXPECT_NEAR(item(p.time, "GEMMs"), 3 * 99552000 / 1e12, 1e-15);
@@ -203,15 +210,8 @@ TEST(Plan, Fp8TimeByHand) {
   // move 3 bytes per element of the FP8 GEMMs' inputs (t (3h + f) per layer) and output
   // gradients (t (5h + f)), + 1 for the kept X^T (fp8.wgrad: fp8), + 2 for current scaling's
   // amax pass; layer recomputation casts the inputs again.
-  plan::Input in;
-  in.model = small();
+  plan::Input in = handInput();
   in.compute = Compute::Fp8;
-  in.mean_seqlen = 5;
-  in.micro_batch_tokens = 1000;
-  in.fill = 1;
-  in.mask_prob = 0.1;
-  in.micro_batches = 3;
-  in.rates = unitRates();
   in.rates.gemm_tflops_fp8 = 2;
   const double layer = 6 * 8192 * 1000.0, head = 6 * (32 * 32 + 33 * 32) * 100.0;
   const double in_elems = 1000.0 * (3 * 32 + 64), out_elems = 1000.0 * (5 * 32 + 64);
