@@ -174,7 +174,8 @@
 #         Each train.profile run's <run_dir>/profile_layers.tsv (GPU ms per layer and kind) is
 #         kept in logs.tgz as profile_layers_<name>.tsv.  PLM_PROFILE_RUNS="650m_det moe2b" runs
 #         only the runs named (650m_det 650m_nondet 650m_plain 650m_nondet_plain 650m_fp8 8m
-#         8m_plain 35m 35m_plain moe2b moe2b_grouped moe2b_loop 650m_16k 3b_bf16 3b_fp8);
+#         8m_plain 35m 35m_plain moe2b moe2b_plain moe2b_grouped moe2b_loop 650m_16k 650m_16k_plain
+#         3b_bf16 3b_fp8);
 #         PLM_PROFILE_NSYS=0 skips nsys
 #   fp8_cast: the FP8 cast kernels (issue 29, "FP8 without the cast tax"): test_gpu_fp8 (casts bit
 #         for bit against the host encoder in every variant, column sums bit for bit in the casts'
@@ -1070,7 +1071,13 @@ if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   prof_run moe2b esm2_650m 20 16384 65536 true --set train.precision=bf16 \
     --set model.preset=esm2_moe_2b_a650m --set moe.router_init=centred --set moe.dropless=true \
     --set parallel.expert_degree=1 --set moe.router_projection=true --set moe.bias_balance=true
-  for g in grouped loop; do  # the experts' GEMM path forced both ways (auto: forward loop, backward grouped)
+  # The same without train.profile (no per-kind events): the ratio to dense 650M as a user sees it.
+  prof_run moe2b_plain esm2_650m 20 16384 65536 false --set train.precision=bf16 \
+    --set model.preset=esm2_moe_2b_a650m --set moe.router_init=centred --set moe.dropless=true \
+    --set parallel.expert_degree=1 --set moe.router_projection=true --set moe.bias_balance=true
+  # The experts' GEMM path forced both ways (auto: here grouped both ways, the forward from the
+  # routing's device counts; loop: the host waits for the counts in every layer).
+  for g in grouped loop; do
     prof_run moe2b_$g esm2_650m 20 16384 65536 true --set train.precision=bf16 \
       --set model.preset=esm2_moe_2b_a650m --set moe.router_init=centred --set moe.dropless=true \
       --set parallel.expert_degree=1 --set moe.router_projection=true --set moe.bias_balance=true \
@@ -1078,6 +1085,7 @@ if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   done
   # Dense 650M at the MoE runs' micro-batches: the denominator of "MoE against dense".
   prof_run 650m_16k esm2_650m 20 16384 65536 true --set train.precision=bf16
+  prof_run 650m_16k_plain esm2_650m 20 16384 65536 false --set train.precision=bf16
   # ESM-2 3B on one GPU through the trainer (the shipped deck shards over 8 GPUs: here shard 1,
   # no recomputation, 4 x 16,384 tokens per step), bf16 and FP8 delayed.
   for p3 in bf16 fp8; do
@@ -1844,8 +1852,9 @@ if has kernels && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # Where a layer's time goes, kernel by kernel (nsys cannot write reports on the lent
   # machines; Nsight Compute's per-kernel duration can). PLM_KERNELS_RUNS (default "650m moe2b"):
   # 650m = ESM-2 650M, moe2b = esm2_moe_2b_a650m (dropless, centred router with projection and
-  # bias balancing), each cut to PLM_KERNELS_LAYERS layers (default 2; every layer runs the same
-  # kernels), one 16,384-token micro-batch per step, bf16, 3 steps; the kernels of step 3 (the
+  # bias balancing), 8m = ESM-2 8M (65,536-token micro-batches), each cut to PLM_KERNELS_LAYERS
+  # layers (default 2; every layer runs the same kernels), one 16,384-token micro-batch per step
+  # (8m: 65,536), bf16, 3 steps; the kernels of step 3 (the
   # launches of a first, 2-step run skipped) timed by `ncu --metrics gpu__time_duration.sum`
   # without touching clocks or caches (--clock-control none --cache-control none).
   # kernels_<run>.txt: the kernels by total time; kernels_<run>.csv: ncu's rows.
@@ -1853,13 +1862,14 @@ if has kernels && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   mk=$(mktemp -d /tmp/plm-kernels.XXXX)
   layers=${PLM_KERNELS_LAYERS:-2}
   mk_run() {  # run steps run_dir
-    local run=$1 steps=$2 dir=$3 model=()
+    local run=$1 steps=$2 dir=$3 model=() deck=esm2_650m micro=16384
     [[ "$run" == moe2b ]] && model=(--set model.preset=esm2_moe_2b_a650m --set moe.router_init=centred
       --set moe.dropless=true --set moe.router_projection=true --set moe.bias_balance=true)
-    "$pkg/bin/plm" train "$repo/inputs/esm2_650m.yaml" --set data.train="$pkg/data/train.h5" \
+    [[ "$run" == 8m ]] && deck=esm2_8m micro=65536
+    "$pkg/bin/plm" train "$repo/inputs/$deck.yaml" --set data.train="$pkg/data/train.h5" \
       --set data.valid= "${model[@]}" --set model.layers=$layers \
-      --set train.precision=bf16 --set data.micro_batch_tokens=16384 \
-      --set data.tokens_per_batch=16384 --set train.steps=$steps --set train.log_every=1 \
+      --set train.precision=bf16 --set data.micro_batch_tokens=$micro \
+      --set data.tokens_per_batch=$micro --set train.steps=$steps --set train.log_every=1 \
       --set train.eval_every=0 --set checkpoint.every=0 --set checkpoint.resume=none \
       --set train.run_dir="$dir"
   }

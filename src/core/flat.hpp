@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <string>
 #include <type_traits>
 
@@ -92,6 +93,20 @@ void flatFill(const ExecSpace& space, const Kokkos::View<T*, Props...>& view,
               const typename Kokkos::View<T*, Props...>::const_value_type& value,
               std::int64_t chunk = kFlatChunk) {
   const std::int64_t n = static_cast<std::int64_t>(view.extent(0));
+#if defined(KOKKOS_ENABLE_CUDA)
+  // Zero bits on the GPU: one memset on the space's stream, at the copy engines' rate (Kokkos
+  // 3.4's fill kernel wrote the gradient buffer at 0.42 TB/s on an H200).
+  if constexpr (std::is_same_v<ExecSpace, Kokkos::Cuda>) {
+    using V = std::remove_const_t<T>;
+    const V v(value), zero{};
+    if (n > 0 && std::memcmp(&v, &zero, sizeof(V)) == 0) {
+      if (cudaMemsetAsync(const_cast<V*>(view.data()), 0, static_cast<std::size_t>(n) * sizeof(V),
+                          space.cuda_stream()) != cudaSuccess)
+        Kokkos::abort("plm::flatFill: cudaMemsetAsync failed");
+      return;
+    }
+  }
+#endif
   if (n <= chunk) {
     Kokkos::deep_copy(space, view, value);
     return;

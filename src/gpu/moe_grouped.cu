@@ -26,6 +26,11 @@ void groupedRun(Stream, GroupedLayout, GroupedTile, const GroupedProblem*, int, 
       "plm::gpu: the grouped expert GEMM is not in this build (CUTLASS was not found when it "
       "was configured: run scripts/get-cutlass.sh and reconfigure, or set moe.expert_gemm: loop)");
 }
+void groupedRunDeviceRows(Stream stream, GroupedLayout, GroupedTile, const DeviceRowGroups& g,
+                          void*, std::size_t) {
+  groupedRun(stream, GroupedLayout::Forward, GroupedTile::Small, nullptr, g.groups, 0.0f, nullptr,
+             0);
+}
 }  // namespace detail
 #endif
 
@@ -67,6 +72,25 @@ __device__ __forceinline__ float geluTanh(float x) {
   return 0.5f * x * (1.0f + tanhf(c * (x + 0.044715f * x * x * x)));
 }
 
+/// pre(at..at+8) += bias(c..c+8) (bf16 rounded) and, unless act is nullptr, act = gelu_tanh(pre).
+__device__ __forceinline__ void biasGelu8(bfloat* pre, bfloat* act, std::int64_t at,
+                                          const bfloat* bias, int c) {
+  uint4 p = *reinterpret_cast<const uint4*>(pre + at);
+  auto* pv = reinterpret_cast<__nv_bfloat162*>(&p);
+  uint4 a;
+  auto* av = reinterpret_cast<__nv_bfloat162*>(&a);
+  for (int j = 0; j < 4; ++j) {
+    // The bias is read element by element: a parameter slice need not be 16-byte aligned.
+    const float2 x = __bfloat1622float2(pv[j]);
+    const float v0 = x.x + __bfloat162float(bias[c + 2 * j]);
+    const float v1 = x.y + __bfloat162float(bias[c + 2 * j + 1]);
+    pv[j] = __floats2bfloat162_rn(v0, v1);
+    av[j] = __floats2bfloat162_rn(geluTanh(v0), geluTanh(v1));
+  }
+  *reinterpret_cast<uint4*>(pre + at) = p;
+  if (act) *reinterpret_cast<uint4*>(act + at) = a;
+}
+
 /// Eight bf16 (16 bytes) per thread; blockIdx.y is the expert.
 __global__ void biasGeluKernel(RowBlocks blocks, bfloat* pre, bfloat* act, int cols) {
   const int e = blockIdx.y;
@@ -74,23 +98,39 @@ __global__ void biasGeluKernel(RowBlocks blocks, bfloat* pre, bfloat* act, int c
   const auto* bias = static_cast<const bfloat*>(blocks.ptr[e]);
   const int vec_cols = cols / 8;
   for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
+       i += std::int64_t(gridDim.x) * blockDim.x)
+    biasGelu8(pre, act, first * cols + i * 8, bias, static_cast<int>(i % vec_cols) * 8);
+}
+
+/// The per-expert biases of a launch whose row blocks only the device knows.
+struct ExpertBiases {
+  int groups = 0;
+  const void* ptr[kMaxGroups];
+};
+
+/// As biasGeluKernel over all `total` rows, each row's expert found from the first rows on the
+/// device (the last expert whose block starts at or before it: empty experts share their start
+/// with the next expert).
+__global__ void biasGeluRowsKernel(ExpertBiases biases, const std::int64_t* first,
+                                   std::int64_t total, bfloat* pre, bfloat* act, int cols) {
+  __shared__ std::int64_t start[kMaxGroups];
+  for (int e = threadIdx.x; e < biases.groups; e += blockDim.x) start[e] = first[e];
+  __syncthreads();
+  const int vec_cols = cols / 8;
+  const std::int64_t n = total * vec_cols;
+  for (std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x; i < n;
        i += std::int64_t(gridDim.x) * blockDim.x) {
-    const std::int64_t at = first * cols + i * 8;
-    const int c = static_cast<int>(i % vec_cols) * 8;
-    uint4 p = *reinterpret_cast<const uint4*>(pre + at);
-    auto* pv = reinterpret_cast<__nv_bfloat162*>(&p);
-    uint4 a;
-    auto* av = reinterpret_cast<__nv_bfloat162*>(&a);
-    for (int j = 0; j < 4; ++j) {
-      // The bias is read element by element: a parameter slice need not be 16-byte aligned.
-      const float2 x = __bfloat1622float2(pv[j]);
-      const float v0 = x.x + __bfloat162float(bias[c + 2 * j]);
-      const float v1 = x.y + __bfloat162float(bias[c + 2 * j + 1]);
-      pv[j] = __floats2bfloat162_rn(v0, v1);
-      av[j] = __floats2bfloat162_rn(geluTanh(v0), geluTanh(v1));
+    const std::int64_t row = i / vec_cols;
+    int lo = 0, hi = biases.groups - 1;
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (start[mid] <= row)
+        lo = mid;
+      else
+        hi = mid - 1;
     }
-    *reinterpret_cast<uint4*>(pre + at) = p;
-    if (act) *reinterpret_cast<uint4*>(act + at) = a;
+    biasGelu8(pre, act, i * 8, static_cast<const bfloat*>(biases.ptr[lo]),
+              static_cast<int>(i % vec_cols) * 8);
   }
 }
 
@@ -118,21 +158,31 @@ __device__ __forceinline__ void geluBackward8(uint4& d, const uint4& p) {
 // a row per load) take every kSumRowLanes-th row with kSumUnroll rows in flight per thread, added
 // in row order; a fixed tree adds the lanes; the slice's sums go to a scratch row.  2: per
 // expert and column, the slices' sums are added in slice order onto db.  The row slices give
-// the launch enough blocks to fill the GPU with 8 experts: at 650M-like the two sums read 2.3
+// the launch enough blocks to fill the GPU: at 650M-like with 8 experts the two sums read 2.3
 // TB/s on the H100 against 1.6 TB/s for one block per column tile and expert
-// (validation/gpu_logs/moeperf_h100).
+// (validation/gpu_logs/moeperf_h100).  A launch of few column tiles and experts (a dense layer's
+// bias, one "expert") takes more slices, up to kSumFillBlocks blocks in all: at ESM-2 8M's
+// 320 columns 16 slices made 32 blocks, which read 0.4 TB/s.
 constexpr int kSumThreads = 256;
 constexpr int kSumColLanes = 32;                          // a warp: 32 x 8 bf16 of one row
 constexpr int kSumCols = kSumColLanes * 8;                // 256 columns per block
 constexpr int kSumRowLanes = kSumThreads / kSumColLanes;  // 8
 constexpr int kSumUnroll = 4;
-constexpr int kSumMaxSlices = 16;            // row slices per expert, at most
+constexpr int kSumMinSlices = 16;            // row slices per expert allowed whatever the shape
+constexpr int kSumMaxSlices = 256;           // and at most
+constexpr int kSumFillBlocks = 528;          // blocks a launch aims at (4 per SM of an H100)
 constexpr std::int64_t kSumSliceRows = 256;  // rows per slice, at least (but for the last)
 
+/// The most row slices per expert a launch of `experts` experts and `cols` columns takes.
+int maxSumSlices(int experts, int cols) {
+  const int blocks = std::max(1, experts) * std::max(1, (cols + kSumCols - 1) / kSumCols);
+  return std::clamp((kSumFillBlocks + blocks - 1) / blocks, kSumMinSlices, kSumMaxSlices);
+}
+
 /// The row slices per expert for a launch whose largest expert has `most` rows.
-int sumSlices(std::int64_t most) {
-  return static_cast<int>(
-      std::clamp<std::int64_t>((most + kSumSliceRows - 1) / kSumSliceRows, 1, kSumMaxSlices));
+int sumSlices(std::int64_t most, int experts, int cols) {
+  return static_cast<int>(std::clamp<std::int64_t>((most + kSumSliceRows - 1) / kSumSliceRows, 1,
+                                                   maxSumSlices(experts, cols)));
 }
 
 /// Block (column tile, expert, slice); cols % 8 == 0; partial holds (experts x slices) rows of
@@ -290,6 +340,34 @@ std::vector<GroupedProblem> activationProblems(const std::vector<std::int64_t>& 
   });
 }
 
+/// As runGrouped for groups whose rows only the device knows.
+void runGroupedDeviceRows(Stream stream, GroupedLayout layout, const detail::DeviceRowGroups& g,
+                          void* workspace) {
+  const std::size_t per = gemmWorkspaceBytes(g.groups) / detail::kGroupedLayouts;
+  detail::groupedRunDeviceRows(stream, layout, groupedTile(layout), g,
+                               static_cast<char*>(workspace) + per * static_cast<int>(layout), per);
+}
+
+/// activationProblems with the row blocks on the device (`rows`).
+detail::DeviceRowGroups activationRowGroups(const DeviceRows& rows, int n, int k, const bf16* a,
+                                            const std::vector<ExpertWeights>& experts,
+                                            const bf16* ExpertWeights::*w, std::int64_t ldb,
+                                            bf16* d) {
+  detail::DeviceRowGroups g;
+  g.groups = static_cast<int>(experts.size());
+  g.n = n;
+  g.k = k;
+  g.rows = rows.rows;
+  g.first = rows.first;
+  g.a = a;
+  g.lda = k;
+  for (int e = 0; e < g.groups; ++e) g.b[e] = experts[e].*w;
+  g.ldb = ldb;
+  g.d = d;
+  g.ldd = n;
+  return g;
+}
+
 /// The weight-gradient GEMM (Wgrad layout) of every expert with rows: its gradient `dw` (m, n)
 /// += a^T b over its row blocks of a (rows, m) and b (rows, n).
 std::vector<GroupedProblem> weightProblems(const std::vector<std::int64_t>& rows, int m, int n,
@@ -312,6 +390,19 @@ void checkCall(const char* what, const std::vector<std::int64_t>& rows,
     throw Error(std::string("plm::gpu::") + what + ": " + std::to_string(rows.size()) +
                 " row counts and " + std::to_string(grads->size()) + " gradients for " +
                 std::to_string(experts.size()) + " experts (a bug)");
+  checkCols(hidden, what);
+  checkCols(ffn, what);
+  checkWorkspace(workspace_bytes, static_cast<int>(experts.size()), hidden, ffn, what);
+}
+
+/// checkCall's checks for a forward whose rows are on the device.
+void checkDeviceCall(const char* what, const DeviceRows& rows,
+                     const std::vector<ExpertWeights>& experts, int hidden, int ffn,
+                     std::size_t workspace_bytes) {
+  if (experts.size() > std::size_t(kMaxGroups) || (rows.total > 0 && (!rows.rows || !rows.first)))
+    throw Error(std::string("plm::gpu::") + what + ": " + std::to_string(experts.size()) +
+                " experts (at most " + std::to_string(kMaxGroups) +
+                ") or no device row counts (a bug in the caller)");
   checkCols(hidden, what);
   checkCols(ffn, what);
   checkWorkspace(workspace_bytes, static_cast<int>(experts.size()), hidden, ffn, what);
@@ -380,8 +471,8 @@ ExpertGemm chooseExpertGemm(ExpertGemm asked, int experts, int hidden, int ffn, 
 }
 
 std::size_t groupedExpertWorkspaceBytes(int experts, int hidden, int ffn) {
-  return gemmWorkspaceBytes(experts) +
-         expertBiasGradientWorkspaceBytes(experts, std::max(hidden, ffn));
+  return gemmWorkspaceBytes(experts) + std::max(expertBiasGradientWorkspaceBytes(experts, hidden),
+                                                expertBiasGradientWorkspaceBytes(experts, ffn));
 }
 
 void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias,
@@ -415,7 +506,7 @@ template <bool kGelu> void biasGradient(Stream stream, const std::vector<float*>
                 " needed (a bug: size it with expertBiasGradientWorkspaceBytes)");
   const RowBlocks b =
       rowBlocks(rows, reinterpret_cast<const void* const*>(db.data()), "expertBiasGradient");
-  const int slices = sumSlices(most);
+  const int slices = sumSlices(most, e_n, cols);
   auto* partial = static_cast<float*>(scratch);
   biasGradKernel<kGelu>
       <<<dim3((cols + kSumCols - 1) / kSumCols, b.groups, slices), kSumThreads, 0, stream>>>(
@@ -428,7 +519,8 @@ template <bool kGelu> void biasGradient(Stream stream, const std::vector<float*>
 }
 
 std::size_t expertBiasGradientWorkspaceBytes(int experts, int cols) {
-  return (std::size_t(experts) * kSumMaxSlices * std::max(cols, 0) * sizeof(float) + 255) / 256 *
+  return (std::size_t(experts) * maxSumSlices(experts, cols) * std::max(cols, 0) * sizeof(float) +
+          255) / 256 *
          256;
 }
 
@@ -457,6 +549,47 @@ void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& exper
   runGrouped(stream, GroupedLayout::Forward,
              activationProblems(rows, hidden, ffn, act, experts, &ExpertWeights::w2, ffn, y), 0.0f,
              workspace, e_n);
+  expertBiasGelu(stream, b2, rows, y, nullptr, hidden);
+}
+
+void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias, const DeviceRows& rows,
+                    bf16* pre, bf16* act, int cols) {
+  checkCols(cols, "expertBiasGelu");
+  if (rows.total == 0 || bias.empty()) return;
+  if (bias.size() > std::size_t(kMaxGroups))
+    throw Error("plm::gpu::expertBiasGelu: " + std::to_string(bias.size()) + " experts (at most " +
+                std::to_string(kMaxGroups) + "; a bug in the caller)");
+  ExpertBiases b;
+  b.groups = static_cast<int>(bias.size());
+  for (int e = 0; e < b.groups; ++e) b.ptr[e] = bias[e];
+  const std::int64_t per_block = 256;
+  const unsigned gx = static_cast<unsigned>(
+      std::min<std::int64_t>((rows.total * cols / 8 + per_block - 1) / per_block, 4096));
+  biasGeluRowsKernel<<<gx, per_block, 0, stream>>>(b, rows.first, rows.total,
+                                                   reinterpret_cast<bfloat*>(pre),
+                                                   reinterpret_cast<bfloat*>(act), cols);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& experts,
+                          const DeviceRows& rows, const bf16* x, bf16* pre, bf16* act, bf16* y,
+                          int hidden, int ffn, void* workspace, std::size_t workspace_bytes) {
+  checkDeviceCall("groupedExpertForward", rows, experts, hidden, ffn, workspace_bytes);
+  if (rows.total == 0 || experts.empty()) return;
+  const int e_n = static_cast<int>(experts.size());
+  runGroupedDeviceRows(
+      stream, GroupedLayout::Forward,
+      activationRowGroups(rows, ffn, hidden, x, experts, &ExpertWeights::w1, hidden, pre),
+      workspace);
+  std::vector<const bf16*> b1(e_n), b2(e_n);
+  for (int e = 0; e < e_n; ++e) {
+    b1[e] = experts[e].b1;
+    b2[e] = experts[e].b2;
+  }
+  expertBiasGelu(stream, b1, rows, pre, act, ffn);
+  runGroupedDeviceRows(
+      stream, GroupedLayout::Forward,
+      activationRowGroups(rows, hidden, ffn, act, experts, &ExpertWeights::w2, ffn, y), workspace);
   expertBiasGelu(stream, b2, rows, y, nullptr, hidden);
 }
 
@@ -511,6 +644,22 @@ void groupedSwigluExpertForward(Stream stream, const std::vector<ExpertWeights>&
   runGrouped(stream, GroupedLayout::Forward,
              activationProblems(rows, hidden, ffn, act, experts, &ExpertWeights::w2, ffn, y), 0.0f,
              workspace, e_n);
+}
+
+void groupedSwigluExpertForward(Stream stream, const std::vector<ExpertWeights>& experts,
+                                const DeviceRows& rows, const bf16* x, bf16* pre, bf16* act,
+                                bf16* y, int hidden, int ffn, void* workspace,
+                                std::size_t workspace_bytes) {
+  checkDeviceCall("groupedSwigluExpertForward", rows, experts, hidden, ffn, workspace_bytes);
+  if (rows.total == 0 || experts.empty()) return;
+  runGroupedDeviceRows(
+      stream, GroupedLayout::Forward,
+      activationRowGroups(rows, 2 * ffn, hidden, x, experts, &ExpertWeights::w1, hidden, pre),
+      workspace);
+  swigluForward(stream, pre, act, rows.total, ffn);
+  runGroupedDeviceRows(
+      stream, GroupedLayout::Forward,
+      activationRowGroups(rows, hidden, ffn, act, experts, &ExpertWeights::w2, ffn, y), workspace);
 }
 
 void groupedSwigluExpertBackward(Stream stream, const std::vector<ExpertWeights>& experts,

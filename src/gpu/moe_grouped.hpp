@@ -101,6 +101,29 @@ void groupedSwigluExpertBackward(Stream stream, const std::vector<ExpertWeights>
                                  bf16* dpre, bf16* dx, int hidden, int ffn, void* workspace,
                                  std::size_t workspace_bytes);
 
+/// The experts' row blocks as a dropless device routing leaves them (gpu::RouteBuffers::counts):
+/// expert e's `rows[e]` rows start at row `first[e]` (device arrays), `total` rows in all (known
+/// to the host: T k).  Forward calls given these launch without the host ever seeing the counts,
+/// so a layer's forward needs no synchronisation.
+struct DeviceRows {
+  const std::int64_t* rows = nullptr;   // (E) device
+  const std::int64_t* first = nullptr;  // (E) device
+  std::int64_t total = 0;
+};
+
+/// \brief groupedExpertForward with the row blocks on the device (bitwise the same results).
+void groupedExpertForward(Stream stream, const std::vector<ExpertWeights>& experts,
+                          const DeviceRows& rows, const bf16* x, bf16* pre, bf16* act, bf16* y,
+                          int hidden, int ffn, void* workspace, std::size_t workspace_bytes);
+/// \brief groupedSwigluExpertForward with the row blocks on the device.
+void groupedSwigluExpertForward(Stream stream, const std::vector<ExpertWeights>& experts,
+                                const DeviceRows& rows, const bf16* x, bf16* pre, bf16* act,
+                                bf16* y, int hidden, int ffn, void* workspace,
+                                std::size_t workspace_bytes);
+/// \brief expertBiasGelu over `rows.total` rows whose expert blocks are on the device.
+void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias, const DeviceRows& rows,
+                    bf16* pre, bf16* act, int cols);
+
 /// \brief Per expert e, rows [offset[e], offset[e] + rows[e]): pre = bf16(pre + b[e]),
 /// act = gelu_tanh(pre) (act may be nullptr: only the bias is added); cols a multiple of 8.
 void expertBiasGelu(Stream stream, const std::vector<const bf16*>& bias,

@@ -158,6 +158,24 @@ template <class K> __global__ void setupKernel(SetupArgs args, DeviceArrays<K> d
   d.sd[g] = strideOf<typename K::StrideD>(p.ldd);
 }
 
+/// The argument arrays of a DeviceRowGroups launch: the row counts and first rows read here.
+template <class K> __global__ void setupRowsKernel(DeviceRowGroups g, DeviceArrays<K> d) {
+  const int e = blockIdx.x * blockDim.x + threadIdx.x;
+  if (e >= g.groups) return;
+  using AB = typename K::ElementAB;
+  using D = typename K::Gemm::EpilogueOutputOp::ElementOutput;
+  const std::int64_t at = g.first[e];
+  d.shapes[e] = Shape3{static_cast<int>(g.rows[e]), g.n, g.k};
+  d.a[e] = static_cast<const AB*>(g.a) + at * g.lda;
+  d.b[e] = static_cast<const AB*>(g.b[e]);
+  d.d[e] = static_cast<D*>(g.d) + at * g.ldd;
+  d.c[e] = static_cast<typename K::CPtr>(static_cast<D*>(g.d) + at * g.ldd);
+  d.sa[e] = strideOf<typename K::StrideA>(g.lda);
+  d.sb[e] = strideOf<typename K::StrideB>(g.ldb);
+  d.sc[e] = strideOf<typename K::StrideC>(g.ldd);
+  d.sd[e] = strideOf<typename K::StrideD>(g.ldd);
+}
+
 int smCount() {
   static const int count = [] {
     int device = 0;
@@ -201,24 +219,18 @@ template <class K> std::size_t workspaceBytes(int groups) {
 
 const char* statusName(cutlass::Status s) { return cutlassGetStatusString(s); }
 
-template <class K> void runKernel(Stream stream, const GroupedProblem* problems, int groups,
-                                  float beta, void* workspace, std::size_t bytes,
-                                  const char* what) {
-  if (bytes < workspaceBytes<K>(groups))
+void checkWorkspaceOf(std::size_t have, std::size_t need, const char* what) {
+  if (have < need)
     throw Error(std::string("plm::gpu::groupedRun(") + what + "): workspace of " +
-                std::to_string(bytes) + " bytes, " + std::to_string(workspaceBytes<K>(groups)) +
+                std::to_string(have) + " bytes, " + std::to_string(need) +
                 " needed (a bug in the caller)");
-  SetupArgs setup;
-  setup.groups = groups;
-  std::vector<Shape3> host(groups);
-  for (int g = 0; g < groups; ++g) {
-    setup.p[g] = problems[g];
-    host[g] = Shape3{problems[g].m, problems[g].n, problems[g].k};
-  }
-  DeviceArrays<K> d = arraysOf<K>(workspace, groups);
-  setupKernel<K><<<(groups + 127) / 128, 128, 0, stream>>>(setup, d);
-  PLM_CHECK_CUDA(cudaGetLastError());
-  const auto args = argumentsOf<K>(d, groups, host.data(), beta);
+}
+
+/// CUTLASS's half of a launch whose argument arrays `d` are queued: host_shapes (or nullptr:
+/// shapes on the device only) lets CUTLASS check the problems and size its grid.
+template <class K> void launch(Stream stream, const DeviceArrays<K>& d, int groups,
+                               const Shape3* host_shapes, float beta, const char* what) {
+  const auto args = argumentsOf<K>(d, groups, host_shapes, beta);
   typename K::Gemm gemm;
   cutlass::Status s = gemm.can_implement(args);
   if (s != cutlass::Status::kSuccess)
@@ -231,6 +243,32 @@ template <class K> void runKernel(Stream stream, const GroupedProblem* problems,
     throw Error(std::string("plm::gpu::groupedRun(") + what +
                 "): CUTLASS failed: " + statusName(s));
   PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+template <class K> void runKernel(Stream stream, const GroupedProblem* problems, int groups,
+                                  float beta, void* workspace, std::size_t bytes,
+                                  const char* what) {
+  checkWorkspaceOf(bytes, workspaceBytes<K>(groups), what);
+  SetupArgs setup;
+  setup.groups = groups;
+  std::vector<Shape3> host(groups);
+  for (int g = 0; g < groups; ++g) {
+    setup.p[g] = problems[g];
+    host[g] = Shape3{problems[g].m, problems[g].n, problems[g].k};
+  }
+  DeviceArrays<K> d = arraysOf<K>(workspace, groups);
+  setupKernel<K><<<(groups + 127) / 128, 128, 0, stream>>>(setup, d);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  launch<K>(stream, d, groups, host.data(), beta, what);
+}
+
+template <class K> void runKernelDeviceRows(Stream stream, const DeviceRowGroups& g,
+                                            void* workspace, std::size_t bytes, const char* what) {
+  checkWorkspaceOf(bytes, workspaceBytes<K>(g.groups), what);
+  DeviceArrays<K> d = arraysOf<K>(workspace, g.groups);
+  setupRowsKernel<K><<<(g.groups + 127) / 128, 128, 0, stream>>>(g, d);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  launch<K>(stream, d, g.groups, nullptr, 0.0f, what);
 }
 
 }  // namespace
@@ -275,6 +313,27 @@ void groupedRun(Stream stream, GroupedLayout layout, GroupedTile tile,
       return run(DgradKernel<Small>{}, DgradKernel<Large>{}, 0.0f, "dgrad");
     case GroupedLayout::Wgrad:
       return run(WgradKernel<Small>{}, WgradKernel<Large>{}, beta, "wgrad");
+  }
+}
+
+void groupedRunDeviceRows(Stream stream, GroupedLayout layout, GroupedTile tile,
+                          const DeviceRowGroups& g, void* workspace, std::size_t workspace_bytes) {
+  if (g.groups == 0) return;
+  if (g.groups < 0 || g.groups > kMaxGroups || layout == GroupedLayout::Wgrad)
+    throw Error("plm::gpu::groupedRunDeviceRows: " + std::to_string(g.groups) +
+                " groups of layout " + std::to_string(static_cast<int>(layout)) +
+                " (at most " + std::to_string(kMaxGroups) +
+                ", Forward or Dgrad; a bug in the caller)");
+  const bool large = tile == GroupedTile::Large;
+  if (layout == GroupedLayout::Forward) {
+    if (large)
+      runKernelDeviceRows<ForwardKernel<Large>>(stream, g, workspace, workspace_bytes, "forward");
+    else
+      runKernelDeviceRows<ForwardKernel<Small>>(stream, g, workspace, workspace_bytes, "forward");
+  } else if (large) {
+    runKernelDeviceRows<DgradKernel<Large>>(stream, g, workspace, workspace_bytes, "dgrad");
+  } else {
+    runKernelDeviceRows<DgradKernel<Small>>(stream, g, workspace, workspace_bytes, "dgrad");
   }
 }
 

@@ -1297,7 +1297,13 @@ template <class T> struct Esm2<T>::Impl {
   }
 
   /// `context`: the pass is a context shard (its MoE layers reduce over the group).
+  /// Takes every MoE layer's pending routing summary (MoeMlp::settle).
+  void settleMoe() const {
+    for (const auto* block : moe_blocks) block->settle();
+  }
+
   void beginMoe(double loss_weight, double grad_scale, bool training, bool context = false) {
+    settleMoe();  // the last pass's router losses belong to its objective
     moe_step.context = context && !moe_blocks.empty() ? &moe_context : nullptr;
     moe_step.cu_seqlens = host_cu.empty() ? nullptr : &host_cu;
     moe_step.loss_weight = loss_weight;
@@ -1727,7 +1733,10 @@ template <class T> void Esm2<T>::holdWholeBuffers(bool params, bool grads) {
   }
 }
 
-template <class T> double Esm2<T>::routerLoss() const { return impl_member->moe_step.objective; }
+template <class T> double Esm2<T>::routerLoss() const {
+  impl_member->settleMoe();
+  return impl_member->moe_step.objective;
+}
 
 template <class T> std::vector<MoeLayerStats> Esm2<T>::moeStats() const {
   std::vector<MoeLayerStats> out;

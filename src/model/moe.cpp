@@ -423,6 +423,14 @@ template <class T> struct MoeMlp<T>::State {
   std::vector<double> device_prob_sum;  // (E) the device routing's probability sums
   double device_lse2_sum = 0;
   std::vector<double> seq_load;  // a context shard's whole-sequence loads (sequenceAux), else empty
+  // A forward whose experts ran from the device routing's own counts (runExpertsOnDevice) left
+  // its summary on the way: settle() takes it when the host first needs it (the backward, the
+  // next pass, the statistics), and adds then what the forward would have added to `pending`
+  // (nullptr: nothing, a rerun forward).
+  bool route_pending = false;
+  MoeStep* pending = nullptr;
+  bool pending_training = false;
+  double pending_weight = 0;
   View1<std::int64_t> counts_send_s, counts_recv_s;  // plan(): the count exchange's buffers
 #if PLM_HAVE_CUDA
   gpu::RouteArgs route_args;
@@ -447,6 +455,7 @@ template <class T> struct MoeMlp<T>::State {
   /// permutation of a dropless routing, the count exchange) overlaps the host's wait.
   void routeDeviceStart(OpContext& ctx, std::int64_t t_n) {
     PLM_TRACE("plm::moe route");
+    settle();  // the readback is about to be reused
 #if PLM_HAVE_CUDA
     const int e_n = c.experts, k = c.top_k;
     gpu::RouteArgs& a = route_args;
@@ -518,6 +527,66 @@ template <class T> struct MoeMlp<T>::State {
                   " (a bug)");
 #endif
   }
+  /// What a forward adds to the step once its routing is known: the router losses to the
+  /// objective (a context shard its token share) and, in training, the statistics.
+  void account(MoeStep& st, bool training, double loss_weight, std::int64_t t_n, double seq_aux) {
+    const Routing& r = routing;
+    const double share = !st.context ? 1.0
+                         : r.total_tokens > 0
+                             ? static_cast<double>(t_n) / static_cast<double>(r.total_tokens)
+                             : 0.0;
+    st.objective +=
+        share * loss_weight * (c.aux_loss * r.aux + c.z_loss * r.z + c.seq_aux_loss * seq_aux);
+    if (!training) return;
+    for (int e = 0; e < c.experts; ++e) stats.routed[e] += static_cast<double>(r.routed[e]);
+    stats.slots += static_cast<double>(t_n * c.top_k);
+    stats.dropped += static_cast<double>(r.dropped);
+    stats.aux += r.aux * t_n;
+    stats.z += r.z * t_n;
+    stats.entropy += r.entropy * t_n;
+    stats.tokens += static_cast<double>(t_n);
+  }
+
+  /// Takes a pending routing summary (see route_pending): the host's routing, the local row
+  /// counts and what the forward left to account.  Nothing when none is pending.
+  void settle() {
+    if (!route_pending) return;
+    route_pending = false;
+    routeDeviceFinish();
+    seq_load.clear();
+    local_rows = routing.kept;
+    if (pending) account(*pending, pending_training, pending_weight, tokens, 0.0);
+    pending = nullptr;
+  }
+
+  /// The experts' forward of a dropless device routing on one rank straight from the routing's
+  /// device counts (model::expertsForwardOnDevice), so the host does not wait for them: true
+  /// when it ran (the summary is then settled later), false when the counts must come first.
+  bool runExpertsOnDevice(OpContext& ctx, std::int64_t n) {
+#if PLM_HAVE_CUDA
+    const std::int64_t fe = c.expert_ffn, fp = c.swiglu() ? 2 * fe : fe;
+    pre = growAs(pre_s, n * fp, cdt, "plm::model::moe::pre");
+    act = growAs(act_s, n * fe, cdt, "plm::model::moe::act");
+    const DeviceExpertRows d{route_bufs.counts + c.experts, route_bufs.counts + 2 * c.experts, n};
+    if (!expertsForwardOnDevice(ctx, blocks(std::vector<std::int64_t>(local_experts, 0), false), d,
+                                rowsAs(xperm, cdt, 0, n, hidden), rowsAs(pre, cdt, 0, n, fp),
+                                rowsAs(act, cdt, 0, n, fe), rowsAs(y, cdt, 0, n, hidden),
+                                c.expert_gemm, c.expert_activation))
+      return false;
+    rows = n;
+    expert_rows = n;
+    self_n = 0;
+    exchanged = n;
+    xexp = xperm;
+    yexp = y;
+    return true;
+#else
+    (void)ctx;
+    (void)n;
+    return false;
+#endif
+  }
+
   /// The first n rows of the permutation (rows grouped by expert, token order within an expert:
   /// stable) gathered from h into xperm; y sized to match.
   void permute(OpContext& ctx, const Mat& h, std::int64_t n) {
@@ -1145,9 +1214,15 @@ template <class T> void MoeMlp<T>::relocate(const Relocation& r) {
   }
 }
 
-template <class T> const MoeLayerStats& MoeMlp<T>::stats() const { return state_member->stats; }
+template <class T> const MoeLayerStats& MoeMlp<T>::stats() const {
+  state_member->settle();
+  return state_member->stats;
+}
+
+template <class T> void MoeMlp<T>::settle() const { state_member->settle(); }
 
 template <class T> void MoeMlp<T>::resetStats() {
+  state_member->settle();
   auto& st = state_member->stats;
   const int layer = st.layer;
   const std::size_t e = st.routed.size();
@@ -1181,7 +1256,7 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   }
   s.routed_on_device = false;
   s.permuted_rows = -1;
-  bool planned = false;
+  bool planned = false, experts_done = false;
   if (s.deviceRouting()) {
     // The host waits for the routing's counts once per layer, while the GPU works: a dropless
     // routing keeps all t k slots, so the permutation is queued before the wait; under expert
@@ -1189,17 +1264,26 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
     ctx.mark(OpKind::Other);  // the router's input and GEMM
     s.routeDeviceStart(ctx, t_n);
     ctx.mark(OpKind::Route);
-    if (expertCapacity(c, t_n) == 0) {  // dropless: routeDeviceStart's capacity
+    const bool dropless = expertCapacity(c, t_n) == 0;  // routeDeviceStart's capacity
+    if (dropless) {
       s.permute(ctx, h, t_n * k);
       s.permuted_rows = t_n * k;
     }
-    // The count exchange straight from the device counts (plan(ctx, counts)) is not used: on
-    // one GPU with staged ranks it read counts that were not yet there (test_ckpt_moe_expert_
-    // parallel np2, 2026-11-29); the exchange runs after the summary, from the host's counts.
-    s.routeDeviceFinish();
-    if (!planned) ctx.mark(OpKind::Route);  // the GPU's idle time while the host waited
-    s.seq_load.clear();
-    if (s.step && s.step->context) s.reduceOverContext(ctx, s.routing, nullptr, nullptr);
+    // On one rank a dropless routing's experts run from its device counts and the host takes
+    // the summary later (settle).  The count exchange straight from the device counts
+    // (plan(ctx, counts)) is not used: on one GPU with staged ranks it read counts that were
+    // not yet there (test_ckpt_moe_expert_parallel np2, 2026-11-29); the exchange runs after
+    // the summary, from the host's counts.
+    experts_done = dropless && !s.distributed() && !(s.step && s.step->context) &&
+                   s.runExpertsOnDevice(ctx, t_n * k);
+    if (experts_done) {
+      s.route_pending = true;
+    } else {
+      s.routeDeviceFinish();
+      if (!planned) ctx.mark(OpKind::Route);  // the GPU's idle time while the host waited
+      s.seq_load.clear();
+      if (s.step && s.step->context) s.reduceOverContext(ctx, s.routing, nullptr, nullptr);
+    }
   } else {
     std::vector<T> host(t_n * e_n);
     Kokkos::deep_copy(space, Kokkos::View<T*, HostSpace>(host.data(), host.size()), s.logits);
@@ -1267,7 +1351,7 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
                      rowsAs(s.pre, cdt, sn, xn, fp), rowsAs(s.act, cdt, sn, xn, fe),
                      rowsAs(s.yexp, cdt, 0, xn, hid), c.expert_gemm, c.expert_activation);
     s.fromExperts(ctx, s.yexp, s.y);
-  } else {
+  } else if (!experts_done) {
     s.expert_rows = rows;
     s.local_rows = r.kept;
     s.self_n = 0;
@@ -1319,27 +1403,17 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   }
 
   if (s.step && !s.step->recomputing) {
-    double seq_aux = 0;
-    if (c.seq_aux_loss > 0 && s.step->cu_seqlens && !s.step->cu_seqlens->empty())
-      seq_aux = sequenceAux(r, s.step->cu_seqlens->data(),
-                            static_cast<int>(s.step->cu_seqlens->size()) - 1, 0.0, nullptr,
-                            s.seq_load.empty() ? nullptr : s.seq_load.data());
-    // A context shard adds its token share of the micro-batch's router losses.
-    const double share = !s.step->context ? 1.0
-                         : r.total_tokens > 0
-                             ? static_cast<double>(t_n) / static_cast<double>(r.total_tokens)
-                             : 0.0;
-    s.step->objective += share * s.step->loss_weight *
-                         (c.aux_loss * r.aux + c.z_loss * r.z + c.seq_aux_loss * seq_aux);
-    if (s.step->training) {
-      auto& st = s.stats;
-      for (int e = 0; e < e_n; ++e) st.routed[e] += static_cast<double>(r.routed[e]);
-      st.slots += static_cast<double>(t_n * k);
-      st.dropped += static_cast<double>(r.dropped);
-      st.aux += r.aux * t_n;
-      st.z += r.z * t_n;
-      st.entropy += r.entropy * t_n;
-      st.tokens += static_cast<double>(t_n);
+    if (s.route_pending) {
+      s.pending = s.step;
+      s.pending_training = s.step->training;
+      s.pending_weight = s.step->loss_weight;
+    } else {
+      double seq_aux = 0;
+      if (c.seq_aux_loss > 0 && s.step->cu_seqlens && !s.step->cu_seqlens->empty())
+        seq_aux = sequenceAux(r, s.step->cu_seqlens->data(),
+                              static_cast<int>(s.step->cu_seqlens->size()) - 1, 0.0, nullptr,
+                              s.seq_load.empty() ? nullptr : s.seq_load.data());
+      s.account(*s.step, s.step->training, s.step->loss_weight, t_n, seq_aux);
     }
   }
 }
@@ -1350,6 +1424,7 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
   auto& s = *state_member;
   const auto& space = ctx.space();
   const auto& c = s.c;
+  s.settle();
   const Routing& r = s.routing;
   const std::int64_t t_n = s.tokens, hid = s.hidden, e_n = c.experts, k = c.top_k;
   const std::int64_t fe = c.expert_ffn, fp = c.swiglu() ? 2 * fe : fe, rows = s.rows;

@@ -181,8 +181,14 @@ template <class T> class MoeMlp : public FfnBlock {
   void relocate(const Relocation& r) override;
 
   void setExpertParallel(const ExpertParallel& ep);
+  /// \brief The statistics so far (a pending routing summary taken first: settle).
   const MoeLayerStats& stats() const;
   void resetStats();
+  /// \brief Takes the routing summary a forward left on its way (a dropless device routing on
+  /// one rank runs its experts from the device counts and does not wait for it), adding its
+  /// router losses to the pass's objective and its statistics.  The backward, the next forward
+  /// and stats() call it; Esm2 also before it reads the objective or starts a pass.
+  void settle() const;
   /// \brief Adds rate * sign(mean - routed_e) (MoeConfig::bias_update Sign) or
   /// rate * (mean - routed_e) / mean (Proportional) to the expert bias, routed_e given over the
   /// whole step (all ranks).  Nothing without bias_balance.

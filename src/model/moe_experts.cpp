@@ -132,6 +132,39 @@ void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, cons
   }
 }
 
+bool expertsForwardOnDevice(OpContext& ctx, const std::vector<ExpertRows>& experts,
+                            const DeviceExpertRows& rows, const Mat& x, const Mat& pre,
+                            const Mat& act, const Mat& y, ExpertGemmMode mode,
+                            ExpertActivation activation) {
+#if PLM_HAVE_CUDA
+  const bool swiglu = activation == ExpertActivation::Swiglu;
+  const int fe = static_cast<int>(act.cols);
+  const bool shapes_ok = experts.size() <= static_cast<std::size_t>(gpu::kMaxRouteExperts) &&
+                         x.cols % 8 == 0 && fe % 8 == 0;
+  if (mode == ExpertGemmMode::Loop || !shapes_ok || !gpu::groupedExpertGemmAvailable() ||
+      !contiguousBf16(act) || !contiguousBf16(y) ||
+      !useGrouped(experts, x, pre, fe, false, ExpertGemmMode::Grouped, swiglu))
+    return false;
+  const GroupedCall c = groupedCall(ctx, experts, x, fe);
+  const gpu::DeviceRows d{rows.rows, rows.first, rows.total};
+  auto* p = static_cast<gpu::bf16*>(pre.data);
+  auto* a = static_cast<gpu::bf16*>(act.data);
+  auto* out = static_cast<gpu::bf16*>(y.data);
+  if (swiglu)
+    gpu::groupedSwigluExpertForward(ctx.space().cuda_stream(), c.w, d, as<gpu::bf16>(x.data), p, a,
+                                    out, static_cast<int>(x.cols), fe, c.workspace, c.bytes);
+  else
+    gpu::groupedExpertForward(ctx.space().cuda_stream(), c.w, d, as<gpu::bf16>(x.data), p, a, out,
+                              static_cast<int>(x.cols), fe, c.workspace, c.bytes);
+  ctx.mark(OpKind::Gemm);
+  return true;
+#else
+  (void)ctx, (void)experts, (void)rows, (void)x, (void)pre, (void)act, (void)y, (void)mode,
+      (void)activation;
+  return false;
+#endif
+}
+
 void expertsBackward(OpContext& ctx, const std::vector<ExpertRows>& experts, const Mat& x,
                      const Mat& pre, const Mat& act, const Mat& dy, const Mat& dpre, const Mat& dx,
                      ExpertGemmMode mode, ExpertActivation activation, const Mat& dact) {

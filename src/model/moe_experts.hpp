@@ -37,6 +37,25 @@ void expertsForward(OpContext& ctx, const std::vector<ExpertRows>& experts, cons
                     ExpertGemmMode mode = ExpertGemmMode::Auto,
                     ExpertActivation activation = ExpertActivation::Gelu);
 
+/// Row counts a device routing left on the device (CUDA; gpu::DeviceRows): expert i's rows[i]
+/// rows start at row first[i]; `total` rows in all.
+struct DeviceExpertRows {
+  const std::int64_t* rows = nullptr;
+  const std::int64_t* first = nullptr;
+  std::int64_t total = 0;
+};
+
+/// \brief expertsForward for experts whose row counts only the device holds (a dropless device
+/// routing), so the host need not wait for them: true when it ran (bf16 on CUDA where the
+/// grouped GEMM applies and `mode` is not Loop; Auto takes it whatever the expert count, since
+/// the loop would need the counts on the host), false when the caller must bring the counts to
+/// the host and call expertsForward.  ExpertRows::rows are not read.
+bool expertsForwardOnDevice(OpContext& ctx, const std::vector<ExpertRows>& experts,
+                            const DeviceExpertRows& rows, const Mat& x, const Mat& pre,
+                            const Mat& act, const Mat& y,
+                            ExpertGemmMode mode = ExpertGemmMode::Auto,
+                            ExpertActivation activation = ExpertActivation::Gelu);
+
 /// \brief The experts' backward from dy (sum rows, H): dpre = (dy W2) gelu'(pre),
 /// dx = dpre W1, and g->w2 += dy^T act, g->b2 += sum dy, g->w1 += dpre^T x, g->b1 += sum dpre.
 /// SwiGLU: dact = dy W2 (in `dact`, sum rows x F), dpre (sum rows, 2F) = swigluBackward,

@@ -6,6 +6,8 @@
 // of 8, 16 or 64 (partial tiles), with hidden and ffn multiples of 8 but not of the 64/128 tile
 // (136, 200).  A second case has 64 experts (fine-grained) with many empty ones.  Also the fp32
 // router GEMM (cuBLAS, gpu/sgemm.hpp) against its plain reference in all four transpositions.
+// The forwards are also run from row counts held on the device (gpu::DeviceRows, a dropless
+// routing's): the same bits as from the host's counts.
 // MoeGrouped.Swiglu* do the same for SwiGLU experts ([gate; up] in one grouped GEMM, the SiLU
 // gate, the down GEMM; backward dact, d[gate | up], dx and the two weight gradients).
 //
@@ -41,6 +43,25 @@ double geluTanhGrad(double x) {
 }
 
 bf16* bits(const DeviceBuffer<std::uint16_t>& b) { return reinterpret_cast<bf16*>(b.get()); }
+
+/// The row counts and first rows of `rows` on the device, as a dropless routing leaves them.
+struct DeviceRowsOf {
+  DeviceBuffer<std::int64_t> rows, first;
+  std::int64_t total;
+  explicit DeviceRowsOf(const std::vector<std::int64_t>& r)
+      : rows(r), first(firstRows(r)), total(std::accumulate(r.begin(), r.end(), std::int64_t(0))) {}
+  static std::vector<std::int64_t> firstRows(const std::vector<std::int64_t>& r) {
+    std::vector<std::int64_t> f(r.size(), 0);
+    for (std::size_t e = 1; e < r.size(); ++e) f[e] = f[e - 1] + r[e - 1];
+    return f;
+  }
+  DeviceRows view() const { return DeviceRows{rows.get(), first.get(), total}; }
+};
+
+/// Whether two device buffers hold the same bits.
+bool sameBits(const DeviceBuffer<std::uint16_t>& a, const DeviceBuffer<std::uint16_t>& b) {
+  return a.download() == b.download();
+}
 
 void checkGrouped(const std::vector<std::int64_t>& rows, int hidden, int ffn) {
   if (!groupedExpertGemmAvailable()) GTEST_SKIP() << "no CUTLASS build or not an sm_90 GPU";
@@ -99,6 +120,18 @@ void checkGrouped(const std::vector<std::int64_t>& rows, int hidden, int ffn) {
   const auto y_loop = test::downloadBf16(y_l);
   EXPECT_LT(relError(y_d, std::vector<double>(y_loop.begin(), y_loop.end())), 1e-2)
       << "grouped against the cuBLASLt loop";
+  {  // The same launches from row counts only the device holds: the same bits.
+    const DeviceRowsOf d(rows);
+    DeviceBuffer<std::uint16_t> pre_v(total * ffn), act_v(total * ffn), y_v(total * hidden);
+    pre_v.poison();
+    act_v.poison();
+    y_v.poison();
+    groupedExpertForward(nullptr, weights, d.view(), x.get(), bits(pre_v), bits(act_v), bits(y_v),
+                         hidden, ffn, ws.get(), ws_bytes);
+    EXPECT_TRUE(sameBits(pre, pre_v)) << "pre-activation, device row counts";
+    EXPECT_TRUE(sameBits(act, act_v)) << "GELU output, device row counts";
+    EXPECT_TRUE(sameBits(y, y_v)) << "expert output, device row counts";
+  }
 
   // Backward onto non-zero gradients (they accumulate).
   Bf16Tensor dy(test::randomNormal(total * hidden, 2));
@@ -222,6 +255,18 @@ void checkGroupedSwiglu(const std::vector<std::int64_t>& rows, int hidden, int f
   EXPECT_LT(relError(pre_d, pre_ref), 1e-2) << "[gate | up]";
   EXPECT_LT(relError(act_d, act_ref), 1e-2) << "silu(gate) * up";
   EXPECT_LT(relError(y_d, y_ref), 1e-2) << "expert output (from the device's act)";
+  {  // The same launches from row counts only the device holds: the same bits.
+    const DeviceRowsOf d(rows);
+    DeviceBuffer<std::uint16_t> pre_v(total * wide), act_v(total * ffn), y_v(total * hidden);
+    pre_v.poison();
+    act_v.poison();
+    y_v.poison();
+    groupedSwigluExpertForward(nullptr, weights, d.view(), x.get(), bits(pre_v), bits(act_v),
+                               bits(y_v), hidden, ffn, ws.get(), ws_bytes);
+    EXPECT_TRUE(sameBits(pre, pre_v)) << "[gate | up], device row counts";
+    EXPECT_TRUE(sameBits(act, act_v)) << "silu(gate) * up, device row counts";
+    EXPECT_TRUE(sameBits(y, y_v)) << "expert output, device row counts";
+  }
 
   Bf16Tensor dy(test::randomNormal(total * hidden, 4));
   std::deque<DeviceBuffer<float>> gw1, gw2;
@@ -303,6 +348,11 @@ TEST(MoeGrouped, EightExpertsRaggedRows) {
   checkGrouped({0, 1, 13, 64, 100, 0, 257, 7}, 136, 200);
 }
 
+TEST(MoeGrouped, LastExpertsEmptyAndOneExpertTakesAll) {
+  checkGrouped({5, 300, 0, 0}, 64, 40);
+  checkGrouped({0, 0, 0, 129}, 64, 40);
+}
+
 TEST(MoeGrouped, SixtyFourExpertsManyEmpty) {
   std::vector<std::int64_t> rows(64);
   for (int e = 0; e < 64; ++e) rows[e] = e % 5 == 0 ? 0 : (e * 37) % 61;
@@ -331,9 +381,9 @@ TEST(MoeGrouped, PerLayoutTiles) {
 }
 
 TEST(MoeGrouped, BiasGradientColumnSums) {
-  // Needs no CUTLASS.  An expert of 4,099 rows (16 row slices of 257: more than the kernel's
+  // Needs no CUTLASS.  An expert of 4,099 rows (17 row slices of 242: more than the kernel's
   // 4 x 8 rows in flight, not a multiple of them), experts whose last slices are short or empty
-  // (515, 130 and 1 rows in 16 slices), empty ones (untouched), 264 columns (a full 256-column
+  // (515, 130 and 1 rows in 17 slices), empty ones (untouched), 264 columns (a full 256-column
   // tile and a partial one); accumulated onto non-zero values; a second run from the same start
   // is bitwise equal.
   const std::vector<std::int64_t> rows = {0, 1, 4099, 515, 0, 130};
@@ -373,6 +423,28 @@ TEST(MoeGrouped, BiasGradientColumnSums) {
   EXPECT_THROW(expertBiasGradient(nullptr, ptr, rows, d.get(), cols, ws.get(), ws_bytes - 256),
                Error)
       << "workspace too small";
+}
+
+TEST(MoeGrouped, BiasGradientOfOneLargeBlock) {
+  // A dense layer's bias (one "expert", gpu/gemm.cu's bias pass): 70,001 rows of 320 columns
+  // take 256 row slices of 274 rows (the last short) so that the launch fills the GPU.
+  const std::vector<std::int64_t> rows = {70001};
+  const int cols = 320;
+  const std::size_t ws_bytes = expertBiasGradientWorkspaceBytes(1, cols);
+  EXPECT_EQ(ws_bytes, std::size_t(256) * cols * sizeof(float));
+  DeviceBuffer<char> ws(ws_bytes);
+  Bf16Tensor d(test::randomNormal(rows[0] * cols, 22));
+  const std::vector<float> g0 = test::randomNormal(cols, 41, 0.5f);
+  DeviceBuffer<float> db(g0);
+  expertBiasGradient(nullptr, {db.get()}, rows, d.get(), cols, ws.get(), ws_bytes);
+  std::vector<double> ref(g0.begin(), g0.end());
+  for (std::int64_t r = 0; r < rows[0]; ++r)
+    for (int c = 0; c < cols; ++c) ref[c] += d.values[r * cols + c];
+  const auto got = db.download();
+  EXPECT_LT(relError(got, ref), 1e-5);
+  db.upload(g0);
+  expertBiasGradient(nullptr, {db.get()}, rows, d.get(), cols, ws.get(), ws_bytes);
+  EXPECT_EQ(db.download(), got) << "rerun not bitwise equal";
 }
 
 TEST(MoeGrouped, ChoiceAndErrors) {

@@ -35,6 +35,22 @@ struct GroupedProblem {
 /// Most groups of one launch (the device routing's expert limit).
 constexpr int kMaxGroups = 256;
 
+/// The groups of one activation-GEMM launch (Forward or Dgrad layout) with their row counts
+/// on the device, as a dropless routing leaves them, so the host never waits for them: group g
+/// computes rows[g] rows (device value; 0 computes nothing) from A = a + first[g] lda and
+/// B = b[g] into D = d + first[g] ldd.
+struct DeviceRowGroups {
+  int groups = 0, n = 0, k = 0;
+  const std::int64_t* rows = nullptr;   // (groups) device
+  const std::int64_t* first = nullptr;  // (groups) device
+  const void* a = nullptr;
+  std::int64_t lda = 0;
+  const void* b[kMaxGroups] = {};
+  std::int64_t ldb = 0;
+  void* d = nullptr;
+  std::int64_t ldd = 0;
+};
+
 /// \brief True when this build holds the CUTLASS kernels (PLM_HAVE_CUTLASS).
 bool groupedCompiled();
 
@@ -50,4 +66,9 @@ void groupedRun(Stream stream, GroupedLayout layout, GroupedTile tile,
                 const GroupedProblem* problems, int groups, float beta, void* workspace,
                 std::size_t workspace_bytes);
 
+/// \brief As groupedRun for the groups of `g` (Forward or Dgrad layout): the setup kernel reads
+/// the row counts on the device and CUTLASS sees no host shapes (its persistent grid is one CTA
+/// per SM), so nothing waits for the counts.
+void groupedRunDeviceRows(Stream stream, GroupedLayout layout, GroupedTile tile,
+                          const DeviceRowGroups& g, void* workspace, std::size_t workspace_bytes);
 }  // namespace plm::gpu::detail
