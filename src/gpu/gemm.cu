@@ -428,6 +428,62 @@ double maxAbsDiff(Stream stream, const void* x, const void* y, DType type, std::
   return v;
 }
 
+// Candidates run once each on scratch outputs from the caller's D (copied in as C when
+// accumulating, else zeros) and compared with a reference run: the autotune's check that a
+// candidate computes the same product, and the split-K report's differences.
+class CandidateRun {
+ public:
+  explicit CandidateRun(const GemmArgs& g)
+      : g_(g), t_(g), d_bytes_(static_cast<std::size_t>(g.m) * g.ldd * typeBytes(g.d_type)) {
+    d_ref_ = scratch_.get(d_bytes_);
+    bias_ref_ = scratch_.get(static_cast<std::size_t>(g.m) * 4);
+    t_.d = scratch_.get(d_bytes_);
+    t_.bias_grad = scratch_.get(static_cast<std::size_t>(g.m) * 4);
+    bits_ = static_cast<unsigned*>(scratch_.get(sizeof(unsigned)));
+  }
+  bool ok() const { return scratch_.ok; }
+  /// The arguments every run uses (scratch D and bias gradient).
+  const GemmArgs& args() const { return t_; }
+  /// One run of `launch(args())` (true when it launched) from the caller's start.
+  template <class Launch> bool run(Stream stream, Launch&& launch) {
+    if (g_.beta != 0.0f && !g_.c)
+      PLM_CHECK_CUDA(cudaMemcpyAsync(t_.d, g_.d, d_bytes_, cudaMemcpyDeviceToDevice, stream));
+    else
+      PLM_CHECK_CUDA(cudaMemsetAsync(t_.d, 0, d_bytes_, stream));
+    PLM_CHECK_CUDA(cudaMemsetAsync(t_.bias_grad, 0, static_cast<std::size_t>(g_.m) * 4, stream));
+    return launch(t_);
+  }
+  /// The last run's outputs become the reference; returns max |D|.
+  double keepAsReference(Stream stream) {
+    PLM_CHECK_CUDA(cudaMemcpyAsync(d_ref_, t_.d, d_bytes_, cudaMemcpyDeviceToDevice, stream));
+    PLM_CHECK_CUDA(cudaMemcpyAsync(bias_ref_, t_.bias_grad, static_cast<std::size_t>(g_.m) * 4,
+                                   cudaMemcpyDeviceToDevice, stream));
+    bias_max_ = g_.epilogue == Epilogue::BGradA
+                    ? maxAbsDiff(stream, bias_ref_, nullptr, DType::F32, 1, g_.m, g_.m, bits_)
+                    : 0.0;
+    return maxAbsDiff(stream, d_ref_, nullptr, g_.d_type, g_.m, g_.n, g_.ldd, bits_);
+  }
+  /// max |D - reference| of the last run.
+  double diff(Stream stream) {
+    return maxAbsDiff(stream, t_.d, d_ref_, g_.d_type, g_.m, g_.n, g_.ldd, bits_);
+  }
+  /// max |bias gradient - reference| of the last run (0 without the BGradA epilogue).
+  double biasDiff(Stream stream) {
+    return g_.epilogue == Epilogue::BGradA
+               ? maxAbsDiff(stream, t_.bias_grad, bias_ref_, DType::F32, 1, g_.m, g_.m, bits_)
+               : 0.0;
+  }
+  double biasMax() const { return bias_max_; }
+
+ private:
+  GemmArgs g_, t_;
+  std::size_t d_bytes_;
+  Scratch scratch_;
+  void *d_ref_ = nullptr, *bias_ref_ = nullptr;
+  unsigned* bits_ = nullptr;
+  double bias_max_ = 0;
+};
+
 // One algorithm the plan may run: the heuristic's, or a split-K variant of one of them.
 struct Candidate {
   cublasLtMatmulAlgo_t algo{};
@@ -750,6 +806,48 @@ struct Gemm::Impl {
     p.streamk = c.streamk;
   }
 
+  // The fastest candidate (by `ms`) whose output agrees with heuristic #0's, or -1 when none
+  // ran.  Each is checked once from the caller's D: a split-K or epilogue variant that computes
+  // something else (a cuBLASLt split-K candidate accumulating into fp32 D with the bias-gradient
+  // epilogue did, on an H200 with CUDA 13) is logged and passed over.  Agreement: max |D - D0|
+  // within 2% of max |D0| for bf16 D (a rounding or two apart), 0.1% for fp32 D, the same for
+  // the bias gradient.  Leaves the stream idle.
+  int agreeingFastest(const Plan& p, const GemmArgs& g, Stream stream,
+                      const std::vector<Candidate>& algos, const std::vector<double>& ms) {
+    std::vector<int> order;
+    for (std::size_t i = 0; i < ms.size(); ++i)
+      if (ms[i] > 0) order.push_back(static_cast<int>(i));
+    std::stable_sort(order.begin(), order.end(), [&](int a, int b) { return ms[a] < ms[b]; });
+    if (order.empty() || order.front() == 0) return order.empty() ? -1 : 0;
+    CandidateRun check(g);
+    if (!check.ok()) return ms[0] > 0 ? 0 : -1;  // no memory to check: the heuristic's choice
+    const GemmArgs& t = check.args();
+    if (g.epilogue == Epilogue::BGradA)
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                      &t.bias_grad, sizeof(t.bias_grad)));
+    auto runOnce = [&](int i) {
+      return check.run(stream, [&](const GemmArgs& a) {
+        return launch(p, a, algos[i], stream) == CUBLAS_STATUS_SUCCESS;
+      });
+    };
+    if (ms[0] <= 0 || !runOnce(0)) return order.front();  // no reference: trust the timing
+    const double d_max = check.keepAsReference(stream);
+    const double tol = g.d_type == DType::F32 ? 1e-3 : 2e-2;
+    for (int i : order) {
+      if (i == 0) return 0;
+      if (!runOnce(i)) continue;
+      const double dd = check.diff(stream), db = check.biasDiff(stream);
+      if (dd <= tol * d_max && db <= 1e-3 * check.biasMax()) return i;
+      log::warn("gemm autotune: M=%lld N=%lld K=%lld candidate #%d (%d splits%s) differs from "
+                "the heuristic's first choice by %.3g in D (max |D| %.3g), %.3g in the bias "
+                "gradient; passed over",
+                static_cast<long long>(g.m), static_cast<long long>(g.n),
+                static_cast<long long>(g.k), i, algos[i].splits,
+                algos[i].streamk ? ", stream-K" : "", dd, d_max, db);
+    }
+    return 0;
+  }
+
   // train.gemm_autotune: replaces the heuristic's first choice in p by the cached or the
   // fastest candidate.  Inside a CUDA graph capture (no timing possible) p keeps the first.
   void autotune(Plan& p, const GemmArgs& g, Stream stream) {
@@ -786,12 +884,10 @@ struct Gemm::Impl {
     }
     TuneState::Choice c;
     c.heuristic_ms = ms[0];
-    for (std::size_t i = 0; i < ms.size(); ++i)
-      if (ms[i] > 0 && (c.tuned_ms < 0 || ms[i] < c.tuned_ms)) {
-        c.tuned_ms = ms[i];
-        c.index = static_cast<int>(i);
-      }
-    if (c.tuned_ms < 0) return;  // nothing ran: keep the first choice, tune no more
+    const int index = agreeingFastest(p, g, stream, algos, ms);
+    if (index < 0) return;  // nothing ran: keep the first choice, tune no more
+    c.index = index;
+    c.tuned_ms = ms[index];
     choose(p, algos[c.index]);
     s.choices[key] = c;
     appendTuneFile(s, key, c);
@@ -1088,31 +1184,19 @@ Gemm::SplitKReport Gemm::splitKReport(Stream stream, const GemmArgs& g) {
 
   // Differences: each candidate once from the caller's D (as C when accumulating) against
   // heuristic #0 run the same way.
-  const std::size_t d_bytes = static_cast<std::size_t>(g.m) * g.ldd * typeBytes(g.d_type);
-  Scratch scratch;
-  GemmArgs t = g;
-  void* d_ref = scratch.get(d_bytes);
-  void* bg_ref = scratch.get(static_cast<std::size_t>(g.m) * 4);
-  t.d = scratch.get(d_bytes);
-  t.bias_grad = scratch.get(static_cast<std::size_t>(g.m) * 4);
-  auto* bits = static_cast<unsigned*>(scratch.get(sizeof(unsigned)));
-  if (!scratch.ok) return report;
+  CandidateRun check(g);
+  if (!check.ok()) return report;
+  const GemmArgs& t = check.args();
   if (g.epilogue == Epilogue::BGradA)
     PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
                                                     &t.bias_grad, sizeof(t.bias_grad)));
   auto runOnce = [&](const Candidate& c) {
-    if (g.beta != 0.0f && !g.c)
-      PLM_CHECK_CUDA(cudaMemcpyAsync(t.d, g.d, d_bytes, cudaMemcpyDeviceToDevice, stream));
-    else
-      PLM_CHECK_CUDA(cudaMemsetAsync(t.d, 0, d_bytes, stream));
-    PLM_CHECK_CUDA(cudaMemsetAsync(t.bias_grad, 0, static_cast<std::size_t>(g.m) * 4, stream));
-    return impl.launch(p, t, c, stream) == CUBLAS_STATUS_SUCCESS;
+    return check.run(stream, [&](const GemmArgs& a) {
+      return impl.launch(p, a, c, stream) == CUBLAS_STATUS_SUCCESS;
+    });
   };
   if (!runOnce(algos[0])) return report;
-  PLM_CHECK_CUDA(cudaMemcpyAsync(d_ref, t.d, d_bytes, cudaMemcpyDeviceToDevice, stream));
-  PLM_CHECK_CUDA(cudaMemcpyAsync(bg_ref, t.bias_grad, static_cast<std::size_t>(g.m) * 4,
-                                 cudaMemcpyDeviceToDevice, stream));
-  report.ref_max = maxAbsDiff(stream, d_ref, nullptr, g.d_type, g.m, g.n, g.ldd, bits);
+  report.ref_max = check.keepAsReference(stream);
   // Rows: heuristic #0, the rule's choice, then the fastest variant of each split count.
   std::map<int, std::size_t> fastest;  // split count -> index of its fastest variant
   for (std::size_t i = 1; i < algos.size(); ++i) {
@@ -1137,9 +1221,8 @@ Gemm::SplitKReport Gemm::splitKReport(Stream stream, const GemmArgs& g) {
     row.base = algos[i].base;
     row.ms = ms[i];
     if (ms[i] > 0 && runOnce(algos[i])) {
-      row.max_diff = maxAbsDiff(stream, t.d, d_ref, g.d_type, g.m, g.n, g.ldd, bits);
-      if (g.epilogue == Epilogue::BGradA)
-        row.max_bias_diff = maxAbsDiff(stream, t.bias_grad, bg_ref, DType::F32, 1, g.m, g.m, bits);
+      row.max_diff = check.diff(stream);
+      row.max_bias_diff = check.biasDiff(stream);
     }
     report.rows.push_back(row);
   }
