@@ -176,7 +176,8 @@
 #         only the runs named (650m_det 650m_nondet 650m_plain 650m_nondet_plain 650m_fp8 8m
 #         8m_plain 35m 35m_plain moe2b moe2b_plain moe2b_grouped moe2b_loop 650m_16k 650m_16k_plain
 #         3b_bf16 3b_fp8);
-#         PLM_PROFILE_NSYS=0 skips nsys
+#         PLM_PROFILE_NSYS=0 skips nsys; PLM_PROFILE_EXTRA="--set KEY=VALUE ..." is added to every
+#         run (a variant of each, e.g. --set train.gemm_autotune=true)
 #   fp8_cast: the FP8 cast kernels (issue 29, "FP8 without the cast tax"): test_gpu_fp8 (casts bit
 #         for bit against the host encoder in every variant, column sums bit for bit in the casts'
 #         order), test_gpu_fp8_fused (block cast with GELU against the separate passes) and
@@ -1039,7 +1040,7 @@ prof_run() {  # name deck steps micro tokens_per_step profile [--set ...]
     --set data.valid= --set data.micro_batch_tokens=$micro --set data.tokens_per_batch=$tps \
     --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
     --set train.profile=$prof --set checkpoint.every=0 --set checkpoint.resume=none \
-    --set train.run_dir="$d" "$@" > "$out/profile_$name.log" 2>&1
+    --set train.run_dir="$d" "$@" ${PLM_PROFILE_EXTRA:-} > "$out/profile_$name.log" 2>&1
   local rc=$?
   cp "$d/metrics.jsonl" "$out/profile_$name.jsonl" 2>/dev/null  # into logs.tgz
   cp "$d/profile_layers.tsv" "$out/profile_layers_$name.tsv" 2>/dev/null

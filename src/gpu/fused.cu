@@ -140,12 +140,28 @@ __global__ void embeddingBackwardKernel(const std::uint8_t* ids, const bf16* dou
   __syncthreads();
   int c = blockIdx.y * 128 + threadIdx.x;
   if (c < cols) {
-    for (int i = 0; i < len; ++i) {
-      int id = ids[start + i];
-      if ((token_dropout && id == mask_id) || id == padding_id) continue;
-      acc[id * 128 + threadIdx.x] +=
-          scale * __bfloat162float(reinterpret_cast<const bfloat*>(dout)[(start + i) * cols + c]);
+    // Tokens in order (the sum's order is fixed), their loads kUnroll at a time in flight: one
+    // dependent load per token left the kernel waiting on memory (0.3 ms per 65,536-token
+    // micro-batch at ESM-2 8M's shape on an H200).
+    constexpr int kUnroll = 8;
+    const bfloat* col = reinterpret_cast<const bfloat*>(dout) + start * cols + c;
+    auto add = [&](int id, float v) {
+      if ((token_dropout && id == mask_id) || id == padding_id) return;
+      acc[id * 128 + threadIdx.x] += scale * v;
+    };
+    int i = 0;
+    for (; i + kUnroll <= len; i += kUnroll) {
+      int id[kUnroll];
+      float v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        id[u] = ids[start + i + u];
+        v[u] = __bfloat162float(col[static_cast<std::int64_t>(i + u) * cols]);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) add(id[u], v[u]);
     }
+    for (; i < len; ++i) add(ids[start + i], __bfloat162float(col[static_cast<std::int64_t>(i) * cols]));
   }
   __syncthreads();
   if (c < cols) {

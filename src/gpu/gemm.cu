@@ -187,8 +187,13 @@ struct TuneState {
   int candidates = 8;
   std::string file;
   struct Choice {
-    int index = 0;
+    int index = 0;  // in the candidate list of the shape it was tuned on (logged)
     double heuristic_ms = -1, tuned_ms = -1;
+    // What was chosen, so another shape of the same bucket finds it in its own list: the
+    // cuBLASLt algorithm's bytes and plm's variant flags.
+    cublasLtMatmulAlgo_t algo{};
+    int splits = 1;
+    bool bias_pass = false, streamk = false;
   };
   std::map<std::string, Choice> choices;  // read from the file and tuned in this process
   std::set<std::string> logged;
@@ -215,9 +220,20 @@ std::string deviceTag() {
   return name + "/sm" + std::to_string(prop.major * 10 + prop.minor);
 }
 
+// A token count's bucket in the autotune's key: with packed batches M (forward, dgrad) and K
+// (weight gradients) change with every micro-batch (65,391, 65,536, ...), so a key by the exact
+// size tuned again at every step.  Sizes from kTuneBucketFrom up share a key per kTuneBucket
+// (rounded up); smaller ones keep their own.
+constexpr std::int64_t kTuneBucketFrom = 8192, kTuneBucket = 2048;
+std::string tuneSize(std::int64_t x) {
+  if (x < kTuneBucketFrom) return std::to_string(x);
+  return "~" + std::to_string((x + kTuneBucket - 1) / kTuneBucket * kTuneBucket);
+}
+
 std::string tuneKey(const GemmArgs& g, const std::string& device) {
   std::ostringstream k;
-  k << "m=" << g.m << ",n=" << g.n << ",k=" << g.k << ",ta=" << g.trans_a << ",tb=" << g.trans_b
+  k << "m=" << tuneSize(g.m) << ",n=" << g.n << ",k=" << tuneSize(g.k) << ",ta=" << g.trans_a
+    << ",tb=" << g.trans_b
     << ",lda=" << g.lda << ",ldb=" << g.ldb << ",ldd=" << g.ldd << ",ldc=" << (g.c ? g.ldc : -1)
     << ",ldaux=" << g.ldaux << ",beta=" << (g.beta != 0.0f) << ",a=" << typeName(g.a_type)
     << ",b=" << typeName(g.b_type) << ",d=" << typeName(g.d_type)
@@ -245,21 +261,33 @@ void logChoice(const GemmArgs& g, const TuneState::Choice& c, int candidates, bo
       g.trans_a ? 'T' : 'N', g.trans_b ? 'T' : 'N', typeName(g.a_type), typeName(g.d_type),
       epilogueName(g.epilogue), c.heuristic_ms, c.index, c.tuned_ms,
       c.tuned_ms > 0 ? c.heuristic_ms / c.tuned_ms : 0.0,
-      cached ? " (from the cache file)"
+      cached ? " (chosen before for this size bucket)"
              : (" of " + std::to_string(candidates) + " candidates").c_str());
 }
 
+// One line per key: key, index, heuristic ms, tuned ms, splits, bias pass, stream-K, then the
+// algorithm's words in hex.  Lines of the older four-field form (an index only) are skipped:
+// their shape is tuned again.
 void loadTuneFile(TuneState& s) {
   if (s.file.empty()) return;
   std::ifstream in(s.file);
   std::string line;
+  constexpr int words = sizeof(cublasLtMatmulAlgo_t::data) / sizeof(std::uint64_t);
   while (std::getline(in, line)) {
     if (line.empty() || line[0] == '#') continue;
     std::istringstream fields(line);
     std::string key;
     TuneState::Choice c;
-    if (fields >> key >> c.index >> c.heuristic_ms >> c.tuned_ms && c.index >= 0)
-      s.choices[key] = c;
+    int bias_pass = 0, streamk = 0;
+    if (!(fields >> key >> c.index >> c.heuristic_ms >> c.tuned_ms >> c.splits >> bias_pass >>
+          streamk) ||
+        c.index < 0)
+      continue;
+    c.bias_pass = bias_pass != 0;
+    c.streamk = streamk != 0;
+    bool ok = true;
+    for (int w = 0; w < words && ok; ++w) ok = static_cast<bool>(fields >> std::hex >> c.algo.data[w]);
+    if (ok) s.choices[key] = c;
   }
 }
 
@@ -270,7 +298,10 @@ void appendTuneFile(const TuneState& s, const std::string& key, const TuneState:
     log::warn("gemm autotune: cannot append to %s; tuned choices stay in memory", s.file.c_str());
     return;
   }
-  out << key << ' ' << c.index << ' ' << c.heuristic_ms << ' ' << c.tuned_ms << '\n';
+  out << key << ' ' << c.index << ' ' << c.heuristic_ms << ' ' << c.tuned_ms << ' ' << c.splits
+      << ' ' << c.bias_pass << ' ' << c.streamk << std::hex;
+  for (std::uint64_t w : c.algo.data) out << ' ' << w;
+  out << std::dec << '\n';
 }
 
 // Device buffers the timed launches write instead of the caller's outputs.
@@ -799,6 +830,18 @@ struct Gemm::Impl {
     return ms;
   }
 
+  // The candidate of `algos` that a stored choice names (the same cuBLASLt algorithm bytes and
+  // variant), or -1.
+  static int findChoice(const std::vector<Candidate>& algos, const TuneState::Choice& c) {
+    for (std::size_t i = 0; i < algos.size(); ++i) {
+      const Candidate& a = algos[i];
+      if (a.splits == c.splits && a.bias_pass == c.bias_pass && a.streamk == c.streamk &&
+          (a.streamk || std::memcmp(&a.algo, &c.algo, sizeof(a.algo)) == 0))
+        return static_cast<int>(i);
+    }
+    return -1;
+  }
+
   void choose(Plan& p, const Candidate& c) {
     p.algo = c.algo;
     p.bias_pass = c.bias_pass;
@@ -862,10 +905,15 @@ struct Gemm::Impl {
              std::to_string(splitKState().force.load());
     auto it = s.choices.find(key);
     if (it != s.choices.end()) {
-      if (it->second.index < static_cast<int>(algos.size())) choose(p, algos[it->second.index]);
-      if (s.logged.insert(key).second)
-        logChoice(g, it->second, static_cast<int>(algos.size()), true);
-      return;
+      // Tuned on this bucket: the same algorithm from this shape's own list; a shape whose
+      // list lacks it is tuned itself (and becomes the bucket's choice).
+      const int at = findChoice(algos, it->second);
+      if (at >= 0) {
+        choose(p, algos[at]);
+        if (s.logged.insert(key).second)
+          logChoice(g, it->second, static_cast<int>(algos.size()), true);
+        return;
+      }
     }
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
@@ -888,6 +936,10 @@ struct Gemm::Impl {
     if (index < 0) return;  // nothing ran: keep the first choice, tune no more
     c.index = index;
     c.tuned_ms = ms[index];
+    c.algo = algos[index].algo;
+    c.splits = algos[index].splits;
+    c.bias_pass = algos[index].bias_pass;
+    c.streamk = algos[index].streamk;
     choose(p, algos[c.index]);
     s.choices[key] = c;
     appendTuneFile(s, key, c);

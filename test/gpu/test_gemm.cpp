@@ -148,6 +148,38 @@ TEST_P(GemmTest, AutotunedMatchesReference) {
   std::remove(file.c_str());
 }
 
+int lineCount(const std::string& file) {
+  std::ifstream in(file);
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) ++lines;
+  return lines;
+}
+
+TEST(GemmAutotune, SizesOfOneBucketShareTheirChoice) {
+  // Packed batches change M with every micro-batch.  9,000 and 9,100 rows share the size
+  // bucket ~10,240: the second shape takes the first one's algorithm from its own candidate
+  // list without timing (no new line); 4,000 rows (under 8,192: exact sizes) are tuned anew.
+  const std::string file = ::testing::TempDir() + "plm_gemm_autotune_bucket.txt";
+  std::remove(file.c_str());
+  setGemmAutotune(true, file);
+  Case c{"bucket", false, true, 9000, 256, 128, Epilogue::Bias, DType::BF16, 0.0f};
+  checkCase(c);
+  EXPECT_EQ(lineCount(file), 1);
+  c.m = 9100;
+  checkCase(c);
+  EXPECT_EQ(lineCount(file), 1) << "9,100 rows should reuse the choice tuned at 9,000";
+  c.m = 4000;
+  checkCase(c);
+  EXPECT_EQ(lineCount(file), 2) << "4,000 rows have a key of their own";
+  setGemmAutotune(true, file);  // read back: choices from the file, found by algorithm
+  c.m = 9050;
+  checkCase(c);
+  EXPECT_EQ(lineCount(file), 2);
+  setGemmAutotune(false);
+  std::remove(file.c_str());
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GemmTest,
     ::testing::Values(
