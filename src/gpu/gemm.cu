@@ -17,6 +17,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -190,8 +191,8 @@ struct TuneState {
     int index = 0;  // in the candidate list of the shape it was tuned on (logged)
     double heuristic_ms = -1, tuned_ms = -1;
     // What was chosen, so another shape of the same bucket finds it in its own list: the
-    // cuBLASLt algorithm's bytes and plm's variant flags.
-    cublasLtMatmulAlgo_t algo{};
+    // cuBLASLt algorithm's configuration (algoIdentity) and plm's variant flags.
+    std::array<long long, 9> algo{};
     int splits = 1;
     bool bias_pass = false, streamk = false;
   };
@@ -265,14 +266,36 @@ void logChoice(const GemmArgs& g, const TuneState::Choice& c, int candidates, bo
              : (" of " + std::to_string(candidates) + " candidates").c_str());
 }
 
+// A cuBLASLt algorithm's configuration, the same for the same kernel whatever the shape it was
+// returned for: id, tile, split-K count, reduction scheme, swizzle, custom option, stages,
+// inner shape and cluster shape.
+std::array<long long, 9> algoIdentity(const cublasLtMatmulAlgo_t& algo) {
+  std::array<long long, 9> id{};
+  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr, auto value) {
+    std::size_t written = 0;
+    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written) ==
+        CUBLAS_STATUS_SUCCESS)
+      id[static_cast<int>(attr)] = static_cast<long long>(value);
+  };
+  get(CUBLASLT_ALGO_CONFIG_ID, std::int32_t{});
+  get(CUBLASLT_ALGO_CONFIG_TILE_ID, std::uint32_t{});
+  get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, std::int32_t{});
+  get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, std::uint32_t{});
+  get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, std::uint32_t{});
+  get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, std::uint32_t{});
+  get(CUBLASLT_ALGO_CONFIG_STAGES_ID, std::uint32_t{});
+  get(CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, std::uint16_t{});
+  get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, std::uint16_t{});
+  return id;
+}
+
 // One line per key: key, index, heuristic ms, tuned ms, splits, bias pass, stream-K, then the
-// algorithm's words in hex.  Lines of the older four-field form (an index only) are skipped:
+// algorithm's nine configuration values (algoIdentity).  Lines of an older form are skipped:
 // their shape is tuned again.
 void loadTuneFile(TuneState& s) {
   if (s.file.empty()) return;
   std::ifstream in(s.file);
   std::string line;
-  constexpr int words = sizeof(cublasLtMatmulAlgo_t::data) / sizeof(std::uint64_t);
   while (std::getline(in, line)) {
     if (line.empty() || line[0] == '#') continue;
     std::istringstream fields(line);
@@ -286,7 +309,7 @@ void loadTuneFile(TuneState& s) {
     c.bias_pass = bias_pass != 0;
     c.streamk = streamk != 0;
     bool ok = true;
-    for (int w = 0; w < words && ok; ++w) ok = static_cast<bool>(fields >> std::hex >> c.algo.data[w]);
+    for (long long& v : c.algo) ok = ok && static_cast<bool>(fields >> v);
     if (ok) s.choices[key] = c;
   }
 }
@@ -299,9 +322,9 @@ void appendTuneFile(const TuneState& s, const std::string& key, const TuneState:
     return;
   }
   out << key << ' ' << c.index << ' ' << c.heuristic_ms << ' ' << c.tuned_ms << ' ' << c.splits
-      << ' ' << c.bias_pass << ' ' << c.streamk << std::hex;
-  for (std::uint64_t w : c.algo.data) out << ' ' << w;
-  out << std::dec << '\n';
+      << ' ' << c.bias_pass << ' ' << c.streamk;
+  for (long long v : c.algo) out << ' ' << v;
+  out << '\n';
 }
 
 // Device buffers the timed launches write instead of the caller's outputs.
@@ -470,9 +493,25 @@ class CandidateRun {
     bias_ref_ = scratch_.get(static_cast<std::size_t>(g.m) * 4);
     t_.d = scratch_.get(d_bytes_);
     t_.bias_grad = scratch_.get(static_cast<std::size_t>(g.m) * 4);
+    if (g.epilogue == Epilogue::BiasGeluAux)  // an output (DGelu reads the caller's)
+      t_.aux = scratch_.get(static_cast<std::size_t>(g.m) * g.ldaux * 2);
     bits_ = static_cast<unsigned*>(scratch_.get(sizeof(unsigned)));
   }
   bool ok() const { return scratch_.ok; }
+  /// Points `desc`'s epilogue at the runs' buffers (the bias read from the caller's; the bias
+  /// gradient and a written aux into scratch; DGelu's aux, an input, the caller's): the
+  /// pointers a timing left there may be freed.
+  void bind(cublasLtMatmulDesc_t desc) const {
+    if (g_.epilogue == Epilogue::Bias || g_.epilogue == Epilogue::BiasGeluAux)
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                      &t_.bias, sizeof(t_.bias)));
+    if (g_.epilogue == Epilogue::BGradA)
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
+                                                      &t_.bias_grad, sizeof(t_.bias_grad)));
+    if (g_.epilogue == Epilogue::BiasGeluAux || g_.epilogue == Epilogue::DGelu)
+      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(
+          desc, CUBLASLT_MATMUL_DESC_EPILOGUE_AUX_POINTER, &t_.aux, sizeof(t_.aux)));
+  }
   /// The arguments every run uses (scratch D and bias gradient).
   const GemmArgs& args() const { return t_; }
   /// One run of `launch(args())` (true when it launched) from the caller's start.
@@ -830,13 +869,13 @@ struct Gemm::Impl {
     return ms;
   }
 
-  // The candidate of `algos` that a stored choice names (the same cuBLASLt algorithm bytes and
+  // The candidate of `algos` that a stored choice names (the same cuBLASLt configuration and
   // variant), or -1.
   static int findChoice(const std::vector<Candidate>& algos, const TuneState::Choice& c) {
     for (std::size_t i = 0; i < algos.size(); ++i) {
       const Candidate& a = algos[i];
       if (a.splits == c.splits && a.bias_pass == c.bias_pass && a.streamk == c.streamk &&
-          (a.streamk || std::memcmp(&a.algo, &c.algo, sizeof(a.algo)) == 0))
+          (a.streamk || algoIdentity(a.algo) == c.algo))
         return static_cast<int>(i);
     }
     return -1;
@@ -864,10 +903,7 @@ struct Gemm::Impl {
     if (order.empty() || order.front() == 0) return order.empty() ? -1 : 0;
     CandidateRun check(g);
     if (!check.ok()) return ms[0] > 0 ? 0 : -1;  // no memory to check: the heuristic's choice
-    const GemmArgs& t = check.args();
-    if (g.epilogue == Epilogue::BGradA)
-      PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                      &t.bias_grad, sizeof(t.bias_grad)));
+    check.bind(p.desc);
     auto runOnce = [&](int i) {
       return check.run(stream, [&](const GemmArgs& a) {
         return launch(p, a, algos[i], stream) == CUBLAS_STATUS_SUCCESS;
@@ -936,7 +972,7 @@ struct Gemm::Impl {
     if (index < 0) return;  // nothing ran: keep the first choice, tune no more
     c.index = index;
     c.tuned_ms = ms[index];
-    c.algo = algos[index].algo;
+    c.algo = algoIdentity(algos[index].algo);
     c.splits = algos[index].splits;
     c.bias_pass = algos[index].bias_pass;
     c.streamk = algos[index].streamk;
@@ -1238,10 +1274,7 @@ Gemm::SplitKReport Gemm::splitKReport(Stream stream, const GemmArgs& g) {
   // heuristic #0 run the same way.
   CandidateRun check(g);
   if (!check.ok()) return report;
-  const GemmArgs& t = check.args();
-  if (g.epilogue == Epilogue::BGradA)
-    PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_BIAS_POINTER,
-                                                    &t.bias_grad, sizeof(t.bias_grad)));
+  check.bind(p.desc);
   auto runOnce = [&](const Candidate& c) {
     return check.run(stream, [&](const GemmArgs& a) {
       return impl.launch(p, a, c, stream) == CUBLAS_STATUS_SUCCESS;
