@@ -17,7 +17,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <array>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -190,9 +189,9 @@ struct TuneState {
   struct Choice {
     int index = 0;  // in the candidate list of the shape it was tuned on (logged)
     double heuristic_ms = -1, tuned_ms = -1;
-    // What was chosen, so another shape of the same bucket finds it in its own list: the
-    // cuBLASLt algorithm's configuration (algoIdentity) and plm's variant flags.
-    std::array<long long, 9> algo{};
+    // What was chosen, run again for every shape of the same bucket (cuBLASLt checks that the
+    // algorithm takes the shape): the algorithm and plm's variant flags.
+    cublasLtMatmulAlgo_t algo{};
     int splits = 1;
     bool bias_pass = false, streamk = false;
   };
@@ -221,14 +220,17 @@ std::string deviceTag() {
   return name + "/sm" + std::to_string(prop.major * 10 + prop.minor);
 }
 
-// A token count's bucket in the autotune's key: with packed batches M (forward, dgrad) and K
-// (weight gradients) change with every micro-batch (65,391, 65,536, ...), so a key by the exact
-// size tuned again at every step.  Sizes from kTuneBucketFrom up share a key per kTuneBucket
-// (rounded up); smaller ones keep their own.
-constexpr std::int64_t kTuneBucketFrom = 8192, kTuneBucket = 2048;
+// A token count's bucket in the autotune's key: with packed batches M (forward, dgrad, the LM
+// head's masked rows) and K (weight gradients) change with every micro-batch (65,391, 65,536,
+// ...), so a key by the exact size tuned again at every step.  Sizes from 1,024 up share a key
+// per eighth of their power of two (rounded up: 65,391 -> 65,536, 3,771 -> 3,840); smaller ones
+// keep their own.
 std::string tuneSize(std::int64_t x) {
-  if (x < kTuneBucketFrom) return std::to_string(x);
-  return "~" + std::to_string((x + kTuneBucket - 1) / kTuneBucket * kTuneBucket);
+  if (x < 1024) return std::to_string(x);
+  std::int64_t pow2 = 1024;
+  while (pow2 * 2 <= x) pow2 *= 2;
+  const std::int64_t step = pow2 / 8;
+  return "~" + std::to_string((x + step - 1) / step * step);
 }
 
 std::string tuneKey(const GemmArgs& g, const std::string& device) {
@@ -266,32 +268,9 @@ void logChoice(const GemmArgs& g, const TuneState::Choice& c, int candidates, bo
              : (" of " + std::to_string(candidates) + " candidates").c_str());
 }
 
-// A cuBLASLt algorithm's configuration, the same for the same kernel whatever the shape it was
-// returned for: id, tile, split-K count, reduction scheme, swizzle, custom option, stages,
-// inner shape and cluster shape.
-std::array<long long, 9> algoIdentity(const cublasLtMatmulAlgo_t& algo) {
-  std::array<long long, 9> id{};
-  auto get = [&](cublasLtMatmulAlgoConfigAttributes_t attr, auto value) {
-    std::size_t written = 0;
-    if (cublasLtMatmulAlgoConfigGetAttribute(&algo, attr, &value, sizeof(value), &written) ==
-        CUBLAS_STATUS_SUCCESS)
-      id[static_cast<int>(attr)] = static_cast<long long>(value);
-  };
-  get(CUBLASLT_ALGO_CONFIG_ID, std::int32_t{});
-  get(CUBLASLT_ALGO_CONFIG_TILE_ID, std::uint32_t{});
-  get(CUBLASLT_ALGO_CONFIG_SPLITK_NUM, std::int32_t{});
-  get(CUBLASLT_ALGO_CONFIG_REDUCTION_SCHEME, std::uint32_t{});
-  get(CUBLASLT_ALGO_CONFIG_CTA_SWIZZLING, std::uint32_t{});
-  get(CUBLASLT_ALGO_CONFIG_CUSTOM_OPTION, std::uint32_t{});
-  get(CUBLASLT_ALGO_CONFIG_STAGES_ID, std::uint32_t{});
-  get(CUBLASLT_ALGO_CONFIG_INNER_SHAPE_ID, std::uint16_t{});
-  get(CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID, std::uint16_t{});
-  return id;
-}
-
 // One line per key: key, index, heuristic ms, tuned ms, splits, bias pass, stream-K, then the
-// algorithm's nine configuration values (algoIdentity).  Lines of an older form are skipped:
-// their shape is tuned again.
+// algorithm's words (cublasLtMatmulAlgo_t::data).  Lines of an older form are skipped: their
+// shape is tuned again.
 void loadTuneFile(TuneState& s) {
   if (s.file.empty()) return;
   std::ifstream in(s.file);
@@ -309,7 +288,7 @@ void loadTuneFile(TuneState& s) {
     c.bias_pass = bias_pass != 0;
     c.streamk = streamk != 0;
     bool ok = true;
-    for (long long& v : c.algo) ok = ok && static_cast<bool>(fields >> v);
+    for (std::uint64_t& w : c.algo.data) ok = ok && static_cast<bool>(fields >> w);
     if (ok) s.choices[key] = c;
   }
 }
@@ -323,7 +302,7 @@ void appendTuneFile(const TuneState& s, const std::string& key, const TuneState:
   }
   out << key << ' ' << c.index << ' ' << c.heuristic_ms << ' ' << c.tuned_ms << ' ' << c.splits
       << ' ' << c.bias_pass << ' ' << c.streamk;
-  for (long long v : c.algo) out << ' ' << v;
+  for (std::uint64_t w : c.algo.data) out << ' ' << w;
   out << '\n';
 }
 
@@ -869,16 +848,23 @@ struct Gemm::Impl {
     return ms;
   }
 
-  // The candidate of `algos` that a stored choice names (the same cuBLASLt configuration and
-  // variant), or -1.
-  static int findChoice(const std::vector<Candidate>& algos, const TuneState::Choice& c) {
-    for (std::size_t i = 0; i < algos.size(); ++i) {
-      const Candidate& a = algos[i];
-      if (a.splits == c.splits && a.bias_pass == c.bias_pass && a.streamk == c.streamk &&
-          (a.streamk || algoIdentity(a.algo) == c.algo))
-        return static_cast<int>(i);
-    }
-    return -1;
+  // A stored choice as a candidate for plan p's shape when it takes it (cuBLASLt's check, the
+  // stream-K kernel's own), else false.
+  bool storedTakes(Plan& p, const GemmArgs& g, const TuneState::Choice& c, Stream stream,
+                   Candidate& out) {
+    if (c.streamk) return streamKOf(g, stream, out);
+    if (c.bias_pass && (g.epilogue != Epilogue::BGradA || !biasPassTakes(g))) return false;
+    const cublasLtMatmulDesc_t desc = c.bias_pass ? plainDesc(p, g) : p.desc;
+    cublasLtMatmulHeuristicResult_t check{};
+    if (cublasLtMatmulAlgoCheck(handle, desc, p.a, p.b, p.c, p.d, &c.algo, &check) !=
+            CUBLAS_STATUS_SUCCESS ||
+        check.workspaceSize > workspace_bytes)
+      return false;
+    out = Candidate{};
+    out.algo = c.algo;
+    out.splits = c.splits;
+    out.bias_pass = c.bias_pass;
+    return true;
   }
 
   void choose(Plan& p, const Candidate& c) {
@@ -932,8 +918,6 @@ struct Gemm::Impl {
   void autotune(Plan& p, const GemmArgs& g, Stream stream) {
     TuneState& s = tuneState();
     std::lock_guard<std::mutex> lock(s.mutex);
-    const auto algos = tuneCandidates(p, g, s.candidates, stream);
-    if (algos.empty()) return;
     // Split-K adds variants after the heuristic's list: an index means another algorithm then.
     std::string key = tuneKey(g, device);
     if (splitKState().mode != GemmSplit::Off)
@@ -941,16 +925,17 @@ struct Gemm::Impl {
              std::to_string(splitKState().force.load());
     auto it = s.choices.find(key);
     if (it != s.choices.end()) {
-      // Tuned on this bucket: the same algorithm from this shape's own list; a shape whose
-      // list lacks it is tuned itself (and becomes the bucket's choice).
-      const int at = findChoice(algos, it->second);
-      if (at >= 0) {
-        choose(p, algos[at]);
-        if (s.logged.insert(key).second)
-          logChoice(g, it->second, static_cast<int>(algos.size()), true);
+      // Tuned on this bucket: the same algorithm where it takes this shape, else this shape is
+      // tuned itself (and becomes the bucket's choice).
+      Candidate stored;
+      if (storedTakes(p, g, it->second, stream, stored)) {
+        choose(p, stored);
+        if (s.logged.insert(key).second) logChoice(g, it->second, 0, true);
         return;
       }
     }
+    const auto algos = tuneCandidates(p, g, s.candidates, stream);
+    if (algos.empty()) return;
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
     if (cudaStreamIsCapturing(stream, &capture) != cudaSuccess ||
         capture != cudaStreamCaptureStatusNone) {
@@ -972,7 +957,7 @@ struct Gemm::Impl {
     if (index < 0) return;  // nothing ran: keep the first choice, tune no more
     c.index = index;
     c.tuned_ms = ms[index];
-    c.algo = algoIdentity(algos[index].algo);
+    c.algo = algos[index].algo;
     c.splits = algos[index].splits;
     c.bias_pass = algos[index].bias_pass;
     c.streamk = algos[index].streamk;

@@ -158,8 +158,8 @@ int lineCount(const std::string& file) {
 
 TEST(GemmAutotune, SizesOfOneBucketShareTheirChoice) {
   // Packed batches change M with every micro-batch.  9,000 and 9,100 rows share the size
-  // bucket ~10,240: the second shape takes the first one's algorithm from its own candidate
-  // list without timing (no new line); 4,000 rows (under 8,192: exact sizes) are tuned anew.
+  // bucket ~9,216: the second shape runs the first one's algorithm without timing (no new
+  // line); 4,000 rows (bucket ~4,096) are tuned anew.
   const std::string file = ::testing::TempDir() + "plm_gemm_autotune_bucket.txt";
   std::remove(file.c_str());
   setGemmAutotune(true, file);
@@ -172,7 +172,7 @@ TEST(GemmAutotune, SizesOfOneBucketShareTheirChoice) {
   c.m = 4000;
   checkCase(c);
   EXPECT_EQ(lineCount(file), 2) << "4,000 rows have a key of their own";
-  setGemmAutotune(true, file);  // read back: choices from the file, found by algorithm
+  setGemmAutotune(true, file);  // read back: the choices come from the file
   c.m = 9050;
   checkCase(c);
   EXPECT_EQ(lineCount(file), 2);
