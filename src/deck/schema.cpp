@@ -257,10 +257,12 @@ const std::vector<KeySpec>& keys() {
        any(), {}},
       {"train", "gemm_autotune", K::boolean, "false",
        "Time up to 8 of cuBLASLt's candidate algorithms for each bf16 GEMM shape on its first "
-       "call (on scratch outputs) and keep the fastest; choices are logged (\"gemm autotune:\" "
-       "lines) and kept in <run_dir>/gemm_autotune.txt, read by the next run in that directory "
-       "so it skips the timing. Off by default: timing noise can pick a different algorithm in "
-       "a fresh run directory, so two such runs need not agree bit for bit. GPU runs only.",
+       "call (on scratch outputs; token counts by size bucket, so packed batches are tuned "
+       "once) and keep the fastest that agrees with cuBLASLt's first choice; choices are logged "
+       "(\"gemm autotune:\" lines) and kept in <run_dir>/gemm_autotune.txt, read by the next run "
+       "in that directory so it skips the timing. Off by default: timing noise can pick a "
+       "different algorithm in a fresh run directory, so two such runs need not agree bit for "
+       "bit. GPU runs only.",
        any(), {}},
       {"train", "gemm_split", K::text, "streamk",
        "How the bf16 GEMMs whose output has too few tiles to keep every SM busy (the weight "
