@@ -192,6 +192,44 @@ __global__ void combineGradientVec8Kernel(const bfloat* dx, const std::int32_t* 
   }
 }
 
+/// combineGradientVec8Kernel with the router's part formed per element from the router staged in
+/// shared memory (experts x hidden fp32): r = sum_e dl(t, e) W(e, c) in e order, then - v(c).
+__global__ void combineRouterVec8Kernel(const bfloat* dx, const std::int32_t* slot_row,
+                                        bfloat* dh, std::int64_t tokens, int k, int hidden,
+                                        const float* dl, const float* w, const float* v,
+                                        int experts) {
+  extern __shared__ float router[];  // (experts, hidden)
+  for (int i = threadIdx.x; i < experts * hidden; i += blockDim.x) router[i] = w[i];
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp;
+  for (std::int64_t t = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp; t < tokens;
+       t += std::int64_t(gridDim.x) * kWarpsPerBlock) {
+    const float* dlt = dl + t * experts;
+    for (int c = lane * 8; c < hidden; c += kWarp * 8) {
+      Vec8 acc{};
+      for (int e = 0; e < experts; ++e) {
+        const float g = dlt[e];
+        const float* we = router + e * hidden + c;
+        for (int i = 0; i < 8; ++i) acc.v[i] = fmaf(g, we[i], acc.v[i]);
+      }
+      if (v) {
+        const Vec8 vc = loadF32x8(v + c);
+        for (int i = 0; i < 8; ++i) acc.v[i] -= vc.v[i];
+      }
+      for (int j = 0; j < k; ++j) {
+        const std::int32_t p = slot_row[t * k + j];
+        if (p < 0) continue;
+        const Vec8 x = loadBf16x8(dx + std::int64_t(p) * hidden + c);
+        for (int i = 0; i < 8; ++i) acc.v[i] += x.v[i];
+      }
+      storeBf16x8(dh + t * hidden + c, acc);
+    }
+  }
+}
+
+/// The most shared memory a combine block stages the router in (opted in above 48 KiB).
+constexpr std::size_t kRouterSmemBytes = 160u << 10;
+
 std::atomic<bool>& scalarKernels() {
   static std::atomic<bool> scalar{false};
   return scalar;
@@ -254,6 +292,37 @@ void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_
   combineGradientKernel<<<blocksForTokens(tokens), kWarp * kWarpsPerBlock, 0, stream>>>(
       reinterpret_cast<const bfloat*>(dx), slot_row, reinterpret_cast<bfloat*>(dh), tokens, k,
       hidden, add);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+bool moeCombineTakesRouter(int hidden, int experts, std::initializer_list<const void*> ptrs) {
+  return experts > 0 && vec8(hidden, ptrs) &&
+         std::size_t(experts) * std::size_t(hidden) * sizeof(float) <= kRouterSmemBytes;
+}
+
+void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_row, bf16* dh,
+                        std::int64_t tokens, int k, int hidden, const RouterInputGradient& router) {
+  if (!moeCombineTakesRouter(hidden, router.experts, {dx, dh, router.v}))
+    throw Error("plm::gpu::moeCombineGradient: the router's part cannot be formed here (hidden " +
+                std::to_string(hidden) + ", " + std::to_string(router.experts) +
+                " experts; a bug in the caller: ask moeCombineTakesRouter)");
+  if (tokens == 0) return;
+  const std::size_t smem = std::size_t(router.experts) * hidden * sizeof(float);
+  static std::size_t opted = 0;  // the largest size this process opted in to
+  if (smem > (48u << 10) && smem > opted) {
+    PLM_CHECK_CUDA(cudaFuncSetAttribute(combineRouterVec8Kernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kRouterSmemBytes)));
+    opted = kRouterSmemBytes;
+  }
+  // Enough blocks to fill the GPU twice; each stages the router once and strides over tokens.
+  int device = 0, sms = 0;
+  PLM_CHECK_CUDA(cudaGetDevice(&device));
+  PLM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const unsigned blocks = std::min<unsigned>(blocksForTokens(tokens), unsigned(2 * sms));
+  combineRouterVec8Kernel<<<blocks, kWarp * kWarpsPerBlock, smem, stream>>>(
+      reinterpret_cast<const bfloat*>(dx), slot_row, reinterpret_cast<bfloat*>(dh), tokens, k,
+      hidden, router.dl, router.w, router.v, router.experts);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

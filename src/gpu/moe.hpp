@@ -19,6 +19,7 @@
 #include "gpu/gemm.hpp"
 
 #include <cstdint>
+#include <initializer_list>
 #include <vector>
 
 namespace plm::gpu {
@@ -40,6 +41,28 @@ void moeUnpermuteBackward(Stream stream, const bf16* dout, const bf16* y,
 /// add (tokens, hidden) fp32 is the router's input gradient, nullptr = 0.
 void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_row, bf16* dh,
                         std::int64_t tokens, int k, int hidden, const float* add = nullptr);
+
+/// The router's input gradient of a token, formed where the combine needs it instead of in a
+/// (tokens, hidden) fp32 buffer: r(t) = dl(t) W - v, dl (tokens, experts) fp32 the logits'
+/// gradient, W (experts, hidden) fp32 the router the pass routed with, v (hidden) fp32 the
+/// projection's per-column correction or nullptr (device pointers).
+struct RouterInputGradient {
+  const float* dl = nullptr;
+  const float* w = nullptr;
+  const float* v = nullptr;
+  int experts = 0;
+};
+
+/// \brief Whether moeCombineGradient with a RouterInputGradient takes this shape (hidden a
+/// multiple of 8, 16-byte aligned rows, the router (experts x hidden fp32) in one block's shared
+/// memory); where not, form the router's part apart and pass it as `add`.
+bool moeCombineTakesRouter(int hidden, int experts,
+                           std::initializer_list<const void*> ptrs);
+/// \brief dh(t) = r(t) + sum over the kept slots of token t of dx(row), r(t) = sum over e (in
+/// order) of dl(t, e) W(e) then minus v (fp32; the same order as forming r in a buffer first),
+/// bf16 out.  Throws plm::Error where moeCombineTakesRouter is false.
+void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_row, bf16* dh,
+                        std::int64_t tokens, int k, int hidden, const RouterInputGradient& router);
 
 /// One expert's bf16 weights (device pointers): W1 (ffn, hidden), b1 (ffn), W2 (hidden, ffn),
 /// b2 (hidden).

@@ -413,7 +413,7 @@ template <class T> struct MoeMlp<T>::State {
   View2<T> route_w;
   // The projection's backward (projectionBackward): X s and G (W s) / |s|^2 (T), X^T of the
   // latter and the input gradient every token shares (H), G^T X s (E), a dot product (1).
-  View1<T> proj_xs_s, proj_gw_s, proj_xg_s, proj_gx_s;
+  View1<T> proj_xs_s, proj_gw_s, proj_xg_s, proj_gx_s, proj_vf_s;
   View1<double> proj_v_s, proj_dot_s;
   bool step_sum_live = false;  // step_sum_s holds sums not yet taken
 
@@ -686,8 +686,11 @@ template <class T> struct MoeMlp<T>::State {
   /// extra input gradient v = -P (X^T G (W s) / |s|^2 + W^T G^T (X s) / |s|^2), added to
   /// `dx` (T, H); and dW = G^T X P, so (G^T X s)(s^T) / |s|^2 is taken off dW (the caller added
   /// G^T X).  All on the device; sums in the master type, scalars in double.
-  void projectionBackward(OpContext& ctx, const View2<T>& x, const View2<T>& dl,
-                          const View2<T>& dx) {
+  ///
+  /// With `dx` empty the correction is not applied but returned (H, in the master type), for a
+  /// caller that subtracts it where it forms the input gradient (gpu::RouterInputGradient).
+  View1<T> projectionBackward(OpContext& ctx, const View2<T>& x, const View2<T>& dl,
+                              const View2<T>& dx) {
     const auto& space = ctx.space();
     const std::int64_t t_n = x.extent(0), cols = x.extent(1), e_n = c.experts;
     const View1<T> sum(batch_sum_s.data(), cols);
@@ -736,15 +739,24 @@ template <class T> struct MoeMlp<T>::State {
           const double n2 = wm(e_n);
           v(i) = n2 > 0 ? v(i) - static_cast<double>(sum(i)) * dot(0) / n2 : 0.0;
         });
-    using Team = Kokkos::TeamPolicy<ExecSpace>;
-    Kokkos::parallel_for(
-        "plm::model::moe::projection_dx", Team(space, t_n, Kokkos::AUTO),
-        KOKKOS_LAMBDA(const Team::member_type& team) {
-          const std::int64_t t = team.league_rank();
-          Kokkos::parallel_for(Kokkos::TeamThreadRange(team, cols), [&](const std::int64_t i) {
-            dx(t, i) = static_cast<T>(static_cast<double>(dx(t, i)) - v(i));
+    View1<T> vf;
+    if (dx.data() != nullptr) {
+      using Team = Kokkos::TeamPolicy<ExecSpace>;
+      Kokkos::parallel_for(
+          "plm::model::moe::projection_dx", Team(space, t_n, Kokkos::AUTO),
+          KOKKOS_LAMBDA(const Team::member_type& team) {
+            const std::int64_t t = team.league_rank();
+            Kokkos::parallel_for(Kokkos::TeamThreadRange(team, cols), [&](const std::int64_t i) {
+              dx(t, i) = static_cast<T>(static_cast<double>(dx(t, i)) - v(i));
+            });
           });
-        });
+    } else {
+      vf = grow(proj_vf_s, cols, "plm::model::moe::projection_v_master");
+      const View1<T> out = vf;
+      Kokkos::parallel_for(
+          "plm::model::moe::projection_v_master", FlatPolicy(space, 0, cols),
+          KOKKOS_LAMBDA(const std::int64_t i) { out(i) = static_cast<T>(v(i)); });
+    }
     const View2<T> dw = g.router.template view<T>();
     Kokkos::parallel_for(
         "plm::model::moe::projection_dw", FlatPolicy(space, 0, e_n * cols),
@@ -756,6 +768,7 @@ template <class T> struct MoeMlp<T>::State {
                 static_cast<T>(static_cast<double>(dw(e, i)) -
                                static_cast<double>(gx(e)) * static_cast<double>(sum(i)) / n2);
         });
+    return vf;
   }
 
   /// A MoeStep::centring pass: adds the router input x (T, H) to input_sums and returns the
@@ -1550,20 +1563,32 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
     // dh (bf16) = sum over a token's kept slots of dx + dlogits Wr, the router part in fp32.
 #if PLM_HAVE_CUDA
     if constexpr (std::is_same_v<T, float>) {
-      View1<T> dhr = grow(s.dhr_s, t_n * hid, "plm::model::moe::dh_router");
+      const View2<T> wr = s.routeWeights();
+      const bool projected = s.route_w.data() != nullptr;
+      // The router's input gradient dl Wr (minus the projection's correction) is formed inside
+      // the combine where the router fits a block's shared memory (no (T, H) fp32 buffer
+      // written and read back), else by a GEMM into one.
+      const bool in_combine = gpu::moeCombineTakesRouter(
+          static_cast<int>(hid), static_cast<int>(e_n), {dx.data(), bf16Data(dh)});
+      View1<T> dhr, v;
+      if (!in_combine) dhr = grow(s.dhr_s, t_n * hid, "plm::model::moe::dh_router");
       if (t_n > 0) {
         gemm(space, Trans::T, Trans::N, T(1), dl2, s.routerInput(ctx, h, true), T(1),
              s.g.router.template view<T>());
-        gemm(space, Trans::N, Trans::N, T(1), dl2, s.routeWeights(), T(0),
-             View2<T>(dhr.data(), t_n, hid));
-        if (s.route_w.data() != nullptr)
-          s.projectionBackward(ctx, s.routerInput(ctx, h, true), dl2,
-                               View2<T>(dhr.data(), t_n, hid));
+        const View2<T> dhr2 = in_combine ? View2<T>() : View2<T>(dhr.data(), t_n, hid);
+        if (!in_combine) gemm(space, Trans::N, Trans::N, T(1), dl2, wr, T(0), dhr2);
+        if (projected) v = s.projectionBackward(ctx, s.routerInput(ctx, h, true), dl2, dhr2);
       }
       ctx.mark(OpKind::Other);  // the router's GEMMs
-      gpu::moeCombineGradient(space.cuda_stream(), reinterpret_cast<const gpu::bf16*>(dx.data()),
-                              s.slot_row.data(), bf16Data(dh), t_n, static_cast<int>(k),
-                              static_cast<int>(hid), dhr.data());
+      if (in_combine)
+        gpu::moeCombineGradient(
+            space.cuda_stream(), reinterpret_cast<const gpu::bf16*>(dx.data()), s.slot_row.data(),
+            bf16Data(dh), t_n, static_cast<int>(k), static_cast<int>(hid),
+            gpu::RouterInputGradient{dl2.data(), wr.data(), v.data(), static_cast<int>(e_n)});
+      else
+        gpu::moeCombineGradient(space.cuda_stream(), reinterpret_cast<const gpu::bf16*>(dx.data()),
+                                s.slot_row.data(), bf16Data(dh), t_n, static_cast<int>(k),
+                                static_cast<int>(hid), dhr.data());
       ctx.mark(OpKind::Route);
     }
 #endif

@@ -145,6 +145,30 @@ void checkKernels() {
                      k, hidden, add.get());
   for (std::size_t i = 0; i < dh_ref.size(); ++i) dh_ref[i] += add0[i];
   EXPECT_LT(test::relError(test::downloadBf16(dh), dh_ref), 5e-3) << "combine with the addend";
+
+  // With the router's input gradient formed in the pass: dl (tokens, 5) W (5, hidden) - v.
+  if (!moeCombineTakesRouter(hidden, 5, {dx.get(), dh.get()})) return;  // the scalar kernels
+  const int router_e = 5;
+  const auto dl0 = test::randomNormal(tokens * router_e, 7);
+  const auto w0 = test::randomNormal(router_e * hidden, 8, 0.2f);
+  const auto v0 = test::randomNormal(hidden, 9, 0.1f);
+  DeviceBuffer<float> dl_d(dl0), w_d(w0), v_d(v0);
+  std::vector<double> with_v = dh_ref, without_v = dh_ref;
+  for (int t = 0; t < tokens; ++t)
+    for (int o = 0; o < hidden; ++o) {
+      double r = 0;
+      for (int e = 0; e < router_e; ++e)
+        r += double(dl0[t * router_e + e]) * w0[e * hidden + o];
+      const std::size_t i = std::size_t(t) * hidden + o;
+      with_v[i] = dh_ref[i] - add0[i] + r - v0[o];
+      without_v[i] = dh_ref[i] - add0[i] + r;
+    }
+  moeCombineGradient(nullptr, dx.get(), slot_row.get(), reinterpret_cast<bf16*>(dh.get()), tokens,
+                     k, hidden, RouterInputGradient{dl_d.get(), w_d.get(), v_d.get(), router_e});
+  EXPECT_LT(test::relError(test::downloadBf16(dh), with_v), 5e-3) << "combine with dl W - v";
+  moeCombineGradient(nullptr, dx.get(), slot_row.get(), reinterpret_cast<bf16*>(dh.get()), tokens,
+                     k, hidden, RouterInputGradient{dl_d.get(), w_d.get(), nullptr, router_e});
+  EXPECT_LT(test::relError(test::downloadBf16(dh), without_v), 5e-3) << "combine with dl W";
 }
 
 // hidden 64: the 16-byte kernels; setMoeScalarKernels(true) the scalar ones, same references.
