@@ -161,7 +161,8 @@ __global__ void embeddingBackwardKernel(const std::uint8_t* ids, const bf16* dou
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) add(id[u], v[u]);
     }
-    for (; i < len; ++i) add(ids[start + i], __bfloat162float(col[static_cast<std::int64_t>(i) * cols]));
+    for (; i < len; ++i)
+      add(ids[start + i], __bfloat162float(col[static_cast<std::int64_t>(i) * cols]));
   }
   __syncthreads();
   if (c < cols) {

@@ -236,10 +236,9 @@ std::string tuneSize(std::int64_t x) {
 std::string tuneKey(const GemmArgs& g, const std::string& device) {
   std::ostringstream k;
   k << "m=" << tuneSize(g.m) << ",n=" << g.n << ",k=" << tuneSize(g.k) << ",ta=" << g.trans_a
-    << ",tb=" << g.trans_b
-    << ",lda=" << g.lda << ",ldb=" << g.ldb << ",ldd=" << g.ldd << ",ldc=" << (g.c ? g.ldc : -1)
-    << ",ldaux=" << g.ldaux << ",beta=" << (g.beta != 0.0f) << ",a=" << typeName(g.a_type)
-    << ",b=" << typeName(g.b_type) << ",d=" << typeName(g.d_type)
+    << ",tb=" << g.trans_b << ",lda=" << g.lda << ",ldb=" << g.ldb << ",ldd=" << g.ldd
+    << ",ldc=" << (g.c ? g.ldc : -1) << ",ldaux=" << g.ldaux << ",beta=" << (g.beta != 0.0f)
+    << ",a=" << typeName(g.a_type) << ",b=" << typeName(g.b_type) << ",d=" << typeName(g.d_type)
     << ",epi=" << static_cast<int>(g.epilogue) << ",lt=" << cublasLtGetVersion()
     << ",dev=" << device;
   return k.str();
@@ -903,12 +902,12 @@ struct Gemm::Impl {
       if (!runOnce(i)) continue;
       const double dd = check.diff(stream), db = check.biasDiff(stream);
       if (dd <= tol * d_max && db <= 1e-3 * check.biasMax()) return i;
-      log::warn("gemm autotune: M=%lld N=%lld K=%lld candidate #%d (%d splits%s) differs from "
-                "the heuristic's first choice by %.3g in D (max |D| %.3g), %.3g in the bias "
-                "gradient; passed over",
-                static_cast<long long>(g.m), static_cast<long long>(g.n),
-                static_cast<long long>(g.k), i, algos[i].splits,
-                algos[i].streamk ? ", stream-K" : "", dd, d_max, db);
+      log::warn(
+          "gemm autotune: M=%lld N=%lld K=%lld candidate #%d (%d splits%s) differs from "
+          "the heuristic's first choice by %.3g in D (max |D| %.3g), %.3g in the bias "
+          "gradient; passed over",
+          static_cast<long long>(g.m), static_cast<long long>(g.n), static_cast<long long>(g.k), i,
+          algos[i].splits, algos[i].streamk ? ", stream-K" : "", dd, d_max, db);
     }
     return 0;
   }

@@ -194,10 +194,9 @@ __global__ void combineGradientVec8Kernel(const bfloat* dx, const std::int32_t* 
 
 /// combineGradientVec8Kernel with the router's part formed per element from the router staged in
 /// shared memory (experts x hidden fp32): r = sum_e dl(t, e) W(e, c) in e order, then - v(c).
-__global__ void combineRouterVec8Kernel(const bfloat* dx, const std::int32_t* slot_row,
-                                        bfloat* dh, std::int64_t tokens, int k, int hidden,
-                                        const float* dl, const float* w, const float* v,
-                                        int experts) {
+__global__ void combineRouterVec8Kernel(const bfloat* dx, const std::int32_t* slot_row, bfloat* dh,
+                                        std::int64_t tokens, int k, int hidden, const float* dl,
+                                        const float* w, const float* v, int experts) {
   extern __shared__ float router[];  // (experts, hidden)
   for (int i = threadIdx.x; i < experts * hidden; i += blockDim.x) router[i] = w[i];
   __syncthreads();

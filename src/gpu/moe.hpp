@@ -56,8 +56,7 @@ struct RouterInputGradient {
 /// \brief Whether moeCombineGradient with a RouterInputGradient takes this shape (hidden a
 /// multiple of 8, 16-byte aligned rows, the router (experts x hidden fp32) in one block's shared
 /// memory); where not, form the router's part apart and pass it as `add`.
-bool moeCombineTakesRouter(int hidden, int experts,
-                           std::initializer_list<const void*> ptrs);
+bool moeCombineTakesRouter(int hidden, int experts, std::initializer_list<const void*> ptrs);
 /// \brief dh(t) = r(t) + sum over the kept slots of token t of dx(row), r(t) = sum over e (in
 /// order) of dl(t, e) W(e) then minus v (fp32; the same order as forming r in a buffer first),
 /// bf16 out.  Throws plm::Error where moeCombineTakesRouter is false.

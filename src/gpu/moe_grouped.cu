@@ -520,8 +520,8 @@ template <bool kGelu> void biasGradient(Stream stream, const std::vector<float*>
 
 std::size_t expertBiasGradientWorkspaceBytes(int experts, int cols) {
   return (std::size_t(experts) * maxSumSlices(experts, cols) * std::max(cols, 0) * sizeof(float) +
-          255) / 256 *
-         256;
+          255) /
+         256 * 256;
 }
 
 void expertBiasGradient(Stream stream, const std::vector<float*>& db,

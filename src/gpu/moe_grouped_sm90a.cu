@@ -321,9 +321,8 @@ void groupedRunDeviceRows(Stream stream, GroupedLayout layout, GroupedTile tile,
   if (g.groups == 0) return;
   if (g.groups < 0 || g.groups > kMaxGroups || layout == GroupedLayout::Wgrad)
     throw Error("plm::gpu::groupedRunDeviceRows: " + std::to_string(g.groups) +
-                " groups of layout " + std::to_string(static_cast<int>(layout)) +
-                " (at most " + std::to_string(kMaxGroups) +
-                ", Forward or Dgrad; a bug in the caller)");
+                " groups of layout " + std::to_string(static_cast<int>(layout)) + " (at most " +
+                std::to_string(kMaxGroups) + ", Forward or Dgrad; a bug in the caller)");
   const bool large = tile == GroupedTile::Large;
   if (layout == GroupedLayout::Forward) {
     if (large)

@@ -157,8 +157,7 @@ void checkKernels() {
   for (int t = 0; t < tokens; ++t)
     for (int o = 0; o < hidden; ++o) {
       double r = 0;
-      for (int e = 0; e < router_e; ++e)
-        r += double(dl0[t * router_e + e]) * w0[e * hidden + o];
+      for (int e = 0; e < router_e; ++e) r += double(dl0[t * router_e + e]) * w0[e * hidden + o];
       const std::size_t i = std::size_t(t) * hidden + o;
       with_v[i] = dh_ref[i] - add0[i] + r - v0[o];
       without_v[i] = dh_ref[i] - add0[i] + r;

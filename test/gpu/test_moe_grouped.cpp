@@ -58,9 +58,22 @@ struct DeviceRowsOf {
   DeviceRows view() const { return DeviceRows{rows.get(), first.get(), total}; }
 };
 
-/// Whether two device buffers hold the same bits.
-bool sameBits(const DeviceBuffer<std::uint16_t>& a, const DeviceBuffer<std::uint16_t>& b) {
-  return a.download() == b.download();
+/// Runs `forward(rows on the device, pre, act, y)` into fresh poisoned buffers sized as the
+/// host-counts run's `pre`, `act` and `y`, and expects the same bits as that run.
+template <class Forward> void expectDeviceRowsSameBits(const std::vector<std::int64_t>& rows,
+                                                       const DeviceBuffer<std::uint16_t>& pre,
+                                                       const DeviceBuffer<std::uint16_t>& act,
+                                                       const DeviceBuffer<std::uint16_t>& y,
+                                                       Forward forward) {
+  const DeviceRowsOf d(rows);
+  DeviceBuffer<std::uint16_t> pre_v(pre.size()), act_v(act.size()), y_v(y.size());
+  pre_v.poison();
+  act_v.poison();
+  y_v.poison();
+  forward(d.view(), bits(pre_v), bits(act_v), bits(y_v));
+  EXPECT_EQ(pre.download(), pre_v.download()) << "pre-activation, device row counts";
+  EXPECT_EQ(act.download(), act_v.download()) << "activation, device row counts";
+  EXPECT_EQ(y.download(), y_v.download()) << "expert output, device row counts";
 }
 
 void checkGrouped(const std::vector<std::int64_t>& rows, int hidden, int ffn) {
@@ -120,18 +133,9 @@ void checkGrouped(const std::vector<std::int64_t>& rows, int hidden, int ffn) {
   const auto y_loop = test::downloadBf16(y_l);
   EXPECT_LT(relError(y_d, std::vector<double>(y_loop.begin(), y_loop.end())), 1e-2)
       << "grouped against the cuBLASLt loop";
-  {  // The same launches from row counts only the device holds: the same bits.
-    const DeviceRowsOf d(rows);
-    DeviceBuffer<std::uint16_t> pre_v(total * ffn), act_v(total * ffn), y_v(total * hidden);
-    pre_v.poison();
-    act_v.poison();
-    y_v.poison();
-    groupedExpertForward(nullptr, weights, d.view(), x.get(), bits(pre_v), bits(act_v), bits(y_v),
-                         hidden, ffn, ws.get(), ws_bytes);
-    EXPECT_TRUE(sameBits(pre, pre_v)) << "pre-activation, device row counts";
-    EXPECT_TRUE(sameBits(act, act_v)) << "GELU output, device row counts";
-    EXPECT_TRUE(sameBits(y, y_v)) << "expert output, device row counts";
-  }
+  expectDeviceRowsSameBits(rows, pre, act, y, [&](const DeviceRows& d, bf16* p, bf16* a, bf16* o) {
+    groupedExpertForward(nullptr, weights, d, x.get(), p, a, o, hidden, ffn, ws.get(), ws_bytes);
+  });
 
   // Backward onto non-zero gradients (they accumulate).
   Bf16Tensor dy(test::randomNormal(total * hidden, 2));
@@ -255,18 +259,10 @@ void checkGroupedSwiglu(const std::vector<std::int64_t>& rows, int hidden, int f
   EXPECT_LT(relError(pre_d, pre_ref), 1e-2) << "[gate | up]";
   EXPECT_LT(relError(act_d, act_ref), 1e-2) << "silu(gate) * up";
   EXPECT_LT(relError(y_d, y_ref), 1e-2) << "expert output (from the device's act)";
-  {  // The same launches from row counts only the device holds: the same bits.
-    const DeviceRowsOf d(rows);
-    DeviceBuffer<std::uint16_t> pre_v(total * wide), act_v(total * ffn), y_v(total * hidden);
-    pre_v.poison();
-    act_v.poison();
-    y_v.poison();
-    groupedSwigluExpertForward(nullptr, weights, d.view(), x.get(), bits(pre_v), bits(act_v),
-                               bits(y_v), hidden, ffn, ws.get(), ws_bytes);
-    EXPECT_TRUE(sameBits(pre, pre_v)) << "[gate | up], device row counts";
-    EXPECT_TRUE(sameBits(act, act_v)) << "silu(gate) * up, device row counts";
-    EXPECT_TRUE(sameBits(y, y_v)) << "expert output, device row counts";
-  }
+  expectDeviceRowsSameBits(rows, pre, act, y, [&](const DeviceRows& d, bf16* p, bf16* a, bf16* o) {
+    groupedSwigluExpertForward(nullptr, weights, d, x.get(), p, a, o, hidden, ffn, ws.get(),
+                               ws_bytes);
+  });
 
   Bf16Tensor dy(test::randomNormal(total * hidden, 4));
   std::deque<DeviceBuffer<float>> gw1, gw2;
