@@ -294,6 +294,113 @@ void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 
+// ---- the router's products with its bf16 input ----------------------------------------------
+// routerLogits: one warp per token, each lane 8 columns at a time (16-byte loads of h), the
+// router staged in shared memory; up to kLogitGroup experts (and h s) accumulated per pass over
+// the row, lanes' partial sums added by a fixed shuffle tree.  routerOuter: a block of one warp
+// per (256-column tile, row slice) accumulates up to kOuterGroup rows of [g | gs] x 8 columns
+// per lane over its rows in order, the slices' sums added in slice order by a second launch.
+namespace {
+
+constexpr int kLogitGroup = 8;
+constexpr int kOuterGroup = 9;                 // rows of g per pass in routerOuter (E 8 and gs)
+constexpr std::int64_t kOuterSliceRows = 128;  // rows per slice, at least
+constexpr int kOuterMaxSlices = 256;
+
+__device__ __forceinline__ float warpSum(float x) {
+  for (int o = kWarp / 2; o > 0; o /= 2) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+__global__ void routerLogitsKernel(const bfloat* h, std::int64_t tokens, int hidden, const float* w,
+                                   int experts, const float* s, float* logits, float* hs) {
+  extern __shared__ float router[];  // (experts, hidden)
+  for (int i = threadIdx.x; i < experts * hidden; i += blockDim.x) router[i] = w[i];
+  __syncthreads();
+  const int lane = threadIdx.x % kWarp;
+  for (std::int64_t t = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp; t < tokens;
+       t += std::int64_t(gridDim.x) * kWarpsPerBlock) {
+    const bfloat* row = h + t * hidden;
+    for (int e0 = 0; e0 < experts; e0 += kLogitGroup) {
+      const int n = min(kLogitGroup, experts - e0);
+      const bool with_s = s != nullptr && e0 == 0;
+      float acc[kLogitGroup + 1] = {};
+      for (int c = lane * 8; c < hidden; c += kWarp * 8) {
+        const Vec8 x = loadBf16x8(row + c);
+        for (int e = 0; e < n; ++e) {
+          const float* we = router + (e0 + e) * hidden + c;
+          for (int i = 0; i < 8; ++i) acc[e] = fmaf(x.v[i], we[i], acc[e]);
+        }
+        if (with_s) {
+          const Vec8 sc = loadF32x8(s + c);
+          for (int i = 0; i < 8; ++i) acc[kLogitGroup] = fmaf(x.v[i], sc.v[i], acc[kLogitGroup]);
+        }
+      }
+      for (int e = 0; e < n; ++e) {
+        const float v = warpSum(acc[e]);
+        if (lane == 0) logits[t * experts + e0 + e] = v;
+      }
+      if (with_s) {
+        const float v = warpSum(acc[kLogitGroup]);
+        if (lane == 0) hs[t] = v;
+      }
+    }
+  }
+}
+
+int outerSlices(std::int64_t tokens) {
+  return static_cast<int>(std::clamp<std::int64_t>((tokens + kOuterSliceRows - 1) / kOuterSliceRows,
+                                                   1, kOuterMaxSlices));
+}
+
+/// Block (column tile, slice): one warp, lane's 8 columns; partial (slices, experts + 1, hidden).
+__global__ void routerOuterKernel(const bfloat* h, const float* g, std::int64_t tokens, int hidden,
+                                  int experts, const float* gs, int slices, float* partial) {
+  const int lane = threadIdx.x, slice = blockIdx.y;
+  const int c = blockIdx.x * kWarp * 8 + lane * 8;
+  const std::int64_t per = (tokens + slices - 1) / slices;
+  const std::int64_t first = min(tokens, slice * per), last = min(tokens, first + per);
+  const int width = experts + 1;
+  float* out = partial + std::int64_t(slice) * width * hidden;
+  if (c >= hidden) return;
+  for (int e0 = 0; e0 < width; e0 += kOuterGroup) {
+    const int n = min(kOuterGroup, width - e0);
+    float acc[kOuterGroup][8] = {};
+    for (std::int64_t t = first; t < last; ++t) {
+      const Vec8 x = loadBf16x8(h + t * hidden + c);
+      for (int e = 0; e < n; ++e) {
+        const int ee = e0 + e;
+        const float ge = ee < experts ? g[t * experts + ee] : (gs ? gs[t] : 0.0f);
+        for (int i = 0; i < 8; ++i) acc[e][i] = fmaf(ge, x.v[i], acc[e][i]);
+      }
+    }
+    for (int e = 0; e < n; ++e) {
+      Vec8 v;
+      for (int i = 0; i < 8; ++i) v.v[i] = acc[e][i];
+      storeF32x8(out + std::int64_t(e0 + e) * hidden + c, v);
+    }
+  }
+}
+
+/// dw(e, c) += sum over slices (in order) of partial(slice, e, c); xg(c) = the same for row
+/// `experts` (where xg != nullptr).
+__global__ void routerOuterFinishKernel(const float* partial, int slices, int hidden, int experts,
+                                        float* dw, float* xg) {
+  const std::int64_t i = blockIdx.x * std::int64_t(blockDim.x) + threadIdx.x;
+  const int width = experts + 1;
+  if (i >= std::int64_t(width) * hidden) return;
+  const int e = static_cast<int>(i / hidden);
+  if (e == experts && !xg) return;
+  float sum = 0.0f;
+  for (int k = 0; k < slices; ++k) sum += partial[std::int64_t(k) * width * hidden + i];
+  if (e < experts)
+    dw[i] += sum;
+  else
+    xg[i - std::int64_t(experts) * hidden] = sum;
+}
+
+}  // namespace
+
 bool moeCombineTakesRouter(int hidden, int experts, std::initializer_list<const void*> ptrs) {
   return experts > 0 && vec8(hidden, ptrs) &&
          std::size_t(experts) * std::size_t(hidden) * sizeof(float) <= kRouterSmemBytes;
@@ -322,6 +429,66 @@ void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_
   combineRouterVec8Kernel<<<blocks, kWarp * kWarpsPerBlock, smem, stream>>>(
       reinterpret_cast<const bfloat*>(dx), slot_row, reinterpret_cast<bfloat*>(dh), tokens, k,
       hidden, router.dl, router.w, router.v, router.experts);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+bool routerFitsShared(int hidden, int experts) {
+  return experts > 0 && hidden % 8 == 0 &&
+         std::size_t(experts) * std::size_t(hidden) * sizeof(float) <= kRouterSmemBytes;
+}
+
+void routerLogits(Stream stream, const bf16* h, std::int64_t tokens, int hidden, const float* w,
+                  int experts, const float* s, float* logits, float* hs) {
+  if (!routerFitsShared(hidden, experts) || reinterpret_cast<std::uintptr_t>(h) % 16 != 0 ||
+      (s && reinterpret_cast<std::uintptr_t>(s) % 16 != 0))
+    throw Error("plm::gpu::routerLogits: hidden " + std::to_string(hidden) + ", " +
+                std::to_string(experts) +
+                " experts or unaligned rows (a bug in the caller: ask "
+                "routerFitsShared)");
+  if (tokens == 0) return;
+  const std::size_t smem = std::size_t(experts) * hidden * sizeof(float);
+  static bool opted = false;
+  if (smem > (48u << 10) && !opted) {
+    PLM_CHECK_CUDA(cudaFuncSetAttribute(routerLogitsKernel,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(kRouterSmemBytes)));
+    opted = true;
+  }
+  int device = 0, sms = 0;
+  PLM_CHECK_CUDA(cudaGetDevice(&device));
+  PLM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  const unsigned blocks = std::min<unsigned>(blocksForTokens(tokens), unsigned(2 * sms));
+  routerLogitsKernel<<<blocks, kWarp * kWarpsPerBlock, smem, stream>>>(
+      reinterpret_cast<const bfloat*>(h), tokens, hidden, w, experts, s, logits, hs);
+  PLM_CHECK_CUDA(cudaGetLastError());
+}
+
+std::size_t routerOuterWorkspaceBytes(std::int64_t tokens, int hidden, int experts) {
+  return std::size_t(outerSlices(tokens)) * std::size_t(experts + 1) * std::size_t(hidden) *
+         sizeof(float);
+}
+
+void routerOuter(Stream stream, const bf16* h, const float* g, std::int64_t tokens, int hidden,
+                 int experts, const float* gs, float* dw, float* xg, void* workspace,
+                 std::size_t workspace_bytes) {
+  if (hidden % 8 != 0 || reinterpret_cast<std::uintptr_t>(h) % 16 != 0 ||
+      workspace_bytes < routerOuterWorkspaceBytes(tokens, hidden, experts))
+    throw Error("plm::gpu::routerOuter: hidden " + std::to_string(hidden) +
+                ", unaligned rows or a workspace under " +
+                std::to_string(routerOuterWorkspaceBytes(tokens, hidden, experts)) +
+                " bytes (a bug in the caller)");
+  if (tokens == 0) {
+    if (xg) PLM_CHECK_CUDA(cudaMemsetAsync(xg, 0, std::size_t(hidden) * sizeof(float), stream));
+    return;
+  }
+  const int slices = outerSlices(tokens);
+  auto* partial = static_cast<float*>(workspace);
+  routerOuterKernel<<<dim3((hidden + kWarp * 8 - 1) / (kWarp * 8), slices), kWarp, 0, stream>>>(
+      reinterpret_cast<const bfloat*>(h), g, tokens, hidden, experts, gs, slices, partial);
+  PLM_CHECK_CUDA(cudaGetLastError());
+  const std::int64_t n = std::int64_t(experts + 1) * hidden;
+  routerOuterFinishKernel<<<static_cast<unsigned>((n + 255) / 256), 256, 0, stream>>>(
+      partial, slices, hidden, experts, dw, xg);
   PLM_CHECK_CUDA(cudaGetLastError());
 }
 

@@ -18,6 +18,7 @@
 #include "gpu/device.hpp"
 #include "gpu/gemm.hpp"
 
+#include <cstddef>
 #include <cstdint>
 #include <initializer_list>
 #include <vector>
@@ -62,6 +63,22 @@ bool moeCombineTakesRouter(int hidden, int experts, std::initializer_list<const 
 /// bf16 out.  Throws plm::Error where moeCombineTakesRouter is false.
 void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_row, bf16* dh,
                         std::int64_t tokens, int k, int hidden, const RouterInputGradient& router);
+
+/// The router's fp32 products with its bf16 input h (tokens, hidden), read as bf16 (no fp32 copy
+/// of h): exact products of the widened values, fp32 sums in an order fixed by the shape.  They
+/// take a router whose (experts x hidden) fp32 fits a block's shared memory, hidden a multiple of
+/// 8 and 16-byte aligned rows (routerFitsShared).
+bool routerFitsShared(int hidden, int experts);
+/// \brief logits (tokens, experts) = h W^T and, where s != nullptr, hs (tokens) = h s.
+void routerLogits(Stream stream, const bf16* h, std::int64_t tokens, int hidden, const float* w,
+                  int experts, const float* s, float* logits, float* hs);
+/// \brief Workspace bytes routerOuter needs for `tokens` rows.
+std::size_t routerOuterWorkspaceBytes(std::int64_t tokens, int hidden, int experts);
+/// \brief dw (experts, hidden) += sum over t of g(t, e) h(t) and, where gs != nullptr,
+/// xg (hidden) = sum over t of gs(t) h(t) (written); g (tokens, experts) fp32.
+void routerOuter(Stream stream, const bf16* h, const float* g, std::int64_t tokens, int hidden,
+                 int experts, const float* gs, float* dw, float* xg, void* workspace,
+                 std::size_t workspace_bytes);
 
 /// One expert's bf16 weights (device pointers): W1 (ffn, hidden), b1 (ffn), W2 (hidden, ffn),
 /// b2 (hidden).

@@ -11,6 +11,7 @@
 
 #if PLM_HAVE_CUDA
 #include "gpu/moe.hpp"
+#include "gpu/moe_grouped.hpp"
 #endif
 
 #include <algorithm>
@@ -416,6 +417,11 @@ template <class T> struct MoeMlp<T>::State {
   View1<T> proj_xs_s, proj_gw_s, proj_xg_s, proj_gx_s, proj_vf_s;
   View1<double> proj_v_s, proj_dot_s;
   bool step_sum_live = false;  // step_sum_s holds sums not yet taken
+  // The bf16 CUDA router (fastRouter): the forward's logits and, under the projection, X s
+  // (proj_xs_s) straight from the bf16 h (no fp32 copy); the backward's dW and X^T (G W s)
+  // likewise (gpu::routerOuter, its workspace here).
+  bool router_bf16 = false;
+  View1<T> outer_ws_s, colsum_ws_s;
 
   std::int64_t rows = 0;                // permuted rows of the pass (kept slots)
   std::int64_t permuted_rows = -1;      // rows permuted before the counts arrived, else -1
@@ -631,7 +637,7 @@ template <class T> struct MoeMlp<T>::State {
   /// stored router's null direction (the stored router is projected after the step).
   View2<T> batchProjectedRouter(OpContext& ctx, const View2<T>& x) {
     const auto& space = ctx.space();
-    const std::int64_t rows = x.extent(0), cols = x.extent(1), e_n = c.experts;
+    const std::int64_t rows = x.extent(0), cols = x.extent(1);
     if (ones_s.extent(0) < static_cast<std::size_t>(rows)) {
       ones_s =
           View1<T>(Kokkos::view_alloc(Kokkos::WithoutInitializing, "plm::model::moe::ones"), rows);
@@ -640,6 +646,14 @@ template <class T> struct MoeMlp<T>::State {
     View1<T> m = grow(batch_sum_s, cols, "plm::model::moe::batch_input_sum");
     gemm(space, Trans::T, Trans::N, T(1), x, View2<T>(ones_s.data(), rows, 1), T(0),
          View2<T>(m.data(), cols, 1));
+    return projectedOn(ctx, m);
+  }
+
+  /// The router projected off the mean of this micro-batch's inputs, m their column sum (H,
+  /// batch_sum_s): W - (W m) m^T / |m|^2, and W m / |m|^2 with |m|^2 kept for the backward.
+  View2<T> projectedOn(OpContext& ctx, const View1<T>& m) {
+    const auto& space = ctx.space();
+    const std::int64_t cols = m.extent(0), e_n = c.experts;
     View1<T> wb = grow(batch_w_s, e_n * cols, "plm::model::moe::batch_router");
     View1<double> wm = grow(batch_wu_s, e_n + 1, "plm::model::moe::batch_router_times_mean");
     const View2<T> w = this->w.router.template view<T>();
@@ -692,28 +706,45 @@ template <class T> struct MoeMlp<T>::State {
   View1<T> projectionBackward(OpContext& ctx, const View2<T>& x, const View2<T>& dl,
                               const View2<T>& dx) {
     const auto& space = ctx.space();
-    const std::int64_t t_n = x.extent(0), cols = x.extent(1), e_n = c.experts;
+    const std::int64_t t_n = x.extent(0), cols = x.extent(1);
     const View1<T> sum(batch_sum_s.data(), cols);
-    const View1<double> wm(batch_wu_s.data(), e_n + 1);  // W s / |s|^2, then |s|^2
     View1<T> xs = grow(proj_xs_s, t_n, "plm::model::moe::projection_xs");
-    View1<T> gw = grow(proj_gw_s, t_n, "plm::model::moe::projection_gw");
-    View1<T> xg = grow(proj_xg_s, cols, "plm::model::moe::projection_xg");
-    View1<T> gx = grow(proj_gx_s, e_n, "plm::model::moe::projection_gx");
-    View1<double> v = grow(proj_v_s, cols, "plm::model::moe::projection_v");
-    View1<double> dot = grow(proj_dot_s, 1, "plm::model::moe::projection_dot");
     gemm(space, Trans::N, Trans::N, T(1), x, View2<T>(sum.data(), cols, 1), T(0),
          View2<T>(xs.data(), t_n, 1));
-    gemm(space, Trans::T, Trans::N, T(1), dl, View2<T>(xs.data(), t_n, 1), T(0),
-         View2<T>(gx.data(), e_n, 1));
+    const View1<T> gw = projectionGw(ctx, dl);
+    View1<T> xg = grow(proj_xg_s, cols, "plm::model::moe::projection_xg");
+    gemm(space, Trans::T, Trans::N, T(1), x, View2<T>(gw.data(), t_n, 1), T(0),
+         View2<T>(xg.data(), cols, 1));
+    return projectionBackwardFrom(ctx, dl, xs, xg, dx);
+  }
+
+  /// G (W s) / |s|^2 per token (T, proj_gw_s) for G = dl.
+  View1<T> projectionGw(OpContext& ctx, const View2<T>& dl) {
+    const std::int64_t t_n = dl.extent(0), e_n = c.experts;
+    const View1<double> wm(batch_wu_s.data(), e_n + 1);
+    View1<T> gw = grow(proj_gw_s, t_n, "plm::model::moe::projection_gw");
     Kokkos::parallel_for(
-        "plm::model::moe::projection_g_wm", FlatPolicy(space, 0, t_n),
+        "plm::model::moe::projection_g_wm", FlatPolicy(ctx.space(), 0, t_n),
         KOKKOS_LAMBDA(const std::int64_t t) {
           double acc = 0;
           for (std::int64_t e = 0; e < e_n; ++e) acc += static_cast<double>(dl(t, e)) * wm(e);
           gw(t) = static_cast<T>(acc);
         });
-    gemm(space, Trans::T, Trans::N, T(1), x, View2<T>(gw.data(), t_n, 1), T(0),
-         View2<T>(xg.data(), cols, 1));
+    return gw;
+  }
+
+  /// projectionBackward from X s (xs, T) and X^T (G W s / |s|^2) (xg, H) already formed.
+  View1<T> projectionBackwardFrom(OpContext& ctx, const View2<T>& dl, const View1<T>& xs,
+                                  const View1<T>& xg, const View2<T>& dx) {
+    const auto& space = ctx.space();
+    const std::int64_t t_n = dl.extent(0), cols = xg.extent(0), e_n = c.experts;
+    const View1<T> sum(batch_sum_s.data(), cols);
+    const View1<double> wm(batch_wu_s.data(), e_n + 1);  // W s / |s|^2, then |s|^2
+    View1<T> gx = grow(proj_gx_s, e_n, "plm::model::moe::projection_gx");
+    View1<double> v = grow(proj_v_s, cols, "plm::model::moe::projection_v");
+    View1<double> dot = grow(proj_dot_s, 1, "plm::model::moe::projection_dot");
+    gemm(space, Trans::T, Trans::N, T(1), dl, View2<T>(xs.data(), t_n, 1), T(0),
+         View2<T>(gx.data(), e_n, 1));
     const View2<T> w = this->w.router.template view<T>();
     Kokkos::parallel_for(
         "plm::model::moe::projection_y", FlatPolicy(space, 0, cols),
@@ -886,6 +917,39 @@ template <class T> struct MoeMlp<T>::State {
       starts->push_back(CutStart{run.begin, before});
     }
   }
+
+  /// Whether the router reads the bf16 h directly on the GPU (gpu::routerLogits / routerOuter):
+  /// the bf16 CUDA path, a contiguous h, a router that fits a block's shared memory, and not a
+  /// centring pass (which routes with its own centred router).
+  bool fastRouter(const Mat& h) const {
+#if PLM_HAVE_CUDA
+    if constexpr (std::is_same_v<T, float>)
+      return bf16() && h.dtype == DType::BF16 && h.ld == h.cols &&
+             gpu::routerFitsShared(static_cast<int>(h.cols), c.experts) &&
+             !(step && step->centring);
+#endif
+    (void)h;
+    return false;
+  }
+
+#if PLM_HAVE_CUDA
+  /// The column sum of the bf16 h (H, fp32, into batch_sum_s): gpu::expertBiasGradient's fixed
+  /// order over one block of rows.
+  View1<T> inputColumnSum(OpContext& ctx, const Mat& h) {
+    const std::int64_t cols = h.cols;
+    View1<T> m = grow(batch_sum_s, cols, "plm::model::moe::batch_input_sum");
+    const std::size_t bytes = gpu::expertBiasGradientWorkspaceBytes(1, static_cast<int>(cols));
+    View1<T> ws = grow(colsum_ws_s, static_cast<std::int64_t>((bytes + sizeof(T) - 1) / sizeof(T)),
+                       "plm::model::moe::column_sum_workspace");
+    if constexpr (std::is_same_v<T, float>) {
+      PLM_CHECK_CUDA(cudaMemsetAsync(m.data(), 0, cols * sizeof(T), ctx.space().cuda_stream()));
+      gpu::expertBiasGradient(ctx.space().cuda_stream(), std::vector<float*>{m.data()},
+                              std::vector<std::int64_t>{h.rows}, bf16Data(h),
+                              static_cast<int>(cols), ws.data(), bytes);
+    }
+    return m;
+  }
+#endif
 
   /// The router's input in the master type: h itself, or its widened copy when h is bf16.  The
   /// forward always widens; the backward (`again`) reuses the forward's copy when h is the
@@ -1257,15 +1321,33 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
   // Router logits in the master type (fp32 under bf16: the bf16 LN2 output is widened first),
   // then the routing on the host.
   s.logits = grow(s.logits_s, t_n * e_n, "plm::model::moe::logits");
+  s.router_bf16 = s.fastRouter(h);
   if (t_n > 0) {
-    const View2<T> x = s.routerInput(ctx, h);
     const bool projecting = c.router_projection && s.step && s.step->training && !s.step->centring;
-    const View2<T> router = s.step && s.step->centring ? s.centringRouter(ctx, x)
-                            : projecting               ? s.batchProjectedRouter(ctx, x)
-                                                       : s.w.router.template view<T>();
-    s.route_w = projecting ? router : View2<T>();  // the stored router may move (relocate)
-    gemm(space, Trans::N, Trans::T, T(1), x, router, T(0), View2<T>(s.logits.data(), t_n, e_n));
-    if (projecting && !s.step->recomputing) s.addStepInputSum(ctx, x.extent(1));
+    if (s.router_bf16) {
+#if PLM_HAVE_CUDA
+      if constexpr (std::is_same_v<T, float>) {
+        // From the bf16 h itself: the column sum, the projected router, then the logits and
+        // X s (for the projection's backward) in one pass.
+        const View1<T> m = projecting ? s.inputColumnSum(ctx, h) : View1<T>();
+        const View2<T> router = projecting ? s.projectedOn(ctx, m) : s.w.router.template view<T>();
+        s.route_w = projecting ? router : View2<T>();
+        T* xs =
+            projecting ? grow(s.proj_xs_s, t_n, "plm::model::moe::projection_xs").data() : nullptr;
+        gpu::routerLogits(space.cuda_stream(), bf16Data(h), t_n, static_cast<int>(hid),
+                          router.data(), static_cast<int>(e_n), projecting ? m.data() : nullptr,
+                          s.logits.data(), xs);
+      }
+#endif
+    } else {
+      const View2<T> x = s.routerInput(ctx, h);
+      const View2<T> router = s.step && s.step->centring ? s.centringRouter(ctx, x)
+                              : projecting               ? s.batchProjectedRouter(ctx, x)
+                                                         : s.w.router.template view<T>();
+      s.route_w = projecting ? router : View2<T>();  // the stored router may move (relocate)
+      gemm(space, Trans::N, Trans::T, T(1), x, router, T(0), View2<T>(s.logits.data(), t_n, e_n));
+    }
+    if (projecting && !s.step->recomputing) s.addStepInputSum(ctx, hid);
   }
   s.routed_on_device = false;
   s.permuted_rows = -1;
@@ -1573,11 +1655,29 @@ template <class T> void MoeMlp<T>::backward(OpContext& ctx, const LayerActs& sav
       View1<T> dhr, v;
       if (!in_combine) dhr = grow(s.dhr_s, t_n * hid, "plm::model::moe::dh_router");
       if (t_n > 0) {
-        gemm(space, Trans::T, Trans::N, T(1), dl2, s.routerInput(ctx, h, true), T(1),
-             s.g.router.template view<T>());
         const View2<T> dhr2 = in_combine ? View2<T>() : View2<T>(dhr.data(), t_n, hid);
         if (!in_combine) gemm(space, Trans::N, Trans::N, T(1), dl2, wr, T(0), dhr2);
-        if (projected) v = s.projectionBackward(ctx, s.routerInput(ctx, h, true), dl2, dhr2);
+        if (s.router_bf16) {
+          // dW += G^T h and, under the projection, X^T (G W s / |s|^2) in one pass over the
+          // bf16 h; X s came from the forward.
+          const View1<T> gw = projected ? s.projectionGw(ctx, dl2) : View1<T>();
+          const View1<T> xg =
+              projected ? grow(s.proj_xg_s, hid, "plm::model::moe::projection_xg") : View1<T>();
+          const std::size_t bytes =
+              gpu::routerOuterWorkspaceBytes(t_n, static_cast<int>(hid), static_cast<int>(e_n));
+          View1<T> ws =
+              grow(s.outer_ws_s, static_cast<std::int64_t>((bytes + sizeof(T) - 1) / sizeof(T)),
+                   "plm::model::moe::router_outer_workspace");
+          gpu::routerOuter(space.cuda_stream(), bf16Data(h), dl2.data(), t_n, static_cast<int>(hid),
+                           static_cast<int>(e_n), gw.data(), s.g.router.template view<T>().data(),
+                           xg.data(), ws.data(), bytes);
+          if (projected)
+            v = s.projectionBackwardFrom(ctx, dl2, View1<T>(s.proj_xs_s.data(), t_n), xg, dhr2);
+        } else {
+          gemm(space, Trans::T, Trans::N, T(1), dl2, s.routerInput(ctx, h, true), T(1),
+               s.g.router.template view<T>());
+          if (projected) v = s.projectionBackward(ctx, s.routerInput(ctx, h, true), dl2, dhr2);
+        }
       }
       ctx.mark(OpKind::Other);  // the router's GEMMs
       if (in_combine)

@@ -172,14 +172,13 @@ MoeBuffers moeBufferBytes(const model::Esm2Config& c, Compute compute, bool gpu,
     routing += store(slots, 4) + store(slots, p) + store(r, 4) + store(r, p);
   }
   // Token side: permuted rows and the expert outputs (forward), their gradients (backward);
-  // bf16: the router's fp32 copy of the LayerNorm output, and its input gradient unless the
-  // combine forms that per element (the router, E x h fp32, in at most 160 KiB of shared
-  // memory and h a multiple of 8: gpu::moeCombineTakesRouter).
+  // bf16: the router's fp32 copy of the LayerNorm output and its input gradient, unless the
+  // router (E x h fp32) fits 160 KiB of shared memory with h a multiple of 8: then the router's
+  // kernels read the bf16 output itself and the combine forms the input gradient per element
+  // (gpu::routerFitsShared).
   std::int64_t token = 4 * store(r * h, cb);
-  if (bf16_rows && gpu) {
-    const bool in_combine = h % 8 == 0 && e * h * 4 <= (std::int64_t(160) << 10);
-    token += (in_combine ? 1 : 2) * store(t * h, p);
-  }
+  if (bf16_rows && gpu && !(h % 8 == 0 && e * h * 4 <= (std::int64_t(160) << 10)))
+    token += 2 * store(t * h, p);
   // Expert side: pre-activation, activation and the pre-activation's gradient at the rows the
   // experts compute; under expert parallelism also the received rows, their outputs, the staging
   // buffer of both exchanges, the gradients' received and returned rows, and the row maps.
@@ -453,8 +452,8 @@ void planMemory(const Input& in, Plan& p) {
     p.memory.push_back(
         {"MoE: permuted rows (token side)", double(mb.token_side),
          std::string("4 R h c (rows, expert outputs, their gradients)") +
-             (bf16 && gpu ? " + t h 4 (the router's fp32 input; + t h 4, its gradient, where "
-                            "the router exceeds 160 KiB)"
+             (bf16 && gpu ? " + 2 t h 4 where the router exceeds 160 KiB (its fp32 input, "
+                            "its gradient)"
                           : "") +
              ", R = " + std::to_string(mb.rows) +
              (c.moe.capacity_factor > 0 ? " = min(t k, E capacity)" : " = t k (dropless)") + kept});

@@ -330,5 +330,63 @@ TEST(MoeRouting, DeviceMatchesHostReference) {
   checkRouting(c, 513, false, false, 17);  // top-1
 }
 
+// The router's products with its bf16 input (gpu::routerLogits, gpu::routerOuter) against
+// double references from the same bf16 values: logits and h s; dW accumulated onto non-zero
+// values and X^T gs written.  11 experts (a group of 8 and one of 3), hidden 72 (a partial
+// 256-column tile), 1,000 tokens (8 row slices of 125), and a rerun bitwise equal.
+TEST(MoeRouter, Bf16InputProductsMatchDouble) {
+  const int tokens = 1000, hidden = 72, e_n = 11;
+  ASSERT_TRUE(routerFitsShared(hidden, e_n));
+  Bf16Tensor h(test::randomNormal(std::size_t(tokens) * hidden, 31));
+  const auto w0 = test::randomNormal(std::size_t(e_n) * hidden, 32, 0.1f);
+  const auto s0 = test::randomNormal(hidden, 33);
+  DeviceBuffer<float> w(w0), s(s0), logits(std::size_t(tokens) * e_n), hs(tokens);
+  logits.poison();
+  hs.poison();
+  routerLogits(nullptr, h.get(), tokens, hidden, w.get(), e_n, s.get(), logits.get(), hs.get());
+  std::vector<double> l_ref(std::size_t(tokens) * e_n), hs_ref(tokens);
+  for (int t = 0; t < tokens; ++t) {
+    for (int e = 0; e < e_n; ++e) {
+      double a = 0;
+      for (int c = 0; c < hidden; ++c) a += double(h.values[t * hidden + c]) * w0[e * hidden + c];
+      l_ref[std::size_t(t) * e_n + e] = a;
+    }
+    double a = 0;
+    for (int c = 0; c < hidden; ++c) a += double(h.values[t * hidden + c]) * s0[c];
+    hs_ref[t] = a;
+  }
+  EXPECT_LT(test::relError(logits.download(), l_ref), 1e-5) << "logits";
+  EXPECT_LT(test::relError(hs.download(), hs_ref), 1e-5) << "h s";
+
+  const auto g0 = test::randomNormal(std::size_t(tokens) * e_n, 34);
+  const auto gs0 = test::randomNormal(tokens, 35);
+  const auto dw0 = test::randomNormal(std::size_t(e_n) * hidden, 36);
+  DeviceBuffer<float> g(g0), gs(gs0), dw(dw0), xg(hidden);
+  xg.poison();
+  const std::size_t bytes = routerOuterWorkspaceBytes(tokens, hidden, e_n);
+  DeviceBuffer<char> ws(bytes);
+  routerOuter(nullptr, h.get(), g.get(), tokens, hidden, e_n, gs.get(), dw.get(), xg.get(),
+              ws.get(), bytes);
+  std::vector<double> dw_ref(dw0.begin(), dw0.end()), xg_ref(hidden, 0.0);
+  for (int t = 0; t < tokens; ++t)
+    for (int c = 0; c < hidden; ++c) {
+      const double x = h.values[t * hidden + c];
+      for (int e = 0; e < e_n; ++e) dw_ref[e * hidden + c] += double(g0[t * e_n + e]) * x;
+      xg_ref[c] += double(gs0[t]) * x;
+    }
+  const auto dw_got = dw.download(), xg_got = xg.download();
+  EXPECT_LT(test::relError(dw_got, dw_ref), 1e-5) << "dW += G^T h";
+  EXPECT_LT(test::relError(xg_got, xg_ref), 1e-5) << "X^T gs";
+  dw.upload(dw0);
+  routerOuter(nullptr, h.get(), g.get(), tokens, hidden, e_n, gs.get(), dw.get(), xg.get(),
+              ws.get(), bytes);
+  EXPECT_EQ(dw.download(), dw_got) << "rerun not bitwise equal";
+  EXPECT_EQ(xg.download(), xg_got) << "rerun not bitwise equal";
+  EXPECT_THROW(routerOuter(nullptr, h.get(), g.get(), tokens, hidden, e_n, gs.get(), dw.get(),
+                           xg.get(), ws.get(), bytes - 4),
+               Error)
+      << "workspace too small";
+}
+
 }  // namespace
 }  // namespace plm::gpu

@@ -598,10 +598,10 @@ TEST(Plan, MoeBuffersByHand) {
   auto capped = c;
   capped.moe.capacity_factor = 1.25;  // capacity ceil(1.25 x 20 / 4) = 7 per expert: 28 rows
   EXPECT_EQ(plan::moeBufferBytes(capped, Compute::Fp32, false, 10, 2, 9.0).expert_rows, 28);
-  // bf16 on the GPU: rows in 2 bytes, the router's fp32 input (its gradient is formed in the
-  // combine: a 4 x 32 router fits shared memory), device routing.
+  // bf16 on the GPU: rows in 2 bytes, device routing; no fp32 copy of the router's input nor
+  // its gradient (a 4 x 32 router fits shared memory: its kernels read the bf16 input).
   const auto g = plan::moeBufferBytes(c, Compute::Bf16, true, 10, 1, 1.0);
-  EXPECT_EQ(g.token_side, 2 * (4 * 20 * 32 * 2 + 10 * 32 * 4));
+  EXPECT_EQ(g.token_side, 2 * 4 * 20 * 32 * 2);
   EXPECT_EQ(g.expert_side, 2 * 3 * 20 * 48 * 2);
   // SwiGLU experts: pre-activation and its gradient 2 f_e wide, act and d(act) f_e wide.
   auto swiglu = c;
