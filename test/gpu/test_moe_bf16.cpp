@@ -1,8 +1,10 @@
 // The bf16 MoE layer of the training step (MoeMlp on the CUDA path: cuBLASLt expert GEMMs
 // forward and backward, the fused unpermute / combine kernels, the router in fp32) against the
 // same layer on the portable fp32 path, on the same GPU, from the same parameters and inputs
-// (rounded to bf16 once, so both paths start from identical values and identical router logits,
-// hence the identical routing: the bf16 path routes on the device, the reference on the host): the
+// (rounded to bf16 once, so both paths start from identical values and router logits equal to
+// fp32 rounding (the bf16 path's gpu::routerLogits sums in another order than the reference's
+// GEMM), here the identical routing: the bf16 path routes on the device, the reference on the
+// host): the
 // layer output, the input gradient and every parameter gradient (router, each expert's W1, b1, W2,
 // b2, the shared experts') at bf16 tolerance.
 //
@@ -206,8 +208,10 @@ void compare(const MoeConfig& c, int tokens, int hidden, bool empty_expert) {
   // The routing the tests are about: drops, an empty expert, a token with no slot kept.
   const auto& st = m.stats();
   EXPECT_EQ(st.routed, ref.stats().routed) << "both paths route identically";
-  // Device routing sums in another order than the host reference: equal to rounding.
-  EXPECT_NEAR(step.objective, step_ref.objective, 1e-12 * std::abs(step_ref.objective))
+  // Device routing sums in another order than the host reference, and the bf16 path's logits
+  // come from gpu::routerLogits (another fp32 summation order than the reference's GEMM): equal
+  // to fp32 rounding (2e-9 to 5.3e-9 relative, measured on an H200).
+  EXPECT_NEAR(step.objective, step_ref.objective, 1e-7 * std::abs(step_ref.objective))
       << "router losses";
   EXPECT_GT(step_ref.objective, 0.0);
   if (c.capacity_factor > 0) EXPECT_GT(st.dropped, 0) << "capacity should drop slots";
