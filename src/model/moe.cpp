@@ -1328,7 +1328,12 @@ template <class T> void MoeMlp<T>::forward(OpContext& ctx, const Mat& h, const M
 #if PLM_HAVE_CUDA
       if constexpr (std::is_same_v<T, float>) {
         // From the bf16 h itself: the column sum, the projected router, then the logits and
-        // X s (for the projection's backward) in one pass.
+        // X s (for the projection's backward) in one pass.  An fp32 copy of h left by a
+        // centring pass (Esm2::centreRouters routes with the portable kernels) is freed.
+        if (s.hf_s.data() != nullptr) {
+          s.hf_s = View1<T>();
+          s.hf_of = nullptr;
+        }
         const View1<T> m = projecting ? s.inputColumnSum(ctx, h) : View1<T>();
         const View2<T> router = projecting ? s.projectedOn(ctx, m) : s.w.router.template view<T>();
         s.route_w = projecting ? router : View2<T>();
