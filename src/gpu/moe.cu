@@ -13,6 +13,8 @@
 #include <cstdint>
 #include <cstdlib>
 #include <initializer_list>
+#include <mutex>
+#include <set>
 
 namespace plm::gpu {
 namespace {
@@ -401,9 +403,35 @@ __global__ void routerOuterFinishKernel(const float* partial, int slices, int hi
 
 }  // namespace
 
-bool moeCombineTakesRouter(int hidden, int experts, std::initializer_list<const void*> ptrs) {
-  return experts > 0 && vec8(hidden, ptrs) &&
+namespace {
+
+/// The grid of a kernel that stages the router (`smem` bytes) in every block and strides over
+/// the tokens: enough blocks to fill the GPU twice.  Opts the kernel in to more than 48 KiB of
+/// shared memory the first time it needs it.
+unsigned routerGrid(const void* kernel, std::size_t smem, std::int64_t tokens) {
+  static std::mutex mutex;
+  static std::set<const void*> opted;
+  if (smem > (48u << 10)) {
+    std::lock_guard<std::mutex> lock(mutex);
+    if (opted.insert(kernel).second)
+      PLM_CHECK_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          static_cast<int>(kRouterSmemBytes)));
+  }
+  int device = 0, sms = 0;
+  PLM_CHECK_CUDA(cudaGetDevice(&device));
+  PLM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  return std::min<unsigned>(blocksForTokens(tokens), unsigned(2 * sms));
+}
+
+}  // namespace
+
+bool routerFitsShared(int hidden, int experts) {
+  return experts > 0 && hidden % 8 == 0 &&
          std::size_t(experts) * std::size_t(hidden) * sizeof(float) <= kRouterSmemBytes;
+}
+
+bool moeCombineTakesRouter(int hidden, int experts, std::initializer_list<const void*> ptrs) {
+  return routerFitsShared(hidden, experts) && vec8(hidden, ptrs);
 }
 
 void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_row, bf16* dh,
@@ -414,27 +442,12 @@ void moeCombineGradient(Stream stream, const bf16* dx, const std::int32_t* slot_
                 " experts; a bug in the caller: ask moeCombineTakesRouter)");
   if (tokens == 0) return;
   const std::size_t smem = std::size_t(router.experts) * hidden * sizeof(float);
-  static std::size_t opted = 0;  // the largest size this process opted in to
-  if (smem > (48u << 10) && smem > opted) {
-    PLM_CHECK_CUDA(cudaFuncSetAttribute(combineRouterVec8Kernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kRouterSmemBytes)));
-    opted = kRouterSmemBytes;
-  }
-  // Enough blocks to fill the GPU twice; each stages the router once and strides over tokens.
-  int device = 0, sms = 0;
-  PLM_CHECK_CUDA(cudaGetDevice(&device));
-  PLM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const unsigned blocks = std::min<unsigned>(blocksForTokens(tokens), unsigned(2 * sms));
+  const unsigned blocks =
+      routerGrid(reinterpret_cast<const void*>(combineRouterVec8Kernel), smem, tokens);
   combineRouterVec8Kernel<<<blocks, kWarp * kWarpsPerBlock, smem, stream>>>(
       reinterpret_cast<const bfloat*>(dx), slot_row, reinterpret_cast<bfloat*>(dh), tokens, k,
       hidden, router.dl, router.w, router.v, router.experts);
   PLM_CHECK_CUDA(cudaGetLastError());
-}
-
-bool routerFitsShared(int hidden, int experts) {
-  return experts > 0 && hidden % 8 == 0 &&
-         std::size_t(experts) * std::size_t(hidden) * sizeof(float) <= kRouterSmemBytes;
 }
 
 void routerLogits(Stream stream, const bf16* h, std::int64_t tokens, int hidden, const float* w,
@@ -447,17 +460,8 @@ void routerLogits(Stream stream, const bf16* h, std::int64_t tokens, int hidden,
                 "routerFitsShared)");
   if (tokens == 0) return;
   const std::size_t smem = std::size_t(experts) * hidden * sizeof(float);
-  static bool opted = false;
-  if (smem > (48u << 10) && !opted) {
-    PLM_CHECK_CUDA(cudaFuncSetAttribute(routerLogitsKernel,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(kRouterSmemBytes)));
-    opted = true;
-  }
-  int device = 0, sms = 0;
-  PLM_CHECK_CUDA(cudaGetDevice(&device));
-  PLM_CHECK_CUDA(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  const unsigned blocks = std::min<unsigned>(blocksForTokens(tokens), unsigned(2 * sms));
+  const unsigned blocks =
+      routerGrid(reinterpret_cast<const void*>(routerLogitsKernel), smem, tokens);
   routerLogitsKernel<<<blocks, kWarp * kWarpsPerBlock, smem, stream>>>(
       reinterpret_cast<const bfloat*>(h), tokens, hidden, w, experts, s, logits, hs);
   PLM_CHECK_CUDA(cudaGetLastError());
