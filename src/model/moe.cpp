@@ -919,12 +919,13 @@ template <class T> struct MoeMlp<T>::State {
   }
 
   /// Whether the router reads the bf16 h directly on the GPU (gpu::routerLogits / routerOuter):
-  /// the bf16 CUDA path, a contiguous h, a router that fits a block's shared memory, and not a
-  /// centring pass (which routes with its own centred router).
+  /// the bf16 CUDA path, a contiguous 16-byte aligned h, a router that fits a block's shared
+  /// memory, and not a centring pass (which routes with its own centred router).
   bool fastRouter(const Mat& h) const {
 #if PLM_HAVE_CUDA
     if constexpr (std::is_same_v<T, float>)
       return bf16() && h.dtype == DType::BF16 && h.ld == h.cols &&
+             reinterpret_cast<std::uintptr_t>(h.data) % 16 == 0 &&
              gpu::routerFitsShared(static_cast<int>(h.cols), c.experts) &&
              !(step && step->centring);
 #endif
