@@ -602,6 +602,14 @@ TEST(Plan, MoeBuffersByHand) {
   // its gradient (a 4 x 32 router fits shared memory: its kernels read the bf16 input).
   const auto g = plan::moeBufferBytes(c, Compute::Bf16, true, 10, 1, 1.0);
   EXPECT_EQ(g.token_side, 2 * 4 * 20 * 32 * 2);
+  // A router over 160 KiB (1,281 experts x 32 x 4 bytes) keeps both fp32 buffers (t h 4 each).
+  auto wide = c;
+  wide.moe.experts = 1281;
+  EXPECT_EQ(plan::moeBufferBytes(wide, Compute::Bf16, true, 10, 1, 1.0).token_side,
+            2 * (4 * 20 * 32 * 2 + 2 * 10 * 32 * 4));
+  wide.moe.experts = 1280;  // exactly 160 KiB: it fits
+  EXPECT_EQ(plan::moeBufferBytes(wide, Compute::Bf16, true, 10, 1, 1.0).token_side,
+            2 * 4 * 20 * 32 * 2);
   EXPECT_EQ(g.expert_side, 2 * 3 * 20 * 48 * 2);
   // SwiGLU experts: pre-activation and its gradient 2 f_e wide, act and d(act) f_e wide.
   auto swiglu = c;
