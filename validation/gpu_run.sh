@@ -110,7 +110,9 @@
 #        PLM_AIDO_LAYERS (6) layers to fit one GPU, bf16, dropless, bias balancing as shipped,
 #        PLM_AIDO_STEPS (200) steps of 65,536 tokens: `plm plan` first, then the per-layer load
 #        max/mean at step 1, the worst over steps 1-100 and 101-200, drops, tokens/s, and the
-#        first step's peak against the plan; $OUT/aido_layers.log, aido_layers_summary.txt
+#        first step's peak against the plan; $OUT/aido_layers.log, aido_layers_summary.txt;
+#        PLM_AIDO_DEGREE=2 runs 2 GPUs at expert degree 2 (65,536 tokens per GPU and step; 8
+#        layers fit: 77.6 GiB on an H200)
 #   moe_curves: validation/moe_curves.py on the packaged mmseqs2 proteins, bf16: esm2_8m dense
 #        against 8 x 640 top-2 (equal active FLOPs), PLM_MOE_CURVE_STEPS steps of
 #        PLM_MOE_CURVE_TOKENS tokens; $OUT/moe_curves.png (-> doc/img/) and the table
@@ -1448,29 +1450,35 @@ if has aido_layers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # step 1 and its maxima over steps 1-100 and 101-200, dropped slots, tokens/s (mean over steps
   # 11 on), the planned bytes beside the first step's measured peak, and train.profile's GPU
   # time per step by kind ("moe route": routing, permutation, unpermute, the wait for counts).
+  # PLM_AIDO_DEGREE=E (default 1) runs E ranks, one per GPU, at expert degree E (NCCL
+  # all-to-all), 65,536 tokens per rank and step; `plm plan` then plans the fullest rank at
+  # PLM_AIDO_LOAD (default 1.5) times the balanced expert load.
   layers=${PLM_AIDO_LAYERS:-6}
   steps=${PLM_AIDO_STEPS:-200}
+  deg=${PLM_AIDO_DEGREE:-1}
   d=/tmp/plm-aido-layers
   rm -rf "$d"
-  args=(--set model.layers=$layers --set parallel.expert_degree=1 --set moe.dropless=true
-    --set train.precision=bf16 --set data.tokens_per_batch=65536
+  args=(--set model.layers=$layers --set parallel.expert_degree=$deg --set moe.dropless=true
+    --set train.precision=bf16 --set data.tokens_per_batch=$((65536 * deg))
     --set data.micro_batch_tokens=16384)
   for kv in ${PLM_AIDO_SETS:-}; do args+=(--set "$kv"); done
   gpu_kind=h100
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && gpu_kind=h200
-  "$pkg/bin/plm" plan "$repo/inputs/aido_protein_16b.yaml" --gpu $gpu_kind --gpus 1 \
-    "${args[@]}" > "$final_out/aido_layers_plan.txt" 2>&1
-  note "aido_layers: plm plan ($gpu_kind, $layers layers) rc=$?"
+  plan_load=(); [[ $deg -gt 1 ]] && plan_load=(--moe-load "${PLM_AIDO_LOAD:-1.5}")
+  "$pkg/bin/plm" plan "$repo/inputs/aido_protein_16b.yaml" --gpu $gpu_kind --gpus $deg \
+    "${plan_load[@]}" "${args[@]}" > "$final_out/aido_layers_plan.txt" 2>&1
+  note "aido_layers: plm plan ($gpu_kind, $layers layers, expert degree $deg) rc=$?"
   grep -E "^  total|^predicted" "$final_out/aido_layers_plan.txt" | tee -a "$summary"
   start=$(date +%s)
-  timeout ${PLM_AIDO_TIMEOUT:-$((150 + 6 * steps / 5))} "$pkg/bin/plm" train \
+  timeout ${PLM_AIDO_TIMEOUT:-$((150 + 6 * steps / 5))} mpiexec -n $deg --oversubscribe \
+    "$pkg/bin/plm" train \
     "$repo/inputs/aido_protein_16b.yaml" "${args[@]}" --set data.train="$pkg/data/train.h5" \
     --set data.valid= --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
     --set train.profile=true --set checkpoint.every=0 --set checkpoint.resume=none \
     --set train.run_dir="$d" --set checkpoint.dir="$d/ckpt" > "$final_out/aido_layers.log" 2>&1
   rc=$?
-  note "aido_layers: aido_protein_16b with $layers layers, bf16, dropless, $steps steps of" \
-    "65536 tokens rc=$rc $(( $(date +%s) - start ))s"
+  note "aido_layers: aido_protein_16b with $layers layers, bf16, dropless, $deg GPU(s) at" \
+    "expert degree $deg, $steps steps of $((65536 * deg)) tokens rc=$rc $(( $(date +%s) - start ))s"
   grep -E "moe: |memory: (planned|after|first step)|plan vs measured|error|out of memory" \
     "$final_out/aido_layers.log" | head -8 | cut -c1-300 | tee -a "$summary"
   cp "$d/metrics.jsonl" "$final_out/aido_layers.jsonl" 2>/dev/null

@@ -5,7 +5,8 @@
 
 For every MoE layer: tokens per expert max/mean and min/mean per logged interval (the balance
 target is max/mean <= 1.3 after warm-up), the dropped-slot fraction, the aux loss and the router
-entropy.  Without matplotlib it prints the same numbers as a table.
+entropy (with more than 8 MoE layers: the worst, median and best layer per step).  Without
+matplotlib it prints the same numbers as a table.
 """
 import argparse
 import json
@@ -54,18 +55,35 @@ def main():
         print("(matplotlib not installed: table only)")
         return
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
-    for j, l in enumerate(layers):
-        ax[0].plot(steps, series("tokens_per_expert_max", j, True), label=f"layer {l} max/mean")
-        ax[0].plot(steps, series("tokens_per_expert_min", j, True), "--", label=f"layer {l} min/mean")
-        ax[1].plot(steps, [100 * v for v in series("dropped_fraction", j)], label=f"layer {l}")
-        ax[2].plot(steps, series("aux_loss", j), label=f"layer {l}")
+    many = len(layers) > 8  # then the worst, median and best layer per step, not one line each
+    if many:
+        import statistics
+        hi = [[r["moe"][j]["tokens_per_expert_max"] / max(r["moe"][j]["tokens_per_expert_mean"], 1e-12)
+               for j in range(len(layers))] for r in rows]
+        lo = [[r["moe"][j]["tokens_per_expert_min"] / max(r["moe"][j]["tokens_per_expert_mean"], 1e-12)
+               for j in range(len(layers))] for r in rows]
+        ax[0].plot(steps, [max(v) for v in hi], color="C3", label="max/mean, worst layer")
+        ax[0].plot(steps, [statistics.median(v) for v in hi], color="C0", label="max/mean, median layer")
+        ax[0].plot(steps, [min(v) for v in lo], "--", color="C2", label="min/mean, lowest layer")
+        drop = [100 * max(l["dropped_fraction"] for l in r["moe"]) for r in rows]
+        ax[1].plot(steps, drop, label="worst layer")
+        aux = [[l["aux_loss"] for l in r["moe"]] for r in rows]
+        ax[2].plot(steps, [max(v) for v in aux], color="C3", label="worst layer")
+        ax[2].plot(steps, [statistics.median(v) for v in aux], color="C0", label="median layer")
+    else:
+        for j, l in enumerate(layers):
+            ax[0].plot(steps, series("tokens_per_expert_max", j, True), label=f"layer {l} max/mean")
+            ax[0].plot(steps, series("tokens_per_expert_min", j, True), "--", label=f"layer {l} min/mean")
+            ax[1].plot(steps, [100 * v for v in series("dropped_fraction", j)], label=f"layer {l}")
+            ax[2].plot(steps, series("aux_loss", j), label=f"layer {l}")
     ax[0].axhline(1.3, color="gray", lw=0.8)
-    ax[0].set_title("tokens per expert / mean")
+    ax[0].axhline(1.5, color="gray", lw=0.8, ls=":")
+    ax[0].set_title(f"tokens per expert / mean ({len(layers)} MoE layers)")
     ax[1].set_title("dropped slots (%)")
     ax[2].set_title("aux loss (1 = balanced)")
     for a in ax:
         a.set_xlabel("step")
-        a.legend(fontsize=6)
+        a.legend(fontsize=6 if not many else 8)
     fig.tight_layout()
     fig.savefig(args.out, dpi=120)
     print(f"wrote {args.out}")
