@@ -8,6 +8,7 @@
 #                                       finetune_encoder large_index layernorm lora big_buffer
 #                                       autotune_cached profile gemm_sk moe_fsdp fp8_cast
 #                                       moe_speed aido_layers small_attn fp8moe_resume kernels
+#                                       compose
 #   gemm_tune: bench_gpu_gemm_tune (cuBLASLt's heuristic first choice vs the fastest of its first 8
 #        candidates on the 650M and 3B layer GEMMs at 16k and 32k tokens, an 8192^3 reference, and
 #        LayerNorm GB/s against a device copy), then bench_gpu_train esm2_650m bf16 with
@@ -196,6 +197,17 @@
 #         bf16 (30 steps, 65,536-token micro-batches, 131,072 per step) with train.profile true
 #         and false, and with PLM_FLASH_LEGACY=1 (the general kernels; PLM_SMALL_ATTN_LEGACY=0
 #         skips those runs)
+#   compose: the parallel and precision compositions at real size on 2 GPUs (one rank each, NCCL),
+#        each against the same global batches on one GPU (65,536 tokens per step in 16,384-token
+#        micro-batches, PLM_COMPOSE_STEPS steps, default 20; losses compared per step with
+#        validation/compare_losses.py, tokens/s per GPU, first-step peak against the plan):
+#        esm2_650m FP8 (delayed and block) at shard 2 (FP8 x FSDP); esm2_moe_2b_a650m bf16 at
+#        shard 2 (FSDP x experts) and expert degree 2, and FP8 delayed at expert degree 2; and
+#        esm2_moe_2b_a650m bf16 on 16,384-token sequences at context degree 2 (context x MoE;
+#        32,768 tokens per step).
+#        The MoE runs are dropless with moe.router_projection off (FSDP and context turn it off;
+#        the one-GPU peers match). PLM_COMPOSE_RUNS narrows the list (fp8_delayed fp8_block
+#        moe_shard moe_expert moe_fp8 moe_context); $OUT/compose_<run>_np<n>.log and .jsonl
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -1340,6 +1352,82 @@ PY
         tee -a "$summary" "$final_out/moe_balance_summary.txt"
       rm -rf "$d"
     done
+  done
+fi
+
+if has compose && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]] &&
+   (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )); then
+  steps=${PLM_COMPOSE_STEPS:-20}
+  runs=(${PLM_COMPOSE_RUNS:-fp8_delayed fp8_block moe_shard moe_expert moe_fp8 moe_context})
+  long=/tmp/plm-compose-long
+  if [[ " ${runs[*]} " == *" moe_context "* && ! -f "$long/data/train.h5" ]]; then
+    rm -rf "$long" && mkdir -p "$long"
+    python3 - "$long/long.fasta" <<'PY'
+import random, sys
+random.seed(7)
+with open(sys.argv[1], "w") as f:
+    for i in range(96):
+        f.write(f">long{i}\n" + "".join(random.choice("ACDEFGHIKLMNPQRSTVWY") for _ in range(16382)) + "\n")
+PY
+    timeout 300 "$pkg/bin/plm" prep "$long/long.fasta" --out "$long/data" > "$out/compose_prep.log" 2>&1
+    note "compose: plm prep of the 16,384-token sequences rc=$?"
+  fi
+  moe=(--set model.preset=esm2_moe_2b_a650m --set moe.dropless=true --set moe.router_projection=false)
+  declare -A one_gpu=()  # the one-GPU run of each settings, run once (moe_shard's is moe_expert's)
+  for run in "${runs[@]}"; do
+    data=(--set data.train="$pkg/data/train.h5")
+    tokens=65536
+    case $run in
+      fp8_delayed) sets=(--set train.precision=fp8 --set fp8.recipe=delayed); par=(--set parallel.shard_degree=2) ;;
+      fp8_block) sets=(--set train.precision=fp8 --set fp8.recipe=block); par=(--set parallel.shard_degree=2) ;;
+      moe_shard) sets=("${moe[@]}" --set train.precision=bf16); par=(--set parallel.shard_degree=2) ;;
+      moe_expert) sets=("${moe[@]}" --set train.precision=bf16); par=(--set parallel.expert_degree=2) ;;
+      moe_fp8) sets=("${moe[@]}" --set train.precision=fp8 --set fp8.recipe=delayed); par=(--set parallel.expert_degree=2) ;;
+      moe_context) sets=("${moe[@]}" --set train.precision=bf16 --set model.max_positions=16386
+          --set data.max_seq_len=16384)
+        data=(--set data.train="$long/data/train.h5"); par=(--set parallel.context_degree=2)
+        tokens=32768 ;;
+      *) note "compose: unknown run $run"; continue ;;
+    esac
+    for np in 1 2; do
+      key="${sets[*]} ${data[*]}"
+      if [[ $np == 1 && -n "${one_gpu[$key]:-}" ]]; then
+        cp "${one_gpu[$key]}" "$final_out/compose_${run}_np1.jsonl"
+        note "compose: $run on 1 GPU: the same run as ${one_gpu[$key]##*/}"
+        continue
+      fi
+      d=/tmp/plm-compose-$run-$np
+      rm -rf "$d"
+      p=(); [[ $np == 2 ]] && p=("${par[@]}")
+      start=$(date +%s)
+      timeout ${PLM_COMPOSE_TIMEOUT:-240} mpiexec -n $np --oversubscribe "$pkg/bin/plm" train \
+        "$repo/inputs/esm2_650m.yaml" "${sets[@]}" "${p[@]}" "${data[@]}" --set data.valid= \
+        --set data.tokens_per_batch=$tokens --set data.micro_batch_tokens=16384 \
+        --set train.steps=$steps --set train.log_every=1 --set train.eval_every=0 \
+        --set checkpoint.every=0 --set checkpoint.resume=none --set train.run_dir="$d" \
+        --set checkpoint.dir="$d/ckpt" > "$final_out/compose_${run}_np$np.log" 2>&1
+      note "compose: $run on $np GPU(s) ${p[*]} rc=$? $(( $(date +%s) - start ))s"
+      grep -E "error|refuse|out of memory|memory: first step" "$final_out/compose_${run}_np$np.log" |
+        head -3 | cut -c1-250 | tee -a "$summary"
+      cp "$d/metrics.jsonl" "$final_out/compose_${run}_np$np.jsonl" 2>/dev/null
+      [[ $np == 1 ]] && one_gpu[$key]="$final_out/compose_${run}_np1.jsonl"
+      rm -rf "$d"
+    done
+    python3 "$repo/validation/compare_losses.py" "$final_out/compose_${run}_np1.jsonl" \
+      "$final_out/compose_${run}_np2.jsonl" --tol ${PLM_COMPOSE_TOL:-0.02} 2>&1 | tail -1 |
+      sed "s/^/  compose $run, 2 GPUs vs 1: /" | tee -a "$summary"
+    python3 - "$final_out/compose_${run}_np1.jsonl" "$final_out/compose_${run}_np2.jsonl" <<'PY' 2>&1 | tee -a "$summary"
+import json, os, statistics, sys
+out = []
+for n, path in zip((1, 2), sys.argv[1:]):
+    rows = [json.loads(l) for l in open(path)] if os.path.exists(path) else []
+    rows = [r for r in rows if r.get("kind") == "train" and r["step"] > 5]
+    if rows:
+        out.append(f"{n} GPU(s) {statistics.mean(r['tokens_per_s'] for r in rows) / n:.0f} tokens/s per GPU,"
+                   f" {statistics.mean(r['tflops_per_device'] for r in rows):.0f} TFLOP/s per GPU,"
+                   f" peak {max(r['mem_bytes'] for r in rows) / 2**30:.1f} GiB")
+print("  " + "; ".join(out) + " (steps 6 on)")
+PY
   done
 fi
 
