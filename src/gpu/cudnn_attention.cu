@@ -34,6 +34,10 @@ bool CudnnAttention::forward(Stream, const FlashParams&) { return false; }
 bool CudnnAttention::backward(Stream, const FlashParams&) { return false; }
 int CudnnAttention::graphs() const { return 0; }
 std::size_t CudnnAttention::workspaceBytes() const { return 0; }
+const std::string& CudnnAttention::whyNot() const {
+  static const std::string none = "this build has no cuDNN attention";
+  return none;
+}
 
 #else
 
@@ -86,6 +90,7 @@ struct CudnnAttention::Impl {
   std::size_t workspace_bytes = 0;
   std::int32_t* meta = nullptr;  // seqlen (bucket) + offsets (kRoles (bucket + 1))
   std::size_t meta_count = 0;
+  std::string why_not;  // the last refusal's reason
 
   ~Impl() {
     if (workspace) cudaFree(workspace);
@@ -203,28 +208,43 @@ struct CudnnAttention::Impl {
   }
 
   bool run(bool backward, Stream stream, const FlashParams& p) {
+    why_not.clear();
     if (p.total_tokens == 0 || p.num_seqs == 0) return true;
+    const std::string shape = std::string(backward ? "backward" : "forward") +
+                              " kernel for head_dim " + std::to_string(p.head_dim) + ", " +
+                              std::to_string(p.heads) + " heads";
+    auto refuse = [&](const std::string& why) {
+      why_not = why;
+      return false;
+    };
     // Measured on cuDNN 9.14 (H100): the backward writes dK and dV at the ragged offsets of K and
     // V whatever offsets dK and dV are given, so a gradient whose row stride differs from its
     // input's (not plm's stacked qkv layout) would be written out of place: not run here.
     if (backward && (p.dq_stride != p.q_stride || p.dk_stride != p.k_stride ||
                      p.dv_stride != p.v_stride || p.dout_stride != p.o_stride))
-      return false;
+      return refuse("cuDNN's backward needs gradient row strides equal to its inputs'");
     const int bucket = roundUp(p.num_seqs, 16);
     const int seq = roundUp(p.max_seqlen, 128);
     // Ragged offsets are int32 elements: the largest must fit.
     const RowStrides rs = strides(p);
     for (int r = 0; r < kRoles; ++r)
-      if (p.total_tokens * rs.s[r] > std::numeric_limits<std::int32_t>::max()) return false;
+      if (p.total_tokens * rs.s[r] > std::numeric_limits<std::int32_t>::max())
+        return refuse("cuDNN's ragged offsets (int32) do not reach " +
+                      std::to_string(p.total_tokens) + " tokens");
     const std::string k = key(backward, bucket, seq, p);
     auto it = graphs.find(k);
     if (it == graphs.end()) it = graphs.emplace(k, build(backward, bucket, seq, p)).first;
     const auto& g = it->second;
-    if (!g) return false;
+    if (!g) return refuse("cuDNN has no " + shape);
 
     std::int64_t ws = 0;
     if (!g->get_workspace_size(ws).is_good())
       throw Error("cuDNN attention: no workspace size for graph " + k);
+    if (static_cast<std::size_t>(ws) > kMaxWorkspaceBytes)
+      return refuse("cuDNN's " + shape + " asks for " +
+                    std::to_string(ws / (std::int64_t(1) << 20)) + " MiB of workspace at " +
+                    std::to_string(p.max_seqlen) + "-token sequences (over " +
+                    std::to_string(kMaxWorkspaceBytes >> 20) + " MiB)");
     const std::size_t need_meta = bucket + std::size_t(kRoles) * (bucket + 1);
     if (static_cast<std::size_t>(ws) > workspace_bytes || need_meta > meta_count) {
       PLM_CHECK_CUDA(cudaStreamSynchronize(stream));  // buffers may be in use by earlier calls
@@ -290,6 +310,7 @@ int CudnnAttention::graphs() const {
   return n;
 }
 std::size_t CudnnAttention::workspaceBytes() const { return impl->workspace_bytes; }
+const std::string& CudnnAttention::whyNot() const { return impl->why_not; }
 
 #endif
 

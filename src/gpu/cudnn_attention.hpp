@@ -44,6 +44,15 @@ class CudnnAttention {
   /// \brief Graphs built so far and bytes of workspace held (for logs and tests).
   int graphs() const;
   std::size_t workspaceBytes() const;
+  /// \brief Why the last forward or backward returned false ("" after one that ran).
+  const std::string& whyNot() const;
+
+  /// \brief The most workspace one graph may ask for; a graph asking more is not run (the
+  /// caller's own flash attention runs instead).  cuDNN 9's graphs for very long sequences ask
+  /// for workspace growing with the square of the sequence (cuDNN 9 on an H200, 20 heads of 64,
+  /// one 16,384-token sequence: the backward asks for 160 GiB; at context degree 2, 8,192-token
+  /// blocks, it held 42 GiB beside plm's buffers), where the own flash kernels need O(tokens).
+  static constexpr std::size_t kMaxWorkspaceBytes = std::size_t(4) << 30;
 
  private:
   struct Impl;

@@ -1110,10 +1110,7 @@ bool cudnnAttention(OpContext& ctx, const gpu::FlashParams& fp, bool backward) {
   if (!c.cudnn) c.cudnn = std::make_unique<gpu::CudnnAttention>(ctx.deterministic);
   const bool ran =
       backward ? c.cudnn->backward(streamOf(ctx), fp) : c.cudnn->forward(streamOf(ctx), fp);
-  if (!ran)
-    return fallback("cuDNN has no " + std::string(backward ? "backward" : "forward") +
-                    " kernel for head_dim " + std::to_string(fp.head_dim) + ", " +
-                    std::to_string(fp.heads) + " heads");
+  if (!ran) return fallback(c.cudnn->whyNot());
   return true;
 }
 
