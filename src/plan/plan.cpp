@@ -332,28 +332,19 @@ void planMemory(const Input& in, Plan& p) {
   const bool bf16 = in.compute == Compute::Bf16 || (in.compute == Compute::Fp8 && gpu);
   const bool moe = c.moe.enabled();
   const ParameterCounts pc = parameterCounts(c, l.expert, in.compute == Compute::Fp8 && gpu);
-  // Routed experts under expert parallelism stay whole on their rank (divided by the expert
-  // degree through the table); the dense part follows the shard degree.  Without expert
-  // parallelism the experts are part of their layer's sharding unit (train::Fsdp).
-  const bool apart = moe && l.expert > 1 && l.shard > 1;
-  // The model state: the same formula the sharding engine reports (train::shardedMemory).
+  // The routed experts a rank holds (1 / expert of them, through the table) are part of their
+  // layer's sharding unit like every other tensor: FSDP beside expert parallelism shards them
+  // over the ranks holding the same experts (train::Fsdp, doc/parallelism.md).
   train::ShardSizes n;
-  n.flat = apart ? pc.dense() : pc.flat;
-  n.layer_unit = apart ? pc.layer_max_dense : pc.layer_max;
+  n.flat = pc.flat;
+  n.layer_unit = pc.layer_max;
   n.embed_unit = pc.embed;
   n.head_unit = pc.head;
   n.layers = c.num_layers;
   train::FsdpMemory state = train::shardedMemory(
       n, l.shard, in.reshard_after_forward ? 2 : c.num_layers, false, 4, in.gather_bf16);
-  if (apart) {
-    state.params += 4 * pc.experts;
-    state.grads += 4 * pc.experts;
-  }
   const bool bf16_gathers = in.gather_bf16 && l.shard > 1;
-  const std::string per_rank = !moe ? "N / shard"
-                               : l.shard > 1 && !apart
-                                   ? "N / shard, N with the experts held (N_exp / expert)"
-                                   : "(N_dense / shard + N_exp / expert)";
+  const std::string per_rank = !moe ? "N / shard" : "(N_dense + N_exp / expert) / shard";
   p.memory.push_back({bf16_gathers ? "parameters (fp32 masters, bf16 copy of the shard)"
                                    : "parameters (fp32 masters)",
                       double(state.params), (bf16_gathers ? "(4 + 2) " : "4 ") + per_rank});
@@ -373,40 +364,28 @@ void planMemory(const Input& in, Plan& p) {
     model::ExpertPlacement held;
     if (moe && l.expert > 1) held = {l.expert, 0};
     auto table = model::tensorTable(c, held);
-    double bytes = 0;
-    if (apart) {
-      std::vector<model::TensorInfo> dense, experts;
-      for (auto& t : table) (t.expert >= 0 ? experts : dense).push_back(t);
-      bytes =
-          static_cast<double>(train::optimizerStateBytes(in.optimizer, dense, pc.dense(), l.shard) +
-                              train::optimizerStateBytes(in.optimizer, experts, pc.experts, 1));
-    } else {
-      bytes =
-          static_cast<double>(train::optimizerStateBytes(in.optimizer, table, pc.flat, l.shard));
-    }
+    const double bytes =
+        static_cast<double>(train::optimizerStateBytes(in.optimizer, table, pc.flat, l.shard));
     const auto& t = text.at(in.optimizer.kind);
     p.memory.push_back({std::string("optimizer states (") + t.first + ")", bytes,
                         std::string(t.second) + per_rank});
   }
   if (bf16) {
     // Whole under data parallelism; under sharding only beside the gathered units
-    // (train/fsdp.cpp: the embeddings, the head and the gathered layer slots), plus the held
-    // experts' whole copy when they sit apart from the sharded units.
+    // (train/fsdp.cpp: the embeddings, the head and the gathered layer slots, a layer's held
+    // experts with it).
     const std::int64_t slots = in.reshard_after_forward ? 2 : c.num_layers;
     if (l.shard == 1)
       p.memory.push_back(
           {"compute copy of the GEMM weights (bf16)", 2.0 * static_cast<double>(pc.compute),
            moe ? "2 N_gemm (routed experts: those held, N_gemm_exp / expert)" : "2 N_gemm"});
     else
-      p.memory.push_back(
-          {"compute copy of the gathered units (bf16)",
-           2.0 * static_cast<double>(
-                     pc.compute_embed + pc.compute_head +
-                     slots * (apart ? pc.compute_layer_max_dense : pc.compute_layer_max) +
-                     (apart ? pc.compute_experts : 0)),
-           std::string(in.reshard_after_forward ? "2 (N_gemm_emb + 2 N_gemm_layer + N_gemm_head)"
-                                                : "2 (N_gemm_emb + L N_gemm_layer + N_gemm_head)") +
-               (apart ? " + 2 N_gemm_exp / expert" : "")});
+      p.memory.push_back({"compute copy of the gathered units (bf16)",
+                          2.0 * static_cast<double>(pc.compute_embed + pc.compute_head +
+                                                    slots * pc.compute_layer_max),
+                          in.reshard_after_forward
+                              ? "2 (N_gemm_emb + 2 N_gemm_layer + N_gemm_head)"
+                              : "2 (N_gemm_emb + L N_gemm_layer + N_gemm_head)"});
   }
   if (l.shard > 1) {
     p.memory.push_back({"gathered embeddings, head and layers (sharding)", double(state.gathered),
@@ -724,13 +703,11 @@ void planTime(const Input& in, Plan& p) {
                     moe ? "mb (20 L + 20 + L_moe (12 + 4 E / expert) [+ 8 L layer, 3 L "
                           "selective]) launch_us"
                         : "mb (20 L + 20 [+ 8 L layer, 3 L selective]) launch_us"});
-  // Parameters a rank holds: the sharded part / shard, the experts apart from it whole.
-  const bool apart = moe && l.expert > 1 && l.shard > 1;
-  const double nb = static_cast<double>(apart ? pc.dense() : pc.flat) / l.shard;
-  const double held = nb + (apart ? static_cast<double>(pc.experts) : 0.0);
+  // Parameters a rank holds: its shard of the table (the routed experts it holds included).
+  const double held = static_cast<double>(pc.flat) / l.shard;
   const double optimizer = 36 * held / (r.optimizer_gbps * 1e9);
   p.time.push_back({"optimizer (AdamW, norm, zeroing)", optimizer,
-                    moe ? "36 (N_dense / shard + N_exp / expert) / optimizer_gbps"
+                    moe ? "36 (N_dense + N_exp / expert) / shard / optimizer_gbps"
                         : "36 N / shard / optimizer_gbps"});
 
   // Communication: the bus bandwidth of a group within a node is the node's (NVLink); a group
@@ -762,8 +739,9 @@ void planTime(const Input& in, Plan& p) {
     // The all-gathers move the fp32 masters (train/fsdp.cpp; bf16 casts beside them), twice
     // per micro-batch with resharding after forward.
     const double gathers = in.reshard_after_forward ? 2.0 : 1.0;
-    const double ag = gathers * (l.shard - 1.0) / l.shard * (in.gather_bf16 ? 2 : 4) * nb * l.shard;
-    const double rs = (l.shard - 1.0) / l.shard * 4 * nb * l.shard;
+    const double ag =
+        gathers * (l.shard - 1.0) / l.shard * (in.gather_bf16 ? 2 : 4) * held * l.shard;
+    const double rs = (l.shard - 1.0) / l.shard * 4 * held * l.shard;
     const double per_mb = (ag + rs) / busbw(l.ranks_per_node, spans);
     comm += mb * per_mb;
     exposed += mb * std::max(per_mb / L, per_mb - 1.5 * backward_time);
@@ -777,7 +755,11 @@ void planTime(const Input& in, Plan& p) {
     const bool spans = l.nodes > 1 && dp > std::max(1, l.ranks_per_node / (l.shard * l.context));
     const int members =
         std::max(1, l.ranks_per_node / std::min(l.ranks_per_node, l.shard * l.context));
-    const double ar = 2 * (dp - 1.0) / dp * 4 * held / busbw(members, spans);
+    // Beside expert parallelism the replicas are the expert groups, which hold other experts:
+    // only the dense tensors' shard is all-reduced (train/fsdp.cpp, expert_pieces).
+    const double reduced =
+        moe && l.expert > 1 && l.shard > 1 ? static_cast<double>(pc.dense()) / l.shard : held;
+    const double ar = 2 * (dp - 1.0) / dp * 4 * reduced / busbw(members, spans);
     comm += ar;
     exposed += std::max(ar / L, ar - backward_time);
     comm_formula = (l.shard > 1 ? comm_formula + "; " : std::string()) +
@@ -925,11 +907,11 @@ Plan makePlan(const Input& in) {
       p.notes.push_back(
           "the MoE all-to-all is timed at the link's bandwidth only; the per-layer exchange of "
           "the row counts (a host synchronisation) is not timed");
-    if (in.layout.expert > 1 && in.layout.shard > 1)
+    if (in.layout.expert > 1 && in.layout.shard > 1 &&
+        in.layout.shard * in.layout.expert != in.layout.world())
       p.notes.push_back(
-          "plm train shards beside expert parallelism over the ranks holding the same experts "
-          "(shard_degree x expert_degree = ranks; experts sharded too, doc/parallelism.md): "
-          "these figures keep the experts whole on their rank, an upper bound on their part");
+          "plm train shards beside expert parallelism over the ranks holding the same experts, "
+          "so shard_degree x expert_degree must equal the rank count (doc/parallelism.md)");
   }
   return p;
 }

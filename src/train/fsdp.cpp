@@ -252,7 +252,9 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   // shard group's reduce-scatter; the replicas hold other experts, so the replicate all-reduce
   // leaves them as they are (stashed around it) and the norm sums them over every rank.
   std::vector<std::pair<std::int64_t, std::int64_t>> expert_pieces;
-  View1<P> expert_stash;  // (sum of expert pieces)
+  // The rest of the gradient shard, (shard offset, count): what the replicate all-reduce sums
+  // under expert parallelism (the expert pieces in between are left as they are).
+  std::vector<std::pair<std::int64_t, std::int64_t>> dense_pieces;
   std::unique_ptr<Optimizer<P>> optimizer;
   ExecSpace space;
   bool backward_phase = false;
@@ -333,7 +335,6 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     grad_channel[embedUnit()] = 3;
     const int r = shard_comm->rank();
     if (m.expertPlacement().sharded()) {
-      std::int64_t stash = 0;
       for (const auto& [offset, count] : model::expertRuns(m.tensors()))
         for (const auto& u : units) {
           const std::int64_t mine = u.offset + r * u.slice;
@@ -341,9 +342,15 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
           const std::int64_t b = std::min({offset + count, mine + u.slice, u.offset + u.count});
           if (a >= b) continue;
           expert_pieces.push_back({u.local + (a - mine), b - a});
-          stash += b - a;
         }
-      if (replicate_comm->size() > 1) expert_stash = alloc("plm::train::fsdp::expert_stash", stash);
+      auto sorted = expert_pieces;
+      std::sort(sorted.begin(), sorted.end());
+      std::int64_t at = 0;
+      for (const auto& [offset, count] : sorted) {
+        if (offset > at) dense_pieces.push_back({at, offset - at});
+        at = std::max(at, offset + count);
+      }
+      if (total > at) dense_pieces.push_back({at, total - at});
     }
     // A model built without whole buffers (ModelBuffers::None) has nothing to copy: its views
     // move from reserved addresses to the gathered buffers, and initialize/fillShards draw the
@@ -1031,21 +1038,17 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   void finishGradients() {
     for (int c = 0; c < 4; ++c) drain(c);
     if (replicate_comm->size() > 1) {
-      std::int64_t at = 0;
-      for (const auto& [offset, count] : expert_pieces) {
-        Kokkos::deep_copy(space, Kokkos::subview(expert_stash, std::make_pair(at, at + count)),
-                          Kokkos::subview(grads_shard, std::make_pair(offset, offset + count)));
-        at += count;
-      }
+      // The replicas hold other experts: under expert parallelism only the dense pieces of
+      // the shard are summed over them, each in place (no copy of the expert pieces).
       fenceForMpi();
-      replicate_comm->allReduceSum(grads_shard.data(), grads_shard.extent(0), dist::streamOf(space))
-          .wait(dist::streamOf(space));
-      at = 0;
-      for (const auto& [offset, count] : expert_pieces) {
-        Kokkos::deep_copy(space,
-                          Kokkos::subview(grads_shard, std::make_pair(offset, offset + count)),
-                          Kokkos::subview(expert_stash, std::make_pair(at, at + count)));
-        at += count;
+      if (expert_pieces.empty()) {
+        replicate_comm
+            ->allReduceSum(grads_shard.data(), grads_shard.extent(0), dist::streamOf(space))
+            .wait(dist::streamOf(space));
+      } else {
+        for (const auto& [offset, count] : dense_pieces)
+          replicate_comm->allReduceSum(grads_shard.data() + offset, count, dist::streamOf(space))
+              .wait(dist::streamOf(space));
       }
     }
     space.fence();

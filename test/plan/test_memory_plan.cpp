@@ -229,4 +229,61 @@ TEST(MemoryPlan, MoeBuffersMatchThePlanAtTheMeasuredLoad) {
   train::AllocationTracker::stop();
 }
 
+// FSDP beside expert parallelism (4 ranks: shard 2 x expert 2, doc/parallelism.md): each rank
+// holds half the experts and shards them, with the dense tensors, over the two ranks holding the
+// same experts.  The plan's model state (parameters, gradients, AdamW, gathered units) is the
+// fullest rank's measured one to 10% (the replicate all-reduce sums the dense pieces in place:
+// no copy of the expert pieces), and below the same experts unsharded (expert degree 2 alone).
+TEST(MemoryPlan, ShardedExpertsMatchThePlan) {
+  if (!train::AllocationTracker::start()) GTEST_SKIP() << "a Kokkos tool library is loaded";
+  const int world = dist::worldSize(), rank = dist::worldRank();
+  if (world != 4) GTEST_SKIP() << "shard 2 x expert 2 needs 4 ranks";
+  if (dist::defaultBackend(MPI_COMM_WORLD) != dist::Backend::Nccl &&
+      !Kokkos::SpaceAccessibility<Kokkos::HostSpace, MemSpace>::accessible)
+    GTEST_SKIP() << "ranks share a GPU: no NCCL";
+  const int degree = 2;
+  const auto c = moeConfig();
+  // As train::Trainer splits them: the shard group holds the same experts (ranks p, p + 2),
+  // the replicate group is the expert group (consecutive ranks).
+  MPI_Comm shard = MPI_COMM_NULL, replicate = MPI_COMM_NULL;
+  MPI_Comm_split(MPI_COMM_WORLD, rank % degree, rank, &shard);
+  MPI_Comm_split(MPI_COMM_WORLD, rank / degree, rank, &replicate);
+  double state = 0;
+  {
+    auto experts = dist::makeCommunicator(replicate, dist::defaultBackend(replicate));
+    const std::int64_t base = train::AllocationTracker::inUse();
+    model::Esm2<float> model(c, model::ExpertPlacement{degree, rank % degree});
+    model.initialize(3);
+    model.setExpertParallel(experts.get());
+    train::Fsdp<float> fsdp(model, shard, replicate, train::AdamWOptions{}, {},
+                            dist::defaultBackend(shard));
+    state = static_cast<double>(train::AllocationTracker::inUse() - base);
+  }
+  // The plan is the fullest rank's (the last of a shard group holds most of the experts).
+  const double mine = state;
+  MPI_Allreduce(MPI_IN_PLACE, &state, 1, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
+  plan::Input in;
+  in.model = c;
+  in.micro_batch_tokens = tokens;
+  in.mask_prob = (labelled - 0.5) / tokens;
+  in.layout.ranks_per_node = world;
+  in.layout.shard = 2;
+  in.layout.expert = degree;
+  in.rates = plan::builtinRates("cpu");
+  const double planned = stateOf(plan::makePlan(in));
+  plan::Input alone = in;
+  alone.layout.shard = 1;
+  const double unsharded = stateOf(plan::makePlan(alone));
+  std::printf(
+      "shard 2 x expert 2, rank %d: state planned %s, measured %s here, %s on the fullest rank "
+      "(expert 2 alone: %s)\n",
+      rank, plan::bytesText(planned).c_str(), plan::bytesText(mine).c_str(),
+      plan::bytesText(state).c_str(), plan::bytesText(unsharded).c_str());
+  EXPECT_NEAR(state, planned, 0.10 * planned);
+  EXPECT_LT(state, 0.75 * unsharded) << "the held experts are sharded too";
+  MPI_Comm_free(&shard);
+  MPI_Comm_free(&replicate);
+  train::AllocationTracker::stop();
+}
+
 }  // namespace
