@@ -113,7 +113,8 @@
 #        max/mean at step 1, the worst over steps 1-100 and 101-200, drops, tokens/s, and the
 #        first step's peak against the plan; $OUT/aido_layers.log, aido_layers_summary.txt;
 #        PLM_AIDO_DEGREE=2 runs 2 GPUs at expert degree 2 (65,536 tokens per GPU and step; 8
-#        layers fit: 77.6 GiB on an H200)
+#        layers fit: 77.6 GiB on an H200); the whole model on 4 GPUs: PLM_AIDO_LAYERS=36
+#        PLM_AIDO_DEGREE=4 PLM_AIDO_MICRO=2048 PLM_AIDO_TOKENS=16384 PLM_AIDO_TIMEOUT=560
 #   moe_curves: validation/moe_curves.py on the packaged mmseqs2 proteins, bf16: esm2_8m dense
 #        against 8 x 640 top-2 (equal active FLOPs), PLM_MOE_CURVE_STEPS steps of
 #        PLM_MOE_CURVE_TOKENS tokens; $OUT/moe_curves.png (-> doc/img/) and the table
@@ -1541,14 +1542,18 @@ if has aido_layers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   # PLM_AIDO_DEGREE=E (default 1) runs E ranks, one per GPU, at expert degree E (NCCL
   # all-to-all), 65,536 tokens per rank and step; `plm plan` then plans the fullest rank at
   # PLM_AIDO_LOAD (default 1.5) times the balanced expert load.
+  # PLM_AIDO_TOKENS (tokens per rank and step, default 65536) and PLM_AIDO_MICRO (micro-batch,
+  # default 16384): the whole model (PLM_AIDO_LAYERS=36) at expert degree 4 fits an H200 at
+  # 2,048-token micro-batches (`plm plan`: 106 GiB at load 1.3, 117 GiB at 2).
   layers=${PLM_AIDO_LAYERS:-6}
   steps=${PLM_AIDO_STEPS:-200}
   deg=${PLM_AIDO_DEGREE:-1}
+  per_rank=${PLM_AIDO_TOKENS:-65536}
   d=/tmp/plm-aido-layers
   rm -rf "$d"
   args=(--set model.layers=$layers --set parallel.expert_degree=$deg --set moe.dropless=true
-    --set train.precision=bf16 --set data.tokens_per_batch=$((65536 * deg))
-    --set data.micro_batch_tokens=16384)
+    --set train.precision=bf16 --set data.tokens_per_batch=$((per_rank * deg))
+    --set data.micro_batch_tokens=${PLM_AIDO_MICRO:-16384})
   for kv in ${PLM_AIDO_SETS:-}; do args+=(--set "$kv"); done
   gpu_kind=h100
   nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | grep -q H200 && gpu_kind=h200
@@ -1566,7 +1571,7 @@ if has aido_layers && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
     --set train.run_dir="$d" --set checkpoint.dir="$d/ckpt" > "$final_out/aido_layers.log" 2>&1
   rc=$?
   note "aido_layers: aido_protein_16b with $layers layers, bf16, dropless, $deg GPU(s) at" \
-    "expert degree $deg, $steps steps of $((65536 * deg)) tokens rc=$rc $(( $(date +%s) - start ))s"
+    "expert degree $deg, $steps steps of $((per_rank * deg)) tokens rc=$rc $(( $(date +%s) - start ))s"
   grep -E "moe: |memory: (planned|after|first step)|plan vs measured|error|out of memory" \
     "$final_out/aido_layers.log" | head -8 | cut -c1-300 | tee -a "$summary"
   cp "$d/metrics.jsonl" "$final_out/aido_layers.jsonl" 2>/dev/null
