@@ -162,10 +162,13 @@ train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook n
     Input in;
     Plan p;
     Layout layout;
+    double load = 0;  // MoE under expert parallelism: the last step's load on the fullest rank
     try {
       in = inputOfRun(trainer);
       rates = in.rates;
       layout = in.layout;
+      load = measuredMoeLoad(trainer.moe().lastRouted(), in.model.moe.experts, layout.expert);
+      if (load > 0) in.moe_load = std::max(1.0, load);
       if (w->tokens > 0) {
         in.mean_seqlen = w->sum_sq / static_cast<double>(w->tokens);
         in.fill = static_cast<double>(w->tokens) /
@@ -179,14 +182,16 @@ train::Trainer::StepHook predictionReport(int window, train::Trainer::StepHook n
     }
     const double measured_tps = seconds > 0 ? static_cast<double>(w->tokens) / seconds : 0;
     if (trainer.rank() != 0) return;
+    char at_load[64] = "";
+    if (load > 0) std::snprintf(at_load, sizeof at_load, ", MoE load %.2f", load);
     log::info(
         "plan vs measured (steps 2-%d): %.0f tok/s predicted, %.0f measured (%+.1f%%); "
-        "memory per rank %s predicted, %s measured (%+.1f%%); S = %.0f, fill %.2f, %s rates "
+        "memory per rank %s predicted, %s measured (%+.1f%%); S = %.0f, fill %.2f%s, %s rates "
         "(plm plan, doc/plan.md)",
         w->seen, p.tokens_per_s, measured_tps,
         measured_tps > 0 ? 100 * (p.tokens_per_s / measured_tps - 1) : 0.0,
         bytesText(p.memory_total).c_str(), bytesText(mem).c_str(),
-        mem > 0 ? 100 * (p.memory_total / mem - 1) : 0.0, in.mean_seqlen, in.fill,
+        mem > 0 ? 100 * (p.memory_total / mem - 1) : 0.0, in.mean_seqlen, in.fill, at_load,
         rates.kind.c_str());
     io::json::Value v = planToJson(in, p);
     io::json::Value measured = io::json::Value::object();
