@@ -207,8 +207,9 @@
 #        esm2_moe_2b_a650m bf16 on 16,384-token sequences at context degree 2 (context x MoE;
 #        32,768 tokens per step).
 #        The MoE runs are dropless with moe.router_projection off (FSDP and context turn it off;
-#        the one-GPU peers match). PLM_COMPOSE_RUNS narrows the list (fp8_delayed fp8_block
-#        moe_shard moe_expert moe_fp8 moe_context); $OUT/compose_<run>_np<n>.log and .jsonl
+#        the one-GPU peers match). bf16_shard: esm2_650m bf16 at shard 2, FSDP's own cost.
+#        PLM_COMPOSE_RUNS narrows the list (bf16_shard fp8_delayed fp8_block moe_shard
+#        moe_expert moe_fp8 moe_context); $OUT/compose_<run>_np<n>.log and .jsonl
 # Expects the folder made by scripts/package-cuda.sh at $PLM_PKG (default build-cuda/pkg):
 # bin/ (plm, test and benchmark binaries) and lib/ (the shared libraries the GPU machine lacks).
 # CUDA, NCCL and OpenMPI come from the machine itself.
@@ -1359,7 +1360,7 @@ fi
 if has compose && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]] &&
    (( $(nvidia-smi -L 2>/dev/null | wc -l) >= 2 )); then
   steps=${PLM_COMPOSE_STEPS:-20}
-  runs=(${PLM_COMPOSE_RUNS:-fp8_delayed fp8_block moe_shard moe_expert moe_fp8 moe_context})
+  runs=(${PLM_COMPOSE_RUNS:-bf16_shard fp8_delayed fp8_block moe_shard moe_expert moe_fp8 moe_context})
   long=/tmp/plm-compose-long
   if [[ " ${runs[*]} " == *" moe_context "* && ! -f "$long/data/train.h5" ]]; then
     rm -rf "$long" && mkdir -p "$long"
@@ -1379,6 +1380,7 @@ PY
     data=(--set data.train="$pkg/data/train.h5")
     tokens=65536
     case $run in
+      bf16_shard) sets=(--set train.precision=bf16); par=(--set parallel.shard_degree=2) ;;
       fp8_delayed) sets=(--set train.precision=fp8 --set fp8.recipe=delayed); par=(--set parallel.shard_degree=2) ;;
       fp8_block) sets=(--set train.precision=fp8 --set fp8.recipe=block); par=(--set parallel.shard_degree=2) ;;
       moe_shard) sets=("${moe[@]}" --set train.precision=bf16); par=(--set parallel.shard_degree=2) ;;
