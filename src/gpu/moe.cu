@@ -194,14 +194,19 @@ __global__ void combineGradientVec8Kernel(const bfloat* dx, const std::int32_t* 
   }
 }
 
+/// The router (experts x hidden fp32) into the block's shared memory, for every thread.
+__device__ __forceinline__ void stageRouter(float* router, const float* w, int n) {
+  for (int i = threadIdx.x; i < n; i += blockDim.x) router[i] = w[i];
+  __syncthreads();
+}
+
 /// combineGradientVec8Kernel with the router's part formed per element from the router staged in
 /// shared memory (experts x hidden fp32): r = sum_e dl(t, e) W(e, c) in e order, then - v(c).
 __global__ void combineRouterVec8Kernel(const bfloat* dx, const std::int32_t* slot_row, bfloat* dh,
                                         std::int64_t tokens, int k, int hidden, const float* dl,
                                         const float* w, const float* v, int experts) {
   extern __shared__ float router[];  // (experts, hidden)
-  for (int i = threadIdx.x; i < experts * hidden; i += blockDim.x) router[i] = w[i];
-  __syncthreads();
+  stageRouter(router, w, experts * hidden);
   const int lane = threadIdx.x % kWarp;
   for (std::int64_t t = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp; t < tokens;
        t += std::int64_t(gridDim.x) * kWarpsPerBlock) {
@@ -317,8 +322,7 @@ __device__ __forceinline__ float warpSum(float x) {
 __global__ void routerLogitsKernel(const bfloat* h, std::int64_t tokens, int hidden, const float* w,
                                    int experts, const float* s, float* logits, float* hs) {
   extern __shared__ float router[];  // (experts, hidden)
-  for (int i = threadIdx.x; i < experts * hidden; i += blockDim.x) router[i] = w[i];
-  __syncthreads();
+  stageRouter(router, w, experts * hidden);
   const int lane = threadIdx.x % kWarp;
   for (std::int64_t t = blockIdx.x * std::int64_t(kWarpsPerBlock) + threadIdx.x / kWarp; t < tokens;
        t += std::int64_t(gridDim.x) * kWarpsPerBlock) {
