@@ -83,8 +83,7 @@ ParameterCounts parameterCounts(const model::Esm2Config& c, int expert_degree, b
   const auto table = model::tensorTable(c, held);
   const auto copy_of = model::computeCopyElements(table, c, fp8_gpu);
   ParameterCounts n;
-  std::vector<std::int64_t> layer(c.num_layers, 0), layer_experts(c.num_layers, 0);
-  std::vector<std::int64_t> copy(c.num_layers, 0), copy_experts(c.num_layers, 0);
+  std::vector<std::int64_t> layer(c.num_layers, 0), copy(c.num_layers, 0);
   for (std::size_t i = 0; i < table.size(); ++i) {
     const auto& t = table[i];
     const std::int64_t size = alignedElements(t.size);
@@ -98,10 +97,6 @@ ParameterCounts parameterCounts(const model::Esm2Config& c, int expert_degree, b
     if (l >= 0) {
       layer[l] += size;
       copy[l] += packed;
-      if (expert) {
-        layer_experts[l] += size;
-        copy_experts[l] += packed;
-      }
     } else if (t.group == model::TensorGroup::Embedding) {
       n.embed += size;
       n.compute_embed += packed;
@@ -112,9 +107,7 @@ ParameterCounts parameterCounts(const model::Esm2Config& c, int expert_degree, b
   }
   for (int l = 0; l < c.num_layers; ++l) {
     n.layer_max = std::max(n.layer_max, layer[l]);
-    n.layer_max_dense = std::max(n.layer_max_dense, layer[l] - layer_experts[l]);
     n.compute_layer_max = std::max(n.compute_layer_max, copy[l]);
-    n.compute_layer_max_dense = std::max(n.compute_layer_max_dense, copy[l] - copy_experts[l]);
   }
   return n;
 }

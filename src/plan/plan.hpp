@@ -100,11 +100,9 @@ struct ParameterCounts {
   std::int64_t experts = 0;          // of which the routed experts it holds
   std::int64_t embed = 0, head = 0;  // the embeddings; final LayerNorm and LM head
   std::int64_t layer_max = 0;        // the widest encoder layer (a sharding unit)
-  std::int64_t layer_max_dense = 0;  // the widest encoder layer without its routed experts
   std::int64_t compute = 0;          // bf16 compute copy, whole
   std::int64_t compute_experts = 0;  // of which the routed experts'
-  std::int64_t compute_embed = 0, compute_head = 0, compute_layer_max = 0,
-               compute_layer_max_dense = 0;
+  std::int64_t compute_embed = 0, compute_head = 0, compute_layer_max = 0;
   std::int64_t dense() const { return flat - experts; }
 };
 /// \brief Counts of a rank of an expert group of `expert_degree` ranks; `fp8_gpu`: the FP8

@@ -250,7 +250,7 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
   // Expert parallelism (the shard group holds one expert-group position): this rank's pieces of
   // the routed experts' runs, (shard offset, count).  Their gradients are complete after the
   // shard group's reduce-scatter; the replicas hold other experts, so the replicate all-reduce
-  // leaves them as they are (stashed around it) and the norm sums them over every rank.
+  // leaves them as they are (it sums dense_pieces only) and the norm sums them over every rank.
   std::vector<std::pair<std::int64_t, std::int64_t>> expert_pieces;
   // The rest of the gradient shard, (shard offset, count): what the replicate all-reduce sums
   // under expert parallelism (the expert pieces in between are left as they are).
@@ -696,12 +696,11 @@ template <class P> struct Fsdp<P>::Impl : model::LayerHooks {
     const View1<std::uint32_t> amax = amax_bits;
     const View1<std::int64_t> cols = w_cols, bat = w_block_at;
     Kokkos::deep_copy(space, amax, 0u);
-    // A weight's elements are contiguous here, so one atomic per element sends every thread
-    // in flight to the same amax slot and serialises the pass on one address (650M FP8 at
-    // shard 2 on two H200s: the step idled about 267 ms of 664 on it; 435 ms per step since).
-    // Each thread keeps a running maximum over kAmaxRun elements and adds it once per slot it
-    // met.  Lanes of a warp read consecutive elements: thread t reads element
-    // (t / kLanes) * kLanes * kAmaxRun + j * kLanes + t % kLanes, j < kAmaxRun.
+    // A weight's elements are contiguous here, so one atomic per element would send every
+    // thread in flight to the same amax slot and serialise the pass on one address.  Each
+    // thread keeps a running maximum over kAmaxRun elements and adds it once per slot it met. Lanes
+    // of a warp read consecutive elements: thread t reads element (t / kLanes) * kLanes * kAmaxRun
+    // + j * kLanes + t % kLanes, j < kAmaxRun.
     const std::int64_t groups = (enc_elems + kLanes * kAmaxRun - 1) / (kLanes * kAmaxRun);
     const std::int64_t total = enc_elems;
     const auto nseg = static_cast<std::int64_t>(segs.extent(0));
