@@ -6,7 +6,10 @@
 // effective TFLOP/s (forward 4 sum(L^2) D H, backward 2.5x), the largest difference of the
 // default kernels' O, lse and gradients from the legacy ones', and one RESULT line per shape.
 //
-//   bench_gpu_attention [tokens]        (default 65536)
+//   bench_gpu_attention [tokens] [--once]   (default 65536)
+//
+// --once runs each kernel set's forward and backward once per shape, untimed and unchecked: the
+// launches a profiler (ncu) should see, without the timing loops' repetitions.
 #include "gpu/cudnn_attention.hpp"
 #include "gpu/flash_attention.hpp"
 
@@ -81,6 +84,18 @@ double relDiff(const std::vector<float>& a, const std::vector<float>& b) {
 void row(const char* what, double ms, double flops) {
   std::printf("  %-34s %9.3f ms  %7.1f TFLOP/s\n", what, ms, flops / ms / 1e9);
   std::fflush(stdout);
+}
+
+/// Each flash kernel set's forward and backward once (for a profiler).
+void runOnce(const std::vector<int>& lengths, int heads, int dim) {
+  const AttentionCase a(lengths, heads, dim, /*interleaved_grads=*/true);
+  for (FlashParams::Kernels k : {FlashParams::Kernels::Legacy, FlashParams::Kernels::Auto}) {
+    FlashParams q = a.p;
+    q.kernels = k;
+    flashAttentionForward(nullptr, q);
+    flashAttentionBackward(nullptr, q);
+  }
+  PLM_CHECK_CUDA(cudaDeviceSynchronize());
 }
 
 void benchShape(const char* model, const std::vector<int>& lengths, int heads, int dim,
@@ -165,6 +180,10 @@ int main(int argc, char** argv) {
   try {
     const std::int64_t tokens = argc > 1 ? std::atoll(argv[1]) : 65536;
     const std::vector<int> lengths = drawLengths(tokens, 2026);
+    if (argc > 2 && std::string(argv[2]) == "--once") {
+      for (int dim : {16, 24, 32}) runOnce(lengths, 20, dim);
+      return 0;
+    }
     CudnnAttention* cudnn = nullptr;
     if (cudnnAttentionAvailable()) cudnn = new CudnnAttention(/*deterministic_backward=*/true);
     benchShape("esm2_8m", lengths, 20, 16, cudnn);

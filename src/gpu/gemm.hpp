@@ -170,10 +170,10 @@ enum class GemmSplit { Off, SplitK, StreamK };
 /// \brief "off", "splitk" or "streamk"; anything else throws, naming the three.
 GemmSplit parseGemmSplit(const std::string& name);
 /// \brief For the bf16 GEMMs planned after the call.  `force_splits` > 1 (tests) splits every
-/// eligible GEMM (epilogue none or BGradA, bf16 operands) in exactly that many parts where
-/// cuBLASLt accepts it; `force_bias_pass` (tests) runs split BGradA calls without the epilogue,
-/// the bias gradient from the separate pass.
-void setGemmSplit(GemmSplit mode, int force_splits = 0, bool force_bias_pass = false);
+/// eligible GEMM (fp32 output, epilogue none or BGradA, bf16 operands) in exactly that many
+/// parts where cuBLASLt accepts it.  A split BGradA call runs without the epilogue, its bias
+/// gradient from the separate pass.
+void setGemmSplit(GemmSplit mode, int force_splits = 0);
 GemmSplit gemmSplit();
 /// \brief Whether this build holds CUTLASS's SM90 stream-K weight-gradient kernel.
 bool gemmStreamKCompiled();

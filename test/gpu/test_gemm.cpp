@@ -196,9 +196,9 @@ INSTANTIATE_TEST_SUITE_P(
 // ---- split-K and stream-K (train.gemm_split) ----------------------------------------------
 // Weight-gradient-like shapes (dW = alpha dY^T X + beta dW, K = tokens long against a small
 // output) with K split in a forced number of parts, by the rule, among the autotune's variants
-// and by CUTLASS's stream-K kernel, against a host double reference: K odd and not a multiple of
-// the split count, the bias gradient from the epilogue and from the separate pass, fp32 and bf16
-// outputs (INPLACE and workspace reductions).
+// and by CUTLASS's stream-K kernel, against a host double reference: the bias gradient from the
+// separate pass, fp32 outputs, and a bf16 output, which must run unsplit; K in parts of equal
+// length only (a K that the count does not divide runs unsplit: cuBLASLt left out its remainder).
 
 struct SplitCase {
   const char* name;
@@ -292,28 +292,32 @@ class GemmSplitKTest : public ::testing::TestWithParam<SplitCase> {
 TEST_P(GemmSplitKTest, ForcedSplitsMatchDoubleReference) {
   const SplitCase& c = GetParam();
   int split_runs = 0;
-  for (int splits : {2, 3, 7}) {
-    for (bool bias_pass : {false, true}) {
-      if (bias_pass && c.epilogue != Epilogue::BGradA) continue;
-      setGemmSplit(GemmSplit::SplitK, splits, bias_pass);
-      const SplitResult r = run();
-      const SplitResult again = run();
-      setGemmSplit(GemmSplit::Off);
-      const std::string what = std::string(c.name) + " forced " + std::to_string(splits) +
-                               " splits" + (bias_pass ? " (bias pass)" : "") + ", ran " +
-                               std::to_string(r.info.splits) +
-                               (r.info.bias_pass ? " with the bias pass" : "");
-      expectMatches(r, what);
-      EXPECT_EQ(r.d, again.d) << what << ": two runs differ (the reduction order must be fixed)";
-      EXPECT_EQ(r.bias_grad, again.bias_grad) << what;
-      // cuBLASLt may decline a split count; what it runs is either unsplit or exactly the count.
-      EXPECT_TRUE(r.info.splits == 1 || r.info.splits == splits) << what;
-      if (bias_pass && r.info.splits > 1) {
-        EXPECT_TRUE(r.info.bias_pass) << what;
-      }
-      if (r.info.splits > 1) ++split_runs;
-      std::printf("  %s\n", what.c_str());
+  for (int splits : {2, 3, 4, 5, 7, 8}) {
+    setGemmSplit(GemmSplit::SplitK, splits);
+    const SplitResult r = run();
+    const SplitResult again = run();
+    setGemmSplit(GemmSplit::Off);
+    const std::string what = std::string(c.name) + " forced " + std::to_string(splits) +
+                             " splits, ran " + std::to_string(r.info.splits) +
+                             (r.info.bias_pass ? " with the bias pass" : "");
+    expectMatches(r, what);
+    EXPECT_EQ(r.d, again.d) << what << ": two runs differ (the reduction order must be fixed)";
+    EXPECT_EQ(r.bias_grad, again.bias_grad) << what;
+    // cuBLASLt may decline a split count; what it runs is either unsplit or exactly the count,
+    // and only a count that divides K.
+    EXPECT_TRUE(r.info.splits == 1 || r.info.splits == splits) << what;
+    if (c.k % splits != 0) {
+      EXPECT_EQ(r.info.splits, 1) << what;
     }
+    // A split GEMM writes fp32 and carries no epilogue (gemm.cu, splitEligible).
+    if (c.d_type != DType::F32) {
+      EXPECT_EQ(r.info.splits, 1) << what;
+    }
+    if (c.epilogue == Epilogue::BGradA && r.info.splits > 1) {
+      EXPECT_TRUE(r.info.bias_pass) << what;
+    }
+    if (r.info.splits > 1) ++split_runs;
+    std::printf("  %s\n", what.c_str());
   }
   // The plain fp32 weight-gradient layout is what split-K is for: cuBLASLt must take it.
   if (c.epilogue == Epilogue::None && c.d_type == DType::F32 && c.trans_a) {
@@ -357,13 +361,61 @@ TEST_P(GemmSplitKTest, RuleAndAutotuneMatchDoubleReference) {
 INSTANTIATE_TEST_SUITE_P(
     Shapes, GemmSplitKTest,
     ::testing::Values(
-        // dW (136, 96) += dY^T X over 4099 tokens, bias gradient of dY's columns.
-        SplitCase{"wgrad_bgrad_accumulate", true, 136, 96, 4099, Epilogue::BGradA, DType::F32,
+        // dW (136, 96) += dY^T X over 4104 tokens, bias gradient of dY's columns.
+        SplitCase{"wgrad_bgrad_accumulate", true, 136, 96, 4104, Epilogue::BGradA, DType::F32,
                   1.0f},
-        SplitCase{"wgrad_fp32_write", true, 64, 200, 3001, Epilogue::None, DType::F32, 0.0f},
+        SplitCase{"wgrad_fp32_write", true, 64, 200, 3000, Epilogue::None, DType::F32, 0.0f},
         SplitCase{"wgrad_bf16_accumulate", true, 72, 88, 2051, Epilogue::None, DType::BF16, 1.0f},
         SplitCase{"nn_fp32_accumulate", false, 40, 56, 1040, Epilogue::None, DType::F32, 1.0f}),
     [](const ::testing::TestParamInfo<SplitCase>& info) { return std::string(info.param.name); });
+
+// K around a multiple of 16 (the tokens of a packed micro-batch take any value), every split
+// count: a split runs only where the count divides K, and then gives the unsplit GEMM's D to
+// fp32 rounding (cuBLASLt's 4- and 8-part splits of K = 4099 dropped the last 3 rows).
+TEST(GemmSplitK, EveryCountMatchesUnsplitAcrossK) {
+  const std::int64_t m = 136, n = 96;
+  int split_runs = 0;
+  for (std::int64_t k = 4096; k <= 4105; ++k) {
+    Bf16Tensor a(test::randomNormal(k * m, 5 + k)), b(test::randomNormal(k * n, 6 + k));
+    const std::vector<float> d0 = test::randomNormal(m * n, 7 + k);
+    auto run = [&](GemmSplit mode, int splits, Gemm::PlanInfo& info) {
+      DeviceBuffer<float> d(d0);
+      GemmArgs g;
+      g.trans_a = true;
+      g.m = m;
+      g.n = n;
+      g.k = k;
+      g.a = a.get();
+      g.lda = m;
+      g.b = b.get();
+      g.ldb = n;
+      g.d = d.get();
+      g.ldd = n;
+      g.d_type = DType::F32;
+      g.beta = 1.0f;
+      setGemmSplit(mode, splits);
+      Gemm gemm;
+      info = gemm.planInfo(nullptr, g);
+      gemm.run(nullptr, g);
+      setGemmSplit(GemmSplit::Off);
+      PLM_CHECK_CUDA(cudaDeviceSynchronize());
+      return d.download();
+    };
+    Gemm::PlanInfo info;
+    const std::vector<float> unsplit = run(GemmSplit::Off, 0, info);
+    for (int splits : {2, 3, 4, 5, 6, 8, 12, 16}) {
+      const std::vector<float> d = run(GemmSplit::SplitK, splits, info);
+      const std::string what = "K " + std::to_string(k) + ", " + std::to_string(splits) +
+                               " parts asked, " + std::to_string(info.splits) + " ran";
+      if (k % splits != 0) {
+        EXPECT_EQ(info.splits, 1) << what;
+      }
+      if (info.splits > 1) ++split_runs;
+      EXPECT_LT(test::relError(d, unsplit), 1e-5) << what;
+    }
+  }
+  EXPECT_GT(split_runs, 0) << "cuBLASLt took no split count at any K";
+}
 
 }  // namespace
 }  // namespace plm::gpu
