@@ -177,7 +177,8 @@
 #         layer and op) with its NVTX and kernel summaries (nsys stats, CSV) copied to $OUT.
 #         Each train.profile run's <run_dir>/profile_layers.tsv (GPU ms per layer and kind) is
 #         kept in logs.tgz as profile_layers_<name>.tsv.  PLM_PROFILE_RUNS="650m_det moe2b" runs
-#         only the runs named (650m_det 650m_nondet 650m_plain 650m_nondet_plain 650m_fp8 8m
+#         only the runs named (650m_det 650m_nondet 650m_plain 650m_nondet_plain 650m_fp8
+#         650m_fp8_plain 650m_fp8block_plain 8m
 #         8m_plain 35m 35m_plain moe2b moe2b_plain moe2b_grouped moe2b_loop 650m_16k 650m_16k_plain
 #         3b_bf16 3b_fp8);
 #         PLM_PROFILE_NSYS=0 skips nsys; PLM_PROFILE_EXTRA="--set KEY=VALUE ..." is added to every
@@ -1081,6 +1082,9 @@ if has profile && [[ -x "$pkg/bin/plm" && -f "$pkg/data/train.h5" ]]; then
   prof_run 650m_plain esm2_650m 20 24576 49152 false --set train.precision=bf16
   prof_run 650m_nondet_plain esm2_650m 20 24576 49152 false --set train.precision=bf16 --set train.deterministic=false
   prof_run 650m_fp8 esm2_650m 20 24576 49152 true --set train.precision=fp8
+  prof_run 650m_fp8_plain esm2_650m 20 24576 49152 false --set train.precision=fp8
+  prof_run 650m_fp8block_plain esm2_650m 20 24576 49152 false --set train.precision=fp8 \
+    --set fp8.recipe=block
   prof_run 8m esm2_8m 30 65536 131072 true --set train.precision=bf16
   prof_run 8m_plain esm2_8m 30 65536 131072 false --set train.precision=bf16
   prof_run 35m esm2_35m 30 65536 131072 true --set train.precision=bf16

@@ -239,8 +239,9 @@ std::string tuneKey(const GemmArgs& g, const std::string& device) {
     << ",tb=" << g.trans_b << ",lda=" << g.lda << ",ldb=" << g.ldb << ",ldd=" << g.ldd
     << ",ldc=" << (g.c ? g.ldc : -1) << ",ldaux=" << g.ldaux << ",beta=" << (g.beta != 0.0f)
     << ",a=" << typeName(g.a_type) << ",b=" << typeName(g.b_type) << ",d=" << typeName(g.d_type)
-    << ",epi=" << static_cast<int>(g.epilogue) << ",lt=" << cublasLtGetVersion()
-    << ",dev=" << device;
+    << ",epi=" << static_cast<int>(g.epilogue) << ",as=" << static_cast<int>(g.a_scaling)
+    << ",bs=" << static_cast<int>(g.b_scaling) << ",fast=" << g.fast_accum
+    << ",lt=" << cublasLtGetVersion() << ",dev=" << device;
   return k.str();
 }
 
@@ -1088,13 +1089,11 @@ struct Gemm::Impl {
                   "); check leading dimensions (multiples of 8, 16 for FP8) and the epilogue's "
                   "data types");
     p.algo = result.algo;
-    if (!p.fp8) {
-      Candidate rule;
-      if (tuneState().on)
-        autotune(p, g, stream);
-      else if (splitKState().mode != GemmSplit::Off && ruleChoice(p, g, rule, stream))
-        choose(p, rule);
-    }
+    Candidate rule;
+    if (tuneState().on)
+      autotune(p, g, stream);  // FP8 too: its scale pointers are set; it has no split variants
+    else if (!p.fp8 && splitKState().mode != GemmSplit::Off && ruleChoice(p, g, rule, stream))
+      choose(p, rule);
     return plans.emplace(key, p).first->second;
   }
 
@@ -1173,7 +1172,7 @@ void Gemm::run(Stream stream, const GemmArgs& g) {
 
 Gemm::TuneResult Gemm::tune(Stream stream, const GemmArgs& g) {
   TuneResult r;
-  if (g.m == 0 || g.n == 0 || isFp8(g.a_type) || isFp8(g.b_type)) return r;
+  if (g.m == 0 || g.n == 0) return r;
   Plan& p = impl_member->plan(g, stream);
   const int count = std::max(tuneState().candidates, 1);
   const auto algos = impl_member->tuneCandidates(p, g, count, stream);

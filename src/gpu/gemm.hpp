@@ -96,7 +96,7 @@ class Gemm {
   void run(Stream stream, const GemmArgs& args);
   /// \brief Number of distinct plans built so far (each new shape/epilogue adds one).
   std::size_t numPlans() const;
-  /// \brief The heuristic's first choice and the autotuned choice for `args` (bf16 only), timed
+  /// \brief The heuristic's first choice and the autotuned choice for `args` (bf16 or FP8), timed
   /// now on scratch outputs: ms of each (heuristic, tuned) and the tuned choice's index in the
   /// heuristic's list.  For benchmarks; the plan cache is not touched.
   struct TuneResult {
@@ -141,14 +141,13 @@ class Gemm {
   std::unique_ptr<Impl> impl_member;
 };
 
-/// \brief Process-wide GEMM autotuning (train.gemm_autotune), for the bf16 GEMMs of every Gemm
-/// object created or planned after the call.  On: the first call of each shape asks cuBLASLt's
+/// \brief Process-wide GEMM autotuning (train.gemm_autotune), for the bf16 and FP8 GEMMs of every
+/// Gemm object created or planned after the call.  On: the first call of each shape asks cuBLASLt's
 /// heuristic for up to `candidates` algorithms, times each on scratch outputs (the caller's
 /// results are untouched), and keeps the fastest for every later call of that shape.  Choices
 /// are read from / appended to `cache_file` (empty: memory only), keyed by shape, layouts,
-/// types, epilogue, cuBLASLt version and device; `write_cache` false reads only (ranks other
-/// than 0).  Each call replaces the process's choices by the file's.  FP8 GEMMs keep the
-/// heuristic's first choice.
+/// types, FP8 scaling, epilogue, cuBLASLt version and device; `write_cache` false reads only
+/// (ranks other than 0).  Each call replaces the process's choices by the file's.
 void setGemmAutotune(bool on, const std::string& cache_file = "", bool write_cache = true,
                      int candidates = 8);
 bool gemmAutotune();

@@ -1052,8 +1052,19 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
     m.n = w.cols;
     m.k = dy.cols;
     setFp8(m, dyq, weightCodes(s, w, true));
-    setInputGradientOutput(m, dx, accumulate, epilogue, aux);
+    // cuBLASLt's FP8 GEMM with the dGELU epilogue ran 2.5x slower than the bf16 one on an H200
+    // (1.14-1.18 against 0.42-0.46 ms for 650M's FFN at 24k tokens, every FP8 recipe): the plain
+    // FP8 GEMM, then dGELU in a pass over its bf16 output.
+    const bool dgelu_pass = epilogue == gpu::Epilogue::DGelu && !accumulate && aux &&
+                            aux->ld == aux->cols && dx.ld == dx.cols;
+    setInputGradientOutput(m, dx, accumulate, dgelu_pass ? gpu::Epilogue::None : epilogue,
+                           dgelu_pass ? nullptr : aux);
     runFp8Gemm(ctx, m, dyq);
+    if (dgelu_pass) {
+      gpu::geluTanhBackward(streamOf(ctx), cptr<bf16>(dx), cptr<bf16>(*aux), mptr<bf16>(dx),
+                            dx.rows * dx.cols);
+      ctx.mark(OpKind::Other);
+    }
   }
   if (!fp8_wgrad) {  // high precision: the bf16 GEMM, the bias gradient from its epilogue
     weightGradient(ctx, x, dy, dw, db, dw_beta);

@@ -910,6 +910,20 @@ TEST_P(Fp8Gemm, LinearLayerLayout) {
       EXPECT_EQ(amax_lt, want) << c.name;
     EXPECT_EQ(amax_ref, maxAbs(d_ref, M, N, N)) << c.name;
   }
+
+  // The same GEMM under train.gemm_autotune (memory only): the fastest of cuBLASLt's candidates
+  // that agrees with its first choice, within the same bound of the fp64 product.
+  setGemmAutotune(true);
+  std::vector<float> d_tuned, aux_tuned;
+  float amax_tuned = 0;
+  bool tuned_by_cublas = false;
+  run(false, d_tuned, aux_tuned, amax_tuned, tuned_by_cublas);
+  setGemmAutotune(false);
+  EXPECT_LT(test::relError(d_tuned, host), tol) << c.name << " (autotuned)";
+  if (c.amax_d) {
+    const float want = maxAbs(d_tuned, M, N, N);
+    EXPECT_NEAR(amax_tuned, want, tuned_by_cublas ? want * 8e-3 : 0.0) << c.name << " (autotuned)";
+  }
 }
 
 constexpr DType E4 = DType::E4M3, E5 = DType::E5M2, BF = DType::BF16, F32 = DType::F32;

@@ -167,6 +167,42 @@ INSTANTIATE_TEST_SUITE_P(FusedKernels, LayerNormWidth, ::testing::ValuesIn(layer
                                   (info.param.dy_bf16 ? "_dybf16" : "_dyf32");
                          });
 
+// dx = dy * gelu'(pre): the 16-byte path (aligned, 8 elements a step), an unaligned start and a
+// length that is not a multiple of 8 (one element at a time), and in place (dx = dy, as the FP8
+// dgrad's dGELU pass runs), each against the host in double.
+TEST(FusedKernels, GeluTanhBackwardVectorTailAndInPlace) {
+  const std::int64_t n = 4099;
+  const Bf16Tensor dy(test::randomNormal(n + 1, 41)), pre(test::randomNormal(n + 1, 42, 2.0f));
+  auto want = [&](std::int64_t off, std::int64_t count) {
+    std::vector<double> w(count);
+    for (std::int64_t i = 0; i < count; ++i) {
+      const double x = pre.values[off + i], c = 0.7978845608028654;
+      const double t = std::tanh(c * (x + 0.044715 * x * x * x));
+      w[i] = dy.values[off + i] *
+             (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3.0 * 0.044715 * x * x));
+    }
+    return w;
+  };
+  for (const std::int64_t off : {std::int64_t(0), std::int64_t(1)}) {
+    for (const std::int64_t count : {std::int64_t(4096), n}) {
+      DeviceBuffer<std::uint16_t> dx(n + 1);
+      geluTanhBackward(nullptr, dy.get() + off, pre.get() + off,
+                       reinterpret_cast<bf16*>(dx.get()) + off, count);
+      PLM_CHECK_CUDA(cudaDeviceSynchronize());
+      const std::vector<float> got = test::downloadBf16(dx);
+      const std::vector<float> part(got.begin() + off, got.begin() + off + count);
+      const std::string what = "offset " + std::to_string(off) + ", " + std::to_string(count);
+      EXPECT_LT(test::relError(part, want(off, count)), 4e-3) << what;
+    }
+  }
+  Bf16Tensor inplace(dy.values);  // dx = dy
+  geluTanhBackward(nullptr, inplace.get(), pre.get(), inplace.get(), n);
+  PLM_CHECK_CUDA(cudaDeviceSynchronize());
+  std::vector<float> got = test::downloadBf16(inplace.device);
+  got.resize(n);
+  EXPECT_LT(test::relError(got, want(0, n)), 4e-3) << "in place";
+}
+
 TEST(FusedKernels, RotaryPositionsRestartPerSequenceAndInverseUndoes) {
   std::vector<std::int32_t> cu{0, 1, 300, 317, 1341};
   const std::int64_t tokens = cu.back();
