@@ -233,12 +233,20 @@ std::string tuneSize(std::int64_t x) {
   return "~" + std::to_string((x + step - 1) / step * step);
 }
 
+// A leading dimension in the key: by the same buckets, with its alignment (FP8 operands stored
+// (M, K) or (N, K) have ld = K padded to 16, which changes with every micro-batch as K does; a
+// bucket's choice is checked against each exact call anyway, storedTakes).
+std::string tuneLd(std::int64_t ld) {
+  return tuneSize(ld) + (ld % 16 == 0 ? "" : ld % 8 == 0 ? "/8" : "/u");
+}
+
 std::string tuneKey(const GemmArgs& g, const std::string& device) {
   std::ostringstream k;
   k << "m=" << tuneSize(g.m) << ",n=" << g.n << ",k=" << tuneSize(g.k) << ",ta=" << g.trans_a
-    << ",tb=" << g.trans_b << ",lda=" << g.lda << ",ldb=" << g.ldb << ",ldd=" << g.ldd
-    << ",ldc=" << (g.c ? g.ldc : -1) << ",ldaux=" << g.ldaux << ",beta=" << (g.beta != 0.0f)
-    << ",a=" << typeName(g.a_type) << ",b=" << typeName(g.b_type) << ",d=" << typeName(g.d_type)
+    << ",tb=" << g.trans_b << ",lda=" << tuneLd(g.lda) << ",ldb=" << tuneLd(g.ldb)
+    << ",ldd=" << tuneLd(g.ldd) << ",ldc=" << (g.c ? tuneLd(g.ldc) : "-1")
+    << ",ldaux=" << tuneLd(g.ldaux) << ",beta=" << (g.beta != 0.0f) << ",a=" << typeName(g.a_type)
+    << ",b=" << typeName(g.b_type) << ",d=" << typeName(g.d_type)
     << ",epi=" << static_cast<int>(g.epilogue) << ",as=" << static_cast<int>(g.a_scaling)
     << ",bs=" << static_cast<int>(g.b_scaling) << ",fast=" << g.fast_accum
     << ",lt=" << cublasLtGetVersion() << ",dev=" << device;
@@ -853,6 +861,7 @@ struct Gemm::Impl {
                    Candidate& out) {
     if (c.streamk) return streamKOf(g, stream, out);
     if (c.bias_pass && (g.epilogue != Epilogue::BGradA || !biasPassTakes(g))) return false;
+    if (c.splits > 1 && g.k % c.splits != 0) return false;  // equal parts only (splitEligible)
     const cublasLtMatmulDesc_t desc = c.bias_pass ? plainDesc(p, g) : p.desc;
     cublasLtMatmulHeuristicResult_t check{};
     if (cublasLtMatmulAlgoCheck(handle, desc, p.a, p.b, p.c, p.d, &c.algo, &check) !=
@@ -932,6 +941,9 @@ struct Gemm::Impl {
         if (s.logged.insert(key).second) logChoice(g, it->second, 0, true);
         return;
       }
+      // The bucket's choice splits K in parts this K does not divide into equal ones: the
+      // heuristic's choice for this size rather than a tuning at every new token count.
+      if (it->second.splits > 1 && g.k % it->second.splits != 0) return;
     }
     const auto algos = tuneCandidates(p, g, s.candidates, stream);
     if (algos.empty()) return;
