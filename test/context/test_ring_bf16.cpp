@@ -94,8 +94,9 @@ struct Result {
   HostMat o, lse, dq, dk, dv;
 };
 
-/// Attention of (q | k | v) held fused in one (T, 3h) buffer of `dtype`, forward and backward,
-/// through the ring when `ring` is given, else the one-rank dispatch point.
+/// Attention of (q | k | v), forward and backward, through the ring when `ring` is given, else
+/// the one-rank dispatch point: in bf16 held fused in one (T, 3h) buffer as the model keeps
+/// them, in fp32 as three contiguous (T, h) matrices.
 Result run(model::OpContext& ctx, const HostMat& qkv3, const HostMat& dout, std::int64_t t, int h,
            int heads, DType dtype, const data::MicroBatch& batch, model::RingAttention* ring) {
   const bool b16 = dtype == DType::BF16;
@@ -103,6 +104,7 @@ Result run(model::OpContext& ctx, const HostMat& qkv3, const HostMat& dout, std:
   View2<float> qkv_f, o_f, dout_f, g_f;
   View2<float> lse("plm::test::lse", t, heads), delta("plm::test::delta", t, heads);
   Mat qkv, o, dO, g;
+  model::Qkv in, grads;
   if (b16) {
     qkv_b = bf16View(qkv3, t, 3 * h);
     dout_b = bf16View(dout, t, h);
@@ -112,18 +114,27 @@ Result run(model::OpContext& ctx, const HostMat& qkv3, const HostMat& dout, std:
     o = Mat{o_b.data(), dtype, t, h, h};
     dO = Mat{dout_b.data(), dtype, t, h, h};
     g = Mat{g_b.data(), dtype, t, 3 * h, 3 * h};
+    in = {qkv.columns(0, h), qkv.columns(h, h), qkv.columns(2 * h, h)};
+    grads = {g.columns(0, h), g.columns(h, h), g.columns(2 * h, h)};
   } else {
-    qkv_f = floatView(qkv3, t, 3 * h);
+    // The fp32 model keeps q, k and v apart (only the bf16 compute copy is fused), and the
+    // portable kernels take contiguous matrices: three (t, h) blocks one after the other.
+    HostMat apart(qkv3.size());
+    for (std::int64_t r = 0; r < t; ++r)
+      for (int p = 0; p < 3; ++p)
+        for (int c = 0; c < h; ++c) apart[(p * t + r) * h + c] = qkv3[r * 3 * h + p * h + c];
+    qkv_f = floatView(apart, 3 * t, h);
     dout_f = floatView(dout, t, h);
     o_f = View2<float>("plm::test::o", t, h);
-    g_f = View2<float>("plm::test::dqkv", t, 3 * h);
-    qkv = model::matOf(qkv_f);
+    g_f = View2<float>("plm::test::dqkv", 3 * t, h);
     o = model::matOf(o_f);
     dO = model::matOf(dout_f);
-    g = model::matOf(g_f);
+    auto part = [&](const View2<float>& v, int p) {
+      return Mat{v.data() + p * t * h, DType::F32, t, h, h};
+    };
+    in = {part(qkv_f, 0), part(qkv_f, 1), part(qkv_f, 2)};
+    grads = {part(g_f, 0), part(g_f, 1), part(g_f, 2)};
   }
-  const model::Qkv in{qkv.columns(0, h), qkv.columns(h, h), qkv.columns(2 * h, h)};
-  const model::Qkv grads{g.columns(0, h), g.columns(h, h), g.columns(2 * h, h)};
   model::DeviceBatch b;
   b.tokens = t;
   b.num_seqs = batch.numSequences();
@@ -140,9 +151,9 @@ Result run(model::OpContext& ctx, const HostMat& qkv3, const HostMat& dout, std:
   Result r;
   r.o = columns(o, 0, h);
   r.lse = columns(model::matOf(lse), 0, heads);
-  r.dq = columns(g, 0, h);
-  r.dk = columns(g, h, h);
-  r.dv = columns(g, 2 * h, h);
+  r.dq = b16 ? columns(g, 0, h) : columns(grads.q, 0, h);
+  r.dk = b16 ? columns(g, h, h) : columns(grads.k, 0, h);
+  r.dv = b16 ? columns(g, 2 * h, h) : columns(grads.v, 0, h);
   return r;
 }
 
