@@ -103,6 +103,12 @@ int runPlan(const Argv& argv) {
     sets.push_back("parallel.context_degree=" + std::to_string(integer(args, "context", 1)));
   if (args.has("expert"))
     sets.push_back("parallel.expert_degree=" + std::to_string(integer(args, "expert", 1)));
+  // --precision as the deck key, so that the fp8 section (recipe, format, wgrad) is read under
+  // it as under train.precision; checked first for its own message.
+  if (args.has("precision")) {
+    plan::parseCompute(args.get("precision"));
+    sets.push_back("train.precision=" + args.get("precision"));
+  }
   auto deck = deck::load(args.positional()[0], sets);
   plan::Rates rates = plan::builtinRates(args.get("gpu", "h100"));
   if (args.has("rates")) rates = plan::readRates(args.get("rates"), rates);
@@ -124,7 +130,6 @@ int runPlan(const Argv& argv) {
   }
   const plan::Layout layout = plan::layoutFromDeck(*deck, ranks_per_node, nodes);
   plan::Input in = plan::inputFromDeck(*deck, layout, rates);
-  if (args.has("precision")) in.compute = plan::parseCompute(args.get("precision"));
   in.mean_seqlen = number(args, "seqlen", in.mean_seqlen, 1);
   in.moe_load = number(args, "moe-load", 0, 1);
   const plan::Plan p = plan::makePlan(in);

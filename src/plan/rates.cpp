@@ -24,8 +24,9 @@ namespace {
 // rate, taken at 45 GB/s of NCCL bus bandwidth per rank (not measured here: no multi-node
 // machine; `--inter-node-gbps` or a rates file replaces it).  FP8: the measured 8192^3 FP8
 // ceiling (cuBLASLt E4M3 -> bf16, 1454 TFLOP/s, doc/anchors.md) as the asymptote, and the H200
-// fit's half-rate K and block asymptote (same SMs and clocks); the casts at the H200's rates x
-// 3.35/4.8 (HBM3).
+// fit's half-rate K (3d5a9dc, FP8 dgrad without the dGELU epilogue) and block asymptote (same
+// SMs and clocks); the casts at the H200's rates x 3.35/4.8 (HBM3).  The attention and
+// LayerNorm rates are the 2492b5c fit's: the faster kernels since are not measured on an H100.
 const char* kH100 = R"({
   "kind": "h100",
   "source": "fitted to doc/performance.md (H100, plm bf16, commit 2492b5c): 650M kernel split and 8M step",
@@ -36,7 +37,7 @@ const char* kH100 = R"({
   "gemm_tflops_fp8": 1454,
   "gemm_tflops_fp8_block": 1180,
   "gemm_half_k": 402,
-  "gemm_half_k_fp8": 870,
+  "gemm_half_k_fp8": 380,
   "attention_tflops": 162,
   "attention_half_head_dim": 29.5,
   "layernorm_gbps": 1410,
@@ -52,17 +53,18 @@ const char* kH100 = R"({
 })";
 
 // H200 (141 GB HBM3e, 4.8 TB/s): the H100's compute rates (same SMs and clocks) and the H100's
-// memory-bound rates scaled by the HBM bandwidth ratio 4.8 / 3.35, except those fitted to
-// bench_gpu_train on one H200 at 4bf21f5 (doc/plan.md, "Prediction against measurement"): FP8
-// GEMMs 884 TFLOP/s at k = 1280 (650M) and 1040-1090 at k = 2560 (3B) give gemm_half_k_fp8
-// 870 under the 1454 asymptote; block scaling's GEMMs are 1.23x slower at the same shapes; the
-// casts of doc/fp8.md's byte count ran at 2.2-2.6 TB/s per-tensor and 1.7-1.9 TB/s block; the
-// part of the step outside forward + backward (AdamW, gradient norm, zeroing) is 36 bytes per
-// parameter at 2.75 TB/s on both models, not the scaled 3.72.  Links as the H100's (NVLink 4;
-// one 400 Gb/s NDR port per GPU between nodes).
+// memory-bound rates scaled by the HBM bandwidth ratio 4.8 / 3.35, except those fitted on one
+// H200: the FP8 cast rates and the part of the step outside forward + backward (AdamW, gradient
+// norm, zeroing: 36 bytes per parameter at 2.75 TB/s) to bench_gpu_train at 4bf21f5; FP8 GEMMs
+// (gemm_half_k_fp8 380 under the 1454 asymptote: 1124 TFLOP/s at k = 1280, 1266 at 2560; block
+// scaling's 1.23x slower), attention (190 TFLOP/s d/(d + 20): cuDNN at d = 64 and the own flash
+// kernels at 16 and 24) and LayerNorm (2.9 TB/s) to `plm train` at 3d5a9dc (doc/plan.md,
+// "Prediction against measurement": 650M bf16, FP8 delayed and block, 3B bf16 and FP8, 8M, 35M
+// within -5% to +6% of their median tokens/s).  Links as the H100's (NVLink 4; one 400 Gb/s NDR
+// port per GPU between nodes).
 const char* kH200 = R"({
   "kind": "h200",
-  "source": "H100 table with memory-bound rates x 4.8/3.35 (HBM3e); FP8 and optimizer rates fitted to bench_gpu_train on one H200 at commit 4bf21f5",
+  "source": "H100 table with memory-bound rates x 4.8/3.35 (HBM3e); FP8 cast and optimizer rates fitted to bench_gpu_train on one H200 at commit 4bf21f5; FP8 GEMM, attention and LayerNorm rates to plm train at 3d5a9dc",
   "memory_gib": 139.8,
   "reserved_gib": 0.55,
   "gemm_tflops_fp32": 0.25,
@@ -70,10 +72,10 @@ const char* kH200 = R"({
   "gemm_tflops_fp8": 1454,
   "gemm_tflops_fp8_block": 1180,
   "gemm_half_k": 402,
-  "gemm_half_k_fp8": 870,
-  "attention_tflops": 170,
-  "attention_half_head_dim": 29.5,
-  "layernorm_gbps": 2020,
+  "gemm_half_k_fp8": 380,
+  "attention_tflops": 190,
+  "attention_half_head_dim": 20,
+  "layernorm_gbps": 2900,
   "elementwise_gbps": 3300,
   "fp8_cast_gbps": 2400,
   "fp8_block_cast_gbps": 1800,
