@@ -733,6 +733,10 @@ void checkParams(const FlashParams& p) {
     throw Error("plm::gpu::flashAttention: head_dim " + std::to_string(p.head_dim) +
                 " is not supported on the GPU (a multiple of 8 up to 128); use the portable "
                 "attention path for this model");
+  // The small-head_dim forward takes the row maximum of the unscaled scores.
+  if (!(p.softmax_scale > 0.0f) || !std::isfinite(p.softmax_scale))
+    throw Error("plm::gpu::flashAttention: softmax_scale " + std::to_string(p.softmax_scale) +
+                " must be positive and finite (a bug in the caller)");
 }
 
 /// p with the key layout filled in (the query layout when none is given).

@@ -151,12 +151,20 @@ struct Plan {
   bool amax_by_pass = false;
 };
 
-// cuBLASLt's A is our B: its scales are our B's.
+// FP8 plans: the heuristic otherwise assumes 256-byte aligned operands and may choose a kernel
+// that refuses (CUBLAS_STATUS_NOT_SUPPORTED) the model's operands at launch: activations and
+// outputs are slices of workspaces, aligned to 16 bytes (FP8's requirement), not 256.
+void askFp8Alignment(cublasLtMatmulPreference_t pref) {
+  const std::uint32_t align = 16;
+  for (auto attr :
+       {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
+        CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
+    PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
+}
+
 // A split-K kernel of the heuristic whose reduction runs in the output type would sum partial
 // products rounded to bf16, so outputs other than fp32 keep their partial sums in the compute
-// type (fp32) or in place.  This was not the cause of test_gpu_gemm's wgrad_bf16_accumulate
-// gap (4% off the double reference at K = 2051 with a bf16 D, the same with and without this
-// preference on an H200, 2026-11-29); that case is open (doc/gpu.md).
+// type (fp32) or in place.
 void keepPartialSumsInFp32(cublasLtMatmulPreference_t pref, cublasLtMatrixLayout_t d) {
   std::uint32_t type = 0;
   std::size_t written = 0;
@@ -169,6 +177,7 @@ void keepPartialSumsInFp32(cublasLtMatmulPreference_t pref, cublasLtMatrixLayout
       pref, CUBLASLT_MATMUL_PREF_REDUCTION_SCHEME_MASK, &mask, sizeof(mask)));
 }
 
+// cuBLASLt's A is our B: its scales are our B's.
 void setScalePointers(Plan& p, const GemmArgs& g) {
   PLM_CHECK_CUBLAS(cublasLtMatmulDescSetAttribute(p.desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER,
                                                   &g.b_scale_inv, sizeof(g.b_scale_inv)));
@@ -638,6 +647,7 @@ struct Gemm::Impl {
     PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
     keepPartialSumsInFp32(pref, p.d);
+    if (p.fp8) askFp8Alignment(pref);  // the autotune's candidates take the plan's operands too
     std::vector<cublasLtMatmulHeuristicResult_t> results(std::max(count, 1));
     int found = 0;
     cublasStatus_t status =
@@ -838,6 +848,9 @@ struct Gemm::Impl {
     std::vector<double> ms(algos.size(), -1.0);
     const int reps = 5;
     for (std::size_t i = 0; i < algos.size(); ++i) {
+      // Equal parts only (splitEligible), the heuristic's own split candidates included; the
+      // first stays the reference.
+      if (i > 0 && algos[i].splits > 1 && g.k % algos[i].splits != 0) continue;
       if (launch(p, t, algos[i], stream) != CUBLAS_STATUS_SUCCESS) continue;
       PLM_CHECK_CUDA(cudaEventRecord(start, stream));
       bool ok = true;
@@ -1066,16 +1079,7 @@ struct Gemm::Impl {
     PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(
         pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace_bytes, sizeof(workspace_bytes)));
     keepPartialSumsInFp32(pref, p.d);
-    if (p.fp8) {
-      // The heuristic otherwise assumes 256-byte aligned operands and may choose a kernel that
-      // refuses (CUBLAS_STATUS_NOT_SUPPORTED) the model's operands at launch: activations and
-      // outputs are slices of workspaces, aligned to 16 bytes (FP8's requirement), not 256.
-      const std::uint32_t align = 16;
-      for (auto attr :
-           {CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES,
-            CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES})
-        PLM_CHECK_CUBLAS(cublasLtMatmulPreferenceSetAttribute(pref, attr, &align, sizeof(align)));
-    }
+    if (p.fp8) askFp8Alignment(pref);
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(handle, p.desc, p.a, p.b, p.c, p.d, pref,

@@ -1057,6 +1057,8 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
     // FP8 GEMM, then dGELU in a pass over its bf16 output.
     const bool dgelu_pass = epilogue == gpu::Epilogue::DGelu && !accumulate && aux &&
                             aux->ld == aux->cols && dx.ld == dx.cols;
+    PLM_REQUIRE(!dgelu_pass || (aux->rows == dx.rows && aux->cols == dx.cols),
+                "plm::model: the dGELU pre-activation's shape is not dX's (a bug in the layout)");
     setInputGradientOutput(m, dx, accumulate, dgelu_pass ? gpu::Epilogue::None : epilogue,
                            dgelu_pass ? nullptr : aux);
     runFp8Gemm(ctx, m, dyq);
