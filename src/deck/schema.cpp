@@ -256,13 +256,14 @@ const std::vector<KeySpec>& keys() {
        "little speed; GPU runs only.",
        any(), {}},
       {"train", "gemm_autotune", K::boolean, "false",
-       "Time up to 8 of cuBLASLt's candidate algorithms for each bf16 GEMM shape on its first "
-       "call (on scratch outputs; token counts by size bucket, so packed batches are tuned "
-       "once) and keep the fastest that agrees with cuBLASLt's first choice; choices are logged "
-       "(\"gemm autotune:\" lines) and kept in <run_dir>/gemm_autotune.txt, read by the next run "
-       "in that directory so it skips the timing. Off by default: timing noise can pick a "
-       "different algorithm in a fresh run directory, so two such runs need not agree bit for "
-       "bit. GPU runs only.",
+       "Time up to 8 of cuBLASLt's candidate algorithms for each bf16 and FP8 GEMM shape on its "
+       "first call (on scratch outputs; token counts by size bucket, so packed batches are "
+       "tuned once) and keep the fastest that agrees with cuBLASLt's first choice; choices are "
+       "logged (\"gemm autotune:\" lines) and kept in <run_dir>/gemm_autotune.txt, read by the "
+       "next run in that directory so it skips the timing. Off by default: timing noise can "
+       "pick a different algorithm in a fresh run directory, so two such runs need not agree "
+       "bit for bit. Measured on one H200 (doc/performance.md): 650M bf16 1.008x, FP8 1.006x, "
+       "8M 1.027x, 35M 1.003x the untuned run (18-24 tunings in 20-30 steps). GPU runs only.",
        any(), {}},
       {"train", "gemm_split", K::text, "streamk",
        "How the bf16 GEMMs whose output has too few tiles to keep every SM busy (the weight "
