@@ -112,10 +112,13 @@ __device__ __forceinline__ void accToA(std::uint32_t (&a)[4], const float (&acc)
 }
 
 // acc (a warp's 16 x N accumulator tiles) += A (16 x K, accumulator tiles p rounded to bf16)
-// times the K x N tile stored [k][n] at `tile` (leading dimension ld).
-template <int K, int N>
+// times the K x N tile stored [k][n] at `tile` (leading dimension ld).  ROWSUM: also
+// rowsum += A times a column of ones (every column of the tile then holds A's row sums).
+template <int K, int N, bool ROWSUM = false>
 __device__ __forceinline__ void mmaAccTimesTile(float (&acc)[N / 8][4], const float (&p)[K / 8][4],
-                                                const bfloat* tile, int ld, int lane) {
+                                                const bfloat* tile, int ld, int lane,
+                                                float (*rowsum)[4] = nullptr) {
+  constexpr std::uint32_t kOnes = 0x3F803F80u;  // two bf16 1.0
 #pragma unroll
   for (int c = 0; c < K / 16; ++c) {
     std::uint32_t a[4];
@@ -127,6 +130,7 @@ __device__ __forceinline__ void mmaAccTimesTile(float (&acc)[N / 8][4], const fl
       mma(acc[2 * np], a, b[0], b[1]);
       mma(acc[2 * np + 1], a, b[2], b[3]);
     }
+    if constexpr (ROWSUM) mma(*rowsum, a, kOnes, kOnes);
   }
 }
 
@@ -365,24 +369,7 @@ template <int D, int BN, bool FAST> __global__ void __launch_bounds__(128, FAST&
       o[nt][2] *= corr[1];
       o[nt][3] *= corr[1];
     }
-    if constexpr (FAST) {
-      constexpr std::uint32_t kOnes = 0x3F803F80u;  // two bf16 1.0
-#pragma unroll
-      for (int c = 0; c < BN / 16; ++c) {  // O += P V, and the row sums of P in every column
-        std::uint32_t a[4];
-        accToA<BN / 8>(a, s, c);
-#pragma unroll
-        for (int np = 0; np < D / 16; ++np) {
-          std::uint32_t b[4];
-          loadBkn(b, vb, LD, c * 16, np * 16, lane);
-          mma(o[2 * np], a, b[0], b[1]);
-          mma(o[2 * np + 1], a, b[2], b[3]);
-        }
-        mma(lsum, a, kOnes, kOnes);
-      }
-    } else {
-      mmaAccTimesTile<BN, D>(o, s, vb, LD, lane);  // O += P V
-    }
+    mmaAccTimesTile<BN, D, FAST>(o, s, vb, LD, lane, &lsum);  // O += P V (and P's row sums)
     __syncthreads();
   }
 
@@ -667,6 +654,8 @@ template <int D, int BN> __global__ void __launch_bounds__(128)
     const bfloat* kb = ks + buf * BN * LD;
     const bfloat* vb = vs + buf * BN * LD;
 
+    // S and dP interleaved (rather than mmaRowsTimesTileT twice: ptxas then took 106 registers
+    // against 61 at head_dim 16).
     float s[BN / 8][4], dp[BN / 8][4];
 #pragma unroll
     for (int kc = 0; kc < D / 16; ++kc) {

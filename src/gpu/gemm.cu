@@ -374,6 +374,9 @@ bool splitEligible(const GemmArgs& g) {
          (g.epilogue == Epilogue::None || g.epilogue == Epilogue::BGradA) && g.k >= 2;
 }
 
+// K in `splits` parts of equal length (splitEligible's rule; 1 part always).
+bool equalParts(const GemmArgs& g, int splits) { return splits <= 1 || g.k % splits == 0; }
+
 int smCount() {
   int device = 0, sms = 0;
   if (cudaGetDevice(&device) != cudaSuccess ||
@@ -696,7 +699,7 @@ struct Gemm::Impl {
   // workspace, summed by a separate kernel).  False when the algorithm cannot split, refuses
   // both, or needs more workspace than there is.
   bool withSplits(const Plan& p, const GemmArgs& g, Candidate& c, int splits) {
-    if (g.k % splits != 0) return false;  // equal parts only (splitEligible)
+    if (!equalParts(g, splits)) return false;
     std::int32_t support = 0;
     std::uint32_t mask = 0;
     std::size_t written = 0;
@@ -848,9 +851,9 @@ struct Gemm::Impl {
     std::vector<double> ms(algos.size(), -1.0);
     const int reps = 5;
     for (std::size_t i = 0; i < algos.size(); ++i) {
-      // Equal parts only (splitEligible), the heuristic's own split candidates included; the
-      // first stays the reference.
-      if (i > 0 && algos[i].splits > 1 && g.k % algos[i].splits != 0) continue;
+      // Equal parts only, the heuristic's own split candidates included; the first stays the
+      // reference.
+      if (i > 0 && !equalParts(g, algos[i].splits)) continue;
       if (launch(p, t, algos[i], stream) != CUBLAS_STATUS_SUCCESS) continue;
       PLM_CHECK_CUDA(cudaEventRecord(start, stream));
       bool ok = true;
@@ -874,7 +877,7 @@ struct Gemm::Impl {
                    Candidate& out) {
     if (c.streamk) return streamKOf(g, stream, out);
     if (c.bias_pass && (g.epilogue != Epilogue::BGradA || !biasPassTakes(g))) return false;
-    if (c.splits > 1 && g.k % c.splits != 0) return false;  // equal parts only (splitEligible)
+    if (!equalParts(g, c.splits)) return false;
     const cublasLtMatmulDesc_t desc = c.bias_pass ? plainDesc(p, g) : p.desc;
     cublasLtMatmulHeuristicResult_t check{};
     if (cublasLtMatmulAlgoCheck(handle, desc, p.a, p.b, p.c, p.d, &c.algo, &check) !=
@@ -956,7 +959,7 @@ struct Gemm::Impl {
       }
       // The bucket's choice splits K in parts this K does not divide into equal ones: the
       // heuristic's choice for this size rather than a tuning at every new token count.
-      if (it->second.splits > 1 && g.k % it->second.splits != 0) return;
+      if (!equalParts(g, it->second.splits)) return;
     }
     const auto algos = tuneCandidates(p, g, s.candidates, stream);
     if (algos.empty()) return;

@@ -1062,11 +1062,7 @@ void fp8BackwardCuda(OpContext& ctx, const Mat& x, const Mat& w, const Mat& dy, 
     setInputGradientOutput(m, dx, accumulate, dgelu_pass ? gpu::Epilogue::None : epilogue,
                            dgelu_pass ? nullptr : aux);
     runFp8Gemm(ctx, m, dyq);
-    if (dgelu_pass) {
-      gpu::geluTanhBackward(streamOf(ctx), cptr<bf16>(dx), cptr<bf16>(*aux), mptr<bf16>(dx),
-                            dx.rows * dx.cols);
-      ctx.mark(OpKind::Other);
-    }
+    if (dgelu_pass) geluBackward(ctx, *aux, dx, dx);
   }
   if (!fp8_wgrad) {  // high precision: the bf16 GEMM, the bias gradient from its epilogue
     weightGradient(ctx, x, dy, dw, db, dw_beta);
